@@ -1,0 +1,1 @@
+"""Triton kernels of mhakern (installed as mhakern.kernels)."""
