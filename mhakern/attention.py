@@ -67,12 +67,12 @@ def check_inputs(
         raise ValueError(f"q, k, v: must be on one device, got q on {q.device}, k on {k.device}, v on {v.device}")
     B, H, Lq, D = q.shape
     Bk, Hkv, Lk, Dk = k.shape
+    if Bk != B:
+        raise ValueError(f"k: batch size {Bk} does not match q's batch size {B}")
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(
             f"k, v: (batch, kv heads, length) must match, got k {tuple(k.shape)} and v {tuple(v.shape)}"
         )
-    if Bk != B:
-        raise ValueError(f"k: batch size {Bk} does not match q's batch size {B}")
     if Dk != D:
         raise ValueError(f"k: head dim {Dk} does not match q's head dim {D}")
     if Hkv == 0 or H % Hkv != 0:
