@@ -50,7 +50,9 @@ def make_inputs(
     return mk(H, Lq, D), mk(Hkv, Lk, D), mk(Hkv, Lk, Dv)
 
 
-def rule_check(name: str, got: torch.Tensor, ref64: torch.Tensor, math_T: torch.Tensor, dtype, factor: float) -> None:
+def rule_check(
+    name: str, got: torch.Tensor, ref64: torch.Tensor, math_T: torch.Tensor, dtype, factor: float, extra: float = 0.0
+) -> None:
     """Assert the tolerance rule; the failure message names the worst index and both errors."""
     got64 = got.detach().to(torch.float64).cpu()
     ref64 = ref64.detach().to(torch.float64).cpu()
@@ -61,14 +63,25 @@ def rule_check(name: str, got: torch.Tensor, ref64: torch.Tensor, math_T: torch.
         return
     err = (got64 - ref64).abs()
     math_err = (math64 - ref64).abs().max().item()
-    bound = factor * math_err + ATOL[dtype]
+    bound = factor * math_err + ATOL[dtype] + extra
     worst = err.max().item()
     if worst > bound:
         idx = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
         raise AssertionError(
             f"{name}: max error {worst:.3e} at {idx} exceeds {factor} x torch-math error {math_err:.3e} "
-            f"+ atol {ATOL[dtype]:.0e} = {bound:.3e} (kernel {got64[idx].item():.6g}, reference {ref64[idx].item():.6g})"
+            f"+ atol {ATOL[dtype]:.0e} (+ {extra:.1e}) = {bound:.3e} (kernel {got64[idx].item():.6g}, reference {ref64[idx].item():.6g})"
         )
+
+
+def _max_visible_logit(q64, k64, scale, causal, kl) -> float:
+    """max |q . k| * |scale| over visible (query, key) pairs, in float64."""
+    H, Hkv, D = q64.shape[1], k64.shape[1], q64.shape[-1]
+    scale = D ** -0.5 if scale is None else scale
+    s = torch.matmul(q64, k64.repeat_interleave(H // Hkv, dim=1).transpose(-1, -2)).abs() * abs(scale)
+    mask = reference.visible_mask(q64.shape[2], k64.shape[2], causal, kl, q64.device)
+    if mask is not None:
+        s = s.masked_fill(~mask, 0.0)
+    return s.max().item() if s.numel() else 0.0
 
 
 def check_against_reference(
@@ -81,9 +94,18 @@ def check_against_reference(
     scale: Optional[float] = None,
     grads: bool = True,
     seed: int = 1,
+    large_logits: bool = False,
 ) -> None:
     """Run ``fn(q, k, v, causal=..., key_lengths=..., scale=..., return_lse=True)`` and check
     out, lse and (with ``grads``) dq, dk, dv against the float64 reference by the rule.
+
+    ``large_logits`` widens the gradient bound by the error that one rounding of the largest
+    logit brings into every probability a backward recomputes from lse:
+    8 * u_T * max|s| * max|grad| (u_T the unit roundoff of T). With logits in the thousands in
+    fp32 that rounding dominates; the naive math escapes it only because its forward and
+    backward share one score matrix (autograd's softmax backward even cancels exactly on
+    saturated rows), which no tiled kernel that recomputes scores can reproduce. Outputs and
+    lse keep the plain rule.
     """
     dtype = q.dtype
     out, lse = fn(q, k, v, causal=causal, key_lengths=key_lengths, scale=scale, return_lse=True)
@@ -116,9 +138,13 @@ def check_against_reference(
     out.backward(dout.to(device=out.device, dtype=dtype))
     ref.backward(dout)
     math_out.backward(dout.to(dtype))
-    for name, x, x64, xT in (("dq", q, q64, qT), ("dk", k, k64, kT), ("dv", v, v64, vT)):
+    math_grads = [qT.grad, kT.grad, vT.grad]
+    extra = 0.0
+    if large_logits:
+        extra = 8 * torch.finfo(dtype).eps / 2 * _max_visible_logit(q64.detach(), k64.detach(), scale, causal, kl)
+    for name, x, x64, gT in zip(("dq", "dk", "dv"), (q, k, v), (q64, k64, v64), math_grads):
         assert x.grad is not None, f"{name}: no gradient reached the input"
-        rule_check(name, x.grad, x64.grad, xT.grad, dtype, 3.0)
+        rule_check(name, x.grad, x64.grad, gT, dtype, 3.0, extra * x64.grad.abs().max().item())
 
 
 # Hard cases every backend's suite runs: (B, H, Hkv, Lq, Lk, D, Dv, causal, key_lengths).

@@ -1,0 +1,327 @@
+"""Fused attention backward in Triton: delta preprocessing, then dK/dV and dQ kernels.
+
+Probabilities are recomputed from the forward's lse (``p = exp(s - lse)``), never stored.
+``delta = rowsum(dout * out)`` is computed first. No atomics anywhere, so every run gives
+bit-identical gradients:
+
+* dK/dV: one program per (key block, KV head, batch element) keeps its keys and values
+  resident and streams the query rows of *all* query heads sharing that KV head past them,
+  so the sum over the group happens in registers, in a fixed order.
+* dQ: one program per query row tile (the forward's tiling, decode packing included) streams
+  the keys.
+
+Masked rows and keys follow the forward exactly; a row that saw no key has lse = -inf, which
+is read as +inf so its probabilities, and so all its gradients, are 0.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_fwd import _key_range, _tile_rows, launch_geometry, precision
+from .heuristics import dkdv_config, dq_config, head_block, next_pow2, packed_rows
+
+
+@triton.jit
+def _bwd_delta_kernel(
+    O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_db, stride_dh, stride_dm, H, Lq,
+    DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask = (offs_m[:, None] < Lq) & (offs_dv[None, :] < DV)
+    rows = offs_m[:, None].to(tl.int64)
+    o = tl.load(O + b * stride_ob + h * stride_oh + rows * stride_om + offs_dv[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b * stride_db + h * stride_dh + rows * stride_dm + offs_dv[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + (b * H + h) * Lq + offs_m, delta, mask=offs_m < Lq)
+
+
+@triton.jit
+def _load_lse(LSE, idx, mask):
+    """lse (natural log); -inf (row saw no key) becomes +inf so that exp(s - lse) is 0.
+
+    The backward works in natural units, unlike the forward's base 2: lse is stored in natural
+    log, and converting a large lse (large logits) to base 2 would add a rounding of up to an
+    ulp of |lse| * log2(e) to every recomputed probability.
+    """
+    lse = tl.load(LSE + idx, mask=mask, other=0.0)
+    return tl.where(lse == float("-inf"), float("inf"), lse)
+
+
+@triton.jit
+def _dkdv_rows(
+    dk, dv, k, v, Q, DO, LSE, DELTA, q_base_b, do_base_b, head0, rows_total,
+    stride_qh, stride_qm, stride_dh, stride_dm, offs_n, lk_b, H, Lq, b, sm_scale, start, stop,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+):
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_m in range(start, stop, BLOCK_M):
+        r = start_m + tl.arange(0, BLOCK_M)
+        row_ok = r < rows_total
+        hh = (head0 + r // Lq).to(tl.int64)
+        i = r % Lq
+        q = tl.load(
+            Q + q_base_b + hh[:, None] * stride_qh + i[:, None].to(tl.int64) * stride_qm + offs_d[None, :],
+            mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0,
+        )
+        do = tl.load(
+            DO + do_base_b + hh[:, None] * stride_dh + i[:, None].to(tl.int64) * stride_dm + offs_dv[None, :],
+            mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
+        )
+        row_idx = (b * H + hh) * Lq + i
+        lse = _load_lse(LSE, row_idx, row_ok)
+        delta = tl.load(DELTA + row_idx, mask=row_ok, other=0.0)
+        # Transposed scores (keys x rows): keeps dK and dV as (BLOCK_N, D) accumulators.
+        s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * sm_scale
+        if MASKED:
+            # Hidden pairs get -inf before exp: a hidden logit far above lse would overflow.
+            vis = (offs_n[:, None] < lk_b) & row_ok[None, :]
+            if CAUSAL:
+                vis = vis & (offs_n[:, None] <= (i + lk_b - Lq)[None, :])
+            s_t = tl.where(vis, s_t, float("-inf"))
+        p_t = tl.exp(s_t - lse[None, :])
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV_, KL,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_db, stride_dh, stride_dm,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    H, Lq, Lk, n_rep, heads_per_prog, sm_scale,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    kvh = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    if HAS_KL:
+        lk_b = tl.load(KL + b)
+    else:
+        lk_b = Lk
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    key_in = offs_n < Lk
+    k = tl.load(
+        K + b * stride_kb + kvh * stride_kh + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
+        mask=key_in[:, None] & (offs_d[None, :] < D), other=0.0,
+    )
+    v = tl.load(
+        V + b * stride_vb + kvh * stride_vh + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :],
+        mask=key_in[:, None] & (offs_dv[None, :] < DV), other=0.0,
+    )
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    rows_total = heads_per_prog * Lq
+    block_full = n0 + BLOCK_N <= lk_b
+    # Rows [m_lo, m_full) need the mask, rows [m_full, rows_total) see every key of this block.
+    if CAUSAL:
+        if heads_per_prog == 1:
+            i_first = tl.maximum(n0 - lk_b + Lq, 0)
+            m_lo = (i_first // BLOCK_M) * BLOCK_M
+            i_all = n0 + BLOCK_N - 1 - lk_b + Lq
+            m_full = tl.maximum(((tl.maximum(i_all, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, m_lo)
+        else:
+            m_lo = 0
+            m_full = rows_total
+    else:
+        m_lo = 0
+        m_full = 0
+    m_full = tl.where(block_full, m_full, rows_total)
+    m_full = tl.minimum(m_full, rows_total)
+    n_chunks = n_rep // heads_per_prog
+    for c in range(0, n_chunks):
+        head0 = kvh * n_rep + c * heads_per_prog
+        dk, dv = _dkdv_rows(
+            dk, dv, k, v, Q, DO, LSE, DELTA, b * stride_qb, b * stride_db, head0, rows_total,
+            stride_qh, stride_qm, stride_dh, stride_dm, offs_n, lk_b, H, Lq, b, sm_scale, m_lo, m_full,
+            D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL, PREC,
+        )
+        dk, dv = _dkdv_rows(
+            dk, dv, k, v, Q, DO, LSE, DELTA, b * stride_qb, b * stride_db, head0, rows_total,
+            stride_qh, stride_qm, stride_dh, stride_dm, offs_n, lk_b, H, Lq, b, sm_scale, m_full, rows_total,
+            D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, CAUSAL, PREC,
+        )
+    dk = dk * sm_scale
+    tl.store(
+        DK + b * stride_dkb + kvh * stride_dkh + offs_n[:, None].to(tl.int64) * stride_dkn + offs_d[None, :],
+        dk.to(DK.dtype.element_ty), mask=key_in[:, None] & (offs_d[None, :] < D),
+    )
+    tl.store(
+        DV_ + b * stride_dvb + kvh * stride_dvh + offs_n[:, None].to(tl.int64) * stride_dvn + offs_dv[None, :],
+        dv.to(DV_.dtype.element_ty), mask=key_in[:, None] & (offs_dv[None, :] < DV),
+    )
+
+
+@triton.jit
+def _dq_inner(
+    dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start, stop, kmax, lk_b, sm_scale,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr,
+):
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(start, stop, BLOCK_N):
+        offs_n = start_n + offs_n0
+        if MASKED:
+            key_ok = offs_n < lk_b
+        else:
+            key_ok = offs_n0 < BLOCK_N
+        k = tl.load(
+            k_base + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
+            mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0,
+        )
+        v = tl.load(
+            v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :],
+            mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale
+        if MASKED:
+            vis = key_ok[None, :] & (offs_n[None, :] <= kmax[:, None])
+            s = tl.where(vis, s, float("-inf"))
+        p = tl.exp(s - lse[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, KL,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_db, stride_dh, stride_dm,
+    stride_dqb, stride_dqh, stride_dqm,
+    H, Lq, Lk, n_rep, heads_per_prog, sm_scale,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    head0 = pid_h * heads_per_prog
+    kvh = head0 // n_rep
+    rows_total = heads_per_prog * Lq
+    r, i_lo, i_hi = _tile_rows(pid_m, Lq, rows_total, BLOCK_M)
+    row_ok = r < rows_total
+    hh = (head0 + r // Lq).to(tl.int64)
+    i = r % Lq
+    if HAS_KL:
+        lk_b = tl.load(KL + b)
+    else:
+        lk_b = Lk
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = i[:, None].to(tl.int64)
+    q = tl.load(
+        Q + b * stride_qb + hh[:, None] * stride_qh + rows * stride_qm + offs_d[None, :],
+        mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0,
+    )
+    do = tl.load(
+        DO + b * stride_db + hh[:, None] * stride_dh + rows * stride_dm + offs_dv[None, :],
+        mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
+    )
+    row_idx = (b * H + hh) * Lq + i
+    lse = _load_lse(LSE, row_idx, row_ok)
+    delta = tl.load(DELTA + row_idx, mask=row_ok, other=0.0)
+    if CAUSAL:
+        kmax = i + lk_b - Lq
+    else:
+        kmax = i * 0 + lk_b - 1
+    full, hi = _key_range(i_lo, i_hi, lk_b, Lq, CAUSAL, BLOCK_N)
+    k_base = K + b * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = V + b * stride_vb + kvh.to(tl.int64) * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = _dq_inner(
+        dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, 0, full, kmax, lk_b, sm_scale,
+        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, PREC,
+    )
+    dq = _dq_inner(
+        dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, full, hi, kmax, lk_b, sm_scale,
+        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC,
+    )
+    dq = dq * sm_scale
+    tl.store(
+        DQ + b * stride_dqb + hh[:, None] * stride_dqh + rows * stride_dqm + offs_d[None, :],
+        dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D),
+    )
+
+
+def attention_backward(dout, q, k, v, out, lse, scale: float, causal: bool, key_lengths=None):
+    """Launch delta, dK/dV and dQ kernels. Returns ``(dq, dk, dv)`` shaped and laid out like
+    ``q``, ``k``, ``v``; dk and dv summed over the query heads sharing each KV head.
+    """
+    from mhakern._layout import empty_like_heads
+
+    B, H, Lq, D = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    n_rep = H // Hkv
+    bd, bdv = head_block(D), head_block(Dv)
+    prec = precision(q.dtype)
+    has_kl = key_lengths is not None
+
+    delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+    bm_delta = min(64, next_pow2(Lq))
+    _bwd_delta_kernel[(triton.cdiv(Lq, bm_delta), H, B)](
+        out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2), H, Lq,
+        DV=Dv, BLOCK_M=bm_delta, BLOCK_DV=bdv,
+    )
+    kl = key_lengths if has_kl else delta  # unused pointer when HAS_KL is False
+
+    dk = empty_like_heads(k, D)
+    dv = empty_like_heads(v, Dv)
+    cfg = dkdv_config(D, Dv, q.dtype)
+    hpp = packed_rows(Lq, n_rep, cfg.block_m)
+    _attn_bwd_dkdv_kernel[(triton.cdiv(Lk, cfg.block_n), Hkv, B)](
+        q, k, v, dout, lse, delta, dk, dv, kl,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2),
+        H, Lq, Lk, n_rep, hpp, scale,
+        D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        CAUSAL=causal, HAS_KL=has_kl, PREC=prec,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+    dq = empty_like_heads(q, D)
+    cfg = dq_config(D, Dv, q.dtype)
+    hpp, bm, grid = launch_geometry(B, H, Hkv, Lq, cfg.block_m)
+    _attn_bwd_dq_kernel[grid](
+        q, k, v, dout, lse, delta, dq, kl,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        H, Lq, Lk, n_rep, hpp, scale,
+        D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=bm, BLOCK_N=cfg.block_n,
+        CAUSAL=causal, HAS_KL=has_kl, PREC=prec,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return dq, dk, dv

@@ -1,0 +1,205 @@
+"""Fused attention forward in Triton: one pass over keys with an online softmax (base 2).
+
+Row tiles. A program owns ``BLOCK_M`` query rows of one batch element. Rows are numbered over
+``heads_per_prog`` consecutive query heads times Lq queries: row ``r`` is query ``r % Lq`` of
+head ``head0 + r // Lq``. With ``heads_per_prog == 1`` this is the usual per-head tile; with
+``heads_per_prog == n_rep`` (decode shapes) the query heads that share a KV head fill one tile,
+so their shared keys and values are read once.
+
+Scores are kept in natural units (``s = (q . k) * scale``, the running max ``m`` too) and
+exponentiated as ``exp2((s - m) * log2(e))``. Folding log2(e) into the scale, as Triton's
+tutorial does, saves a multiply but leaves lse as a base-2 quantity whose conversion back to the
+contract's natural log costs a rounding at the magnitude of the logits; with large logits that
+rounding reaches every probability the backward recomputes. Here lse = m + log(l) is one
+rounding away from the scores the backward recomputes identically.
+
+Masking (bottom-right causal per batch element, key lengths) is applied only in the key blocks
+that need it: an unmasked loop runs over the blocks every row of the tile sees entirely, then
+a masked loop over the rest (diagonal and tail), through one inner function specialised by a
+constexpr, as in Triton's fused-attention tutorial.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .heuristics import fwd_config, head_block, packed_rows, row_block
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _tile_rows(pid_m, Lq, rows_total, BLOCK_M: tl.constexpr):
+    """Row indices of this tile and the range [i_lo, i_hi] of query positions they cover."""
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    r0 = pid_m * BLOCK_M
+    r1 = tl.minimum(r0 + BLOCK_M, rows_total) - 1
+    # A tile spanning two heads covers positions that wrap around: take the whole range.
+    same_head = (r0 // Lq) == (r1 // Lq)
+    i_lo = tl.where(same_head, r0 % Lq, 0)
+    i_hi = tl.where(same_head, r1 % Lq, Lq - 1)
+    return r, i_lo, i_hi
+
+
+@triton.jit
+def _key_range(i_lo, i_hi, lk_b, Lq, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [0, full) are visible to every row of the tile; [full, hi) need the mask."""
+    if CAUSAL:
+        hi = tl.minimum(lk_b, tl.maximum(i_hi + lk_b - Lq + 1, 0))
+        full = tl.minimum(lk_b, tl.maximum(i_lo + lk_b - Lq + 1, 0))
+    else:
+        hi = lk_b
+        full = lk_b
+    full = (full // BLOCK_N) * BLOCK_N
+    return full, hi
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start, stop, kmax, lk_b, sm_scale,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr,
+):
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(start, stop, BLOCK_N):
+        offs_n = start_n + offs_n0
+        if MASKED:
+            key_ok = offs_n < lk_b
+        else:
+            key_ok = offs_n0 < BLOCK_N
+        k = tl.load(
+            k_base + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
+            mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale
+        if MASKED:
+            vis = key_ok[None, :] & (offs_n[None, :] <= kmax[:, None])
+            s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet keeps m = -inf; shift by 0 there so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2((s - m_safe[:, None]) * 1.4426950408889634)
+        alpha = tl.math.exp2((m_i - m_safe) * 1.4426950408889634)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :],
+            mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, O, LSE, KL,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    H, Lq, Lk, n_rep, heads_per_prog, sm_scale,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    head0 = pid_h * heads_per_prog
+    kvh = head0 // n_rep
+    rows_total = heads_per_prog * Lq
+    r, i_lo, i_hi = _tile_rows(pid_m, Lq, rows_total, BLOCK_M)
+    row_ok = r < rows_total
+    hh = (head0 + r // Lq).to(tl.int64)
+    i = r % Lq
+    if HAS_KL:
+        lk_b = tl.load(KL + b)
+    else:
+        lk_b = Lk
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(
+        Q + b * stride_qb + hh[:, None] * stride_qh + i[:, None].to(tl.int64) * stride_qm + offs_d[None, :],
+        mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0,
+    )
+    k_base = K + b * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = V + b * stride_vb + kvh.to(tl.int64) * stride_vh
+    # Last visible key of each row (bottom-right causal alignment).
+    if CAUSAL:
+        kmax = i + lk_b - Lq
+    else:
+        kmax = i * 0 + lk_b - 1
+    full, hi = _key_range(i_lo, i_hi, lk_b, Lq, CAUSAL, BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, 0, full, kmax, lk_b, sm_scale,
+        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, PREC,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, full, hi, kmax, lk_b, sm_scale,
+        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC,
+    )
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen, m_i + tl.log(l_safe), float("-inf"))
+    tl.store(
+        O + b * stride_ob + hh[:, None] * stride_oh + i[:, None].to(tl.int64) * stride_om + offs_dv[None, :],
+        out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV),
+    )
+    tl.store(LSE + (b * H + hh) * Lq + i, lse, mask=row_ok)
+
+
+def precision(dtype: torch.dtype) -> str:
+    """fp32 inputs multiply in full fp32 ("ieee"), never silently in tf32: exactness first."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def launch_geometry(B: int, H: int, Hkv: int, Lq: int, block_m: int):
+    """(heads per program, row tile, grid) of the forward and dQ kernels."""
+    n_rep = H // Hkv
+    hpp = packed_rows(Lq, n_rep, block_m)
+    bm = row_block(hpp * Lq, block_m)
+    grid = (triton.cdiv(hpp * Lq, bm), H // hpp, B)
+    return hpp, bm, grid
+
+
+def attention_forward(q, k, v, scale: float, causal: bool, key_lengths=None, out=None):
+    """Launch the forward kernel. Shapes: q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv).
+
+    Returns ``(out, lse)``: out (B, H, Lq, Dv) in q's dtype and memory order, lse float32
+    (B, H, Lq), natural log, -inf on rows that see no key.
+    """
+    from mhakern._layout import empty_like_heads
+
+    B, H, Lq, D = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    cfg = fwd_config(D, Dv, q.dtype)
+    hpp, bm, grid = launch_geometry(B, H, Hkv, Lq, cfg.block_m)
+    if out is None:
+        out = empty_like_heads(q, Dv)
+    lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+    kl = key_lengths if key_lengths is not None else lse  # unused pointer when HAS_KL is False
+    _attn_fwd_kernel[grid](
+        q, k, v, out, lse, kl,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        H, Lq, Lk, H // Hkv, hpp, scale,
+        D=D, DV=Dv, BLOCK_D=head_block(D), BLOCK_DV=head_block(Dv),
+        BLOCK_M=bm, BLOCK_N=cfg.block_n,
+        CAUSAL=causal, HAS_KL=key_lengths is not None, PREC=precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse
+
+
+__all__ = ["attention_forward", "launch_geometry", "precision", "LOG2E", "LN2"]
