@@ -1,0 +1,60 @@
+"""Triton backend on a CUDA device: bf16 (the interpreter cannot check it), larger shapes, long
+keys. Skipped without a GPU (conftest marks ``gpu`` tests)."""
+import pytest
+import torch
+
+import mhakern
+from attn_testing import HARD_CASES, case_id, check_against_reference, make_inputs
+
+pytestmark = pytest.mark.gpu
+
+
+def triton_attention(*a, **kw):
+    return mhakern.attention(*a, backend="triton", **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", HARD_CASES, ids=case_id)
+def test_hard_cases_gpu(case, dtype):
+    B, H, Hkv, Lq, Lk, D, Dv, causal, kl = case
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype=dtype, device="cuda")
+    kl_t = None if kl is None else torch.tensor(kl, device="cuda")
+    check_against_reference(triton_attention, q, k, v, causal, kl_t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("D", [64, 96, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_larger_shapes_gpu(dtype, D, causal):
+    q, k, v = make_inputs(2, 4, 2, 1000, 1100, D, dtype=dtype, device="cuda", layout="blhd")
+    check_against_reference(triton_attention, q, k, v, causal, torch.tensor([1100, 517], device="cuda"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_long_keys_decode_gpu(dtype):
+    q, k, v = make_inputs(1, 16, 1, 1, 1 << 18, 64, dtype=dtype, device="cuda")
+    check_against_reference(triton_attention, q, k, v, False, None)
+
+
+def test_large_logits_gpu():
+    q, k, v = make_inputs(1, 4, 2, 257, 300, 64, dtype=torch.bfloat16, device="cuda", scale_inputs=30.0)
+    check_against_reference(triton_attention, q, k, v, True, None)
+
+
+def test_auto_picks_a_compiled_gpu_backend():
+    q, k, v = make_inputs(1, 2, 2, 8, 8, 64, dtype=torch.float16, device="cuda", requires_grad=False)
+    from mhakern import backends
+
+    assert backends.select("auto", q, k, v, False, None).name in ("cuda", "triton")
+
+
+def test_backward_deterministic_gpu():
+    q, k, v = make_inputs(2, 8, 2, 700, 900, 128, dtype=torch.bfloat16, device="cuda")
+    runs = []
+    for _ in range(2):
+        for x in (q, k, v):
+            x.grad = None
+        triton_attention(q, k, v, causal=True).float().pow(2).sum().backward()
+        runs.append([x.grad.clone() for x in (q, k, v)])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
