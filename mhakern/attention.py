@@ -139,5 +139,11 @@ def attention(
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
     be = backends.select(backend, q, k, v, causal, key_lengths)
+    # Self-attention callers may pass one tensor as q, k and v; torch.compile refuses an
+    # autograd.Function given the same tensor twice, so distinct views (free) stand in.
+    if k is q:
+        k = k.view(k.shape)
+    if v is q or v is k:
+        v = v.view(v.shape)
     out, lse = FusedAttentionFunction.apply(q, k, v, scale, causal, key_lengths, be.name)
     return (out, lse) if return_lse else out

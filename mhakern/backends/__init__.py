@@ -73,6 +73,9 @@ def register(backend: Backend) -> Backend:
     return backend
 
 
+# Dynamo cannot trace importlib: under torch.compile this runs once at trace time instead, its
+# (constant) result taken as is, so compiling before any eager call still fills the registry.
+@torch.compiler.assume_constant_result
 def _load_builtins() -> None:
     global _loaded
     if _loaded:
@@ -101,6 +104,9 @@ def get(name: str) -> Backend:
         raise ValueError(f"backend: unknown backend {name!r}; choose 'auto' or one of {names()}") from None
 
 
+# unavailable() may import modules (the extension, triton): under torch.compile the answers are
+# computed at trace time and taken as constants, for the same reason as _load_builtins.
+@torch.compiler.assume_constant_result
 def available_backends() -> Dict[str, Optional[str]]:
     """Each backend's name with None (usable in this process) or the reason it is not."""
     return {n: _REGISTRY[n].unavailable() for n in names()}
@@ -108,9 +114,10 @@ def available_backends() -> Dict[str, Optional[str]]:
 
 def select(name: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_lengths: Optional[Tensor]) -> Backend:
     """Resolve ``name`` ("auto" or a backend name) to the backend that will serve these tensors."""
+    usable = available_backends()
     if name != "auto":
         be = get(name)
-        why = be.unavailable() or be.supports(q, k, v, causal, key_lengths)
+        why = usable[name] or be.supports(q, k, v, causal, key_lengths)
         if why is not None:
             raise ValueError(f"backend={name!r} cannot serve these inputs: {name}: {why}")
         return be
@@ -119,7 +126,7 @@ def select(name: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_lengths
         be = _REGISTRY[n]
         if not be.auto:
             continue
-        why = be.unavailable() or be.auto_supports(q, k, v, causal, key_lengths)
+        why = usable[n] or be.auto_supports(q, k, v, causal, key_lengths)
         if why is None:
             return be
         reasons.append(f"{n}: {why}")
