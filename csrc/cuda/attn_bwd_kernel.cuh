@@ -1,0 +1,469 @@
+// Fused attention backward on tensor cores (FlashAttention-2 scheme), deterministic: no atomics.
+//
+// With P = softmax recomputed from the saved lse, dS = P o (dP - delta), dP = dO V^T and
+// delta = rowsum(dO o O):
+//   dV = P^T dO,  dK = scale * dS^T Q,  dQ = scale * dS K.
+// Three kernels, in stream order:
+//   attn_bwd_delta_kernel  delta for every query row (one warp per row).
+//   attn_bwd_dkdv_kernel   one CTA per (key block of 64, kv head, batch element); each warp owns
+//                          16 keys and walks every packed query row of the group (all query
+//                          heads that share the KV head) in a fixed order, so dK and dV are
+//                          summed over the group in registers, without atomics.
+//   attn_bwd_dq_kernel     one CTA per 64 packed query rows, walking the visible keys like the
+//                          forward; with split-K (very long keys) each split writes an fp32
+//                          partial and attn_bwd_dq_reduce_kernel adds them in split order.
+// Both main kernels recompute S and P from q, k and lse; that costs a second S = Q K^T but
+// keeps every sum in one thread's registers in one order: two runs are bit-identical.
+#pragma once
+
+#include "tile_io.cuh"
+
+namespace mhakern {
+namespace cuda {
+
+template <int D>
+struct BwdConfig {
+  static_assert(D % 16 == 0 && D >= 16 && D <= 128, "head dim: multiple of 16 up to 128");
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kPitch = TilePitch<D>::kPitch;
+
+  // dK/dV kernel: 64 keys per CTA; query rows per step shrink with D so that the two D-wide
+  // fp32 accumulators (dK, dV: D registers per thread) and the two kDkvBlockM-wide score tiles
+  // (S^T, dP^T) fit in the register file without spilling.
+  static constexpr int kDkvBlockN = 16 * kWarps;
+  static constexpr int kDkvBlockM = D <= 64 ? 64 : 32;
+  static constexpr int kDkvKTile = kDkvBlockN * kPitch;
+  static constexpr int kDkvQTile = kDkvBlockM * kPitch;
+  // K, V; Q and dO with two stages each; then lse, delta and the visible-key limit per row,
+  // two stages.
+  static constexpr int kDkvSmemBytes = (2 * kDkvKTile + 4 * kDkvQTile) * 2 + 2 * kDkvBlockM * (4 + 4 + 4);
+
+  // dQ kernel: 64 query rows per CTA, 64 keys per step (32 above D = 64: registers, and shared
+  // memory under the 99 KB per block of sm_86/sm_89).
+  static constexpr int kDqBlockM = 16 * kWarps;
+  static constexpr int kDqBlockN = D <= 64 ? 64 : 32;
+  static constexpr int kDqQTile = kDqBlockM * kPitch;
+  static constexpr int kDqKTile = kDqBlockN * kPitch;
+  // Q and dO; K and V with two stages each.
+  static constexpr int kDqSmemBytes = (2 * kDqQTile + 4 * kDqKTile) * 2;
+};
+
+// delta[b, h, i] = sum_d dout[b, h, i, d] * out[b, h, i, d], fp32; one warp per row.
+template <typename Elem, int D>
+__global__ void MHK_LAUNCH_BOUNDS(128, 1) attn_bwd_delta_kernel(const BwdParams p) {
+  const int tid = thread_index();
+  const int warp = tid / 32, lane = tid % 32;
+  const int64_t n_rows = static_cast<int64_t>(p.B) * p.H * p.Lq;
+  const int64_t row = block_index() * 4 + warp;
+  if (row >= n_rows) return;  // whole warps leave; no block barrier follows
+  const int i = static_cast<int>(row % p.Lq);
+  const int h = static_cast<int>((row / p.Lq) % p.H);
+  const int b = static_cast<int>(row / (static_cast<int64_t>(p.Lq) * p.H));
+  const Elem* o = static_cast<const Elem*>(p.o) + b * p.o_stride.batch + h * p.o_stride.head + static_cast<int64_t>(i) * p.o_stride.row;
+  const Elem* dout = static_cast<const Elem*>(p.dout) + b * p.do_stride.batch + h * p.do_stride.head + static_cast<int64_t>(i) * p.do_stride.row;
+  float sum = 0.f;
+  MHK_UNROLL
+  for (int d = 2 * lane; d < D; d += 64) {
+    sum += ElemTraits<Elem>::to_float(o[d]) * ElemTraits<Elem>::to_float(dout[d]);
+    sum += ElemTraits<Elem>::to_float(o[d + 1]) * ElemTraits<Elem>::to_float(dout[d + 1]);
+  }
+  MHK_UNROLL
+  for (int off = 16; off > 0; off >>= 1) sum += shfl_xor(sum, off);
+  if (lane == 0) p.delta[row] = sum;
+}
+
+// One step of the dK/dV kernel for one warp: its 16 keys (rows key_row0.. of sK, sV, global
+// index key0..) against kBlockM query rows staged with their lse (base 2; +inf for rows without
+// keys or past the end, which zeroes their P), delta and visible-key limit.
+template <typename Elem, int D, int kBlockM, bool kMasked>
+MHK_DEVICE void dkdv_step(const Elem* sK, const Elem* sV, int key_row0, const Elem* sQ, const Elem* sdO, const float* sLse2,
+                          const float* sDelta, const int* sLimit, int key0, float scale_log2, float (&dk)[D / 8][4],
+                          float (&dv)[D / 8][4], int lane) {
+  constexpr int NT = kBlockM / 8;
+  const int g = lane / 4, t = lane % 4;
+  float pt[NT][4];  // P^T: rows = this warp's keys, columns = query rows
+  MHK_UNROLL
+  for (int nt = 0; nt < NT; ++nt) pt[nt][0] = pt[nt][1] = pt[nt][2] = pt[nt][3] = 0.f;
+  mma_rows_x_rowsT<Elem, D, NT>(pt, sK, key_row0, sQ, 0, lane);
+  MHK_UNROLL
+  for (int nt = 0; nt < NT; ++nt) {
+    MHK_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      const int qc = nt * 8 + 2 * t + (e & 1);
+      float x = pt[nt][e] * scale_log2 - sLse2[qc];
+      if (kMasked && key0 + g + 8 * (e >> 1) >= sLimit[qc]) x = -INFINITY;
+      pt[nt][e] = fast_exp2(x);
+    }
+  }
+  mma_regs_x_rows<Elem, D, kBlockM>(dv, pt, sdO, 0, lane);  // dV += P^T dO
+
+  float dst[NT][4];  // dP^T, then dS^T
+  MHK_UNROLL
+  for (int nt = 0; nt < NT; ++nt) dst[nt][0] = dst[nt][1] = dst[nt][2] = dst[nt][3] = 0.f;
+  mma_rows_x_rowsT<Elem, D, NT>(dst, sV, key_row0, sdO, 0, lane);  // dP^T = V dO^T
+  MHK_UNROLL
+  for (int nt = 0; nt < NT; ++nt) {
+    MHK_UNROLL
+    for (int e = 0; e < 4; ++e) dst[nt][e] = pt[nt][e] * (dst[nt][e] - sDelta[nt * 8 + 2 * t + (e & 1)]);
+  }
+  mma_regs_x_rows<Elem, D, kBlockM>(dk, dst, sQ, 0, lane);  // dK += dS^T Q (scaled at the end)
+}
+
+template <typename Elem, int D>
+__global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_kernel(const BwdParams p) {
+  using Cfg = BwdConfig<D>;
+  constexpr int kBlockN = Cfg::kDkvBlockN, kBlockM = Cfg::kDkvBlockM, kThreads = Cfg::kThreads;
+  MHK_DYNAMIC_SMEM(smem);
+  Elem* sK = reinterpret_cast<Elem*>(smem);
+  Elem* sV = sK + Cfg::kDkvKTile;
+  Elem* sQ = sV + Cfg::kDkvKTile;       // stage s at sQ + s * kDkvQTile
+  Elem* sdO = sQ + 2 * Cfg::kDkvQTile;  // likewise
+  float* sLse2 = reinterpret_cast<float*>(sdO + 2 * Cfg::kDkvQTile);  // stage s at + s * kBlockM
+  float* sDelta = sLse2 + 2 * kBlockM;
+  int* sLimit = reinterpret_cast<int*>(sDelta + 2 * kBlockM);
+
+  const int tid = thread_index();
+  const int warp = tid / 32, lane = tid % 32;
+
+  const int n_kblocks = ceil_div(p.Lk, kBlockN);
+  int64_t bid = block_index();
+  const int kb = static_cast<int>(bid % n_kblocks);
+  bid /= n_kblocks;
+  const int hkv = static_cast<int>(bid % p.Hkv);
+  const int b = static_cast<int>(bid / p.Hkv);
+  const int n0 = kb * kBlockN;
+  const int Lk_b = p.key_lengths ? p.key_lengths[b] : p.Lk;
+  const int rows_total = p.group * p.Lq;
+  const int n_qblocks = ceil_div(rows_total, kBlockM);
+
+  // A query block matters when one of its rows sees a key of this block; it needs per-element
+  // masks when one of its rows does not see all of them.
+  auto block_visible = [&](int mq, bool& masked) -> bool {
+    const int rq0 = mq * kBlockM;
+    int i_lo, i_hi;
+    tile_query_range(rq0, imin(kBlockM, rows_total - rq0), p.Lq, i_lo, i_hi);
+    masked = visible_limit(i_lo, Lk_b, p.Lq, p.causal) < n0 + kBlockN;
+    return visible_limit(i_hi, Lk_b, p.Lq, p.causal) > n0;
+  };
+  auto next_block = [&](int mq) -> int {
+    bool masked;
+    while (mq < n_qblocks && !block_visible(mq, masked)) ++mq;
+    return mq;
+  };
+
+  const Elem* q = static_cast<const Elem*>(p.q);
+  const Elem* dout = static_cast<const Elem*>(p.dout);
+  auto load_qblock = [&](int mq, int stage) {
+    const int rq0 = mq * kBlockM;
+    load_tile_async<Elem, kBlockM, D, kThreads>(sQ + stage * Cfg::kDkvQTile, p.q, [&](int rr) -> const Elem* {
+      const int r = rq0 + rr;
+      return r < rows_total ? q + packed_row_offset(p.q_stride, b, hkv, p.group, p.Lq, r) : nullptr;
+    });
+    load_tile_async<Elem, kBlockM, D, kThreads>(sdO + stage * Cfg::kDkvQTile, p.dout, [&](int rr) -> const Elem* {
+      const int r = rq0 + rr;
+      return r < rows_total ? dout + packed_row_offset(p.do_stride, b, hkv, p.group, p.Lq, r) : nullptr;
+    });
+    if (tid < kBlockM) {
+      const int r = rq0 + tid;
+      float lse2 = INFINITY, delta = 0.f;
+      int limit = 0;
+      if (r < rows_total) {
+        const int64_t lin = packed_row_linear(b, p.H, hkv, p.group, p.Lq, r);
+        const float lse = p.lse[lin];
+        lse2 = lse == -INFINITY ? INFINITY : lse * kLog2e;
+        delta = p.delta[lin];
+        limit = visible_limit(r % p.Lq, Lk_b, p.Lq, p.causal);
+      }
+      sLse2[stage * kBlockM + tid] = lse2;
+      sDelta[stage * kBlockM + tid] = delta;
+      sLimit[stage * kBlockM + tid] = limit;
+    }
+  };
+
+  const Elem* k_head = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hkv * p.k_stride.head;
+  const Elem* v_head = static_cast<const Elem*>(p.v) + b * p.v_stride.batch + hkv * p.v_stride.head;
+  // Keys at or past Lk_b are never read (they get zero gradients).
+  load_tile_async<Elem, kBlockN, D, kThreads>(sK, p.k, [&](int rr) -> const Elem* {
+    const int j = n0 + rr;
+    return j < Lk_b ? k_head + static_cast<int64_t>(j) * p.k_stride.row : nullptr;
+  });
+  load_tile_async<Elem, kBlockN, D, kThreads>(sV, p.v, [&](int rr) -> const Elem* {
+    const int j = n0 + rr;
+    return j < Lk_b ? v_head + static_cast<int64_t>(j) * p.v_stride.row : nullptr;
+  });
+
+  float dk[D / 8][4], dv[D / 8][4];
+  MHK_UNROLL
+  for (int dt = 0; dt < D / 8; ++dt) {
+    dk[dt][0] = dk[dt][1] = dk[dt][2] = dk[dt][3] = 0.f;
+    dv[dt][0] = dv[dt][1] = dv[dt][2] = dv[dt][3] = 0.f;
+  }
+
+  int mq = n0 < Lk_b ? next_block(0) : n_qblocks;
+  if (mq < n_qblocks) load_qblock(mq, 0);
+  cp_async_commit();  // K, V and the first query block
+  int stage = 0;
+  while (mq < n_qblocks) {
+    const int nxt = next_block(mq + 1);
+    if (nxt < n_qblocks) load_qblock(nxt, stage ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    block_sync();
+    bool masked;
+    block_visible(mq, masked);
+    const Elem* sQs = sQ + stage * Cfg::kDkvQTile;
+    const Elem* sdOs = sdO + stage * Cfg::kDkvQTile;
+    const float* lse2 = sLse2 + stage * kBlockM;
+    const float* delta = sDelta + stage * kBlockM;
+    const int* limit = sLimit + stage * kBlockM;
+    const int key0 = n0 + warp * 16;
+    if (masked)
+      dkdv_step<Elem, D, kBlockM, true>(sK, sV, warp * 16, sQs, sdOs, lse2, delta, limit, key0, p.scale_log2, dk, dv, lane);
+    else
+      dkdv_step<Elem, D, kBlockM, false>(sK, sV, warp * 16, sQs, sdOs, lse2, delta, limit, key0, p.scale_log2, dk, dv, lane);
+    // The next iteration's prefetch overwrites this stage.
+    block_sync();
+    mq = nxt;
+    stage ^= 1;
+  }
+  cp_async_wait<0>();
+  block_sync();  // K and V may have landed only now; staging below overwrites them
+
+  // Stage through the K and V tiles (each warp overwrites only its own 16 rows, which only it
+  // has read) and write 16-byte rows; keys past Lk_b get the zeros they accumulated.
+  const float mul_k[2] = {p.scale, p.scale};
+  const float mul_v[2] = {1.f, 1.f};
+  stage_accumulator<Elem, D>(sK, warp * 16, dk, mul_k, lane);
+  stage_accumulator<Elem, D>(sV, warp * 16, dv, mul_v, lane);
+  block_sync();
+  Elem* dk_head = static_cast<Elem*>(p.dk) + b * p.dk_stride.batch + hkv * p.dk_stride.head;
+  Elem* dv_head = static_cast<Elem*>(p.dv) + b * p.dv_stride.batch + hkv * p.dv_stride.head;
+  store_tile<Elem, kBlockN, D, kThreads>(sK, [&](int rr) -> Elem* {
+    const int j = n0 + rr;
+    return j < p.Lk ? dk_head + static_cast<int64_t>(j) * p.dk_stride.row : nullptr;
+  });
+  store_tile<Elem, kBlockN, D, kThreads>(sV, [&](int rr) -> Elem* {
+    const int j = n0 + rr;
+    return j < p.Lk ? dv_head + static_cast<int64_t>(j) * p.dv_stride.row : nullptr;
+  });
+}
+
+// One key block of the dQ kernel for one warp's 16 query rows.
+template <typename Elem, int D, int kBlockN, bool kMasked>
+MHK_DEVICE void dq_step(const Elem* sQ, const Elem* sdO, int q_row0, const Elem* sK, const Elem* sV, int n0,
+                        const int (&limit)[2], const float (&lse2)[2], const float (&delta)[2], float scale_log2,
+                        float (&dq)[D / 8][4], int lane) {
+  constexpr int NT = kBlockN / 8;
+  const int t = lane % 4;
+  float ps[NT][4];
+  MHK_UNROLL
+  for (int nt = 0; nt < NT; ++nt) ps[nt][0] = ps[nt][1] = ps[nt][2] = ps[nt][3] = 0.f;
+  mma_rows_x_rowsT<Elem, D, NT>(ps, sQ, q_row0, sK, 0, lane);  // S = Q K^T
+  MHK_UNROLL
+  for (int nt = 0; nt < NT; ++nt) {
+    MHK_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      float x = ps[nt][e] * scale_log2 - lse2[e >> 1];
+      if (kMasked && n0 + nt * 8 + 2 * t + (e & 1) >= limit[e >> 1]) x = -INFINITY;
+      ps[nt][e] = fast_exp2(x);
+    }
+  }
+  float ds[NT][4];
+  MHK_UNROLL
+  for (int nt = 0; nt < NT; ++nt) ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.f;
+  mma_rows_x_rowsT<Elem, D, NT>(ds, sdO, q_row0, sV, 0, lane);  // dP = dO V^T
+  MHK_UNROLL
+  for (int nt = 0; nt < NT; ++nt) {
+    MHK_UNROLL
+    for (int e = 0; e < 4; ++e) ds[nt][e] = ps[nt][e] * (ds[nt][e] - delta[e >> 1]);
+  }
+  mma_regs_x_rows<Elem, D, kBlockN>(dq, ds, sK, 0, lane);  // dQ += dS K (scaled at the end)
+}
+
+template <typename Elem, int D>
+__global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_kernel(const BwdParams p) {
+  using Cfg = BwdConfig<D>;
+  constexpr int kBlockM = Cfg::kDqBlockM, kBlockN = Cfg::kDqBlockN, kThreads = Cfg::kThreads;
+  MHK_DYNAMIC_SMEM(smem);
+  Elem* sQ = reinterpret_cast<Elem*>(smem);
+  Elem* sdO = sQ + Cfg::kDqQTile;
+  Elem* sK = sdO + Cfg::kDqQTile;       // stage s at sK + s * kDqKTile
+  Elem* sV = sK + 2 * Cfg::kDqKTile;
+
+  const int tid = thread_index();
+  const int warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+
+  const int rows_total = p.group * p.Lq;
+  const int n_mblocks = ceil_div(rows_total, kBlockM);
+  int64_t bid = block_index();
+  int mb = static_cast<int>(bid % n_mblocks);
+  bid /= n_mblocks;
+  const int hkv = static_cast<int>(bid % p.Hkv);
+  bid /= p.Hkv;
+  const int b = static_cast<int>(bid % p.B);
+  const int split = static_cast<int>(bid / p.B);
+  if (p.causal) mb = n_mblocks - 1 - mb;
+  const int r0 = mb * kBlockM;
+  const int nrows = imin(kBlockM, rows_total - r0);
+  const int Lk_b = p.key_lengths ? p.key_lengths[b] : p.Lk;
+
+  int i_lo, i_hi;
+  tile_query_range(r0, nrows, p.Lq, i_lo, i_hi);
+  const int kv_any = imax(0, visible_limit(i_hi, Lk_b, p.Lq, p.causal));
+  const int kv_all = imax(0, visible_limit(i_lo, Lk_b, p.Lq, p.causal));
+  const int per_split = ceil_div(ceil_div(p.Lk, kBlockN), p.num_splits) * kBlockN;
+  const int kv_begin = split * per_split;
+  const int kv_end = imin(kv_any, kv_begin + per_split);
+
+  int limit[2];
+  float lse2[2], delta[2];
+  MHK_UNROLL
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = r0 + warp * 16 + g + 8 * hh;
+    limit[hh] = 0;
+    lse2[hh] = INFINITY;  // zeroes P of rows past the end
+    delta[hh] = 0.f;
+    if (r < rows_total) {
+      const int64_t lin = packed_row_linear(b, p.H, hkv, p.group, p.Lq, r);
+      const float lse = p.lse[lin];
+      lse2[hh] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+      delta[hh] = p.delta[lin];
+      limit[hh] = visible_limit(r % p.Lq, Lk_b, p.Lq, p.causal);
+    }
+  }
+  const bool warp_active = r0 + warp * 16 < rows_total;
+
+  const Elem* q = static_cast<const Elem*>(p.q);
+  const Elem* dout = static_cast<const Elem*>(p.dout);
+  const Elem* k_head = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hkv * p.k_stride.head;
+  const Elem* v_head = static_cast<const Elem*>(p.v) + b * p.v_stride.batch + hkv * p.v_stride.head;
+  auto load_kv = [&](int n0, int stage) {
+    load_tile_async<Elem, kBlockN, D, kThreads>(sK + stage * Cfg::kDqKTile, p.k, [&](int rr) -> const Elem* {
+      const int j = n0 + rr;
+      return j < Lk_b ? k_head + static_cast<int64_t>(j) * p.k_stride.row : nullptr;
+    });
+    load_tile_async<Elem, kBlockN, D, kThreads>(sV + stage * Cfg::kDqKTile, p.v, [&](int rr) -> const Elem* {
+      const int j = n0 + rr;
+      return j < Lk_b ? v_head + static_cast<int64_t>(j) * p.v_stride.row : nullptr;
+    });
+  };
+
+  float dq[D / 8][4];
+  MHK_UNROLL
+  for (int dt = 0; dt < D / 8; ++dt) dq[dt][0] = dq[dt][1] = dq[dt][2] = dq[dt][3] = 0.f;
+
+  if (kv_begin < kv_end) {
+    const int n_steps = ceil_div(kv_end - kv_begin, kBlockN);
+    load_tile_async<Elem, kBlockM, D, kThreads>(sQ, p.q, [&](int rr) -> const Elem* {
+      const int r = r0 + rr;
+      return r < rows_total ? q + packed_row_offset(p.q_stride, b, hkv, p.group, p.Lq, r) : nullptr;
+    });
+    load_tile_async<Elem, kBlockM, D, kThreads>(sdO, p.dout, [&](int rr) -> const Elem* {
+      const int r = r0 + rr;
+      return r < rows_total ? dout + packed_row_offset(p.do_stride, b, hkv, p.group, p.Lq, r) : nullptr;
+    });
+    load_kv(kv_begin, 0);
+    cp_async_commit();
+    for (int j = 0; j < n_steps; ++j) {
+      const int stage = j & 1;
+      if (j + 1 < n_steps) load_kv(kv_begin + (j + 1) * kBlockN, stage ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+      block_sync();
+      const int n0 = kv_begin + j * kBlockN;
+      const Elem* sKs = sK + stage * Cfg::kDqKTile;
+      const Elem* sVs = sV + stage * Cfg::kDqKTile;
+      if (warp_active) {
+        if (n0 + kBlockN > kv_all)
+          dq_step<Elem, D, kBlockN, true>(sQ, sdO, warp * 16, sKs, sVs, n0, limit, lse2, delta, p.scale_log2, dq, lane);
+        else
+          dq_step<Elem, D, kBlockN, false>(sQ, sdO, warp * 16, sKs, sVs, n0, limit, lse2, delta, p.scale_log2, dq, lane);
+      }
+      block_sync();
+    }
+  }
+  cp_async_wait<0>();
+
+  if (p.num_splits == 1) {
+    const float mul[2] = {p.scale, p.scale};
+    stage_accumulator<Elem, D>(sQ, warp * 16, dq, mul, lane);
+    block_sync();
+    Elem* dqp = static_cast<Elem*>(p.dq);
+    store_tile<Elem, kBlockM, D, kThreads>(sQ, [&](int rr) -> Elem* {
+      const int r = r0 + rr;
+      return r < rows_total ? dqp + packed_row_offset(p.dq_stride, b, hkv, p.group, p.Lq, r) : nullptr;
+    });
+  } else {
+    const int64_t split_rows = static_cast<int64_t>(split) * p.B * p.H * p.Lq;
+    MHK_UNROLL
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = r0 + warp * 16 + g + 8 * hh;
+      if (r >= rows_total) continue;
+      float* dst = p.dq_partial + (split_rows + packed_row_linear(b, p.H, hkv, p.group, p.Lq, r)) * D;
+      MHK_UNROLL
+      for (int dt = 0; dt < D / 8; ++dt) {
+        float2 val;
+        val.x = dq[dt][2 * hh] * p.scale;
+        val.y = dq[dt][2 * hh + 1] * p.scale;
+        *reinterpret_cast<float2*>(dst + dt * 8 + 2 * t) = val;
+      }
+    }
+  }
+}
+
+// dq = sum over splits of the fp32 partials, added in split order; one thread per pair of
+// elements.
+template <typename Elem, int D>
+__global__ void MHK_LAUNCH_BOUNDS(256, 1) attn_bwd_dq_reduce_kernel(const BwdParams p) {
+  const int64_t n_rows = static_cast<int64_t>(p.B) * p.H * p.Lq;
+  const int64_t idx = block_index() * 256 + thread_index();
+  if (idx >= n_rows * (D / 2)) return;
+  const int64_t row = idx / (D / 2);
+  const int d = static_cast<int>(idx % (D / 2)) * 2;
+  float2 sum = {0.f, 0.f};
+  for (int s = 0; s < p.num_splits; ++s) {
+    const float2 part = *reinterpret_cast<const float2*>(p.dq_partial + (s * n_rows + row) * D + d);
+    sum.x += part.x;
+    sum.y += part.y;
+  }
+  const int i = static_cast<int>(row % p.Lq);
+  const int h = static_cast<int>((row / p.Lq) % p.H);
+  const int b = static_cast<int>(row / (static_cast<int64_t>(p.Lq) * p.H));
+  Elem* dst = static_cast<Elem*>(p.dq) + b * p.dq_stride.batch + h * p.dq_stride.head + static_cast<int64_t>(i) * p.dq_stride.row + d;
+  *reinterpret_cast<uint32_t*>(dst) = ElemTraits<Elem>::pack2(sum.x, sum.y);
+}
+
+template <typename Elem, int D>
+cudaError_t run_attn_bwd(const BwdParams& p, cudaStream_t stream) {
+  using Cfg = BwdConfig<D>;
+  const int64_t rows = static_cast<int64_t>(p.B) * p.H * p.Lq;
+  const int64_t grid_kv = static_cast<int64_t>(ceil_div(p.Lk, Cfg::kDkvBlockN)) * p.Hkv * p.B;
+  const int64_t grid_q = static_cast<int64_t>(ceil_div(p.group * p.Lq, Cfg::kDqBlockM)) * p.Hkv * p.B * p.num_splits;
+  if (rows == 0 || grid_kv == 0) return cudaSuccess;
+  if (grid_kv > 0x7fffffff || grid_q > 0x7fffffff || (rows + 3) / 4 > 0x7fffffff) return cudaErrorInvalidConfiguration;
+
+  launch_kernel(attn_bwd_delta_kernel<Elem, D>, (rows + 3) / 4, 128, 0, stream, p);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+
+  err = set_max_dynamic_smem(attn_bwd_dkdv_kernel<Elem, D>, Cfg::kDkvSmemBytes);
+  if (err != cudaSuccess) return err;
+  launch_kernel(attn_bwd_dkdv_kernel<Elem, D>, grid_kv, Cfg::kThreads, Cfg::kDkvSmemBytes, stream, p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+
+  err = set_max_dynamic_smem(attn_bwd_dq_kernel<Elem, D>, Cfg::kDqSmemBytes);
+  if (err != cudaSuccess) return err;
+  launch_kernel(attn_bwd_dq_kernel<Elem, D>, grid_q, Cfg::kThreads, Cfg::kDqSmemBytes, stream, p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || p.num_splits == 1) return err;
+
+  const int64_t pairs = rows * (D / 2);
+  launch_kernel(attn_bwd_dq_reduce_kernel<Elem, D>, (pairs + 255) / 256, 256, 0, stream, p);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace mhakern

@@ -1,0 +1,303 @@
+// Fused attention forward on tensor cores (FlashAttention-2 scheme, sm_80+ mma.sync):
+// out = softmax(scale * q k^T, masked) v and lse = logsumexp of the masked scaled scores.
+//
+// One CTA of 4 warps takes kBlockM = 64 packed query rows (primitives.cuh: rows of all query
+// heads that share one KV head, so GQA decode reads each key block once per group) and streams
+// the visible keys in blocks of 64 through double-buffered shared memory. Each warp owns 16 rows:
+// S = Q K^T and O += P V run on mma.sync with fp32 accumulators, the online softmax keeps the
+// row max and row sum in fp32 registers (base 2, scale folded in), and only key blocks that
+// cross a mask boundary pay for per-element masking.
+//
+// Split-K (num_splits > 1, long keys with few query tiles): CTA z takes whole key blocks
+// [z * per_split, (z + 1) * per_split) and writes its normalised partial output and lse in fp32;
+// attn_fwd_combine_kernel merges the partials through their lse.
+#pragma once
+
+#include "tile_io.cuh"
+
+namespace mhakern {
+namespace cuda {
+
+template <int D>
+struct FwdConfig {
+  static_assert(D % 16 == 0 && D >= 16 && D <= 128, "head dim: multiple of 16 up to 128");
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kBlockM = 16 * kWarps;  // packed query rows per CTA
+  static constexpr int kBlockN = 64;           // keys per step
+  static constexpr int kPitch = TilePitch<D>::kPitch;
+  static constexpr int kQTile = kBlockM * kPitch;   // elements
+  static constexpr int kKVTile = kBlockN * kPitch;  // elements
+  // Q, then K and V with two stages each.
+  static constexpr int kSmemBytes = (kQTile + 4 * kKVTile) * 2;
+};
+
+// One key block for one warp's 16 rows: S = Q K^T, masking, online softmax, O += P V.
+template <typename Elem, int D, int kBlockN, bool kMasked>
+MHK_DEVICE void fwd_step(const Elem* sQ, int q_row0, const Elem* sK, const Elem* sV, int n0, const int (&limit)[2],
+                         float scale_log2, float (&acc)[D / 8][4], float (&m_run)[2], float (&l_run)[2], int lane) {
+  constexpr int NT = kBlockN / 8;
+  const int t = lane % 4;
+  float s[NT][4];
+  MHK_UNROLL
+  for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+  mma_rows_x_rowsT<Elem, D, NT>(s, sQ, q_row0, sK, 0, lane);
+
+  // Scale into base 2 first (a negative scale would turn a -inf mask into +inf).
+  MHK_UNROLL
+  for (int nt = 0; nt < NT; ++nt) {
+    MHK_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      float x = s[nt][e] * scale_log2;
+      if (kMasked) {
+        const int col = n0 + nt * 8 + 2 * t + (e & 1);
+        if (col >= limit[e >> 1]) x = -INFINITY;
+      }
+      s[nt][e] = x;
+    }
+  }
+
+  MHK_UNROLL
+  for (int hh = 0; hh < 2; ++hh) {
+    float mx = m_run[hh];
+    MHK_UNROLL
+    for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * hh], s[nt][2 * hh + 1]));
+    mx = quad_max(mx);
+    // A row that has seen only masked keys keeps max -inf; exponentiate against 0 instead so
+    // that exp2(-inf - -inf) never makes a NaN (its p and alpha are then 0).
+    const float m_use = (mx == -INFINITY) ? 0.f : mx;
+    const float alpha = fast_exp2(m_run[hh] - m_use);
+    m_run[hh] = mx;
+    float rs = 0.f;
+    MHK_UNROLL
+    for (int nt = 0; nt < NT; ++nt) {
+      MHK_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        const float pv = fast_exp2(s[nt][2 * hh + e] - m_use);
+        s[nt][2 * hh + e] = pv;
+        rs += pv;
+      }
+    }
+    // Per-lane partial row sums; the four lanes of a row are added once, at the end.
+    l_run[hh] = l_run[hh] * alpha + rs;
+    MHK_UNROLL
+    for (int dt = 0; dt < D / 8; ++dt) {
+      acc[dt][2 * hh] *= alpha;
+      acc[dt][2 * hh + 1] *= alpha;
+    }
+  }
+
+  mma_regs_x_rows<Elem, D, kBlockN>(acc, s, sV, 0, lane);
+}
+
+template <typename Elem, int D>
+__global__ void MHK_LAUNCH_BOUNDS(FwdConfig<D>::kThreads, 2) attn_fwd_kernel(const FwdParams p) {
+  using Cfg = FwdConfig<D>;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kThreads = Cfg::kThreads;
+  MHK_DYNAMIC_SMEM(smem);
+  Elem* sQ = reinterpret_cast<Elem*>(smem);
+  Elem* sK = sQ + Cfg::kQTile;      // stage s at sK + s * kKVTile
+  Elem* sV = sK + 2 * Cfg::kKVTile;
+
+  const int tid = thread_index();
+  const int warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+
+  // Block index: query tile fastest (CTAs sharing K/V run together and share L2), then
+  // (b, kv head), then split.
+  const int rows_total = p.group * p.Lq;
+  const int n_mblocks = ceil_div(rows_total, kBlockM);
+  int64_t bid = block_index();
+  int mb = static_cast<int>(bid % n_mblocks);
+  bid /= n_mblocks;
+  const int hkv = static_cast<int>(bid % p.Hkv);
+  bid /= p.Hkv;
+  const int b = static_cast<int>(bid % p.B);
+  const int split = static_cast<int>(bid / p.B);
+  if (p.causal) mb = n_mblocks - 1 - mb;  // causal: the rows with the most keys start first
+  const int r0 = mb * kBlockM;
+  const int nrows = imin(kBlockM, rows_total - r0);
+  const int Lk_b = p.key_lengths ? p.key_lengths[b] : p.Lk;
+
+  int i_lo, i_hi;
+  tile_query_range(r0, nrows, p.Lq, i_lo, i_hi);
+  // Keys below kv_all are visible to every row of the tile, keys from kv_any on to none.
+  const int kv_any = imax(0, visible_limit(i_hi, Lk_b, p.Lq, p.causal));
+  const int kv_all = imax(0, visible_limit(i_lo, Lk_b, p.Lq, p.causal));
+  const int per_split = ceil_div(ceil_div(p.Lk, kBlockN), p.num_splits) * kBlockN;
+  const int kv_begin = split * per_split;
+  const int kv_end = imin(kv_any, kv_begin + per_split);
+
+  int limit[2];
+  MHK_UNROLL
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = r0 + warp * 16 + g + 8 * hh;
+    limit[hh] = r < rows_total ? visible_limit(r % p.Lq, Lk_b, p.Lq, p.causal) : 0;
+  }
+  const bool warp_active = r0 + warp * 16 < rows_total;
+
+  const Elem* q = static_cast<const Elem*>(p.q);
+  const Elem* k_head = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hkv * p.k_stride.head;
+  const Elem* v_head = static_cast<const Elem*>(p.v) + b * p.v_stride.batch + hkv * p.v_stride.head;
+  auto q_row = [&](int rr) -> const Elem* {
+    const int r = r0 + rr;
+    return r < rows_total ? q + packed_row_offset(p.q_stride, b, hkv, p.group, p.Lq, r) : nullptr;
+  };
+  // Keys at or past Lk_b are never read: hidden padding may hold anything, even NaN.
+  auto load_kv = [&](int n0, int stage) {
+    load_tile_async<Elem, kBlockN, D, kThreads>(sK + stage * Cfg::kKVTile, p.k, [&](int rr) -> const Elem* {
+      const int j = n0 + rr;
+      return j < Lk_b ? k_head + static_cast<int64_t>(j) * p.k_stride.row : nullptr;
+    });
+    load_tile_async<Elem, kBlockN, D, kThreads>(sV + stage * Cfg::kKVTile, p.v, [&](int rr) -> const Elem* {
+      const int j = n0 + rr;
+      return j < Lk_b ? v_head + static_cast<int64_t>(j) * p.v_stride.row : nullptr;
+    });
+  };
+
+  float acc[D / 8][4];
+  MHK_UNROLL
+  for (int dt = 0; dt < D / 8; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};
+
+  if (kv_begin < kv_end) {
+    const int n_steps = ceil_div(kv_end - kv_begin, kBlockN);
+    load_tile_async<Elem, kBlockM, D, kThreads>(sQ, p.q, q_row);
+    load_kv(kv_begin, 0);
+    cp_async_commit();
+    for (int j = 0; j < n_steps; ++j) {
+      const int stage = j & 1;
+      // Prefetch the next key block into the other stage while this one is used.
+      if (j + 1 < n_steps) load_kv(kv_begin + (j + 1) * kBlockN, stage ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+      block_sync();
+      const int n0 = kv_begin + j * kBlockN;
+      const Elem* sKs = sK + stage * Cfg::kKVTile;
+      const Elem* sVs = sV + stage * Cfg::kKVTile;
+      if (warp_active) {
+        if (n0 + kBlockN > kv_all)
+          fwd_step<Elem, D, kBlockN, true>(sQ, warp * 16, sKs, sVs, n0, limit, p.scale_log2, acc, m_run, l_run, lane);
+        else
+          fwd_step<Elem, D, kBlockN, false>(sQ, warp * 16, sKs, sVs, n0, limit, p.scale_log2, acc, m_run, l_run, lane);
+      }
+      // The next iteration's prefetch overwrites this stage.
+      block_sync();
+    }
+  }
+  cp_async_wait<0>();
+
+  float inv[2], lse[2];
+  MHK_UNROLL
+  for (int hh = 0; hh < 2; ++hh) {
+    const float l = quad_sum(l_run[hh]);
+    inv[hh] = l > 0.f ? 1.f / l : 0.f;
+    lse[hh] = l > 0.f ? (m_run[hh] + log2f(l)) * kLn2 : -INFINITY;
+  }
+
+  if (p.num_splits == 1) {
+    // Stage the output in the Q tile (each warp overwrites only its own rows, which only it
+    // has read) and write 16-byte rows.
+    stage_accumulator<Elem, D>(sQ, warp * 16, acc, inv, lane);
+    block_sync();
+    Elem* o = static_cast<Elem*>(p.o);
+    store_tile<Elem, kBlockM, D, kThreads>(sQ, [&](int rr) -> Elem* {
+      const int r = r0 + rr;
+      return r < rows_total ? o + packed_row_offset(p.o_stride, b, hkv, p.group, p.Lq, r) : nullptr;
+    });
+    if (t == 0) {
+      MHK_UNROLL
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = r0 + warp * 16 + g + 8 * hh;
+        if (r < rows_total) p.lse[packed_row_linear(b, p.H, hkv, p.group, p.Lq, r)] = lse[hh];
+      }
+    }
+  } else {
+    const int64_t split_rows = static_cast<int64_t>(split) * p.B * p.H * p.Lq;
+    MHK_UNROLL
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = r0 + warp * 16 + g + 8 * hh;
+      if (r >= rows_total) continue;
+      const int64_t row = split_rows + packed_row_linear(b, p.H, hkv, p.group, p.Lq, r);
+      float* dst = p.o_partial + row * D;
+      MHK_UNROLL
+      for (int dt = 0; dt < D / 8; ++dt) {
+        float2 val;
+        val.x = acc[dt][2 * hh] * inv[hh];
+        val.y = acc[dt][2 * hh + 1] * inv[hh];
+        *reinterpret_cast<float2*>(dst + dt * 8 + 2 * t) = val;
+      }
+      if (t == 0) p.lse_partial[row] = lse[hh];
+    }
+  }
+}
+
+// Merges split-K partials: lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s.
+// One warp per output row; the sums run in a fixed order (deterministic).
+template <typename Elem, int D>
+__global__ void MHK_LAUNCH_BOUNDS(128, 1) attn_fwd_combine_kernel(const FwdParams p) {
+  const int tid = thread_index();
+  const int warp = tid / 32, lane = tid % 32;
+  const int64_t n_rows = static_cast<int64_t>(p.B) * p.H * p.Lq;
+  const int64_t row = block_index() * 4 + warp;
+  if (row >= n_rows) return;  // whole warps leave; no block barrier follows
+  const int S = p.num_splits;
+
+  float mx = -INFINITY;
+  for (int s = lane; s < S; s += 32) mx = fmaxf(mx, p.lse_partial[s * n_rows + row]);
+  MHK_UNROLL
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, shfl_xor(mx, off));
+  float sum = 0.f;
+  if (mx > -INFINITY)
+    for (int s = lane; s < S; s += 32) sum += expf(p.lse_partial[s * n_rows + row] - mx);
+  MHK_UNROLL
+  for (int off = 16; off > 0; off >>= 1) sum += shfl_xor(sum, off);
+  const float lse = mx > -INFINITY ? mx + logf(sum) : -INFINITY;
+
+  const int i = static_cast<int>(row % p.Lq);
+  const int h = static_cast<int>((row / p.Lq) % p.H);
+  const int b = static_cast<int>(row / (static_cast<int64_t>(p.Lq) * p.H));
+  Elem* o = static_cast<Elem*>(p.o) + b * p.o_stride.batch + h * p.o_stride.head + static_cast<int64_t>(i) * p.o_stride.row;
+  constexpr int kPerLane = (D + 31) / 32;
+  float out[kPerLane];
+  MHK_UNROLL
+  for (int e = 0; e < kPerLane; ++e) out[e] = 0.f;
+  if (mx > -INFINITY) {
+    for (int s = 0; s < S; ++s) {
+      const float w = expf(p.lse_partial[s * n_rows + row] - lse);
+      const float* part = p.o_partial + (s * n_rows + row) * D;
+      MHK_UNROLL
+      for (int e = 0; e < kPerLane; ++e) {
+        const int d = lane + 32 * e;
+        if (d < D) out[e] += w * part[d];
+      }
+    }
+  }
+  MHK_UNROLL
+  for (int e = 0; e < kPerLane; ++e) {
+    const int d = lane + 32 * e;
+    if (d < D) o[d] = ElemTraits<Elem>::from_float(out[e]);
+  }
+  if (lane == 0) p.lse[row] = lse;
+}
+
+template <typename Elem, int D>
+cudaError_t run_attn_fwd(const FwdParams& p, cudaStream_t stream) {
+  using Cfg = FwdConfig<D>;
+  const int64_t n_mblocks = ceil_div(p.group * p.Lq, Cfg::kBlockM);
+  const int64_t grid = n_mblocks * p.Hkv * p.B * p.num_splits;
+  if (grid == 0) return cudaSuccess;
+  if (grid > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  cudaError_t err = set_max_dynamic_smem(attn_fwd_kernel<Elem, D>, Cfg::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  launch_kernel(attn_fwd_kernel<Elem, D>, grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || p.num_splits == 1) return err;
+  const int64_t rows = static_cast<int64_t>(p.B) * p.H * p.Lq;
+  launch_kernel(attn_fwd_combine_kernel<Elem, D>, (rows + 3) / 4, 128, 0, stream, p);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace mhakern

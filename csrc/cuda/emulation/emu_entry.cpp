@@ -1,0 +1,174 @@
+// C entry points of the CPU emulation library (built by tests/test_cuda_host.py with g++ from
+// this file and csrc/cuda/*.cu compiled as C++ with -DMHAKERN_CUDA_EMULATE). They fill the
+// kernels' parameter structs from raw pointers and strides, as cuda_host.cpp does from tensors,
+// and go through the same dispatch switch, so the emulated run covers everything from the
+// parameter struct down. "Device memory" is host memory here.
+#include <string>
+
+#include "../attn_dispatch.h"
+#include "cuda_emu.h"
+
+// An emulator build may compile only some of the instantiation files (compiling all of them
+// takes a while); the others resolve to these weak definitions, which report that they are
+// missing instead of failing the link.
+#define MHK_WEAK_INSTANCE(tag, D)                                                                             \
+  namespace mhakern {                                                                                         \
+  namespace cuda {                                                                                            \
+  __attribute__((weak)) cudaError_t run_attn_fwd_##tag##_d##D(const FwdParams&, cudaStream_t) {             \
+    mhk_emu::fail("run_attn_fwd_" #tag "_d" #D " is not compiled into this emulator build");                \
+    return cudaErrorInvalidValue;                                                                             \
+  }                                                                                                           \
+  __attribute__((weak)) cudaError_t run_attn_bwd_##tag##_d##D(const BwdParams&, cudaStream_t) {             \
+    mhk_emu::fail("run_attn_bwd_" #tag "_d" #D " is not compiled into this emulator build");                \
+    return cudaErrorInvalidValue;                                                                             \
+  }                                                                                                           \
+  }                                                                                                           \
+  }
+MHK_WEAK_INSTANCE(fp16, 32)
+MHK_WEAK_INSTANCE(fp16, 64)
+MHK_WEAK_INSTANCE(fp16, 96)
+MHK_WEAK_INSTANCE(fp16, 128)
+MHK_WEAK_INSTANCE(bf16, 32)
+MHK_WEAK_INSTANCE(bf16, 64)
+MHK_WEAK_INSTANCE(bf16, 96)
+MHK_WEAK_INSTANCE(bf16, 128)
+#undef MHK_WEAK_INSTANCE
+
+#if defined(__x86_64__)
+// mhk_emu_switch(save_sp, load_sp): push the System V callee-saved registers, store the stack
+// pointer in *save_sp, switch to load_sp, pop that fiber's registers and return into it.
+asm(R"(
+  .text
+  .globl mhk_emu_switch
+  .type mhk_emu_switch, @function
+mhk_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size mhk_emu_switch, .-mhk_emu_switch
+  .section .note.GNU-stack,"",@progbits
+  .text
+)");
+#endif
+
+using mhakern::cuda::BwdParams;
+using mhakern::cuda::ElemType;
+using mhakern::cuda::FwdParams;
+using mhakern::cuda::HeadStrides;
+
+namespace {
+
+HeadStrides strides(const int64_t* s) {
+  HeadStrides h;
+  h.batch = s[0];
+  h.head = s[1];
+  h.row = s[2];
+  return h;
+}
+
+int finish(cudaError_t err) {
+  if (err != cudaSuccess && mhk_emu::state().error.empty()) mhk_emu::fail("launcher returned error " + std::to_string(static_cast<int>(err)));
+  return mhk_emu::state().error.empty() ? 0 : 1;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Resets the error state. defer_async: cp.async data lands only at the covering wait (1) or at
+// once (0). max_smem: the per-block shared-memory limit to enforce, in bytes.
+void mhk_emu_configure(int defer_async, long long max_smem) {
+  mhk_emu::State& s = mhk_emu::state();
+  s.error.clear();
+  s.defer_async = defer_async != 0;
+  s.max_smem = max_smem;
+}
+
+const char* mhk_emu_last_error() { return mhk_emu::state().error.c_str(); }
+
+int mhk_emu_head_dim_supported(int d) { return mhakern::cuda::head_dim_supported(d) ? 1 : 0; }
+
+// Strides are (batch, head, row) in elements. Returns 0 on success, 1 with mhk_emu_last_error().
+int mhk_emu_fwd(int elem, int D, const void* q, const int64_t* q_st, const void* k, const int64_t* k_st, const void* v,
+                const int64_t* v_st, void* o, const int64_t* o_st, float* lse, const int32_t* key_lengths, int B, int H,
+                int Hkv, int Lq, int Lk, float scale, int causal, int num_splits, float* o_partial, float* lse_partial) {
+  FwdParams p;
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.o = o;
+  p.lse = lse;
+  p.key_lengths = key_lengths;
+  p.q_stride = strides(q_st);
+  p.k_stride = strides(k_st);
+  p.v_stride = strides(v_st);
+  p.o_stride = strides(o_st);
+  p.B = B;
+  p.H = H;
+  p.Hkv = Hkv;
+  p.Lq = Lq;
+  p.Lk = Lk;
+  p.D = D;
+  p.group = H / Hkv;
+  p.scale = scale;
+  p.scale_log2 = scale * mhakern::cuda::kLog2e;
+  p.causal = causal != 0;
+  p.num_splits = num_splits;
+  p.o_partial = o_partial;
+  p.lse_partial = lse_partial;
+  return finish(mhakern::cuda::dispatch_attn_fwd(static_cast<ElemType>(elem), D, p, nullptr));
+}
+
+int mhk_emu_bwd(int elem, int D, const void* dout, const int64_t* do_st, const void* q, const int64_t* q_st, const void* k,
+                const int64_t* k_st, const void* v, const int64_t* v_st, const void* o, const int64_t* o_st,
+                const float* lse, void* dq, const int64_t* dq_st, void* dk, const int64_t* dk_st, void* dv,
+                const int64_t* dv_st, float* delta, const int32_t* key_lengths, int B, int H, int Hkv, int Lq, int Lk,
+                float scale, int causal, int num_splits, float* dq_partial) {
+  BwdParams p;
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.o = o;
+  p.dout = dout;
+  p.lse = lse;
+  p.key_lengths = key_lengths;
+  p.dq = dq;
+  p.dk = dk;
+  p.dv = dv;
+  p.delta = delta;
+  p.q_stride = strides(q_st);
+  p.k_stride = strides(k_st);
+  p.v_stride = strides(v_st);
+  p.o_stride = strides(o_st);
+  p.do_stride = strides(do_st);
+  p.dq_stride = strides(dq_st);
+  p.dk_stride = strides(dk_st);
+  p.dv_stride = strides(dv_st);
+  p.B = B;
+  p.H = H;
+  p.Hkv = Hkv;
+  p.Lq = Lq;
+  p.Lk = Lk;
+  p.D = D;
+  p.group = H / Hkv;
+  p.scale = scale;
+  p.scale_log2 = scale * mhakern::cuda::kLog2e;
+  p.causal = causal != 0;
+  p.num_splits = num_splits;
+  p.dq_partial = dq_partial;
+  return finish(mhakern::cuda::dispatch_attn_bwd(static_cast<ElemType>(elem), D, p, nullptr));
+}
+
+}  // extern "C"

@@ -1,0 +1,246 @@
+// The few warp-level primitives the attention kernels are built from: ldmatrix, mma.sync
+// m16n8k16 (fp16/bf16 in, fp32 accumulate), cp.async with zero fill, quad shuffles, exp2.
+//
+// Compiled by nvcc these are inline PTX for sm_80 and newer. Compiled by a host C++ compiler
+// with MHAKERN_CUDA_EMULATE defined they call the CPU emulation in emulation/cuda_emu.h, which
+// runs the very same kernel source on CPU threads-as-fibers for the host-side tests; the
+// emulation implements the PTX ISA's documented fragment layouts, so the kernels' index
+// arithmetic, masking and softmax are exercised without a GPU.
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16, .f16/.bf16 inputs, .f32 accumulators), lane l,
+// g = l / 4, t = l % 4; a 32-bit register holds two 16-bit values, the lower column first:
+//   A (16x16, row major): a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
+//   B (16x8, "col"):      b0 (k = 2t..2t+1, n = g), b1 (k = 2t+8..2t+9, n = g)
+//   C (16x8, fp32):       c0, c1 (g, 2t..2t+1), c2, c3 (g+8, 2t..2t+1)
+// ldmatrix.x4: lanes 8j..8j+7 give the row addresses of 8x8 matrix j; register j of lane l
+// receives that matrix's (row g, cols 2t, 2t+1), or with .trans its (rows 2t, 2t+1, col g).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(MHAKERN_CUDA_EMULATE)
+#include "emulation/cuda_emu.h"
+#else
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#endif
+
+#include "attn_params.h"
+
+#if defined(MHAKERN_CUDA_EMULATE)
+#define MHK_DEVICE inline
+#define MHK_HD inline
+#define MHK_LAUNCH_BOUNDS(n, min_blocks)
+#define MHK_UNROLL
+#define MHK_DYNAMIC_SMEM(name) unsigned char* name = ::mhk_emu::dynamic_smem()
+#else
+#define MHK_DEVICE __device__ __forceinline__
+#define MHK_HD __host__ __device__ __forceinline__
+// min_blocks = 2 for the 128-thread main kernels: without it ptxas caps them at 168 registers
+// (room for three CTAs per SM) and the D = 128 forward spilled; two CTAs allow 255, as they use.
+#define MHK_LAUNCH_BOUNDS(n, min_blocks) __launch_bounds__(n, min_blocks)
+#define MHK_UNROLL _Pragma("unroll")
+#define MHK_DYNAMIC_SMEM(name)                                   \
+  extern __shared__ __align__(16) unsigned char mhk_smem_buf_[]; \
+  unsigned char* name = mhk_smem_buf_
+#endif
+
+namespace mhakern {
+namespace cuda {
+
+// Element types: how to pack two fp32 values into one 32-bit register of the element type, and
+// which mma flavour multiplies them.
+template <typename Elem>
+struct ElemTraits;
+
+template <>
+struct ElemTraits<__half> {
+  static constexpr bool kIsBf16 = false;
+  static MHK_DEVICE uint32_t pack2(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    uint32_t u;
+    memcpy(&u, &h, sizeof(u));  // well-defined type pun; compiles to a move
+    return u;
+  }
+  static MHK_DEVICE float to_float(__half x) { return __half2float(x); }
+  static MHK_DEVICE __half from_float(float x) { return __float2half_rn(x); }
+};
+
+template <>
+struct ElemTraits<__nv_bfloat16> {
+  static constexpr bool kIsBf16 = true;
+  static MHK_DEVICE uint32_t pack2(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    uint32_t u;
+    memcpy(&u, &h, sizeof(u));
+    return u;
+  }
+  static MHK_DEVICE float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static MHK_DEVICE __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+};
+
+MHK_HD int imin(int a, int b) { return a < b ? a : b; }
+MHK_HD int imax(int a, int b) { return a > b ? a : b; }
+MHK_HD constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+#if !defined(MHAKERN_CUDA_EMULATE)
+
+MHK_DEVICE uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Four 8x8 b16 matrices from shared memory (see the layout note above).
+MHK_DEVICE void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p))
+               : "memory");
+}
+
+MHK_DEVICE void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p))
+               : "memory");
+}
+
+// d += a * b on a 16x8x16 tile; fp32 accumulation.
+template <typename Elem>
+MHK_DEVICE void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (ElemTraits<Elem>::kIsBf16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// 16 bytes global -> shared, asynchronously; when !valid nothing is read and zeros are written,
+// so tiles past the end of a tensor hold zeros, never garbage (0 * NaN would poison P @ V).
+MHK_DEVICE void cp_async_16(void* smem, const void* gmem, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+               "r"(src_bytes)
+               : "memory");
+}
+
+MHK_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Wait until at most N of this thread's committed groups are still in flight.
+template <int N>
+MHK_DEVICE void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+MHK_DEVICE void block_sync() { __syncthreads(); }
+
+MHK_DEVICE float shfl_xor(float x, int mask) { return __shfl_xor_sync(0xffffffffu, x, mask); }
+
+// 2^x with the hardware's approximate exponential (relative error ~2^-22, far below the input
+// dtypes' resolution); exp2(-inf) = 0.
+MHK_DEVICE float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+MHK_DEVICE int thread_index() { return static_cast<int>(threadIdx.x); }
+MHK_DEVICE int64_t block_index() { return static_cast<int64_t>(blockIdx.x); }
+
+// Host side of a launch. Above 48 KB a kernel's dynamic shared memory must be opted into.
+template <typename Params>
+inline cudaError_t set_max_dynamic_smem(void (*kernel)(Params), int bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
+// 1-D grid (up to 2^31 - 1 blocks: kernels decode their block index themselves, so no problem
+// size hits the 65535 limit of grid dims y and z).
+template <typename Params>
+inline void launch_kernel(void (*kernel)(Params), int64_t grid, int threads, int smem_bytes, cudaStream_t stream,
+                          const Params& params) {
+  kernel<<<static_cast<unsigned int>(grid), threads, smem_bytes, stream>>>(params);
+}
+
+#else  // MHAKERN_CUDA_EMULATE
+
+inline void ldsm_x4(uint32_t (&r)[4], const void* p) { ::mhk_emu::ldmatrix_x4(r, p, false); }
+inline void ldsm_x4_trans(uint32_t (&r)[4], const void* p) { ::mhk_emu::ldmatrix_x4(r, p, true); }
+template <typename Elem>
+inline void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  ::mhk_emu::mma_m16n8k16(d, a, b0, b1, ElemTraits<Elem>::kIsBf16);
+}
+inline void cp_async_16(void* smem, const void* gmem, bool valid) { ::mhk_emu::cp_async_16(smem, gmem, valid); }
+inline void cp_async_commit() { ::mhk_emu::cp_async_commit(); }
+template <int N>
+inline void cp_async_wait() {
+  ::mhk_emu::cp_async_wait(N);
+}
+inline void block_sync() { ::mhk_emu::syncthreads(); }
+inline float shfl_xor(float x, int mask) { return ::mhk_emu::shfl_xor(x, mask); }
+inline float fast_exp2(float x) { return std::exp2(x); }
+inline int thread_index() { return ::mhk_emu::thread_index(); }
+inline int64_t block_index() { return ::mhk_emu::block_index(); }
+template <typename Params>
+inline cudaError_t set_max_dynamic_smem(void (*)(Params), int bytes) {
+  return ::mhk_emu::check_dynamic_smem(bytes);
+}
+template <typename Params>
+inline void launch_kernel(void (*kernel)(Params), int64_t grid, int threads, int smem_bytes, cudaStream_t,
+                          const Params& params) {
+  ::mhk_emu::launch([&] { kernel(params); }, grid, threads, smem_bytes);
+}
+
+#endif
+
+// Reductions over the four lanes that hold one row of an mma accumulator (lanes 4g..4g+3).
+MHK_DEVICE float quad_max(float x) {
+  x = fmaxf(x, shfl_xor(x, 1));
+  return fmaxf(x, shfl_xor(x, 2));
+}
+MHK_DEVICE float quad_sum(float x) {
+  x += shfl_xor(x, 1);
+  return x + shfl_xor(x, 2);
+}
+
+// Offsets, in elements, of a packed query row. The query rows of the H / Hkv heads that share
+// KV head hkv are numbered r = (h - hkv * group) * Lq + i, so a tile of rows can span several
+// query heads: a decode call (Lq = 1) puts all heads of a group into one tile, which then reads
+// each key block once for all of them.
+MHK_DEVICE int64_t packed_row_offset(const HeadStrides& s, int b, int hkv, int group, int Lq, int r) {
+  const int h = hkv * group + r / Lq;
+  const int i = r % Lq;
+  return b * s.batch + h * s.head + static_cast<int64_t>(i) * s.row;
+}
+
+// Index of a packed row in a contiguous (B, H, Lq) array (lse, delta).
+MHK_DEVICE int64_t packed_row_linear(int b, int H, int hkv, int group, int Lq, int r) {
+  const int h = hkv * group + r / Lq;
+  return (static_cast<int64_t>(b) * H + h) * Lq + r % Lq;
+}
+
+// Number of keys visible to query i: keys [0, limit) are visible (limit <= 0: none).
+MHK_DEVICE int visible_limit(int i, int Lk_b, int Lq, bool causal) {
+  return causal ? imin(Lk_b, i + Lk_b - Lq + 1) : Lk_b;
+}
+
+// The range of query positions i covered by packed rows [r0, r0 + nrows): a tile that wraps
+// from one head into the next covers, conservatively, every position.
+MHK_DEVICE void tile_query_range(int r0, int nrows, int Lq, int& i_lo, int& i_hi) {
+  i_lo = r0 % Lq;
+  i_hi = i_lo + nrows - 1;
+  if (i_hi >= Lq) {
+    i_lo = 0;
+    i_hi = Lq - 1;
+  }
+}
+
+}  // namespace cuda
+}  // namespace mhakern

@@ -1,0 +1,238 @@
+"""GPU tests of the ``cuda`` backend (csrc/cuda/ through mhakern._C).
+
+Every test needs a CUDA device and is skipped without one (conftest.py). On a machine with a
+device, ``test_cuda_backend_is_available_on_a_gpu`` fails when the backend is unavailable (an
+extension built without its CUDA kernels is a broken build, not a missing device); the other
+tests then skip with the backend's reason instead of failing a hundred times over.
+
+Everything is checked against the float64 reference with the tolerance rule of GUIDE.md
+(tests/attn_testing.py): forward, lse, and the gradients dq, dk, dv.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mhakern
+from mhakern import backends, reference
+from mhakern.backends import cuda_backend
+from attn_testing import HARD_CASES, case_id, check_against_reference, make_inputs, rule_check
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = (torch.float16, torch.bfloat16)
+DTYPE_IDS = ("fp16", "bf16")
+
+
+def _cuda_fn(**extra):
+    def fn(q, k, v, **kw):
+        return mhakern.attention(q, k, v, backend="cuda", **kw, **extra)
+
+    return fn
+
+
+@pytest.fixture
+def cuda_ready():
+    why = mhakern.available_backends().get("cuda", "backend 'cuda' is not registered")
+    if why is not None:
+        pytest.skip(f"backend 'cuda' unavailable: {why}")
+
+
+def _kl(kl):
+    return None if kl is None else torch.tensor(kl, device="cuda")
+
+
+def _supported(case) -> bool:
+    D, Dv = case[5], case[6]
+    return D == Dv and D in cuda_backend.HEAD_DIMS
+
+
+def test_cuda_backend_is_available_on_a_gpu():
+    av = mhakern.available_backends()
+    assert av.get("cuda", "not registered") is None, f"backend 'cuda' unavailable on a GPU machine: {av.get('cuda')}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", [c for c in HARD_CASES if _supported(c)], ids=case_id)
+def test_hard_cases(cuda_ready, case, dtype):
+    B, H, Hkv, Lq, Lk, D, Dv, causal, kl = case
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype=dtype, device="cuda")
+    check_against_reference(_cuda_fn(), q, k, v, causal, _kl(kl))
+
+
+@pytest.mark.parametrize("case", [c for c in HARD_CASES if not _supported(c)], ids=case_id)
+def test_hard_cases_outside_the_kernels_fall_back(cuda_ready, case):
+    B, H, Hkv, Lq, Lk, D, Dv, causal, kl = case
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype=torch.float16, device="cuda")
+    with pytest.raises(ValueError, match="backend='cuda' cannot serve"):
+        mhakern.attention(q, k, v, causal=causal, backend="cuda")
+    assert backends.select("auto", q, k, v, causal, _kl(kl)).name != "cuda"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("D", cuda_backend.HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_every_dtype_and_head_dim(cuda_ready, dtype, D, causal):
+    q, k, v = make_inputs(2, 4, 2, 97, 203, D, dtype=dtype, device="cuda")
+    check_against_reference(_cuda_fn(), q, k, v, causal, torch.tensor([203, 120], device="cuda"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_self_attention_several_tiles(cuda_ready, dtype, causal):
+    q, k, v = make_inputs(2, 4, 4, 515, 515, 128, dtype=dtype, device="cuda")
+    check_against_reference(_cuda_fn(), q, k, v, causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_strided_blhd_views_and_output_layout(cuda_ready, dtype):
+    q, k, v = make_inputs(2, 8, 2, 77, 140, 64, dtype=dtype, device="cuda", layout="blhd")
+    check_against_reference(_cuda_fn(), q, k, v, True)
+    out = mhakern.attention(q, k, v, backend="cuda")
+    assert out.transpose(1, 2).is_contiguous()  # (B, L, H, D) memory order kept
+
+
+@pytest.mark.parametrize("D", [32, 128])
+def test_large_logits(cuda_ready, D):
+    q, k, v = make_inputs(1, 4, 2, 70, 90, D, dtype=torch.float16, device="cuda", scale_inputs=30.0)
+    check_against_reference(_cuda_fn(), q, k, v, False)
+    check_against_reference(_cuda_fn(), q, k, v, True)
+
+
+@pytest.mark.parametrize(
+    "B,H,Hkv,Lq,Lk,kl",
+    [
+        (4, 16, 1, 1, 4099, (4099, 1, 0, 2000)),  # MQA decode
+        (3, 32, 8, 1, 1000, None),  # GQA decode
+        (2, 8, 2, 4, 777, (777, 300)),  # speculative decode: a few queries
+    ],
+    ids=["mqa", "gqa", "gqa-4q"],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gqa_mqa_decode(cuda_ready, B, H, Hkv, Lq, Lk, kl, dtype):
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, 128, dtype=dtype, device="cuda")
+    check_against_reference(_cuda_fn(), q, k, v, True, _kl(kl))
+    check_against_reference(_cuda_fn(), q, k, v, False, _kl(kl))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_long_keys_take_the_split_k_path(cuda_ready, causal):
+    B, H, Hkv, Lq, Lk, D = 1, 4, 1, 3, 2**20, 64
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert cuda_backend.plan_splits(B, Hkv, H // Hkv, Lq, Lk, D, sms) > 1
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, dtype=torch.bfloat16, device="cuda")
+    check_against_reference(_cuda_fn(), q, k, v, causal, torch.tensor([Lk - 5], device="cuda"))
+
+
+def _raw_fwd(q, k, v, scale, causal, kl, splits):
+    from mhakern import _C
+
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    _C.cuda_attn_fwd(q, k, v, out, lse, kl, scale, causal, splits)
+    return out, lse
+
+
+def _raw_bwd(dout, q, k, v, out, lse, scale, causal, kl, splits):
+    from mhakern import _C
+
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _C.cuda_attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, kl, scale, causal, splits)
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("splits", [2, 7, 64])
+def test_forced_splits_agree_with_the_reference(cuda_ready, splits):
+    B, H, Hkv, Lq, Lk, D = 2, 8, 2, 40, 3000, 128
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, dtype=torch.float16, device="cuda", requires_grad=False)
+    kl = torch.tensor([3000, 150], dtype=torch.int32, device="cuda")  # 150: most splits see no key
+    scale = D**-0.5
+    out, lse = _raw_fwd(q, k, v, scale, True, kl, splits)
+    ref, ref_lse = reference.attention_forward(q.double(), k.double(), v.double(), scale, True, kl, upcast=True)
+    math_out, _ = reference.attention_forward(q, k, v, scale, True, kl)
+    rule_check("out", out, ref, math_out, torch.float16, 2.0)
+    assert torch.equal(torch.isneginf(lse), torch.isinf(ref_lse))
+    dout = torch.randn_like(q)
+    got = _raw_bwd(dout, q, k, v, out, lse, scale, True, kl, splits)
+    want = _raw_bwd(dout, q, k, v, out, lse, scale, True, kl, 1)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-2, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("splits", [1, 5])
+def test_backward_is_deterministic(cuda_ready, splits):
+    B, H, Hkv, Lq, Lk, D = 2, 16, 2, 300, 700, 64
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, dtype=torch.bfloat16, device="cuda", requires_grad=False)
+    kl = torch.tensor([700, 333], dtype=torch.int32, device="cuda")
+    out, lse = _raw_fwd(q, k, v, 0.125, True, kl, 1)
+    dout = torch.randn_like(q)
+    first = _raw_bwd(dout, q, k, v, out, lse, 0.125, True, kl, splits)
+    for _ in range(2):
+        again = _raw_bwd(dout, q, k, v, out, lse, 0.125, True, kl, splits)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert torch.equal(a, b), f"{name}: two backward runs differ"
+    out2, lse2 = _raw_fwd(q, k, v, 0.125, True, kl, 1)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_fully_masked_rows_give_zero_and_no_nan(cuda_ready, dtype):
+    # causal with Lq > Lk: rows 0 .. Lq - Lk - 1 see no key; key_lengths 0 hides all keys.
+    q, k, v = make_inputs(3, 4, 2, 150, 40, 64, dtype=dtype, device="cuda")
+    kl = torch.tensor([40, 0, 7], device="cuda")
+    out, lse = mhakern.attention(q, k, v, causal=True, key_lengths=kl, backend="cuda", return_lse=True)
+    out.float().square().sum().backward()
+    dead = torch.isneginf(lse)
+    assert dead[0, :, :110].all() and dead[1].all() and dead[2, :, :143].all()
+    assert (out[dead] == 0).all() and (q.grad[dead] == 0).all()
+    assert (k.grad[1] == 0).all() and (v.grad[1] == 0).all()
+    for t in (out, q.grad, k.grad, v.grad):
+        assert not torch.isnan(t).any()
+
+
+def test_hidden_keys_may_hold_garbage(cuda_ready):
+    q, k, v = make_inputs(2, 2, 2, 9, 80, 64, dtype=torch.bfloat16, device="cuda", requires_grad=False)
+    kl = torch.tensor([50, 80], device="cuda")
+    clean = mhakern.attention(q, k, v, key_lengths=kl, backend="cuda")
+    k[0, :, 50:] = float("nan")
+    v[0, :, 50:] = float("inf")
+    assert torch.equal(mhakern.attention(q, k, v, key_lengths=kl, backend="cuda"), clean)
+
+
+def test_auto_prefers_cuda_for_half_precision(cuda_ready):
+    q, k, v = make_inputs(1, 2, 2, 8, 8, 64, dtype=torch.float16, device="cuda")
+    assert backends.select("auto", q, k, v, False, None).name == "cuda"
+    q32, k32, v32 = make_inputs(1, 2, 2, 8, 8, 64, dtype=torch.float32, device="cuda")
+    assert backends.select("auto", q32, k32, v32, False, None).name != "cuda"
+
+
+def test_extension_checks_name_the_argument(cuda_ready):
+    from mhakern import _C
+
+    q, k, v = make_inputs(1, 2, 2, 16, 16, 64, dtype=torch.float16, device="cuda", requires_grad=False)
+    out = torch.empty_like(q)
+    lse = torch.empty(1, 2, 16, device="cuda")
+    with pytest.raises(TypeError, match="q: the cuda backend takes float16 or bfloat16"):
+        _C.cuda_attn_fwd(q.float(), k.float(), v.float(), out, lse, None, 0.125, False, 1)
+    with pytest.raises(ValueError, match="head dim 48 has no compiled cuda kernel"):
+        q48 = q[..., :48].contiguous()
+        _C.cuda_attn_fwd(q48, k[..., :48].contiguous(), v[..., :48].contiguous(), q48.clone(), lse, None, 1.0, False, 1)
+    with pytest.raises(ValueError, match="out: expected shape"):
+        _C.cuda_attn_fwd(q, k, v, out[:, :1], lse, None, 0.125, False, 1)
+    with pytest.raises(ValueError, match="k: strides of dims 0-2 must be multiples of 8"):
+        big = torch.zeros(1, 2, 16, 68, dtype=torch.float16, device="cuda")[..., 2:66]
+        _C.cuda_attn_fwd(q, big, v, out, lse, None, 0.125, False, 1)
+    with pytest.raises(TypeError, match="key_lengths: expected int32"):
+        _C.cuda_attn_fwd(q, k, v, out, lse, torch.tensor([16], device="cuda"), 0.125, False, 1)
+    with pytest.raises(ValueError, match="num_splits"):
+        _C.cuda_attn_fwd(q, k, v, out, lse, None, 0.125, False, 0)
+    with pytest.raises(TypeError, match="lse: expected float32"):
+        _C.cuda_attn_fwd(q, k, v, out, lse.half(), None, 0.125, False, 1)
+
+
+def test_misaligned_views_are_copied_not_refused(cuda_ready):
+    # A view starting 2 elements into its storage breaks 16-byte alignment: the backend copies.
+    base = torch.randn(1, 2, 33, 64, dtype=torch.float16, device="cuda")
+    q = base.view(-1)[2 : 2 + 2 * 32 * 64].view(1, 2, 32, 64).requires_grad_(True)
+    _, k, v = make_inputs(1, 2, 2, 32, 32, 64, dtype=torch.float16, device="cuda")
+    check_against_reference(_cuda_fn(), q, k, v, False)

@@ -1,0 +1,603 @@
+"""Host-side tests of the cuda backend: everything that can be checked without a GPU.
+
+* The reasons ``available_backends()["cuda"]`` gives (torch without CUDA, extension without
+  CUDA, no device), the dispatch decisions of ``supports`` and the split-K planner.
+* The kernels themselves, through a CPU emulation: csrc/cuda/*.cu and the headers they include
+  are compiled by g++ with ``-DMHAKERN_CUDA_EMULATE`` (csrc/cuda/emulation/), which turns the PTX
+  primitives into calls to an emulator running each CUDA thread as a fiber, with the documented
+  fragment layouts of ldmatrix and mma.sync. The emulated kernels then go through the same
+  tolerance rule against the float64 reference as every backend. Every tensor handed to them
+  sits in a larger NaN-filled buffer (padded rows, a spare row): reading outside a tensor puts
+  NaN into the results, and writing outside an output changes the padding, which is checked.
+  What emulation cannot show (timing, register limits, whether the hardware matches the
+  documented layouts) is left to tests/test_cuda.py on a GPU.
+
+The default run builds a few instantiations (``EMU_INSTANCES``); the ``slow`` tests build all
+eight and run more shapes. Compiled objects are cached under pytest's cache dir.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import types
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import pytest
+import torch
+
+import mhakern
+from mhakern import backends
+from mhakern._layout import heads_inner
+from mhakern.backends import cuda_backend
+from attn_testing import HARD_CASES, case_id, check_against_reference, make_inputs
+
+# ---------------------------------------------------------------------------------------------
+# The CPU emulation of the kernels
+# ---------------------------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parent.parent
+CUDA_SRC = ROOT / "csrc" / "cuda"
+ELEM = {torch.float16: 0, torch.bfloat16: 1}
+TAG = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+# Shared memory per block on sm_86 / sm_89, the smallest of the sm_80+ family (sm_80: 163 KB,
+# sm_90: 227 KB): every kernel must fit it, and the emulator enforces it.
+SMEM_LIMIT = 99 * 1024
+PAD_ELEMS = 8  # extra elements per row of every emulated tensor (keeps 16-byte alignment)
+
+
+def cuda_include_dir() -> Optional[Path]:
+    """The CUDA toolkit's include dir (for cuda_fp16.h and friends), or None."""
+    cands = []
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            cands.append(Path(os.environ[env]) / "include")
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        real = Path(os.path.realpath(nvcc))
+        cands.append(real.parent.parent / "include")
+        # a wrapper script in /usr/local/bin: follow the path it execs
+        try:
+            text = real.read_text(errors="ignore")[:4096]
+            for tok in text.split():
+                if tok.endswith("/bin/nvcc"):
+                    cands.append(Path(tok).parent.parent / "include")
+        except OSError:
+            pass
+    cands.append(Path("/usr/local/cuda/include"))
+    for c in cands:
+        if (c / "cuda_fp16.h").is_file() and (c / "driver_types.h").is_file():
+            return c
+    return None
+
+
+def missing_toolchain() -> Optional[str]:
+    """Why the emulator cannot be built here, or None."""
+    if shutil.which("g++") is None:
+        return "g++ not found (the CUDA emulation is compiled with it)"
+    if cuda_include_dir() is None:
+        return "CUDA toolkit headers (cuda_fp16.h) not found: set CUDA_HOME"
+    return None
+
+
+def _sources_digest(extra: Iterable[str]) -> str:
+    h = hashlib.sha256()
+    for p in sorted(CUDA_SRC.rglob("*")):
+        if p.suffix in (".h", ".cuh", ".cu", ".cpp") and p.is_file():
+            h.update(p.name.encode())
+            h.update(p.read_bytes())
+    for e in extra:
+        h.update(e.encode())
+    return h.hexdigest()[:16]
+
+
+FLAGS = ["-std=c++17", "-O1", "-fPIC", "-DMHAKERN_CUDA_EMULATE", "-w"]
+
+
+def build(cache_dir: Path, instances: Sequence[str], jobs: Optional[int] = None) -> Path:
+    """Compile the emulator with the given instantiations (e.g. "fp16_d64"); return the .so path.
+
+    Objects are cached in ``cache_dir`` under a digest of the sources and flags, so a rerun with
+    unchanged sources links only.
+    """
+    inc = cuda_include_dir()
+    if inc is None:
+        raise RuntimeError(missing_toolchain())
+    digest = _sources_digest(FLAGS + [str(inc)])
+    out = cache_dir / digest
+    out.mkdir(parents=True, exist_ok=True)
+    units = [CUDA_SRC / "emulation" / "emu_entry.cpp"]
+    for inst in instances:
+        units += [CUDA_SRC / f"attn_fwd_{inst}.cu", CUDA_SRC / f"attn_bwd_{inst}.cu"]
+
+    def compile_one(src: Path) -> Path:
+        obj = out / (src.name + ".o")
+        if obj.exists():
+            return obj
+        tmp = obj.with_suffix(f".{os.getpid()}.tmp")
+        cmd = ["g++", *FLAGS, f"-I{inc}", "-x", "c++", "-c", str(src), "-o", str(tmp)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"emulator build failed for {src.name}:\n{res.stderr[-4000:]}")
+        os.replace(tmp, obj)
+        return obj
+
+    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 2) as pool:
+        objs = list(pool.map(compile_one, units))
+    lib = out / ("libmhk_emu_" + "_".join(sorted(instances)) + ".so")
+    if not lib.exists():
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        res = subprocess.run(["g++", "-shared", "-o", str(tmp), *map(str, objs)], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"emulator link failed:\n{res.stderr[-4000:]}")
+        os.replace(tmp, lib)
+    return lib
+
+
+class Emulator:
+    """ctypes front end of one emulator library."""
+
+    def __init__(self, lib_path: Path, instances: Sequence[str]):
+        self.lib = ctypes.CDLL(str(lib_path))
+        self.lib.mhk_emu_last_error.restype = ctypes.c_char_p
+        self.lib.mhk_emu_configure.argtypes = [ctypes.c_int, ctypes.c_longlong]
+        self.instances = set(instances)
+        self.defer_async = True
+
+    def has(self, dtype: torch.dtype, D: int) -> bool:
+        return f"{TAG[dtype]}_d{D}" in self.instances
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{what}: {self.lib.mhk_emu_last_error().decode()}")
+
+    def forward(self, q, k, v, scale, causal, key_lengths, num_splits=1):
+        """q, k, v: padded views (see :func:`padded`). Returns (out view, lse, out guard)."""
+        B, H, Lq, D = q.shape
+        Hkv, Lk = k.shape[1], k.shape[2]
+        out, out_guard = padded_empty(q)
+        lse = torch.full((B, H, Lq), float("nan"))
+        o_part = torch.full((num_splits, B, H, Lq, D), float("nan")) if num_splits > 1 else None
+        l_part = torch.full((num_splits, B, H, Lq), float("nan")) if num_splits > 1 else None
+        self.lib.mhk_emu_configure(int(self.defer_async), SMEM_LIMIT)
+        rc = self.lib.mhk_emu_fwd(
+            ELEM[q.dtype], D, _ptr(q), _st(q), _ptr(k), _st(k), _ptr(v), _st(v), _ptr(out), _st(out), _ptr(lse),
+            _ptr(key_lengths), B, H, Hkv, Lq, Lk, ctypes.c_float(scale), int(causal), num_splits,
+            _ptr(o_part), _ptr(l_part),
+        )
+        self._check(rc, "emulated forward")
+        out_guard.check("out")
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, num_splits=1):
+        B, H, Lq, D = q.shape
+        Hkv, Lk = k.shape[1], k.shape[2]
+        dq, gq = padded_empty(q)
+        dk, gk = padded_empty(k)
+        dv, gv = padded_empty(v)
+        delta = torch.full((B, H, Lq), float("nan"))
+        dq_part = torch.full((num_splits, B, H, Lq, D), float("nan")) if num_splits > 1 else None
+        self.lib.mhk_emu_configure(int(self.defer_async), SMEM_LIMIT)
+        rc = self.lib.mhk_emu_bwd(
+            ELEM[q.dtype], D, _ptr(dout), _st(dout), _ptr(q), _st(q), _ptr(k), _st(k), _ptr(v), _st(v),
+            _ptr(out), _st(out), _ptr(lse), _ptr(dq), _st(dq), _ptr(dk), _st(dk), _ptr(dv), _st(dv), _ptr(delta),
+            _ptr(key_lengths), B, H, Hkv, Lq, Lk, ctypes.c_float(scale), int(causal), num_splits, _ptr(dq_part),
+        )
+        self._check(rc, "emulated backward")
+        for name, g in (("dq", gq), ("dk", gk), ("dv", gv)):
+            g.check(name)
+        return dq, dk, dv
+
+
+def _ptr(x: Optional[torch.Tensor]):
+    return None if x is None else ctypes.c_void_p(x.data_ptr())
+
+
+def _st(x: torch.Tensor):
+    return (ctypes.c_int64 * 3)(x.stride(0), x.stride(1), x.stride(2))
+
+
+class _Guard:
+    """Remembers a buffer's padding (everything outside the view) to detect stray writes."""
+
+    def __init__(self, buf: torch.Tensor, view: torch.Tensor):
+        self.buf, self.view = buf, view
+        mask = torch.ones(buf.numel(), dtype=torch.bool)
+        idx = torch.arange(buf.numel()).as_strided(view.shape, view.stride(), view.storage_offset() - buf.storage_offset())
+        mask[idx.reshape(-1)] = False
+        self.mask = mask
+        self.before = buf.reshape(-1)[mask].view(torch.int16).clone()
+
+    def check(self, name: str) -> None:
+        after = self.buf.reshape(-1)[self.mask].view(torch.int16)
+        bad = (after != self.before).nonzero()
+        if bad.numel():
+            raise AssertionError(f"{name}: the kernel wrote {bad.numel()} elements outside the tensor")
+
+
+def _padded_buffer(x: torch.Tensor, fill: float):
+    """A NaN-filled buffer with x's shape and memory order, padded rows, and a view into it."""
+    B, H, L, D = x.shape
+    if heads_inner(x):
+        buf = torch.full((B, L + 1, H, D + PAD_ELEMS), fill, dtype=x.dtype)
+        view = buf[:, :L, :, :D].transpose(1, 2)
+    else:
+        buf = torch.full((B, H, L + 1, D + PAD_ELEMS), fill, dtype=x.dtype)
+        view = buf[:, :, :L, :D]
+    return buf, view
+
+
+def padded(x: torch.Tensor) -> torch.Tensor:
+    """x's values in a NaN-padded buffer (same memory order): reads outside x give NaN."""
+    buf, view = _padded_buffer(x, float("nan"))
+    view.copy_(x.detach())
+    return view
+
+
+def padded_empty(like: torch.Tensor):
+    """A NaN-filled output view shaped and laid out like ``like``, and the guard of its padding."""
+    buf, view = _padded_buffer(like, float("nan"))
+    return view, _Guard(buf, view)
+
+
+class EmulatedAttention(torch.autograd.Function):
+    """The emulated CUDA forward and backward as one autograd op (CPU tensors)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, key_lengths, emu, splits, bwd_splits):
+        qp, kp, vp = padded(q), padded(k), padded(v)
+        out, lse = emu.forward(qp, kp, vp, scale, causal, key_lengths, splits)
+        ctx.save_for_backward(qp, kp, vp, out, lse)
+        ctx.cfg = (scale, causal, key_lengths, emu, bwd_splits)
+        ctx.mark_non_differentiable(lse)
+        return out.clone(), lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        qp, kp, vp, out, lse = ctx.saved_tensors
+        scale, causal, key_lengths, emu, bwd_splits = ctx.cfg
+        dq, dk, dv = emu.backward(padded(dout), qp, kp, vp, out, lse, scale, causal, key_lengths, bwd_splits)
+        return dq.clone(), dk.clone(), dv.clone(), None, None, None, None, None, None
+
+
+def emulated_attention(emu: Emulator, splits: int = 1, bwd_splits: int = 1):
+    """A function with ``mhakern.attention``'s calling convention running the emulated kernels."""
+
+    def fn(q, k, v, *, causal=False, key_lengths=None, scale=None, return_lse=False):
+        D = q.shape[-1]
+        scale = 1.0 / D**0.5 if scale is None else float(scale)
+        kl = None if key_lengths is None else key_lengths.to(torch.int32).contiguous()
+        out, lse = EmulatedAttention.apply(q, k, v, scale, causal, kl, emu, splits, bwd_splits)
+        return (out, lse) if return_lse else out
+
+    return fn
+
+
+# Instantiations built for the default run: every head dim, both dtypes, both tile configs of
+# the backward (D <= 64 and D > 64). The slow tests build all eight.
+EMU_INSTANCES = ("fp16_d32", "bf16_d64", "fp16_d96", "bf16_d128")
+ALL_INSTANCES = tuple(f"{t}_d{d}" for t in ("fp16", "bf16") for d in (32, 64, 96, 128))
+DTYPE_FOR_D = {32: torch.float16, 64: torch.bfloat16, 96: torch.float16, 128: torch.bfloat16}
+
+
+def _make_emulator(request, instances) -> Emulator:
+    why = missing_toolchain()
+    if why:
+        pytest.skip(why)
+    cache = Path(request.config.cache.mkdir("mhakern_cuda_emu"))
+    return Emulator(build(cache, instances), instances)
+
+
+@pytest.fixture(scope="session")
+def emu(request):
+    return _make_emulator(request, EMU_INSTANCES)
+
+
+@pytest.fixture(scope="session")
+def emu_all(request):
+    return _make_emulator(request, ALL_INSTANCES)
+
+
+@pytest.fixture
+def deferred(emu):
+    emu.defer_async = True
+    yield emu
+    emu.defer_async = True
+
+
+def _run(emu, case, dtype, splits=1, bwd_splits=1, layout="bhld", scale_inputs=1.0, scale=None, seed=0):
+    B, H, Hkv, Lq, Lk, D, Dv, causal, kl = case
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype=dtype, layout=layout, scale_inputs=scale_inputs, seed=seed)
+    kl_t = None if kl is None else torch.tensor(kl, dtype=torch.int32)
+    check_against_reference(emulated_attention(emu, splits, bwd_splits), q, k, v, causal, kl_t, scale=scale)
+
+
+def _cuda_supported(case) -> bool:
+    D, Dv = case[5], case[6]
+    return D == Dv and D in cuda_backend.HEAD_DIMS
+
+
+SUPPORTED_HARD = [c for c in HARD_CASES if _cuda_supported(c)]
+UNSUPPORTED_HARD = [c for c in HARD_CASES if not _cuda_supported(c)]
+
+
+@pytest.mark.parametrize("case", SUPPORTED_HARD, ids=case_id)
+def test_emulated_kernels_hard_cases(deferred, case):
+    _run(deferred, case, DTYPE_FOR_D[case[5]])
+
+
+@pytest.mark.parametrize(
+    "case,layout,scale_inputs",
+    [
+        # several query tiles and key blocks (pipelining over 4 key blocks), strided (B, L, H, D)
+        ((1, 2, 1, 130, 200, 64, 64, True, None), "blhd", 1.0),
+        # GQA: a group's packed rows (4 heads x 37) straddle tiles and heads, causal, lengths
+        ((2, 8, 2, 37, 90, 96, 96, True, (90, 41)), "bhld", 1.0),
+        # large logits: exact softmax must not overflow
+        ((1, 2, 2, 40, 70, 32, 32, False, None), "blhd", 30.0),
+        ((1, 2, 1, 33, 65, 128, 128, True, None), "bhld", 30.0),
+    ],
+    ids=["multiblock-blhd", "gqa-straddle", "large-logits-d32", "large-logits-d128"],
+)
+def test_emulated_kernels_shapes(deferred, case, layout, scale_inputs):
+    _run(deferred, case, DTYPE_FOR_D[case[5]], layout=layout, scale_inputs=scale_inputs)
+
+
+def test_emulated_decode_packs_query_heads(deferred):
+    # Lq = 1, 16 query heads over 2 KV heads: each group's 8 rows share one tile.
+    _run(deferred, (3, 16, 2, 1, 150, 64, 64, False, (150, 1, 77)), torch.bfloat16)
+    _run(deferred, (2, 16, 1, 3, 100, 128, 128, True, None), torch.bfloat16)
+
+
+@pytest.mark.parametrize("splits,bwd_splits", [(3, 2), (5, 4)])
+def test_emulated_split_k_combines_through_lse(deferred, splits, bwd_splits):
+    # Causal with short key lengths leaves some splits with no visible key (lse -inf partials).
+    _run(deferred, (2, 4, 2, 5, 300, 64, 64, True, (300, 70)), torch.bfloat16, splits, bwd_splits)
+    _run(deferred, (1, 4, 4, 3, 260, 32, 32, False, (0,)), torch.float16, splits, bwd_splits)
+
+
+def test_emulated_immediate_async_copies(emu):
+    # cp.async data landing at once (instead of at the wait) exposes a missing barrier before a
+    # stage is overwritten; deferred landing (the other tests) exposes reads before the wait.
+    emu.defer_async = False
+    try:
+        _run(emu, (1, 2, 1, 130, 200, 64, 64, True, None), torch.bfloat16)
+        _run(emu, (2, 4, 2, 20, 150, 96, 96, False, (150, 9)), torch.float16, splits=2, bwd_splits=2)
+    finally:
+        emu.defer_async = True
+
+
+def test_emulated_hidden_keys_are_never_read(deferred):
+    # Keys at or past key_lengths[b] may hold garbage: NaN there must not reach any result.
+    B, H, Lq, Lk, D = 2, 2, 9, 80, 64
+    q, k, v = make_inputs(B, H, H, Lq, Lk, D, dtype=torch.bfloat16, requires_grad=False)
+    kl = torch.tensor([50, 80], dtype=torch.int32)
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[0, :, 50:] = float("nan")
+    v_bad[0, :, 50:] = float("inf")
+    fn = emulated_attention(deferred)
+    for x in (q, k_bad, v_bad):
+        x.requires_grad_(True)
+    out, lse = fn(q, k_bad, v_bad, key_lengths=kl, return_lse=True)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
+    assert torch.isfinite(k_bad.grad).all() and torch.isfinite(v_bad.grad).all()
+    assert (k_bad.grad[0, :, 50:] == 0).all() and (v_bad.grad[0, :, 50:] == 0).all()
+    ref = emulated_attention(deferred)(q.detach(), k, v, key_lengths=kl)
+    assert torch.equal(out.detach(), ref)
+
+
+def test_emulated_fully_masked_rows_are_zero_with_zero_gradient(deferred):
+    # Causal with Lq > Lk: the first Lq - Lk rows see no key; key_lengths 0 hides every key.
+    q, k, v = make_inputs(2, 2, 2, 70, 20, 32, dtype=torch.float16)
+    kl = torch.tensor([20, 0], dtype=torch.int32)
+    out, lse = emulated_attention(deferred)(q, k, v, causal=True, key_lengths=kl, return_lse=True)
+    (out.float() * torch.randn(out.shape)).sum().backward()
+    dead = torch.zeros(2, 2, 70, dtype=torch.bool)
+    dead[0, :, :50] = True
+    dead[1] = True
+    assert torch.isneginf(lse[dead]).all() and torch.isfinite(lse[~dead]).all()
+    assert (out[dead] == 0).all() and (q.grad[dead] == 0).all()
+    assert (k.grad[1] == 0).all() and (v.grad[1] == 0).all()
+    for g in (q.grad, k.grad, v.grad):
+        assert not torch.isnan(g).any()
+
+
+def test_emulator_catches_an_out_of_bounds_write():
+    # The guard itself must be able to fail.
+    view, guard = padded_empty(torch.zeros(1, 2, 3, 16, dtype=torch.float16))
+    guard.check("untouched")
+    view.as_strided((1,), (1,), view.storage_offset() + 16).fill_(1.0)  # the pad after row 0
+    with pytest.raises(AssertionError, match="outside the tensor"):
+        guard.check("poked")
+
+
+def test_emulator_reports_a_missing_instantiation(deferred):
+    missing = [i for i in ALL_INSTANCES if i not in EMU_INSTANCES][0]
+    dtype = torch.float16 if missing.startswith("fp16") else torch.bfloat16
+    D = int(missing.split("_d")[1])
+    q, k, v = make_inputs(1, 1, 1, 4, 4, D, dtype=dtype, requires_grad=False)
+    with pytest.raises(RuntimeError, match="not compiled into this emulator build"):
+        emulated_attention(deferred)(q, k, v)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inst", ALL_INSTANCES)
+def test_emulated_every_instantiation(emu_all, inst):
+    dtype = torch.float16 if inst.startswith("fp16") else torch.bfloat16
+    D = int(inst.split("_d")[1])
+    emu_all.defer_async = True
+    _run(emu_all, (2, 6, 2, 45, 140, D, D, True, (140, 61)), dtype, layout="blhd")
+    _run(emu_all, (1, 4, 1, 1, 333, D, D, False, None), dtype, splits=4, bwd_splits=3)
+    _run(emu_all, (1, 2, 2, 100, 30, D, D, True, None), dtype, scale=-0.3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Availability reasons
+# ---------------------------------------------------------------------------------------------
+
+
+def test_available_backends_reports_cuda_with_a_reason_here():
+    av = mhakern.available_backends()
+    assert "cuda" in av
+    if torch.version.cuda is None:
+        assert av["cuda"] is not None and "without CUDA" in av["cuda"]
+    elif not torch.cuda.is_available():
+        assert av["cuda"] is not None
+
+
+def _fresh_backend(monkeypatch, cuda_version, ext, device=True):
+    be = cuda_backend.CudaBackend()
+    monkeypatch.setattr(torch.version, "cuda", cuda_version)
+    if isinstance(ext, Exception):
+        def raise_it():
+            raise ext
+        monkeypatch.setattr(be, "_extension", raise_it)
+    else:
+        monkeypatch.setattr(be, "_extension", lambda: ext)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: device)
+    return be
+
+
+def test_reason_torch_without_cuda(monkeypatch):
+    be = _fresh_backend(monkeypatch, None, types.SimpleNamespace(with_cuda=True, cuda_attn_fwd=None))
+    why = be.unavailable()
+    assert "built without CUDA" in why and "torch.version.cuda is None" in why
+
+
+def test_reason_extension_missing(monkeypatch):
+    be = _fresh_backend(monkeypatch, "13.0", ImportError("No module named 'mhakern._C'"))
+    why = be.unavailable()
+    assert "mhakern._C" in why and "No module named" in why and "--no-build-isolation" in why
+
+
+def test_reason_extension_built_without_cuda(monkeypatch):
+    be = _fresh_backend(monkeypatch, "13.0", types.SimpleNamespace(with_cuda=False))
+    assert "built without its CUDA kernels" in be.unavailable()
+
+
+def test_reason_no_device(monkeypatch):
+    ext = types.SimpleNamespace(with_cuda=True, cuda_attn_fwd=object())
+    be = _fresh_backend(monkeypatch, "13.0", ext, device=False)
+    assert "no CUDA device" in be.unavailable()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert be.unavailable() is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch decisions (tensor stand-ins on a pretend CUDA device: supports() reads only
+# shapes, dtypes, devices)
+# ---------------------------------------------------------------------------------------------
+
+
+class _FakeCudaTensor:
+    def __init__(self, shape, dtype=torch.float16):
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self.device = torch.device("cuda", 0)
+
+    def dim(self):
+        return len(self.shape)
+
+
+def _qkv(B=2, H=8, Hkv=2, Lq=128, Lk=256, D=64, Dv=None, dtype=torch.float16):
+    Dv = D if Dv is None else Dv
+    return (_FakeCudaTensor((B, H, Lq, D), dtype), _FakeCudaTensor((B, Hkv, Lk, D), dtype),
+            _FakeCudaTensor((B, Hkv, Lk, Dv), dtype))
+
+
+@pytest.fixture
+def be(monkeypatch):
+    b = cuda_backend.CudaBackend()
+    monkeypatch.setattr(b, "_capability", lambda dev: (9, 0))
+    return b
+
+
+@pytest.mark.parametrize("D", cuda_backend.HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_supports_fp16_bf16_and_every_compiled_head_dim(be, D, dtype):
+    assert be.supports(*_qkv(D=D, dtype=dtype), True, None) is None
+
+
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        (dict(dtype=torch.float32), "served by the triton backend"),
+        (dict(dtype=torch.float64), "float16 or bfloat16"),
+        (dict(D=80), "supported: 32, 64, 96, 128"),
+        (dict(D=256), "head dim 256"),
+        (dict(D=64, Dv=32), "differ"),
+        (dict(Lk=2**30), "exceeds"),
+    ],
+)
+def test_supports_refuses_with_a_reason(be, kw, needle):
+    why = be.supports(*_qkv(**kw), False, None)
+    assert why is not None and needle in why
+
+
+def test_supports_refuses_cpu_tensors_and_old_gpus(be, monkeypatch):
+    q = torch.zeros(1, 1, 4, 64, dtype=torch.float16)
+    assert "needs CUDA tensors" in be.supports(q, q, q, False, None)
+    monkeypatch.setattr(be, "_capability", lambda dev: (7, 5))
+    assert "compute capability 7.5" in be.supports(*_qkv(), False, None)
+
+
+def test_auto_picks_cuda_first_and_falls_back_with_its_reason(monkeypatch):
+    be = backends.get("cuda")
+    assert be.priority == 40 and be.priority > backends.get("reference").priority
+    monkeypatch.setattr(be, "unavailable", lambda: None)
+    monkeypatch.setattr(be, "_capability", lambda dev: (8, 0))
+    assert backends.select("auto", *_qkv(), False, None) is be
+    # float32 and head dim 80: cuda says why, and auto moves on to another backend
+    for kw in (dict(dtype=torch.float32), dict(D=80)):
+        chosen = backends.select("auto", *_qkv(**kw), False, None)
+        assert chosen is not be
+        with pytest.raises(ValueError, match="backend='cuda' cannot serve"):
+            backends.select("cuda", *_qkv(**kw), False, None)
+
+
+@pytest.mark.parametrize("case", UNSUPPORTED_HARD, ids=case_id)
+def test_hard_cases_outside_the_kernels_are_refused_not_guessed(be, case):
+    B, H, Hkv, Lq, Lk, D, Dv, causal, kl = case
+    assert be.supports(*_qkv(B, H, Hkv, Lq, Lk, D, Dv), causal, None) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# Split-K planning
+# ---------------------------------------------------------------------------------------------
+
+
+def test_plan_splits_no_split_when_query_tiles_fill_the_gpu():
+    # 16 x 16 heads x 2048 rows / 64 = 8192 CTAs on 132 SMs
+    assert cuda_backend.plan_splits(16, 16, 1, 2048, 2048, 128, 132) == 1
+
+
+def test_plan_splits_long_key_decode_splits_the_keys():
+    # MQA decode: 8 query heads share one KV head, Lq = 1: a single CTA per batch element.
+    s = cuda_backend.plan_splits(1, 1, 8, 1, 2**20, 128, 132)
+    assert s == cuda_backend.MAX_SPLITS
+    s = cuda_backend.plan_splits(4, 2, 4, 1, 2**20, 64, 132)  # 8 CTAs
+    assert s == 33  # ceil(2 * 132 / 8)
+
+
+def test_plan_splits_keeps_enough_keys_per_split():
+    # 640 keys = 10 blocks of 64: one split of at least 8 blocks
+    assert cuda_backend.plan_splits(1, 1, 1, 1, 640, 64, 132) == 1
+    assert cuda_backend.plan_splits(1, 1, 1, 1, 64 * 8 * 5, 64, 132) == 5
+
+
+def test_plan_splits_caps_the_workspace():
+    # 2^19 packed rows x 128 dims x 4 B = 256 MiB per split: the 1 GiB cap allows 4 splits
+    # (a device with very many SMs would otherwise ask for more).
+    rows = 64 * 2**13
+    s = cuda_backend.plan_splits(1, 1, 64, 2**13, 2**29, 128, 10**9)
+    assert s == 4
+    assert s * rows * 128 * 4 <= cuda_backend.MAX_SPLIT_WORKSPACE_BYTES
+
+
+def test_plan_splits_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="num_sms"):
+        cuda_backend.plan_splits(1, 1, 1, 1, 64, 64, -1)

@@ -1,0 +1,290 @@
+#!/usr/bin/env python3
+"""Compile-check the CUDA kernels without a GPU.
+
+Compiles every csrc/cuda/*.cu with nvcc for sm_80 and sm_90 (``-Xptxas -v``, the flags torch's
+CUDAExtension and setup.py use), in parallel, and prints one table row per kernel and
+architecture: registers, spill stores/loads, stack frame, static shared memory and the dynamic
+shared memory its launcher asks for. Exits non-zero when a compile fails, when a kernel's shared
+memory exceeds the per-block limit of the smallest sm_80+ part (99 KB on sm_86/sm_89), or when a
+main kernel spills (``--allow-spills`` turns that into a warning).
+
+It also parses csrc/cuda_host.cpp (the torch-facing host code) with g++ ``-fsyntax-only``
+against the installed torch's headers plus the CUDA runtime headers, so that code which can only
+be compiled on a CUDA-enabled torch is at least checked here (``--no-host`` skips it; it is
+skipped with a note when torch's headers or Python's are missing).
+
+Usage: python tools/check_cuda_build.py [-j N] [--arch 80,90] [--only fwd_fp16_d64,...]
+       [--allow-spills] [--no-host] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CUDA_DIR = ROOT / "csrc" / "cuda"
+# torch's CUDAExtension compiles with these; the kernels must build under them.
+TORCH_NVCC_FLAGS = [
+    "-D__CUDA_NO_HALF_OPERATORS__",
+    "-D__CUDA_NO_HALF_CONVERSIONS__",
+    "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-D__CUDA_NO_HALF2_OPERATORS__",
+    "--expt-relaxed-constexpr",
+]
+NVCC_FLAGS = ["-std=c++17", "-O3", "-Xptxas", "-v", "-lineinfo"] + TORCH_NVCC_FLAGS
+SMEM_LIMIT = 99 * 1024  # opt-in shared memory per block on sm_86 / sm_89 (sm_80: 163 KB, sm_90: 227 KB)
+# Kernels whose inner loop is the product: a spill there is a defect. The small helper kernels
+# (delta, combine, dq reduce) are memory-bound one-pass loops.
+MAIN_KERNELS = ("attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
+
+
+def find_nvcc() -> str | None:
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            cand = Path(os.environ[env]) / "bin" / "nvcc"
+            if cand.exists():
+                return str(cand)
+    return shutil.which("nvcc")
+
+
+def cuda_include(nvcc: str) -> Path | None:
+    real = Path(os.path.realpath(nvcc))
+    cands = [real.parent.parent / "include"]
+    try:  # a wrapper script that execs the real nvcc
+        for tok in real.read_text(errors="ignore")[:4096].split():
+            if tok.endswith("/bin/nvcc"):
+                cands.append(Path(tok).parent.parent / "include")
+    except (OSError, UnicodeDecodeError):
+        pass
+    cands.append(Path("/usr/local/cuda/include"))
+    return next((c for c in cands if (c / "cuda_runtime_api.h").is_file()), None)
+
+
+def compile_unit(nvcc: str, src: Path, arch: int, outdir: Path) -> dict:
+    obj = outdir / f"{src.stem}.sm{arch}.o"
+    cmd = [nvcc, *NVCC_FLAGS, f"-gencode=arch=compute_{arch},code=sm_{arch}", "-c", str(src), "-o", str(obj)]
+    t0 = time.time()
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    return {"src": src.name, "arch": arch, "rc": res.returncode, "log": res.stdout + res.stderr,
+            "seconds": time.time() - t0, "cmd": " ".join(cmd)}
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)' for 'sm_(\d+)'")
+_PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas(log: str) -> list[dict]:
+    """Kernel entries of one ``-Xptxas -v`` log."""
+    out, cur = [], None
+    for line in log.splitlines():
+        m = _ENTRY.search(line)
+        if m:
+            cur = {"mangled": m.group(1), "arch": int(m.group(2)), "regs": None, "stack": 0, "spill_st": 0,
+                   "spill_ld": 0, "smem_static": 0}
+            out.append(cur)
+            continue
+        if cur is None:
+            continue
+        m = _PROPS.search(line)
+        if m:
+            cur["stack"], cur["spill_st"], cur["spill_ld"] = map(int, m.groups())
+        m = _USED.search(line)
+        if m:
+            cur["regs"] = int(m.group(1))
+            s = _SMEM.search(line)
+            cur["smem_static"] = int(s.group(1)) if s else 0
+    return out
+
+
+def demangle(names: list[str]) -> dict[str, str]:
+    if not names or shutil.which("c++filt") is None:
+        return {n: n for n in names}
+    res = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True)
+    lines = res.stdout.splitlines()
+    return dict(zip(names, lines)) if len(lines) == len(names) else {n: n for n in names}
+
+
+def short_name(demangled: str) -> tuple[str, str, int]:
+    """('attn_fwd_kernel', 'fp16', 64) from 'void mhakern::cuda::attn_fwd_kernel<__half, 64>(...)'."""
+    m = re.search(r"mhakern::cuda::(\w+)<(\w+), (\d+)>", demangled)
+    if not m:
+        return demangled, "?", 0
+    dtype = {"__half": "fp16", "__nv_bfloat16": "bf16"}.get(m.group(2), m.group(2))
+    return m.group(1), dtype, int(m.group(3))
+
+
+_CONFIG_PROGRAM = r"""
+#include <cstdio>
+#include "attn_fwd_kernel.cuh"
+#include "attn_bwd_kernel.cuh"
+using namespace mhakern::cuda;
+template <int D> void row() {
+  std::printf("%d %d %d %d\n", D, FwdConfig<D>::kSmemBytes, BwdConfig<D>::kDkvSmemBytes, BwdConfig<D>::kDqSmemBytes);
+}
+int main() { row<32>(); row<64>(); row<96>(); row<128>(); }
+"""
+
+
+def dynamic_smem(include: Path) -> dict[tuple[str, int], int] | None:
+    """Dynamic shared memory each main kernel's launcher requests, read off the tile configs."""
+    if shutil.which("g++") is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "cfg.cpp", Path(tmp) / "cfg"
+        src.write_text(_CONFIG_PROGRAM)
+        cmd = ["g++", "-std=c++17", "-DMHAKERN_CUDA_EMULATE", f"-I{CUDA_DIR}", f"-I{include}", str(src), "-o", str(exe)]
+        if subprocess.run(cmd, capture_output=True).returncode != 0:
+            return None
+        res = subprocess.run([str(exe)], capture_output=True, text=True)
+    table = {}
+    for line in res.stdout.splitlines():
+        D, fwd, dkdv, dq = map(int, line.split())
+        table[("attn_fwd_kernel", D)] = fwd
+        table[("attn_bwd_dkdv_kernel", D)] = dkdv
+        table[("attn_bwd_dq_kernel", D)] = dq
+    return table
+
+
+def host_syntax_check(include: Path) -> tuple[str, str]:
+    """('ok' | 'FAILED' | 'skipped', detail) for csrc/cuda_host.cpp parsed by g++."""
+    if shutil.which("g++") is None:
+        return "skipped", "g++ not found"
+    try:
+        import sysconfig
+
+        import torch.utils.cpp_extension as ce
+    except ImportError as e:
+        return "skipped", f"torch not importable ({e})"
+    py_inc = sysconfig.get_paths()["include"]
+    if not (Path(py_inc) / "Python.h").is_file():
+        return "skipped", f"Python headers not found in {py_inc}"
+    with tempfile.TemporaryDirectory() as tmp:
+        # A CPU-only torch ships c10/cuda headers but not this generated one; its content only
+        # matters for building c10_cuda itself.
+        shim = Path(tmp) / "c10" / "cuda" / "impl"
+        shim.mkdir(parents=True)
+        (shim / "cuda_cmake_macros.h").write_text("#pragma once\n")
+        cmd = ["g++", "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-DMHAKERN_WITH_CUDA", f"-I{ROOT / 'csrc'}"]
+        for d in ce.include_paths():
+            cmd += ["-isystem", d]
+        cmd += ["-isystem", tmp, "-isystem", py_inc, "-isystem", str(include), str(ROOT / "csrc" / "cuda_host.cpp")]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0 or res.stderr.strip():
+        return "FAILED", res.stderr[-6000:]
+    return "ok", "g++ -fsyntax-only -Wall -Wextra against torch's headers: no error, no warning"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--arch", default="80,90", help="comma-separated SM versions (default 80,90)")
+    ap.add_argument("--only", default="", help="comma-separated .cu stems without 'attn_' (e.g. fwd_fp16_d64)")
+    ap.add_argument("--allow-spills", action="store_true", help="report main-kernel spills without failing")
+    ap.add_argument("--no-host", action="store_true", help="skip the syntax check of csrc/cuda_host.cpp")
+    ap.add_argument("--json", default="", help="also write the results as JSON to this path")
+    args = ap.parse_args(argv)
+
+    nvcc = find_nvcc()
+    if nvcc is None:
+        print("check_cuda_build: nvcc not found (set CUDA_HOME or put nvcc on PATH)", file=sys.stderr)
+        return 2
+    include = cuda_include(nvcc)
+    sources = sorted(CUDA_DIR.glob("*.cu"))
+    if args.only:
+        wanted = {f"attn_{s.strip()}" for s in args.only.split(",") if s.strip()}
+        sources = [s for s in sources if s.stem in wanted]
+        if len(sources) != len(wanted):
+            print(f"check_cuda_build: --only names no .cu file for {sorted(wanted - {s.stem for s in sources})}",
+                  file=sys.stderr)
+            return 2
+    archs = [int(a) for a in args.arch.split(",") if a.strip()]
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    print(f"check_cuda_build: {len(sources)} .cu files x sm_{', sm_'.join(map(str, archs))} with {nvcc} "
+          f"({version}), {args.jobs} jobs")
+
+    t0 = time.time()
+    failed = []
+    entries = []
+    host = ("skipped", "--no-host")
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        host_future = None
+        if not args.no_host and include is not None:
+            host_future = pool.submit(host_syntax_check, include)
+        jobs = [pool.submit(compile_unit, nvcc, s, a, Path(tmp)) for s in sources for a in archs]
+        for fut in jobs:
+            r = fut.result()
+            if r["rc"] != 0:
+                failed.append(r)
+                continue
+            for e in parse_ptxas(r["log"]):
+                e["src"] = r["src"]
+                entries.append(e)
+        if host_future is not None:
+            host = host_future.result()
+        elif not args.no_host:
+            host = ("skipped", "CUDA include dir not found")
+    elapsed = time.time() - t0
+
+    for r in failed:
+        print(f"\nFAILED: {r['src']} for sm_{r['arch']}\n  {r['cmd']}\n{r['log'][-6000:]}", file=sys.stderr)
+
+    names = demangle(sorted({e["mangled"] for e in entries}))
+    smem_dyn = dynamic_smem(include) if include is not None else None
+    problems = []
+    rows = []
+    for e in entries:
+        kern, dtype, D = short_name(names[e["mangled"]])
+        dyn = (smem_dyn or {}).get((kern, D), 0)
+        e.update(kernel=kern, dtype=dtype, D=D, smem_dynamic=dyn)
+        flags = []
+        if e["spill_st"] or e["spill_ld"]:
+            flags.append("SPILL")
+            if kern in MAIN_KERNELS:
+                problems.append(f"{kern}<{dtype}, {D}> sm_{e['arch']} spills {e['spill_st']} B / {e['spill_ld']} B")
+        if dyn + e["smem_static"] > SMEM_LIMIT:
+            flags.append("SMEM>99KB")
+            problems.append(f"{kern}<{dtype}, {D}> needs {dyn + e['smem_static']} B of shared memory (> {SMEM_LIMIT})")
+        rows.append((kern, dtype, D, e["arch"], e["regs"], e["spill_st"], e["spill_ld"], e["stack"], e["smem_static"], dyn,
+                     " ".join(flags)))
+    rows.sort(key=lambda r: (r[0], r[2], r[1], r[3]))
+
+    header = ("kernel", "dtype", "D", "sm", "regs", "spill st", "spill ld", "stack", "smem static", "smem dyn", "")
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)] if rows else [len(h) for h in header]
+    fmt = "  ".join(f"{{:<{w}}}" if i < 2 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    print()
+    print(fmt.format(*header))
+    print(fmt.format(*["-" * w for w in widths]))
+    for r in rows:
+        print(fmt.format(*[("" if x is None else x) for x in r]))
+    if smem_dyn is None:
+        print("(dynamic shared memory not read: g++ could not build the config printer)")
+    print(f"\ncuda_host.cpp syntax check: {host[0]} ({host[1] if host[0] != 'FAILED' else 'see below'})")
+    if host[0] == "FAILED":
+        print(host[1], file=sys.stderr)
+
+    ok = not failed and host[0] != "FAILED" and (args.allow_spills or not any("spills" in p for p in problems))
+    ok = ok and not any("shared memory" in p for p in problems)
+    for p in problems:
+        print(("WARNING: " if args.allow_spills and "spills" in p else "ERROR: ") + p)
+    n_units = len(sources) * len(archs)
+    print(f"\ncheck_cuda_build: {n_units - len(failed)}/{n_units} compiles ok, {len(entries)} kernels, "
+          f"{elapsed:.0f} s wall, {'PASSED' if ok else 'FAILED'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"passed": ok, "seconds": elapsed, "failed": [f["src"] for f in failed],
+                                               "host_syntax": host[0], "kernels": entries}, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
