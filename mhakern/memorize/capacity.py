@@ -1,0 +1,163 @@
+"""Capacity: the largest T a configuration memorizes at a target accuracy, per seed.
+
+For each seed, T is bracketed by doubling (or halving) from a start value until one T is
+memorized (mem_acc >= target) and a larger one is not, then bisected until the bracket is
+narrower than ``resolution`` (relative) or one example. Every probe is an ordinary run in the
+store, so an interrupted search resumes from its stored probes, and the seeds' probes of a
+round are trained together as one stack (their T differ, their shape does not).
+
+This assumes memorization is monotone in T for a seed: the first T examples of a larger task
+are exactly the smaller task (see :mod:`mhakern.memorize.data`), so a model that memorizes T'
+examples would also fit any T < T' of them; the search reports the largest T it saw
+memorized, which a non-monotone outcome can only make conservative within the bracket.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+from .config import ConfigError, RunConfig
+from .store import ResultStore
+from .sweep import run_sweep
+
+
+@dataclass
+class _Search:
+    seed: int
+    lo: int = 0  # largest T memorized so far
+    hi: Optional[int] = None  # smallest T not memorized so far
+    next_T: int = 0
+    done: bool = False
+    capped: bool = False  # memorized even at t_max
+    probes: List[tuple] = field(default_factory=list)
+
+
+@dataclass
+class CapacityResult:
+    config: RunConfig
+    target: float
+    seeds: List[int]
+    per_seed: List[int]
+    capped: List[bool]
+    probes: int
+    wall_s: float
+
+    @property
+    def mean(self) -> float:
+        return sum(self.per_seed) / len(self.per_seed)
+
+
+def capacity_key(cfg: RunConfig, target: float, seeds: Sequence[int], t_start, t_max, resolution) -> str:
+    d = dataclasses.replace(cfg, T=1, seed=0, target_acc=target).as_dict()
+    d.update(target=target, seeds=list(seeds), t_start=t_start, t_max=t_max, resolution=resolution)
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _advance(s: _Search, T: int, ok: bool, t_max: int, resolution: float) -> None:
+    s.probes.append((T, ok))
+    if ok:
+        s.lo = max(s.lo, T)
+    else:
+        s.hi = T if s.hi is None else min(s.hi, T)
+    if s.hi is None:
+        if s.lo >= t_max:
+            s.done, s.capped = True, True
+        else:
+            s.next_T = min(t_max, 2 * s.lo)
+        return
+    if s.lo == 0:
+        if s.hi <= 1:
+            s.done = True
+        else:
+            s.next_T = s.hi // 2
+        return
+    if s.hi - s.lo <= max(1, int(resolution * s.lo)):
+        s.done = True
+    else:
+        s.next_T = (s.lo + s.hi) // 2
+
+
+def find_capacity(
+    cfg: RunConfig,
+    seeds: Sequence[int],
+    store: ResultStore,
+    experiment: str,
+    target: float = 1.0,
+    t_start: Optional[int] = None,
+    t_max: int = 1 << 22,
+    resolution: float = 0.05,
+    device="cpu",
+    progress: bool = True,
+    log: Optional[Callable[[str], None]] = None,
+    train_fn: Optional[Callable[[List[RunConfig]], Dict[str, float]]] = None,
+) -> CapacityResult:
+    """Capacity of ``cfg`` (its T and seed ignored) for each of ``seeds``.
+
+    Args:
+        target: accuracy that counts as memorized (1.0 is the paper's criterion, 0.99 a looser
+            one); runs stop early once they reach it.
+        t_start: first T probed (default H * min(n, d_h), the theory's scale).
+        t_max: largest T probed; a seed that memorizes it is reported as capped.
+        resolution: stop when the bracket's width is at most this fraction of its lower end.
+        train_fn: for tests, maps a round's configurations to {key: mem_acc} instead of
+            training and storing them.
+    """
+    if not 0 < target <= 1:
+        raise ConfigError("--target-acc", f"must lie in (0, 1], got {target!r}")
+    if not 0 < resolution < 1:
+        raise ConfigError("--resolution", f"must lie in (0, 1), got {resolution!r}")
+    start = t_start if t_start is not None else max(2, cfg.heads * min(cfg.context, cfg.dh))
+    if start < 1:
+        raise ConfigError("--t-start", f"must be a positive integer, got {start!r}")
+    if t_max < start:
+        raise ConfigError("--t-max", f"must be at least the start T ({start}), got {t_max}")
+    seeds = [int(s) for s in seeds]
+    if not seeds:
+        raise ConfigError("--seeds", "give at least one seed")
+    base = dataclasses.replace(cfg, target_acc=target)
+    t0 = time.perf_counter()
+    searches = [_Search(seed=s, next_T=start) for s in seeds]
+    say = log or (lambda s: None)
+    n_probes = 0
+    rnd = 0
+    while not all(s.done for s in searches):
+        rnd += 1
+        live = [s for s in searches if not s.done]
+        cfgs = [dataclasses.replace(base, T=s.next_T, seed=s.seed).validate() for s in live]
+        if train_fn is not None:
+            accs = train_fn(cfgs)
+        else:
+            run_sweep(cfgs, store, experiment, device=device, progress=progress, log=None)
+            accs = {}
+            for c in cfgs:
+                row = store.run_by_key(c.key())
+                accs[c.key()] = row["mem_acc"]
+        n_probes += len(cfgs)
+        for s, c in zip(live, cfgs):
+            ok = accs[c.key()] >= target
+            _advance(s, c.T, ok, t_max, resolution)
+        say(
+            f"  round {rnd}: "
+            + ", ".join(
+                f"seed {s.seed}: T={c.T} {'memorized' if accs[c.key()] >= target else 'not'} "
+                f"({accs[c.key()]:.3f})"
+                for s, c in zip(live, cfgs)
+            )
+        )
+    res = CapacityResult(
+        config=base,
+        target=target,
+        seeds=seeds,
+        per_seed=[s.lo for s in searches],
+        capped=[s.capped for s in searches],
+        probes=n_probes,
+        wall_s=time.perf_counter() - t0,
+    )
+    if train_fn is None:
+        key = capacity_key(cfg, target, seeds, start, t_max, resolution)
+        store.add_capacity(key, experiment, base, target, seeds, res.per_seed, n_probes, res.wall_s)
+    return res

@@ -1,0 +1,106 @@
+"""Named experiments: the quick demonstration, the paper's grids, and the large GPU sweep.
+
+A preset is a list of parts; each part is a sweep (a grid of configurations) or a set of
+capacity searches. The paper's grids follow its public code (see PAPER.md in the project's
+shared notes): d = d_in = d_h = 64, d_v = 1, 100 classes, batch 256, Adam 1e-3, the step rule
+max(500 epochs, 50,000) (300,000 for the d_h sweep), one seed.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence
+
+from .config import RunConfig
+
+
+@dataclass
+class Part:
+    """A sweep over ``grid`` (kind "sweep") or a capacity search per grid point ("capacity")."""
+
+    kind: str
+    base: RunConfig
+    grid: Dict[str, Sequence]
+    target: float = 1.0
+
+
+@dataclass
+class Preset:
+    name: str
+    description: str
+    parts: List[Part]
+    seeds: Sequence[int] = (0,)
+    needs_gpu: bool = False
+    est: str = ""  # rough cost, for --help and the dry run
+
+
+def _k(*xs):
+    return [x * 1000 for x in xs]
+
+
+_PAPER = RunConfig(heads=20, context=32, d_model=64, d_in=64, d_head=64, d_value=1, classes=100, batch=256, lr=1e-3)
+
+PRESETS: Dict[str, Preset] = {
+    "quick": Preset(
+        "quick",
+        "capacity rising with H on a small model: H = 1, 2, 4, 8 at d = 16, n = 8, T = 500, 3,000 steps, 3 seeds",
+        [Part("sweep", RunConfig(d_model=16, context=8, T=500, steps=3000, eval_every=500), {"heads": [1, 2, 4, 8]})],
+        seeds=(0, 1, 2),
+        est="about a minute of CPU on 2 cores",
+    ),
+    "paper-heads": Preset(
+        "paper-heads",
+        "the paper's heads sweep: H in 1, 5, 10, ..., 60 at n = 32; random contexts T = 30k..130k, shared T = 10k..40k",
+        [
+            Part("sweep", dataclasses.replace(_PAPER, data="random"),
+                 {"heads": [1, 5, 10, 20, 30, 40, 50, 60], "T": _k(30, 50, 70, 90, 110, 130)}),
+            Part("sweep", dataclasses.replace(_PAPER, data="shared"),
+                 {"heads": [1, 5, 10, 20, 30, 40, 50, 60], "T": _k(10, 20, 30, 40)}),
+        ],
+        needs_gpu=True,
+        est="80 runs of 50k-250k steps: GPU days",
+    ),
+    "paper-context": Preset(
+        "paper-context",
+        "the paper's context sweep: n in 1, 5, 10, ..., 60 at H = 20; random T = 20k..60k, shared T = 6k..18k",
+        [
+            Part("sweep", dataclasses.replace(_PAPER, data="random"),
+                 {"context": [1, 5, 10, 20, 30, 40, 50, 60], "T": _k(20, 30, 40, 50, 60)}),
+            Part("sweep", dataclasses.replace(_PAPER, data="shared"),
+                 {"context": [1, 5, 10, 20, 30, 40, 50, 60], "T": _k(6, 10, 14, 18)}),
+        ],
+        needs_gpu=True,
+        est="72 runs of 50k-120k steps: GPU days",
+    ),
+    "paper-dh": Preset(
+        "paper-dh",
+        "the paper's head-dim sweep: d_h in 10, 15, ..., 60, 64 at H = 30, n = 32, shared context, 300k steps",
+        [
+            Part("sweep", dataclasses.replace(_PAPER, heads=30, data="shared", min_steps=300_000),
+                 {"d_head": [10, 15, 20, 25, 30, 35, 40, 45, 50, 55, 60, 64], "T": _k(10, 15, 20)}),
+        ],
+        needs_gpu=True,
+        est="36 runs of 300k steps: GPU days",
+    ),
+    "large": Preset(
+        "large",
+        "beyond the paper: capacity (99% target) at H up to 256 and n up to 8192, past the n < d regime",
+        [
+            Part("capacity", dataclasses.replace(_PAPER, data="random", steps=100_000, target_acc=0.99),
+                 {"heads": [64, 128, 256], "context": [64]}, target=0.99),
+            Part("capacity", dataclasses.replace(_PAPER, heads=64, data="random", steps=100_000, target_acc=0.99),
+                 {"context": [16, 128, 512, 1024, 4096, 8192]}, target=0.99),
+        ],
+        needs_gpu=True,
+        est="9 capacity searches of ~10 probes of 100k steps each: GPU days",
+    ),
+}
+
+
+def get(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        from .config import ConfigError
+
+        raise ConfigError("preset", f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None

@@ -1,0 +1,280 @@
+"""Tables and plots from stored results.
+
+* ``table.md`` -- one row per configuration (seeds pooled): mem_acc and examples memorized
+  (mem_acc x T) as mean, spread over seeds, steps and speed; capacity searches when present.
+* ``acc_vs_T.png`` -- mem_acc against T, a line per H (when T was swept).
+* ``capacity_vs_heads.png`` / ``capacity_vs_context.png`` / ``capacity_vs_dhead.png`` -- the
+  capacity (from capacity searches when stored, else the most examples memorized over the
+  T grid) against H, n or d_h, with the theory's line c * H * min(n, d_h), c fitted by least
+  squares (one constant for the whole plot).
+* ``stores.md`` and ``stores_isr.png`` -- memory stores: measured ISR against M with the
+  predictions, and the capacities.
+* ``runs.csv`` (and ``capacities.csv``, ``store_curves.csv``, ``store_capacities.csv``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import OrderedDict
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .store import ResultStore
+
+# Fields that identify a configuration apart from its seed.
+_CFG = ("heads", "context", "d_model", "d_in", "d_head", "d_value", "data", "dist", "task", "classes",
+        "T", "steps", "batch", "lr", "impl", "backend", "dtype", "target_acc")
+
+
+def _mean_sd(xs: Sequence[float]) -> Tuple[float, float]:
+    m = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return m, sd
+
+
+def aggregate(rows: List[Dict]) -> List[Dict]:
+    """Pool the seeds of each configuration."""
+    groups: "OrderedDict[tuple, List[Dict]]" = OrderedDict()
+    for r in rows:
+        groups.setdefault(tuple(r[f] for f in _CFG), []).append(r)
+    out = []
+    for key, rs in groups.items():
+        a = dict(zip(_CFG, key))
+        acc_m, acc_sd = _mean_sd([r["mem_acc"] for r in rs])
+        ex = [r["examples"] for r in rs]
+        ex_m, ex_sd = _mean_sd(ex)
+        a.update(
+            seeds=len(rs), mem_acc=acc_m, mem_acc_sd=acc_sd, examples=ex_m, examples_sd=ex_sd,
+            examples_min=min(ex), examples_max=max(ex),
+            steps_done=sum(r["steps_done"] for r in rs) / len(rs),
+            early=sum(r["stopped_early"] for r in rs),
+            steps_per_s=sum(r["steps_per_s"] for r in rs) / len(rs),
+            examples_per_s=sum(r["examples_per_s"] or 0 for r in rs) / len(rs),
+            wall_s=max(r["wall_s"] for r in rs),
+            backend_used=",".join(sorted({r["backend_used"] for r in rs})),
+            device=",".join(sorted({r["device"] for r in rs})),
+        )
+        out.append(a)
+    return out
+
+
+def theory_fit(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares c of y = c x (the line through the origin)."""
+    sxx = sum(x * x for x in xs)
+    return sum(x * y for x, y in zip(xs, ys)) / sxx if sxx > 0 else float("nan")
+
+
+def _theory_x(a: Dict) -> float:
+    return a["heads"] * min(a["context"], a["d_head"])
+
+
+def capacity_points(aggs: List[Dict], caps: List[Dict]) -> List[Dict]:
+    """Per configuration apart from T: the capacity and its seed spread.
+
+    From capacity searches when stored (mean, min, max over seeds); otherwise the largest
+    mean examples-memorized over the T grid, with that T's seed min and max.
+    """
+    pts: "OrderedDict[tuple, Dict]" = OrderedDict()
+    for a in aggs:
+        k = tuple(a[f] for f in _CFG if f not in ("T", "steps"))
+        cur = pts.get(k)
+        if cur is None or a["examples"] > cur["capacity"]:
+            pts[k] = dict(a, capacity=a["examples"], lo=a["examples_min"], hi=a["examples_max"], source="grid")
+    for c in caps:
+        cfg = json.loads(c["config"])
+        d = {f: cfg.get(f) for f in _CFG if f not in ("T", "steps")}
+        d.update(capacity=c["capacity_mean"], lo=c["capacity_min"], hi=c["capacity_max"], source=f"search@{c['target_acc']:g}",
+                 seeds=len(json.loads(c["seeds"])))
+        pts[tuple(d.get(f) for f in _CFG if f not in ("T", "steps"))] = d
+    return list(pts.values())
+
+
+def markdown_table(aggs: List[Dict], caps: List[Dict]) -> str:
+    lines = []
+    if aggs:
+        lines += [
+            "| H | n | d | d_h | d_v | data | task | T | seeds | mem_acc | examples memorized (min-max) | steps | steps/s | examples/s | backend |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for a in sorted(aggs, key=lambda a: (a["data"], a["task"], a["context"], a["d_head"], a["heads"], a["T"])):
+            lines.append(
+                f"| {a['heads']} | {a['context']} | {a['d_model']} | {a['d_head']} | {a['d_value']} | {a['data']} | {a['task']} "
+                f"| {a['T']} | {a['seeds']} | {a['mem_acc']:.3f} ± {a['mem_acc_sd']:.3f} "
+                f"| {a['examples']:.1f} ({a['examples_min']:.0f}-{a['examples_max']:.0f}) | {a['steps_done']:.0f} "
+                f"| {a['steps_per_s']:.0f} | {a['examples_per_s']:.0f} | {a['backend_used']} |"
+            )
+    if caps:
+        lines += ["", "| H | n | d | d_h | data | task | target | seeds | capacity (mean) | min | max | probes |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for c in caps:
+            lines.append(
+                f"| {c['heads']} | {c['context']} | {c['d_model']} | {c['d_head']} | {c['data']} | {c['task']} | {c['target_acc']:g} "
+                f"| {len(json.loads(c['seeds']))} | {c['capacity_mean']:.1f} | {c['capacity_min']:.0f} | {c['capacity_max']:.0f} | {c['probes']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_acc_vs_T(aggs: List[Dict], path: str) -> bool:
+    series: "OrderedDict[tuple, List[Dict]]" = OrderedDict()
+    for a in aggs:
+        series.setdefault((a["data"], a["context"], a["d_head"], a["heads"]), []).append(a)
+    if not any(len({a["T"] for a in s}) > 1 for s in series.values()):
+        return False
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for (data, n, dh, H), s in series.items():
+        s = sorted(s, key=lambda a: a["T"])
+        ax.errorbar([a["T"] for a in s], [a["mem_acc"] for a in s], yerr=[a["mem_acc_sd"] for a in s],
+                    marker="o", ms=3, capsize=2, label=f"H={H} n={n} d_h={dh} {data}")
+    ax.set_xlabel("T (training examples)")
+    ax.set_ylabel("mem_acc (training accuracy)")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_capacity(points: List[Dict], var: str, path: str, label: str) -> Optional[float]:
+    """Capacity against ``var`` (heads, context or d_head) with the fitted theory line.
+
+    Returns the fitted constant, or None when ``var`` takes fewer than two values.
+    """
+    others = [f for f in ("heads", "context", "d_head") if f != var]
+    series: "OrderedDict[tuple, List[Dict]]" = OrderedDict()
+    for p in points:
+        series.setdefault((p["data"], p["task"]) + tuple(p[f] for f in others), []).append(p)
+    series = OrderedDict((k, s) for k, s in series.items() if len({p[var] for p in s}) > 1)
+    if not series:
+        return None
+    xs = [_theory_x(p) for s in series.values() for p in s]
+    ys = [p["capacity"] for s in series.values() for p in s]
+    c = theory_fit(xs, ys)
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for k, s in series.items():
+        s = sorted(s, key=lambda p: p[var])
+        v = [p[var] for p in s]
+        y = [p["capacity"] for p in s]
+        err = [[p["capacity"] - p["lo"] for p in s], [p["hi"] - p["capacity"] for p in s]]
+        desc = ", ".join(f"{f}={val}" for f, val in zip(others, k[2:]))
+        line = ax.errorbar(v, y, yerr=err, marker="o", capsize=3, label=f"measured ({k[0]}, {desc})")
+        ax.plot(v, [c * _theory_x(p) for p in s], "--", color=line[0].get_color(), alpha=0.7,
+                label=f"theory c·H·min(n, d_h), c = {c:.3g}")
+    ax.set_xlabel(label)
+    ax.set_ylabel("capacity (examples memorized)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return c
+
+
+def plot_stores(curves: List[Dict], caps: List[Dict], path: str) -> bool:
+    if not curves:
+        return False
+    plt = _plt()
+    series: "OrderedDict[tuple, List[Dict]]" = OrderedDict()
+    for r in curves:
+        series.setdefault((r["store"], r["param"], r["d_k"]), []).append(r)
+    fig, ax = plt.subplots(figsize=(7.2, 4.8))
+    for (store, param, dk), rs in series.items():
+        rs = sorted(rs, key=lambda r: r["M"])
+        name = store + _param_text(param)
+        line, = ax.loglog([r["M"] for r in rs], [r["isr"] for r in rs], lw=1.6, label=f"{name}")
+        pr = [(r["M"], r["isr_pred"]) for r in rs if r["isr_pred"] is not None]
+        if pr:
+            ax.loglog([m for m, _ in pr], [p for _, p in pr], ":", color=line.get_color(), lw=1.2)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xlabel("M (memories)")
+    ax.set_ylabel("interference / signal (ISR)")
+    ax.set_title("measured (solid) and predicted (dotted) ISR, d_k = " + ",".join(str(k) for k in sorted({r['d_k'] for r in curves})))
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _param_text(param: str) -> str:
+    p = json.loads(param) if param else {}
+    keep = {k: v for k, v in p.items() if k in ("t", "beta", "width")}
+    return "" if not keep else "(" + ", ".join(f"{k}={v:g}" for k, v in keep.items()) + ")"
+
+
+def stores_table(caps: List[Dict]) -> str:
+    lines = [
+        "| store | d_k | measured capacity | predicted (sphere) | formula (Gaussian) | M measured up to | backend | wall s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(x):
+        return "-" if x is None else f"{x:,.0f}"
+
+    for c in caps:
+        meas = f(c["capacity"]) if c["capacity"] is not None else f"> {c['M_max']:,}"
+        lines.append(
+            f"| {c['store']}{_param_text(c['param'])} | {c['d_k']} | {meas} | {f(c['capacity_pred'])} | {f(c['capacity_formula'])} "
+            f"| {c['M_max']:,} | {c['backend']} | {c['wall_s']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_report(store: ResultStore, out_dir: str, experiment: Optional[str] = None) -> List[str]:
+    """Write the tables, plots and CSV files for ``experiment`` (None: everything) into
+    ``out_dir``; return the paths written."""
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    rows = store.runs(experiment)
+    caps = store.capacities(experiment)
+    aggs = aggregate(rows)
+    if rows or caps:
+        p = os.path.join(out_dir, "table.md")
+        title = f"# Memorization results{'' if experiment is None else ': ' + experiment}\n\n"
+        body = markdown_table(aggs, caps)
+        pts = capacity_points(aggs, caps)
+        fits = []
+        for var, fname, lab in (("heads", "capacity_vs_heads.png", "H (heads)"),
+                                ("context", "capacity_vs_context.png", "n (context tokens)"),
+                                ("d_head", "capacity_vs_dhead.png", "d_h (head dim)")):
+            path = os.path.join(out_dir, fname)
+            c = plot_capacity(pts, var, path, lab)
+            if c is not None:
+                written.append(path)
+                fits.append(f"capacity against {var}: theory c·H·min(n, d_h) fitted with c = {c:.3g}")
+        if plot_acc_vs_T(aggs, os.path.join(out_dir, "acc_vs_T.png")):
+            written.append(os.path.join(out_dir, "acc_vs_T.png"))
+        with open(p, "w") as f:
+            f.write(title + body + ("\n" + "\n".join(f"- {s}" for s in fits) + "\n" if fits else ""))
+        written.append(p)
+        written.append(os.path.join(out_dir, "runs.csv"))
+        store.export_csv(written[-1], "runs", experiment)
+        if caps:
+            written.append(os.path.join(out_dir, "capacities.csv"))
+            store.export_csv(written[-1], "capacities", experiment)
+    curves = store.table("store_curves", experiment)
+    scaps = store.table("store_capacities", experiment)
+    if scaps:
+        p = os.path.join(out_dir, "stores.md")
+        with open(p, "w") as f:
+            f.write("# Memory stores\n\n" + stores_table(scaps))
+        written.append(p)
+        if plot_stores(curves, scaps, os.path.join(out_dir, "stores_isr.png")):
+            written.append(os.path.join(out_dir, "stores_isr.png"))
+        for t in ("store_curves", "store_capacities"):
+            written.append(os.path.join(out_dir, f"{t}.csv"))
+            store.export_csv(written[-1], t, experiment)
+    return written

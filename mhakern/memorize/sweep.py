@@ -1,0 +1,158 @@
+"""Sweeps: a grid of configurations, trained in stacks, stored as they finish, resumable.
+
+:func:`expand_grid` makes the configurations, :func:`plan_stacks` packs those not yet stored
+into stacks of runs that can train side by side (same everything but seed, T, heads, d_head
+and d_value; bounded padding waste and data size), and :func:`run_sweep` trains the stacks,
+storing each run the moment it finishes. Re-running the same sweep trains only what is missing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+from .config import RunConfig
+from .store import ResultStore
+from .train import RunResult, train_stack, versions
+
+# A stack may pad its runs to the largest (heads, d_head, d_value) when the padded work is at
+# most this factor above the real work, or when a step is this cheap anyway (multiply-adds),
+# since a small step costs its fixed overhead whatever its size.
+PAD_FACTOR = 1.5
+SMALL_STEP_MACS = 60e6
+
+
+def expand_grid(base: RunConfig, grid: Dict[str, Sequence], seeds: Sequence[int]) -> List[RunConfig]:
+    """Every combination of ``grid`` (field name -> values) applied to ``base``, for each seed.
+
+    Order: the grid's fields vary slowest in the order given, seeds fastest.
+    """
+    names = list(grid)
+    out = []
+    for combo in itertools.product(*(list(grid[n]) for n in names)):
+        over = dict(zip(names, combo))
+        for s in seeds:
+            out.append(dataclasses.replace(base, **over, seed=int(s)).validate())
+    # One configuration listed twice (e.g. repeated values) is one run.
+    seen, uniq = set(), []
+    for c in out:
+        k = c.key()
+        if k not in seen:
+            seen.add(k)
+            uniq.append(c)
+    return uniq
+
+
+def step_macs(cfg: RunConfig) -> float:
+    """Multiply-adds of one forward step of one run of the folded model (for stack planning)."""
+    b = min(cfg.batch, cfg.T)
+    H, n, d, di, dh, dv = cfg.heads, cfg.context, cfg.d_model, cfg.din, cfg.dh, cfg.d_value
+    emb = b * (n + 1) * di * d if cfg.data == "random" else b * di * d + n * di * d
+    return float(emb + 2 * b * H * d * dh + 2 * b * H * n * d + 2 * b * H * d * dv + b * d * cfg.n_out)
+
+
+def data_bytes(cfg: RunConfig) -> int:
+    per = cfg.din if cfg.data == "shared" else (cfg.context + 1) * cfg.din
+    return cfg.T * per * 4
+
+
+def _padded(cfgs: Sequence[RunConfig]) -> RunConfig:
+    return dataclasses.replace(
+        cfgs[0],
+        heads=max(c.heads for c in cfgs),
+        d_head=max(c.dh for c in cfgs),
+        d_value=max(c.d_value for c in cfgs),
+    )
+
+
+def plan_stacks(configs: Sequence[RunConfig], max_stack: int = 32, max_bytes: int = 2 << 30) -> List[List[RunConfig]]:
+    """Pack configurations into stacks (lists of configurations with one stack key)."""
+    groups: Dict[tuple, List[RunConfig]] = {}
+    for c in configs:
+        groups.setdefault(c.stack_key(), []).append(c)
+    stacks: List[List[RunConfig]] = []
+    for cfgs in groups.values():
+        # Similar sizes together: padding then wastes little.
+        cfgs = sorted(cfgs, key=lambda c: (step_macs(c), c.T, c.seed))
+        cur: List[RunConfig] = []
+        for c in cfgs:
+            trial = cur + [c]
+            if cur:
+                padded = step_macs(_padded(trial)) * len(trial)
+                real = sum(step_macs(x) for x in trial)
+                too_wasteful = padded > PAD_FACTOR * real and padded > SMALL_STEP_MACS
+                too_big = sum(data_bytes(x) for x in trial) > max_bytes
+                if len(trial) > max_stack or too_wasteful or too_big:
+                    stacks.append(cur)
+                    trial = [c]
+            cur = trial
+        if cur:
+            stacks.append(cur)
+    return stacks
+
+
+@dataclass
+class SweepSummary:
+    total: int  # configurations in the sweep
+    skipped: int  # already stored before this call
+    trained: int  # finished and stored by this call
+    wall_s: float
+
+
+def run_sweep(
+    configs: Sequence[RunConfig],
+    store: ResultStore,
+    experiment: str,
+    device="cpu",
+    progress: bool = True,
+    max_stack: int = 32,
+    layout: str = "rows",
+    on_stored: Optional[Callable[[RunResult], None]] = None,
+    log: Optional[Callable[[str], None]] = None,
+) -> SweepSummary:
+    """Train every configuration not yet in ``store``; store each as it finishes.
+
+    ``on_stored(result)`` is called after a run's row is committed. An exception (Ctrl-C
+    included) propagates after the finished runs are safely stored; the runs in flight are
+    lost and retrained by the next call.
+    """
+    t0 = time.perf_counter()
+    configs = list(configs)
+    have = store.stored_keys(c.key() for c in configs)
+    todo = [c for c in configs if c.key() not in have]
+    skipped = len(configs) - len(todo)
+    say = log or (lambda s: None)
+    if skipped:
+        say(f"{skipped} of {len(configs)} runs already stored in {store.path}; training the other {len(todo)}")
+    vers = versions()
+    trained = 0
+    stacks = plan_stacks(todo, max_stack=max_stack)
+    outer = None
+    if progress and len(stacks) > 1:
+        from tqdm.auto import tqdm
+
+        outer = tqdm(total=len(todo), desc=f"{experiment}: runs", unit="run", position=0, dynamic_ncols=True)
+
+    def stored(res: RunResult) -> None:
+        nonlocal trained
+        if store.add_run(res, experiment, vers):
+            trained += 1
+        if outer is not None:
+            outer.update(1)
+        say(
+            f"  {res.config.label()} T={res.config.T} seed={res.config.seed}: mem_acc {res.mem_acc:.3f} "
+            f"({res.examples:.0f} examples) in {res.steps_done} steps, {res.steps_per_s:.0f} steps/s"
+            f"{', stopped early' if res.stopped_early else ''}"
+        )
+        if on_stored is not None:
+            on_stored(res)
+
+    try:
+        for stack in stacks:
+            train_stack(stack, device=device, progress=progress, on_result=stored, layout=layout)
+    finally:
+        if outer is not None:
+            outer.close()
+    return SweepSummary(len(configs), skipped, trained, time.perf_counter() - t0)

@@ -1,0 +1,409 @@
+"""Training a stack of independent runs of one shape, side by side.
+
+R runs that share a shape (same H, n, d, ... but their own seed and T) are one batched model:
+every matmul carries the run dim, the loss is the sum of the runs' losses, and
+:class:`~mhakern.memorize.optim.BatchedAdam` gives each run its own learning-rate schedule. A
+run leaves the stack when it reaches its target accuracy (the paper stops at 100%) or its step
+budget; the others go on without it.
+
+Batches follow the paper: ``batch`` examples per step, each run walking through its own
+random order of its T examples epoch after epoch (a full batch of all T when T <= batch). The
+training set is evaluated whole every ``eval_every`` steps and at the end; the reported
+``mem_acc`` is the accuracy of the checkpoint the paper keeps (the one that reached the target,
+else the lowest-loss one).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+import mhakern
+
+from . import data as data_mod
+from .config import ConfigError, RunConfig
+from .model import ModelShape, StackedParams, forward, sinusoidal_positions
+from .optim import BatchedAdam, lr_factor
+
+Tensor = torch.Tensor
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RunResult:
+    """What one finished run reports (one row of the store)."""
+
+    config: RunConfig
+    mem_acc: float
+    best_acc: float
+    final_acc: float
+    loss: float
+    steps_done: int
+    stopped_early: bool
+    wall_s: float
+    steps_per_s: float
+    stack_size: int
+    backend_used: str
+    device: str
+    history: List[Tuple[int, float, float]] = field(default_factory=list)
+
+    @property
+    def examples(self) -> float:
+        """Examples memorized: mem_acc x T."""
+        return self.mem_acc * self.config.T
+
+    @property
+    def examples_per_s(self) -> float:
+        """Training examples processed per second by this run."""
+        return self.steps_per_s * min(self.config.batch, self.config.T)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def device_name(device: torch.device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    return f"cpu: {platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def versions() -> Dict[str, str]:
+    v = {"python": platform.python_version(), "torch": torch.__version__, "mhakern": mhakern.__version__}
+    if "triton" in sys.modules:
+        v["triton"] = getattr(sys.modules["triton"], "__version__", "?")
+    return v
+
+
+def stack_shape(configs: Sequence[RunConfig]) -> ModelShape:
+    """The padded shape of a stack: the largest heads, d_head and d_value of its runs."""
+    sh = ModelShape.of(configs[0])
+    return dataclasses.replace(
+        sh,
+        heads=max(c.heads for c in configs),
+        d_head=max(c.dh for c in configs),
+        d_value=max(c.d_value for c in configs),
+    )
+
+
+def resolve_backend(cfg: RunConfig, device) -> str:
+    """The backend that will serve this configuration's attention calls, by name.
+
+    ``impl`` "eager" and "paper" use no backend (their name is returned). Raises
+    :class:`ConfigError` for ``--backend`` when the named backend (or ``auto``) cannot serve the
+    tensors the model passes to ``mhakern.attention``.
+    """
+    if cfg.impl != "fused":
+        return cfg.impl
+    dt = torch_dtype(cfg.dtype)
+    dev = torch.device(device)
+    H, n, d = cfg.heads, cfg.context, cfg.d_model
+    # Meta tensors of the call's shapes: supports() looks at shapes, dtypes and devices only.
+    if cfg.data == "shared":
+        q = torch.empty((1, 1, 2 * H, d), dtype=dt, device=dev)
+    else:
+        q = torch.empty((2, 1, H, d), dtype=dt, device=dev)
+    kv = torch.empty((q.shape[0], 1, n, d), dtype=dt, device=dev)
+    try:
+        return mhakern.backends.select(cfg.backend, q, kv, kv, False, None).name
+    except ValueError as e:
+        msg = str(e)
+        if msg.startswith("backend: "):
+            msg = msg[len("backend: "):]
+        raise ConfigError("--backend", msg) from None
+
+
+class _Sampler:
+    """Per-run mini-batch indices: a fresh random order of the run's T examples each epoch.
+
+    ``next(act)`` returns ``(idx, w)``: ``idx`` (len(act), b) example indices and ``w`` the
+    matching 0/1 weights (None when every slot is a real example).
+    """
+
+    def __init__(self, seeds: Sequence[int], Ts: Sequence[int], batch: int, device):
+        self.seeds, self.Ts = list(seeds), list(Ts)
+        self.Tmax = max(self.Ts)
+        self.b = min(batch, self.Tmax)
+        self.device = device
+        R = len(self.Ts)
+        self.full = [T <= batch for T in self.Ts]
+        # Every run full-batch with the same T: the whole dataset is the batch.
+        self.trivial = all(self.full) and len(set(self.Ts)) == 1
+        ar = torch.arange(self.b, device=device)
+        Tt = torch.tensor(self.Ts, device=device).view(-1, 1)
+        self.full_idx = (ar.view(1, -1) % Tt).contiguous()
+        self.full_w = (ar.view(1, -1) < Tt)
+        self.perm = torch.zeros((R, self.Tmax), dtype=torch.int64, device=device)
+        self.ptr = [0] * R
+        self.epoch = [-1] * R
+        # Orders of the next few epochs of each run, made in one call: small T means an epoch
+        # every step or two, and one argsort per epoch would cost more than the step.
+        self._ahead: Dict[int, List[Tensor]] = {}
+        self._ahead_n = max(1, (1 << 16) // self.Tmax)
+        for r in range(R):
+            if not self.full[r]:
+                self._new_epoch(r)
+
+    def _new_epoch(self, r: int) -> None:
+        self.epoch[r] += 1
+        q = self._ahead.get(r)
+        if not q:
+            q = list(
+                data_mod.epoch_permutations(
+                    self.seeds[r], self.epoch[r], self._ahead_n, self.Ts[r], self.Tmax, self.device
+                ).unbind(0)
+            )
+            self._ahead[r] = q
+        self.perm[r] = q.pop(0)
+        self.ptr[r] = 0
+
+    def next(self, act: List[int], act_t: Tensor) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        if self.trivial:
+            return None, None
+        b = self.b
+        starts = []
+        for r in act:
+            if self.full[r]:
+                starts.append(0)
+                continue
+            if self.ptr[r] + b > self.Ts[r]:
+                self._new_epoch(r)
+            starts.append(self.ptr[r])
+            self.ptr[r] += b
+        full = [self.full[r] for r in act]
+        if all(full):
+            w = self.full_w[act_t]
+            return self.full_idx[act_t], (None if bool(w.all()) else w.to(torch.float32))
+        pos = torch.tensor(starts, device=self.device).view(-1, 1) + torch.arange(b, device=self.device)
+        idx = self.perm[act_t].gather(1, pos)
+        if any(full):
+            f = torch.tensor(full, device=self.device)
+            idx = torch.where(f.view(-1, 1), self.full_idx[act_t], idx)
+            w = torch.where(f.view(-1, 1), self.full_w[act_t], torch.ones_like(self.full_w[act_t]))
+            return idx, (None if bool(w.all()) else w.to(torch.float32))
+        return idx, None
+
+
+def _per_run_loss(out: Tensor, y: Tensor, task: str) -> Tensor:
+    """Unreduced loss (R, b): cross-entropy over the classes, or squared error."""
+    R, b, C = out.shape
+    if task == "classify":
+        return F.cross_entropy(out.reshape(R * b, C).float(), y.reshape(R * b), reduction="none").view(R, b)
+    return (out.squeeze(-1).float() - y.float()) ** 2
+
+
+def _correct(out: Tensor, y: Tensor, task: str, reg_tol: float) -> Tensor:
+    if task == "classify":
+        return out.argmax(-1) == y
+    return (out.squeeze(-1).float() - y.float()).abs() < reg_tol
+
+
+class _Stack:
+    """Mutable state of a stack during training (which runs remain, their weights)."""
+
+    def __init__(self, configs: Sequence[RunConfig], device, layout: str, data_max_bytes: int):
+        c0 = configs[0]
+        self.cfgs = list(configs)
+        self.c0 = c0
+        self.device = torch.device(device)
+        self.dtype = torch_dtype(c0.dtype)
+        self.layout = layout
+        run_shapes = [ModelShape.of(c) for c in configs]
+        self.shape = stack_shape(configs)
+        seeds = [c.seed for c in configs]
+        self.Ts = [c.T for c in configs]
+        self.totals = [c.total_steps for c in configs]
+        self.data = data_mod.TaskData(
+            seeds, self.Ts, c0.context, c0.din, c0.data, c0.dist, c0.task, c0.classes,
+            device=self.device, dtype=self.dtype, max_bytes=data_max_bytes,
+        )
+        self.pe = sinusoidal_positions(c0.context + 1, c0.d_model, self.dtype, self.device)
+        self.P = StackedParams.init(self.shape, seeds, self.device, self.dtype, run_shapes)
+        self.opt = BatchedAdam(self.P.tensors())
+        self.sampler = _Sampler(seeds, self.Ts, c0.batch, self.device)
+        self.act = list(range(len(configs)))
+        self.act_t = torch.arange(len(configs), device=self.device)
+        self.T_t = torch.tensor(self.Ts, device=self.device, dtype=torch.float64)
+
+    def logits(self, P, q, c):
+        c0 = self.c0
+        return forward(P, q, c, self.pe, c0.impl, c0.backend, self.layout)
+
+    def train_step(self, step: int) -> None:
+        c0 = self.c0
+        lr = torch.tensor(
+            [c0.lr * lr_factor(step, self.totals[r], c0.warmup) for r in self.act], dtype=torch.float64, device=self.device
+        )
+        idx, w = self.sampler.next(self.act, self.act_t)
+        all_runs = len(self.act) == len(self.cfgs)
+        q, c, y = self.data.batch(idx, None if all_runs else self.act_t)
+        out = self.logits(self.P, q, c)
+        per = _per_run_loss(out, y, c0.task)
+        loss = per.mean(1) if w is None else (per * w).sum(1) / w.sum(1)
+        self.opt.zero_grad()
+        loss.sum().backward()
+        self.opt.step(lr)
+
+    @torch.no_grad()
+    def evaluate(self, sel: List[int]) -> Tuple[List[float], List[float]]:
+        """Accuracy and mean loss over the whole training set of the active runs at positions
+        ``sel`` (indices into ``self.act``)."""
+        c0 = self.c0
+        sel_t = torch.tensor(sel, device=self.device)
+        runs_t = self.act_t[sel_t]
+        P = StackedParams({k: v.detach()[sel_t] for k, v in self.P.t.items()}) if len(sel) != len(self.act) else self.P.detached()
+        Ts = [self.Ts[self.act[i]] for i in sel]
+        Tmax = max(Ts)
+        per_ex = (c0.context + 1) * c0.din if c0.data == "random" else c0.din
+        chunk = max(1, min(8192, (1 << 23) // max(1, len(sel) * per_ex)))
+        correct = torch.zeros(len(sel), dtype=torch.float64, device=self.device)
+        loss = torch.zeros(len(sel), dtype=torch.float64, device=self.device)
+        T_t = torch.tensor(Ts, device=self.device).view(-1, 1)
+        for e0 in range(0, Tmax, chunk):
+            e = torch.arange(e0, min(Tmax, e0 + chunk), device=self.device)
+            idx = e.view(1, -1).expand(len(sel), -1)
+            q, c, y = self.data.batch(idx, runs_t)
+            out = self.logits(P, q, c)
+            valid = e.view(1, -1) < T_t
+            correct += (_correct(out, y, c0.task, c0.reg_tol) & valid).sum(1).double()
+            loss += (_per_run_loss(out, y, c0.task) * valid).sum(1).double()
+        Tt = torch.tensor(Ts, dtype=torch.float64, device=self.device)
+        return (correct / Tt).tolist(), (loss / Tt).tolist()
+
+    def drop(self, keep: List[int]) -> None:
+        """Keep only the active runs at positions ``keep``."""
+        keep_t = torch.tensor(keep, device=self.device, dtype=torch.long)
+        self.P = self.P.select(keep_t)
+        self.opt.select(keep_t, self.P.tensors())
+        self.act = [self.act[i] for i in keep]
+        self.act_t = self.act_t[keep_t]
+
+
+def stack_label(configs: Sequence[RunConfig]) -> str:
+    """Short description of a stack for progress bars: the values that vary, listed."""
+    c0 = configs[0]
+
+    def vals(f):
+        v = sorted({f(c) for c in configs})
+        return ",".join(str(x) for x in v)
+
+    s = f"H={vals(lambda c: c.heads)} n={c0.context} d={c0.d_model}"
+    if any(c.dh != c0.d_model for c in configs):
+        s += f" dh={vals(lambda c: c.dh)}"
+    return s + f" T={vals(lambda c: c.T)} {c0.data} x{len(configs)}"
+
+
+def train_stack(
+    configs: Sequence[RunConfig],
+    device="cpu",
+    progress: bool = True,
+    on_result: Optional[Callable[[RunResult], None]] = None,
+    layout: str = "rows",
+    data_max_bytes: int = 2 << 30,
+    desc: Optional[str] = None,
+) -> List[RunResult]:
+    """Train ``configs`` (same :meth:`RunConfig.shape_key`) as one stack; return their results.
+
+    ``on_result`` is called as each run finishes (before the others do), so that a caller can
+    store it at once. The results come back in the order of ``configs``.
+    """
+    if not configs:
+        return []
+    configs = [c.validate() for c in configs]
+    k0 = configs[0].stack_key()
+    for c in configs[1:]:
+        if c.stack_key() != k0:
+            raise ValueError(
+                "train_stack: configurations differ in more than seed, T, heads, d_head and d_value; "
+                "they cannot share a stack"
+            )
+    t_start = time.perf_counter()
+    device = torch.device(device)
+    sh = stack_shape(configs)
+    backend_used = resolve_backend(dataclasses.replace(configs[0], heads=sh.heads), device)
+    dev_name = device_name(device)
+    st = _Stack(configs, device, layout, data_max_bytes)
+    c0 = configs[0]
+    R = len(configs)
+    results: List[Optional[RunResult]] = [None] * R
+    best = [(math.inf, 0.0) for _ in range(R)]  # (lowest loss, its accuracy)
+    top_acc = [0.0] * R
+    hist: List[List[Tuple[int, float, float]]] = [[] for _ in range(R)]
+    max_total = max(st.totals)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        label = desc or stack_label(configs)
+        bar = tqdm(total=max_total, desc=label, unit="step", leave=False, mininterval=0.5, dynamic_ncols=True)
+    t_loop = time.perf_counter()
+    last_acc = None
+    try:
+        step = 0
+        while st.act:
+            st.train_step(step)
+            step += 1
+            if bar is not None:
+                bar.update(1)
+            at_eval = step % c0.eval_every == 0
+            ending = [i for i, r in enumerate(st.act) if st.totals[r] == step]
+            sel = list(range(len(st.act))) if at_eval else ending
+            if not sel:
+                continue
+            accs, losses = st.evaluate(sel)
+            done = []
+            for i, acc, ls in zip(sel, accs, losses):
+                r = st.act[i]
+                hist[r].append((step, acc, ls))
+                top_acc[r] = max(top_acc[r], acc)
+                hit = acc >= configs[r].target_acc
+                if hit or ls < best[r][0]:
+                    best[r] = (ls, acc)
+                if hit or st.totals[r] == step:
+                    done.append(i)
+                    now = time.perf_counter()
+                    res = RunResult(
+                        config=configs[r],
+                        mem_acc=best[r][1],
+                        best_acc=top_acc[r],
+                        final_acc=acc,
+                        loss=best[r][0],
+                        steps_done=step,
+                        stopped_early=hit and step < st.totals[r],
+                        wall_s=now - t_start,
+                        steps_per_s=step / max(1e-9, now - t_loop),
+                        stack_size=R,
+                        backend_used=backend_used,
+                        device=dev_name,
+                        history=hist[r],
+                    )
+                    results[r] = res
+                    if on_result is not None:
+                        on_result(res)
+            last_acc = sum(accs) / len(accs)
+            if done:
+                keep = [i for i in range(len(st.act)) if i not in done]
+                if keep:
+                    st.drop(keep)
+                else:
+                    st.act = []
+            if bar is not None:
+                bar.set_postfix(runs=len(st.act), acc=f"{last_acc:.3f}", refresh=False)
+    finally:
+        if bar is not None:
+            bar.close()
+    return results  # type: ignore[return-value]
+
+
+def run_one(cfg: RunConfig, device="cpu", progress: bool = False, **kw) -> RunResult:
+    """Train a single configuration (a stack of one)."""
+    return train_stack([cfg], device=device, progress=progress, **kw)[0]

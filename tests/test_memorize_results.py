@@ -1,0 +1,224 @@
+"""The trainer's results: SQLite store, resumable sweeps, capacity search, report, command line."""
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from mhakern.memorize import cli
+from mhakern.memorize.capacity import find_capacity
+from mhakern.memorize.config import RunConfig
+from mhakern.memorize.report import write_report
+from mhakern.memorize.store import ResultStore
+from mhakern.memorize.sweep import expand_grid, plan_stacks, run_sweep
+from mhakern.memorize.train import train_stack, versions
+
+TINY = RunConfig(heads=2, context=3, d_model=8, T=24, steps=60, eval_every=30)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _rows(db):
+    con = sqlite3.connect(db)
+    try:
+        return {r[0]: r[1:] for r in con.execute("SELECT key, id, finished_at, mem_acc FROM runs")}
+    finally:
+        con.close()
+
+
+def test_store_keeps_one_row_per_configuration_and_exports_csv(tmp_path):
+    store = ResultStore(str(tmp_path / "r.sqlite"))
+    res = train_stack([TINY], progress=False)[0]
+    assert store.add_run(res, "exp", versions()) is True
+    assert store.add_run(res, "exp", versions()) is False  # same key: kept once
+    assert store.stored_keys([TINY.key(), "nope"]) == {TINY.key()}
+    row = store.run_by_key(TINY.key())
+    assert row["mem_acc"] == res.mem_acc and row["heads"] == 2 and row["steps"] == 60
+    assert ResultStore.config_of(row) == TINY.resolved()
+    n = store.export_csv(str(tmp_path / "runs.csv"))
+    lines = (tmp_path / "runs.csv").read_text().splitlines()
+    assert n == 1 and len(lines) == 2 and lines[0].startswith("id,key,experiment")
+
+
+def test_keys_tell_configurations_apart_and_ignore_spelled_out_defaults():
+    a = RunConfig(heads=2, d_model=16, steps=None, T=1000)
+    assert a.key() == RunConfig(heads=2, d_model=16, d_in=16, d_head=16, steps=50_000, T=1000).key()
+    assert a.key() != RunConfig(heads=2, d_model=16, T=1001).key()
+    assert a.key() != RunConfig(heads=2, d_model=16, T=1000, seed=1).key()
+    assert RunConfig(impl="eager", backend="x").key() == RunConfig(impl="eager").key()
+
+
+def test_interrupted_sweep_resumes_without_redoing_or_losing_finished_runs(tmp_path):
+    db = str(tmp_path / "r.sqlite")
+    cfgs = expand_grid(TINY, {"heads": [1, 2]}, seeds=[0, 1])
+    assert len(cfgs) == 4
+
+    class Boom(KeyboardInterrupt):
+        pass
+
+    def crash_after_first(res):
+        raise Boom()
+
+    store = ResultStore(db)
+    with pytest.raises(Boom):
+        run_sweep(cfgs, store, "exp", progress=False, max_stack=1, on_stored=crash_after_first)
+    store.close()
+    before = _rows(db)
+    assert len(before) == 1  # the finished run is stored; the interrupted ones are not
+    store = ResultStore(db)
+    summary = run_sweep(cfgs, store, "exp", progress=False, max_stack=1)
+    assert (summary.total, summary.skipped, summary.trained) == (4, 1, 3)
+    after = _rows(db)
+    assert len(after) == 4
+    for k, v in before.items():
+        assert after[k] == v  # not redone: same row id, same finish time
+    again = run_sweep(cfgs, store, "exp", progress=False, max_stack=1)
+    assert (again.skipped, again.trained) == (4, 0)
+
+
+def test_killed_sweep_process_leaves_a_sound_database_and_resumes(tmp_path):
+    db = str(tmp_path / "r.sqlite")
+    argv = [sys.executable, "-m", "mhakern.memorize", "sweep", "-H", "1,2,3", "-n", "3", "-d", "8", "-T", "24",
+            "--steps", "400", "--eval-every", "100", "--stack", "1", "--db", db, "--out", str(tmp_path), "--no-progress"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            if os.path.exists(db) and len(_rows(db)) >= 1:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the sweep ended before it could be killed: " + proc.stdout.read().decode()[-500:]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    con = sqlite3.connect(db)
+    assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    con.close()
+    before = _rows(db)
+    assert 1 <= len(before) < 3
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-800:]
+    assert f"{len(before)} of 3 runs already stored" in out.stdout
+    after = _rows(db)
+    assert len(after) == 3 and all(after[k] == v for k, v in before.items())
+
+
+def test_plan_stacks_packs_compatible_runs_and_splits_the_rest():
+    cfgs = expand_grid(TINY, {"heads": [1, 2, 8], "T": [24, 48]}, seeds=[0, 1])
+    stacks = plan_stacks(cfgs, max_stack=32)
+    assert len(stacks) == 1 and len(stacks[0]) == 12  # small steps: padding is free
+    assert sum(len(s) for s in plan_stacks(cfgs, max_stack=5)) == 12
+    other = expand_grid(TINY, {"context": [3, 4]}, seeds=[0])
+    assert len(plan_stacks(other)) == 2  # n differs: never one stack
+    big = expand_grid(RunConfig(d_model=64, context=32, T=10_000), {"heads": [1, 60]}, seeds=[0])
+    assert len(plan_stacks(big)) == 2  # padding H=1 to 60 would waste the work
+
+
+def test_capacity_bisection_finds_the_threshold_per_seed():
+    truth = {0: 37, 1: 100}
+    calls = []
+
+    def fake(cfgs):
+        calls.append([(c.seed, c.T) for c in cfgs])
+        return {c.key(): (1.0 if c.T <= truth[c.seed] else 0.5) for c in cfgs}
+
+    res = find_capacity(TINY, [0, 1], store=None, experiment="x", t_start=8, resolution=0.01, train_fn=fake)
+    assert res.per_seed == [37, 100] and res.capped == [False, False]
+    assert all(len(c) <= 2 for c in calls)  # the seeds' probes of a round go together
+    res = find_capacity(TINY, [0], store=None, experiment="x", t_start=8, t_max=20, resolution=0.01, train_fn=fake)
+    assert res.per_seed == [20] and res.capped == [True]
+
+
+def test_capacity_search_trains_stores_and_resumes(tmp_path):
+    store = ResultStore(str(tmp_path / "r.sqlite"))
+    cfg = RunConfig(heads=2, context=3, d_model=8, steps=300, eval_every=50, lr=1e-2)
+    res = find_capacity(cfg, [0], store, "cap", t_start=4, t_max=64, resolution=0.3, progress=False)
+    # memorizes 8 (seen), not 32: the search must land in between
+    assert 8 <= res.per_seed[0] < 32 and not res.capped[0]
+    n_runs = len(store.runs("cap"))
+    assert n_runs == res.probes
+    again = find_capacity(cfg, [0], store, "cap", t_start=4, t_max=64, resolution=0.3, progress=False)
+    assert again.per_seed == res.per_seed and len(store.runs("cap")) == n_runs  # probes reused
+    assert len(store.capacities("cap")) == 1
+
+
+def test_report_writes_table_plots_and_csv(tmp_path):
+    store = ResultStore(str(tmp_path / "r.sqlite"))
+    cfgs = expand_grid(TINY, {"heads": [1, 2], "T": [12, 24]}, seeds=[0])
+    run_sweep(cfgs, store, "exp", progress=False)
+    paths = write_report(store, str(tmp_path / "out"), "exp")
+    names = {os.path.basename(p) for p in paths}
+    assert {"table.md", "runs.csv", "capacity_vs_heads.png", "acc_vs_T.png"} <= names
+    for p in paths:
+        assert os.path.getsize(p) > 0
+    table = (tmp_path / "out" / "table.md").read_text()
+    assert table.count("\n| 1 | 3 | 8 |") == 2 and "fitted with c =" in table
+
+
+# ---------------------------------------------------------------------------- command line
+BAD = [
+    (["run", "--heads", "-1"], "--heads"),
+    (["run", "--heads", "0"], "--heads"),
+    (["run", "--heads", "1,2"], "--heads"),
+    (["run", "--d-head", "x"], "--d-head"),
+    (["run", "--data", "fixed"], "--data"),
+    (["run", "--backend", "no-such-backend"], "--backend"),
+    (["run", "--dtype", "int8"], "--dtype"),
+    (["run", "--steps", "-5"], "--steps"),
+    (["sweep", "--T", "10,x"], "--T"),
+    (["sweep", "--seeds", "-1"], "--seeds"),
+    (["capacity", "--resolution", "2"], "--resolution"),
+    (["stores", "--d-k", "0"], "--d-k"),
+    (["stores", "--stores", "hopfield"], "--stores"),
+    (["preset", "nope"], "preset"),
+    (["run", "--threads", "-2"], "--threads"),
+    (["run", "--no-such-flag"], "--no-such-flag"),
+]
+
+
+@pytest.mark.parametrize("argv,flag", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_gives_one_line_naming_the_flag_and_status_2(argv, flag, tmp_path, capsys):
+    rc = cli.main(argv + ["--out", str(tmp_path)] if argv[0] != "preset" else argv)
+    err = capsys.readouterr().err
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mhakern-memorize: error:") and flag in lines[0], err
+    assert not os.path.exists(tmp_path / "memorize.sqlite")  # nothing started
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error for a missing CUDA device")
+def test_cuda_device_without_cuda_is_refused(tmp_path, capsys):
+    assert cli.main(["run", "--device", "cuda", "--out", str(tmp_path)]) == 2
+    assert "--device" in capsys.readouterr().err
+
+
+def test_module_entry_point_exit_status(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "mhakern.memorize", "run", "--context", "-3"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == ["mhakern-memorize: error: --context: must be a positive integer, got -3"]
+
+
+def test_cli_run_and_report_end_to_end(tmp_path, capsys):
+    args = ["-H", "2", "-n", "3", "-d", "8", "-T", "16", "--steps", "40", "--seeds", "0,1", "--out", str(tmp_path), "--no-progress"]
+    assert cli.main(["run"] + args) == 0
+    out = capsys.readouterr().out
+    assert out.count("examples memorized") == 2 and "backend reference" in out
+    assert cli.main(["run"] + args) == 0  # stored: nothing retrained
+    assert "already stored" in capsys.readouterr().out
+    assert cli.main(["report", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "run" / "table.md").exists()
