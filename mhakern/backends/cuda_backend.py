@@ -16,7 +16,7 @@ would leave most multiprocessors idle and the keys are long, the keys are split 
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -99,6 +99,7 @@ class CudaBackend(Backend):
     def __init__(self):
         self._static_reason: Optional[str] = None
         self._checked = False
+        self._caps: Optional[Dict[int, Tuple[int, int]]] = None
         self._sms = {}
 
     # -- availability ------------------------------------------------------------------------
@@ -133,12 +134,17 @@ class CudaBackend(Backend):
             return self._static_reason
         if not torch.cuda.is_available():
             return "no CUDA device (torch.cuda.is_available() is False)"
+        if self._caps is None:
+            self._caps = self._device_capabilities()
+        if not any(tuple(c) >= MIN_CAPABILITY for c in self._caps.values()):
+            found = ", ".join(f"{c[0]}.{c[1]}" for c in self._caps.values()) or "none"
+            return f"no CUDA device of compute capability 8.0 or newer (found {found}); the kernels use sm_80 mma.sync"
         return None
 
-    # -- dispatch ------------------------------------------------------------------------------
-    def _capability(self, device: torch.device) -> Tuple[int, int]:
-        return torch.cuda.get_device_capability(device)
+    def _device_capabilities(self) -> Dict[int, Tuple[int, int]]:
+        return {i: tuple(torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())}
 
+    # -- dispatch ------------------------------------------------------------------------------
     def supports(self, q, k, v, causal, key_lengths) -> Optional[str]:
         if q.device.type != "cuda":
             return f"needs CUDA tensors, got {q.device.type} tensors"
@@ -156,8 +162,10 @@ class CudaBackend(Backend):
             return f"(heads per kv head) x Lq = {(H // Hkv) * Lq} exceeds {MAX_GROUP_ROWS}"
         if Lk >= MAX_KEYS:
             return f"key length {Lk} exceeds the cuda kernels' limit of {MAX_KEYS - 1}"
-        cap = self._capability(q.device)
-        if tuple(cap) < MIN_CAPABILITY:
+        # Capabilities were read by unavailable() (dispatch asks it first): a dict lookup here keeps
+        # supports() traceable by torch.compile.
+        cap = (self._caps or {}).get(q.device.index if q.device.index is not None else 0)
+        if cap is not None and tuple(cap) < MIN_CAPABILITY:
             return f"device {q.device} has compute capability {cap[0]}.{cap[1]}; the cuda kernels need 8.0 or newer"
         return None
 
