@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--kernel-max-m", default=str(1 << 17), help="linear and constructed MLP stores: most memories (default 2^17)")
     st.add_argument("--queries", default="256", help="recall queries per trial (default 256)")
     st.add_argument("--trials", default="4", help="independent stores averaged, constructed stores (default 4)")
-    st.add_argument("--mlp-steps", default="2000", help="Adam steps of the trained MLP (default 2000)")
+    st.add_argument("--mlp-steps", default="1000", help="Adam steps of the trained MLP (default 1000)")
     st.add_argument("--mlp-width", default=None, help="hidden width of the trained MLP (default 4 d_k)")
     st.add_argument("--backend", default="auto", help="mhakern backend of the attention store (default auto)")
     st.add_argument("--seed", default="0", help="seed of the memories (default 0)")

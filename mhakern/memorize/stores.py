@@ -268,7 +268,8 @@ def measure_curve(
     mem = Memories(trials, d_k, d_v, seed, device)
     Q = min(queries, pts[-1])
     Kq, Vq = mem.get(0, Q)
-    curve = Curve(store, d_k, d_v, param, backend=store if store != "attention" else "")
+    # Constructed stores are plain torch matmuls; the attention store names its mhakern backend.
+    curve = Curve(store, d_k, d_v, param, backend="torch" if store != "attention" else "")
     attn = store == "attention"
     beta = param.get("beta", math.sqrt(d_k))
     if attn:
@@ -328,19 +329,20 @@ def measure_trained_mlp(
     points: Sequence[int],
     width: Optional[int] = None,
     d_v: Optional[int] = None,
-    steps: int = 2000,
-    lr: float = 3e-3,
+    steps: int = 1000,
+    lr: float = 1e-2,
     seed: int = 0,
     device="cpu",
     recall_max: int = 1 << 14,
     progress: bool = False,
 ) -> Curve:
     """ISR of a trained MLP f(x) = W_2 relu(W_1 x + b_1) + b_2 of hidden ``width``
-    (default 4 d_k), one model per M of ``points``, all trained side by side.
+    (default 4 d_k), one model per M of ``points`` (the first M memories of one stream).
 
-    Each model is trained by full-batch Adam (cosine-decayed ``lr``) on the mean squared error
-    over its M memories. Then for every memory j, signal = (f(k_j) . v_j) v_j and
-    interference = f(k_j) - signal; ISR = sqrt(mean |interference|^2 / mean (f(k_j) . v_j)^2).
+    Each model is trained by full-batch Adam (``lr`` cosine-decayed to 0 over ``steps``) on the
+    mean squared error over its M memories. Then for every memory j, signal =
+    (f(k_j) . v_j) v_j and interference = f(k_j) - signal;
+    ISR = sqrt(mean |interference|^2 / mean (f(k_j) . v_j)^2).
     """
     from .optim import BatchedAdam
 
@@ -348,58 +350,51 @@ def measure_trained_mlp(
     width = 4 * d_k if width is None else width
     pts = sorted(set(int(p) for p in points))
     t0 = time.perf_counter()
-    R, Mmax = len(pts), pts[-1]
     mem = Memories(1, d_k, d_v, seed, device)
-    K, V = mem.get(0, Mmax)
-    K, V = K[0], V[0]
-    mask = (torch.arange(Mmax, device=K.device).view(1, -1) < torch.tensor(pts, device=K.device).view(-1, 1)).float()
-    g = torch.Generator().manual_seed(seed + 17)
-
-    def lin(fan_in, shape):
-        # PyTorch's nn.Linear default (Kaiming-uniform with a = sqrt(5)): bound 1 / sqrt(fan_in).
-        b = 1.0 / math.sqrt(fan_in)
-        return ((torch.rand(shape, generator=g) * 2 - 1) * b).to(K.device).requires_grad_(True)
-
-    W1, b1 = lin(d_k, (R, d_k, width)), lin(d_k, (R, 1, width))
-    W2, b2 = lin(width, (R, width, d_v)), lin(width, (R, 1, d_v))
-    params = [W1, b1, W2, b2]
-    opt = BatchedAdam(params)
-    X = K.unsqueeze(0).expand(R, -1, -1)
-    cnt = mask.sum(1)
+    K_all, V_all = mem.get(0, pts[-1])
+    curve = Curve("mlp-trained", d_k, d_v, {"width": width, "steps": steps, "lr": lr}, backend="torch")
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=steps, desc=f"mlp-trained d_k={d_k} width={width}", unit="step", leave=False, dynamic_ncols=True)
+        bar = tqdm(total=steps * len(pts), desc=f"mlp-trained d_k={d_k} width={width}", unit="step", leave=False, dynamic_ncols=True)
     try:
-        for s in range(steps):
-            out = torch.baddbmm(b2, torch.relu(torch.baddbmm(b1, X, W1)), W2)
-            err = ((out - V) ** 2).sum(-1)
-            loss = ((err * mask).sum(1) / cnt).sum()
-            opt.zero_grad()
-            loss.backward()
-            f = 0.5 * (1 + math.cos(math.pi * s / steps))
-            opt.step(torch.full((R,), lr * f, device=K.device))
-            if bar is not None:
-                bar.update(1)
+        for M in pts:
+            K, V = K_all[:, :M], V_all[:, :M]  # (1, M, d)
+            g = torch.Generator().manual_seed(seed * 1009 + M)
+
+            def lin(fan_in, shape):
+                # nn.Linear's default initialisation: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+                bd = 1.0 / math.sqrt(fan_in)
+                return ((torch.rand(shape, generator=g) * 2 - 1) * bd).to(K.device).requires_grad_(True)
+
+            W1, b1 = lin(d_k, (1, d_k, width)), lin(d_k, (1, 1, width))
+            W2, b2 = lin(width, (1, width, d_v)), lin(width, (1, 1, d_v))
+            opt = BatchedAdam([W1, b1, W2, b2])
+            for s in range(steps):
+                out = torch.baddbmm(b2, torch.relu(torch.baddbmm(b1, K, W1)), W2)
+                loss = ((out - V) ** 2).sum(-1).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step(torch.full((1,), lr * 0.5 * (1 + math.cos(math.pi * s / steps)), device=K.device))
+                if bar is not None:
+                    bar.update(1)
+            with torch.no_grad():
+                o = torch.baddbmm(b2, torch.relu(torch.baddbmm(b1, K, W1)), W2)[0].double()
+                Vd = V[0].double()
+                sg = (o * Vd).sum(-1, keepdim=True)
+                interf = o - sg * Vd
+                curve.M.append(M)
+                curve.isr.append(math.sqrt(float((interf**2).sum(-1).mean()) / float((sg**2).mean())))
+                if M <= recall_max:
+                    hit = (o @ Vd.T).argmax(-1) == torch.arange(M, device=o.device)
+                    curve.recall.append(float(hit.double().mean()))
+                else:
+                    curve.recall.append(float("nan"))
+                curve.queries.append(M)
     finally:
         if bar is not None:
             bar.close()
-    curve = Curve("mlp-trained", d_k, d_v, {"width": width, "steps": steps, "lr": lr}, backend="torch")
-    with torch.no_grad():
-        out = torch.baddbmm(b2, torch.relu(torch.baddbmm(b1, X, W1)), W2)
-        for r, M in enumerate(pts):
-            o = out[r, :M].double()
-            s = (o * V[:M].double()).sum(-1, keepdim=True)
-            interf = o - s * V[:M].double()
-            curve.M.append(M)
-            curve.isr.append(math.sqrt(float((interf**2).sum(-1).mean()) / float((s**2).mean())))
-            if M <= recall_max:
-                rec = (torch.matmul(out[r, :M], V[:M].T).argmax(-1) == torch.arange(M, device=K.device)).double().mean()
-                curve.recall.append(float(rec))
-            else:
-                curve.recall.append(float("nan"))
-            curve.queries.append(M)
     curve.wall_s = time.perf_counter() - t0
     return curve
 
@@ -435,7 +430,8 @@ def points_for(spec: StoreSpec, d_k: int, max_m: int, attn_max_m: int) -> List[i
     if spec.store == "attention":
         return geometric_points(16, attn_max_m, 8)
     if spec.store == "mlp-trained":
-        return geometric_points(max(8, d_k // 2), min(max_m, 64 * d_k), 2)
+        # octaves from 4 d_k to 64 d_k, around the parameter count over d_v (about 2 width)
+        return geometric_points(4 * d_k, min(max_m, 64 * d_k), 1)
     cap, _ = predicted_capacity(spec.store, d_k, spec.params)
     hi = int(min(max_m, max(64, 4 * cap)))
     return geometric_points(4, hi, 8)
@@ -452,7 +448,7 @@ def run_stores(
     seed: int = 0,
     device="cpu",
     backend: str = "auto",
-    mlp_steps: int = 2000,
+    mlp_steps: int = 1000,
     mlp_width: Optional[int] = None,
     progress: bool = True,
     on_curve: Optional[Callable[[StoreSpec, Curve], None]] = None,
