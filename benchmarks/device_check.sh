@@ -1,0 +1,238 @@
+#!/usr/bin/env bash
+# The device check: one run on a fresh CUDA machine (torch, triton and nvcc installed, no
+# network) that installs mhakern, runs the GPU tests, the headline benchmarks and the trainer's
+# quick preset, and leaves everything in OUTDIR. Whole run under 8 minutes on one H200.
+#
+#   benchmarks/device_check.sh OUTDIR
+#
+# OUTDIR receives at most 8 files:
+#   setup.log    environment, GPU, the install and extension build (all cores, this GPU's arch)
+#   tests.log    the GPU test suite (tests marked gpu, and the Triton suite on CUDA tensors)
+#   bench.log    pytest-benchmark output of the headline rows (and the trainer's benchmark)
+#   bench.json   pytest-benchmark JSON (input of python -m benchmarks.report)
+#   trainer.log  the trainer's quick preset on the GPU (its table copied in)
+#   report.md    the benchmark report, ending with this check's summary
+#   tflops.png   TFLOP/s against sequence length, one line per provider
+#   decode.png   decode GB/s against the key length
+# and prints a short summary at the end (tests passed or failed, headline figures and ratios).
+#
+# Without a GPU it records the environment, then stops with a clear message and exit status 3.
+# Environment knobs: PYTHON (default python3), DEVICE_CHECK_BUDGET_S (default 470 s for the
+# whole run), TORCH_CUDA_ARCH_LIST (default: this GPU's), MAX_JOBS (default: all cores),
+# TRAINER_CMD (default: the quick preset through python -m mhakern.memorize).
+# DEVICE_CHECK_REHEARSAL=1 runs every step even without a GPU (CPU rows; a developer's dry run
+# of this script in a scratch environment -- it installs the package into PYTHON's environment).
+
+set -u
+if [ $# -ne 1 ] || [ -z "$1" ]; then
+    echo "usage: benchmarks/device_check.sh OUTDIR" >&2
+    exit 2
+fi
+OUT=$1
+mkdir -p "$OUT" || { echo "device_check: cannot create OUTDIR $OUT" >&2; exit 2; }
+OUT=$(cd "$OUT" && pwd)
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 2
+PY=${PYTHON:-python3}
+BUDGET=${DEVICE_CHECK_BUDGET_S:-470}
+T0=$SECONDS
+export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore MPLBACKEND=Agg
+declare -a SUMMARY=()
+
+note() { echo "device_check [$((SECONDS - T0))s]: $*"; }
+say() { SUMMARY+=("$*"); }
+# Seconds a step may take: its cap, less what the later steps need, never beyond the budget.
+allow() {
+    local cap=$1 reserve=$2 left=$((BUDGET - (SECONDS - T0) - $2))
+    [ "$left" -lt "$cap" ] && cap=$left
+    echo "$cap"
+}
+# run_step NAME LOG CAP RESERVE CMD...: runs CMD under its time allowance, appending to LOG.
+# SIGINT first, so that pytest still writes its JSON and summary, then KILL 15 s later.
+run_step() {
+    local name=$1 log=$2 cap=$3 reserve=$4
+    shift 4
+    local t
+    t=$(allow "$cap" "$reserve")
+    if [ "$t" -lt 10 ]; then
+        note "$name: skipped, the time budget is spent"
+        echo "SKIPPED: time budget spent" >>"$log"
+        return 124
+    fi
+    note "$name (up to ${t}s) -> $(basename "$log")"
+    echo "\$ $* (time limit ${t}s)" >>"$log"
+    local t1=$SECONDS
+    timeout -s INT -k 15 "$t" "$@" >>"$log" 2>&1
+    local rc=$?
+    echo "[exit status $rc after $((SECONDS - t1))s]" >>"$log"
+    [ "$rc" -eq 124 ] && note "$name: stopped at its time limit (${t}s)"
+    return "$rc"
+}
+pytest_counts() { # the last pytest result line of a log, e.g. "12 passed, 3 skipped in 40.1s"
+    grep -E "^=*\s*[0-9]+ (passed|failed|errors?|skipped|deselected)|no tests ran" "$1" | tail -1 | sed -E 's/=+//g; s/^ +| +$//g'
+}
+finish() {
+    local status=$1
+    {
+        echo ""
+        echo "## Device check summary"
+        echo ""
+        for line in "${SUMMARY[@]}"; do echo "- $line"; done
+        echo "- total wall time: $((SECONDS - T0)) s"
+    } >"$OUT/.summary.md"
+    if [ -f "$OUT/report.md" ]; then cat "$OUT/.summary.md" >>"$OUT/report.md"; else cat "$OUT/.summary.md" >>"$OUT/setup.log"; fi
+    echo ""
+    echo "================ device check summary ================"
+    for line in "${SUMMARY[@]}"; do echo "  $line"; done
+    echo "  total wall time: $((SECONDS - T0)) s; files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
+    echo "======================================================="
+    rm -f "$OUT/.summary.md"
+    exit "$status"
+}
+
+# ------------------------------------------------------------------ 1. environment
+SETUP=$OUT/setup.log
+: >"$SETUP"
+note "environment -> setup.log"
+{
+    echo "# device check of mhakern at $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?') ($(date -u +%FT%TZ))"
+    echo "python: $(command -v "$PY") $("$PY" --version 2>&1)"
+    echo "cores: $(nproc)"
+    if command -v nvidia-smi >/dev/null; then nvidia-smi 2>&1 | head -15; else echo "nvidia-smi: not found"; fi
+    if command -v nvcc >/dev/null; then nvcc --version 2>&1 | tail -2; else echo "nvcc: not found on PATH"; fi
+} >>"$SETUP" 2>&1
+ENV_LINE=$("$PY" - <<'EOF' 2>>"$SETUP"
+import torch
+try:
+    import triton
+    tv = triton.__version__
+except Exception as e:
+    tv = f"not importable ({type(e).__name__})"
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {tv}, GPU: {gpu}")
+EOF
+)
+[ -z "$ENV_LINE" ] && ENV_LINE="torch does not import with $PY (see setup.log)"
+echo "$ENV_LINE" >>"$SETUP"
+NVCC=$(command -v nvcc >/dev/null && nvcc --version 2>&1 | grep -o 'release [0-9.]*' | head -1)
+say "machine: $ENV_LINE; $(nproc) cores; nvcc ${NVCC:-not found}"
+HAVE_GPU=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+if [ "$HAVE_GPU" != "1" ] && [ "${DEVICE_CHECK_REHEARSAL:-0}" != "1" ]; then
+    say "STOPPED: no CUDA device is visible to torch (torch.cuda.is_available() is False): this check needs one; nothing was installed or run"
+    note "no CUDA device: stopping (setup.log has the environment)"
+    finish 3
+fi
+
+# ------------------------------------------------------------------ 2. install (no deps, no isolation, all cores)
+if [ "$HAVE_GPU" = "1" ] && [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
+    # Only this GPU's architecture: half the nvcc work of the default list.
+    TORCH_CUDA_ARCH_LIST=$("$PY" -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'{a}.{b}')")
+    export TORCH_CUDA_ARCH_LIST
+fi
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+echo "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-} MAX_JOBS=$MAX_JOBS" >>"$SETUP"
+run_step "install" "$SETUP" 240 200 "$PY" -m pip install --no-index --no-deps --no-build-isolation -v -e .
+rc=$?
+if [ $rc -ne 0 ]; then
+    say "install: FAILED (exit $rc, see setup.log)"
+    finish 1
+fi
+BACKENDS=$("$PY" - <<'EOF' 2>>"$SETUP"
+import sys
+import mhakern
+try:
+    import mhakern._C  # noqa: F401
+    ext = "mhakern._C built"
+except Exception as e:
+    ext = f"mhakern._C missing ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+be = mhakern.available_backends()
+for n, why in be.items():
+    print(f"backend {n}: {'usable' if why is None else why}", file=sys.stderr)
+usable = [n for n, why in be.items() if why is None]
+print(f"{ext}; usable backends: {', '.join(usable) or 'none'}; unavailable: {', '.join(n for n in be if n not in usable) or 'none'} (reasons in setup.log)")
+EOF
+)
+echo "$BACKENDS" >>"$SETUP"
+say "install: ok in $(grep -o 'exit status 0 after [0-9]*s' "$SETUP" | tail -1 | grep -o '[0-9]*s$'); ${BACKENDS:-mhakern does not import (see setup.log)}"
+
+# ------------------------------------------------------------------ 3. GPU tests
+TESTS=$OUT/tests.log
+: >"$TESTS"
+PYTEST_EXTRA=()
+"$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_EXTRA+=(--timeout=120)
+run_step "GPU tests (marked gpu)" "$TESTS" 150 150 "$PY" -m pytest tests -m gpu -q -p no:cacheprovider "${PYTEST_EXTRA[@]}"
+rc1=$?
+say "GPU tests (pytest -m gpu): $(pytest_counts "$TESTS") [exit $rc1]"
+# (not the ahead-of-time compile tests: they are for machines without a GPU)
+TRITON_TESTS=$(ls tests/test_triton*.py 2>/dev/null | grep -v -e _gpu -e _aot || true)
+if [ -n "$TRITON_TESTS" ]; then
+    : >"$OUT/.t2.log"
+    # The device-generic Triton suite runs on CUDA tensors here (compiled, not interpreted).
+    run_step "Triton suite on CUDA" "$OUT/.t2.log" 100 130 "$PY" -m pytest $TRITON_TESTS -m "not gpu" -q -p no:cacheprovider "${PYTEST_EXTRA[@]}"
+    rc2=$?
+    cat "$OUT/.t2.log" >>"$TESTS"
+    say "Triton suite on CUDA ($(echo $TRITON_TESTS | tr '\n' ' ')): $(pytest_counts "$OUT/.t2.log") [exit $rc2]"
+    rm -f "$OUT/.t2.log"
+fi
+
+# ------------------------------------------------------------------ 4. headline benchmarks
+BENCH=$OUT/bench.log
+: >"$BENCH"
+BENCH_FILES=(benchmarks/test_bench_attention.py)
+[ -f benchmarks/bench_trainer.py ] && BENCH_FILES+=(benchmarks/bench_trainer.py)
+run_step "headline benchmarks" "$BENCH" 110 75 "$PY" -m pytest "${BENCH_FILES[@]}" --benchmark-only --bench-set headline \
+    --benchmark-json "$OUT/bench.json" --benchmark-columns=median,iqr,rounds -q -p no:cacheprovider ${BENCH_ARGS:-}
+rc=$?
+say "benchmarks (${BENCH_FILES[*]}, headline set): $(pytest_counts "$BENCH") [exit $rc]"
+
+# ------------------------------------------------------------------ 5. the trainer's quick preset
+TRAIN=$OUT/trainer.log
+: >"$TRAIN"
+TDIR=$(mktemp -d)
+if [ -n "${TRAINER_CMD:-}" ]; then
+    read -r -a TCMD <<<"$TRAINER_CMD"
+elif "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('mhakern.memorize.__main__') is None)" 2>/dev/null; then
+    TCMD=("$PY" -m mhakern.memorize quick)
+elif "$PY" -c "import mhakern.memorize.cli" 2>/dev/null; then
+    TCMD=("$PY" -c "import sys; from mhakern.memorize.cli import main; sys.exit(main())" quick)
+else
+    TCMD=()
+fi
+if [ ${#TCMD[@]} -eq 0 ]; then
+    echo "the trainer has no command line here (mhakern.memorize.cli does not import)" >>"$TRAIN"
+    say "trainer quick preset: NOT RUN (mhakern.memorize.cli does not import)"
+else
+    if [ -z "${TRAINER_CMD:-}" ]; then
+        HELP=$(cd "$TDIR" && "${TCMD[@]}" --help 2>&1 || true)
+        grep -q -- "--device" <<<"$HELP" && TCMD+=(--device "$([ "$HAVE_GPU" = "1" ] && echo cuda || echo cpu)")
+        grep -q -- "--out" <<<"$HELP" && TCMD+=(--out "$TDIR/results")
+        grep -q -- "--no-progress" <<<"$HELP" && TCMD+=(--no-progress)
+    fi
+    (cd "$TDIR" && run_step "trainer quick preset" "$TRAIN" 100 25 "${TCMD[@]}")
+    rc=$?
+    # The preset's Markdown tables (its results stay in a scratch folder: 8 files come back).
+    for md in $(find "$TDIR" -name '*.md' 2>/dev/null | head -3); do
+        { echo ""; echo "---- ${md#"$TDIR"/}"; cat "$md"; } >>"$TRAIN"
+    done
+    last=$(grep -v -e '^\[exit' -e '^\s*$' -e '^----' -e '^|' "$TRAIN" | tail -1 | cut -c1-160)
+    say "trainer quick preset: exit $rc after $(grep -o 'exit status [0-9]* after [0-9]*s' "$TRAIN" | tail -1 | grep -o '[0-9]*s$'); last line: $last"
+fi
+
+# ------------------------------------------------------------------ 6. report
+if [ -f "$OUT/bench.json" ]; then
+    RLOG=$(mktemp)
+    if timeout 60 "$PY" -m benchmarks.report "$OUT/bench.json" --out "$OUT" --headline >"$RLOG" 2>&1; then
+        while IFS= read -r line; do say "$line"; done < <(grep '^headline: ' "$RLOG")
+    else
+        say "report: FAILED (see bench.log)"
+    fi
+    cat "$RLOG" >>"$BENCH"
+    rm -f "$RLOG"
+else
+    say "report: no bench.json (the benchmarks did not finish; see bench.log)"
+fi
+
+status=0
+[ "${rc1:-0}" -ne 0 ] && status=1
+[ "${rc2:-0}" -ne 0 ] && status=1
+finish $status
