@@ -599,6 +599,23 @@ def test_plan_splits_caps_the_workspace():
     assert s * rows * 128 * 4 <= cuda_backend.MAX_SPLIT_WORKSPACE_BYTES
 
 
+@pytest.mark.parametrize("D", cuda_backend.HEAD_DIMS)
+def test_planner_tiles_match_the_compiled_configs(emu, D):
+    out = (ctypes.c_int * 6)()
+    assert emu.lib.mhk_emu_tiles(D, out) == 0
+    fwd_m, fwd_n, dq_m, dq_n = out[0], out[1], out[2], out[3]
+    assert cuda_backend.fwd_tiles(D) == (fwd_m, fwd_n)
+    assert cuda_backend.dq_tiles(D) == (dq_m, dq_n)
+
+
+def test_plan_splits_uses_the_pass_tiles():
+    # 8 query heads x 16 rows = 128 packed rows: one forward CTA (128 rows), two dq CTAs (64)
+    # on 40 SMs: 2 x 40 CTAs wanted, so 80 splits of the one forward CTA, 40 of each dq CTA
+    fwd = cuda_backend.plan_splits(1, 1, 8, 16, 2**16, 128, 40)
+    dq = cuda_backend.plan_splits(1, 1, 8, 16, 2**16, 128, 40, tiles=cuda_backend.dq_tiles(128))
+    assert (fwd, dq) == (80, 40)
+
+
 def test_plan_splits_rejects_bad_arguments():
     with pytest.raises(ValueError, match="num_sms"):
         cuda_backend.plan_splits(1, 1, 1, 1, 64, 64, -1)

@@ -1,12 +1,12 @@
 // Fused attention forward on tensor cores (FlashAttention-2 scheme, sm_80+ mma.sync):
 // out = softmax(scale * q k^T, masked) v and lse = logsumexp of the masked scaled scores.
 //
-// One CTA of 4 warps takes kBlockM = 64 packed query rows (primitives.cuh: rows of all query
+// One CTA of 4 warps takes kBlockM = 128 packed query rows (primitives.cuh: rows of all query
 // heads that share one KV head, so GQA decode reads each key block once per group) and streams
-// the visible keys in blocks of 64 through double-buffered shared memory. Each warp owns 16 rows:
-// S = Q K^T and O += P V run on mma.sync with fp32 accumulators, the online softmax keeps the
-// row max and row sum in fp32 registers (base 2, scale folded in), and only key blocks that
-// cross a mask boundary pay for per-element masking.
+// the visible keys in blocks of kBlockN through double-buffered shared memory. Each warp owns
+// two strips of 16 rows: S = Q K^T and O += P V run on mma.sync with fp32 accumulators, the
+// online softmax keeps the row max and row sum in fp32 registers (base 2, scale folded in), and
+// only key blocks that cross a mask boundary pay for per-element masking.
 //
 // Split-K (num_splits > 1, long keys with few query tiles): CTA z takes whole key blocks
 // [z * per_split, (z + 1) * per_split) and writes its normalised partial output and lse in fp32;
@@ -23,85 +23,111 @@ struct FwdConfig {
   static_assert(D % 16 == 0 && D >= 16 && D <= 128, "head dim: multiple of 16 up to 128");
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kBlockM = 16 * kWarps;  // packed query rows per CTA
-  static constexpr int kBlockN = 64;           // keys per step
+  // Each warp owns kMTiles strips of 16 query rows: every K and V fragment it reads from shared
+  // memory then feeds kMTiles mma (two strips halve the shared-memory traffic per multiply, and
+  // 128-row tiles halve the K/V traffic from L2, as FlashAttention-2's 128 x 64 tile). Above
+  // D = 64 the keys per step drop to 32 so that the 2 x D/2 accumulators and the score tiles fit
+  // in 255 registers: D = 96 without any spill; D = 128 with one 4-byte reload from local memory
+  // per key step (an L1 hit next to 64 mma per warp; tools/check_cuda_build.py allows exactly
+  // that much), which costs less than halving the key block again (twice the barriers and
+  // accumulator rescales per key) or giving up the second strip.
+  static constexpr int kMTiles = 2;
+  static constexpr int kBlockM = 16 * kMTiles * kWarps;  // packed query rows per CTA
+  static constexpr int kBlockN = D <= 64 ? 64 : 32;      // keys per step
   static constexpr int kPitch = TilePitch<D>::kPitch;
   static constexpr int kQTile = kBlockM * kPitch;   // elements
   static constexpr int kKVTile = kBlockN * kPitch;  // elements
-  // Q, then K and V with two stages each.
-  static constexpr int kSmemBytes = (kQTile + 4 * kKVTile) * 2;
+  // Q, then K and V with two stages each, then the visible-key limit of each query row (read
+  // from shared memory on masked steps only: four registers fewer, which keeps the D = 128
+  // loop free of spills on sm_80).
+  static constexpr int kSmemBytes = (kQTile + 4 * kKVTile) * 2 + kBlockM * 4;
 };
 
-// One key block for one warp's 16 rows: S = Q K^T, masking, online softmax, O += P V.
-template <typename Elem, int D, int kBlockN, bool kMasked>
-MHK_DEVICE void fwd_step(const Elem* sQ, int q_row0, const Elem* sK, const Elem* sV, int n0, const int (&limit)[2],
-                         float scale_log2, float (&acc)[D / 8][4], float (&m_run)[2], float (&l_run)[2], int lane) {
+// One key block for one warp's MT strips of 16 rows (from tile row q_row0): S = Q K^T, masking,
+// online softmax, O += P V. sLimit[row] is the number of keys visible to a tile row.
+template <typename Elem, int D, int kBlockN, int MT, bool kMasked>
+MHK_DEVICE void fwd_step(const Elem* sQ, int q_row0, const Elem* sK, const Elem* sV, int n0, const int* sLimit,
+                         float scale_log2, float (&acc)[MT][D / 8][4], float (&m_run)[MT][2], float (&l_run)[MT][2],
+                         int lane) {
   constexpr int NT = kBlockN / 8;
-  const int t = lane % 4;
-  float s[NT][4];
+  const int g = lane / 4, t = lane % 4;
+  float s[MT][NT][4];
   MHK_UNROLL
-  for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-  mma_rows_x_rowsT<Elem, D, NT>(s, sQ, q_row0, sK, 0, lane);
-
-  // Scale into base 2 first (a negative scale would turn a -inf mask into +inf).
-  MHK_UNROLL
-  for (int nt = 0; nt < NT; ++nt) {
+  for (int mt = 0; mt < MT; ++mt) {
     MHK_UNROLL
-    for (int e = 0; e < 4; ++e) {
-      float x = s[nt][e] * scale_log2;
-      if (kMasked) {
-        const int col = n0 + nt * 8 + 2 * t + (e & 1);
-        if (col >= limit[e >> 1]) x = -INFINITY;
-      }
-      s[nt][e] = x;
-    }
+    for (int nt = 0; nt < NT; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
   }
+  mma_rows_x_rowsT_mt<Elem, D, NT, MT>(s, sQ, q_row0, sK, 0, lane);
 
   MHK_UNROLL
-  for (int hh = 0; hh < 2; ++hh) {
-    float mx = m_run[hh];
-    MHK_UNROLL
-    for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * hh], s[nt][2 * hh + 1]));
-    mx = quad_max(mx);
-    // A row that has seen only masked keys keeps max -inf; exponentiate against 0 instead so
-    // that exp2(-inf - -inf) never makes a NaN (its p and alpha are then 0).
-    const float m_use = (mx == -INFINITY) ? 0.f : mx;
-    const float alpha = fast_exp2(m_run[hh] - m_use);
-    m_run[hh] = mx;
-    float rs = 0.f;
+  for (int mt = 0; mt < MT; ++mt) {
+    // Scale into base 2 first (a negative scale would turn a -inf mask into +inf).
+    int limit[2] = {0, 0};
+    if (kMasked) {
+      limit[0] = sLimit[q_row0 + 16 * mt + g];
+      limit[1] = sLimit[q_row0 + 16 * mt + g + 8];
+    }
     MHK_UNROLL
     for (int nt = 0; nt < NT; ++nt) {
       MHK_UNROLL
-      for (int e = 0; e < 2; ++e) {
-        const float pv = fast_exp2(s[nt][2 * hh + e] - m_use);
-        s[nt][2 * hh + e] = pv;
-        rs += pv;
+      for (int e = 0; e < 4; ++e) {
+        float x = s[mt][nt][e] * scale_log2;
+        if (kMasked) {
+          const int col = n0 + nt * 8 + 2 * t + (e & 1);
+          if (col >= limit[e >> 1]) x = -INFINITY;
+        }
+        s[mt][nt][e] = x;
       }
     }
-    // Per-lane partial row sums; the four lanes of a row are added once, at the end.
-    l_run[hh] = l_run[hh] * alpha + rs;
+
     MHK_UNROLL
-    for (int dt = 0; dt < D / 8; ++dt) {
-      acc[dt][2 * hh] *= alpha;
-      acc[dt][2 * hh + 1] *= alpha;
+    for (int hh = 0; hh < 2; ++hh) {
+      float mx = m_run[mt][hh];
+      MHK_UNROLL
+      for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]));
+      mx = quad_max(mx);
+      // A row that has seen only masked keys keeps max -inf; exponentiate against 0 instead so
+      // that exp2(-inf - -inf) never makes a NaN (its p and alpha are then 0).
+      const float m_use = (mx == -INFINITY) ? 0.f : mx;
+      const float alpha = fast_exp2(m_run[mt][hh] - m_use);
+      m_run[mt][hh] = mx;
+      float rs = 0.f;
+      MHK_UNROLL
+      for (int nt = 0; nt < NT; ++nt) {
+        MHK_UNROLL
+        for (int e = 0; e < 2; ++e) {
+          const float pv = fast_exp2(s[mt][nt][2 * hh + e] - m_use);
+          s[mt][nt][2 * hh + e] = pv;
+          rs += pv;
+        }
+      }
+      // Per-lane partial row sums; the four lanes of a row are added once, at the end.
+      l_run[mt][hh] = l_run[mt][hh] * alpha + rs;
+      MHK_UNROLL
+      for (int dt = 0; dt < D / 8; ++dt) {
+        acc[mt][dt][2 * hh] *= alpha;
+        acc[mt][dt][2 * hh + 1] *= alpha;
+      }
     }
   }
 
-  mma_regs_x_rows<Elem, D, kBlockN>(acc, s, sV, 0, lane);
+  mma_regs_x_rows_mt<Elem, D, kBlockN, MT>(acc, s, sV, 0, lane);
 }
 
 template <typename Elem, int D>
 __global__ void MHK_LAUNCH_BOUNDS(FwdConfig<D>::kThreads, 2) attn_fwd_kernel(const FwdParams p) {
   using Cfg = FwdConfig<D>;
-  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kThreads = Cfg::kThreads;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kThreads = Cfg::kThreads, MT = Cfg::kMTiles;
   MHK_DYNAMIC_SMEM(smem);
   Elem* sQ = reinterpret_cast<Elem*>(smem);
   Elem* sK = sQ + Cfg::kQTile;      // stage s at sK + s * kKVTile
   Elem* sV = sK + 2 * Cfg::kKVTile;
+  int* sLimit = reinterpret_cast<int*>(sV + 2 * Cfg::kKVTile);
 
   const int tid = thread_index();
   const int warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
+  const int warp_row0 = warp * 16 * MT;  // first tile row of this warp
 
   // Block index: query tile fastest (CTAs sharing K/V run together and share L2), then
   // (b, kv head), then split.
@@ -128,13 +154,14 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfig<D>::kThreads, 2) attn_fwd_kernel(con
   const int kv_begin = split * per_split;
   const int kv_end = imin(kv_any, kv_begin + per_split);
 
-  int limit[2];
-  MHK_UNROLL
-  for (int hh = 0; hh < 2; ++hh) {
-    const int r = r0 + warp * 16 + g + 8 * hh;
-    limit[hh] = r < rows_total ? visible_limit(r % p.Lq, Lk_b, p.Lq, p.causal) : 0;
+  // Published to the other warps by the first block_sync of the loop.
+  for (int rr = tid; rr < kBlockM; rr += kThreads) {
+    const int r = r0 + rr;
+    sLimit[rr] = r < rows_total ? visible_limit(r % p.Lq, Lk_b, p.Lq, p.causal) : 0;
   }
-  const bool warp_active = r0 + warp * 16 < rows_total;
+  // Warps whose rows all lie past the end skip the math (decode: a group of 8 query heads
+  // fills part of the first warp's strips only).
+  const bool warp_active = r0 + warp_row0 < rows_total;
 
   const Elem* q = static_cast<const Elem*>(p.q);
   const Elem* k_head = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hkv * p.k_stride.head;
@@ -155,11 +182,15 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfig<D>::kThreads, 2) attn_fwd_kernel(con
     });
   };
 
-  float acc[D / 8][4];
+  float acc[MT][D / 8][4];
+  float m_run[MT][2], l_run[MT][2];
   MHK_UNROLL
-  for (int dt = 0; dt < D / 8; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY};
-  float l_run[2] = {0.f, 0.f};
+  for (int mt = 0; mt < MT; ++mt) {
+    MHK_UNROLL
+    for (int dt = 0; dt < D / 8; ++dt) acc[mt][dt][0] = acc[mt][dt][1] = acc[mt][dt][2] = acc[mt][dt][3] = 0.f;
+    m_run[mt][0] = m_run[mt][1] = -INFINITY;
+    l_run[mt][0] = l_run[mt][1] = 0.f;
+  }
 
   if (kv_begin < kv_end) {
     const int n_steps = ceil_div(kv_end - kv_begin, kBlockN);
@@ -178,9 +209,9 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfig<D>::kThreads, 2) attn_fwd_kernel(con
       const Elem* sVs = sV + stage * Cfg::kKVTile;
       if (warp_active) {
         if (n0 + kBlockN > kv_all)
-          fwd_step<Elem, D, kBlockN, true>(sQ, warp * 16, sKs, sVs, n0, limit, p.scale_log2, acc, m_run, l_run, lane);
+          fwd_step<Elem, D, kBlockN, MT, true>(sQ, warp_row0, sKs, sVs, n0, sLimit, p.scale_log2, acc, m_run, l_run, lane);
         else
-          fwd_step<Elem, D, kBlockN, false>(sQ, warp * 16, sKs, sVs, n0, limit, p.scale_log2, acc, m_run, l_run, lane);
+          fwd_step<Elem, D, kBlockN, MT, false>(sQ, warp_row0, sKs, sVs, n0, sLimit, p.scale_log2, acc, m_run, l_run, lane);
       }
       // The next iteration's prefetch overwrites this stage.
       block_sync();
@@ -188,18 +219,22 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfig<D>::kThreads, 2) attn_fwd_kernel(con
   }
   cp_async_wait<0>();
 
-  float inv[2], lse[2];
+  float inv[MT][2], lse[MT][2];
   MHK_UNROLL
-  for (int hh = 0; hh < 2; ++hh) {
-    const float l = quad_sum(l_run[hh]);
-    inv[hh] = l > 0.f ? 1.f / l : 0.f;
-    lse[hh] = l > 0.f ? (m_run[hh] + log2f(l)) * kLn2 : -INFINITY;
+  for (int mt = 0; mt < MT; ++mt) {
+    MHK_UNROLL
+    for (int hh = 0; hh < 2; ++hh) {
+      const float l = quad_sum(l_run[mt][hh]);
+      inv[mt][hh] = l > 0.f ? 1.f / l : 0.f;
+      lse[mt][hh] = l > 0.f ? (m_run[mt][hh] + log2f(l)) * kLn2 : -INFINITY;
+    }
   }
 
   if (p.num_splits == 1) {
     // Stage the output in the Q tile (each warp overwrites only its own rows, which only it
     // has read) and write 16-byte rows.
-    stage_accumulator<Elem, D>(sQ, warp * 16, acc, inv, lane);
+    MHK_UNROLL
+    for (int mt = 0; mt < MT; ++mt) stage_accumulator<Elem, D>(sQ, warp_row0 + 16 * mt, acc[mt], inv[mt], lane);
     block_sync();
     Elem* o = static_cast<Elem*>(p.o);
     store_tile<Elem, kBlockM, D, kThreads>(sQ, [&](int rr) -> Elem* {
@@ -208,27 +243,33 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfig<D>::kThreads, 2) attn_fwd_kernel(con
     });
     if (t == 0) {
       MHK_UNROLL
-      for (int hh = 0; hh < 2; ++hh) {
-        const int r = r0 + warp * 16 + g + 8 * hh;
-        if (r < rows_total) p.lse[packed_row_linear(b, p.H, hkv, p.group, p.Lq, r)] = lse[hh];
+      for (int mt = 0; mt < MT; ++mt) {
+        MHK_UNROLL
+        for (int hh = 0; hh < 2; ++hh) {
+          const int r = r0 + warp_row0 + 16 * mt + g + 8 * hh;
+          if (r < rows_total) p.lse[packed_row_linear(b, p.H, hkv, p.group, p.Lq, r)] = lse[mt][hh];
+        }
       }
     }
   } else {
     const int64_t split_rows = static_cast<int64_t>(split) * p.B * p.H * p.Lq;
     MHK_UNROLL
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = r0 + warp * 16 + g + 8 * hh;
-      if (r >= rows_total) continue;
-      const int64_t row = split_rows + packed_row_linear(b, p.H, hkv, p.group, p.Lq, r);
-      float* dst = p.o_partial + row * D;
+    for (int mt = 0; mt < MT; ++mt) {
       MHK_UNROLL
-      for (int dt = 0; dt < D / 8; ++dt) {
-        float2 val;
-        val.x = acc[dt][2 * hh] * inv[hh];
-        val.y = acc[dt][2 * hh + 1] * inv[hh];
-        *reinterpret_cast<float2*>(dst + dt * 8 + 2 * t) = val;
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = r0 + warp_row0 + 16 * mt + g + 8 * hh;
+        if (r >= rows_total) continue;
+        const int64_t row = split_rows + packed_row_linear(b, p.H, hkv, p.group, p.Lq, r);
+        float* dst = p.o_partial + row * D;
+        MHK_UNROLL
+        for (int dt = 0; dt < D / 8; ++dt) {
+          float2 val;
+          val.x = acc[mt][dt][2 * hh] * inv[mt][hh];
+          val.y = acc[mt][dt][2 * hh + 1] * inv[mt][hh];
+          *reinterpret_cast<float2*>(dst + dt * 8 + 2 * t) = val;
+        }
+        if (t == 0) p.lse_partial[row] = lse[mt][hh];
       }
-      if (t == 0) p.lse_partial[row] = lse[hh];
     }
   }
 }

@@ -138,5 +138,54 @@ MHK_DEVICE void mma_regs_x_rows(float (&acc)[D / 8][4], const float (&pr)[KP / 8
   }
 }
 
+// The same two products for MT 16-row strips at once (rows a_row0 + 16 * mt): each B fragment
+// read from shared memory feeds MT mma instead of one, which halves (MT = 2) the shared-memory
+// traffic per multiply of the forward's inner loop.
+template <typename Elem, int K, int NT, int MT>
+MHK_DEVICE void mma_rows_x_rowsT_mt(float (&acc)[MT][NT][4], const Elem* a_tile, int a_row0, const Elem* b_tile, int b_row0,
+                                    int lane) {
+  constexpr int kPitch = TilePitch<K>::kPitch;
+  static_assert(NT % 2 == 0, "pairs of n8 tiles");
+  MHK_UNROLL
+  for (int kk = 0; kk < K / 16; ++kk) {
+    uint32_t a[MT][4];
+    MHK_UNROLL
+    for (int mt = 0; mt < MT; ++mt)
+      ldsm_x4(a[mt], a_tile + (a_row0 + 16 * mt + rowmajor_row(lane)) * kPitch + kk * 16 + rowmajor_col(lane));
+    MHK_UNROLL
+    for (int nt2 = 0; nt2 < NT / 2; ++nt2) {
+      uint32_t bf[4];
+      ldsm_x4(bf, b_tile + (b_row0 + nt2 * 16 + nk_row(lane)) * kPitch + kk * 16 + nk_col(lane));
+      MHK_UNROLL
+      for (int mt = 0; mt < MT; ++mt) {
+        mma_16816<Elem>(acc[mt][2 * nt2], a[mt], bf[0], bf[1]);
+        mma_16816<Elem>(acc[mt][2 * nt2 + 1], a[mt], bf[2], bf[3]);
+      }
+    }
+  }
+}
+
+template <typename Elem, int D, int KP, int MT>
+MHK_DEVICE void mma_regs_x_rows_mt(float (&acc)[MT][D / 8][4], const float (&pr)[MT][KP / 8][4], const Elem* b_tile, int b_row0,
+                                   int lane) {
+  constexpr int kPitch = TilePitch<D>::kPitch;
+  MHK_UNROLL
+  for (int kk = 0; kk < KP / 16; ++kk) {
+    uint32_t a[MT][4];
+    MHK_UNROLL
+    for (int mt = 0; mt < MT; ++mt) accum_to_a<Elem>(a[mt], pr[mt][2 * kk], pr[mt][2 * kk + 1]);
+    MHK_UNROLL
+    for (int dt2 = 0; dt2 < D / 16; ++dt2) {
+      uint32_t bf[4];
+      ldsm_x4_trans(bf, b_tile + (b_row0 + kk * 16 + rowmajor_row(lane)) * kPitch + dt2 * 16 + rowmajor_col(lane));
+      MHK_UNROLL
+      for (int mt = 0; mt < MT; ++mt) {
+        mma_16816<Elem>(acc[mt][2 * dt2], a[mt], bf[0], bf[1]);
+        mma_16816<Elem>(acc[mt][2 * dt2 + 1], a[mt], bf[2], bf[3]);
+      }
+    }
+  }
+}
+
 }  // namespace cuda
 }  // namespace mhakern

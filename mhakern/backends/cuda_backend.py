@@ -27,15 +27,16 @@ HEAD_DIMS = (32, 64, 96, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 MIN_CAPABILITY = (8, 0)
 
-# Tile sizes of the compiled kernels (csrc/cuda/attn_fwd_kernel.cuh, attn_bwd_kernel.cuh): the
-# split planner needs them to count CTAs and key blocks.
-FWD_BLOCK_M = 64
-FWD_BLOCK_N = 64
-DQ_BLOCK_M = 64
+# Tile sizes of the compiled kernels (FwdConfig in csrc/cuda/attn_fwd_kernel.cuh, BwdConfig in
+# attn_bwd_kernel.cuh): the split planner counts CTAs and key blocks with them.
+def fwd_tiles(head_dim: int) -> Tuple[int, int]:
+    """(packed query rows, keys) per CTA and step of the forward kernel."""
+    return 128, (64 if head_dim <= 64 else 32)
 
 
-def dq_block_n(head_dim: int) -> int:
-    return 64 if head_dim <= 64 else 32
+def dq_tiles(head_dim: int) -> Tuple[int, int]:
+    """(packed query rows, keys) per CTA and step of the backward's dQ kernel."""
+    return 64, (64 if head_dim <= 64 else 32)
 
 
 # Limits of the kernels' 32-bit index arithmetic (csrc/cuda_host.cpp checks the same).
@@ -58,10 +59,11 @@ def plan_splits(
     k_len: int,
     head_dim: int,
     num_sms: int,
-    block_m: int = FWD_BLOCK_M,
-    block_n: int = FWD_BLOCK_N,
+    tiles: Optional[Tuple[int, int]] = None,
 ) -> int:
-    """Number of key splits for a pass whose CTAs each take ``block_m`` packed query rows.
+    """Number of key splits for a pass whose CTAs each take ``block_m`` packed query rows and
+    step through the keys ``block_n`` at a time, ``(block_m, block_n) = tiles`` (default: the
+    forward's, :func:`fwd_tiles`).
 
     One CTA per (batch, kv head, tile of ``block_m`` rows of the group's ``group * q_len`` rows).
     When those CTAs fill the GPU (at least ``num_sms``), or the keys are short, no split (1).
@@ -74,6 +76,7 @@ def plan_splits(
                       ("k_len", k_len), ("head_dim", head_dim), ("num_sms", num_sms)):
         if not isinstance(val, int) or val < 0:
             raise ValueError(f"plan_splits: {name} must be a non-negative int, got {val!r}")
+    block_m, block_n = fwd_tiles(head_dim) if tiles is None else tiles
     ctas = batch * kv_heads * math.ceil(group * q_len / block_m)
     if ctas == 0 or ctas >= num_sms:
         return 1
@@ -194,9 +197,7 @@ class CudaBackend(Backend):
         dq = empty_like_heads(q, D)
         dk = empty_like_heads(k, D)
         dv = empty_like_heads(v, D)
-        splits = plan_splits(
-            B, Hkv, H // Hkv, Lq, Lk, D, self._num_sms(q.device), block_m=DQ_BLOCK_M, block_n=dq_block_n(D)
-        )
+        splits = plan_splits(B, Hkv, H // Hkv, Lq, Lk, D, self._num_sms(q.device), tiles=dq_tiles(D))
         self._extension().cuda_attn_bwd(
             dout, q, k, v, out, lse, dq, dk, dv, key_lengths, float(scale), bool(causal), splits
         )

@@ -5,7 +5,9 @@
 // parameter struct down. "Device memory" is host memory here.
 #include <string>
 
+#include "../attn_bwd_kernel.cuh"
 #include "../attn_dispatch.h"
+#include "../attn_fwd_kernel.cuh"
 #include "cuda_emu.h"
 
 // An emulator build may compile only some of the instantiation files (compiling all of them
@@ -99,6 +101,29 @@ void mhk_emu_configure(int defer_async, long long max_smem) {
 const char* mhk_emu_last_error() { return mhk_emu::state().error.c_str(); }
 
 int mhk_emu_head_dim_supported(int d) { return mhakern::cuda::head_dim_supported(d) ? 1 : 0; }
+
+// Tile sizes of the compiled configs, for the Python side's split planner to be checked against:
+// out = {fwd rows, fwd keys, dq rows, dq keys, dkdv keys, dkdv rows}. Returns 1 for an unknown D.
+int mhk_emu_tiles(int d, int* out) {
+  using namespace mhakern::cuda;
+  auto fill = [out](auto fwd, auto bwd) {
+    using F = decltype(fwd);
+    using Bw = decltype(bwd);
+    out[0] = F::kBlockM;
+    out[1] = F::kBlockN;
+    out[2] = Bw::kDqBlockM;
+    out[3] = Bw::kDqBlockN;
+    out[4] = Bw::kDkvBlockN;
+    out[5] = Bw::kDkvBlockM;
+  };
+  switch (d) {
+    case 32: fill(FwdConfig<32>{}, BwdConfig<32>{}); return 0;
+    case 64: fill(FwdConfig<64>{}, BwdConfig<64>{}); return 0;
+    case 96: fill(FwdConfig<96>{}, BwdConfig<96>{}); return 0;
+    case 128: fill(FwdConfig<128>{}, BwdConfig<128>{}); return 0;
+    default: return 1;
+  }
+}
 
 // Strides are (batch, head, row) in elements. Returns 0 on success, 1 with mhk_emu_last_error().
 int mhk_emu_fwd(int elem, int D, const void* q, const int64_t* q_st, const void* k, const int64_t* k_st, const void* v,
