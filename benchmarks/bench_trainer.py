@@ -14,10 +14,15 @@ same function with the same weights:
 * ``paper``  -- the paper's computation in plain PyTorch: per-head Q, K and V of all n + 1
   tokens and the full (n + 1) x (n + 1) attention.
 
+``-x8`` variants train 8 seeds stacked as one batched model (what sweeps do): their steps/s is
+per run, and the ratios compare run-steps per second.
+
 Each benchmark's ``extra_info`` holds steps/s and examples/s; at the end of the module every
 figure is printed as a ratio to its peers from the same run (machines are shared and noisy:
 only ratios from one run mean something). CPU threads: the trainer's default of 1 unless
-``MHAKERN_BENCH_THREADS`` says otherwise.
+``MHAKERN_BENCH_THREADS`` says otherwise. With one CPU thread the clock is the process's CPU
+time (``time.process_time``), which other jobs on a shared machine do not inflate; otherwise,
+and on CUDA, wall time.
 
 Run: ``pytest benchmarks/bench_trainer.py --benchmark-only``.
 """
@@ -34,13 +39,18 @@ from mhakern.memorize.train import _Stack, device_name
 
 SHAPE = dict(heads=20, context=32, d_model=64, d_in=64, d_head=64, d_value=1, classes=100, batch=256, T=10_000)
 VARIANTS = {
-    # name: (impl, layout)
-    "fused": ("fused", "rows"),
-    "fused-mqa": ("fused", "heads"),
-    "eager": ("eager", "rows"),
-    "paper": ("paper", "rows"),
+    # name: (impl, layout, runs stacked)
+    "fused": ("fused", "rows", 1),
+    "fused-mqa": ("fused", "heads", 1),
+    "eager": ("eager", "rows", 1),
+    "paper": ("paper", "rows", 1),
+    "fused-x8": ("fused", "rows", 8),
+    "eager-x8": ("eager", "rows", 8),
 }
 _RESULTS = {}
+_THREADS = int(os.environ.get("MHAKERN_BENCH_THREADS", "1"))
+_CPU_CLOCK = not torch.cuda.is_available() and _THREADS == 1
+pytestmark = pytest.mark.benchmark(timer=time.process_time if _CPU_CLOCK else time.perf_counter)
 
 
 def _device() -> str:
@@ -50,27 +60,41 @@ def _device() -> str:
 @pytest.fixture(scope="module", autouse=True)
 def _threads_and_summary(request):
     n = torch.get_num_threads()
-    want = int(os.environ.get("MHAKERN_BENCH_THREADS", "1"))
-    if _device() == "cpu" and want > 0:
-        torch.set_num_threads(want)
+    if _device() == "cpu" and _THREADS > 0:
+        torch.set_num_threads(_THREADS)
     yield
-    torch.set_num_threads(n)
+    try:
+        _summary(request)
+    finally:
+        torch.set_num_threads(n)
+
+
+def _summary(request):
     rep = request.config.pluginmanager.get_plugin("terminalreporter")
-    if rep is None or not _RESULTS:
+    capman = request.config.pluginmanager.get_plugin("capturemanager")
+    if rep is None or capman is None or not _RESULTS:
         return
-    rep.section(f"trainer steps/s at H=20, n=32, d=64, batch 256 ({device_name(torch.device(_device()))})")
-    for name, r in _RESULTS.items():
-        rep.write_line(f"{name:10s} {r['steps_per_s']:9.2f} steps/s  {r['examples_per_s']:11.0f} examples/s  ({r['backend']})")
-    for a in _RESULTS:
-        for b in _RESULTS:
-            if a != b and b in ("eager", "paper"):
-                rep.write_line(f"{a} / {b}: {_RESULTS[a]['steps_per_s'] / _RESULTS[b]['steps_per_s']:.2f}x")
+    # Module teardown runs under output capture; the summary must reach the terminal.
+    with capman.global_and_fixture_disabled():
+        clock = "process CPU time" if _CPU_CLOCK else "wall time"
+        rep.section(f"trainer at H=20, n=32, d=64, batch 256 ({device_name(torch.device(_device()))}; {clock})")
+        for name, r in _RESULTS.items():
+            rep.write_line(
+                f"{name:10s} {r['steps_per_s']:9.2f} steps/s per run  {r['examples_per_s']:10.0f} examples/s per run"
+                f"  {r['examples_per_s'] * r['runs']:10.0f} examples/s in all  ({r['backend']})"
+            )
+        for a in _RESULTS:
+            for b in ("eager", "paper"):
+                if a != b and b in _RESULTS:
+                    ra, rb = _RESULTS[a], _RESULTS[b]
+                    rep.write_line(f"{a} / {b}: {ra['steps_per_s'] * ra['runs'] / (rb['steps_per_s'] * rb['runs']):.2f}x "
+                                   "(run-steps per second)")
 
 
-def _stepper(impl: str, layout: str):
+def _stepper(impl: str, layout: str, runs: int):
     dev = _device()
-    cfg = RunConfig(**SHAPE, impl=impl, steps=1_000_000, eval_every=10**9)
-    st = _Stack([cfg], dev, layout, 1 << 30)
+    cfgs = [RunConfig(**SHAPE, impl=impl, steps=1_000_000, eval_every=10**9, seed=s) for s in range(runs)]
+    st = _Stack(cfgs, dev, layout, 1 << 30)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     counter = [0]
 
@@ -88,12 +112,13 @@ def _stepper(impl: str, layout: str):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_trainer_steps_per_second(benchmark, variant):
-    impl, layout = VARIANTS[variant]
-    st, steps = _stepper(impl, layout)
+    impl, layout, runs = VARIANTS[variant]
+    st, steps = _stepper(impl, layout, runs)
     # Warm-up (allocations, first dispatch), then size a round to about 0.5 s.
-    t = time.perf_counter()
+    clock = time.process_time if _CPU_CLOCK else time.perf_counter
+    t = clock()
     steps(2)()
-    per_step = (time.perf_counter() - t) / 2
+    per_step = (clock() - t) / 2
     k = max(1, int(0.5 / max(per_step, 1e-6)))
     rounds = 5 if per_step * k * 5 < 30 else 3
     benchmark.pedantic(steps(k), rounds=rounds, iterations=1)
@@ -107,7 +132,7 @@ def test_trainer_steps_per_second(benchmark, variant):
     else:
         backend = "plain PyTorch"
     benchmark.extra_info.update(
-        variant=variant, steps_per_round=k, steps_per_s=sps, examples_per_s=sps * SHAPE["batch"], backend=backend,
-        threads=torch.get_num_threads(),
+        variant=variant, runs=runs, steps_per_round=k, steps_per_s=sps, examples_per_s=sps * SHAPE["batch"],
+        backend=backend, threads=torch.get_num_threads(),
     )
-    _RESULTS[variant] = dict(steps_per_s=sps, examples_per_s=sps * SHAPE["batch"], backend=backend)
+    _RESULTS[variant] = dict(steps_per_s=sps, examples_per_s=sps * SHAPE["batch"], backend=backend, runs=runs)

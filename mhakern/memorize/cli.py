@@ -492,11 +492,14 @@ def cmd_preset(args) -> int:
                 caps.append((c, part.target))
     _check_configs(sweeps + [c for c, _ in caps], dev)
     if args.dry_run:
-        stacks = plan_stacks(sweeps, max_stack=_one_int("--stack", args.stack))
+        from .sweep import STACK_MACS
+        from .train import stack_label
+
+        stacks = plan_stacks(sweeps, max_stack=_one_int("--stack", args.stack), max_macs=STACK_MACS[dev.type])
         log(f"{pre.name}: {pre.description}")
         log(f"  {len(sweeps)} runs in {len(stacks)} stacks, {len(caps)} capacity searches; {pre.est}")
         for st in stacks:
-            log(f"  stack of {len(st)}: {st[0].label()} H={sorted({c.heads for c in st})} T={sorted({c.T for c in st})}")
+            log(f"  stack: {stack_label(st)}")
         for c, t in caps:
             log(f"  capacity at {t:g}: {c.label()}")
         return 0

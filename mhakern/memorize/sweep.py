@@ -22,6 +22,11 @@ from .train import RunResult, train_stack, versions
 # since a small step costs its fixed overhead whatever its size.
 PAD_FACTOR = 1.5
 SMALL_STEP_MACS = 60e6
+# Most work (multiply-adds of one forward step, padded, all runs) per stack. Stacking pays for
+# small steps, whose cost is fixed overhead; on a CPU, large stacked steps run slower per run than
+# separate ones (their tensors leave the caches: measured 0.8x for 8 runs at H=20, n=32, d=64),
+# while a GPU wants all the work it can get in one launch.
+STACK_MACS = {"cpu": 50e6, "cuda": 50e9}
 
 
 def expand_grid(base: RunConfig, grid: Dict[str, Sequence], seeds: Sequence[int]) -> List[RunConfig]:
@@ -67,8 +72,15 @@ def _padded(cfgs: Sequence[RunConfig]) -> RunConfig:
     )
 
 
-def plan_stacks(configs: Sequence[RunConfig], max_stack: int = 32, max_bytes: int = 2 << 30) -> List[List[RunConfig]]:
-    """Pack configurations into stacks (lists of configurations with one stack key)."""
+def plan_stacks(
+    configs: Sequence[RunConfig], max_stack: int = 32, max_bytes: int = 2 << 30, max_macs: float = STACK_MACS["cpu"]
+) -> List[List[RunConfig]]:
+    """Pack configurations into stacks (lists of configurations with one stack key).
+
+    A stack holds at most ``max_stack`` runs, ``max_bytes`` of materialised data and
+    ``max_macs`` of padded work per step; it pads runs of different H, d_h, d_v only when that
+    wastes little (``PAD_FACTOR``) or the step is small anyway (``SMALL_STEP_MACS``).
+    """
     groups: Dict[tuple, List[RunConfig]] = {}
     for c in configs:
         groups.setdefault(c.stack_key(), []).append(c)
@@ -83,7 +95,7 @@ def plan_stacks(configs: Sequence[RunConfig], max_stack: int = 32, max_bytes: in
                 padded = step_macs(_padded(trial)) * len(trial)
                 real = sum(step_macs(x) for x in trial)
                 too_wasteful = padded > PAD_FACTOR * real and padded > SMALL_STEP_MACS
-                too_big = sum(data_bytes(x) for x in trial) > max_bytes
+                too_big = sum(data_bytes(x) for x in trial) > max_bytes or padded > max_macs
                 if len(trial) > max_stack or too_wasteful or too_big:
                     stacks.append(cur)
                     trial = [c]
@@ -128,7 +140,8 @@ def run_sweep(
         say(f"{skipped} of {len(configs)} runs already stored in {store.path}; training the other {len(todo)}")
     vers = versions()
     trained = 0
-    stacks = plan_stacks(todo, max_stack=max_stack)
+    dev_type = "cuda" if str(device).startswith("cuda") else "cpu"
+    stacks = plan_stacks(todo, max_stack=max_stack, max_macs=STACK_MACS[dev_type])
     outer = None
     if progress and len(stacks) > 1:
         from tqdm.auto import tqdm
