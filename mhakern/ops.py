@@ -24,7 +24,9 @@ Tensor = torch.Tensor
 def _check_key_lengths_values(key_lengths: Optional[Tensor], Lk: int) -> None:
     if key_lengths is None or key_lengths.numel() == 0:
         return
-    lo, hi = int(key_lengths.min()), int(key_lengths.max())
+    # One host sync (a CUDA caller pays it): an out-of-range length would make a kernel read
+    # outside k and v, so it is refused rather than clamped into a silently different answer.
+    lo, hi = (int(x) for x in torch.stack(torch.aminmax(key_lengths)).tolist())
     if lo < 0 or hi > Lk:
         raise ValueError(
             f"key_lengths: values must lie in [0, Lk={Lk}], got min {lo} and max {hi}"
