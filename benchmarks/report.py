@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m benchmarks.report RESULTS.json [MORE.json ...] [--out DIR] [--title TEXT]
+    python -m benchmarks.report RESULTS.json [MORE.json ...] [--out DIR] [--title TEXT] [--note TEXT]
 
 Writes into DIR (default: the first JSON's folder) ``report.md``, ``tflops.png`` (self-attention
 throughput against sequence length, one line per provider) and ``decode.png`` (decode GB/s
@@ -215,7 +215,9 @@ def _machine_lines(machines: List[Dict]) -> List[str]:
             out.append(f"- Run: {when or '?'} at commit {str(commit.get('id', '?'))[:10]}{dirty}")
         be = m.get("backends") or {}
         if be:
-            parts = [f"`{n}` " + ("usable" if why is None else f"unavailable ({why})") for n, why in be.items()]
+            # The first clause of each reason; the full text is in "Providers not measured".
+            parts = [f"`{n}` " + ("usable" if why is None else f"unavailable ({why.split(';')[0][:100]})")
+                     for n, why in be.items()]
             out.append("- mhakern backends: " + "; ".join(parts))
     return out
 
@@ -296,7 +298,8 @@ def attention_tables(records: List[Dict]) -> List[str]:
                     s = _fmt(val)
                     extra = []
                     if unit == "GB/s" and r["extra_info"].get("copy_bandwidth_gbps"):
-                        extra.append(f"{100 * figure(r) / r['extra_info']['copy_bandwidth_gbps']:.0f}%")
+                        pct = 100 * figure(r) / r["extra_info"]["copy_bandwidth_gbps"]
+                        extra.append(f"{pct:.1f}%" if pct < 10 else f"{pct:.0f}%")
                     if p == peer:
                         s = f"**{s}**"
                     elif peer is not None:
@@ -426,9 +429,12 @@ def skipped_lines(machines: List[Dict]) -> List[str]:
     return out
 
 
-def render_markdown(machines, attn, other, plots: Dict[str, str], title: Optional[str] = None) -> str:
+def render_markdown(machines, attn, other, plots: Dict[str, str], title: Optional[str] = None,
+                    note: Optional[str] = None) -> str:
     dev = next((m["mhakern"].get("device_name") for m in machines if m.get("mhakern")), None)
     lines = [f"# {title or 'mhakern benchmarks' + (f' -- {dev}' if dev else '')}", ""]
+    if note:
+        lines += [note, ""]
     lines += _machine_lines(machines)
     lines += [
         "",
@@ -459,11 +465,16 @@ def render_markdown(machines, attn, other, plots: Dict[str, str], title: Optiona
 # ---------------------------------------------------------------------------------------------
 # Plots
 
-_STYLES = ["o-", "s-", "^-", "D-", "v-", "P-", "X-", "*-", "<-", ">-", "h-"]
+_MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p"]
 
 
-def _series_style(providers: List[str]) -> Dict[str, str]:
-    return {p: _STYLES[i % len(_STYLES)] for i, p in enumerate(providers)}
+def _series_style(providers: List[str]) -> Dict[str, Dict]:
+    """A fixed colour and marker per provider, so that a provider looks the same in every panel."""
+    import matplotlib
+
+    colors = matplotlib.colormaps["tab10"].colors
+    return {p: {"marker": _MARKERS[i % len(_MARKERS)], "color": colors[i % len(colors)], "linestyle": "-"}
+            for i, p in enumerate(providers)}
 
 
 def plot_self(records: List[Dict], path: str) -> bool:
@@ -495,7 +506,7 @@ def plot_self(records: List[Dict], path: str) -> bool:
         for p in provs:
             pts = sorted((r["extra_info"]["Lq"], figure(r) / div) for r in sel if r["extra_info"]["provider"] == p)
             if pts:
-                ax.plot([x for x, _ in pts], [y for _, y in pts], style[p], label=p, markersize=4)
+                ax.plot([x for x, _ in pts], [y for _, y in pts], label=p, markersize=4, **style[p])
         ax.set_xscale("log", base=2)
         ax.set_ylim(bottom=0)
         ax.set_title(f"{list(MODE_TITLES.values())[mode_i]}, {dtype}, D={D}{', causal' if causal else ''}", fontsize=9)
@@ -503,13 +514,12 @@ def plot_self(records: List[Dict], path: str) -> bool:
         ax.set_ylabel(unit, fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(True, alpha=0.3)
-    handles, labels = [], []
+    seen = {}
     for ax in axes.flat:
         for h, l in zip(*ax.get_legend_handles_labels()):
-            if l not in labels:
-                handles.append(h)
-                labels.append(l)
-    fig.legend(handles, labels, loc="upper center", ncol=min(6, len(labels)), fontsize=8)
+            seen.setdefault(l, h)
+    labels = [p for p in provs if p in seen]
+    fig.legend([seen[p] for p in labels], labels, loc="upper center", ncol=min(6, len(labels)), fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / (3.3 * nrows)))
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -538,7 +548,7 @@ def plot_decode(records: List[Dict], path: str) -> bool:
         for p in provs:
             pts = sorted((r["extra_info"]["Lk"], figure(r)) for r in sel if r["extra_info"]["provider"] == p)
             if pts:
-                ax.plot([x for x, _ in pts], [y for _, y in pts], style[p], label=p, markersize=4)
+                ax.plot([x for x, _ in pts], [y for _, y in pts], label=p, markersize=4, **style[p])
         bw = [r["extra_info"].get("copy_bandwidth_gbps") for r in sel if r["extra_info"].get("copy_bandwidth_gbps")]
         if bw:
             ax.axhline(bw[0], linestyle="--", color="gray", label="copy bandwidth")
@@ -562,7 +572,8 @@ def plot_decode(records: List[Dict], path: str) -> bool:
 # Entry point
 
 
-def write_report(paths: Sequence[str], out_dir: str, title: Optional[str] = None) -> Dict[str, str]:
+def write_report(paths: Sequence[str], out_dir: str, title: Optional[str] = None,
+                 note: Optional[str] = None) -> Dict[str, str]:
     """Render the report; returns {"report": path, "self": png, "decode": png} for what was written."""
     machines, attn, other = load(paths)
     os.makedirs(out_dir, exist_ok=True)
@@ -579,7 +590,7 @@ def write_report(paths: Sequence[str], out_dir: str, title: Optional[str] = None
             ok = plot_self(attn, p) if fam == "self" else plot_decode(attn, p)
             if ok:
                 written[fam] = p
-    md = render_markdown(machines, attn, other, {k: v for k, v in written.items()}, title)
+    md = render_markdown(machines, attn, other, dict(written), title, note)
     rp = os.path.join(out_dir, "report.md")
     with open(rp, "w") as f:
         f.write(md + "\n")
@@ -595,13 +606,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("json", nargs="+", help="pytest-benchmark JSON file(s) (pytest --benchmark-json PATH)")
     ap.add_argument("--out", help="output folder (default: the first JSON's folder)")
     ap.add_argument("--title", help="report title (default: names the machine)")
+    ap.add_argument("--note", help="a paragraph under the title (e.g. how loaded the machine was)")
     ap.add_argument("--print", dest="show", action="store_true", help="also print every row's figures and ratios")
     ap.add_argument("--headline", action="store_true",
                     help="also print one line per row: mhakern's figures and ratios, then the peer's (prefixed 'headline: ')")
     args = ap.parse_args(argv)
     out_dir = args.out or os.path.dirname(os.path.abspath(args.json[0]))
     try:
-        written = write_report(args.json, out_dir, args.title)
+        written = write_report(args.json, out_dir, args.title, args.note)
     except ReportError as e:
         print(f"benchmarks.report: {e}", file=sys.stderr)
         return 2
