@@ -10,7 +10,7 @@ import torch
 
 from mhakern.memorize import data as D
 from mhakern.memorize.config import ConfigError, RunConfig
-from mhakern.memorize.model import ModelShape, StackedParams, folded_forward, forward, paper_forward, sinusoidal_positions
+from mhakern.memorize.model import ModelShape, StackedParams, folded_forward, paper_forward, sinusoidal_positions
 from mhakern.memorize.optim import BatchedAdam, lr_factor
 from mhakern.memorize.train import _Sampler, train_stack
 

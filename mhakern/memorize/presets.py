@@ -8,7 +8,7 @@ max(500 epochs, 50,000) (300,000 for the d_h sweep), one seed.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
 from .config import RunConfig
@@ -46,7 +46,7 @@ PRESETS: Dict[str, Preset] = {
         "capacity rising with H on a small model: H = 1, 2, 4, 8 at d = 16, n = 8, T = 500, 3,000 steps, 3 seeds",
         [Part("sweep", RunConfig(d_model=16, context=8, T=500, steps=3000, eval_every=500), {"heads": [1, 2, 4, 8]})],
         seeds=(0, 1, 2),
-        est="about a minute of CPU on 2 cores",
+        est="about 100 s of one CPU core",
     ),
     "paper-heads": Preset(
         "paper-heads",
