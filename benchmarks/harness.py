@@ -20,7 +20,7 @@ import torch
 from .cases import Case
 
 # Rounds per benchmark: enough to fill ``target`` seconds, within [lo, hi].
-ROUNDS = {"cpu": {"target": 0.6, "lo": 3, "hi": 40}, "cuda": {"target": 0.25, "lo": 10, "hi": 200}}
+ROUNDS = {"cpu": {"target": 0.6, "lo": 3, "hi": 40}, "cuda": {"target": 0.2, "lo": 10, "hi": 200}}
 # Untimed calls before measuring: the first compiles / autotunes / allocates workspaces.
 WARMUP_CALLS = {"cpu": 1, "cuda": 2}
 
