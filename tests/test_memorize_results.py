@@ -89,7 +89,7 @@ def test_interrupted_sweep_resumes_without_redoing_or_losing_finished_runs(tmp_p
 def test_killed_sweep_process_leaves_a_sound_database_and_resumes(tmp_path):
     db = str(tmp_path / "r.sqlite")
     argv = [sys.executable, "-m", "mhakern.memorize", "sweep", "-H", "1,2,3", "-n", "3", "-d", "8", "-T", "24",
-            "--steps", "400", "--eval-every", "100", "--stack", "1", "--db", db, "--out", str(tmp_path), "--no-progress"]
+            "--steps", "800", "--eval-every", "200", "--stack", "1", "--db", db, "--out", str(tmp_path), "--no-progress"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
@@ -97,7 +97,7 @@ def test_killed_sweep_process_leaves_a_sound_database_and_resumes(tmp_path):
         while time.time() < deadline and proc.poll() is None:
             if os.path.exists(db) and len(_rows(db)) >= 1:
                 break
-            time.sleep(0.2)
+            time.sleep(0.05)
         assert proc.poll() is None, "the sweep ended before it could be killed: " + proc.stdout.read().decode()[-500:]
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
