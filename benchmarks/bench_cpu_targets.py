@@ -1,0 +1,202 @@
+"""The cpu backend's two target measurements against PyTorch SDPA's own CPU kernel, in one run.
+
+1. ``self_fwd``: self-attention forward, fp32, B=1, H=8, L=2048, D=64, causal and not.
+   Target: the cpu backend at least as fast as SDPA (its CPU flash kernel).
+2. ``decode_fwd_bwd``: the memorization trainer's call, forward + backward, fp32: batch 256,
+   20 query heads sharing one KV head (MQA), one query per head, 32 keys, D=64.
+   Target: at least 3x faster than SDPA with ``enable_gqa=True`` on the same tensors. The plain
+   two-bmm formulation in eager PyTorch is timed too, for context.
+
+Both go through the public API (``mhakern.attention(..., backend="cpu")``, autograd included)
+and SDPA through ``torch.nn.functional.scaled_dot_product_attention``; gradients are dropped
+(``.grad = None``) before every call, as a training step's ``zero_grad`` does.
+
+    pytest benchmarks/bench_cpu_targets.py --benchmark-only    # pytest-benchmark, ratios at the end
+    python benchmarks/bench_cpu_targets.py [--rounds 30]       # interleaved rounds, medians, ratios
+
+The machine is shared and noisy: a figure means something only next to its peer from the same
+run, so the script mode interleaves the providers round by round and reports ratios of medians.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import mhakern  # noqa: E402
+
+_WHY = mhakern.available_backends().get("cpu", "backend 'cpu' is not registered")
+
+
+# ---------------------------------------------------------------------------------------------
+# The two targets as (name, provider) -> callable
+
+
+def _self_fwd(causal: bool) -> Dict[str, Callable[[], object]]:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 2048, 64, generator=g) for _ in range(3))
+    return {
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+        "cpu": lambda: mhakern.attention(q, k, v, causal=causal, backend="cpu"),
+    }
+
+
+def _decode_fwd_bwd() -> Dict[str, Callable[[], object]]:
+    B, H, Hkv, Lk, D = 256, 20, 1, 32, 64
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, 1, D, generator=g).requires_grad_()
+    k = torch.randn(B, Hkv, Lk, D, generator=g).requires_grad_()
+    v = torch.randn(B, Hkv, Lk, D, generator=g).requires_grad_()
+    dout = torch.randn(B, H, 1, D, generator=g)
+
+    def step(fn):
+        def run():
+            q.grad = k.grad = v.grad = None
+            fn().backward(dout)
+
+        return run
+
+    def eager_bmm():
+        # The plain formulation: one KV head broadcast to the 20 query heads by a view.
+        s = torch.matmul(q.view(B, H, D), k.view(B, Lk, D).transpose(1, 2)) * D**-0.5
+        return torch.matmul(torch.softmax(s, dim=-1), v.view(B, Lk, D)).view(B, H, 1, D)
+
+    return {
+        "sdpa_gqa": step(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
+        "eager_bmm": step(eager_bmm),
+        "cpu": step(lambda: mhakern.attention(q, k, v, backend="cpu")),
+    }
+
+
+def targets() -> Dict[str, Tuple[Dict[str, Callable[[], object]], str, float]]:
+    """name -> (providers, the peer of the target, the target ratio peer/cpu)."""
+    return {
+        "self_fwd_noncausal": (_self_fwd(False), "sdpa", 1.0),
+        "self_fwd_causal": (_self_fwd(True), "sdpa", 1.0),
+        "decode_fwd_bwd": (_decode_fwd_bwd(), "sdpa_gqa", 3.0),
+    }
+
+
+def machine() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    from mhakern.backends.cpu_backend import kernel_isa
+
+    return (
+        f"{model}, {os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads, "
+        f"cpu kernels {kernel_isa()}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# pytest-benchmark mode
+
+try:
+    import pytest
+except ImportError:  # script mode without pytest
+    pytest = None
+
+if pytest is not None:
+    pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"cpu backend unavailable: {_WHY}")
+    _CASES = [
+        (t, p)
+        for t, p in [("self_fwd_noncausal", "sdpa"), ("self_fwd_noncausal", "cpu"), ("self_fwd_causal", "sdpa"),
+                     ("self_fwd_causal", "cpu"), ("decode_fwd_bwd", "sdpa_gqa"), ("decode_fwd_bwd", "eager_bmm"),
+                     ("decode_fwd_bwd", "cpu")]
+    ]
+    _MEDIANS: Dict[Tuple[str, str], float] = {}
+
+    @pytest.fixture(scope="module")
+    def _targets(request):
+        built = targets()
+        yield built
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        lines = _ratio_lines(dict(_MEDIANS), built)
+        out = reporter.write_line if reporter is not None else print
+        out("")
+        out(f"cpu targets on {machine()}")
+        for line in lines:
+            out(line)
+
+    @pytest.mark.parametrize("target,provider", _CASES, ids=[f"{t}-{p}" for t, p in _CASES])
+    def test_cpu_target(benchmark, _targets, target, provider):
+        fn = _targets[target][0][provider]
+        benchmark.group = target
+        benchmark.pedantic(fn, rounds=15, warmup_rounds=2, iterations=1)
+        _MEDIANS[(target, provider)] = benchmark.stats.stats.median
+
+
+def _ratio_lines(medians: Dict[Tuple[str, str], float], built) -> List[str]:
+    lines = []
+    for name, (provs, peer, goal) in built.items():
+        if (name, "cpu") not in medians:
+            continue
+        cpu = medians[(name, "cpu")]
+        parts = [f"cpu {cpu * 1e3:.2f} ms"]
+        for p in provs:
+            if p != "cpu" and (name, p) in medians:
+                parts.append(f"{p} {medians[(name, p)] * 1e3:.2f} ms ({medians[(name, p)] / cpu:.2f}x)")
+        if (name, peer) in medians:
+            ratio = medians[(name, peer)] / cpu
+            parts.append(f"target {peer}/cpu >= {goal:g}: {'met' if ratio >= goal else 'NOT met'}")
+        lines.append(f"{name}: " + ", ".join(parts))
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Script mode: interleaved rounds
+
+
+def run_interleaved(built, rounds: int, warmup: int = 2) -> Dict[Tuple[str, str], float]:
+    medians = {}
+    for name, (provs, _, _) in built.items():
+        for fn in provs.values():
+            for _ in range(warmup):
+                fn()
+        times: Dict[str, List[float]] = {p: [] for p in provs}
+        order = list(provs)
+        for r in range(rounds):
+            # Alternate the order so that neither provider always follows the other.
+            for p in order if r % 2 == 0 else reversed(order):
+                t0 = time.perf_counter()
+                provs[p]()
+                times[p].append(time.perf_counter() - t0)
+        for p, ts in times.items():
+            medians[(name, p)] = statistics.median(ts)
+    return medians
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=30, help="timed rounds per provider (default 30)")
+    args = ap.parse_args(argv)
+    if _WHY is not None:
+        print(f"cpu backend unavailable: {_WHY}", file=sys.stderr)
+        return 1
+    print(f"cpu targets on {machine()}; medians of {args.rounds} interleaved rounds")
+    built = targets()
+    medians = run_interleaved(built, args.rounds)
+    for line in _ratio_lines(medians, built):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,456 @@
+"""The ``cpu`` backend (mhakern._C's fused multi-core C++ kernels) against the float64 reference.
+
+Forward and backward by the tolerance rule in fp32, bf16 and fp16: the shared hard cases,
+strided (B, L, H, D) views, large logits, fully masked rows, row/key block boundaries, GQA/MQA
+decode (the query heads of a KV head processed together), head dims up to 256, a long-key case
+(Lk = 2^20) against a reference computed in key chunks, random shapes (hypothesis), bad input at
+the C++ boundary, determinism (also across thread counts) and the portable (DEFAULT) kernel
+variant. Everything skips, with the reason, when mhakern._C is not built.
+"""
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import mhakern
+from attn_testing import ATOL, HARD_CASES, case_id, check_against_reference, make_inputs, rule_check
+from mhakern import backends
+
+_WHY = mhakern.available_backends().get("cpu", "backend 'cpu' is not registered")
+pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"cpu backend unavailable: {_WHY}")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def cpu_attention(*a, **kw):
+    return mhakern.attention(*a, backend="cpu", **kw)
+
+
+def _C():
+    from mhakern import _C
+
+    return _C
+
+
+def _kl(lengths):
+    return None if lengths is None else torch.tensor(lengths)
+
+
+# ---------------------------------------------------------------------------------------------
+# Availability and dispatch
+
+
+def test_available_and_auto_picks_cpu_for_cpu_tensors():
+    assert mhakern.available_backends()["cpu"] is None
+    for dtype in DTYPES:
+        q, k, v = make_inputs(1, 2, 1, 3, 5, 16, dtype=dtype, requires_grad=False)
+        assert backends.select("auto", q, k, v, False, None).name == "cpu"
+
+
+def test_unsupported_inputs_are_refused_with_reason_and_auto_falls_back():
+    q, k, v = make_inputs(1, 1, 1, 2, 3, 300, requires_grad=False)
+    with pytest.raises(ValueError, match="cpu: head dims up to 256 only, got D=300"):
+        cpu_attention(q, k, v)
+    assert backends.select("auto", q, k, v, False, None).name != "cpu"
+    q64, k64, v64 = (x.double() for x in make_inputs(1, 1, 1, 2, 3, 8, requires_grad=False))
+    with pytest.raises(ValueError, match="cpu: dtype torch.float64"):
+        cpu_attention(q64, k64, v64)
+
+
+def test_kernels_run_on_several_threads():
+    if torch.get_num_threads() < 2:
+        pytest.skip("torch runs one thread here (torch.get_num_threads() == 1)")
+    # 1 would mean at::parallel_for ran serially: the module was built without torch's OpenMP.
+    assert _C().cpu_parallel_threads_probe(64) == min(torch.get_num_threads(), 64)
+
+
+def test_kernel_isa_is_reported():
+    from mhakern.backends.cpu_backend import kernel_isa
+
+    assert kernel_isa() in ("AVX512", "AVX2", "DEFAULT")
+    assert kernel_isa() == _C().cpu_kernel_isa()
+
+
+# ---------------------------------------------------------------------------------------------
+# Correctness against the float64 reference
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", HARD_CASES, ids=case_id)
+def test_hard_cases(case, dtype):
+    B, H, Hkv, Lq, Lk, D, Dv, causal, kl = case
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype=dtype)
+    check_against_reference(cpu_attention, q, k, v, causal, _kl(kl))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("case", HARD_CASES[1::2], ids=case_id)
+def test_hard_cases_strided_blhd(case, dtype):
+    B, H, Hkv, Lq, Lk, D, Dv, causal, kl = case
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype=dtype, layout="blhd", seed=3)
+    if H > 1 and Lq > 1:
+        assert not q.is_contiguous() and q.stride(-1) == 1
+    check_against_reference(cpu_attention, q, k, v, causal, _kl(kl))
+
+
+def test_outputs_mirror_the_query_layout():
+    q, k, v = make_inputs(2, 4, 2, 9, 11, 32, layout="blhd", requires_grad=False)
+    out = cpu_attention(q, k, v)
+    assert out.transpose(1, 2).is_contiguous()
+    out_c = cpu_attention(q.contiguous(), k.contiguous(), v.contiguous())
+    assert torch.equal(out, out_c)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_large_logits_do_not_overflow(dtype, causal):
+    # Inputs scaled by 30: scores in the thousands; exact softmax must stay finite and exact.
+    q, k, v = make_inputs(2, 4, 2, 33, 47, 64, dtype=dtype, scale_inputs=30.0)
+    check_against_reference(cpu_attention, q, k, v, causal, torch.tensor([47, 20]), large_logits=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fully_masked_rows_zero_output_and_gradient(dtype):
+    q, k, v = make_inputs(2, 4, 2, 8, 5, 16, dtype=dtype)
+    out, lse = cpu_attention(q, k, v, causal=True, key_lengths=torch.tensor([0, 5]), return_lse=True)
+    assert torch.all(out[0] == 0) and torch.all(torch.isneginf(lse[0]))
+    # Bottom-right causal with Lq = 8 > Lk = 5: the first 3 queries of batch 1 see nothing.
+    assert torch.all(out[1, :, :3] == 0) and torch.all(torch.isneginf(lse[1, :, :3]))
+    assert torch.isfinite(lse[1, :, 3:]).all()
+    out.sum().backward()
+    for g in (q.grad, k.grad, v.grad):
+        assert torch.isfinite(g).all()
+    assert torch.all(q.grad[0] == 0) and torch.all(q.grad[1, :, :3] == 0)
+    assert torch.all(k.grad[0] == 0) and torch.all(v.grad[0] == 0)
+    assert q.grad[1, :, 3:].abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "B,H,Hkv,Lq,Lk,causal,kl",
+    [
+        (1, 2, 2, 65, 129, True, None),  # one query past a row block, one key past a key block
+        (1, 2, 1, 130, 257, False, (200,)),
+        (2, 2, 2, 64, 128, True, (128, 100)),  # exact blocks
+        (1, 3, 3, 200, 70, True, None),  # Lq > Lk: leading rows see nothing, several row blocks
+        (1, 2, 2, 33, 33, True, None),  # just above the decode grouping threshold
+        (1, 4, 1, 32, 40, True, (17,)),  # at it: heads of a KV head share a row block
+        (2, 80, 1, 1, 37, False, (37, 3)),  # MQA with more heads than one row block holds
+        (2, 12, 3, 5, 45, True, (45, 2)),  # GQA decode with several queries, causal
+    ],
+)
+def test_block_boundaries_and_head_grouping(B, H, Hkv, Lq, Lk, causal, kl):
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, 24, 40, seed=5)
+    check_against_reference(cpu_attention, q, k, v, causal, _kl(kl))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_trainer_shape_mqa_one_query_per_head(dtype):
+    # The memorization trainer's call (batch reduced; torch's own bf16 math, the rule's peer,
+    # is slow on these tiny batched products): 20 query heads, one KV head, Lq = 1.
+    q, k, v = make_inputs(16 if dtype == torch.float32 else 2, 20, 1, 1, 32, 64, dtype=dtype)
+    check_against_reference(cpu_attention, q, k, v, False, None)
+
+
+@pytest.mark.parametrize("D,Dv", [(256, 256), (256, 8), (1, 1), (3, 130), (200, 17)])
+def test_head_dims(D, Dv):
+    q, k, v = make_inputs(2, 2, 1, 19, 23, D, Dv, seed=7)
+    check_against_reference(cpu_attention, q, k, v, True, torch.tensor([23, 11]))
+
+
+def test_split_key_ranges_with_few_rows():
+    # Few row blocks and Lk >= 2048: the forward splits the keys across tasks and merges by
+    # lse, the backward sums dQ partials of several key ranges.
+    q, k, v = make_inputs(1, 2, 1, 3, 3000, 32, seed=11)
+    check_against_reference(cpu_attention, q, k, v, True, torch.tensor([2900]))
+    q, k, v = make_inputs(1, 2, 2, 70, 2500, 16, seed=12, dtype=torch.bfloat16)
+    check_against_reference(cpu_attention, q, k, v, False, None)
+
+
+def test_explicit_scale():
+    q, k, v = make_inputs(2, 2, 2, 10, 12, 32)
+    check_against_reference(cpu_attention, q, k, v, False, None, scale=0.37)
+    q, k, v = make_inputs(2, 2, 2, 10, 12, 32)
+    check_against_reference(cpu_attention, q, k, v, True, None, scale=-1.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Long keys against a reference computed in key chunks
+
+
+def _chunked_attention(q, k, v, dout, scale, causal, key_lengths, dtype, chunk=1 << 17):
+    """out, lse, dq, dk, dv and the largest |visible logit|, computed over key chunks in `dtype`
+    (three passes: lse, out, grads).
+
+    The query heads of a KV head are stacked as rows, (B, Hkv, rep * Lq, D), so K and V chunks
+    are used without expanding them per query head.
+    """
+    B, H, Lq, D = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    rows = (H // Hkv) * Lq
+    qg = q.to(dtype).reshape(B, Hkv, rows, D)
+    dog = dout.to(dtype).reshape(B, Hkv, rows, Dv)
+    k, v = k.to(dtype), v.to(dtype)
+    lk = [Lk] * B if key_lengths is None else key_lengths.tolist()
+    # Every row sees a prefix of the keys: j < lim[b][r].
+    lim = [[min(lk[b], r % Lq + lk[b] - Lq + 1) if causal else lk[b] for r in range(rows)] for b in range(B)]
+
+    def scores(j0):
+        kc = k[:, :, j0 : j0 + chunk]
+        s = torch.matmul(qg, kc.transpose(-1, -2)) * scale
+        for b in range(B):
+            for r in range(rows):
+                s[b, :, r, max(0, lim[b][r] - j0) :] = -math.inf
+        return s, kc
+
+    lse = torch.full((B, Hkv, rows), -math.inf, dtype=dtype)
+    max_logit = 0.0
+    for j0 in range(0, Lk, chunk):
+        s = scores(j0)[0]
+        lse = torch.logaddexp(lse, torch.logsumexp(s, dim=-1))
+        max_logit = max(max_logit, s[torch.isfinite(s)].abs().max().item())
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).unsqueeze(-1)
+    out = torch.zeros(B, Hkv, rows, Dv, dtype=dtype)
+    for j0 in range(0, Lk, chunk):
+        out += torch.matmul(torch.exp(scores(j0)[0] - safe), v[:, :, j0 : j0 + chunk])
+    delta = (dog * out).sum(-1, keepdim=True)
+    dq = torch.zeros_like(qg)
+    dks, dvs = [], []
+    for j0 in range(0, Lk, chunk):
+        s, kc = scores(j0)
+        p = torch.exp(s - safe)
+        vc = v[:, :, j0 : j0 + chunk]
+        ds = p * (torch.matmul(dog, vc.transpose(-1, -2)) - delta) * scale
+        dq += torch.matmul(ds, kc)
+        dks.append(torch.matmul(ds.transpose(-1, -2), qg))
+        dvs.append(torch.matmul(p.transpose(-1, -2), dog))
+    return (
+        out.reshape(B, H, Lq, Dv),
+        lse.reshape(B, H, Lq),
+        dq.reshape(B, H, Lq, D),
+        torch.cat(dks, 2),
+        torch.cat(dvs, 2),
+        max_logit,
+    )
+
+
+def test_long_keys_against_chunked_reference():
+    B, H, Hkv, Lq, Lk, D, Dv = 2, 2, 1, 2, 1 << 20, 8, 4
+    g = torch.Generator().manual_seed(21)
+    # q scaled up so that attention concentrates on a few keys: the gradients of those keys
+    # are far above the absolute tolerance, so dk and dv are really checked. Logits reach ~40,
+    # so the gradients get the large-logit allowance of check_against_reference: one rounding
+    # of the largest logit in every probability recomputed from lse.
+    q = (torch.randn(B, H, Lq, D, generator=g) * 8).requires_grad_()
+    k = torch.randn(B, Hkv, Lk, D, generator=g).requires_grad_()
+    v = torch.randn(B, Hkv, Lk, Dv, generator=g).requires_grad_()
+    dout = torch.randn(B, H, Lq, Dv, generator=g, dtype=torch.float64)
+    kl = torch.tensor([Lk, Lk - 54321])
+    scale = D**-0.5
+    out, lse = cpu_attention(q, k, v, causal=True, key_lengths=kl, return_lse=True)
+    out.backward(dout.float())
+    with torch.no_grad():
+        ref = _chunked_attention(q.double(), k, v, dout, scale, True, kl, torch.float64)
+        mth = _chunked_attention(q.detach(), k.detach(), v.detach(), dout, scale, True, kl, torch.float32)
+    rule_check("out", out, ref[0], mth[0], torch.float32, 2.0)
+    assert (lse.double() - ref[1]).abs().max().item() <= 1e-3 * ref[1].abs().max().item()
+    extra = 8 * torch.finfo(torch.float32).eps / 2 * ref[5]
+    for name, got, r, m in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), ref[2:5], mth[2:5]):
+        assert r.abs().max().item() > 100 * ATOL[torch.float32], f"{name}: check would be vacuous"
+        rule_check(name, got, r, m, torch.float32, 3.0, extra * r.abs().max().item())
+
+
+# ---------------------------------------------------------------------------------------------
+# Random shapes and masks
+
+
+def test_random_shapes_and_masks():
+    hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is not installed")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=20, deadline=None, derandomize=True, database=None)
+    @hypothesis.given(
+        B=st.integers(1, 3),
+        Hkv=st.integers(1, 3),
+        rep=st.integers(1, 4),
+        Lq=st.integers(1, 80),
+        Lk=st.integers(1, 150),
+        D=st.integers(1, 72),
+        Dv=st.integers(1, 40),
+        causal=st.booleans(),
+        masked=st.booleans(),
+        layout=st.sampled_from(["bhld", "blhd"]),
+        seed=st.integers(0, 2**16),
+    )
+    def run(B, Hkv, rep, Lq, Lk, D, Dv, causal, masked, layout, seed):
+        q, k, v = make_inputs(B, rep * Hkv, Hkv, Lq, Lk, D, Dv, layout=layout, seed=seed)
+        kl = torch.randint(0, Lk + 1, (B,), generator=torch.Generator().manual_seed(seed)) if masked else None
+        check_against_reference(cpu_attention, q, k, v, causal, kl)
+
+    run()
+
+
+# ---------------------------------------------------------------------------------------------
+# Determinism
+
+
+def _fwd_bwd(q, k, v, causal, kl):
+    for x in (q, k, v):
+        x.grad = None
+    out, lse = cpu_attention(q, k, v, causal=causal, key_lengths=kl, return_lse=True)
+    (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return [out.detach().clone(), lse.clone(), q.grad.clone(), k.grad.clone(), v.grad.clone()]
+
+
+@pytest.mark.parametrize(
+    "shape", [(2, 4, 1, 37, 53, 32), (1, 2, 1, 4, 3000, 16), (1, 2, 2, 300, 1100, 32)], ids=str
+)
+def test_deterministic_across_runs_and_thread_counts(shape):
+    B, H, Hkv, Lq, Lk, D = shape
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, dtype=torch.bfloat16, seed=2)
+    kl = torch.tensor([Lk - 1] + [Lk // 2] * (B - 1))
+    first = _fwd_bwd(q, k, v, True, kl)
+    assert all(torch.equal(a, b) for a, b in zip(first, _fwd_bwd(q, k, v, True, kl)))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = _fwd_bwd(q, k, v, True, kl)
+    finally:
+        torch.set_num_threads(threads)
+    # The work split depends on the shapes only, so one thread computes the same bits.
+    assert all(torch.equal(a, b) for a, b in zip(first, single))
+
+
+# ---------------------------------------------------------------------------------------------
+# The C++ boundary: bad input raises a Python exception carrying the TORCH_CHECK message
+
+
+def _fwd_args(**over):
+    q, k, v = make_inputs(2, 4, 2, 5, 7, 16, requires_grad=False)
+    args = dict(q=q, k=k, v=v, scale=0.25, causal=False, key_lengths=None, out=None)
+    args.update(over)
+    return args
+
+
+def _t(*shape, dtype=torch.float32):
+    return torch.randn(*shape).to(dtype)
+
+
+@pytest.mark.parametrize(
+    "over,exc,match",
+    [
+        (dict(q=_t(2, 4, 5, 16, dtype=torch.float64)), TypeError, r"q: expected dtype float32, bfloat16 or float16, got Double"),
+        (dict(k=_t(2, 2, 7, 16, dtype=torch.bfloat16)), TypeError, r"k: expected dtype Float \(q's\), got BFloat16"),
+        (dict(v=torch.zeros(2, 2, 7, 16, dtype=torch.int32)), TypeError, r"v: expected dtype Float \(q's\), got Int"),
+        (dict(q=_t(2, 4, 16)), ValueError, r"q: expected 4 dims \(batch, heads, length, head_dim\), got shape \[2, 4, 16\]"),
+        (dict(k=_t(3, 2, 7, 16)), ValueError, r"k: expected batch size 2 \(q's\), got 3"),
+        (dict(k=_t(2, 3, 7, 16), v=_t(2, 3, 7, 16)), ValueError, r"k: number of kv heads \(3\) must be positive and divide q's number of heads \(4\)"),
+        (dict(k=_t(2, 2, 7, 8)), ValueError, r"k: expected head dim 16 \(q's\), got 8"),
+        (dict(v=_t(2, 2, 6, 16)), ValueError, r"v: expected \(batch, kv heads, length\) = \(2, 2, 7\)"),
+        (dict(q=_t(2, 4, 5, 300), k=_t(2, 2, 7, 300)), ValueError, r"q: head dim 300 exceeds the cpu kernels' maximum of 256"),
+        (dict(v=_t(2, 2, 7, 257)), ValueError, r"v: head dim 257 exceeds"),
+        (dict(q=_t(2, 4, 16, 5).transpose(-1, -2)), ValueError, r"q: expected unit stride on the last dim"),
+        (dict(q=torch.empty(2, 4, 5, 16, device="meta")), ValueError, r"q: expected a CPU tensor, got one on meta"),
+        (dict(scale=float("nan")), ValueError, r"scale: expected a finite number, got nan"),
+        (dict(key_lengths=torch.tensor([7, 3])), TypeError, r"key_lengths: expected dtype int32, got Long"),
+        (dict(key_lengths=torch.tensor([7], dtype=torch.int32)), ValueError, r"key_lengths: expected shape \(2,\)"),
+        (dict(key_lengths=torch.tensor([7, 8], dtype=torch.int32)), ValueError, r"key_lengths: values must lie in \[0, Lk=7\], got 8 at index 1"),
+        (dict(key_lengths=torch.tensor([-1, 2], dtype=torch.int32)), ValueError, r"key_lengths: values must lie in \[0, Lk=7\], got -1 at index 0"),
+        (dict(out=_t(2, 4, 5, 8)), ValueError, r"out: expected shape \[2, 4, 5, 16\]"),
+        (dict(out=_t(2, 4, 5, 16, dtype=torch.bfloat16)), TypeError, r"out: expected dtype Float \(q's\), got BFloat16"),
+        (dict(out=_t(2, 4, 1, 16).expand(2, 4, 5, 16)), ValueError, r"out: expected a non-overlapping, dense tensor"),
+    ],
+)
+def test_bad_forward_input_raises_with_the_check_message(over, exc, match):
+    with pytest.raises(exc, match=match):
+        _C().cpu_attn_fwd(**_fwd_args(**over))
+
+
+def test_bad_backward_input_raises_with_the_check_message():
+    q, k, v = make_inputs(2, 4, 2, 5, 7, 16, requires_grad=False)
+    out, lse = _C().cpu_attn_fwd(q, k, v, 0.25, False)
+    dout = torch.randn_like(out)
+    bwd = _C().cpu_attn_bwd
+    with pytest.raises(ValueError, match=r"lse: expected shape \[2, 4, 5\] \(batch, heads, q length\), got \[2, 4, 6\]"):
+        bwd(dout, q, k, v, out, torch.zeros(2, 4, 6), 0.25, False)
+    with pytest.raises(TypeError, match=r"lse: expected dtype float32, got Double"):
+        bwd(dout, q, k, v, out, lse.double(), 0.25, False)
+    with pytest.raises(ValueError, match=r"dout: expected shape \[2, 4, 5, 16\] \(like the forward's out\)"):
+        bwd(dout[:, :, :4], q, k, v, out, lse, 0.25, False)
+    with pytest.raises(TypeError, match=r"out: expected dtype Float \(q's\), got Half"):
+        bwd(dout, q, k, v, out.half(), lse, 0.25, False)
+    with pytest.raises(ValueError, match=r"dk: expected shape \[2, 2, 7, 16\]"):
+        bwd(dout, q, k, v, out, lse, 0.25, False, None, None, torch.empty(2, 4, 7, 16))
+    # Good arguments after bad ones: the module is still healthy.
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, 0.25, False)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_direct_calls_match_the_autograd_path():
+    q, k, v = make_inputs(2, 4, 2, 9, 13, 32, seed=4)
+    out, lse = cpu_attention(q, k, v, causal=True, return_lse=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    C = _C()
+    o2, l2 = C.cpu_attn_fwd(q.detach(), k.detach(), v.detach(), 32**-0.5, True)
+    assert torch.equal(out, o2) and torch.equal(lse, l2)
+    dq, dk, dv = C.cpu_attn_bwd(dout, q.detach(), k.detach(), v.detach(), o2, l2, 32**-0.5, True)
+    assert torch.equal(dq, q.grad) and torch.equal(dk, k.grad) and torch.equal(dv, v.grad)
+
+
+# ---------------------------------------------------------------------------------------------
+# The portable kernel variant
+
+
+_DEFAULT_ISA_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from mhakern import _C
+    from attn_testing import check_against_reference, make_inputs
+
+    assert _C.cpu_kernel_isa() == "DEFAULT", _C.cpu_kernel_isa()
+
+    # mhakern._C's functions straight under autograd: the backend registry (and the other
+    # backends' imports) stay out of this short process.
+    class Attn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, scale, causal, kl):
+            out, lse = _C.cpu_attn_fwd(q, k, v, scale, causal, kl)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.args = (scale, causal, kl)
+            ctx.mark_non_differentiable(lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, _):
+            q, k, v, out, lse = ctx.saved_tensors
+            grads = _C.cpu_attn_bwd(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+            return (*grads, None, None, None)
+
+    def fn(q, k, v, causal=False, key_lengths=None, scale=None, return_lse=False):
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        kl = None if key_lengths is None else key_lengths.to(torch.int32)
+        out, lse = Attn.apply(q, k, v, scale, causal, kl)
+        return (out, lse) if return_lse else out
+
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = make_inputs(2, 4, 2, 70, 90, 40, 24, dtype=dtype, layout="blhd")
+        check_against_reference(fn, q, k, v, True, torch.tensor([90, 61]))
+        q, k, v = make_inputs(3, 8, 1, 1, 33, 64, dtype=dtype)
+        check_against_reference(fn, q, k, v, False, torch.tensor([33, 0, 5]))
+    print("DEFAULT OK")
+    """
+)
+
+
+def test_portable_default_variant_in_a_subprocess():
+    # ATen's capability caps the variant: ATEN_CPU_CAPABILITY=default selects the portable one.
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    script = _DEFAULT_ISA_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "DEFAULT OK" in res.stdout
