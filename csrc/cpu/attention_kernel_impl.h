@@ -17,6 +17,9 @@
 //   heads sharing the KV head once, then for each key block recomputes P from lse and
 //   accumulates dV, dK for the block (owned: no atomics) and dQ^T for the rows; with several
 //   key ranges, dQ partials are summed in a fixed order.
+// Memory: a thread's scratch is a few tiles, plus in the backward the gathered rows of one KV
+// head's query heads (about 5 * rows * D floats); split partials stay within kPartialBudget.
+// Nothing grows with Lk, so 2^22 keys and more run in bounded memory.
 // Masks reduce to a per-row prefix: row (b, i) sees keys j < lim = min(Lk_b, i + Lk_b - Lq + 1)
 // (causal) or j < Lk_b; lim <= 0 means the row sees nothing (out 0, lse -inf, zero gradient).
 // Every decomposition depends on the shapes only, never on the thread count, so results are
