@@ -20,6 +20,7 @@ run, so the script mode interleaves the providers round by round and reports rat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import statistics
@@ -127,13 +128,11 @@ if pytest is not None:
     def _targets(request):
         built = targets()
         yield built
-        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-        lines = _ratio_lines(dict(_MEDIANS), built)
-        out = reporter.write_line if reporter is not None else print
-        out("")
-        out(f"cpu targets on {machine()}")
-        for line in lines:
-            out(line)
+        lines = [f"cpu targets on {machine()}"] + _ratio_lines(dict(_MEDIANS), built)
+        # Printed past pytest's output capture, so the ratios show without -s.
+        capture = request.config.pluginmanager.get_plugin("capturemanager")
+        with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+            print("\n" + "\n".join(lines))
 
     @pytest.mark.parametrize("target,provider", _CASES, ids=[f"{t}-{p}" for t, p in _CASES])
     def test_cpu_target(benchmark, _targets, target, provider):
