@@ -12,7 +12,7 @@ and SDPA through ``torch.nn.functional.scaled_dot_product_attention``; gradients
 (``.grad = None``) before every call, as a training step's ``zero_grad`` does.
 
     pytest benchmarks/bench_cpu_targets.py --benchmark-only    # pytest-benchmark, ratios at the end
-    python benchmarks/bench_cpu_targets.py [--rounds 30]       # interleaved rounds, medians, ratios
+    python benchmarks/bench_cpu_targets.py [--rounds 30] [--threads N]   # interleaved, medians, ratios
 
 The machine is shared and noisy: a figure means something only next to its peer from the same
 run, so the script mode interleaves the providers round by round and reports ratios of medians.
@@ -185,7 +185,10 @@ def run_interleaved(built, rounds: int, warmup: int = 2) -> Dict[Tuple[str, str]
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=30, help="timed rounds per provider (default 30)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own choice)")
     args = ap.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     if _WHY is not None:
         print(f"cpu backend unavailable: {_WHY}", file=sys.stderr)
         return 1
