@@ -73,6 +73,8 @@ def check_inputs(
         raise ValueError(
             f"k, v: (batch, kv heads, length) must match, got k {tuple(k.shape)} and v {tuple(v.shape)}"
         )
+    if D == 0:
+        raise ValueError("q: head dim must be positive, got 0")
     if Dk != D:
         raise ValueError(f"k: head dim {Dk} does not match q's head dim {D}")
     if Hkv == 0 or H % Hkv != 0:
@@ -82,7 +84,7 @@ def check_inputs(
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     if scale is None:
-        scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
+        scale = 1.0 / math.sqrt(D)
     elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
         scale = float(scale)
         if not math.isfinite(scale):

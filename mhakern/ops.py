@@ -71,7 +71,7 @@ def attn_bwd(
     """Backward: ``(dq, dk, dv)`` shaped and laid out like ``q``, ``k``, ``v``."""
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
-    if B == 0 or H == 0 or Lq == 0 or Lk == 0 or D == 0 or v.shape[3] == 0:
+    if B == 0 or H == 0 or Lq == 0 or Lk == 0 or v.shape[3] == 0:
         return (
             empty_like_heads(q, D).zero_(),
             empty_like_heads(k, D).zero_(),

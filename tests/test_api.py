@@ -55,6 +55,7 @@ def _bad(**over):
         (lambda: _bad(q=torch.randn(2, 4, 5, 16, dtype=torch.float64)), TypeError, ["dtypes must match", "float64"]),
         (lambda: _bad(q=torch.randn(2, 4, 5, 16, device="meta")), ValueError, ["one device", "meta"]),
         (lambda: _bad(q=torch.randn(4, 5, 16)), ValueError, ["q:", "4 dims"]),
+        (lambda: _bad(q=torch.randn(2, 4, 5, 0), k=torch.randn(2, 2, 6, 0)), ValueError, ["q:", "head dim", "positive"]),
         (lambda: _bad(q=torch.ones(2, 4, 5, 16, dtype=torch.int32)), TypeError, ["q:", "floating"]),
         (lambda: _bad(key_lengths=torch.tensor([1, 2, 3])), ValueError, ["key_lengths", "(2,)"]),
         (lambda: _bad(key_lengths=torch.tensor([1.0, 2.0])), TypeError, ["key_lengths", "integer"]),
