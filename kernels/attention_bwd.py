@@ -19,7 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_fwd import _key_range, _tile_rows, launch_geometry, precision
+from .attention_fwd import (
+    _key_length,
+    _key_range,
+    _last_visible_key,
+    _load_rows,
+    _row_tile,
+    launch_geometry,
+    precision,
+)
 from .heuristics import dkdv_config, dq_config, head_block, next_pow2, packed_rows
 
 
@@ -60,21 +68,13 @@ def _dkdv_rows(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
 ):
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(start, stop, BLOCK_M):
         r = start_m + tl.arange(0, BLOCK_M)
         row_ok = r < rows_total
         hh = (head0 + r // Lq).to(tl.int64)
         i = r % Lq
-        q = tl.load(
-            Q + q_base_b + hh[:, None] * stride_qh + i[:, None].to(tl.int64) * stride_qm + offs_d[None, :],
-            mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0,
-        )
-        do = tl.load(
-            DO + do_base_b + hh[:, None] * stride_dh + i[:, None].to(tl.int64) * stride_dm + offs_dv[None, :],
-            mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
-        )
+        q = _load_rows(Q + q_base_b, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D)
+        do = _load_rows(DO + do_base_b, hh, i, stride_dh, stride_dm, row_ok, DV, BLOCK_DV)
         row_idx = (b * H + hh) * Lq + i
         lse = _load_lse(LSE, row_idx, row_ok)
         delta = tl.load(DELTA + row_idx, mask=row_ok, other=0.0)
@@ -111,10 +111,7 @@ def _attn_bwd_dkdv_kernel(
     pid_n = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
-    if HAS_KL:
-        lk_b = tl.load(KL + b)
-    else:
-        lk_b = Lk
+    lk_b = _key_length(KL, b, Lk, HAS_KL)
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -218,38 +215,18 @@ def _attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    head0 = pid_h * heads_per_prog
-    kvh = head0 // n_rep
-    rows_total = heads_per_prog * Lq
-    r, i_lo, i_hi = _tile_rows(pid_m, Lq, rows_total, BLOCK_M)
-    row_ok = r < rows_total
-    hh = (head0 + r // Lq).to(tl.int64)
-    i = r % Lq
-    if HAS_KL:
-        lk_b = tl.load(KL + b)
-    else:
-        lk_b = Lk
+    r, row_ok, hh, i, i_lo, i_hi, kvh = _row_tile(
+        tl.program_id(0), tl.program_id(1), heads_per_prog, n_rep, Lq, BLOCK_M
+    )
+    lk_b = _key_length(KL, b, Lk, HAS_KL)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    rows = i[:, None].to(tl.int64)
-    q = tl.load(
-        Q + b * stride_qb + hh[:, None] * stride_qh + rows * stride_qm + offs_d[None, :],
-        mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0,
-    )
-    do = tl.load(
-        DO + b * stride_db + hh[:, None] * stride_dh + rows * stride_dm + offs_dv[None, :],
-        mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
-    )
+    q = _load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D)
+    do = _load_rows(DO + b * stride_db, hh, i, stride_dh, stride_dm, row_ok, DV, BLOCK_DV)
     row_idx = (b * H + hh) * Lq + i
     lse = _load_lse(LSE, row_idx, row_ok)
     delta = tl.load(DELTA + row_idx, mask=row_ok, other=0.0)
-    if CAUSAL:
-        kmax = i + lk_b - Lq
-    else:
-        kmax = i * 0 + lk_b - 1
+    kmax = _last_visible_key(i, lk_b, Lq, CAUSAL)
     full, hi = _key_range(i_lo, i_hi, lk_b, Lq, CAUSAL, BLOCK_N)
     k_base = K + b * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = V + b * stride_vb + kvh.to(tl.int64) * stride_vh
@@ -264,7 +241,7 @@ def _attn_bwd_dq_kernel(
     )
     dq = dq * sm_scale
     tl.store(
-        DQ + b * stride_dqb + hh[:, None] * stride_dqh + rows * stride_dqm + offs_d[None, :],
+        DQ + b * stride_dqb + hh[:, None] * stride_dqh + i[:, None].to(tl.int64) * stride_dqm + offs_d[None, :],
         dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D),
     )
 

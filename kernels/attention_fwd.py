@@ -31,8 +31,11 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _tile_rows(pid_m, Lq, rows_total, BLOCK_M: tl.constexpr):
-    """Row indices of this tile and the range [i_lo, i_hi] of query positions they cover."""
+def _row_tile(pid_m, pid_h, heads_per_prog, n_rep, Lq, BLOCK_M: tl.constexpr):
+    """This program's rows: index ``r``, validity, query head ``hh`` and position ``i`` of each,
+    the range [i_lo, i_hi] of positions they cover, and the KV head they all read."""
+    head0 = pid_h * heads_per_prog
+    rows_total = heads_per_prog * Lq
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     r0 = pid_m * BLOCK_M
     r1 = tl.minimum(r0 + BLOCK_M, rows_total) - 1
@@ -40,7 +43,33 @@ def _tile_rows(pid_m, Lq, rows_total, BLOCK_M: tl.constexpr):
     same_head = (r0 // Lq) == (r1 // Lq)
     i_lo = tl.where(same_head, r0 % Lq, 0)
     i_hi = tl.where(same_head, r1 % Lq, Lq - 1)
-    return r, i_lo, i_hi
+    hh = (head0 + r // Lq).to(tl.int64)
+    return r, r < rows_total, hh, r % Lq, i_lo, i_hi, head0 // n_rep
+
+
+@triton.jit
+def _key_length(KL, b, Lk, HAS_KL: tl.constexpr):
+    if HAS_KL:
+        return tl.load(KL + b)
+    return Lk
+
+
+@triton.jit
+def _last_visible_key(i, lk_b, Lq, CAUSAL: tl.constexpr):
+    """Per row, the last key it sees (bottom-right causal alignment)."""
+    if CAUSAL:
+        return i + lk_b - Lq
+    return i * 0 + lk_b - 1
+
+
+@triton.jit
+def _load_rows(base, hh, i, stride_h, stride_m, row_ok, DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows (hh, i) of a (heads, length, DIM) slab, zero-padded to BLOCK columns."""
+    offs = tl.arange(0, BLOCK)
+    return tl.load(
+        base + hh[:, None] * stride_h + i[:, None].to(tl.int64) * stride_m + offs[None, :],
+        mask=row_ok[:, None] & (offs[None, :] < DIM), other=0.0,
+    )
 
 
 @triton.jit
@@ -106,33 +135,16 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    head0 = pid_h * heads_per_prog
-    kvh = head0 // n_rep
-    rows_total = heads_per_prog * Lq
-    r, i_lo, i_hi = _tile_rows(pid_m, Lq, rows_total, BLOCK_M)
-    row_ok = r < rows_total
-    hh = (head0 + r // Lq).to(tl.int64)
-    i = r % Lq
-    if HAS_KL:
-        lk_b = tl.load(KL + b)
-    else:
-        lk_b = Lk
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(
-        Q + b * stride_qb + hh[:, None] * stride_qh + i[:, None].to(tl.int64) * stride_qm + offs_d[None, :],
-        mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0,
+    r, row_ok, hh, i, i_lo, i_hi, kvh = _row_tile(
+        tl.program_id(0), tl.program_id(1), heads_per_prog, n_rep, Lq, BLOCK_M
     )
+    lk_b = _key_length(KL, b, Lk, HAS_KL)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = _load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D)
     k_base = K + b * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = V + b * stride_vb + kvh.to(tl.int64) * stride_vh
-    # Last visible key of each row (bottom-right causal alignment).
-    if CAUSAL:
-        kmax = i + lk_b - Lq
-    else:
-        kmax = i * 0 + lk_b - 1
+    kmax = _last_visible_key(i, lk_b, Lq, CAUSAL)
     full, hi = _key_range(i_lo, i_hi, lk_b, Lq, CAUSAL, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
