@@ -26,9 +26,6 @@ import triton.language as tl
 
 from .heuristics import fwd_config, head_block, packed_rows, row_block
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
 
 @triton.jit
 def _row_tile(pid_m, pid_h, heads_per_prog, n_rep, Lq, BLOCK_M: tl.constexpr):
@@ -214,4 +211,4 @@ def attention_forward(q, k, v, scale: float, causal: bool, key_lengths=None, out
     return out, lse
 
 
-__all__ = ["attention_forward", "launch_geometry", "precision", "LOG2E", "LN2"]
+__all__ = ["attention_forward", "launch_geometry", "precision"]

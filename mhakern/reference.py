@@ -56,6 +56,14 @@ def visible_mask(
     return mask
 
 
+def _work_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
+    """float64 with ``upcast``; otherwise fp32 for half inputs (fp32 accumulation, as every
+    backend) and the input dtype for the rest."""
+    if upcast:
+        return torch.float64
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _expand_kv(x: Tensor, n_rep: int) -> Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
@@ -79,7 +87,7 @@ def attention_forward(
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    wdt = torch.float64 if upcast else (torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype)
+    wdt = _work_dtype(q.dtype, upcast)
     kk = _expand_kv(k, H // Hkv).to(wdt)
     vv = _expand_kv(v, H // Hkv).to(wdt)
     outs, lses = [], []
@@ -124,7 +132,7 @@ def attention_backward(
     Hkv, Lk = k.shape[1], k.shape[2]
     n_rep = H // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    wdt = torch.float64 if upcast else (torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype)
+    wdt = _work_dtype(q.dtype, upcast)
     qw, dow = q.to(wdt), dout.to(wdt)
     kk = _expand_kv(k, n_rep).to(wdt)
     vv = _expand_kv(v, n_rep).to(wdt)
