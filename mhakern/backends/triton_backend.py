@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from . import Backend, register
+from . import DEFAULT_MODES, Backend, register
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_GRID_YZ = 65535  # CUDA's limit on grid dims 1 and 2 (heads and batch here)
@@ -78,11 +78,12 @@ class TritonBackend(Backend):
             return "running under TRITON_INTERPRET=1 (the interpreter is for testing; auto never picks it)"
         return self.supports(q, k, v, causal, key_lengths)
 
-    def forward(self, q, k, v, scale, causal, key_lengths):
+    def forward(self, q, k, v, scale, causal, key_lengths, modes=DEFAULT_MODES):
         return self._kernels().attention_forward(q, k, v, scale, causal, key_lengths)
 
-    def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths):
-        return self._kernels().attention_backward(dout, q, k, v, out, lse, scale, causal, key_lengths)
+    def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, modes=DEFAULT_MODES):
+        dq, dk, dv = self._kernels().attention_backward(dout, q, k, v, out, lse, scale, causal, key_lengths)
+        return dq, dk, dv, None
 
 
 register(TritonBackend())
