@@ -12,7 +12,7 @@ checks must be able to fail, so each one meets a toy kernel with the defect it c
 * the read guard: a cp.async from outside the registered tensors is an error, not a read.
 
 Then the real kernels: every instantiation (both dtypes, every head dim) forward and backward
-under a random schedule, several random schedules giving bit-identical results, and out-of-range
+under a random schedule, the hard cases in the dtype tests/test_cuda_host.py does not use, several random schedules giving bit-identical results, and out-of-range
 key lengths that must not make the kernels read outside k and v.
 
 Seeds: the toy tests use fixed seeds (their outcome must not depend on the run); the kernel tests
@@ -27,10 +27,12 @@ import os
 import pytest
 import torch
 
-from attn_testing import check_against_reference, make_inputs
+from attn_testing import case_id, check_against_reference, make_inputs
 from test_cuda_host import (
     ALL_INSTANCES,
+    DTYPE_FOR_D,
     EMU_INSTANCES,
+    SUPPORTED_HARD,
     _make_emulator,
     _ptr,
     emu_test_seed,
@@ -191,6 +193,17 @@ def test_every_instantiation_forward_and_backward(scheduled, inst):
     q, k, v = make_inputs(2, 4, 2, 21, 140, D, dtype=_dtype(inst), layout="blhd", seed=D)
     kl = torch.tensor([140, 33], dtype=torch.int32)
     check_against_reference(emulated_attention(scheduled, 2, 2), q, k, v, True, kl)
+
+
+@pytest.mark.parametrize("case", SUPPORTED_HARD, ids=case_id)
+def test_hard_cases_in_the_other_dtype(scheduled, case):
+    # tests/test_cuda_host.py runs the hard cases in one dtype per head dim (DTYPE_FOR_D); these
+    # are the other four instantiations on the same cases.
+    B, H, Hkv, Lq, Lk, D, Dv, causal, kl = case
+    dtype = torch.bfloat16 if DTYPE_FOR_D[D] == torch.float16 else torch.float16
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype=dtype)
+    kl_t = None if kl is None else torch.tensor(kl, dtype=torch.int32)
+    check_against_reference(emulated_attention(scheduled), q, k, v, causal, kl_t)
 
 
 def _run_all(emu, q, k, v, kl, splits=1):
