@@ -112,7 +112,7 @@ def test_divergence_and_partial_masks_are_errors_naming_the_site(emu, variant, n
 # ---------------------------------------------------------------------------------------------
 
 
-def _race(emu, variant, seed, steps=6):
+def _race(emu, variant, seed, steps=6, values=None):
     emu.schedule(seed)
     # tile j holds j + 1 everywhere: the sum over tiles is 21 for 6 tiles, unless a stage was
     # overwritten before it was read
@@ -124,6 +124,8 @@ def _race(emu, variant, seed, steps=6):
         want = torch.arange(128, dtype=torch.float32).clamp(min=1)  # buf[t - 1] = t
     else:
         want = torch.full((128,), float(steps * (steps + 1) // 2))
+    if values is not None:
+        values.append(out)
     return torch.equal(out, want)
 
 
@@ -134,6 +136,11 @@ def test_random_schedule_exposes_races_the_fixed_one_hides(emu, racy, fixed_twin
     assert _race(emu, racy, None)
     caught = [s for s in TOY_SEEDS if not _race(emu, racy, s)]
     assert caught, f"no seed of {list(TOY_SEEDS)} exposed the race"
+    # a seed replays its interleaving exactly: the same wrong numbers again
+    first, again = [], []
+    _race(emu, racy, caught[0], values=first)
+    _race(emu, racy, caught[0], values=again)
+    assert torch.equal(first[0].view(torch.int32), again[0].view(torch.int32))  # NaN included
     # the corrected kernel passes every schedule
     assert _race(emu, fixed_twin, None)
     for s in TOY_SEEDS:
