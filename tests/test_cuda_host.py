@@ -12,9 +12,12 @@
   What emulation cannot show (timing, register limits, whether the hardware matches the
   documented layouts) is left to tests/test_cuda.py on a GPU.
 
-The run builds four of the eight instantiations (``EMU_INSTANCES``: every head dim, both dtypes,
-both backward tile configs) to bound the compile time; the emulator reports any other as not
-compiled in. Compiled objects are cached under pytest's cache dir.
+The run builds all eight instantiations (``EMU_INSTANCES``; each costs about 2 s of CPU to
+compile); a build may leave some out, and the emulator then reports them as not compiled in.
+Compiled objects are cached under pytest's cache dir. The tests that use the ``deferred`` fixture
+run under the emulator's seeded random schedule (one seed per test, derived from a session seed:
+``MHK_EMU_SEED`` pins it, and a failing test prints it); the emulator's own checks are in
+tests/test_cuda_emulator.py.
 """
 from __future__ import annotations
 
@@ -95,7 +98,12 @@ def _sources_digest(extra: Iterable[str]) -> str:
     return h.hexdigest()[:16]
 
 
-FLAGS = ["-std=c++17", "-O1", "-fPIC", "-DMHAKERN_CUDA_EMULATE", "-w"]
+# The emulator names a collective's program point by its call stack (cuda_emu.h): frame pointers
+# to walk it, and no jump threading, which copies a join point (a __syncthreads after an `if`)
+# into each branch and so would split one program point into two.
+FLAGS = ["-std=c++17", "-O1", "-fPIC", "-fno-omit-frame-pointer", "-fno-thread-jumps", "-DMHAKERN_CUDA_EMULATE", "-w"]
+# The emulator's runtime entry points (schedule, read guard) and its self-test kernels.
+RUNTIME_UNITS = ("emu_entry.cpp", "emu_schedule.cpp", "emu_selftest.cpp")
 
 
 def build(cache_dir: Path, instances: Sequence[str], jobs: Optional[int] = None) -> Path:
@@ -110,7 +118,7 @@ def build(cache_dir: Path, instances: Sequence[str], jobs: Optional[int] = None)
     digest = _sources_digest(FLAGS + [str(inc)])
     out = cache_dir / digest
     out.mkdir(parents=True, exist_ok=True)
-    units = [CUDA_SRC / "emulation" / "emu_entry.cpp"]
+    units = [CUDA_SRC / "emulation" / u for u in RUNTIME_UNITS]
     for inst in instances:
         units += [CUDA_SRC / f"attn_fwd_{inst}.cu", CUDA_SRC / f"attn_bwd_{inst}.cu"]
 
@@ -128,10 +136,10 @@ def build(cache_dir: Path, instances: Sequence[str], jobs: Optional[int] = None)
 
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 2) as pool:
         objs = list(pool.map(compile_one, units))
-    lib = out / ("libmhk_emu_" + "_".join(sorted(instances)) + ".so")
+    lib = out / ("libmhk_emu_" + ("_".join(sorted(instances)) or "runtime") + ".so")
     if not lib.exists():
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        res = subprocess.run(["g++", "-shared", "-o", str(tmp), *map(str, objs)], capture_output=True, text=True)
+        res = subprocess.run(["g++", "-shared", "-o", str(tmp), *map(str, objs), "-ldl"], capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"emulator link failed:\n{res.stderr[-4000:]}")
         os.replace(tmp, lib)
@@ -145,8 +153,13 @@ class Emulator:
         self.lib = ctypes.CDLL(str(lib_path))
         self.lib.mhk_emu_last_error.restype = ctypes.c_char_p
         self.lib.mhk_emu_configure.argtypes = [ctypes.c_int, ctypes.c_longlong]
+        self.lib.mhk_emu_schedule.argtypes = [ctypes.c_int, ctypes.c_ulonglong]
         self.instances = set(instances)
         self.defer_async = True
+
+    def schedule(self, seed: Optional[int]) -> None:
+        """The seeded random schedule for the following calls, or the fixed one (seed None)."""
+        self.lib.mhk_emu_schedule(0 if seed is None else 1, 0 if seed is None else seed)
 
     def has(self, dtype: torch.dtype, D: int) -> bool:
         return f"{TAG[dtype]}_d{D}" in self.instances
@@ -277,11 +290,37 @@ def emulated_attention(emu: Emulator, splits: int = 1, bwd_splits: int = 1):
     return fn
 
 
-# Instantiations built for the tests: every head dim, both dtypes, both tile configs of the
-# backward (D <= 64 and D > 64). The other four differ from these only in the element type.
-EMU_INSTANCES = ("fp16_d32", "bf16_d64", "fp16_d96", "bf16_d128")
+# Instantiations built for the tests: all of them. The hard cases run each head dim in one
+# dtype (DTYPE_FOR_D, alternating); tests/test_cuda_emulator.py runs every instantiation.
 ALL_INSTANCES = tuple(f"{t}_d{d}" for t in ("fp16", "bf16") for d in (32, 64, 96, 128))
+EMU_INSTANCES = ALL_INSTANCES
 DTYPE_FOR_D = {32: torch.float16, 64: torch.bfloat16, 96: torch.float16, 128: torch.bfloat16}
+
+
+def emu_session_seed() -> int:
+    """The session's base seed of the random schedule: MHK_EMU_SEED, or a fresh one per run."""
+    env = os.environ.get("MHK_EMU_SEED")
+    if env:
+        return int(env, 0)
+    if not hasattr(emu_session_seed, "seed"):
+        emu_session_seed.seed = int.from_bytes(os.urandom(4), "little")
+    return emu_session_seed.seed
+
+
+def emu_test_seed(nodeid: str, salt: str = "") -> int:
+    """The seed of one test: a function of the session seed and the test's id."""
+    digest = hashlib.sha256(f"{emu_session_seed()}:{nodeid}:{salt}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def use_random_schedule(emu: "Emulator", nodeid: str, salt: str = "") -> int:
+    """Puts emu on the random schedule for one test and prints how to rerun it (pytest shows the
+    print when the test fails). Returns the seed."""
+    seed = emu_test_seed(nodeid, salt)
+    emu.schedule(seed)
+    print(f"emulator: random schedule seed {seed} (rerun with MHK_EMU_SEED={emu_session_seed()} "
+          f"python -m pytest '{nodeid}')")
+    return seed
 
 
 def _make_emulator(request, instances) -> Emulator:
@@ -298,9 +337,12 @@ def emu(request):
 
 
 @pytest.fixture
-def deferred(emu):
+def deferred(emu, request):
+    """emu under the seeded random schedule (the test's own seed); fixed again afterwards."""
     emu.defer_async = True
+    use_random_schedule(emu, request.node.nodeid)
     yield emu
+    emu.schedule(None)
     emu.defer_async = True
 
 
@@ -411,13 +453,12 @@ def test_emulator_catches_an_out_of_bounds_write():
         guard.check("poked")
 
 
-def test_emulator_reports_a_missing_instantiation(deferred):
-    missing = [i for i in ALL_INSTANCES if i not in EMU_INSTANCES][0]
-    dtype = torch.float16 if missing.startswith("fp16") else torch.bfloat16
-    D = int(missing.split("_d")[1])
-    q, k, v = make_inputs(1, 1, 1, 4, 4, D, dtype=dtype, requires_grad=False)
-    with pytest.raises(RuntimeError, match="not compiled into this emulator build"):
-        emulated_attention(deferred)(q, k, v)
+def test_emulator_reports_a_missing_instantiation(request):
+    # A build with one instantiation (linked from the cached objects) reports the others.
+    partial = _make_emulator(request, ("fp16_d32",))
+    q, k, v = make_inputs(1, 1, 1, 4, 4, 64, dtype=torch.bfloat16, requires_grad=False)
+    with pytest.raises(RuntimeError, match="run_attn_fwd_bf16_d64 is not compiled into this emulator build"):
+        emulated_attention(partial)(q, k, v)
 
 
 @pytest.mark.parametrize("scale", [-0.3, 0.0])
