@@ -7,10 +7,10 @@ One plan serves both routes, so they compile the same thing:
 * a plain ``pip install -e .`` (pip's build isolation: torch is not importable while building,
   and making it a build requirement would make pip fetch a second torch -- the CUDA wheels are
   several GB, and a version or variant other than the user's gives a module that does not
-  import): the install is pure Python and :func:`load_extension` builds mhakern._C the first
-  time a backend needs it, with torch's BuildExtension (ninja) in a child process, into a
-  per-user cache (:func:`cache_dir`) keyed by the sources' hash, the torch, Python and CUDA
-  versions and the GPU archs. A file lock makes concurrent processes build once; a failed build
+  import): the install is pure Python and the first ``import mhakern._C`` (a backend needing
+  it) runs mhakern/_C.py, whose :func:`load_built_module` builds the module with torch's
+  BuildExtension (ninja) in a child process, into a per-user cache (:func:`cache_dir`) keyed
+  by the sources' hash, the torch, Python and CUDA versions and the GPU archs. A file lock makes concurrent processes build once; a failed build
   is remembered (no retry on every import) and reported with the compiler's first error.
   ``python -m mhakern.build`` builds ahead of time.
 
@@ -495,14 +495,15 @@ def cache_dir(env: Optional[Mapping[str, str]] = None) -> str:
 
 def build_key(root: str, info: dict, p: dict) -> str:
     """Directory name of a first-use build: readable versions and a hash of everything that
-    changes the module (sources and headers, this file, torch/CUDA/Python, the plan)."""
+    changes the module: csrc/ (sources and headers, not the emulator's), the torch, CUDA and
+    Python versions, and the plan's sources and flags (the GPU archs among them)."""
     h = hashlib.sha256()
     files = sorted(
         f for f in glob.glob(os.path.join(root, "csrc", "**", "*"), recursive=True)
         if os.path.isfile(f) and "/emulation/" not in _rel(root, f)
     )
-    for f in files + [os.path.abspath(__file__)]:
-        h.update(_rel(root, f).encode() if f.startswith(root) else b"_build.py")
+    for f in files:
+        h.update(_rel(root, f).encode())
         with open(f, "rb") as fh:
             h.update(hashlib.sha256(fh.read()).digest())
     facts = {k: info.get(k) for k in ("version", "cuda", "hip", "nvcc_version", "machine", "platform")}
