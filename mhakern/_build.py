@@ -266,8 +266,6 @@ def plan(env: Mapping[str, str], info: Optional[dict], root: str, gpu_archs: Opt
             f"nvcc is CUDA {nv} but torch was built with CUDA {info['cuda']} (major versions differ; point "
             f"CUDA_HOME at a CUDA {torch_major}.x toolkit for the CUDA kernels)"
         )
-    elif not src["cuda"]:
-        cuda_why = "csrc/cuda/ holds no CUDA source"
     else:
         if arch_env == "native":
             arch_src, arch_text = "the visible GPUs", ";".join(gpu_archs or [])

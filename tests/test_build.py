@@ -420,6 +420,32 @@ def test_first_error_finds_the_compilers_first_error(B):
     assert B.first_error("") == "no output"
 
 
+def test_a_regular_install_carries_the_sources(tmp_path):
+    # A non-editable install (a wheel) has no checkout beside it: setup's build_py copies csrc/
+    # into the package as mhakern/_src/csrc, where the first-use build finds it.
+    from setuptools import Distribution
+
+    setup_mod = _load(SETUP, "mhakern_setup_under_test")
+    cmd = setup_mod.BuildPyWithSources(Distribution({"packages": []}))
+    cmd.initialize_options()
+    cmd.build_lib = str(tmp_path)
+    cmd.finalize_options()
+    cmd.run()
+    copied = tmp_path / "mhakern" / "_src" / "csrc"
+    assert (copied / "bindings.cpp").read_bytes() == open(os.path.join(ROOT, "csrc", "bindings.cpp"), "rb").read()
+    assert (copied / "cpu" / "kernels_avx2.cpp").exists() and list((copied / "cuda").glob("*.cu"))
+
+
+def test_source_root_prefers_the_checkout_then_the_carried_copy(B, tmp_path, monkeypatch):
+    assert B.source_root() == ROOT  # this checkout
+    pkg = tmp_path / "site-packages" / "mhakern"
+    (pkg / "_src" / "csrc").mkdir(parents=True)
+    monkeypatch.setattr(B, "package_dir", lambda: str(pkg))
+    assert B.source_root() is None  # no bindings.cpp anywhere
+    (pkg / "_src" / "csrc" / "bindings.cpp").write_text("// test\n")
+    assert B.source_root() == str(pkg / "_src")
+
+
 # ---------------------------------------------------------------------------------------------
 # First-use build: cache key, lock, remembered failures
 
