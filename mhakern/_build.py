@@ -136,13 +136,20 @@ def torch_info() -> Optional[dict]:
 
 
 def visible_gpu_archs() -> List[str]:
-    """Compute capabilities of the visible CUDA devices ('9.0', ...), empty without any."""
+    """Compute capabilities of the visible CUDA devices ('9.0', ...), empty without any. As in
+    torch, a device newer than anything this torch was built for is clamped to the newest arch
+    it knows (that toolkit may not know the device's; the PTX of the newest covers it)."""
     try:
         import torch
 
         if torch.version.cuda is None or not torch.cuda.is_available():
             return []
-        return sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+        known = [int(a[3:]) for a in torch.cuda.get_arch_list() if re.fullmatch(r"sm_\d+", a)]
+        newest = max(((n // 10, n % 10) for n in known), default=None)
+        caps = {tuple(torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())}
+        if newest is not None:
+            caps = {min(c, newest) for c in caps}
+        return ["%d.%d" % c for c in sorted(caps)]
     except Exception:  # noqa: BLE001 -- a broken driver: build for the default list
         return []
 
@@ -722,7 +729,8 @@ def load_built_module():
     except ImportError as e:
         _failed.append(str(e))
     except Exception as e:  # noqa: BLE001 -- a broken cache or toolchain must not crash the caller
-        _failed.append(f"building mhakern._C at first use raised {type(e).__name__}: {e}")
+        hint = "; MHAKERN_CACHE_DIR chooses another cache directory" if isinstance(e, OSError) else ""
+        _failed.append(f"building mhakern._C at first use raised {type(e).__name__}: {e}{hint}")
     raise ImportError(_failed[0])
 
 

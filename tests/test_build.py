@@ -259,6 +259,17 @@ def test_first_use_build_targets_the_visible_gpus(B):
     assert plan["arch_list"] == "8.0"
 
 
+def test_visible_gpu_archs_are_clamped_to_what_torch_knows(B, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: [(8, 6), (12, 0), (8, 6)][i])
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_80", "sm_90", "compute_90"])
+    assert B.visible_gpu_archs() == ["8.6", "9.0"]
+
+
 def test_nvcc_of_another_cuda_major_builds_cpu_only(B):
     plan = B.plan({}, _fake_torch(cuda="13.0", nvcc="/usr/local/cuda-12.4/bin/nvcc", nvcc_version="12.4"), ROOT)
     assert plan["build"] and not plan["cuda"]
