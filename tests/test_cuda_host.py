@@ -591,6 +591,8 @@ def test_supports_fp16_bf16_and_every_compiled_head_dim(be, D, dtype):
         (dict(D=256), "head dim 256"),
         (dict(D=64, Dv=32), "differ"),
         (dict(Lk=2**30), "exceeds"),
+        # 2^30 + 2 packed rows of one KV head: ceil_div over 32-bit rows would overflow near 2^31
+        (dict(B=1, H=2, Hkv=1, Lq=2**29 + 1), "exceeds the cuda kernels' limit of 1073741824"),
     ],
 )
 def test_supports_refuses_with_a_reason(be, kw, needle):
