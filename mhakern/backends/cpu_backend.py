@@ -1,7 +1,7 @@
 """The ``cpu`` backend: the fused multi-core C++ kernels of ``mhakern._C`` on CPU tensors.
 
-Exact attention with a blocked online softmax (fp32 accumulation) for float32, bfloat16 and
-float16 inputs, head dims up to 256 (D and Dv may differ), GQA/MQA, causal (bottom-right) and
+Exact attention with a blocked online softmax (fp32 accumulation) for the dtypes and head dims
+of the capability table (float32, bfloat16, float16; D and Dv may differ), GQA/MQA, causal (bottom-right) and
 key lengths; parallel over (batch, KV head, query block) with at::parallel_for, and
 deterministic (the work split depends on the shapes only). For small query lengths (decode)
 the query heads sharing a KV head are processed together, so each key block is read once; long
