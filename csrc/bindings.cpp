@@ -5,9 +5,16 @@
 // them as torch.ops.mhakern_C.<name>; errors raised in a kernel (TORCH_CHECK) reach Python through
 // torch's own operator machinery as ValueError / TypeError / NotImplementedError / RuntimeError.
 //
-// The Python module itself (PYBIND11_MODULE) only exists so that `import mhakern._C` loads this
-// library, which registers the operators; it binds no function.
-#include <torch/extension.h>
+// The Python module itself only exists so that `import mhakern._C` loads this library, which
+// registers the operators. It binds no function and is made with the plain CPython API, as
+// pytorch/extension-cpp does: no pybind11 in this library at all, so no pybind11 version or
+// exception translator of ours can differ from the one torch was built with (one of the
+// hypotheses for the TORCH_CHECK crash seen on a GPU machine: issue 9).
+#include <Python.h>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <sstream>
@@ -143,9 +150,18 @@ TORCH_LIBRARY_IMPL(mhakern_C, Meta, m) {
   m.impl("bwd", &mhakern::bwd_meta);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() =
+#define MHK_CONCAT_(a, b) a##b
+#define MHK_PYINIT_(name) MHK_CONCAT_(PyInit_, name)
+
+PyMODINIT_FUNC MHK_PYINIT_(TORCH_EXTENSION_NAME)(void) {
+  static PyModuleDef module = {
+      PyModuleDef_HEAD_INIT,
+      "mhakern._C",
       "mhakern._C: fused exact attention kernels (multi-core CPU; CUDA when built with it), registered as the "
       "dispatcher operators torch.ops.mhakern_C.fwd / bwd (see csrc/bindings.cpp for the schemas and "
-      "torch.ops.mhakern_C.capabilities() for what each kernel family serves).";
+      "torch.ops.mhakern_C.capabilities() for what each kernel family serves).",
+      -1,
+      nullptr,
+  };
+  return PyModule_Create(&module);
 }

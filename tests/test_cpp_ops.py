@@ -90,3 +90,21 @@ def test_capabilities_is_json_with_both_families():
     assert caps["cpu"]["compiled"] is True and isinstance(caps["cuda"]["compiled"], bool)
     for fam in caps.values():
         assert set(fam["features"]) <= {"attn_mask", "mask_grad", "dropout", "top_left", "window"}
+
+
+def test_the_module_links_no_pybind11():
+    # Errors cross into Python only through torch's operator machinery: the module holds no
+    # pybind11 of its own (a pybind11 differing from torch's was one hypothesis for the
+    # TORCH_CHECK crash seen on a GPU machine).
+    import shutil
+    import subprocess
+
+    import mhakern._C
+
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) is not installed")
+    res = subprocess.run([nm, "-D", "-C", mhakern._C.__file__], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "PyInit__C" in res.stdout
+    assert "pybind11" not in res.stdout
