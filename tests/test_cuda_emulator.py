@@ -255,11 +255,9 @@ def _guarded(emu, *tensors):
     _guard(emu, ranges)
 
 
-# NEEDS THE KERNEL CLAMP (issue 9; the cxx-boundary helper's change to the kernels): the kernels
-# take key_lengths[b] unclamped, so a value above Lk makes the last key block read rows past the
-# end of k and v (on a GPU: an illegal address). Remove the xfail marker when the clamp lands;
-# strict, so the run says so.
-@pytest.mark.xfail(strict=True, reason="kernels do not clamp key_lengths yet (issue 9, cxx-boundary)")
+# The kernels clamp key_lengths[b] into [0, Lk] (csrc/cuda/attn_params.h, key_length_of): a
+# value past Lk must never make the last key block read rows past the end of k and v (on a GPU:
+# an illegal address), which the read guard turns into an error here.
 @pytest.mark.parametrize("splits", [1, 2])
 def test_out_of_range_key_lengths_never_read_outside_k_and_v(emu, splits):
     # Every row of every input is registered with the read guard, so a cp.async from anywhere
