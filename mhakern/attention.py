@@ -18,6 +18,7 @@ from .ops import (
     check_modes,
     check_qkv,
     check_scale,
+    draw_seed,
     expand_mask,
     forward_impl,
     make_modes,
@@ -201,8 +202,7 @@ def attention(
                 mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
         seed = 0
         if dropout_p > 0.0:
-            dev = generator.device if generator is not None else "cpu"
-            seed = int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, generator=generator, device=dev).item())
+            seed = draw_seed(generator)
         dropout_p = float(dropout_p)
         modes = make_modes(None if mask is None else expand_mask(mask, B, H, Lq, Lk), dropout_p, seed, top_left,
                            wl, wr, mask_grad)

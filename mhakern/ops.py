@@ -157,6 +157,13 @@ def reduce_mask_grad(dmask: Tensor, shape) -> Tensor:
     return dmask.sum(dims, keepdim=True) if dims else dmask
 
 
+def draw_seed(generator: Optional[torch.Generator] = None) -> int:
+    """The 64-bit dropout seed of one call: one draw from ``generator`` (default: torch's
+    default CPU generator) on the generator's device (docs/contract.md, "Dropout")."""
+    dev = generator.device if generator is not None else "cpu"
+    return int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, generator=generator, device=dev).item())
+
+
 def make_modes(attn_mask, dropout_p, seed, top_left, window_left, window_right, mask_grad) -> Modes:
     if attn_mask is None and dropout_p == 0.0 and not top_left and window_left < 0 and window_right < 0 and not mask_grad:
         return DEFAULT_MODES
