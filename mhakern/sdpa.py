@@ -42,7 +42,7 @@ def scaled_dot_product_attention(
     (H = 1 serves every query head); with it Hq must be a multiple of H (query head ``h`` reads
     KV head ``h // (Hq // H)``). ``attn_mask``: bool (True = attend) or floating, broadcastable
     to (..., Hq, L, S). ``is_causal``: top-left causal (key ``j`` visible to query ``i`` iff
-    ``j <= i``), combined with ``attn_mask`` when both are given. ``scale`` default
+    ``j <= i``); at most one of ``is_causal`` and ``attn_mask``, as in torch. ``scale`` default
     ``1 / sqrt(E)``. Returns (..., Hq, L, Ev) in query's dtype.
     """
     for name, x in (("query", query), ("key", key), ("value", value)):
@@ -54,6 +54,8 @@ def scaled_dot_product_attention(
         raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__}")
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa: expected a bool, got {type(enable_gqa).__name__}")
+    if attn_mask is not None and is_causal:
+        raise ValueError("attn_mask, is_causal: give at most one (torch's SDPA refuses both too)")
     if attn_mask is not None and isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point():
         if attn_mask.dtype not in (torch.float32, query.dtype):
             raise TypeError(

@@ -331,3 +331,125 @@ def test_key_lengths_under_cuda_graph_capture_are_clamped_without_a_sync():
     graph.replay()
     torch.cuda.synchronize()
     assert clamped.tolist() == [6, 3]
+
+
+# ---------------------------------------------------------------------------------------------
+# mhakern.scaled_dot_product_attention against torch's
+
+import itertools  # noqa: E402
+
+import torch.nn.functional as F  # noqa: E402
+
+SDPA_SHAPES = {
+    "4d": ((2, 4, 5, 8), (2, 4, 7, 8), (2, 4, 7, 6), False),
+    "4d-gqa": ((2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8), True),
+    "4d-one-kv-head-broadcast": ((2, 4, 5, 8), (2, 1, 7, 8), (2, 1, 7, 8), False),
+    "4d-batch-broadcast": ((2, 4, 6, 8), (1, 4, 4, 8), (1, 4, 4, 8), False),
+    "3d": ((3, 5, 8), (3, 7, 8), (3, 7, 8), False),
+    "2d": ((5, 8), (7, 8), (7, 8), False),
+    "5d": ((2, 3, 2, 5, 8), (2, 3, 2, 7, 8), (2, 3, 2, 7, 8), False),
+}
+
+
+def _sdpa_mask(kind, L, S):
+    g = torch.Generator().manual_seed(3)
+    if kind is None:
+        return None
+    if kind == "bool-2d":
+        m = torch.rand(L, S, generator=g) > 0.4
+        m[0] = False  # a row that sees nothing
+        return m
+    if kind == "bool-bcast":
+        return torch.rand(1, 1, L, S, generator=g) > 0.3
+    if kind == "float-2d":
+        return torch.randn(L, S, generator=g, dtype=torch.float64)
+    if kind == "float-row":
+        return torch.randn(1, S, generator=g, dtype=torch.float64).requires_grad_()
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize(
+    "shape,mask,is_causal,scale",
+    list(itertools.product(SDPA_SHAPES, [None, "bool-2d", "bool-bcast", "float-2d", "float-row"], [False, True], [None, 0.3])),
+)
+def test_sdpa_matches_torch(shape, mask, is_causal, scale):
+    qs, ks, vs, gqa = SDPA_SHAPES[shape]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, generator=g, dtype=torch.float64).requires_grad_() for s in (qs, ks, vs))
+    L, S = qs[-2], ks[-2]
+    m = _sdpa_mask(mask, L, S)
+    if m is not None and m.dim() > len(qs):
+        m = m.reshape(m.shape[-len(qs):])
+    kw = dict(attn_mask=m, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    if m is not None and is_causal:
+        # torch documents the refusal (some of its paths combine the two instead); we refuse.
+        with pytest.raises(ValueError, match="attn_mask, is_causal"):
+            mhakern.scaled_dot_product_attention(q, k, v, **kw)
+        return
+    ours = mhakern.scaled_dot_product_attention(q, k, v, **kw)
+    leaves = [q, k, v] + ([m] if m is not None and m.requires_grad else [])
+    dout = torch.randn(ours.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(ours, leaves, dout)
+    theirs = F.scaled_dot_product_attention(q, k, v, **kw)
+    want = torch.autograd.grad(theirs, leaves, dout)
+    assert ours.shape == theirs.shape
+    # float64 throughout, but the backward recomputes from a float32 lse (the contract)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    for name, a, b in zip(("dq", "dk", "dv", "dmask"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_sdpa_float32_and_dropout_semantics():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 6, 16, generator=g) for _ in range(3))
+    torch.testing.assert_close(
+        mhakern.scaled_dot_product_attention(q, k, v, is_causal=True), F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    )
+    torch.manual_seed(4)
+    a = mhakern.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(4)
+    b = mhakern.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, b) and not torch.equal(a, mhakern.scaled_dot_product_attention(q, k, v))
+
+
+@pytest.mark.parametrize(
+    "kw,exc,words",
+    [
+        (dict(attn_mask=torch.zeros(6, 6, dtype=torch.float64)), TypeError, ["attn_mask", "float32 or query's dtype"]),
+        (dict(dropout_p=1.5), ValueError, ["dropout_p"]),
+        (dict(is_causal=1), TypeError, ["is_causal"]),
+        (dict(enable_gqa="yes"), TypeError, ["enable_gqa"]),
+    ],
+)
+def test_sdpa_bad_arguments(kw, exc, words):
+    q = torch.randn(2, 4, 6, 16)
+    with pytest.raises(exc) as info:
+        mhakern.scaled_dot_product_attention(q, q, q, **kw)
+    for w in words:
+        assert w in str(info.value)
+
+
+def test_sdpa_gqa_needs_enable_gqa_like_torch():
+    q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="do not broadcast"):
+        mhakern.scaled_dot_product_attention(q, k, k)
+    with pytest.raises(ValueError, match="must divide"):
+        mhakern.scaled_dot_product_attention(q, torch.randn(1, 3, 5, 8), torch.randn(1, 3, 5, 8), enable_gqa=True)
+
+
+def test_sdpa_replaces_torchs_inside_nn_multihead_attention(monkeypatch):
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 4, batch_first=True, dtype=torch.float64)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    mask = torch.ones(5, 5, dtype=torch.bool).triu(1)  # True = not allowed, torch's module convention
+    want, _ = mha(x, x, x, attn_mask=mask, need_weights=False)
+    calls = []
+
+    def ours(*a, **kw):
+        calls.append(1)
+        return mhakern.scaled_dot_product_attention(*a, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", ours)
+    got, _ = mha(x, x, x, attn_mask=mask, need_weights=False)
+    assert calls, "nn.MultiheadAttention did not go through the replacement"
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
