@@ -453,3 +453,46 @@ def test_sdpa_replaces_torchs_inside_nn_multihead_attention(monkeypatch):
     got, _ = mha(x, x, x, attn_mask=mask, need_weights=False)
     assert calls, "nn.MultiheadAttention did not go through the replacement"
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile with the modes (tests/test_compile.py covers the plain path)
+
+
+def test_compiled_modes_and_mask_gradient_match_eager():
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, L, 16, generator=g).requires_grad_() for h, L in ((4, 5), (2, 7), (2, 7)))
+    m = torch.randn(5, 7, generator=g).requires_grad_()
+    kl = torch.tensor([7, 3])
+
+    def fn(q, k, v, m):
+        return mhakern.attention(q, k, v, attn_mask=m, window=(2, 1), causal=True, causal_align="top_left", key_lengths=kl)
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    results = []
+    for f in (compiled, fn):
+        for x in (q, k, v, m):
+            x.grad = None
+        out = f(q, k, v, m)
+        out.pow(2).sum().backward()
+        results.append([out.detach()] + [x.grad.clone() for x in (q, k, v, m)])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+    torch._dynamo.reset()
+
+
+def test_compiled_dropout_draws_the_same_seed_as_eager():
+    # The seed is a data-dependent scalar: fullgraph needs capture_scalar_outputs (contract).
+    torch._dynamo.reset()
+    q, k, v = make_inputs(1, 2, 2, 4, 6, 16)
+    fn = lambda q, k, v: mhakern.attention(q, k, v, dropout_p=0.3)  # noqa: E731
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+        torch.manual_seed(3)
+        a = compiled(q, k, v)
+        a.sum().backward()
+    torch.manual_seed(3)
+    assert torch.equal(a, fn(q, k, v))
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    torch._dynamo.reset()
