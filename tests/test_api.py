@@ -496,3 +496,15 @@ def test_compiled_dropout_draws_the_same_seed_as_eager():
     assert torch.equal(a, fn(q, k, v))
     assert q.grad is not None and torch.isfinite(q.grad).all()
     torch._dynamo.reset()
+
+
+def test_get_auto_says_it_must_be_selected_not_that_it_is_unknown():
+    from mhakern import backends
+
+    # Before: "unknown backend 'auto'; choose 'auto' or ..."
+    with pytest.raises(ValueError, match="'auto' must be resolved by mhakern.backends.select"):
+        backends.get("auto")
+    with pytest.raises(ValueError, match="reserved"):
+        backends.register(type("B", (backends.Backend,), {"name": "auto"})())
+    with pytest.raises(ValueError, match="unknown features"):
+        backends.register(type("B", (backends.Backend,), {"name": "x", "features": frozenset({"alibi"})})())
