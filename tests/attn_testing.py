@@ -15,6 +15,30 @@ from mhakern import reference
 from mhakern.backends import Modes
 from mhakern.ops import draw_seed
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# float64 is left out of the backend dtypes: lse is float32 by contract, so a float64 backward
+# carries its rounding (about 1e-7), which the rule's float64 atol (1e-10) does not allow;
+# tests/test_reference.py checks the float64 reference itself.
+BACKEND_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def usable_backends():
+    """Registered backends that can run in this process (the others' reasons are in
+    ``mhakern.available_backends()``)."""
+    import mhakern
+
+    return [n for n, why in mhakern.available_backends().items() if why is None]
+
+
+def dtypes_of(name: str):
+    """The dtypes a backend's ``supports`` accepts on a small probe (no dtype list per backend)."""
+    from mhakern import backends
+
+    be = backends.get(name)
+    probes = [torch.zeros(1, 2, 3, 16, device=DEVICE, dtype=dt) for dt in BACKEND_DTYPES]
+    return [p.dtype for p in probes if be.supports(p, p, p, False, None) is None]
+
+
 ATOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5, torch.float64: 1e-10}
 
 

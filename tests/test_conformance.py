@@ -17,31 +17,11 @@ import pytest
 import torch
 
 import mhakern
-from attn_testing import HARD_CASES, case_id, check_against_reference, make_inputs
+from attn_testing import DEVICE, HARD_CASES, case_id, check_against_reference, dtypes_of, make_inputs, usable_backends
 from mhakern import backends
 from mhakern.backends import Modes
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# float64 is left out: lse is float32 by contract, so a float64 backward carries its rounding
-# (about 1e-7), which the rule's float64 atol (1e-10) does not allow; tests/test_reference.py
-# checks the float64 reference itself.
-ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def usable_backends():
-    """Registered backends that can run in this process (the reason of the others is in
-    ``mhakern.available_backends()``)."""
-    return [n for n, why in mhakern.available_backends().items() if why is None]
-
-
 BACKENDS = usable_backends()
-
-
-def dtypes_of(name: str):
-    """The dtypes a backend's ``supports`` accepts on a small probe (no dtype list per backend)."""
-    probe = [torch.zeros(1, 2, 3, 16, device=DEVICE, dtype=dt) for dt in ALL_DTYPES]
-    be = backends.get(name)
-    return [p.dtype for p in probe if be.supports(p, p, p, False, None) is None]
 
 
 PAIRS = [(n, dt) for n in BACKENDS for dt in dtypes_of(n)]

@@ -19,14 +19,12 @@ import pytest
 import torch
 
 import mhakern
-from attn_testing import check_against_reference, make_inputs
+from attn_testing import DEVICE, check_against_reference, dtypes_of, make_inputs, usable_backends
 from mhakern import backends
 
 hypothesis = pytest.importorskip("hypothesis", reason="the property tests need hypothesis (pip install hypothesis)")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
-from test_conformance import DEVICE, dtypes_of, usable_backends  # noqa: E402
 
 SLOW = os.environ.get("MHAKERN_SLOW", "") not in ("", "0")
 # Examples per backend in CI: the interpreter runs every Triton program in Python.
