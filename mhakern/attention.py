@@ -22,6 +22,7 @@ from .ops import (
     expand_mask,
     forward_impl,
     make_modes,
+    mask_dtype,
     prepare_key_lengths,
     reduce_mask_grad,
     _unit_last_stride,
@@ -195,8 +196,7 @@ def attention(
             if mask.is_floating_point():
                 # Kernels take float32 masks (float64 for float64 inputs); converted before the
                 # broadcast so that a small mask stays small.
-                want = torch.float64 if q.dtype == torch.float64 else torch.float32
-                mask = mask.to(want)
+                mask = mask.to(mask_dtype(q.dtype))
                 mask_grad = mask.requires_grad and torch.is_grad_enabled()
             if mask.dim() < 4:
                 mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))

@@ -141,6 +141,11 @@ def check_modes(dropout_p, top_left, window_left, window_right) -> None:
             raise ValueError(f"{name}: expected an int >= -1 (-1 = unbounded), got {w!r}")
 
 
+def mask_dtype(q_dtype: torch.dtype) -> torch.dtype:
+    """The dtype floating masks reach backends in: float32, float64 for float64 inputs."""
+    return torch.float64 if q_dtype == torch.float64 else torch.float32
+
+
 def expand_mask(attn_mask: Optional[Tensor], B: int, H: int, Lq: int, Lk: int) -> Optional[Tensor]:
     """The 4-D view of ``attn_mask`` broadcast to (B, H, Lq, Lk): stride 0 on broadcast dims,
     never a copy."""
@@ -222,6 +227,8 @@ def _op_prologue(q, k, v, scale, causal, key_lengths, backend, attn_mask, dropou
         raise ValueError("mask_grad: True needs a floating attn_mask (a bool mask has no gradient)")
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     kl = prepare_key_lengths(key_lengths, Lk, q.device)
+    if attn_mask is not None and attn_mask.is_floating_point():
+        attn_mask = attn_mask.to(mask_dtype(q.dtype))
     mask4 = expand_mask(attn_mask, B, H, Lq, Lk)
     modes = make_modes(mask4, dropout_p, 0, top_left, wl, wr, mask_grad)
     be = backends.select(backend, q, k, v, causal, kl, modes.required_features())

@@ -500,3 +500,14 @@ def test_get_auto_says_it_must_be_selected_not_that_it_is_unknown():
         backends.register(type("B", (backends.Backend,), {"name": "auto"})())
     with pytest.raises(ValueError, match="unknown features"):
         backends.register(type("B", (backends.Backend,), {"name": "x", "features": frozenset({"alibi"})})())
+
+
+def test_the_op_hands_backends_float32_masks_and_returns_the_mask_gradient_in_its_shape():
+    q, k, v = make_inputs(2, 4, 2, 5, 6, 16, requires_grad=False)
+    m = torch.randn(1, 4, 1, 6, dtype=torch.bfloat16)
+    out, lse = torch.ops.mhakern.attn_fwd(q, k, v, 0.25, False, None, "reference", m)
+    ref = mhakern.attention(q, k, v, scale=0.25, attn_mask=m.float(), backend="reference")
+    torch.testing.assert_close(out, ref)
+    dq, dk, dv, dmask = torch.ops.mhakern.attn_bwd(out, q, k, v, out, lse, 0.25, False, None, "reference", m,
+                                                   mask_grad=True)
+    assert dmask.shape == m.shape and dmask.dtype == torch.float32
