@@ -227,7 +227,10 @@ def select(
     if not isinstance(name, str):
         raise TypeError(f"backend: expected a string ('auto' or one of {names()}), got {type(name).__name__}")
     key = None
-    if not torch.compiler.is_compiling():
+    # Real tensors outside tracing only: fake tensors may carry symbolic shapes, and stand-ins
+    # (tests' duck-typed tensors) need not have strides.
+    plain = all(type(x) is torch.Tensor or type(x) is torch.nn.Parameter for x in (q, k, v))
+    if plain and not torch.compiler.is_compiling():
         key = _signature(name, q, k, v, causal, key_lengths, frozenset(needed))
         hit = _SELECTED.get(key)
         if hit is not None:
