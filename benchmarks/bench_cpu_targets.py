@@ -8,6 +8,8 @@
    two-bmm formulation in eager PyTorch is timed too, for context, and so is the raw kernel
    (the backend's forward and backward called directly, no checks, dispatch or autograd): the
    difference to ``cpu`` is the per-call overhead of ``mhakern.attention``.
+3. ``tiny_fwd_bwd``: the same on a problem too small to measure the kernel (B 1, H 1, Lq 1,
+   Lk 4, D 16): the fixed per-call cost of the API over the raw kernel, and SDPA's for scale.
 
 Both go through the public API (``mhakern.attention(..., backend="cpu")``, autograd included)
 and SDPA through ``torch.nn.functional.scaled_dot_product_attention``; gradients are dropped
@@ -97,12 +99,41 @@ def _decode_fwd_bwd() -> Dict[str, Callable[[], object]]:
     }
 
 
+def _tiny_fwd_bwd() -> Dict[str, Callable[[], object]]:
+    """B 1, H 1, Lq 1, Lk 4, D 16: the kernel's work is negligible, so the difference between
+    the API and the raw kernel is the fixed per-call cost (checks, dispatch, autograd)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, n, 16, generator=g).requires_grad_() for n in (1, 4, 4))
+    dout = torch.randn(1, 1, 1, 16, generator=g)
+    from mhakern.backends import get
+
+    be = get("cpu")
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    kept = [None]
+
+    def raw():
+        kept[0] = None
+        out, lse = be.forward(qd, kd, vd, 0.25, False, None)
+        kept[0] = be.backward(dout, qd, kd, vd, out, lse, 0.25, False, None)
+
+    def api():
+        q.grad = k.grad = v.grad = None
+        mhakern.attention(q, k, v, backend="cpu").backward(dout)
+
+    def sdpa():
+        q.grad = k.grad = v.grad = None
+        F.scaled_dot_product_attention(q, k, v).backward(dout)
+
+    return {"sdpa": sdpa, "cpu": api, "raw_kernel": raw}
+
+
 def targets() -> Dict[str, Tuple[Dict[str, Callable[[], object]], str, float]]:
     """name -> (providers, the peer of the target, the target ratio peer/cpu)."""
     return {
         "self_fwd_noncausal": (_self_fwd(False), "sdpa", 1.0),
         "self_fwd_causal": (_self_fwd(True), "sdpa", 1.0),
         "decode_fwd_bwd": (_decode_fwd_bwd(), "sdpa_gqa", 3.0),
+        "tiny_fwd_bwd": (_tiny_fwd_bwd(), "sdpa", 0.0),
     }
 
 
@@ -137,7 +168,8 @@ if pytest is not None:
         (t, p)
         for t, p in [("self_fwd_noncausal", "sdpa"), ("self_fwd_noncausal", "cpu"), ("self_fwd_causal", "sdpa"),
                      ("self_fwd_causal", "cpu"), ("decode_fwd_bwd", "sdpa_gqa"), ("decode_fwd_bwd", "eager_bmm"),
-                     ("decode_fwd_bwd", "cpu"), ("decode_fwd_bwd", "raw_kernel")]
+                     ("decode_fwd_bwd", "cpu"), ("decode_fwd_bwd", "raw_kernel"),
+                     ("tiny_fwd_bwd", "sdpa"), ("tiny_fwd_bwd", "cpu"), ("tiny_fwd_bwd", "raw_kernel")]
     ]
     _MEDIANS: Dict[Tuple[str, str], float] = {}
 
@@ -165,22 +197,16 @@ def _ratio_lines(medians: Dict[Tuple[str, str], float], built) -> List[str]:
         if (name, "cpu") not in medians:
             continue
         cpu = medians[(name, "cpu")]
-        parts = [f"cpu {cpu * 1e3:.2f} ms"]
+        parts = [f"cpu {cpu * 1e3:.3f} ms"]
         for p in provs:
             if p != "cpu" and (name, p) in medians:
-                parts.append(f"{p} {medians[(name, p)] * 1e3:.2f} ms ({medians[(name, p)] / cpu:.2f}x)")
-        if (name, peer) in medians:
+                parts.append(f"{p} {medians[(name, p)] * 1e3:.3f} ms ({medians[(name, p)] / cpu:.2f}x)")
+        if (name, peer) in medians and goal > 0:
             ratio = medians[(name, peer)] / cpu
             parts.append(f"target {peer}/cpu >= {goal:g}: {'met' if ratio >= goal else 'NOT met'}")
         if (name, "raw_kernel") in medians:
-            # Minima when script mode measured them (least disturbed rounds), else medians.
-            src = _MINS if (name, "raw_kernel") in _MINS else medians
-            api, raw = src[(name, "cpu")], src[(name, "raw_kernel")]
-            kind = "minima" if src is _MINS else "medians"
-            parts.append(
-                f"mhakern.attention {api * 1e3:.2f} ms vs raw kernel {raw * 1e3:.2f} ms ({kind}): "
-                f"overhead {(api - raw) * 1e6:.0f} us ({(api - raw) / raw:.1%})"
-            )
+            api, raw = cpu, medians[(name, "raw_kernel")]
+            parts.append(f"mhakern.attention over the raw kernel: {(api - raw) * 1e6:+.0f} us ({(api - raw) / raw:+.1%})")
         lines.append(f"{name}: " + ", ".join(parts))
     return lines
 
@@ -189,12 +215,8 @@ def _ratio_lines(medians: Dict[Tuple[str, str], float], built) -> List[str]:
 # Script mode: interleaved rounds
 
 
-_MINS: Dict[Tuple[str, str], float] = {}
-
-
 def run_interleaved(built, rounds: int, warmup: int = 2) -> Dict[Tuple[str, str], float]:
-    """Medians per (target, provider); the minima go to ``_MINS`` (the least disturbed round:
-    on a shared machine the per-call overhead is read from them)."""
+    """Medians per (target, provider)."""
     medians = {}
     for name, (provs, _, _) in built.items():
         for fn in provs.values():
@@ -210,7 +232,6 @@ def run_interleaved(built, rounds: int, warmup: int = 2) -> Dict[Tuple[str, str]
                 times[p].append(time.perf_counter() - t0)
         for p, ts in times.items():
             medians[(name, p)] = statistics.median(ts)
-            _MINS[(name, p)] = min(ts)
     return medians
 
 
