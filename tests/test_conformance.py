@@ -181,10 +181,12 @@ def test_modes(name, dtype, mode):
 
 @pytest.mark.parametrize("name,dtype", MAIN, ids=MAIN_IDS)
 def test_dropout_is_reproducible_and_drops_the_reference_keep_mask(name, dtype):
-    if "dropout" not in backends.get(name).features:
-        pytest.skip(f"{name} does not declare dropout")
     B, H, Lq, Lk, D = 2, 3, 5, 40, 16
     q, k, v = make_inputs(B, H, 1, Lq, Lk, D, dtype=dtype, device=DEVICE, requires_grad=False)
+    if "dropout" not in backends.get(name).features:
+        with pytest.raises(ValueError, match="does not implement dropout"):
+            mhakern.attention(q, k, v, dropout_p=0.4, backend=name)
+        return
     # v = identity rows (Lk = value dim would be needed): use v = one-hot of the key index, so
     # out[..., j] / P[..., j] is exactly keep / (1 - p) and the keep pattern can be read back.
     v = torch.eye(Lk, dtype=dtype, device=DEVICE).expand(B, 1, Lk, Lk).contiguous()
@@ -286,11 +288,13 @@ def test_nan_in_a_query_that_sees_no_key_changes_nothing(name, dtype):
 
 @pytest.mark.parametrize("name,dtype", MAIN, ids=MAIN_IDS)
 def test_nan_in_a_masked_float_bias_changes_nothing(name, dtype):
-    if "attn_mask" not in backends.get(name).features:
-        pytest.skip(f"{name} does not declare attn_mask")
     q, k, v = make_inputs(1, 2, 2, 4, 6, 16, dtype=dtype, device=DEVICE, requires_grad=False)
     kl = torch.tensor([4], device=DEVICE)
     bias = torch.randn(4, 6, device=DEVICE)
+    if "attn_mask" not in backends.get(name).features:
+        with pytest.raises(ValueError, match="does not implement attn_mask"):
+            mhakern.attention(q, k, v, attn_mask=bias, backend=name)
+        return
     clean = _fwd_bwd(name, q, k, v, key_lengths=kl, attn_mask=bias)
     bias[:, 4:] = math.nan  # hidden by key_lengths
     got = _fwd_bwd(name, q, k, v, key_lengths=kl, attn_mask=bias)
