@@ -55,6 +55,8 @@ class FusedAttentionFunction(torch.autograd.Function):
                                window_left, window_right, False)
             out, lse = forward_impl(backends.get(backend), q, k, v, scale, causal, key_lengths, modes)
         ctx.save_for_backward(q, k, v, out, lse, key_lengths, attn_mask)
+        # lse never receives a gradient: no zeros tensor for it on every backward.
+        ctx.set_materialize_grads(False)
         ctx.args = (scale, causal, backend, dropout_p, seed, top_left, window_left, window_right, mask_grad)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -62,6 +64,8 @@ class FusedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, key_lengths, attn_mask = ctx.saved_tensors
+        if dout is None:  # only lse was used downstream: nothing flows back
+            return (None,) * 14
         scale, causal, backend, dropout_p, seed, top_left, wl, wr, mask_grad = ctx.args
         if torch.compiler.is_compiling():
             dq, dk, dv, dmask = torch.ops.mhakern.attn_bwd(
