@@ -16,12 +16,11 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from . import backends
+from . import backends, reference
 from .attention import attention
+from .ops import draw_seed
 
 Tensor = torch.Tensor
-
-_M32 = 0xFFFFFFFF
 
 
 class FusedMHA(nn.Module):
@@ -324,8 +323,8 @@ class FusedMHA(nn.Module):
         dropout_seed = None
         if 0.0 < p < 1.0:
             # One draw from torch's default generator, as nn.MultiheadAttention's dropout makes;
-            # it seeds the generator handed to attention(), so the weights pass can regenerate
-            # attention()'s own draw.
+            # it seeds the generator handed to attention(), so that the weights pass can repeat
+            # attention()'s own seed draw and regenerate its keep mask.
             dropout_seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
             kw["dropout_p"] = p
             kw["generator"] = torch.Generator().manual_seed(dropout_seed)
@@ -348,7 +347,8 @@ class FusedMHA(nn.Module):
         if need_weights:
             keep = None
             if dropout_seed is not None:
-                keep = _dropout_keep(_attention_seed(dropout_seed), N, H, L, Sx, p, dev)
+                seed = draw_seed(torch.Generator().manual_seed(dropout_seed))
+                keep = reference.dropout_keep_mask(seed, N, H, L, Sx, p, dev)
             weights = _attention_weights(q, k, lse, 1.0 / math.sqrt(hd), mask, lengths, causal, top_left, keep, p)
             if p >= 1.0:
                 weights = weights * 0.0
@@ -516,7 +516,9 @@ def _lengths_mask(key_lengths, N: int, S: int) -> Tensor:
     if key_lengths.dtype.is_floating_point or key_lengths.dtype.is_complex or key_lengths.dtype == torch.bool:
         raise TypeError(f"key_lengths: expected an integer dtype, got {key_lengths.dtype}")
     if tuple(key_lengths.shape) != (N,):
-        raise ValueError(f"key_lengths: expected shape ({N},) (one length per batch element), got {tuple(key_lengths.shape)}")
+        raise ValueError(
+            f"key_lengths: expected shape ({N},) (one length per batch element), got {tuple(key_lengths.shape)}"
+        )
     ok = torch.all((key_lengths >= 0) & (key_lengths <= S))
     msg = f"key_lengths: values must lie in [0, Lk={S}]"
     if _is_compiling():
@@ -546,19 +548,6 @@ def _merge_masks(a: Optional[Tensor], b: Optional[Tensor]) -> Optional[Tensor]:
     if b.dtype == torch.bool:
         b = torch.zeros(b.shape, dtype=a.dtype, device=b.device).masked_fill(~b, float("-inf"))
     return a + b
-
-
-def _visible(L: int, S: int, lengths: Optional[Tensor], causal: bool, top_left: bool, device) -> Optional[Tensor]:
-    """attention()'s visibility rule for key_lengths and causal, (1 or N, 1, L, S) bool, or None."""
-    if lengths is None and not causal:
-        return None
-    j = torch.arange(S, device=device).view(1, 1, 1, S)
-    n = S if lengths is None else lengths.to(device=device, dtype=torch.int64).view(-1, 1, 1, 1)
-    vis = j < n
-    if causal:
-        i = torch.arange(L, device=device).view(1, 1, L, 1)
-        vis = vis & (j <= (i if top_left else i + n - L))
-    return vis
 
 
 class _SoftmaxFromLse(torch.autograd.Function):
@@ -594,38 +583,10 @@ def _attention_weights(q, k, lse, scale, mask, lengths, causal, top_left, keep, 
     s = torch.matmul(qg, k.to(wdt).unsqueeze(2).transpose(-1, -2)).flatten(1, 2) * scale
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(wdt)
-    vis = _visible(L, S, lengths, causal, top_left, q.device)
+    vis = reference.visible_mask(L, S, causal, lengths, q.device, top_left=top_left)
     if vis is not None:
         s = s.masked_fill(~vis, float("-inf"))
     w = _SoftmaxFromLse.apply(s, lse)
     if keep is not None:
         w = w * keep * (1.0 / (1.0 - p))
     return w
-
-
-def _attention_seed(generator_seed: int) -> int:
-    """The dropout seed attention() draws from a generator seeded with ``generator_seed``
-    (INTERFACE: one int64 draw on the generator)."""
-    g = torch.Generator().manual_seed(generator_seed)
-    return int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, generator=g))
-
-
-def _mix32(x: Tensor) -> Tensor:
-    # lowbias32 finaliser on int64 tensors holding 32-bit values; products stay below 2**63.
-    x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & _M32
-    return x ^ (x >> 15)
-
-
-def _dropout_keep(seed: int, N: int, H: int, L: int, S: int, p: float, device) -> Tensor:
-    """The keep mask (N, H, L, S) bool of mhakern's counter-based dropout for ``seed``
-    (docs/contract.md: a pure function of (seed, b, h, i, j), h the query head)."""
-    lo, hi = seed & _M32, (seed >> 32) & _M32
-    i64 = {"dtype": torch.int64, "device": device}
-    bh = torch.arange(N, **i64).view(N, 1) * H + torch.arange(H, **i64).view(1, H)
-    s_bh = _mix32(lo ^ _mix32(hi ^ (bh & _M32)))
-    r_i = _mix32(s_bh.view(N, H, 1) ^ torch.arange(L, **i64).view(1, 1, L))
-    u = _mix32((r_i.view(N, H, L, 1) + torch.arange(S, **i64).view(1, 1, 1, S)) & _M32)
-    return u >= min(int(p * 4294967296.0), _M32)
