@@ -307,7 +307,7 @@ class FusedMHA(nn.Module):
             extra += 1
         Sx = S + extra
 
-        lengths, kmask = _kept_keys(pad, key_lengths, N, S, extra > 0)
+        lengths, kmask = _kept_keys(pad, key_lengths, N, S, extra > 0, self.backend)
         if kmask is not None:
             kmask = kmask[:, None, None, :]
         mask = _merge_masks(_append_visible(amask, extra), _append_visible(kmask, extra))
@@ -480,13 +480,16 @@ def _attn_mask_4d(mask, N: int, H: int, L: int, S: int, batched: bool, device) -
     return ~mask if mask.dtype == torch.bool else mask
 
 
-def _kept_keys(pad: Optional[Tensor], key_lengths, N: int, S: int, appended: bool):
+def _kept_keys(pad: Optional[Tensor], key_lengths, N: int, S: int, appended: bool, backend: str):
     """Split key-side masking into attention()'s ``key_lengths`` and an (N, S) mask.
 
     Returns ``(lengths, kmask)``. Without appended keys ``lengths`` is 1 + the position of each
     element's last kept key (the causal alignment point, and a bound that lets kernels skip
-    tiles), and ``kmask`` is None when the lengths say everything (right padding, checked in
-    eager mode only). Appended keys sit after the padding, so then only the mask can express it.
+    tiles), and ``kmask`` is None when the lengths say everything: right padding, which eager
+    mode checks on the data. Under torch.compile a check on the data cannot choose the path, so
+    the mask goes along, unless ``backend`` is named and takes no mask: then right padding is
+    required (checked inside the graph). Appended keys sit after the padding, so then only the
+    mask can express it.
     """
     if pad is None and key_lengths is None:
         return None, None
@@ -500,13 +503,22 @@ def _kept_keys(pad: Optional[Tensor], key_lengths, N: int, S: int, appended: boo
     pos = torch.arange(1, S + 1, device=pad.device)
     lengths = (keep * pos).amax(dim=1) if S > 0 else torch.zeros(N, dtype=torch.int64, device=pad.device)
     # A float mask that requires grad must reach attention() to get its gradient.
-    if not _is_compiling() and not pad.requires_grad:
-        plain = torch.all(keep == (pos <= lengths[:, None]))
-        if pad.dtype != torch.bool:
-            plain &= torch.all(~keep | (pad == 0))
-        if bool(plain):
-            return lengths, None
-    return lengths, pad
+    if pad.requires_grad:
+        return lengths, pad
+    compiling = _is_compiling()
+    if compiling and (backend == "auto" or "attn_mask" in backends.get(backend).features):
+        return lengths, pad
+    plain = torch.all(keep == (pos <= lengths[:, None]))
+    if pad.dtype != torch.bool:
+        plain &= torch.all(~keep | (pad == 0))
+    if compiling:
+        torch._assert_async(
+            plain,
+            f"key_padding_mask: backend {backend!r} takes no attention mask, so under torch.compile only "
+            "right padding is accepted (bool: False then True; float: 0 then -inf)",
+        )
+        return lengths, None
+    return (lengths, None) if bool(plain) else (lengths, pad)
 
 
 def _lengths_mask(key_lengths, N: int, S: int) -> Tensor:

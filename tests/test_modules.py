@@ -799,6 +799,78 @@ def test_key_lengths_with_appended_keys_keep_those_visible():
         fused(q.float(), kv.float(), kv.float(), key_lengths=torch.tensor([6, 0]))
 
 
+def test_compiled_masks_and_weights_match_eager():
+    # Under torch.compile the padding check cannot read the data: a left-padding mask, a float
+    # attn_mask that requires grad and the weights pass must all compile into one graph and
+    # give eager's results.
+    torch._dynamo.reset()
+    torch.manual_seed(14)
+    fused = mhakern.FusedMHA(16, 2, add_bias_kv=True, backend="reference")
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    kpm = torch.tensor([[False] * 5, [True, True, False, False, False]])
+    bias = torch.randn(5, 5).masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+
+    def run(m):
+        am = bias.clone().requires_grad_(True)
+        x.grad = None
+        fused.zero_grad()
+        out, w = m(x, x, x, key_padding_mask=kpm, attn_mask=am, average_attn_weights=False)
+        (out.pow(2).sum() + w.pow(2).sum()).backward()
+        return [out, w, x.grad, am.grad] + [p.grad.clone() for p in fused.parameters()]
+
+    compiled = torch.compile(fused, backend="aot_eager", fullgraph=True)
+    for i, (c, e) in enumerate(zip(run(compiled), run(fused))):
+        torch.testing.assert_close(c, e, msg=lambda m: f"result {i} (out, weights, then gradients): {m}")
+    torch._dynamo.reset()
+
+
+class _NoModesBackend(backends.Backend):
+    """A registered backend that implements no optional mode (the reference underneath)."""
+
+    name = "no_modes"
+    priority = -5
+
+    def forward(self, q, k, v, scale, causal, key_lengths, modes=backends.DEFAULT_MODES):
+        assert modes == backends.DEFAULT_MODES
+        return backends.get("reference").forward(q, k, v, scale, causal, key_lengths, modes)
+
+    def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, modes=backends.DEFAULT_MODES):
+        return backends.get("reference").backward(dout, q, k, v, out, lse, scale, causal, key_lengths, modes)
+
+
+@pytest.fixture
+def no_modes():
+    be = backends.register(_NoModesBackend())
+    yield be
+    del backends._REGISTRY[be.name]
+    backends._ORDER = None
+    backends.clear_dispatch_cache()
+
+
+def test_backend_without_masks_serves_right_padding_and_names_the_mode_otherwise(no_modes):
+    torch.manual_seed(15)
+    fused = mhakern.FusedMHA(8, 2, backend="no_modes")
+    ref = mhakern.FusedMHA(8, 2, backend="reference")
+    ref.load_state_dict(fused.state_dict())
+    x = torch.randn(2, 4, 8)
+    right = torch.tensor([[False] * 4, [False, False, False, True]])
+    left = torch.tensor([[False] * 4, [True, False, False, False]])
+    for a, b in zip(fused(x, x, x, key_padding_mask=right), ref(x, x, x, key_padding_mask=right)):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="attn_mask"):
+        fused(x, x, x, key_padding_mask=left)
+    # Under compile the data cannot pick the path: right padding is required, checked in the graph.
+    torch._dynamo.reset()
+    compiled = torch.compile(fused, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(
+        compiled(x, x, x, key_padding_mask=right, need_weights=False)[0],
+        ref(x, x, x, key_padding_mask=right, need_weights=False)[0],
+    )
+    with pytest.raises(RuntimeError, match="right padding"):
+        compiled(x, x, x, key_padding_mask=left, need_weights=False)
+    torch._dynamo.reset()
+
+
 def _mk(**kw):
     return lambda: mhakern.FusedMHA(**{"embed_dim": 16, "num_heads": 4, **kw})
 
