@@ -21,8 +21,9 @@ from typing import Any, Dict, List, Optional, Sequence
 PROG = "mhakern-memorize"
 _DEFAULTS_HELP = (
     "Defaults (the quick preset's scale): H=4, n=8, d=16 (d_in = d_h = d), d_v=1, T=500, random context, "
-    "uniform features, 100 classes, 3000 steps (--steps paper: the paper's max(500 T / batch, 50000)), "
-    "batch 256, Adam lr 1e-3, evaluation every 500 steps, target accuracy 1.0, --impl fused, --backend auto, float32."
+    "uniform features, 100 classes, 3000 steps (--steps paper: the paper's max(floor(500 T / batch), 50000)), "
+    "batch 256, Adam lr 1e-3, evaluation after steps 1, 501, 1001, ... and the last, target accuracy 1.0 with early "
+    "stop, the paper's initialisation and regression rule, --impl fused, --backend auto, float32."
 )
 
 
@@ -84,6 +85,18 @@ def _str_list(flag: str, text: str) -> List[str]:
     return _split(flag, text)
 
 
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def _bool_list(flag: str, text: str) -> List[bool]:
+    out = []
+    for p in _split(flag, text):
+        if p.lower() not in _TRUE + _FALSE:
+            raise UsageError(f"{flag}: expected true or false, got {p!r}")
+        out.append(p.lower() in _TRUE)
+    return out
+
+
 # (field, flag, short, parser, help)
 _MODEL_FLAGS = [
     ("heads", "--heads", "-H", _int_list, "attention heads H"),
@@ -103,8 +116,15 @@ _MODEL_FLAGS = [
     ("lr", "--lr", None, _float_list, "Adam learning rate (default 1e-3)"),
     ("warmup", "--warmup", None, _float_list, "warm-up fraction of the steps (default 0.05)"),
     ("eval_every", "--eval-every", None, _int_list, "evaluate the whole training set every N steps (default 500)"),
-    ("target_acc", "--target-acc", None, _float_list, "stop early at this training accuracy (default 1.0)"),
-    ("reg_tol", "--reg-tol", None, _float_list, "regression: |error| below this counts as memorized"),
+    ("target_acc", "--target-acc", None, _float_list, "training accuracy that counts as memorized (default 1.0)"),
+    ("reg_tol", "--reg-tol", None, _float_list, "regression: |error| below this counts as within tolerance (default 0.01)"),
+    ("reg_rule", "--reg-rule", None, _str_list,
+     "regression: mse (the paper: whole budget, lowest-MSE checkpoint, MSE reported; default) or tol "
+     "(|error| < --reg-tol counts as memorized, may stop early)"),
+    ("early_stop", "--early-stop", None, _bool_list, "stop a run when it reaches --target-acc (default true, as the paper)"),
+    ("init", "--init", None, _str_list,
+     "initialisation: paper (per-head Xavier, nn.Linear embedding and decoder; default) or xavier-proj"),
+    ("analysis", "--analysis", None, _bool_list, "softmax-saturation analysis of the kept checkpoint (default false)"),
     ("impl", "--impl", None, _str_list, "fused (mhakern.attention), eager (folded, plain PyTorch) or paper (paper form)"),
     ("backend", "--backend", None, _str_list, "mhakern backend for --impl fused: auto or a name"),
     ("dtype", "--dtype", None, _str_list, "float32, float64, bfloat16 or float16"),
