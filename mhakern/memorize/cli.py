@@ -319,8 +319,12 @@ def _base_from_grid(grid: Dict[str, List[Any]], base=None):
 def _print_results(results, log) -> None:
     for r in results:
         c = r.config
+        if c.task == "regress" and c.reg_rule == "mse":
+            what = f"MSE {r.loss:.4g} (kept checkpoint; {r.mem_acc:.4f} of examples within {c.reg_tol:g})"
+        else:
+            what = f"mem_acc {r.mem_acc:.4f} = {r.examples:.0f} examples fitted, loss {r.loss:.4g}"
         log(
-            f"{c.label()} T={c.T} seed={c.seed}: mem_acc {r.mem_acc:.4f} = {r.examples:.0f} examples memorized; "
+            f"{c.label()} T={c.T} seed={c.seed}: {what}; "
             f"{r.steps_done} steps{' (stopped early)' if r.stopped_early else ''}, {r.wall_s:.1f} s, "
             f"{r.steps_per_s:.0f} steps/s, {r.examples_per_s:.0f} examples/s per run, backend {r.backend_used}"
         )
@@ -328,7 +332,7 @@ def _print_results(results, log) -> None:
 
 # ---------------------------------------------------------------------------- commands
 def cmd_run(args) -> int:
-    from .train import train_stack, versions
+    from .sweep import run_sweep
 
     grid = _grid_from_args(args, listy=False)
     base, _ = _base_from_grid(grid, cli_defaults())
@@ -338,25 +342,24 @@ def cmd_run(args) -> int:
     _check_configs(cfgs, dev)
     store = _open_store(args)
     exp = args.experiment or "run"
-    vers = versions()
     log = _log(args)
     have = store.stored_keys(c.key() for c in cfgs)
     todo = [c for c in cfgs if c.key() not in have]
     if have:
         log(f"{len(have)} of these runs are already stored in {store.path}; training {len(todo)}")
     done = []
-
-    def keep(res):
-        store.add_run(res, exp, vers)
-        done.append(res)
-
     if todo:
-        train_stack(todo, device=dev, progress=not args.no_progress, on_result=keep, layout=args.layout)
+        # Through the sweep machinery: claims keep a concurrent sweep on this database from
+        # training the same runs.
+        run_sweep(todo, store, exp, device=dev, progress=not args.no_progress, max_stack=_one_int("--stack", args.stack),
+                  layout=args.layout, on_stored=done.append)
     _print_results(sorted(done, key=lambda r: r.config.seed), log)
+    trained = {r.config.key() for r in done}
     for c in cfgs:
-        if c.key() in have:
+        if c.key() not in trained:
             row = store.run_by_key(c.key())
-            log(f"{c.label()} T={c.T} seed={c.seed}: stored: mem_acc {row['mem_acc']:.4f} = {row['examples']:.0f} examples memorized")
+            log(f"{c.label()} T={c.T} seed={c.seed}: stored: mem_acc {row['mem_acc']:.4f} = {row['examples']:.0f} examples fitted, "
+                f"loss {row['loss']:.4g}")
     log(f"stored in {store.path} (experiment {exp!r})")
     return 0
 
@@ -394,7 +397,7 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_capacity(args) -> int:
-    from .capacity import find_capacity
+    from .capacity import check_searchable, find_capacity
     from .report import write_report
 
     grid = _grid_from_args(args, listy=False)
@@ -403,6 +406,7 @@ def cmd_capacity(args) -> int:
     seeds = _seeds(args)
     dev = _device(args)
     _check_configs([base], dev)
+    check_searchable(base)
     t_start = None if args.t_start is None else _one_int("--t-start", args.t_start)
     t_max = _one_int("--t-max", args.t_max)
     resolution = _one_float("--resolution", args.resolution)
