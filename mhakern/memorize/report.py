@@ -269,7 +269,8 @@ def write_report(store: ResultStore, out_dir: str, experiment: Optional[str] = N
             c = plot_capacity(pts, var, path, lab)
             if c is not None:
                 written.append(path)
-                fits.append(f"capacity against {var}: theory c·H·min(n, d_h) fitted with c = {c:.3g}")
+                what = "capacity" if any(q["source"] != "grid" for q in pts) else "examples fitted (not capacity)"
+                fits.append(f"{what} against {var}: theory c·H·min(n, d_h) fitted with c = {c:.3g}")
         if plot_acc_vs_T(aggs, os.path.join(out_dir, "acc_vs_T.png")):
             written.append(os.path.join(out_dir, "acc_vs_T.png"))
         with open(p, "w") as f:
