@@ -320,7 +320,7 @@ def _print_results(results, log) -> None:
     for r in results:
         c = r.config
         if c.task == "regress" and c.reg_rule == "mse":
-            what = f"MSE {r.loss:.4g} (kept checkpoint; {r.mem_acc:.4f} of examples within {c.reg_tol:g})"
+            what = f"MSE {r.loss:.4g} (kept checkpoint; {r.mem_acc:.1%} of examples within {c.reg_tol:g})"
         else:
             what = f"mem_acc {r.mem_acc:.4f} = {r.examples:.0f} examples fitted, loss {r.loss:.4g}"
         log(
