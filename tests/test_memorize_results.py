@@ -361,3 +361,20 @@ def test_heartbeat_renews_its_owners_claims_only(tmp_path):
     assert after["a"] > before["a"] and after["b"] > before["b"] and after["c"] == before["c"]
     store.release("me")
     assert [r[0] for r in store.conn.execute("SELECT key FROM claims")] == ["c"]
+
+
+def test_a_database_from_before_new_columns_is_upgraded_in_place(tmp_path):
+    db = str(tmp_path / "old.sqlite")
+    con = sqlite3.connect(db)
+    # The runs table as the first schema wrote it: no reg_rule, early_stop, init, analysis, saturation.
+    con.execute("CREATE TABLE runs (id INTEGER PRIMARY KEY, key TEXT UNIQUE NOT NULL, experiment TEXT NOT NULL, "
+                "config TEXT NOT NULL, heads INTEGER, mem_acc REAL)")
+    con.execute("INSERT INTO runs (key, experiment, config, heads, mem_acc) VALUES ('old', 'e', '{}', 3, 0.5)")
+    con.commit()
+    con.close()
+    store = ResultStore(db)
+    cols = {r[1] for r in store.conn.execute("PRAGMA table_info(runs)")}
+    assert {"reg_rule", "early_stop", "init", "analysis", "saturation", "loss"} <= cols
+    res = train_stack([TINY], progress=False)[0]
+    assert store.add_run(res, "exp", versions())
+    assert store.run_by_key("old")["mem_acc"] == 0.5 and store.run_by_key(TINY.key())["init"] == "paper"
