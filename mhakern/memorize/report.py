@@ -182,8 +182,10 @@ def plot_capacity(points: List[Dict], var: str, path: str, label: str) -> Option
     srcs = {p["source"] for s in series.values() for p in s}
     if srcs == {"grid"}:
         ax.set_ylabel("examples fitted in the step budget (mem_acc x T, best T)")
+    elif "grid" not in srcs:
+        ax.set_ylabel("capacity (largest T memorized at the target)")
     else:
-        ax.set_ylabel("capacity (largest T memorized; search) / examples fitted (grid)")
+        ax.set_ylabel("capacity (search) or examples fitted (grid)")
     ax.set_title("mean over seeds; bars: seed min to max", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
