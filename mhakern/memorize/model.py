@@ -34,6 +34,8 @@ import torch
 
 import mhakern
 
+from .config import INITS  # names of the initialisations of _init_run
+
 Tensor = torch.Tensor
 
 PARAM_NAMES = ("W_E", "b_E", "W_Q", "W_K", "W_V", "W_O", "W_D", "b_D")
@@ -69,10 +71,6 @@ def sinusoidal_positions(length: int, d: int, dtype=torch.float32, device="cpu")
     pe[:, 0::2] = torch.sin(ang)
     pe[:, 1::2] = torch.cos(ang[:, : d // 2])
     return pe.to(dtype)
-
-
-#: Initialisations by name (``RunConfig.init``).
-from .config import INITS  # noqa: E402  (names of the initialisations below)
 
 
 def _uniform(g: torch.Generator, bound: float, size) -> Tensor:
