@@ -17,6 +17,12 @@ same function with the same weights:
 ``-x8`` variants train 8 seeds stacked as one batched model (what sweeps do): their steps/s is
 per run, and the ratios compare run-steps per second.
 
+``paper-code`` is the paper's own model (``BaselineAttention`` from
+smahdavi4/attention-memorization's ``src/attn_models.py``) with its training step (cross-entropy
+on token 0's logits, Adam, as its ``trainers.py``), imported from a checkout of that repository
+named by ``MHAKERN_PAPER_SRC`` (its ``src`` folder); skipped when the variable is unset. The
+project holds none of its code.
+
 Each benchmark's ``extra_info`` holds steps/s and examples/s; at the end of the module every
 figure is printed as a ratio to its peers from the same run (machines are shared and noisy:
 only ratios from one run mean something). CPU threads: the trainer's default of 1 unless
@@ -46,6 +52,7 @@ VARIANTS = {
     "paper": ("paper", "rows", 1),
     "fused-x8": ("fused", "rows", 8),
     "eager-x8": ("eager", "rows", 8),
+    "paper-code": ("paper-code", None, 1),
 }
 _RESULTS = {}
 _THREADS = int(os.environ.get("MHAKERN_BENCH_THREADS", "1"))
@@ -84,14 +91,58 @@ def _summary(request):
                 f"  {r['examples_per_s'] * r['runs']:10.0f} examples/s in all  ({r['backend']})"
             )
         for a in _RESULTS:
-            for b in ("eager", "paper"):
+            for b in ("eager", "paper", "paper-code"):
                 if a != b and b in _RESULTS:
                     ra, rb = _RESULTS[a], _RESULTS[b]
                     rep.write_line(f"{a} / {b}: {ra['steps_per_s'] * ra['runs'] / (rb['steps_per_s'] * rb['runs']):.2f}x "
                                    "(run-steps per second)")
 
 
+def _paper_code_stepper():
+    """The paper's model and training step from its own repository (see the module docstring)."""
+    import sys
+
+    import torch.nn.functional as F
+
+    src = os.environ.get("MHAKERN_PAPER_SRC")
+    if not src:
+        pytest.skip("MHAKERN_PAPER_SRC (the src folder of a smahdavi4/attention-memorization checkout) is not set")
+    sys.path.insert(0, src)
+    try:
+        from attn_models import BaselineAttention
+    finally:
+        sys.path.remove(src)
+    dev = _device()
+    torch.manual_seed(0)
+    model = BaselineAttention(input_dim=64, n_classes=100, d_model=64, num_heads=SHAPE["heads"], dh=None).to(dev)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(SHAPE["T"], SHAPE["context"] + 1, 64, generator=g).to(dev)
+    Y = torch.randint(0, 100, (SHAPE["T"],), generator=g).to(dev)
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    counter = [0]
+
+    def steps(k):
+        def run():
+            for _ in range(k):
+                i = (counter[0] * SHAPE["batch"]) % (SHAPE["T"] - SHAPE["batch"])
+                x, y = X[i : i + SHAPE["batch"]], Y[i : i + SHAPE["batch"]]
+                out, _ = model(x, y)
+                loss = F.cross_entropy(out[:, 0, :], y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                counter[0] += 1
+            sync()
+
+        return run
+
+    return None, steps
+
+
 def _stepper(impl: str, layout: str, runs: int):
+    if impl == "paper-code":
+        return _paper_code_stepper()
     dev = _device()
     cfgs = [RunConfig(**SHAPE, impl=impl, steps=1_000_000, eval_every=10**9, seed=s) for s in range(runs)]
     st = _Stack(cfgs, dev, layout, 1 << 30)
@@ -129,6 +180,8 @@ def test_trainer_steps_per_second(benchmark, variant):
 
         q = torch.empty((2, 1, 20, 64), device=_device())
         backend = "mhakern:" + mhakern.backends.select("auto", q, q, q, False, None).name
+    elif impl == "paper-code":
+        backend = "the paper's code"
     else:
         backend = "plain PyTorch"
     benchmark.extra_info.update(

@@ -12,7 +12,7 @@ from mhakern.memorize import data as D
 from mhakern.memorize.config import ConfigError, RunConfig
 from mhakern.memorize.model import ModelShape, StackedParams, folded_forward, paper_forward, sinusoidal_positions
 from mhakern.memorize.optim import BatchedAdam, lr_factor
-from mhakern.memorize.train import _Sampler, train_stack
+from mhakern.memorize.train import _Sampler, _Stack, _saturation, train_stack
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -225,5 +225,156 @@ def test_configuration_errors_name_the_flag():
     with pytest.raises(ConfigError, match="--backend"):
         train_stack([RunConfig(backend="no-such-backend", steps=1, T=4)], progress=False)
     # the paper's step rule
-    assert RunConfig(T=100_000, batch=256).total_steps == math.ceil(500 * 100_000 / 256)
+    assert RunConfig(T=100_000, batch=256).total_steps == 500 * 100_000 // 256  # main.py rounds down
     assert RunConfig(T=1000).total_steps == 50_000
+
+
+# ---------------------------------------------------------------------------- paper fidelity
+class _PaperFormModel(torch.nn.Module):
+    """The paper's model in the paper's own parameter layouts (attn_models.py): an nn.Linear
+    embedding, per-head Wq, Wk (H, d, d_h) and Wv (H, d, d_v), Wo (H d_v, d), an nn.Linear
+    decoder; every token attends tokens 1..n; token 0's output is decoded. Written here from the
+    paper's description so that our weights can be loaded into it by name and layout."""
+
+    def __init__(self, d_in, d, H, dh, dv, C):
+        super().__init__()
+        self.embedding = torch.nn.Linear(d_in, d, dtype=torch.float64)
+        self.Wq = torch.nn.Parameter(torch.empty(H, d, dh, dtype=torch.float64))
+        self.Wk = torch.nn.Parameter(torch.empty(H, d, dh, dtype=torch.float64))
+        self.Wv = torch.nn.Parameter(torch.empty(H, d, dv, dtype=torch.float64))
+        self.Wo = torch.nn.Parameter(torch.empty(H * dv, d, dtype=torch.float64))
+        self.decoder = torch.nn.Linear(d, C, dtype=torch.float64)
+
+    def load_from(self, P, r):
+        H = self.Wq.shape[0]
+        with torch.no_grad():
+            self.embedding.weight.copy_(P["W_E"][r].T)
+            self.embedding.bias.copy_(P["b_E"][r])
+            self.Wq.copy_(P["W_Q"][r].permute(1, 0, 2))
+            self.Wk.copy_(P["W_K"][r])
+            self.Wv.copy_(P["W_V"][r])
+            self.Wo.copy_(P["W_O"][r])
+            self.decoder.weight.copy_(P["W_D"][r].T)
+            self.decoder.bias.copy_(P["b_D"][r])
+        assert self.Wo.shape[0] == H * self.Wv.shape[2]
+
+    def forward(self, x, pe):  # x (b, n+1, d_in)
+        t = self.embedding(x) + pe
+        d = t.shape[-1]
+        Q, K, V = (t[:, None] @ W[None] for W in (self.Wq, self.Wk, self.Wv))  # (b, H, n+1, .)
+        s = Q @ K.transpose(2, 3) / math.sqrt(d)
+        s[..., 0] = float("-inf")  # no token attends to position 0
+        o = (torch.softmax(s, -1) @ V).transpose(1, 2).reshape(x.shape[0], x.shape[1], -1) @ self.Wo
+        return self.decoder(o)[:, 0]
+
+
+def test_paper_initialisation_in_the_paper_layouts():
+    """init="paper" (the default) draws as the paper's code: per-head Xavier over (d, d_h) for
+    W_Q, W_K and (d, d_v) for W_V, Xavier over (H d_v, d) for W_O, nn.Linear defaults (weights
+    and random biases in +-1/sqrt(fan_in)) for the embedding and the decoder."""
+    H, n, d, d_in, dh, dv, C = 20, 5, 64, 48, 64, 1, 100
+    cfg = RunConfig(heads=H, context=n, d_model=d, d_in=d_in, d_head=dh, d_value=dv, classes=C)
+    assert cfg.init == "paper"
+    P = StackedParams.init(ModelShape.of(cfg), [0, 1], dtype=torch.float64)
+    m = _PaperFormModel(d_in, d, H, dh, dv, C)
+    m.load_from(P, 0)
+    # The same weights give the same function in the paper's layouts and in ours.
+    task = D.TaskData([0, 1], [16, 16], n, d_in, dtype=torch.float64)
+    q, c, _ = task.batch(None)
+    pe = sinusoidal_positions(n + 1, d, torch.float64)
+    ours = paper_forward(StackedParams({k: v.detach() for k, v in P.t.items()}), q, c, pe)[0]
+    theirs = m(torch.cat([q[0].unsqueeze(1), c[0]], 1), pe)
+    assert torch.allclose(ours, theirs, rtol=0, atol=1e-12)
+
+    def check_uniform(w, bound, what):
+        # U(-bound, bound): inside the bound, reaching near it, with variance bound^2 / 3.
+        w = w.detach().flatten()
+        assert w.abs().max() <= bound, what
+        assert w.abs().max() >= 0.9 * bound, what
+        assert abs(w.var().item() / (bound**2 / 3) - 1) < 0.25, (what, w.var().item(), bound**2 / 3)
+
+    xq = math.sqrt(6 / (d + dh))
+    for h in range(H):
+        check_uniform(m.Wq[h], xq, f"Wq[{h}]")
+        check_uniform(m.Wk[h], xq, f"Wk[{h}]")
+        check_uniform(m.Wv[h], math.sqrt(6 / (d + dv)), f"Wv[{h}]")
+    # Per head, not per projection: a projection-wide Xavier would bound every weight by
+    # sqrt(6 / (d + H d_h)), 0.31x the per-head bound at H = 20.
+    assert m.Wq.abs().max() > 2 * math.sqrt(6 / (d + H * dh))
+    check_uniform(m.Wo, math.sqrt(6 / (H * dv + d)), "Wo")
+    check_uniform(m.embedding.weight, 1 / math.sqrt(d_in), "embedding.weight")
+    check_uniform(m.embedding.bias, 1 / math.sqrt(d_in), "embedding.bias")
+    check_uniform(m.decoder.weight, 1 / math.sqrt(d), "decoder.weight")
+    check_uniform(m.decoder.bias, 1 / math.sqrt(d), "decoder.bias")
+    # Heads are independent draws, runs are their seeds' own.
+    assert not torch.equal(m.Wq[0], m.Wq[1])
+    assert not torch.equal(P["W_Q"][0], P["W_Q"][1])
+    # The previous initialisation stays selectable by name: zero biases, projection-wide fans.
+    X = StackedParams.init(ModelShape.of(cfg), [0], dtype=torch.float64, init="xavier-proj")
+    assert X["b_E"].abs().max() == 0 and X["b_D"].abs().max() == 0
+    assert X["W_Q"].abs().max() <= math.sqrt(6 / (d + H * dh))
+    with pytest.raises(ConfigError, match="--init"):
+        RunConfig(init="kaiming").validate()
+
+
+def test_sampler_keeps_the_last_partial_batch_of_an_epoch():
+    """As the paper's DataLoader(shuffle=True): T = 7 at batch 3 gives batches of 3, 3 and 1."""
+    s = _Sampler([0], [7], batch=3, device="cpu")
+    act_t = torch.tensor([0])
+    got = []
+    for k in range(3):
+        idx, w = s.next([0], act_t)
+        n = 3 if w is None else int(w.sum())
+        assert n == (1 if k == 2 else 3)
+        got += idx[0, :n].tolist()
+    assert sorted(got) == list(range(7))
+    idx, w = s.next([0], act_t)  # the next epoch starts with a full batch
+    assert w is None
+
+
+def test_checkpoint_evaluation_points_and_early_stop_follow_the_paper():
+    """Evaluations after steps 1, 1 + E, ... and the last; mem_acc is the lowest-loss
+    evaluation's accuracy; early_stop=False trains the whole budget."""
+    base = RunConfig(heads=4, context=4, d_model=16, T=32, steps=260, eval_every=50, seed=0)
+    r = train_stack([base], progress=False)[0]
+    steps = [h[0] for h in r.history]
+    assert steps[:3] == [1, 51, 101]
+    lo = min(r.history, key=lambda h: h[2])
+    assert r.mem_acc == lo[1] and r.loss == lo[2]
+    full = train_stack([RunConfig(**{**base.__dict__, "early_stop": False})], progress=False)[0]
+    assert full.steps_done == 260 and not full.stopped_early
+    assert [h[0] for h in full.history] == [1, 51, 101, 151, 201, 251, 260]
+
+
+def test_regression_by_default_trains_the_budget_and_reports_the_lowest_mse():
+    """The paper's regression: no early stop, the lowest-MSE checkpoint; the |err| < reg_tol
+    rule ("tol") may stop early."""
+    mse = RunConfig(heads=2, context=3, d_model=8, T=8, steps=400, eval_every=50, task="regress", reg_tol=0.5, seed=1)
+    assert mse.reg_rule == "mse" and not mse.stops_early
+    r = train_stack([mse], progress=False)[0]
+    assert r.steps_done == 400 and not r.stopped_early
+    assert r.loss == min(h[2] for h in r.history)
+    assert r.best_acc == 1.0  # every example within 0.5 long before the end: no stop all the same
+    tol = RunConfig(**{**mse.__dict__, "reg_rule": "tol"})
+    assert tol.key() != mse.key()
+    t = train_stack([tol], progress=False)[0]
+    assert t.stopped_early and t.mem_acc == 1.0 and t.steps_done < 400
+
+
+def test_saturation_analysis_counts_heads_above_099():
+    cfg = RunConfig(heads=3, context=4, d_model=8, T=20, steps=30, eval_every=10, data="shared",
+                    early_stop=False, analysis=True, seed=2)
+    r = train_stack([cfg], progress=False)[0]
+    a = r.analysis
+    assert a["threshold"] == 0.99 and len(a["saturated_heads_hist"]) == 4 and sum(a["saturated_heads_hist"]) == 20
+    assert 0 <= a["frac_heads_saturated"] <= 1 and 0.25 <= a["mean_max_weight"] <= 1
+    assert a["mean_saturated_heads"] == sum(k * c for k, c in enumerate(a["saturated_heads_hist"])) / 20
+    # Known answers: zero queries attend uniformly (largest weight 1/n, nothing saturated);
+    # queries scaled up a thousandfold make every head pick one key.
+    st = _Stack([cfg], "cpu", "rows", 1 << 20)
+    w = {k: v.detach()[0].clone() for k, v in st.P.t.items()}
+    flat = _saturation(st, 0, dict(w, W_Q=torch.zeros_like(w["W_Q"])))
+    assert flat["saturated_heads_hist"] == [20, 0, 0, 0] and flat["mean_max_weight"] == pytest.approx(1 / 4)
+    sharp = _saturation(st, 0, dict(w, W_Q=w["W_Q"] * 1000))
+    assert sharp["frac_heads_saturated"] > 0.9 and sharp["mean_max_weight"] > 0.98
+    assert train_stack([RunConfig(**{**cfg.__dict__, "analysis": False})], progress=False)[0].analysis is None

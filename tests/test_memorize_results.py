@@ -14,7 +14,7 @@ from mhakern.memorize import cli
 from mhakern.memorize.capacity import find_capacity
 from mhakern.memorize.config import RunConfig
 from mhakern.memorize.report import write_report
-from mhakern.memorize.store import ResultStore
+from mhakern.memorize.store import Heartbeat, ResultStore
 from mhakern.memorize.sweep import expand_grid, plan_stacks, run_sweep
 from mhakern.memorize.train import train_stack, versions
 
@@ -197,6 +197,10 @@ BAD = [
     (["preset", "nope"], "preset"),
     (["run", "--threads", "-2"], "--threads"),
     (["run", "--no-such-flag"], "--no-such-flag"),
+    (["run", "--init", "kaiming"], "--init"),
+    (["run", "--reg-rule", "abs"], "--reg-rule"),
+    (["run", "--early-stop", "maybe"], "--early-stop"),
+    (["capacity", "--task", "regress", "--no-progress"], "--reg-rule"),
 ]
 
 
@@ -229,8 +233,148 @@ def test_cli_run_and_report_end_to_end(tmp_path, capsys):
     out = capsys.readouterr().out
     probe = torch.zeros(1, 1, 1, 8)
     auto = backends.select("auto", probe, probe, probe, False, None).name  # cpu once built, else reference
-    assert out.count("examples memorized") == 2 and f"backend {auto}" in out
+    assert out.count("examples fitted") == 2 and f"backend {auto}" in out
     assert cli.main(["run"] + args) == 0  # stored: nothing retrained
     assert "already stored" in capsys.readouterr().out
     assert cli.main(["report", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "run" / "table.md").exists()
+
+
+# ---------------------------------------------------------------------------- bad databases
+def _db_error(tmp_path, capsys, db):
+    argv = ["run", "-H", "1", "-n", "2", "-d", "4", "-T", "4", "--steps", "1", "--no-progress", "--out", str(tmp_path), "--db", db]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mhakern-memorize: error: --db: "), err
+    return err[0]
+
+
+def test_bad_database_paths_give_one_line_and_exit_2(tmp_path, capsys):
+    f = tmp_path / "FILE"
+    f.write_text("not a folder")
+    assert "is a file, not a folder" in _db_error(tmp_path, capsys, str(f / "x.sqlite"))
+    assert "is a file, not a folder" in _db_error(tmp_path, capsys, str(f / "sub" / "x.sqlite"))
+    assert "is a folder" in _db_error(tmp_path, capsys, str(tmp_path))
+    assert "not a usable SQLite database" in _db_error(tmp_path, capsys, str(f))
+    # Places no user can write, root included (procfs refuses new files and folders).
+    assert "cannot create the folder" in _db_error(tmp_path, capsys, "/proc/mhakern-test/x.sqlite")
+    assert "/proc/x.sqlite" in _db_error(tmp_path, capsys, "/proc/x.sqlite")
+    if os.geteuid() != 0:  # permissions bind only other users than root
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        try:
+            assert "no write permission" in _db_error(tmp_path, capsys, str(ro / "x.sqlite"))
+        finally:
+            ro.chmod(0o700)
+
+
+# ---------------------------------------------------------------------------- concurrent sweeps
+def test_concurrent_sweeps_on_one_database_never_train_a_run_twice(tmp_path):
+    import threading
+
+    db = str(tmp_path / "r.sqlite")
+    cfgs = expand_grid(TINY, {"heads": [1, 2, 3]}, seeds=[0, 1])
+    trained = {0: [], 1: []}
+    summaries = {}
+    errors = []
+
+    def sweep(i):
+        try:
+            store = ResultStore(db)
+            summaries[i] = run_sweep(cfgs, store, "exp", progress=False, max_stack=1,
+                                     on_stored=lambda r: trained[i].append(r.config.key()), poll_s=0.05)
+            store.close()
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=sweep, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    keys = {c.key() for c in cfgs}
+    assert not set(trained[0]) & set(trained[1])  # no run trained by both
+    assert set(trained[0]) | set(trained[1]) == keys  # and every run by one of them
+    assert summaries[0].trained + summaries[1].trained == len(cfgs)
+    assert len(_rows(db)) == len(cfgs)
+    con = sqlite3.connect(db)
+    assert con.execute("SELECT COUNT(*) FROM claims").fetchone()[0] == 0  # released
+    con.close()
+
+
+def test_runs_of_a_dead_claimant_are_taken_over(tmp_path):
+    import threading
+
+    db = str(tmp_path / "r.sqlite")
+    cfgs = expand_grid(TINY, {"heads": [1, 2]}, seeds=[0])
+    store = ResultStore(db)
+    # A claim whose heartbeat stopped long ago is taken at once.
+    assert store.claim([cfgs[0].key()], "ghost-old") == [cfgs[0].key()]
+    store.conn.execute("UPDATE claims SET heartbeat = heartbeat - 1000 WHERE owner = 'ghost-old'")
+    # A live claimant (its heartbeat renewed) keeps its run until it dies: here, when the sweep
+    # says that it is waiting for it; the sweep takes the run over once the lease runs out.
+    assert store.claim([cfgs[1].key()], "ghost-new") == [cfgs[1].key()]
+    assert store.claim([cfgs[1].key()], "someone-else", lease_s=60) == []  # alive: not taken
+    dies, beating = threading.Event(), threading.Event()
+
+    def ghost():
+        with Heartbeat(db, "ghost-new", interval=0.02) as hb:
+            while hb.beats < 1 and not dies.is_set():
+                time.sleep(0.01)
+            beating.set()
+            dies.wait()
+
+    t = threading.Thread(target=ghost)
+    t.start()
+    beating.wait()
+    said = []
+
+    def log(msg):
+        said.append(msg)
+        if "another sweep is training" in msg:
+            dies.set()
+
+    try:
+        summary = run_sweep(cfgs, store, "exp", progress=False, max_stack=1, lease_s=1.0, poll_s=0.05, log=log)
+    finally:
+        dies.set()
+        t.join()
+    assert summary.trained == 2 and len(_rows(db)) == 2
+    assert dies.is_set() and any("another sweep is training" in s for s in said)
+    assert store.conn.execute("SELECT COUNT(*) FROM claims").fetchone()[0] == 0
+
+
+def test_heartbeat_renews_its_owners_claims_only(tmp_path):
+    db = str(tmp_path / "r.sqlite")
+    store = ResultStore(db)
+    store.claim(["a", "b"], "me")
+    store.claim(["c"], "other")
+    before = dict(store.conn.execute("SELECT key, heartbeat FROM claims").fetchall())
+    with Heartbeat(db, "me", interval=0.01) as hb:
+        deadline = time.time() + 60
+        while hb.beats < 2 and time.time() < deadline:
+            time.sleep(0.01)
+    after = dict(store.conn.execute("SELECT key, heartbeat FROM claims").fetchall())
+    assert hb.beats >= 2
+    assert after["a"] > before["a"] and after["b"] > before["b"] and after["c"] == before["c"]
+    store.release("me")
+    assert [r[0] for r in store.conn.execute("SELECT key FROM claims")] == ["c"]
+
+
+def test_a_database_from_before_new_columns_is_upgraded_in_place(tmp_path):
+    db = str(tmp_path / "old.sqlite")
+    con = sqlite3.connect(db)
+    # The runs table as the first schema wrote it: no reg_rule, early_stop, init, analysis, saturation.
+    con.execute("CREATE TABLE runs (id INTEGER PRIMARY KEY, key TEXT UNIQUE NOT NULL, experiment TEXT NOT NULL, "
+                "config TEXT NOT NULL, heads INTEGER, mem_acc REAL)")
+    con.execute("INSERT INTO runs (key, experiment, config, heads, mem_acc) VALUES ('old', 'e', '{}', 3, 0.5)")
+    con.commit()
+    con.close()
+    store = ResultStore(db)
+    cols = {r[1] for r in store.conn.execute("PRAGMA table_info(runs)")}
+    assert {"reg_rule", "early_stop", "init", "analysis", "saturation", "loss"} <= cols
+    res = train_stack([TINY], progress=False)[0]
+    assert store.add_run(res, "exp", versions())
+    assert store.run_by_key("old")["mem_acc"] == 0.5 and store.run_by_key(TINY.key())["init"] == "paper"

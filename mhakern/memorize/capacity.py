@@ -57,6 +57,16 @@ def capacity_key(cfg: RunConfig, target: float, seeds: Sequence[int], t_start, t
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:24]
 
 
+def check_searchable(cfg: RunConfig) -> None:
+    """Raise ConfigError unless runs of ``cfg`` say whether T examples were memorized."""
+    if cfg.task == "regress" and cfg.reg_rule != "tol":
+        raise ConfigError(
+            "--reg-rule",
+            "a capacity search of a regression needs --reg-rule tol (an example within --reg-tol counts as memorized); "
+            "the paper's mse rule reports an MSE, not examples memorized",
+        )
+
+
 def _advance(s: _Search, T: int, ok: bool, t_max: int, resolution: float) -> None:
     s.probes.append((T, ok))
     if ok:
@@ -110,6 +120,7 @@ def find_capacity(
         raise ConfigError("--target-acc", f"must lie in (0, 1], got {target!r}")
     if not 0 < resolution < 1:
         raise ConfigError("--resolution", f"must lie in (0, 1), got {resolution!r}")
+    check_searchable(cfg)
     start = t_start if t_start is not None else max(2, cfg.heads * min(cfg.context, cfg.dh))
     if start < 1:
         raise ConfigError("--t-start", f"must be a positive integer, got {start!r}")

@@ -3,7 +3,8 @@
 Subcommands: ``run`` (one configuration, several seeds stacked), ``sweep`` (a grid),
 ``capacity`` (largest T memorized, by bracketing and bisection), ``stores`` (the memory-store
 experiments), ``report`` (tables and plots from the database) and ``preset NAME`` (also
-``mhakern-memorize NAME``: quick, paper-heads, paper-context, paper-dh, large).
+``mhakern-memorize NAME``: quick, paper-heads, paper-context, paper-dh, paper-regress-heads,
+paper-regress-context, paper-saturation, large).
 
 Bad input ends with one line ``mhakern-memorize: error: FLAG: what is wrong`` on stderr and
 exit status 2; an interrupted job exits with 130 after saying what was kept.
@@ -21,8 +22,9 @@ from typing import Any, Dict, List, Optional, Sequence
 PROG = "mhakern-memorize"
 _DEFAULTS_HELP = (
     "Defaults (the quick preset's scale): H=4, n=8, d=16 (d_in = d_h = d), d_v=1, T=500, random context, "
-    "uniform features, 100 classes, 3000 steps (--steps paper: the paper's max(500 T / batch, 50000)), "
-    "batch 256, Adam lr 1e-3, evaluation every 500 steps, target accuracy 1.0, --impl fused, --backend auto, float32."
+    "uniform features, 100 classes, 3000 steps (--steps paper: the paper's max(floor(500 T / batch), 50000)), "
+    "batch 256, Adam lr 1e-3, evaluation after steps 1, 501, 1001, ... and the last, target accuracy 1.0 with early "
+    "stop, the paper's initialisation and regression rule, --impl fused, --backend auto, float32."
 )
 
 
@@ -84,6 +86,18 @@ def _str_list(flag: str, text: str) -> List[str]:
     return _split(flag, text)
 
 
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def _bool_list(flag: str, text: str) -> List[bool]:
+    out = []
+    for p in _split(flag, text):
+        if p.lower() not in _TRUE + _FALSE:
+            raise UsageError(f"{flag}: expected true or false, got {p!r}")
+        out.append(p.lower() in _TRUE)
+    return out
+
+
 # (field, flag, short, parser, help)
 _MODEL_FLAGS = [
     ("heads", "--heads", "-H", _int_list, "attention heads H"),
@@ -103,8 +117,15 @@ _MODEL_FLAGS = [
     ("lr", "--lr", None, _float_list, "Adam learning rate (default 1e-3)"),
     ("warmup", "--warmup", None, _float_list, "warm-up fraction of the steps (default 0.05)"),
     ("eval_every", "--eval-every", None, _int_list, "evaluate the whole training set every N steps (default 500)"),
-    ("target_acc", "--target-acc", None, _float_list, "stop early at this training accuracy (default 1.0)"),
-    ("reg_tol", "--reg-tol", None, _float_list, "regression: |error| below this counts as memorized"),
+    ("target_acc", "--target-acc", None, _float_list, "training accuracy that counts as memorized (default 1.0)"),
+    ("reg_tol", "--reg-tol", None, _float_list, "regression: |error| below this counts as within tolerance (default 0.01)"),
+    ("reg_rule", "--reg-rule", None, _str_list,
+     "regression: mse (the paper: whole budget, lowest-MSE checkpoint, MSE reported; default) or tol "
+     "(|error| < --reg-tol counts as memorized, may stop early)"),
+    ("early_stop", "--early-stop", None, _bool_list, "stop a run when it reaches --target-acc (default true, as the paper)"),
+    ("init", "--init", None, _str_list,
+     "initialisation: paper (per-head Xavier, nn.Linear embedding and decoder; default) or xavier-proj"),
+    ("analysis", "--analysis", None, _bool_list, "softmax-saturation analysis of the kept checkpoint (default false)"),
     ("impl", "--impl", None, _str_list, "fused (mhakern.attention), eager (folded, plain PyTorch) or paper (paper form)"),
     ("backend", "--backend", None, _str_list, "mhakern backend for --impl fused: auto or a name"),
     ("dtype", "--dtype", None, _str_list, "float32, float64, bfloat16 or float16"),
@@ -299,8 +320,12 @@ def _base_from_grid(grid: Dict[str, List[Any]], base=None):
 def _print_results(results, log) -> None:
     for r in results:
         c = r.config
+        if c.task == "regress" and c.reg_rule == "mse":
+            what = f"MSE {r.loss:.4g} (kept checkpoint; {r.mem_acc:.1%} of examples within {c.reg_tol:g})"
+        else:
+            what = f"mem_acc {r.mem_acc:.4f} = {r.examples:.0f} examples fitted, loss {r.loss:.4g}"
         log(
-            f"{c.label()} T={c.T} seed={c.seed}: mem_acc {r.mem_acc:.4f} = {r.examples:.0f} examples memorized; "
+            f"{c.label()} T={c.T} seed={c.seed}: {what}; "
             f"{r.steps_done} steps{' (stopped early)' if r.stopped_early else ''}, {r.wall_s:.1f} s, "
             f"{r.steps_per_s:.0f} steps/s, {r.examples_per_s:.0f} examples/s per run, backend {r.backend_used}"
         )
@@ -308,7 +333,7 @@ def _print_results(results, log) -> None:
 
 # ---------------------------------------------------------------------------- commands
 def cmd_run(args) -> int:
-    from .train import train_stack, versions
+    from .sweep import run_sweep
 
     grid = _grid_from_args(args, listy=False)
     base, _ = _base_from_grid(grid, cli_defaults())
@@ -318,25 +343,24 @@ def cmd_run(args) -> int:
     _check_configs(cfgs, dev)
     store = _open_store(args)
     exp = args.experiment or "run"
-    vers = versions()
     log = _log(args)
     have = store.stored_keys(c.key() for c in cfgs)
     todo = [c for c in cfgs if c.key() not in have]
     if have:
         log(f"{len(have)} of these runs are already stored in {store.path}; training {len(todo)}")
     done = []
-
-    def keep(res):
-        store.add_run(res, exp, vers)
-        done.append(res)
-
     if todo:
-        train_stack(todo, device=dev, progress=not args.no_progress, on_result=keep, layout=args.layout)
+        # Through the sweep machinery: claims keep a concurrent sweep on this database from
+        # training the same runs.
+        run_sweep(todo, store, exp, device=dev, progress=not args.no_progress, max_stack=_one_int("--stack", args.stack),
+                  layout=args.layout, on_stored=done.append)
     _print_results(sorted(done, key=lambda r: r.config.seed), log)
+    trained = {r.config.key() for r in done}
     for c in cfgs:
-        if c.key() in have:
+        if c.key() not in trained:
             row = store.run_by_key(c.key())
-            log(f"{c.label()} T={c.T} seed={c.seed}: stored: mem_acc {row['mem_acc']:.4f} = {row['examples']:.0f} examples memorized")
+            log(f"{c.label()} T={c.T} seed={c.seed}: stored: mem_acc {row['mem_acc']:.4f} = {row['examples']:.0f} examples fitted, "
+                f"loss {row['loss']:.4g}")
     log(f"stored in {store.path} (experiment {exp!r})")
     return 0
 
@@ -374,7 +398,7 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_capacity(args) -> int:
-    from .capacity import find_capacity
+    from .capacity import check_searchable, find_capacity
     from .report import write_report
 
     grid = _grid_from_args(args, listy=False)
@@ -383,6 +407,7 @@ def cmd_capacity(args) -> int:
     seeds = _seeds(args)
     dev = _device(args)
     _check_configs([base], dev)
+    check_searchable(base)
     t_start = None if args.t_start is None else _one_int("--t-start", args.t_start)
     t_max = _one_int("--t-max", args.t_max)
     resolution = _one_float("--resolution", args.resolution)

@@ -20,14 +20,21 @@ DISTS = ("uniform", "gaussian")
 TASKS = ("classify", "regress")
 IMPLS = ("fused", "eager", "paper")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
+INITS = ("paper", "xavier-proj")
+#: Regression rules: "mse" as the paper's code (train the whole budget, keep the lowest-MSE
+#: checkpoint, report its MSE); "tol" counts an example memorized when |y_hat - y| < reg_tol and
+#: may stop early at the target accuracy.
+REG_RULES = ("mse", "tol")
 
-# The paper's step rule: max(500 epochs, 50,000 steps).
+# The paper's step rule: max(floor(500 T / batch), 50,000) steps (its main.py rounds down).
 PAPER_EPOCHS = 500
 PAPER_MIN_STEPS = 50_000
 
 # Bumped when a change of the trainer would change the results of an unchanged configuration,
 # so that old rows are not mistaken for new ones.
-SCHEMA_VERSION = 1
+# 2: the paper's initialisation, batching (last partial batch kept), evaluation points, step rule
+#    and checkpoint rule became the defaults.
+SCHEMA_VERSION = 2
 
 
 class ConfigError(ValueError):
@@ -47,10 +54,21 @@ class RunConfig:
     ``heads`` heads of query/key dim ``d_head`` and value dim ``d_value`` over model dim
     ``d_model``. ``d_in`` and ``d_head`` default (None) to ``d_model``, as in the paper.
 
-    ``steps=None`` means the paper's rule ``max(ceil(500 T / batch), min_steps)``.
+    ``steps=None`` means the paper's rule ``max(floor(500 T / batch), min_steps)``.
     ``impl`` picks the model's implementation: ``fused`` (folded, on ``mhakern.attention`` with
     ``backend``), ``eager`` (folded, attention in eager PyTorch) or ``paper`` (per-head K and V
     of every token, full (n+1) x (n+1) attention, as the paper's code computes it).
+
+    What is kept and reported follows the paper's code: the training set is evaluated after
+    steps 1, 1 + eval_every, 1 + 2 eval_every, ... (its ``step % 500 == 0`` on 0-based steps) and
+    at the last step; the kept checkpoint is the lowest-loss evaluation and ``mem_acc`` is its
+    accuracy; ``early_stop`` ends a run at the first evaluation whose accuracy reaches
+    ``target_acc`` (the paper: 100%). Regression (``task="regress"``) follows ``reg_rule``: "mse"
+    (the paper: no early stop, the kept checkpoint's MSE is the result; ``mem_acc`` is reported
+    as the fraction within ``reg_tol`` for information only) or "tol" (an example within
+    ``reg_tol`` counts as memorized, and the run may stop early). ``init`` names the
+    initialisation (``model.INITS``); ``analysis`` adds the paper's softmax-saturation analysis of
+    the kept checkpoint to the result.
     """
 
     heads: int = 1
@@ -73,6 +91,10 @@ class RunConfig:
     eval_every: int = 500
     target_acc: float = 1.0
     reg_tol: float = 0.01
+    reg_rule: str = "mse"
+    early_stop: bool = True
+    init: str = "paper"
+    analysis: bool = False
     impl: str = "fused"
     backend: str = "auto"
     dtype: str = "float32"
@@ -95,7 +117,7 @@ class RunConfig:
     def total_steps(self) -> int:
         if self.steps is not None:
             return self.steps
-        return max(math.ceil(PAPER_EPOCHS * self.T / self.batch), self.min_steps)
+        return max((PAPER_EPOCHS * self.T) // self.batch, self.min_steps)
 
     def resolved(self) -> "RunConfig":
         """The same run with defaults made explicit (d_in, d_head, steps): what the key hashes."""
@@ -129,7 +151,7 @@ class RunConfig:
         if d["task"] != "classify":
             d["classes"] = None
         else:
-            d["reg_tol"] = None
+            d["reg_tol"] = d["reg_rule"] = None
         d["schema"] = SCHEMA_VERSION
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:24]
@@ -144,7 +166,14 @@ class RunConfig:
         s += f" {self.data}"
         if self.task != "classify":
             s += f" {self.task}"
+        if self.init != "paper":
+            s += f" init={self.init}"
         return s
+
+    @property
+    def stops_early(self) -> bool:
+        """Whether reaching ``target_acc`` ends the run (never for paper-rule regression)."""
+        return self.early_stop and not (self.task == "regress" and self.reg_rule == "mse")
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> "RunConfig":
@@ -174,6 +203,11 @@ class RunConfig:
         _choice("--task", self.task, TASKS)
         _choice("--impl", self.impl, IMPLS)
         _choice("--dtype", self.dtype, DTYPES)
+        _choice("--init", self.init, INITS)
+        _choice("--reg-rule", self.reg_rule, REG_RULES)
+        for flag, v in (("--early-stop", self.early_stop), ("--analysis", self.analysis)):
+            if not isinstance(v, bool):
+                raise ConfigError(flag, f"must be true or false, got {v!r}")
         if self.task == "classify":
             if not isinstance(self.classes, int) or self.classes < 2:
                 raise ConfigError("--classes", f"must be an integer >= 2, got {self.classes!r}")

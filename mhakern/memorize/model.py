@@ -34,6 +34,8 @@ import torch
 
 import mhakern
 
+from .config import INITS  # names of the initialisations of _init_run
+
 Tensor = torch.Tensor
 
 PARAM_NAMES = ("W_E", "b_E", "W_Q", "W_K", "W_V", "W_O", "W_D", "b_D")
@@ -71,16 +73,60 @@ def sinusoidal_positions(length: int, d: int, dtype=torch.float32, device="cpu")
     return pe.to(dtype)
 
 
+def _uniform(g: torch.Generator, bound: float, size) -> Tensor:
+    """U(-bound, bound) in float64 from generator ``g``."""
+    return (torch.rand(size, generator=g, dtype=torch.float64) * 2 - 1) * bound
+
+
+def _xavier_bound(fan_in: int, fan_out: int) -> float:
+    return math.sqrt(6.0 / (fan_in + fan_out))
+
+
+def _init_run(g: torch.Generator, rs: "ModelShape", init: str) -> Dict[str, Tensor]:
+    """One run's weights in the stack's layouts (unpadded), drawn from ``g``.
+
+    ``paper``: as the paper's code (``attn_models.py``): ``nn.Linear`` defaults for the
+    embedding and the decoder (weight and bias U(-1/sqrt(fan_in), 1/sqrt(fan_in))), Xavier-uniform
+    *per head* over (d, d_h) for W_Q,h and W_K,h and (d, d_v) for W_V,h, Xavier over the whole
+    (H d_v, d) for W_O. ``xavier-proj``: Xavier-uniform with the fans of the whole projection
+    (d -> H d_h for Q and K, d -> H d_v for V), as a standard multi-head layer; zero biases
+    (this trainer's initialisation before the paper's became the default).
+    """
+    H, d, di, dh, dv, C = rs.heads, rs.d_model, rs.d_in, rs.d_head, rs.d_value, rs.n_out
+    f64 = torch.float64
+    if init == "paper":
+        W_E = _uniform(g, 1 / math.sqrt(di), (di, d))
+        b_E = _uniform(g, 1 / math.sqrt(di), (d,))
+        # Each head its own Xavier draw with the head's fans: (H, d, d_h) as the paper stores them.
+        W_Q = _uniform(g, _xavier_bound(d, dh), (H, d, dh)).permute(1, 0, 2)
+        W_K = _uniform(g, _xavier_bound(d, dh), (H, d, dh))
+        W_V = _uniform(g, _xavier_bound(d, dv), (H, d, dv))
+        W_O = _uniform(g, _xavier_bound(H * dv, d), (H, dv, d))
+        W_D = _uniform(g, 1 / math.sqrt(d), (d, C))
+        b_D = _uniform(g, 1 / math.sqrt(d), (C,))
+    elif init == "xavier-proj":
+        W_E = _uniform(g, _xavier_bound(di, d), (di, d))
+        W_Q = _uniform(g, _xavier_bound(d, H * dh), (d, H, dh))
+        W_K = _uniform(g, _xavier_bound(d, H * dh), (d, H, dh)).permute(1, 0, 2)
+        W_V = _uniform(g, _xavier_bound(d, H * dv), (d, H, dv)).permute(1, 0, 2)
+        W_O = _uniform(g, _xavier_bound(H * dv, d), (H, dv, d))
+        W_D = _uniform(g, _xavier_bound(d, C), (d, C))
+        b_E, b_D = torch.zeros(d, dtype=f64), torch.zeros(C, dtype=f64)
+    else:
+        raise ValueError(f"init: unknown initialisation {init!r}; choose one of {', '.join(INITS)}")
+    return dict(W_E=W_E, b_E=b_E, W_Q=W_Q, W_K=W_K, W_V=W_V, W_O=W_O, W_D=W_D, b_D=b_D)
+
+
 class StackedParams:
     """Weights of R independent models of one shape (each tensor has a leading run dim R).
 
     Layouts: ``W_E`` (R, d_in, d), ``b_E`` (R, d), ``W_Q`` (R, d, H, d_h), ``W_K`` (R, H, d, d_h),
     ``W_V`` (R, H, d, d_v), ``W_O`` (R, H * d_v, d), ``W_D`` (R, d, C), ``b_D`` (R, C).
+    (The paper's code stores ``W_Q`` as (H, d, d_h) and the embedding and decoder as
+    ``nn.Linear`` weights, the transposes of ``W_E`` and ``W_D``.)
 
     Initialisation (per run, from its own seed, in float64 on the CPU so that a seed gives the
-    same weights on every device): Xavier-uniform with the fans of the whole projection
-    (``d -> H d_h`` for Q and K, ``d -> H d_v`` for V, ``H d_v -> d`` for O), as a standard
-    multi-head layer does; zero biases.
+    same weights on every device): ``init`` names it, see :func:`_init_run` (``paper`` by default).
     """
 
     def __init__(self, tensors: Dict[str, Tensor]):
@@ -94,6 +140,7 @@ class StackedParams:
         device="cpu",
         dtype=torch.float32,
         run_shapes: Optional[Sequence[ModelShape]] = None,
+        init: str = "paper",
     ) -> "StackedParams":
         """Weights of runs ``seeds``; run r has shape ``run_shapes[r]`` (default ``shape``).
 
@@ -113,32 +160,22 @@ class StackedParams:
             # Weights use a stream apart from the data's hash streams: seed s's data and
             # weights are unrelated.
             g = torch.Generator().manual_seed(int(s) * 7919 + 1)
-
-            def xavier(fan_in, fan_out, size):
-                a = math.sqrt(6.0 / (fan_in + fan_out))
-                return (torch.rand(size, generator=g, dtype=torch.float64) * 2 - 1) * a
-
-            W_E = xavier(di, d, (di, d))
-            W_Q = xavier(d, Hr * dhr, (d, Hr, dhr))
-            W_K = xavier(d, Hr * dhr, (d, Hr, dhr)).permute(1, 0, 2)
-            W_V = xavier(d, Hr * dvr, (d, Hr, dvr)).permute(1, 0, 2)
-            W_O = xavier(Hr * dvr, d, (Hr, dvr, d))
-            W_D = xavier(d, C, (d, C))
+            w = _init_run(g, rs, init)
             z = torch.zeros
             p = {
-                "W_E": W_E,
-                "b_E": z(d, dtype=torch.float64),
+                "W_E": w["W_E"],
+                "b_E": w["b_E"],
                 "W_Q": z(d, H, dh, dtype=torch.float64),
                 "W_K": z(H, d, dh, dtype=torch.float64),
                 "W_V": z(H, d, dv, dtype=torch.float64),
                 "W_O": z(H, dv, d, dtype=torch.float64),
-                "W_D": W_D,
-                "b_D": z(C, dtype=torch.float64),
+                "W_D": w["W_D"],
+                "b_D": w["b_D"],
             }
-            p["W_Q"][:, :Hr, :dhr] = W_Q
-            p["W_K"][:Hr, :, :dhr] = W_K
-            p["W_V"][:Hr, :, :dvr] = W_V
-            p["W_O"][:Hr, :dvr] = W_O
+            p["W_Q"][:, :Hr, :dhr] = w["W_Q"]
+            p["W_K"][:Hr, :, :dhr] = w["W_K"]
+            p["W_V"][:Hr, :, :dvr] = w["W_V"]
+            p["W_O"][:Hr, :dvr] = w["W_O"]
             p["W_O"] = p["W_O"].reshape(H * dv, d)
             per_run.append(p)
         t = {
@@ -292,3 +329,20 @@ def forward(P: StackedParams, query: Tensor, ctx: Tensor, pe: Tensor, impl: str,
     if impl == "paper":
         return paper_forward(P, query, ctx, pe)
     return folded_forward(P, query, ctx, pe, attn="eager" if impl == "eager" else "fused", backend=backend, layout=layout)
+
+
+@torch.no_grad()
+def attention_weights(P: StackedParams, query: Tensor, ctx: Tensor, pe: Tensor) -> Tensor:
+    """theta (R, b, H, n): each head's softmax over the context for the query token (the
+    weights the paper's saturation analysis reads). Shapes of ``query`` and ``ctx`` as
+    :func:`folded_forward`.
+    """
+    d = P["W_E"].shape[2]
+    t0 = _embed(P, query.unsqueeze(-2), pe[0:1]).squeeze(-2)
+    C = _embed(P, ctx, pe[1:])
+    u = _folded_queries(P, t0)  # (R, b, H, d)
+    if C.dim() == 3:
+        s = torch.einsum("rbhd,rnd->rbhn", u, C)
+    else:
+        s = torch.einsum("rbhd,rbnd->rbhn", u, C)
+    return torch.softmax(s / math.sqrt(d), dim=-1)

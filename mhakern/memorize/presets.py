@@ -1,9 +1,19 @@
-"""Named experiments: the quick demonstration, the paper's grids, and the large GPU sweep.
+"""Named experiments: the quick demonstration, every experiment of the paper's reproduce.sh,
+and the large GPU sweep.
 
 A preset is a list of parts; each part is a sweep (a grid of configurations) or a set of
-capacity searches. The paper's grids follow its public code (see PAPER.md in the project's
-shared notes): d = d_in = d_h = 64, d_v = 1, 100 classes, batch 256, Adam 1e-3, the step rule
-max(500 epochs, 50,000) (300,000 for the d_h sweep), one seed.
+capacity searches. The paper presets follow its public code (smahdavi4/attention-memorization,
+``reproduce.sh`` and ``src/main.py``): d = d_in = d_h = 64, d_v = 1, 100 classes (1 output for
+regression), batch 256, Adam 1e-3, the step rule max(floor(500 T / 256), 50,000) (300,000 for
+the d_h sweep and the saturation runs), the paper's initialisation, checkpoint and regression
+rules (the RunConfig defaults), one seed. reproduce.sh's experiments and their presets:
+
+* memory_regress_scale_ctx_size, ..._shared: ``paper-regress-context``
+* memory_regress_scale_head, ..._shared: ``paper-regress-heads``
+* memory_scale_head, ..._shared: ``paper-heads``
+* memory_scale_ctx_size, ..._shared: ``paper-context``
+* memory_scale_dh_shared: ``paper-dh``
+* head_saturation_v3 (H = 4 and 8): ``paper-saturation``
 """
 from __future__ import annotations
 
@@ -43,7 +53,8 @@ _PAPER = RunConfig(heads=20, context=32, d_model=64, d_in=64, d_head=64, d_value
 PRESETS: Dict[str, Preset] = {
     "quick": Preset(
         "quick",
-        "capacity rising with H on a small model: H = 1, 2, 4, 8 at d = 16, n = 8, T = 500, 3,000 steps, 3 seeds",
+        "examples fitted in a fixed budget of 3,000 steps (partial fitting, not capacity) as H grows: "
+        "H = 1, 2, 4, 8 at d = 16, n = 8, T = 500, 3 seeds",
         [Part("sweep", RunConfig(d_model=16, context=8, T=500, steps=3000, eval_every=500), {"heads": [1, 2, 4, 8]})],
         seeds=(0, 1, 2),
         est="about 100 s of one CPU core",
@@ -81,6 +92,45 @@ PRESETS: Dict[str, Preset] = {
         ],
         needs_gpu=True,
         est="36 runs of 300k steps: GPU days",
+    ),
+    "paper-regress-context": Preset(
+        "paper-regress-context",
+        "the paper's regression context sweep (MSE): n in 1, 5, 10, ..., 60 at H = 20; "
+        "random T = 10k..90k, shared T = 10k..25k",
+        [
+            Part("sweep", dataclasses.replace(_PAPER, task="regress", data="random"),
+                 {"context": [1, 5, 10, 20, 30, 40, 50, 60], "T": _k(10, 30, 50, 70, 90)}),
+            Part("sweep", dataclasses.replace(_PAPER, task="regress", data="shared"),
+                 {"context": [1, 5, 10, 20, 30, 40, 50, 60], "T": _k(10, 15, 20, 25)}),
+        ],
+        needs_gpu=True,
+        est="72 runs of 50k-175k steps (no early stop): GPU days",
+    ),
+    "paper-regress-heads": Preset(
+        "paper-regress-heads",
+        "the paper's regression heads sweep (MSE): H in 1, 5, 10, ..., 60 at n = 32; "
+        "random T = 10k..90k, shared T = 10k..30k",
+        [
+            Part("sweep", dataclasses.replace(_PAPER, task="regress", data="random"),
+                 {"heads": [1, 5, 10, 20, 30, 40, 50, 60], "T": _k(10, 30, 50, 70, 90)}),
+            Part("sweep", dataclasses.replace(_PAPER, task="regress", data="shared"),
+                 {"heads": [1, 5, 10, 20, 30, 40, 50, 60], "T": _k(10, 15, 20, 25, 30)}),
+        ],
+        needs_gpu=True,
+        est="80 runs of 50k-175k steps (no early stop): GPU days",
+    ),
+    "paper-saturation": Preset(
+        "paper-saturation",
+        "the paper's softmax-saturation runs: H = 4 at T = 550 and H = 8 at T = 1300, n = 32, shared context, "
+        "300k steps without early stop, saturation analysis (heads with a weight > 0.99) of the kept checkpoint",
+        [
+            Part("sweep", dataclasses.replace(_PAPER, data="shared", min_steps=300_000, early_stop=False, analysis=True),
+                 {"heads": [4], "T": [550]}),
+            Part("sweep", dataclasses.replace(_PAPER, data="shared", min_steps=300_000, early_stop=False, analysis=True),
+                 {"heads": [8], "T": [1300]}),
+        ],
+        needs_gpu=True,
+        est="2 runs of 300k steps: GPU hours (CPU: about a day)",
     ),
     "large": Preset(
         "large",

@@ -1,7 +1,10 @@
 """Tables and plots from stored results.
 
-* ``table.md`` -- one row per configuration (seeds pooled): mem_acc and examples memorized
-  (mem_acc x T) as mean, spread over seeds, steps and speed; capacity searches when present.
+* ``table.md`` -- one row per configuration (seeds pooled): mem_acc, examples fitted
+  (mem_acc x T: examples the kept checkpoint gets right within the run's step budget -- a
+  capacity only when mem_acc is 1 at a T that the next larger T fails) and the kept
+  checkpoint's loss (the MSE of a paper-rule regression) as mean and spread over seeds, steps
+  and speed; capacity searches (largest T memorized at the target) when present.
 * ``acc_vs_T.png`` -- mem_acc against T, a line per H (when T was swept).
 * ``capacity_vs_heads.png`` / ``capacity_vs_context.png`` / ``capacity_vs_dhead.png`` -- the
   capacity (from capacity searches when stored, else the most examples memorized over the
@@ -43,7 +46,9 @@ def aggregate(rows: List[Dict]) -> List[Dict]:
         acc_m, acc_sd = _mean_sd([r["mem_acc"] for r in rs])
         ex = [r["examples"] for r in rs]
         ex_m, ex_sd = _mean_sd(ex)
+        losses = [r["loss"] for r in rs if r["loss"] is not None]
         a.update(
+            loss=(sum(losses) / len(losses)) if losses else float("nan"),
             seeds=len(rs), mem_acc=acc_m, mem_acc_sd=acc_sd, examples=ex_m, examples_sd=ex_sd,
             examples_min=min(ex), examples_max=max(ex),
             steps_done=sum(r["steps_done"] for r in rs) / len(rs),
@@ -93,14 +98,15 @@ def markdown_table(aggs: List[Dict], caps: List[Dict]) -> str:
     lines = []
     if aggs:
         lines += [
-            "| H | n | d | d_h | d_v | data | task | T | seeds | mem_acc | examples memorized (min-max) | steps | steps/s | examples/s | backend |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| H | n | d | d_h | d_v | data | task | T | seeds | mem_acc | examples fitted, mem_acc x T (min-max) | loss (MSE for regress) "
+            "| steps | steps/s | examples/s | backend |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for a in sorted(aggs, key=lambda a: (a["data"], a["task"], a["context"], a["d_head"], a["heads"], a["T"])):
             lines.append(
                 f"| {a['heads']} | {a['context']} | {a['d_model']} | {a['d_head']} | {a['d_value']} | {a['data']} | {a['task']} "
                 f"| {a['T']} | {a['seeds']} | {a['mem_acc']:.3f} ± {a['mem_acc_sd']:.3f} "
-                f"| {a['examples']:.1f} ({a['examples_min']:.0f}-{a['examples_max']:.0f}) | {a['steps_done']:.0f} "
+                f"| {a['examples']:.1f} ({a['examples_min']:.0f}-{a['examples_max']:.0f}) | {a['loss']:.4g} | {a['steps_done']:.0f} "
                 f"| {a['steps_per_s']:.0f} | {a['examples_per_s']:.0f} | {a['backend_used']} |"
             )
     if caps:
@@ -175,9 +181,11 @@ def plot_capacity(points: List[Dict], var: str, path: str, label: str) -> Option
     ax.set_xlabel(label)
     srcs = {p["source"] for s in series.values() for p in s}
     if srcs == {"grid"}:
-        ax.set_ylabel("examples memorized (mem_acc x T, best T of the grid)")
+        ax.set_ylabel("examples fitted in the step budget (mem_acc x T, best T)")
+    elif "grid" not in srcs:
+        ax.set_ylabel("capacity (largest T memorized at the target)")
     else:
-        ax.set_ylabel("capacity (largest T memorized; search) / examples memorized (grid)")
+        ax.set_ylabel("capacity (search) or examples fitted (grid)")
     ax.set_title("mean over seeds; bars: seed min to max", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -263,7 +271,8 @@ def write_report(store: ResultStore, out_dir: str, experiment: Optional[str] = N
             c = plot_capacity(pts, var, path, lab)
             if c is not None:
                 written.append(path)
-                fits.append(f"capacity against {var}: theory c·H·min(n, d_h) fitted with c = {c:.3g}")
+                what = "capacity" if any(q["source"] != "grid" for q in pts) else "examples fitted (not capacity)"
+                fits.append(f"{what} against {var}: theory c·H·min(n, d_h) fitted with c = {c:.3g}")
         if plot_acc_vs_T(aggs, os.path.join(out_dir, "acc_vs_T.png")):
             written.append(os.path.join(out_dir, "acc_vs_T.png"))
         with open(p, "w") as f:

@@ -6,17 +6,30 @@ never leaves the file half-written. The row's ``key`` is the hash of the run's r
 configuration (:meth:`RunConfig.key`): a sweep asks :meth:`ResultStore.stored_keys` which of
 its runs exist and trains only the others.
 
+Several sweeps may share one database (on one machine or on a shared file system that SQLite
+locks correctly): before training runs, a sweep *claims* them in the ``claims`` table, each
+claim a lease that its owner's heartbeat (:class:`Heartbeat`, a thread) renews every few
+seconds. A run stored, or claimed by a live owner, is not trained by another sweep; a claim
+whose heartbeat is older than the lease belongs to a dead process and is taken over.
+
 Tables: ``runs`` (trainer runs), ``capacities`` (capacity searches), ``store_curves`` and
-``store_capacities`` (memory-store experiments). :meth:`ResultStore.export_csv` writes any of
-them as CSV.
+``store_capacities`` (memory-store experiments), ``claims`` (runs being trained).
+:meth:`ResultStore.export_csv` writes any of them as CSV.
+
+Bad paths (a folder, a path under a file, a place this user cannot write, a file that is not a
+SQLite database) raise :class:`StoreError`, a ValueError whose message starts with ``--db:``
+and says what is wrong in one line.
 """
 from __future__ import annotations
 
 import csv
 import json
 import os
+import socket
 import sqlite3
+import threading
 import time
+import uuid
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from .config import CONFIG_FIELDS, RunConfig, from_dict
@@ -26,12 +39,13 @@ _RUN_COLUMNS = (
     "heads INTEGER", "context INTEGER", "d_model INTEGER", "d_in INTEGER", "d_head INTEGER",
     "d_value INTEGER", "T INTEGER", "data TEXT", "dist TEXT", "task TEXT", "classes INTEGER",
     "seed INTEGER", "steps INTEGER", "batch INTEGER", "lr REAL", "warmup REAL", "eval_every INTEGER",
-    "target_acc REAL", "reg_tol REAL", "impl TEXT", "backend TEXT", "dtype TEXT",
+    "target_acc REAL", "reg_tol REAL", "reg_rule TEXT", "early_stop INTEGER", "init TEXT", "analysis INTEGER",
+    "impl TEXT", "backend TEXT", "dtype TEXT",
     # outcome
     "mem_acc REAL", "examples REAL", "best_acc REAL", "final_acc REAL", "loss REAL",
     "steps_done INTEGER", "stopped_early INTEGER", "wall_s REAL", "steps_per_s REAL",
     "examples_per_s REAL", "stack_size INTEGER", "backend_used TEXT", "device TEXT",
-    "versions TEXT", "history TEXT", "finished_at TEXT",
+    "versions TEXT", "history TEXT", "finished_at TEXT", "saturation TEXT",
 )
 
 _SCHEMA = [
@@ -48,9 +62,47 @@ _SCHEMA = [
     "CREATE TABLE IF NOT EXISTS store_capacities (id INTEGER PRIMARY KEY, experiment TEXT NOT NULL, "
     "store TEXT NOT NULL, d_k INTEGER, d_v INTEGER, param TEXT, capacity REAL, capacity_pred REAL, "
     "capacity_formula REAL, M_max INTEGER, backend TEXT, device TEXT, wall_s REAL, finished_at TEXT)",
+    # heartbeat and claimed_at: seconds since the epoch (time.time()), comparable across processes.
+    "CREATE TABLE IF NOT EXISTS claims (key TEXT PRIMARY KEY, owner TEXT NOT NULL, heartbeat REAL NOT NULL, "
+    "claimed_at REAL NOT NULL)",
 ]
 
+#: Result tables (``claims`` is bookkeeping, not results).
 TABLES = ("runs", "capacities", "store_curves", "store_capacities")
+
+#: Seconds without a heartbeat after which a claim is considered dead and may be taken over.
+DEFAULT_LEASE_S = 120.0
+
+
+class StoreError(ValueError):
+    """The database cannot be created, opened or written; the message is one line naming --db."""
+
+
+def new_owner() -> str:
+    """A claimant id unique across machines and processes: host, pid and a random tag."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def _check_path(path: str) -> None:
+    """Raise StoreError when ``path`` cannot hold a database file (before SQLite tries)."""
+    ap = os.path.abspath(path)
+    if os.path.isdir(ap):
+        raise StoreError(f"--db: {path} is a folder; give a file path such as {os.path.join(path, 'memorize.sqlite')}")
+    folder = os.path.dirname(ap)
+    probe = folder
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise StoreError(f"--db: cannot create {path}: {probe} is a file, not a folder")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise StoreError(f"--db: cannot create the folder {folder} for {path}: {e.strerror or e}") from None
+    if os.path.exists(ap):
+        if not os.access(ap, os.R_OK | os.W_OK):
+            raise StoreError(f"--db: {path} exists but this user cannot read and write it")
+    elif not os.access(folder, os.W_OK | os.X_OK):
+        raise StoreError(f"--db: cannot create {path}: no write permission in the folder {folder}")
 
 
 def _now() -> str:
@@ -66,18 +118,36 @@ class ResultStore:
 
     def __init__(self, path: str, timeout: float = 60.0):
         self.path = path
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        self.conn = sqlite3.connect(path, timeout=timeout, isolation_level=None)
+        self.timeout = timeout
+        _check_path(path)
+        try:
+            self.conn = sqlite3.connect(path, timeout=timeout, isolation_level=None)
+        except sqlite3.Error as e:
+            raise StoreError(f"--db: cannot open {path} as a database: {e}") from None
         self.conn.row_factory = sqlite3.Row
         try:
             self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=FULL")
+            with self.transaction():
+                for stmt in _SCHEMA:
+                    self.conn.execute(stmt)
+                self._add_missing_columns()
+        except sqlite3.OperationalError as e:
+            self.conn.close()
+            msg = str(e)
+            if "readonly" in msg or "unable to open" in msg or "disk I/O" in msg:
+                raise StoreError(f"--db: cannot write {path} ({msg}): check the permissions of the file and its folder") from None
+            raise StoreError(f"--db: {path}: {msg}") from None
         except sqlite3.DatabaseError as e:
-            raise ValueError(f"--db: {path} is not a usable SQLite database ({e})") from None
-        self.conn.execute("PRAGMA synchronous=FULL")
-        with self.transaction():
-            for stmt in _SCHEMA:
-                self.conn.execute(stmt)
+            self.conn.close()
+            raise StoreError(f"--db: {path} is not a usable SQLite database ({e})") from None
+
+    def _add_missing_columns(self) -> None:
+        """Databases written before a column existed get it (NULL in their old rows)."""
+        have = {r[1] for r in self.conn.execute("PRAGMA table_info(runs)")}
+        for col in _RUN_COLUMNS:
+            if col.split()[0] not in have:
+                self.conn.execute(f"ALTER TABLE runs ADD COLUMN {col}")
 
     # ------------------------------------------------------------------ plumbing
     def transaction(self):
@@ -127,13 +197,64 @@ class ResultStore:
             device=result.device,
             versions=json.dumps(versions, sort_keys=True),
             history=json.dumps(result.history),
+            saturation=None if result.analysis is None else json.dumps(result.analysis),
             finished_at=_now(),
         )
         cols = list(row)
         sql = f"INSERT OR IGNORE INTO runs ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
         with self.transaction():
             cur = self.conn.execute(sql, [row[c] for c in cols])
+            # The run is done: its claim (whoever held it) has nothing left to protect.
+            self.conn.execute("DELETE FROM claims WHERE key = ?", (row["key"],))
         return cur.rowcount == 1
+
+    # ------------------------------------------------------------------ claims (leases)
+    def claim(self, keys: Iterable[str], owner: str, lease_s: float = DEFAULT_LEASE_S) -> List[str]:
+        """Claim for ``owner`` those of ``keys`` that are neither stored nor claimed by a live
+        owner (one whose heartbeat is at most ``lease_s`` old); returns the keys now held, in
+        order. Atomic: of two sweeps claiming at once, each key goes to one."""
+        keys = list(dict.fromkeys(keys))
+        got: List[str] = []
+        with self.transaction():
+            now = time.time()
+            stored = self._stored_in_txn(keys)
+            for k in keys:
+                if k in stored:
+                    continue
+                r = self.conn.execute("SELECT owner, heartbeat FROM claims WHERE key = ?", (k,)).fetchone()
+                if r is None or r[0] == owner or now - r[1] > lease_s:
+                    self.conn.execute(
+                        "INSERT OR REPLACE INTO claims (key, owner, heartbeat, claimed_at) VALUES (?, ?, ?, ?)",
+                        (k, owner, now, now),
+                    )
+                    got.append(k)
+        return got
+
+    def claimed_by_others(self, keys: Iterable[str], owner: str, lease_s: float = DEFAULT_LEASE_S) -> Dict[str, str]:
+        """{key: owner} of ``keys`` held by another live owner."""
+        keys = list(keys)
+        now = time.time()
+        out: Dict[str, str] = {}
+        for i in range(0, len(keys), 500):
+            part = keys[i : i + 500]
+            q = f"SELECT key, owner, heartbeat FROM claims WHERE key IN ({','.join('?' * len(part))})"
+            for k, o, hb in self.conn.execute(q, part):
+                if o != owner and now - hb <= lease_s:
+                    out[k] = o
+        return out
+
+    def release(self, owner: str) -> None:
+        """Drop every claim of ``owner`` (its runs in flight are free for others at once)."""
+        with self.transaction():
+            self.conn.execute("DELETE FROM claims WHERE owner = ?", (owner,))
+
+    def _stored_in_txn(self, keys: List[str]) -> set:
+        found = set()
+        for i in range(0, len(keys), 500):
+            part = keys[i : i + 500]
+            q = f"SELECT key FROM runs WHERE key IN ({','.join('?' * len(part))})"
+            found.update(r[0] for r in self.conn.execute(q, part))
+        return found
 
     def runs(self, experiment: Optional[str] = None, where: str = "", params: Sequence[Any] = ()) -> List[Dict[str, Any]]:
         """Stored runs as dicts (``experiment=None``: all experiments)."""
@@ -221,6 +342,41 @@ class ResultStore:
             for r in rows:
                 w.writerow([r[c] for c in cols])
         return len(rows)
+
+
+class Heartbeat:
+    """Renews ``owner``'s claims in the database at ``path`` every ``interval`` seconds from a
+    daemon thread (its own connection), from ``__enter__`` until ``__exit__``. A failed renewal
+    (the database busy past its timeout) is retried at the next tick; the lease is several
+    ticks long."""
+
+    def __init__(self, path: str, owner: str, interval: float, timeout: float = 60.0):
+        self.path, self.owner, self.interval, self.timeout = path, owner, interval, timeout
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.beats = 0
+
+    def _run(self) -> None:
+        conn = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
+        try:
+            while not self._stop.wait(self.interval):
+                try:
+                    conn.execute("UPDATE claims SET heartbeat = ? WHERE owner = ?", (time.time(), self.owner))
+                    self.beats += 1
+                except sqlite3.Error:
+                    pass
+        finally:
+            conn.close()
+
+    def __enter__(self) -> "Heartbeat":
+        self._thread = threading.Thread(target=self._run, name=f"mhakern-heartbeat-{self.owner}", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 class _Transaction:

@@ -3,7 +3,10 @@
 :func:`expand_grid` makes the configurations, :func:`plan_stacks` packs those not yet stored
 into stacks of runs that can train side by side (same everything but seed, T, heads, d_head
 and d_value; bounded padding waste and data size), and :func:`run_sweep` trains the stacks,
-storing each run the moment it finishes. Re-running the same sweep trains only what is missing.
+storing each run the moment it finishes. Re-running the same sweep trains only what is missing,
+and sweeps running at once on one database share the work: each claims a stack's runs before
+training them (a lease renewed by a heartbeat, see :mod:`.store`), so that no run is trained
+twice and the runs of a sweep that died are taken over once its lease runs out.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .config import RunConfig
-from .store import ResultStore
+from .store import DEFAULT_LEASE_S, Heartbeat, ResultStore, new_owner
 from .train import RunResult, train_stack, versions
 
 # A stack may pad its runs to the largest (heads, d_head, d_value) when the padded work is at
@@ -111,6 +114,7 @@ class SweepSummary:
     skipped: int  # already stored before this call
     trained: int  # finished and stored by this call
     wall_s: float
+    by_others: int = 0  # stored meanwhile by other sweeps sharing the database
 
 
 def run_sweep(
@@ -123,16 +127,25 @@ def run_sweep(
     layout: str = "rows",
     on_stored: Optional[Callable[[RunResult], None]] = None,
     log: Optional[Callable[[str], None]] = None,
+    lease_s: float = DEFAULT_LEASE_S,
+    poll_s: Optional[float] = None,
 ) -> SweepSummary:
     """Train every configuration not yet in ``store``; store each as it finishes.
 
+    Work is claimed one stack at a time: of the runs neither stored nor claimed by a live
+    sweep, the first planned stack is claimed and trained, until none is left. Runs that other
+    live sweeps hold are then waited for (polling every ``poll_s`` seconds, default
+    ``min(5, lease_s / 4)``), and taken over if their claimant stops renewing its lease
+    (``lease_s`` seconds without a heartbeat); so when this returns, every configuration is stored.
+
     ``on_stored(result)`` is called after a run's row is committed. An exception (Ctrl-C
-    included) propagates after the finished runs are safely stored; the runs in flight are
-    lost and retrained by the next call.
+    included) propagates after the finished runs are safely stored and this sweep's claims are
+    released; the runs in flight are lost and retrained by the next call.
     """
     t0 = time.perf_counter()
     configs = list(configs)
-    have = store.stored_keys(c.key() for c in configs)
+    by_key = {c.key(): c for c in configs}
+    have = store.stored_keys(by_key)
     todo = [c for c in configs if c.key() not in have]
     skipped = len(configs) - len(todo)
     say = log or (lambda s: None)
@@ -141,9 +154,10 @@ def run_sweep(
     vers = versions()
     trained = 0
     dev_type = "cuda" if str(device).startswith("cuda") else "cpu"
-    stacks = plan_stacks(todo, max_stack=max_stack, max_macs=STACK_MACS[dev_type])
+    poll = min(5.0, lease_s / 4) if poll_s is None else poll_s
+    owner = new_owner()
     outer = None
-    if progress and len(stacks) > 1:
+    if progress and len(todo) > 1:
         from tqdm.auto import tqdm
 
         outer = tqdm(total=len(todo), desc=f"{experiment}: runs", unit="run", position=0, dynamic_ncols=True)
@@ -156,16 +170,38 @@ def run_sweep(
             outer.update(1)
         say(
             f"  {res.config.label()} T={res.config.T} seed={res.config.seed}: mem_acc {res.mem_acc:.3f} "
-            f"({res.examples:.0f} examples) in {res.steps_done} steps, {res.steps_per_s:.0f} steps/s"
+            f"({res.examples:.0f} examples), loss {res.loss:.4g}, in {res.steps_done} steps, {res.steps_per_s:.0f} steps/s"
             f"{', stopped early' if res.stopped_early else ''}"
         )
         if on_stored is not None:
             on_stored(res)
 
+    waiting_said = False
     try:
-        for stack in stacks:
-            train_stack(stack, device=device, progress=progress, on_result=stored, layout=layout)
+        with Heartbeat(store.path, owner, interval=lease_s / 4, timeout=store.timeout):
+            remaining = [c.key() for c in todo]
+            while remaining:
+                done = store.stored_keys(remaining)
+                remaining = [k for k in remaining if k not in done]
+                if not remaining:
+                    break
+                busy = store.claimed_by_others(remaining, owner, lease_s)
+                free = [by_key[k] for k in remaining if k not in busy]
+                if free:
+                    stack = plan_stacks(free, max_stack=max_stack, max_macs=STACK_MACS[dev_type])[0]
+                    mine = set(store.claim([c.key() for c in stack], owner, lease_s))
+                    stack = [c for c in stack if c.key() in mine]
+                    if stack:  # else another sweep claimed them first: look again
+                        waiting_said = False
+                        train_stack(stack, device=device, progress=progress, on_result=stored, layout=layout)
+                    continue
+                if not waiting_said:
+                    say(f"waiting for {len(remaining)} runs that another sweep is training (claims in {store.path})")
+                    waiting_said = True
+                time.sleep(poll)
     finally:
         if outer is not None:
             outer.close()
-    return SweepSummary(len(configs), skipped, trained, time.perf_counter() - t0)
+        store.release(owner)
+    by_others = len(todo) - trained
+    return SweepSummary(len(configs), skipped, trained, time.perf_counter() - t0, by_others)

@@ -3,14 +3,15 @@
 R runs that share a shape (same H, n, d, ... but their own seed and T) are one batched model:
 every matmul carries the run dim, the loss is the sum of the runs' losses, and
 :class:`~mhakern.memorize.optim.BatchedAdam` gives each run its own learning-rate schedule. A
-run leaves the stack when it reaches its target accuracy (the paper stops at 100%) or its step
-budget; the others go on without it.
+run leaves the stack when it reaches its target accuracy (the paper stops at 100%; see
+``RunConfig.stops_early``) or its step budget; the others go on without it.
 
-Batches follow the paper: ``batch`` examples per step, each run walking through its own
-random order of its T examples epoch after epoch (a full batch of all T when T <= batch). The
-training set is evaluated whole every ``eval_every`` steps and at the end; the reported
-``mem_acc`` is the accuracy of the checkpoint the paper keeps (the one that reached the target,
-else the lowest-loss one).
+What a run does and reports follows the paper's code (``trainers.py``): batches of ``batch``
+examples from a fresh random order of the run's T examples each epoch, the last partial batch
+kept (a full batch of all T when T <= batch); the training set evaluated whole after steps
+1, 1 + eval_every, 1 + 2 eval_every, ... (the paper's ``step % 500 == 0`` on 0-based steps)
+and, here also, at the last step; the kept checkpoint is the lowest-loss evaluation and
+``mem_acc`` its accuracy (``loss`` its loss: the MSE of a regression).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import mhakern
 
 from . import data as data_mod
 from .config import ConfigError, RunConfig
-from .model import ModelShape, StackedParams, forward, sinusoidal_positions
+from .model import ModelShape, StackedParams, attention_weights, forward, sinusoidal_positions
 from .optim import BatchedAdam, lr_factor
 
 Tensor = torch.Tensor
@@ -54,6 +55,7 @@ class RunResult:
     backend_used: str
     device: str
     history: List[Tuple[int, float, float]] = field(default_factory=list)
+    analysis: Optional[Dict[str, object]] = None
 
     @property
     def examples(self) -> float:
@@ -123,10 +125,13 @@ def resolve_backend(cfg: RunConfig, device) -> str:
 
 
 class _Sampler:
-    """Per-run mini-batch indices: a fresh random order of the run's T examples each epoch.
+    """Per-run mini-batch indices, as the paper's ``DataLoader(shuffle=True)``: each epoch a
+    fresh random order of the run's T examples, cut into batches of ``batch`` with the last,
+    partial batch kept (T = 500 at batch 256: batches of 256 and 244).
 
     ``next(act)`` returns ``(idx, w)``: ``idx`` (len(act), b) example indices and ``w`` the
-    matching 0/1 weights (None when every slot is a real example).
+    matching 0/1 weights (None when every slot is a real example); the loss of a run is the mean
+    over its real examples, as the paper's mean over its batch.
     """
 
     def __init__(self, seeds: Sequence[int], Ts: Sequence[int], batch: int, device):
@@ -139,6 +144,7 @@ class _Sampler:
         # Every run full-batch with the same T: the whole dataset is the batch.
         self.trivial = all(self.full) and len(set(self.Ts)) == 1
         ar = torch.arange(self.b, device=device)
+        self._ar = ar.view(1, -1)
         Tt = torch.tensor(self.Ts, device=device).view(-1, 1)
         self.full_idx = (ar.view(1, -1) % Tt).contiguous()
         self.full_w = (ar.view(1, -1) < Tt)
@@ -170,27 +176,33 @@ class _Sampler:
         if self.trivial:
             return None, None
         b = self.b
-        starts = []
+        starts, lens = [], []
         for r in act:
             if self.full[r]:
                 starts.append(0)
+                lens.append(self.Ts[r])
                 continue
-            if self.ptr[r] + b > self.Ts[r]:
+            if self.ptr[r] >= self.Ts[r]:
                 self._new_epoch(r)
+            n = min(b, self.Ts[r] - self.ptr[r])
             starts.append(self.ptr[r])
-            self.ptr[r] += b
+            lens.append(n)
+            self.ptr[r] += n
         full = [self.full[r] for r in act]
         if all(full):
             w = self.full_w[act_t]
             return self.full_idx[act_t], (None if bool(w.all()) else w.to(torch.float32))
-        pos = torch.tensor(starts, device=self.device).view(-1, 1) + torch.arange(b, device=self.device)
+        st = torch.tensor(starts, device=self.device).view(-1, 1)
+        ln = torch.tensor(lens, device=self.device).view(-1, 1)
+        valid = self._ar < ln
+        # Slots past a partial batch read the batch's first example, weighted 0.
+        pos = torch.where(valid, st + self._ar, st)
         idx = self.perm[act_t].gather(1, pos)
         if any(full):
-            f = torch.tensor(full, device=self.device)
-            idx = torch.where(f.view(-1, 1), self.full_idx[act_t], idx)
-            w = torch.where(f.view(-1, 1), self.full_w[act_t], torch.ones_like(self.full_w[act_t]))
-            return idx, (None if bool(w.all()) else w.to(torch.float32))
-        return idx, None
+            f = torch.tensor(full, device=self.device).view(-1, 1)
+            idx = torch.where(f, self.full_idx[act_t], idx)
+        partial = any(n < b for n in lens)
+        return idx, (valid.to(torch.float32) if partial else None)
 
 
 def _per_run_loss(out: Tensor, y: Tensor, task: str) -> Tensor:
@@ -227,7 +239,7 @@ class _Stack:
             device=self.device, dtype=self.dtype, max_bytes=data_max_bytes,
         )
         self.pe = sinusoidal_positions(c0.context + 1, c0.d_model, self.dtype, self.device)
-        self.P = StackedParams.init(self.shape, seeds, self.device, self.dtype, run_shapes)
+        self.P = StackedParams.init(self.shape, seeds, self.device, self.dtype, run_shapes, init=c0.init)
         self.opt = BatchedAdam(self.P.tensors())
         self.sampler = _Sampler(seeds, self.Ts, c0.batch, self.device)
         self.act = list(range(len(configs)))
@@ -288,6 +300,42 @@ class _Stack:
         self.act_t = self.act_t[keep_t]
 
 
+SATURATION_THRESHOLD = 0.99  # the paper's analysis.py
+
+
+@torch.no_grad()
+def _saturation(st: "_Stack", r: int, weights: Dict[str, Tensor]) -> Dict[str, object]:
+    """The paper's softmax-saturation analysis of run ``r``'s kept checkpoint ``weights`` (its
+    slice of the stack's parameters): for every training example, each head's attention weights
+    of the query over the context; a head is saturated on an example when its largest weight
+    exceeds 0.99. Returns the threshold, the mean number of saturated heads per example, the
+    fraction of (example, head) pairs saturated, the mean largest weight, and the histogram of
+    saturated heads per example (index k: examples with k saturated heads)."""
+    cfg = st.cfgs[r]
+    H = cfg.heads  # the stack may pad heads: the run's own come first
+    P = StackedParams({k: v.unsqueeze(0) for k, v in weights.items()})
+    runs = torch.tensor([r], device=st.device)
+    hist = torch.zeros(H + 1, dtype=torch.int64)
+    sat_total, max_total = 0, 0.0
+    chunk = 4096
+    for e0 in range(0, cfg.T, chunk):
+        idx = torch.arange(e0, min(cfg.T, e0 + chunk), device=st.device).view(1, -1)
+        q, c, _ = st.data.batch(idx, runs)
+        theta = attention_weights(P, q, c, st.pe)[0, :, :H].double()  # (b, H, n)
+        mx = theta.max(-1).values
+        sat = (mx > SATURATION_THRESHOLD).sum(-1)  # saturated heads per example
+        hist += torch.bincount(sat.cpu(), minlength=H + 1)
+        sat_total += int(sat.sum())
+        max_total += float(mx.sum())
+    return dict(
+        threshold=SATURATION_THRESHOLD,
+        mean_saturated_heads=sat_total / cfg.T,
+        frac_heads_saturated=sat_total / (cfg.T * H),
+        mean_max_weight=max_total / (cfg.T * H),
+        saturated_heads_hist=hist.tolist(),
+    )
+
+
 def stack_label(configs: Sequence[RunConfig]) -> str:
     """Short description of a stack for progress bars: the values that vary, listed."""
     c0 = configs[0]
@@ -336,6 +384,7 @@ def train_stack(
     R = len(configs)
     results: List[Optional[RunResult]] = [None] * R
     best = [(math.inf, 0.0) for _ in range(R)]  # (lowest loss, its accuracy)
+    snap: Dict[int, Dict[str, Tensor]] = {}  # kept checkpoint's weights of runs with analysis
     top_acc = [0.0] * R
     hist: List[List[Tuple[int, float, float]]] = [[] for _ in range(R)]
     max_total = max(st.totals)
@@ -354,7 +403,9 @@ def train_stack(
             step += 1
             if bar is not None:
                 bar.update(1)
-            at_eval = step % c0.eval_every == 0
+            # The paper evaluates after its 0-based step s when s % eval_every == 0, i.e. after
+            # 1, 1 + eval_every, ... updates; every run also gets an evaluation at its last step.
+            at_eval = (step - 1) % c0.eval_every == 0
             ending = [i for i, r in enumerate(st.act) if st.totals[r] == step]
             sel = list(range(len(st.act))) if at_eval else ending
             if not sel:
@@ -365,9 +416,12 @@ def train_stack(
                 r = st.act[i]
                 hist[r].append((step, acc, ls))
                 top_acc[r] = max(top_acc[r], acc)
-                hit = acc >= configs[r].target_acc
-                if hit or ls < best[r][0]:
+                hit = configs[r].stops_early and acc >= configs[r].target_acc
+                if ls < best[r][0]:
+                    # The paper's checkpoint rule: the lowest loss so far is kept.
                     best[r] = (ls, acc)
+                    if configs[r].analysis:
+                        snap[r] = {k: v.detach()[i].clone() for k, v in st.P.t.items()}
                 if hit or st.totals[r] == step:
                     done.append(i)
                     now = time.perf_counter()
@@ -385,6 +439,7 @@ def train_stack(
                         backend_used=backend_used,
                         device=dev_name,
                         history=hist[r],
+                        analysis=_saturation(st, r, snap.pop(r)) if r in snap else None,
                     )
                     results[r] = res
                     if on_result is not None:
