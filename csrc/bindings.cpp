@@ -35,6 +35,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("causal"), py::arg("key_lengths") = py::none(), py::arg("dq") = py::none(),
         py::arg("dk") = py::none(), py::arg("dv") = py::none(), py::call_guard<py::gil_scoped_release>());
 
+  // SCAFFOLDING (cpu-modes): every mode, until mhakern_C::fwd/bwd are registered.
+  m.def("cpu_attn_fwd_modes", &mhakern::cpu::attn_fwd_modes, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("scale"), py::arg("causal"), py::arg("key_lengths"), py::arg("attn_mask"), py::arg("dropout_p"),
+        py::arg("seed"), py::arg("top_left"), py::arg("window_left"), py::arg("window_right"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("cpu_attn_bwd_modes", &mhakern::cpu::attn_bwd_modes, py::arg("dout"), py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"), py::arg("causal"), py::arg("key_lengths"),
+        py::arg("attn_mask"), py::arg("dropout_p"), py::arg("seed"), py::arg("top_left"), py::arg("window_left"),
+        py::arg("window_right"), py::arg("mask_grad"), py::call_guard<py::gil_scoped_release>());
+
   m.def("cpu_kernel_isa", &mhakern::cpu::kernel_isa,
         "The instruction-set variant of the cpu kernels in use: 'AVX512', 'AVX2' or 'DEFAULT' (chosen once, from "
         "ATen's CPU capability -- ATEN_CPU_CAPABILITY -- and the CPU's own flags).");

@@ -154,6 +154,37 @@ at::Tensor check_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k,
   return kl;
 }
 
+// SCAFFOLDING (cpu-modes), until the mhakern_C::fwd/bwd ops (INTERFACE.md section 4) fill
+// these fields: checks the mode arguments and fills the section-3 fields of `p`. Returns the
+// mask as the kernels read it (kept alive by the caller).
+at::Tensor set_modes(AttnParams& p, const std::optional<at::Tensor>& attn_mask, double dropout_p, int64_t seed,
+                     bool top_left, int64_t window_left, int64_t window_right) {
+  TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p < 1.0, "dropout_p: expected a value in [0, 1), got ", dropout_p);
+  TORCH_CHECK_VALUE(window_left >= -1, "window_left: expected -1 (unbounded) or a size >= 0, got ", window_left);
+  TORCH_CHECK_VALUE(window_right >= -1, "window_right: expected -1 (unbounded) or a size >= 0, got ", window_right);
+  p.top_left = top_left;
+  p.window_left = window_left;
+  p.window_right = window_right;
+  p.dropout_p = static_cast<float>(dropout_p);
+  p.seed = static_cast<uint64_t>(seed);
+  at::Tensor m;
+  if (attn_mask.has_value() && attn_mask->defined()) {
+    m = *attn_mask;
+    TORCH_CHECK_VALUE(m.device().is_cpu(), "attn_mask: expected a CPU tensor, got one on ", m.device());
+    TORCH_CHECK_VALUE(m.sizes() == at::IntArrayRef({p.B, p.H, p.Lq, p.Lk}), "attn_mask: expected a view of shape (",
+                      p.B, ", ", p.H, ", ", p.Lq, ", ", p.Lk, ") (batch, heads, q length, k length), got ", m.sizes());
+    TORCH_CHECK_TYPE(m.scalar_type() == at::kBool || m.scalar_type() == at::kFloat,
+                     "attn_mask: expected dtype bool or float32, got ", m.scalar_type());
+    p.mask = m.data_ptr();
+    p.mask_kind = m.scalar_type() == at::kBool ? 1 : 2;
+    p.mask_sb = m.stride(0);
+    p.mask_sh = m.stride(1);
+    p.mask_sq = m.stride(2);
+    p.mask_sk = m.stride(3);
+  }
+  return m;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -229,6 +260,60 @@ int64_t parallel_threads_probe(int64_t tasks) {
   int64_t n = 0;
   for (auto& s : seen) n += s.load();
   return n;
+}
+
+// SCAFFOLDING (cpu-modes): the entry points with every mode, to drive the kernels until
+// mhakern_C::fwd/bwd exist. Same semantics as INTERFACE.md section 4.
+std::tuple<at::Tensor, at::Tensor> attn_fwd_modes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  double scale, bool causal,
+                                                  const std::optional<at::Tensor>& key_lengths,
+                                                  const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                                                  int64_t seed, bool top_left, int64_t window_left,
+                                                  int64_t window_right) {
+  AttnParams p;
+  const at::Tensor kl = check_common(p, q, k, v, scale, causal, key_lengths);
+  const at::Tensor m = set_modes(p, attn_mask, dropout_p, seed, top_left, window_left, window_right);
+  at::Tensor o = at::empty({p.B, p.H, p.Lq, p.Dv}, q.options());
+  at::Tensor lse = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
+  p.out = mut_view_of(o);
+  p.lse = lse.data_ptr<float>();
+  kernels().forward(p);
+  return {o, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd_modes(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, double scale, bool causal, const std::optional<at::Tensor>& key_lengths,
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, int64_t seed, bool top_left, int64_t window_left,
+    int64_t window_right, bool mask_grad) {
+  AttnParams p;
+  const at::Tensor kl = check_common(p, q, k, v, scale, causal, key_lengths);
+  const at::Tensor m = set_modes(p, attn_mask, dropout_p, seed, top_left, window_left, window_right);
+  const std::vector<int64_t> o_shape{p.B, p.H, p.Lq, p.Dv};
+  check_heads(dout, "dout");
+  check_same_dtype(dout, "dout", q);
+  check_shape(dout, "dout", o_shape, "(like the forward's out)");
+  check_heads(out, "out");
+  check_same_dtype(out, "out", q);
+  check_shape(out, "out", o_shape, "(the forward's output)");
+  TORCH_CHECK_TYPE(lse.scalar_type() == at::kFloat, "lse: expected dtype float32, got ", lse.scalar_type());
+  TORCH_CHECK_VALUE(lse.sizes() == at::IntArrayRef({p.B, p.H, p.Lq}), "lse: expected shape (batch, heads, q length)");
+  TORCH_CHECK_VALUE(!mask_grad || p.mask_kind == 2, "mask_grad: needs a float32 attn_mask");
+  const at::Tensor lse_c = lse.contiguous();
+  at::Tensor gq = at::empty(q.sizes(), q.options());
+  at::Tensor gk = at::empty(k.sizes(), k.options());
+  at::Tensor gv = at::empty(v.sizes(), v.options());
+  at::Tensor gm = mask_grad ? at::empty({p.B, p.H, p.Lq, p.Lk}, q.options().dtype(at::kFloat))
+                            : at::empty({0}, q.options().dtype(at::kFloat));
+  p.out = mut_view_of(out);
+  p.lse = const_cast<float*>(lse_c.const_data_ptr<float>());
+  p.dout = view_of(dout);
+  p.dq = mut_view_of(gq);
+  p.dk = mut_view_of(gk);
+  p.dv = mut_view_of(gv);
+  p.dmask = mask_grad ? gm.data_ptr<float>() : nullptr;
+  kernels().backward(p);
+  return {gq, gk, gv, gm};
 }
 
 }  // namespace mhakern::cpu

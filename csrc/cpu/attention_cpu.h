@@ -28,6 +28,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd(
     const at::Tensor& lse, double scale, bool causal, const std::optional<at::Tensor>& key_lengths,
     const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk, const std::optional<at::Tensor>& dv);
 
+// SCAFFOLDING (cpu-modes): forward and backward with every mode of INTERFACE.md section 4
+// (attn_mask: a (B, H, Lq, Lk) bool or float32 view), until mhakern_C::fwd/bwd exist.
+std::tuple<at::Tensor, at::Tensor> attn_fwd_modes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  double scale, bool causal,
+                                                  const std::optional<at::Tensor>& key_lengths,
+                                                  const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                                                  int64_t seed, bool top_left, int64_t window_left,
+                                                  int64_t window_right);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd_modes(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, double scale, bool causal, const std::optional<at::Tensor>& key_lengths,
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, int64_t seed, bool top_left, int64_t window_left,
+    int64_t window_right, bool mask_grad);
+
 // Name of the instruction-set variant in use: "AVX512", "AVX2" or "DEFAULT".
 std::string kernel_isa();
 
