@@ -295,7 +295,7 @@ def test_causal_alignment(Lq, Lk, top_left, dtype):
     run_case(q, k, v, causal=True, top_left=top_left)
 
 
-WINDOWS = [(0, 0), (5, 3), (16, -1), (-1, 7), (100, 0), (0, 200)]
+WINDOWS = [(0, 0), (5, 3), (16, -1), (-1, 7), (100, 0), (0, 200), (2**62, 2**62)]
 
 
 @pytest.mark.parametrize("window", WINDOWS, ids=str)
@@ -311,6 +311,15 @@ def test_windows(window, top_left):
 def test_window_with_causal_and_key_lengths(window, top_left):
     q, k, v = make(3, 4, 2, 60, 140, 32, Dv=24, seed=3)
     run_case(q, k, v, causal=True, window=window, top_left=top_left, key_lengths=[140, 0, 61])
+
+
+@pytest.mark.parametrize("Lq,Lk", [(0, 5), (4, 0), (0, 0)])
+def test_empty_lengths_with_modes(Lq, Lk):
+    q, k, v = make(2, 2, 1, Lq, Lk, 8)
+    mask = torch.randn(2, 2, Lq, Lk)
+    out, lse, (dq, dk, dv, dmask) = run_case(q, k, v, attn_mask=mask, mask_grad=True, dropout_p=0.5, seed=1,
+                                             window=(1, 1), causal=True)
+    assert (out == 0).all() and torch.isneginf(lse).all() and (dk == 0).all() and (dv == 0).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
