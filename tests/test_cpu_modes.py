@@ -7,8 +7,9 @@ hash of docs/contract.md in int64 torch arithmetic, and computes every product p
 hidden pairs replaced by zeros *before* multiplying, so that a NaN at a hidden position cannot
 reach anything, in the forward or in autograd's backward.
 
-The kernels are driven through mhakern._C's entry points with every mode argument (the C++ op
-schema of INTERFACE.md section 4); everything skips, with the reason, when mhakern._C is not built.
+The kernels are driven through torch.ops.mhakern_C.fwd/bwd (INTERFACE.md section 4), or where those
+are not registered yet through mhakern._C's temporary entry points with the same arguments;
+everything skips, with the reason, when mhakern._C is not built.
 """
 import os
 import subprocess
@@ -38,16 +39,26 @@ def _C():
 # The kernels with every mode
 
 
+def _ops():
+    """torch.ops.mhakern_C when the dispatcher ops are registered (INTERFACE.md section 4), else
+    None: then the module's temporary entry points with the same arguments are used."""
+    _C()
+    return torch.ops.mhakern_C if hasattr(torch.ops, "mhakern_C") and hasattr(torch.ops.mhakern_C, "fwd") else None
+
+
 def kernel_fwd(q, k, v, scale, causal=False, key_lengths=None, attn_mask=None, dropout_p=0.0, seed=0,
                top_left=False, window=(-1, -1)):
-    return _C().cpu_attn_fwd_modes(q, k, v, scale, causal, key_lengths, attn_mask, dropout_p, seed, top_left,
-                                   window[0], window[1])
+    args = (q, k, v, scale, causal, key_lengths, attn_mask, dropout_p, seed, top_left, window[0], window[1])
+    ops = _ops()
+    return ops.fwd(*args) if ops is not None else _C().cpu_attn_fwd_modes(*args)
 
 
 def kernel_bwd(dout, q, k, v, out, lse, scale, causal=False, key_lengths=None, attn_mask=None, dropout_p=0.0,
                seed=0, top_left=False, window=(-1, -1), mask_grad=False):
-    return _C().cpu_attn_bwd_modes(dout, q, k, v, out, lse, scale, causal, key_lengths, attn_mask, dropout_p, seed,
-                                   top_left, window[0], window[1], mask_grad)
+    args = (dout, q, k, v, out, lse, scale, causal, key_lengths, attn_mask, dropout_p, seed, top_left, window[0],
+            window[1], mask_grad)
+    ops = _ops()
+    return ops.bwd(*args) if ops is not None else _C().cpu_attn_bwd_modes(*args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -555,12 +566,12 @@ def test_other_isa_kernels_run_the_modes(isa):
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(dropout_p=1.0), "dropout_p: expected a value in \\[0, 1\\)"),
+        (dict(dropout_p=1.0), "dropout_p: expected a .* in \\[0, 1\\)"),
         (dict(dropout_p=-0.1), "dropout_p"),
         (dict(window=(-2, 0)), "window_left"),
         (dict(window=(0, -5)), "window_right"),
-        (dict(attn_mask=torch.ones(1, 2, 3, 4, dtype=torch.bool)), "attn_mask: expected a view of shape"),
-        (dict(attn_mask=torch.ones(1, 2, 3, 5, dtype=torch.int32)), "attn_mask: expected dtype bool or float32"),
+        (dict(attn_mask=torch.ones(1, 2, 3, 4, dtype=torch.bool)), "attn_mask: expected"),
+        (dict(attn_mask=torch.ones(1, 2, 3, 5, dtype=torch.int32)), "attn_mask: expected dtype bool"),
     ],
 )
 def test_bad_mode_arguments_are_refused_by_name(kw, match):
