@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import mhakern
-from attn_testing import ATOL, rule_check
+from attn_testing import rule_check
+from mhakern.backends.cpu_backend import kernel_isa
 
 _WHY = mhakern.available_backends().get("cpu", "backend 'cpu' is not registered")
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"cpu backend unavailable: {_WHY}")
@@ -539,15 +540,15 @@ def test_nan_in_hidden_key_of_a_long_split_row():
 def test_other_isa_kernels_run_the_modes(isa):
     # The portable (ATEN_CPU_CAPABILITY=default) and AVX2 variants compile the same code with
     # other vectors: run a few mode cases there in a fresh process.
-    if isa == "AVX2" and _C().cpu_kernel_isa() != "AVX512":
+    if isa == "AVX2" and kernel_isa() != "AVX512":
         pytest.skip("the AVX2 variant is the one in use here, or the CPU lacks it")
     code = textwrap.dedent(
         """
         import sys, torch
         sys.path.insert(0, %r)
         import test_cpu_modes as t
-        from mhakern import _C
-        assert _C.cpu_kernel_isa() == %r, _C.cpu_kernel_isa()
+        from mhakern.backends.cpu_backend import kernel_isa
+        assert kernel_isa() == %r, kernel_isa()
         t.test_everything_at_once(torch.float32)
         t.test_everything_at_once(torch.bfloat16)
         t.test_dropout_mask_bit_pattern_equals_the_hash(0.3, -5)
