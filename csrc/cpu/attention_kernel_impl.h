@@ -553,19 +553,32 @@ inline void range_limits(const AttnParams& p, int64_t b, int64_t R, int64_t Rp, 
 inline void apply_attn_mask(const AttnParams& p, float* st, int64_t Rp, int64_t bk, int64_t b, const RowBlock& rb,
                             int64_t j0) {
   const int64_t R = rb.rows(), sk = p.mask_sk;
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t h = rb.h0 + r / rb.nq, i = rb.i0 + r % rb.nq;
-    const int64_t off = b * p.mask_sb + h * p.mask_sh + i * p.mask_sq + j0 * sk;
-    float* sc = st + r;
+  const Vec minf(kNegInf), log2e(kLog2e);
+  // VL rows at a time: their mask values for key j are gathered into one vector (each row's
+  // mask is read along its own key stride) and applied to the contiguous row vector of S^T.
+  for (int64_t r0 = 0; r0 < R; r0 += VL) {
+    const int64_t n = std::min<int64_t>(VL, R - r0);
+    int64_t off[VL];
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t r = r0 + t, h = rb.h0 + r / rb.nq, i = rb.i0 + r % rb.nq;
+      off[t] = b * p.mask_sb + h * p.mask_sh + i * p.mask_sq + j0 * sk;
+    }
+    alignas(64) float mv[VL];
+    std::fill(mv, mv + VL, 0.f);  // padding rows: no change
     if (p.mask_kind == 1) {
-      const uint8_t* m = static_cast<const uint8_t*>(p.mask) + off;
-      for (int64_t j = 0; j < bk; ++j)
-        if (m[j * sk] == 0) sc[j * Rp] = kNegInf;
-    } else {
-      const float* m = static_cast<const float*>(p.mask) + off;
+      const uint8_t* m = static_cast<const uint8_t*>(p.mask);
       for (int64_t j = 0; j < bk; ++j) {
-        const float mv = m[j * sk];
-        sc[j * Rp] = mv == kNegInf ? kNegInf : sc[j * Rp] + mv * kLog2e;
+        for (int64_t t = 0; t < n; ++t) mv[t] = m[off[t] + j * sk] ? 0.f : kNegInf;
+        float* sp = st + j * Rp + r0;
+        Vec::blendv(Vec::loadu(sp), minf, Vec::loadu(mv) == minf).store(sp);
+      }
+    } else {
+      const float* m = static_cast<const float*>(p.mask);
+      for (int64_t j = 0; j < bk; ++j) {
+        for (int64_t t = 0; t < n; ++t) mv[t] = m[off[t] + j * sk];
+        float* sp = st + j * Rp + r0;
+        const Vec x = Vec::loadu(mv);
+        Vec::blendv(at::vec::fmadd(x, log2e, Vec::loadu(sp)), minf, x == minf).store(sp);
       }
     }
   }
