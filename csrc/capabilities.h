@@ -32,7 +32,7 @@ constexpr int kNumFeatures = 5;
 constexpr int64_t kCpuMaxHeadDim = 256;
 // Modes the cpu kernels implement (csrc/cpu/attention_kernel_impl.h reads the params fields of
 // attention_params.h). The op refuses the others with the mode's name.
-constexpr unsigned kCpuFeatures = 0;
+constexpr unsigned kCpuFeatures = kAttnMask | kMaskGrad | kDropout | kTopLeft | kWindow;
 
 // ---- cuda family (csrc/cuda/) ----------------------------------------------------------------
 // One compiled instantiation per (element type, head dim): F(tag, D) for each. Adding a head dim

@@ -156,7 +156,7 @@ void fill_mode_params(Params& p, const ModeArgs& m) {
   p.top_left = m.top_left;
   p.window_left = m.window_left;
   p.window_right = m.window_right;
-  p.dropout_p = static_cast<float>(m.dropout_p);
+  p.dropout_p = m.dropout_p;
   p.seed = static_cast<uint64_t>(m.seed);
   if (m.has_mask()) {
     const at::Tensor& mk = m.mask();

@@ -37,10 +37,6 @@ MAIN_IDS = [n for n, _ in MAIN]
 # helpers, issue 12 section 3). Strict xfail: once a kernel is fixed the test XPASSes and fails,
 # and the entry must go.
 KNOWN_GAPS = {
-    ("cpu", "test_nan_in_a_key_hidden_by_key_lengths_changes_nothing[k]"): "backward: 0 * NaN from a hidden key reaches dq",
-    ("cpu", "test_nan_in_a_key_hidden_by_key_lengths_changes_nothing[v]"): "backward: 0 * NaN from a hidden value",
-    ("cpu", "test_nan_in_a_causally_hidden_key_reaches_only_the_rows_that_see_it"): "backward: 0 * NaN reaches dq of rows that do not see the key",
-    ("cpu", "test_nan_in_a_visible_key_gives_nan_out_lse_and_gradients"): "lse -inf instead of NaN (and zero gradients)",
     ("triton", "test_nan_in_a_key_hidden_by_key_lengths_changes_nothing[v]"): "a NaN value past key_lengths reaches the gradients",
     ("triton", "test_nan_in_a_causally_hidden_key_reaches_only_the_rows_that_see_it"): "0 * NaN from a causally hidden key",
     ("triton", "test_nan_in_a_visible_key_gives_nan_out_lse_and_gradients"): "NaN not propagated to lse or gradients as required",

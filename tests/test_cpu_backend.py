@@ -122,6 +122,62 @@ def test_fully_masked_rows_zero_output_and_gradient(dtype):
     assert torch.all(k.grad[0] == 0) and torch.all(v.grad[0] == 0)
     assert q.grad[1, :, 3:].abs().sum() > 0
 
+def test_nan_in_a_visible_key_gives_nan_lse_and_gradients_not_zeros():
+    # Issue 12: a NaN in k used to give out NaN but lse -inf and all gradients exactly 0, so a
+    # diverging model saw zero gradients. Now NaN reaches out, lse and every gradient, as in SDPA.
+    q, k, v = make_inputs(1, 2, 1, 5, 7, 16)
+    with torch.no_grad():
+        k[0, 0, 3, 0] = float("nan")
+    out, lse = cpu_attention(q, k, v, return_lse=True)
+    assert torch.isnan(out).all() and torch.isnan(lse).all()
+    out.sum().backward()
+    for g in (q.grad, k.grad, v.grad):
+        assert torch.isnan(g).all()
+
+
+def test_nan_in_hidden_keys_influences_nothing():
+    # Keys past key_lengths are hidden: a NaN or inf there changes nothing.
+    q, k, v = make_inputs(2, 2, 2, 6, 9, 16, requires_grad=False)
+    kl = torch.tensor([9, 6])
+    clean = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    dirty = [x.clone() for x in (q, k, v)]
+    dirty[1][1, :, 7] = float("nan")  # past key_lengths[1]
+    dirty[2][1, :, 8] = float("inf")
+    dirty = [x.requires_grad_(True) for x in dirty]
+    for causal in (False, True):
+        outs = []
+        for qq, kk, vv in (clean, dirty):
+            for x in (qq, kk, vv):
+                x.grad = None
+            out, lse = cpu_attention(qq, kk, vv, causal=causal, key_lengths=kl, return_lse=True)
+            out.sum().backward()
+            outs.append((out, lse, qq.grad, kk.grad[:, :, :6], vv.grad[:, :, :6]))
+        for a, b in zip(*outs):
+            assert torch.isfinite(b).all() and torch.equal(a, b)
+
+
+def test_nan_above_the_causal_diagonal_reaches_only_the_rows_that_see_it():
+    # Issue 12: in a key block that some rows see and others do not, a hidden key's zero weight
+    # times its NaN value must not reach the rows that do not see it.
+    q, k, v = make_inputs(1, 2, 2, 6, 9, 16)
+    with torch.no_grad():
+        v[0, 0, 5, 1] = float("nan")  # bottom-right causal: key 5 is seen by queries 2..5
+        k[0, 1, 6, 0] = float("nan")  # key 6: queries 3..5
+    out, lse = cpu_attention(q, k, v, causal=True, return_lse=True)
+    assert torch.isfinite(out[0, 0, :2]).all() and torch.isnan(out[0, 0, 2:, 1]).all()
+    assert torch.isfinite(out[0, 1, :3]).all() and torch.isnan(out[0, 1, 3:]).all()
+    assert torch.isfinite(lse[0, 0]).all() and torch.isnan(lse[0, 1, 3:]).all()
+    finite_cols = torch.tensor([c for c in range(16) if c != 1])
+    assert torch.isfinite(out[0, 0][:, finite_cols]).all() and torch.isfinite(lse[0, 0]).all()
+    assert torch.isfinite(lse[0, 1, :3]).all()
+    out.sum().backward()
+    g = q.grad[0]
+    assert torch.isfinite(g[0, :2]).all() and torch.isnan(g[0, 2:]).all()
+    assert torch.isfinite(g[1, :3]).all() and torch.isnan(g[1, 3:]).all()
+    # Query 5 sees every key: dk is NaN in both heads; dv only where P is NaN (head 1).
+    assert torch.isnan(k.grad).all() and torch.isfinite(v.grad[0, 0]).all() and torch.isnan(v.grad[0, 1]).all()
+
+
 
 @pytest.mark.parametrize(
     "B,H,Hkv,Lq,Lk,causal,kl",

@@ -20,8 +20,15 @@
 // Memory: a thread's scratch is a few tiles, plus in the backward the gathered rows of one KV
 // head's query heads (about 5 * rows * D floats); split partials stay within kPartialBudget.
 // Nothing grows with Lk, so 2^22 keys and more run in bounded memory.
-// Masks reduce to a per-row prefix: row (b, i) sees keys j < lim = min(Lk_b, i + Lk_b - Lq + 1)
-// (causal) or j < Lk_b; lim <= 0 means the row sees nothing (out 0, lse -inf, zero gradient).
+// Modes (docs/contract.md): causal alignment, windows and key lengths give each row a range of
+// visible keys [lo, hi) (row_range); key blocks outside the union of a row block's ranges are
+// skipped and only blocks cut by some range are masked, so the unmasked path does no per-score
+// work. attn_mask (bool or additive float32, read in place through its strides) is applied to
+// each score tile. Dropout multiplies the probabilities by a keep mask that is a pure hash of
+// (seed, b, h, i, j), regenerated in the backward. A row that sees nothing gets out 0, lse -inf
+// and zero gradients; an inf or NaN in a visible input spreads as in the plain math, and tiles
+// where a hidden pair meets an inf or NaN operand are computed pair by pair so that hidden
+// positions never influence anything.
 // Every decomposition depends on the shapes only, never on the thread count, so results are
 // bitwise reproducible.
 #pragma once
@@ -124,10 +131,83 @@ inline int64_t plan_key_splits(int64_t base, int64_t Lk, int64_t min_keys, int64
   return std::max<int64_t>(n, 1);
 }
 
-// Keys visible to row (b, i) are exactly j < row_limit (<= 0: none).
-inline int64_t row_limit(const AttnParams& p, int64_t b, int64_t i) {
-  const int64_t lkb = p.key_lengths ? static_cast<int64_t>(p.key_lengths[b]) : p.Lk;
-  return p.causal ? std::min(lkb, i + lkb - p.Lq + 1) : lkb;
+// Key length of batch element b. The host checks key_lengths; clamping again keeps a bad value
+// from ever reading outside k and v.
+inline int64_t key_len(const AttnParams& p, int64_t b) {
+  return p.key_lengths ? std::clamp<int64_t>(p.key_lengths[b], 0, p.Lk) : p.Lk;
+}
+
+// Before attn_mask, the keys visible to row (b, i) are exactly lo <= j < hi (empty: 0, 0).
+struct KeyRange {
+  int64_t lo, hi;
+};
+
+inline KeyRange row_range(const AttnParams& p, int64_t b, int64_t i) {
+  const int64_t lkb = key_len(p, b);
+  const int64_t c = i + (p.top_left ? 0 : lkb - p.Lq);  // the key on the row's diagonal
+  // A window wider than Lq + Lk changes nothing; capping it keeps the sums below from overflowing.
+  const int64_t far = p.Lq + p.Lk;
+  int64_t lo = 0, hi = lkb;
+  if (p.causal) hi = std::min(hi, c + 1);
+  if (p.window_right >= 0) hi = std::min(hi, c + std::min(p.window_right, far) + 1);
+  if (p.window_left >= 0) lo = std::max(lo, c - std::min(p.window_left, far));
+  return hi > lo ? KeyRange{lo, hi} : KeyRange{0, 0};
+}
+
+// The key ranges of the rows of a block, summarised: key blocks outside [first, stop) are seen
+// by no row (skipped); a key block inside [maxlo, minhi) is seen whole by every row (no range
+// masking). A row that sees nothing has the range (0, 0), so every block is ragged for it.
+struct BlockRanges {
+  int64_t first = std::numeric_limits<int64_t>::max(), stop = 0;
+  int64_t maxlo = 0, minhi = std::numeric_limits<int64_t>::max();
+  void add(const KeyRange& kr) {
+    if (kr.hi > kr.lo) {
+      first = std::min(first, kr.lo);
+      stop = std::max(stop, kr.hi);
+    }
+    maxlo = std::max(maxlo, kr.lo);
+    minhi = std::min(minhi, kr.hi);
+  }
+  bool ragged(int64_t j0, int64_t bk) const { return j0 < maxlo || j0 + bk > minhi; }
+  // The first key block (aligned to kbeg) that some row sees.
+  int64_t first_block(int64_t kbeg, int64_t block) const {
+    return first > kbeg && first != std::numeric_limits<int64_t>::max() ? kbeg + (first - kbeg) / block * block : kbeg;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Dropout: the counter hash of docs/contract.md. keep(b, h, i, j) = mix32(r_i + j) >= threshold
+// with r_i = mix32(s_bh ^ i), s_bh = mix32(seed_lo ^ mix32(seed_hi ^ (b * H + h))), all modulo
+// 2^32 and h the query head: a pure function of the position, so the backward regenerates the
+// forward's mask and any decomposition of the work gives the same one.
+
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x21F0AAADu;
+  x ^= x >> 15;
+  x *= 0x735A2D97u;
+  x ^= x >> 15;
+  return x;
+}
+
+inline uint32_t dropout_row_seed(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
+  const uint32_t lo = static_cast<uint32_t>(p.seed), hi = static_cast<uint32_t>(p.seed >> 32);
+  const uint32_t sbh = mix32(lo ^ mix32(hi ^ static_cast<uint32_t>(b * p.H + h)));
+  return mix32(sbh ^ static_cast<uint32_t>(i));
+}
+
+// keep iff the hash is >= threshold = min(floor(p * 2^32), 2^32 - 1), computed in double as the
+// Python side does.
+inline uint32_t dropout_threshold(const AttnParams& p) {
+  const double t = p.dropout_p * 4294967296.0;
+  return t >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(t);
+}
+
+// kv[r] = keep(row r, key j) ? kept : 0 for the Rp rows of a tile (rseed: their r_i). A plain
+// loop over 32-bit lanes, which the compiler vectorises.
+inline void dropout_keep(const uint32_t* rseed, int64_t Rp, int64_t j, uint32_t threshold, float kept, float* kv) {
+  const uint32_t jj = static_cast<uint32_t>(j);
+  for (int64_t r = 0; r < Rp; ++r) kv[r] = mix32(rseed[r] + jj) >= threshold ? kept : 0.f;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -400,11 +480,13 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, i
 // Forward.
 
 struct FwdScratch {
-  float *qr, *qt, *st, *ot, *orow, *m, *l, *alpha, *lim, *kc, *vc;
+  float *qr, *qt, *st, *ot, *orow, *m, *l, *alpha, *lorel, *hirel, *kc, *vc, *kv;
+  uint32_t* rseed;
+  uint8_t* vis;
   static int64_t floats(int64_t Dp, int64_t Dvp, int64_t Rp) {
     return Scratch::size_of(Rp * Dp) + Scratch::size_of(Dp * Rp) + Scratch::size_of(kKeyBlock * Rp) +
-           Scratch::size_of(Dvp * Rp) + Scratch::size_of(Rp * Dvp) + 4 * Scratch::size_of(Rp) +
-           Scratch::size_of(kKeyBlock * Dp) + Scratch::size_of(kKeyBlock * Dvp);
+           Scratch::size_of(Dvp * Rp) + Scratch::size_of(Rp * Dvp) + 7 * Scratch::size_of(Rp) +
+           Scratch::size_of(kKeyBlock * Dp) + Scratch::size_of(kKeyBlock * Dvp) + Scratch::size_of(kKeyBlock * Rp / 4);
   }
   FwdScratch(Scratch& s, int64_t Dp, int64_t Dvp, int64_t Rp) {
     qr = s.take(Rp * Dp);
@@ -415,9 +497,13 @@ struct FwdScratch {
     m = s.take(Rp);
     l = s.take(Rp);
     alpha = s.take(Rp);
-    lim = s.take(Rp);
+    lorel = s.take(Rp);
+    hirel = s.take(Rp);
+    kv = s.take(Rp);
+    rseed = reinterpret_cast<uint32_t*>(s.take(Rp));
     kc = s.take(kKeyBlock * Dp);
     vc = s.take(kKeyBlock * Dvp);
+    vis = reinterpret_cast<uint8_t*>(s.take(kKeyBlock * Rp / 4));  // Rp is a multiple of VL >= 4
   }
 };
 
@@ -429,14 +515,99 @@ struct FwdSink {
   int64_t split = 0;
 };
 
-// Hides the scores of keys j0 + j >= lim[r] (lim relative to the block: j >= lim - j0).
-inline void mask_block(float* st, int64_t Rp, int64_t bk, const float* limrel) {
+// Hides (sets to -inf) the scores of keys outside [lorel[r], hirel[r]) (relative to the block,
+// small integers exact in float whatever Lk); lorel is read only when use_lo.
+inline void mask_block(float* st, int64_t Rp, int64_t bk, const float* lorel, const float* hirel, bool use_lo) {
   for (int64_t j = 0; j < bk; ++j) {
     const Vec jv(static_cast<float>(j));
     float* sp = st + j * Rp;
-    for (int64_t v = 0; v < Rp / VL; ++v)
-      Vec::blendv(Vec::loadu(sp + v * VL), Vec(kNegInf), jv >= Vec::loadu(limrel + v * VL)).store(sp + v * VL);
+    if (use_lo) {
+      for (int64_t v = 0; v < Rp / VL; ++v) {
+        const Vec hide = (jv >= Vec::loadu(hirel + v * VL)) | (jv < Vec::loadu(lorel + v * VL));
+        Vec::blendv(Vec::loadu(sp + v * VL), Vec(kNegInf), hide).store(sp + v * VL);
+      }
+    } else {
+      for (int64_t v = 0; v < Rp / VL; ++v)
+        Vec::blendv(Vec::loadu(sp + v * VL), Vec(kNegInf), jv >= Vec::loadu(hirel + v * VL)).store(sp + v * VL);
+    }
   }
+}
+
+// Range limits of the rows of a tile relative to key j0, for mask_block. Rows past R and
+// rows flagged dead (dead[r] != 0, when given) see nothing.
+template <typename RowKey>
+inline void range_limits(const AttnParams& p, int64_t b, int64_t R, int64_t Rp, int64_t j0, int64_t bk, RowKey&& row_i,
+                         const float* dead, float* lorel, float* hirel) {
+  for (int64_t r = 0; r < Rp; ++r) {
+    KeyRange kr{0, 0};
+    if (r < R && !(dead && dead[r] != 0.f)) kr = row_range(p, b, row_i(r));
+    lorel[r] = static_cast<float>(std::clamp<int64_t>(kr.lo - j0, 0, bk));
+    hirel[r] = static_cast<float>(std::clamp<int64_t>(kr.hi - j0, 0, bk));
+  }
+}
+
+// Applies attn_mask to the score tile S^T (bk x Rp, scores in base 2) of the R rows of `rb`
+// and keys j0 ..: a false (zero) bool hides the key; a float adds value * log2(e), and -inf
+// hides the key exactly like a false (never -inf + NaN = NaN from a hidden key's NaN score).
+// Must run before mask_block: a range-hidden score stays -inf whatever the mask value.
+inline void apply_attn_mask(const AttnParams& p, float* st, int64_t Rp, int64_t bk, int64_t b, const RowBlock& rb,
+                            int64_t j0) {
+  const int64_t R = rb.rows(), sk = p.mask_sk;
+  const Vec minf(kNegInf), log2e(kLog2e);
+  // VL rows at a time: their mask values for key j are gathered into one vector (each row's
+  // mask is read along its own key stride) and applied to the contiguous row vector of S^T.
+  for (int64_t r0 = 0; r0 < R; r0 += VL) {
+    const int64_t n = std::min<int64_t>(VL, R - r0);
+    int64_t off[VL];
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t r = r0 + t, h = rb.h0 + r / rb.nq, i = rb.i0 + r % rb.nq;
+      off[t] = b * p.mask_sb + h * p.mask_sh + i * p.mask_sq + j0 * sk;
+    }
+    alignas(64) float mv[VL];
+    std::fill(mv, mv + VL, 0.f);  // padding rows: no change
+    if (p.mask_kind == 1) {
+      const uint8_t* m = static_cast<const uint8_t*>(p.mask);
+      for (int64_t j = 0; j < bk; ++j) {
+        for (int64_t t = 0; t < n; ++t) mv[t] = m[off[t] + j * sk] ? 0.f : kNegInf;
+        float* sp = st + j * Rp + r0;
+        Vec::blendv(Vec::loadu(sp), minf, Vec::loadu(mv) == minf).store(sp);
+      }
+    } else {
+      const float* m = static_cast<const float*>(p.mask);
+      for (int64_t j = 0; j < bk; ++j) {
+        for (int64_t t = 0; t < n; ++t) mv[t] = m[off[t] + j * sk];
+        float* sp = st + j * Rp + r0;
+        const Vec x = Vec::loadu(mv);
+        Vec::blendv(at::vec::fmadd(x, log2e, Vec::loadu(sp)), minf, x == minf).store(sp);
+      }
+    }
+  }
+}
+
+// Whether a (rows x cols, row stride ld) fp32 block holds an inf or a NaN (x * 0 is NaN
+// exactly for those).
+inline bool any_nonfinite(const float* x, int64_t rows, int64_t cols, int64_t ld) {
+  Vec acc(0.f);
+  const Vec zero(0.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * ld;
+    int64_t c = 0;
+    for (; c + VL <= cols; c += VL) acc = at::vec::fmadd(Vec::loadu(xr + c), zero, acc);
+    if (c < cols) acc = at::vec::fmadd(Vec::loadu(xr + c, cols - c), zero, acc);
+  }
+  float part[VL];
+  acc.store(part);
+  for (int64_t i = 0; i < VL; ++i)
+    if (part[i] != part[i]) return true;
+  return false;
+}
+
+// Visibility of each pair of a tile after masking: vis[j * Rp + r] = (S^T[j, r] != -inf).
+// Only for tiles where a hidden pair meets a non-finite operand: a plain product would turn the
+// hidden pair's zero weight times that inf or NaN into a NaN (hidden positions must never
+// influence anything), so such tiles take the pair-by-pair paths below.
+inline void visibility(const float* st, int64_t Rp, int64_t bk, uint8_t* vis) {
+  for (int64_t e = 0; e < bk * Rp; ++e) vis[e] = st[e] != kNegInf;
 }
 
 template <typename T>
@@ -446,45 +617,52 @@ void forward_rows(const AttnParams& p, int64_t b, const RowBlock& rb, int64_t kb
   const int64_t Dp = round_up(D, VL), Dvp = round_up(Dv, VL);
   const int64_t R = rb.rows(), Rp = round_up(R, VL), nvec = Rp / VL;
   const int64_t hkv = rb.h0 / n_rep;
+  auto row_i = [&](int64_t r) { return rb.i0 + r % rb.nq; };
 
-  int64_t minlim = std::numeric_limits<int64_t>::max(), maxlim = std::numeric_limits<int64_t>::min();
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t lim = row_limit(p, b, rb.i0 + r % rb.nq);
-    minlim = std::min(minlim, lim);
-    maxlim = std::max(maxlim, lim);
+  BlockRanges br;
+  for (int64_t r = 0; r < R; ++r) br.add(row_range(p, b, row_i(r)));
+  const int64_t kstop = std::min(kend, br.stop);
+  const int64_t jstart = br.first_block(kbeg, kKeyBlock);
+  const bool dropout = p.dropout_p > 0.f;
+  const uint32_t threshold = dropout ? dropout_threshold(p) : 0;
+  if (dropout) {
+    for (int64_t r = 0; r < Rp; ++r) s.rseed[r] = r < R ? dropout_row_seed(p, b, rb.h0 + r / rb.nq, row_i(r)) : 0u;
   }
-  const int64_t kstop = std::min(kend, maxlim);
 
   // Q rows (scaled by scale * log2(e), so scores come out in base 2), then Q^T (Dp x Rp).
   const float qmul = p.scale * kLog2e;
   const T* q = static_cast<const T*>(p.q.ptr) + b * p.q.sb;
   for (int64_t r = 0; r < R; ++r)
-    load_row(q + (rb.h0 + r / rb.nq) * p.q.sh + (rb.i0 + r % rb.nq) * p.q.sl, D, qmul, s.qr + r * Dp, Dp);
+    load_row(q + (rb.h0 + r / rb.nq) * p.q.sh + row_i(r) * p.q.sl, D, qmul, s.qr + r * Dp, Dp);
   std::fill(s.qr + R * Dp, s.qr + Rp * Dp, 0.f);
   transpose(s.qr, Dp, s.qt, Rp, Rp, Dp);
   for (int64_t v = 0; v < nvec; ++v) {
     Vec(kNegInf).store(s.m + v * VL);
     Vec(0.f).store(s.l + v * VL);
   }
-  if (kbeg >= kstop) std::fill(s.ot, s.ot + Dvp * Rp, 0.f);  // no key block will write it
+  if (jstart >= kstop) std::fill(s.ot, s.ot + Dvp * Rp, 0.f);  // no key block will write it
 
   const T* kbase = static_cast<const T*>(p.k.ptr) + b * p.k.sb + hkv * p.k.sh;
   const T* vbase = static_cast<const T*>(p.v.ptr) + b * p.v.sb + hkv * p.v.sh;
-  for (int64_t j0 = kbeg; j0 < kstop; j0 += kKeyBlock) {
+  bool first = true;
+  for (int64_t j0 = jstart; j0 < kstop; j0 += kKeyBlock) {
     const int64_t bk = std::min(kKeyBlock, kstop - j0);
     int64_t ldk, ldv;
     const float* Kb = rows_as_float<T>(kbase + j0 * p.k.sl, bk, D, p.k.sl, s.kc, &ldk);
     // S^T (bk x Rp) = K_blk * Q^T
     gemm<CMode::Store>(bk, Rp, D, Kb, ldk, 1, s.qt, Rp, s.st, Rp);
 
-    if (j0 + bk > minlim) {
-      // Some row's visible prefix ends inside this block. Limits relative to the block are
-      // small integers, exact in float whatever Lk.
-      for (int64_t r = 0; r < Rp; ++r)
-        s.lim[r] = r < R ? static_cast<float>(std::clamp<int64_t>(row_limit(p, b, rb.i0 + r % rb.nq) - j0, 0, bk))
-                         : 0.f;
-      mask_block(s.st, Rp, bk, s.lim);
+    const bool ragged = br.ragged(j0, bk);
+    if (p.mask) apply_attn_mask(p, s.st, Rp, bk, b, rb, j0);
+    if (ragged) {
+      // Some row's visible range starts or ends inside this block.
+      range_limits(p, b, R, Rp, j0, bk, row_i, nullptr, s.lorel, s.hirel);
+      mask_block(s.st, Rp, bk, s.lorel, s.hirel, j0 < br.maxlo);
     }
+    const float* Vb = rows_as_float<T>(vbase + j0 * p.v.sl, bk, Dv, p.v.sl, s.vc, &ldv);
+    // A hidden pair next to an inf or NaN in V: accumulate pair by pair (see visibility()).
+    const bool pairwise = (ragged || p.mask) && any_nonfinite(Vb, bk, Dv, ldv);
+    if (pairwise) visibility(s.st, Rp, bk, s.vis);
 
     // Online softmax. Loops run over keys outside and row vectors inside, so the max and sum
     // reductions of the row vectors are independent chains rather than one serial one.
@@ -505,44 +683,76 @@ void forward_rows(const AttnParams& p, int64_t b, const RowBlock& rb, int64_t kb
       exp2v(mold - muse[v]).store(s.alpha + v * VL);
       mnew.store(s.m + v * VL);
     }
-    for (int64_t j = 0; j < bk; ++j) {
-      float* sp = s.st + j * Rp;
-      for (int64_t v = 0; v < nvec; ++v) {
-        const Vec pj = exp2v(Vec::loadu(sp + v * VL) - muse[v]);
-        pj.store(sp + v * VL);
-        sum[v] = sum[v] + pj;
+    if (!dropout) {
+      for (int64_t j = 0; j < bk; ++j) {
+        float* sp = s.st + j * Rp;
+        for (int64_t v = 0; v < nvec; ++v) {
+          const Vec pj = exp2v(Vec::loadu(sp + v * VL) - muse[v]);
+          pj.store(sp + v * VL);
+          sum[v] = sum[v] + pj;
+        }
+      }
+    } else {
+      // l sums the undropped probabilities (lse is the plain softmax's); the output gets the
+      // kept ones, and 1 / (1 - p) when it is normalised.
+      for (int64_t j = 0; j < bk; ++j) {
+        float* sp = s.st + j * Rp;
+        dropout_keep(s.rseed, Rp, j0 + j, threshold, 1.f, s.kv);
+        for (int64_t v = 0; v < nvec; ++v) {
+          const Vec pj = exp2v(Vec::loadu(sp + v * VL) - muse[v]);
+          (pj * Vec::loadu(s.kv + v * VL)).store(sp + v * VL);
+          sum[v] = sum[v] + pj;
+        }
       }
     }
     for (int64_t v = 0; v < nvec; ++v)
       (Vec::loadu(s.l + v * VL) * Vec::loadu(s.alpha + v * VL) + sum[v]).store(s.l + v * VL);
 
-    const float* Vb = rows_as_float<T>(vbase + j0 * p.v.sl, bk, Dv, p.v.sl, s.vc, &ldv);
     // O^T (Dv x Rp) = alpha * O^T + V_blk^T * P^T
-    if (j0 == kbeg)
+    if (pairwise) {
+      for (int64_t d = 0; d < Dv; ++d) {
+        float* od = s.ot + d * Rp;
+        for (int64_t r = 0; r < Rp; ++r) {
+          float acc = first ? 0.f : od[r] * s.alpha[r];
+          for (int64_t j = 0; j < bk; ++j)
+            if (s.vis[j * Rp + r]) acc += s.st[j * Rp + r] * Vb[j * ldv + d];
+          od[r] = acc;
+        }
+      }
+    } else if (first) {
       gemm<CMode::Store>(Dv, Rp, bk, Vb, 1, ldv, s.st, Rp, s.ot, Rp);
-    else
+    } else {
       gemm<CMode::Rescale>(Dv, Rp, bk, Vb, 1, ldv, s.st, Rp, s.ot, Rp, s.alpha);
+    }
+    first = false;
   }
 
   // Rows of O (the padding rows of O^T, Dv .. Dvp, are never read back).
   transpose(s.ot, Rp, s.orow, Dvp, Dvp, Rp);
+  const float keep_scale = dropout ? static_cast<float>(1.0 / (1.0 - static_cast<double>(p.dropout_p))) : 1.f;
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t h = rb.h0 + r / rb.nq, i = rb.i0 + r % rb.nq;
+    const int64_t h = rb.h0 + r / rb.nq, i = row_i(r);
     const float l = s.l[r];
-    const bool dead = !(l > 0.f);
-    const float inv = dead ? 0.f : 1.f / l;
+    // Only a row that saw no key has l = 0 (any visible key adds its 2^0 = 1 at the max); a NaN
+    // l (a NaN or inf among the visible inputs) is not dead: it gives lse NaN, as the math does.
+    const bool dead = l == 0.f;
+    const float inv = dead ? 0.f : keep_scale / l;
     // lse leaves in natural log and comes back in base 2 in the backward: round once each way
     // (in double), so the probabilities recomputed from it stay as exact as the scores. l >= 1
     // (the row's max contributes 1), so log2f's ulp-level error stays below 1e-6.
     const double lse2 = dead ? -std::numeric_limits<double>::infinity() : static_cast<double>(s.m[r]) + std::log2(l);
     const float* src = s.orow + r * Dvp;
     if (sink.part_o == nullptr) {
-      store_row(src, Dv, inv, static_cast<T*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + i * p.out.sl);
+      T* orow = static_cast<T*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + i * p.out.sl;
+      if (dead)
+        std::fill(orow, orow + Dv, static_cast<T>(0.f));
+      else
+        store_row(src, Dv, inv, orow);
       p.lse[(b * p.H + h) * p.Lq + i] = dead ? kNegInf : static_cast<float>(lse2 * kLn2d);
     } else {
       const int64_t row = ((sink.split * p.B + b) * p.H + h) * p.Lq + i;
       float* po = sink.part_o + row * Dv;
-      for (int64_t dv = 0; dv < Dv; ++dv) po[dv] = src[dv] * inv;
+      for (int64_t dv = 0; dv < Dv; ++dv) po[dv] = dead ? 0.f : src[dv] * inv;
       sink.part_l[row] = static_cast<float>(lse2);
     }
   }
@@ -559,8 +769,18 @@ void merge_splits(const AttnParams& p, int64_t n_splits, const float* part_o, co
     for (int64_t row = r0; row < r1; ++row) {
       const int64_t i = row % p.Lq, h = (row / p.Lq) % p.H, b = row / (p.Lq * p.H);
       float mx = kNegInf;
-      for (int64_t sp = 0; sp < n_splits; ++sp) mx = std::max(mx, part_l[sp * rows + row]);
+      bool nan = false;  // a range's lse is NaN: so is the row's softmax, hence out and lse
+      for (int64_t sp = 0; sp < n_splits; ++sp) {
+        const float ls = part_l[sp * rows + row];
+        nan = nan || ls != ls;
+        mx = std::max(mx, ls);
+      }
       T* orow = static_cast<T*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + i * p.out.sl;
+      if (nan) {
+        for (int64_t dv = 0; dv < Dv; ++dv) orow[dv] = static_cast<T>(std::numeric_limits<float>::quiet_NaN());
+        p.lse[row] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
       if (mx == kNegInf) {
         for (int64_t dv = 0; dv < Dv; ++dv) orow[dv] = static_cast<T>(0.f);
         p.lse[row] = kNegInf;
@@ -646,7 +866,10 @@ void forward_impl(const AttnParams& p) {
 struct RowSlot {
   RowBlock rb;
   float *qr, *qt, *dor, *dot, *lse2, *delta, *dqt;
-  int64_t minlim, maxlim;
+  float* dead;      // 1 for a row that sees no key (lse -inf) and for padding rows, else 0
+  uint32_t* rseed;  // dropout: the rows' r_i
+  BlockRanges br;
+  bool poisoned;  // some live row has an inf or NaN in q, dout, delta or lse
   bool dq_started;
 };
 
@@ -654,12 +877,13 @@ struct BwdLayout {
   int64_t Dp, Dvp, Rp;  // Rp: the largest block's
   int64_t slot_floats() const {
     return Scratch::size_of(Rp * Dp) + Scratch::size_of(Dp * Rp) + Scratch::size_of(Rp * Dvp) +
-           Scratch::size_of(Dvp * Rp) + 2 * Scratch::size_of(Rp) + Scratch::size_of(Dp * Rp);
+           Scratch::size_of(Dvp * Rp) + 4 * Scratch::size_of(Rp) + Scratch::size_of(Dp * Rp);
   }
   int64_t block_floats() const {
     return 2 * Scratch::size_of(kKeyBlock * Rp) + Scratch::size_of(kKeyBlock * Dp) +
            Scratch::size_of(kKeyBlock * Dvp) + Scratch::size_of(kKeyBlock * Dp) + Scratch::size_of(kKeyBlock * Dvp) +
-           Scratch::size_of(Rp) + Scratch::size_of(Rp * Dp) + Scratch::size_of(Dvp);
+           3 * Scratch::size_of(Rp) + Scratch::size_of(Rp * Dp) + Scratch::size_of(Dvp) +
+           Scratch::size_of(kKeyBlock * Rp / 4);
   }
 };
 
@@ -669,11 +893,24 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
   const int64_t D = p.D, Dv = p.Dv, Dp = L.Dp, Dvp = L.Dvp;
   const int64_t nblk = rp.blocks();
   const float qmul = p.scale * kLog2e;
+  const bool dropout = p.dropout_p > 0.f;
+  const uint32_t threshold = dropout ? dropout_threshold(p) : 0;
+  const float keep_scale = dropout ? static_cast<float>(1.0 / (1.0 - static_cast<double>(p.dropout_p))) : 1.f;
   float* orow_tmp = buf.take(Dvp);
 
+  if (p.dmask) {
+    // This task owns dmask[b, its query heads, :, kbeg:kend); what no key block writes is 0.
+    for (int64_t h = hkv * rp.n_rep; h < (hkv + 1) * rp.n_rep; ++h)
+      for (int64_t i = 0; i < p.Lq; ++i) {
+        float* dm = p.dmask + ((b * p.H + h) * p.Lq + i) * p.Lk;
+        std::fill(dm + kbeg, dm + kend, 0.f);
+      }
+  }
+
   // Gather every row of the group once: Q (scaled) and dO as rows and transposed, lse in base 2
-  // and delta = rowsum(dO * O). Rows that see no key stay zero.
-  int64_t maxlim_all = 0;
+  // and delta = rowsum(dO * O) (which dropout leaves valid: O is the dropped output). Rows that
+  // see no key (lse -inf) stay zero.
+  int64_t kfirst = std::numeric_limits<int64_t>::max(), kstop_all = 0;
   for (int64_t blk = 0; blk < nblk; ++blk) {
     RowSlot& sl = slots[blk];
     sl.rb = row_block(rp, hkv, blk);
@@ -684,10 +921,12 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
     sl.dot = buf.take(Dvp * L.Rp);
     sl.lse2 = buf.take(L.Rp);
     sl.delta = buf.take(L.Rp);
+    sl.dead = buf.take(L.Rp);
+    sl.rseed = reinterpret_cast<uint32_t*>(buf.take(L.Rp));
     sl.dqt = buf.take(Dp * L.Rp);
     sl.dq_started = false;
-    sl.minlim = std::numeric_limits<int64_t>::max();
-    sl.maxlim = 0;
+    sl.poisoned = false;
+    sl.br = BlockRanges{};
     for (int64_t r = 0; r < Rp; ++r) {
       float* qd = sl.qr + r * Dp;
       float* dd = sl.dor + r * Dvp;
@@ -695,13 +934,13 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
       sl.delta[r] = 0.f;
       const int64_t h = sl.rb.h0 + r / sl.rb.nq, i = sl.rb.i0 + r % sl.rb.nq;
       const float lse = r < R ? p.lse[(b * p.H + h) * p.Lq + i] : kNegInf;
-      // A row without a finite lse sees nothing (and so gets no gradient).
-      const int64_t lim = r < R && std::isfinite(lse) ? row_limit(p, b, i) : 0;
-      if (r < R) {
-        sl.minlim = std::min(sl.minlim, lim);
-        sl.maxlim = std::max(sl.maxlim, lim);
-      }
-      if (lim <= 0) {
+      // Only lse = -inf marks a row that saw nothing: a NaN lse (NaN among the visible inputs)
+      // is live, and spreads its NaN through the gradients it touches.
+      const bool dead = lse == kNegInf;
+      sl.dead[r] = dead ? 1.f : 0.f;
+      sl.rseed[r] = dropout && r < R ? dropout_row_seed(p, b, h, i) : 0u;
+      if (r < R) sl.br.add(dead ? KeyRange{0, 0} : row_range(p, b, i));
+      if (dead) {
         std::fill(qd, qd + Dp, 0.f);
         std::fill(dd, dd + Dvp, 0.f);
         continue;
@@ -712,10 +951,13 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
       load_row(static_cast<const T*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + i * p.out.sl, Dv, 1.f, orow_tmp,
                Dvp);
       sl.delta[r] = dot(dd, orow_tmp, Dv);
+      sl.poisoned = sl.poisoned || !std::isfinite(sl.lse2[r]) || !std::isfinite(sl.delta[r]) ||
+                    any_nonfinite(qd, 1, D, Dp) || any_nonfinite(dd, 1, Dv, Dvp);
     }
     transpose(sl.qr, Dp, sl.qt, Rp, Rp, Dp);
     transpose(sl.dor, Dvp, sl.dot, Rp, Rp, Dvp);
-    maxlim_all = std::max(maxlim_all, sl.maxlim);
+    kfirst = std::min(kfirst, sl.br.first);
+    kstop_all = std::max(kstop_all, sl.br.stop);
   }
 
   float* st = buf.take(kKeyBlock * L.Rp);
@@ -724,48 +966,114 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
   float* dvb = buf.take(kKeyBlock * Dvp);
   float* kc = buf.take(kKeyBlock * Dp);
   float* vc = buf.take(kKeyBlock * Dvp);
-  float* limrel = buf.take(L.Rp);
+  float* lorel = buf.take(L.Rp);
+  float* hirel = buf.take(L.Rp);
+  float* kv = buf.take(L.Rp);
   float* dqrow = buf.take(L.Rp * Dp);
+  uint8_t* vis = reinterpret_cast<uint8_t*>(buf.take(kKeyBlock * L.Rp / 4));
 
   const T* kbase = static_cast<const T*>(p.k.ptr) + b * p.k.sb + hkv * p.k.sh;
   const T* vbase = static_cast<const T*>(p.v.ptr) + b * p.v.sb + hkv * p.v.sh;
   T* dkbase = static_cast<T*>(p.dk.ptr) + b * p.dk.sb + hkv * p.dk.sh;
   T* dvbase = static_cast<T*>(p.dv.ptr) + b * p.dv.sb + hkv * p.dv.sh;
-  const int64_t kstop = std::min(kend, maxlim_all);
+  const int64_t kstop = std::min(kend, kstop_all);
 
   for (int64_t j0 = kbeg; j0 < kend; j0 += kKeyBlock) {
     const int64_t bk = std::min(kKeyBlock, kend - j0);
     bool started = false;  // dK, dV of this block received a contribution
-    if (j0 < kstop) {
+    if (j0 < kstop && j0 + bk > kfirst) {
       int64_t ldk, ldv;
       const float* Kb = rows_as_float<T>(kbase + j0 * p.k.sl, bk, D, p.k.sl, kc, &ldk);
       const float* Vb = rows_as_float<T>(vbase + j0 * p.v.sl, bk, Dv, p.v.sl, vc, &ldv);
+      int kv_bad = -1;  // inf or NaN in this K or V block: -1 not looked yet
       for (int64_t blk = 0; blk < nblk; ++blk) {
         RowSlot& sl = slots[blk];
-        if (sl.maxlim <= j0) continue;
+        if (sl.br.stop <= j0 || sl.br.first >= j0 + bk) continue;
         const int64_t R = sl.rb.rows(), Rp = round_up(R, VL), nvec = Rp / VL;
+        auto row_i = [&](int64_t r) { return sl.rb.i0 + r % sl.rb.nq; };
         // S^T = K_blk * Q^T and dP^T = V_blk * dO^T (bk x Rp)
         gemm<CMode::Store>(bk, Rp, D, Kb, ldk, 1, sl.qt, Rp, st, Rp);
         gemm<CMode::Store>(bk, Rp, Dv, Vb, ldv, 1, sl.dot, Rp, dst, Rp);
-        if (j0 + bk > sl.minlim) {
-          for (int64_t r = 0; r < Rp; ++r) {
-            const int64_t i = sl.rb.i0 + r % sl.rb.nq;
-            const bool live = r < R && std::isfinite(p.lse[(b * p.H + sl.rb.h0 + r / sl.rb.nq) * p.Lq + i]);
-            limrel[r] = live ? static_cast<float>(std::clamp<int64_t>(row_limit(p, b, i) - j0, 0, bk)) : 0.f;
-          }
-          mask_block(st, Rp, bk, limrel);  // -inf scores give P = 0
+        const bool ragged = sl.br.ragged(j0, bk);
+        if (p.mask) apply_attn_mask(p, st, Rp, bk, b, sl.rb, j0);
+        if (ragged) {
+          range_limits(p, b, R, Rp, j0, bk, row_i, sl.dead, lorel, hirel);
+          mask_block(st, Rp, bk, lorel, hirel, j0 < sl.br.maxlo);  // -inf scores give P = 0
         }
-        // P^T = 2^(S^T - lse2); dS^T = P^T * (dP^T - delta), in place.
-        for (int64_t j = 0; j < bk; ++j) {
-          float* sp = st + j * Rp;
-          float* dp = dst + j * Rp;
-          for (int64_t v = 0; v < nvec; ++v) {
-            const Vec pj = exp2v(Vec::loadu(sp + v * VL) - Vec::loadu(sl.lse2 + v * VL));
-            pj.store(sp + v * VL);
-            (pj * (Vec::loadu(dp + v * VL) - Vec::loadu(sl.delta + v * VL))).store(dp + v * VL);
+        bool pairwise = false;
+        if (ragged || p.mask) {
+          if (!sl.poisoned && kv_bad < 0)
+            kv_bad = any_nonfinite(Kb, bk, D, ldk) || any_nonfinite(Vb, bk, Dv, ldv) ? 1 : 0;
+          pairwise = sl.poisoned || kv_bad == 1;
+        }
+        if (pairwise) visibility(st, Rp, bk, vis);
+        // P^T = 2^(S^T - lse2); dS^T = P^T * (dP^T - delta), in place. With dropout, P^T is
+        // replaced by the dropped Pd^T = P^T * keep / (1 - p) (dV's operand) and
+        // dS^T = P^T * (dP^T * keep / (1 - p) - delta), dP^T being the gradient of Pd^T.
+        if (!dropout) {
+          for (int64_t j = 0; j < bk; ++j) {
+            float* sp = st + j * Rp;
+            float* dp = dst + j * Rp;
+            for (int64_t v = 0; v < nvec; ++v) {
+              const Vec pj = exp2v(Vec::loadu(sp + v * VL) - Vec::loadu(sl.lse2 + v * VL));
+              pj.store(sp + v * VL);
+              (pj * (Vec::loadu(dp + v * VL) - Vec::loadu(sl.delta + v * VL))).store(dp + v * VL);
+            }
+          }
+        } else {
+          for (int64_t j = 0; j < bk; ++j) {
+            float* sp = st + j * Rp;
+            float* dp = dst + j * Rp;
+            dropout_keep(sl.rseed, Rp, j0 + j, threshold, keep_scale, kv);
+            for (int64_t v = 0; v < nvec; ++v) {
+              const Vec pj = exp2v(Vec::loadu(sp + v * VL) - Vec::loadu(sl.lse2 + v * VL));
+              const Vec kj = Vec::loadu(kv + v * VL);
+              (pj * kj).store(sp + v * VL);
+              (pj * (Vec::loadu(dp + v * VL) * kj - Vec::loadu(sl.delta + v * VL))).store(dp + v * VL);
+            }
+          }
+        }
+        if (pairwise) {
+          for (int64_t e = 0; e < bk * Rp; ++e)
+            if (!vis[e]) st[e] = dst[e] = 0.f;
+        }
+        if (p.dmask) {
+          // dL/dscore of the live rows (hidden pairs have exactly 0).
+          for (int64_t r = 0; r < R; ++r) {
+            if (sl.dead[r] != 0.f) continue;
+            float* dm = p.dmask + ((b * p.H + sl.rb.h0 + r / sl.rb.nq) * p.Lq + row_i(r)) * p.Lk + j0;
+            for (int64_t j = 0; j < bk; ++j) dm[j] = dst[j * Rp + r];
           }
         }
         // dV_blk += P^T dO ; dK_blk += dS^T Q ; dQ^T += K_blk^T dS^T
+        if (pairwise) {
+          // Pair by pair, skipping the hidden ones (see visibility()).
+          for (int64_t j = 0; j < bk; ++j) {
+            const uint8_t* vj = vis + j * Rp;
+            for (int64_t d = 0; d < Dv; ++d) {
+              float acc = started ? dvb[j * Dvp + d] : 0.f;
+              for (int64_t r = 0; r < R; ++r)
+                if (vj[r]) acc += st[j * Rp + r] * sl.dor[r * Dvp + d];
+              dvb[j * Dvp + d] = acc;
+            }
+            for (int64_t d = 0; d < D; ++d) {
+              float acc = started ? dkb[j * Dp + d] : 0.f;
+              for (int64_t r = 0; r < R; ++r)
+                if (vj[r]) acc += dst[j * Rp + r] * sl.qr[r * Dp + d];
+              dkb[j * Dp + d] = acc;
+            }
+          }
+          for (int64_t d = 0; d < D; ++d)
+            for (int64_t r = 0; r < Rp; ++r) {
+              float acc = sl.dq_started ? sl.dqt[d * Rp + r] : 0.f;
+              for (int64_t j = 0; j < bk; ++j)
+                if (vis[j * Rp + r]) acc += Kb[j * ldk + d] * dst[j * Rp + r];
+              sl.dqt[d * Rp + r] = acc;
+            }
+          started = true;
+          sl.dq_started = true;
+          continue;
+        }
         if (started) {
           gemm<CMode::Accumulate>(bk, Dvp, R, st, Rp, 1, sl.dor, Dvp, dvb, Dvp);
           gemm<CMode::Accumulate>(bk, Dp, R, dst, Rp, 1, sl.qr, Dp, dkb, Dp);

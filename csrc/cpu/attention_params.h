@@ -39,7 +39,7 @@ struct AttnParams {
   int mask_kind = 0;            // 0 none, 1 bool (uint8/bool bytes, nonzero = visible), 2 additive float32
   int64_t mask_sb = 0, mask_sh = 0, mask_sq = 0, mask_sk = 0;
   float* dmask = nullptr;       // backward: (B, H, Lq, Lk) contiguous float32 dL/dscore, or nullptr
-  float dropout_p = 0.f;
+  double dropout_p = 0.0;  // double: the keep threshold floor(p * 2^32) must be the reference's exactly
   uint64_t seed = 0;
 
   View q, k, v;

@@ -61,7 +61,7 @@ struct FwdParams {
   int mask_kind = 0;            // 0 none, 1 bool (uint8/bool bytes, nonzero = visible), 2 additive float32
   int64_t mask_sb = 0, mask_sh = 0, mask_sq = 0, mask_sk = 0;
   float* dmask = nullptr;       // backward: (B, H, Lq, Lk) contiguous float32 dL/dscore, or nullptr
-  float dropout_p = 0.f;
+  double dropout_p = 0.0;  // double: the keep threshold floor(p * 2^32) must be the reference's exactly
   uint64_t seed = 0;
 
   // Split-K: the key range is cut into num_splits chunks of whole key blocks; each chunk writes
@@ -99,7 +99,7 @@ struct BwdParams {
   int mask_kind = 0;            // 0 none, 1 bool (uint8/bool bytes, nonzero = visible), 2 additive float32
   int64_t mask_sb = 0, mask_sh = 0, mask_sq = 0, mask_sk = 0;
   float* dmask = nullptr;       // backward: (B, H, Lq, Lk) contiguous float32 dL/dscore, or nullptr
-  float dropout_p = 0.f;
+  double dropout_p = 0.0;  // double: the keep threshold floor(p * 2^32) must be the reference's exactly
   uint64_t seed = 0;
 
   // Split-K of the dq kernel (long keys): each split writes an fp32 partial dq, and a reduce
