@@ -25,7 +25,10 @@ from .attention_fwd import (
     _last_visible_key,
     _load_rows,
     _row_tile,
+    _unfold_rows_grid,
+    check_buffer,
     launch_geometry,
+    on_device,
     precision,
 )
 from .heuristics import dkdv_config, dq_config, head_block, next_pow2, packed_rows
@@ -36,9 +39,10 @@ def _bwd_delta_kernel(
     O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_db, stride_dh, stride_dm, H, Lq,
     DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
+    # Flat grid: row tiles fastest, then heads, then batch elements (see _unfold_rows_grid).
+    pid_m, h, b = _unfold_rows_grid(H, Lq, 1, BLOCK_M)
+    h = h.to(tl.int64)
+    b = b.to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     mask = (offs_m[:, None] < Lq) & (offs_dv[None, :] < DV)
@@ -108,9 +112,13 @@ def _attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    kvh = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
+    # Flat grid: key blocks fastest, then KV heads, then batch elements (see _unfold_rows_grid).
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(Lk, BLOCK_N)
+    Hkv = H // n_rep
+    pid_n = pid % n_blocks
+    kvh = ((pid // n_blocks) % Hkv).to(tl.int64)
+    b = (pid // n_blocks // Hkv).to(tl.int64)
     lk_b = _key_length(KL, b, Lk, HAS_KL)
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -215,10 +223,9 @@ def _attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr,
 ):
-    b = tl.program_id(2).to(tl.int64)
-    r, row_ok, hh, i, i_lo, i_hi, kvh = _row_tile(
-        tl.program_id(0), tl.program_id(1), heads_per_prog, n_rep, Lq, BLOCK_M
-    )
+    pid_m, pid_h, b = _unfold_rows_grid(H, Lq, heads_per_prog, BLOCK_M)
+    b = b.to(tl.int64)
+    r, row_ok, hh, i, i_lo, i_hi, kvh = _row_tile(pid_m, pid_h, heads_per_prog, n_rep, Lq, BLOCK_M)
     lk_b = _key_length(KL, b, Lk, HAS_KL)
     offs_d = tl.arange(0, BLOCK_D)
     q = _load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D)
@@ -246,59 +253,61 @@ def _attn_bwd_dq_kernel(
     )
 
 
-def attention_backward(dout, q, k, v, out, lse, scale: float, causal: bool, key_lengths=None):
-    """Launch delta, dK/dV and dQ kernels. Returns ``(dq, dk, dv)`` shaped and laid out like
-    ``q``, ``k``, ``v``; dk and dv summed over the query heads sharing each KV head.
-    """
-    from mhakern._layout import empty_like_heads
+def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal: bool, key_lengths=None):
+    """Launch delta, dK/dV and dQ kernels into the caller's buffers; returns ``(dq, dk, dv)``.
 
+    Shapes as the forward's (out and lse are its outputs, dout like out); dq (B, H, Lq, D),
+    dk (B, Hkv, Lk, D), dv (B, Hkv, Lk, Dv) in q's dtype with any strides of unit last stride.
+    dk and dv are summed over the query heads sharing each KV head.
+    """
     B, H, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    check_buffer("dq", dq, (B, H, Lq, D), q.dtype, q)
+    check_buffer("dk", dk, (B, Hkv, Lk, D), q.dtype, q)
+    check_buffer("dv", dv, (B, Hkv, Lk, Dv), q.dtype, q)
+    check_buffer("lse", lse, (B, H, Lq), torch.float32, q, contiguous=True)
     n_rep = H // Hkv
     bd, bdv = head_block(D), head_block(Dv)
     prec = precision(q.dtype)
     has_kl = key_lengths is not None
+    with on_device(q):
+        delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+        bm_delta = min(64, next_pow2(Lq))
+        _bwd_delta_kernel[(triton.cdiv(Lq, bm_delta) * H * B,)](
+            out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2), H, Lq,
+            DV=Dv, BLOCK_M=bm_delta, BLOCK_DV=bdv,
+        )
+        kl = key_lengths if has_kl else delta  # unused pointer when HAS_KL is False
 
-    delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
-    bm_delta = min(64, next_pow2(Lq))
-    _bwd_delta_kernel[(triton.cdiv(Lq, bm_delta), H, B)](
-        out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2), H, Lq,
-        DV=Dv, BLOCK_M=bm_delta, BLOCK_DV=bdv,
-    )
-    kl = key_lengths if has_kl else delta  # unused pointer when HAS_KL is False
+        cfg = dkdv_config(D, Dv, q.dtype)
+        hpp = packed_rows(Lq, n_rep, cfg.block_m)
+        _attn_bwd_dkdv_kernel[(triton.cdiv(Lk, cfg.block_n) * Hkv * B,)](
+            q, k, v, dout, lse, delta, dk, dv, kl,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2),
+            dv.stride(0), dv.stride(1), dv.stride(2),
+            H, Lq, Lk, n_rep, hpp, scale,
+            D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            CAUSAL=causal, HAS_KL=has_kl, PREC=prec,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
 
-    dk = empty_like_heads(k, D)
-    dv = empty_like_heads(v, Dv)
-    cfg = dkdv_config(D, Dv, q.dtype)
-    hpp = packed_rows(Lq, n_rep, cfg.block_m)
-    _attn_bwd_dkdv_kernel[(triton.cdiv(Lk, cfg.block_n), Hkv, B)](
-        q, k, v, dout, lse, delta, dk, dv, kl,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2),
-        H, Lq, Lk, n_rep, hpp, scale,
-        D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        CAUSAL=causal, HAS_KL=has_kl, PREC=prec,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-
-    dq = empty_like_heads(q, D)
-    cfg = dq_config(D, Dv, q.dtype)
-    hpp, bm, grid = launch_geometry(B, H, Hkv, Lq, cfg.block_m)
-    _attn_bwd_dq_kernel[grid](
-        q, k, v, dout, lse, delta, dq, kl,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        H, Lq, Lk, n_rep, hpp, scale,
-        D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=bm, BLOCK_N=cfg.block_n,
-        CAUSAL=causal, HAS_KL=has_kl, PREC=prec,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        cfg = dq_config(D, Dv, q.dtype)
+        hpp, bm, grid = launch_geometry(B, H, Hkv, Lq, cfg.block_m)
+        _attn_bwd_dq_kernel[grid](
+            q, k, v, dout, lse, delta, dq, kl,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            H, Lq, Lk, n_rep, hpp, scale,
+            D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=bm, BLOCK_N=cfg.block_n,
+            CAUSAL=causal, HAS_KL=has_kl, PREC=prec,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     return dq, dk, dv

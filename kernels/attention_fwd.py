@@ -20,11 +20,29 @@ constexpr, as in Triton's fused-attention tutorial.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
 
 from .heuristics import fwd_config, head_block, packed_rows, row_block
+
+
+@triton.jit
+def _unfold_rows_grid(H, Lq, heads_per_prog, BLOCK_M: tl.constexpr):
+    """(row tile, head group, batch element) of this program in the one-dimensional grid.
+
+    The grid is flat, row tiles fastest, then head groups, then batch elements: CUDA limits grid
+    axes 1 and 2 to 65,535, and batches (the trainer's runs x batch) go beyond that; axis 0
+    takes 2**31 - 1 programs. Consecutive programs share a head and so its keys and values in L2.
+    """
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(heads_per_prog * Lq, BLOCK_M)
+    n_h = H // heads_per_prog
+    pid_m = pid % n_m
+    rest = pid // n_m
+    return pid_m, rest % n_h, rest // n_h
 
 
 @triton.jit
@@ -46,8 +64,10 @@ def _row_tile(pid_m, pid_h, heads_per_prog, n_rep, Lq, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _key_length(KL, b, Lk, HAS_KL: tl.constexpr):
+    """Key length of batch element ``b``, clamped to [0, Lk]: callers validate key_lengths, but a
+    value out of range must never make a kernel read outside k and v."""
     if HAS_KL:
-        return tl.load(KL + b)
+        return tl.minimum(tl.maximum(tl.load(KL + b), 0), Lk)
     return Lk
 
 
@@ -132,10 +152,9 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr,
 ):
-    b = tl.program_id(2).to(tl.int64)
-    r, row_ok, hh, i, i_lo, i_hi, kvh = _row_tile(
-        tl.program_id(0), tl.program_id(1), heads_per_prog, n_rep, Lq, BLOCK_M
-    )
+    pid_m, pid_h, b = _unfold_rows_grid(H, Lq, heads_per_prog, BLOCK_M)
+    b = b.to(tl.int64)
+    r, row_ok, hh, i, i_lo, i_hi, kvh = _row_tile(pid_m, pid_h, heads_per_prog, n_rep, Lq, BLOCK_M)
     lk_b = _key_length(KL, b, Lk, HAS_KL)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = _load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D)
@@ -171,44 +190,72 @@ def precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+MAX_PROGRAMS = 2**31 - 1  # CUDA's limit on grid axis 0, which carries every launch here
+
+
 def launch_geometry(B: int, H: int, Hkv: int, Lq: int, block_m: int):
-    """(heads per program, row tile, grid) of the forward and dQ kernels."""
+    """(heads per program, row tile, grid) of the forward and dQ kernels: a flat grid of
+    row tiles x head groups x batch elements (see ``_unfold_rows_grid``)."""
     n_rep = H // Hkv
     hpp = packed_rows(Lq, n_rep, block_m)
     bm = row_block(hpp * Lq, block_m)
-    grid = (triton.cdiv(hpp * Lq, bm), H // hpp, B)
+    grid = (triton.cdiv(hpp * Lq, bm) * (H // hpp) * B,)
     return hpp, bm, grid
 
 
-def attention_forward(q, k, v, scale: float, causal: bool, key_lengths=None, out=None):
-    """Launch the forward kernel. Shapes: q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv).
+def on_device(t: torch.Tensor):
+    """Make ``t``'s device current for a launch: Triton launches on the current device and its
+    current stream, so without this a tensor on cuda:1 while cuda:0 is current would be read
+    from the wrong device (the CUDA host code holds a CUDAGuard for the same reason)."""
+    if t.device.type == "cuda":
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
-    Returns ``(out, lse)``: out (B, H, Lq, Dv) in q's dtype and memory order, lse float32
-    (B, H, Lq), natural log, -inf on rows that see no key.
+
+def check_buffer(name: str, t: torch.Tensor, shape, dtype, like: torch.Tensor, contiguous: bool = False):
+    """Refuse an output buffer the kernels cannot write as given (launchers take the buffers
+    their caller allocates)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != like.device:
+        raise ValueError(
+            f"{name}: expected a {dtype} tensor of shape {tuple(shape)} on {like.device}, "
+            f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+        )
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: expected unit stride on the last dim, got strides {t.stride()}")
+
+
+def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths=None):
+    """Launch the forward kernel into the caller's buffers; returns ``(out, lse)``.
+
+    Shapes: q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv); out (B, H, Lq, Dv) in q's
+    dtype, any strides with a unit last one; lse contiguous float32 (B, H, Lq), written in
+    natural log, -inf on rows that see no key. key_lengths: None or int32 (B,) on q's device.
     """
-    from mhakern._layout import empty_like_heads
-
     B, H, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    check_buffer("out", out, (B, H, Lq, Dv), q.dtype, q)
+    check_buffer("lse", lse, (B, H, Lq), torch.float32, q, contiguous=True)
     cfg = fwd_config(D, Dv, q.dtype)
     hpp, bm, grid = launch_geometry(B, H, Hkv, Lq, cfg.block_m)
-    if out is None:
-        out = empty_like_heads(q, Dv)
-    lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
     kl = key_lengths if key_lengths is not None else lse  # unused pointer when HAS_KL is False
-    _attn_fwd_kernel[grid](
-        q, k, v, out, lse, kl,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        H, Lq, Lk, H // Hkv, hpp, scale,
-        D=D, DV=Dv, BLOCK_D=head_block(D), BLOCK_DV=head_block(Dv),
-        BLOCK_M=bm, BLOCK_N=cfg.block_n,
-        CAUSAL=causal, HAS_KL=key_lengths is not None, PREC=precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    with on_device(q):
+        _attn_fwd_kernel[grid](
+            q, k, v, out, lse, kl,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            H, Lq, Lk, H // Hkv, hpp, scale,
+            D=D, DV=Dv, BLOCK_D=head_block(D), BLOCK_DV=head_block(Dv),
+            BLOCK_M=bm, BLOCK_N=cfg.block_n,
+            CAUSAL=causal, HAS_KL=key_lengths is not None, PREC=precision(q.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     return out, lse
 
 
-__all__ = ["attention_forward", "launch_geometry", "precision"]
+__all__ = ["attention_forward", "launch_geometry", "precision", "on_device", "check_buffer", "MAX_PROGRAMS"]
