@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # The device check: one run on a fresh CUDA machine (torch, triton and nvcc installed, no
-# network) that installs mhakern, runs the GPU tests, the headline benchmarks and the trainer's
-# quick preset, and leaves everything in OUTDIR. Whole run under 8 minutes on one H200.
+# network) that installs mhakern, runs a smoke stage (each GPU backend once against the reference,
+# and bad calls at the C++ boundary that must raise, not crash), the GPU tests per backend, the
+# headline benchmarks and the trainer's quick preset, and leaves everything in OUTDIR. The whole
+# run fits 6 minutes on one H200 by its own accounting (DEVICE_CHECK_BUDGET_S, default 360), so
+# that it runs twice within a 15-minute lease: once to see, once after the fixes.
 #
 #   benchmarks/device_check.sh OUTDIR
 #
 # OUTDIR receives at most 8 files:
-#   setup.log    environment, GPU, the install and extension build (all cores, this GPU's arch)
-#   tests.log    the GPU test suite (tests marked gpu, and the Triton suite on CUDA tensors)
+#   setup.log    environment, GPU, the install and extension build (all cores, this GPU's arch),
+#                and the smoke stage
+#   tests.log    the GPU tests: the cuda backend's, the triton backend's (its GPU file and its
+#                device-generic suite on CUDA tensors), then every other test marked gpu
 #   bench.log    pytest-benchmark output of the headline rows (and the trainer's benchmark)
 #   bench.json   pytest-benchmark JSON (input of python -m benchmarks.report)
 #   trainer.log  the trainer's quick preset on the GPU (its table copied in)
@@ -17,7 +22,7 @@
 # and prints a short summary at the end (tests passed or failed, headline figures and ratios).
 #
 # Without a GPU it records the environment, then stops with a clear message and exit status 3.
-# Environment knobs: PYTHON (default python3), DEVICE_CHECK_BUDGET_S (default 470 s for the
+# Environment knobs: PYTHON (default python3), DEVICE_CHECK_BUDGET_S (default 360 s for the
 # whole run), TORCH_CUDA_ARCH_LIST (default: this GPU's), MAX_JOBS (default: all cores),
 # TRAINER_CMD (default: the quick preset through python -m mhakern.memorize).
 # DEVICE_CHECK_REHEARSAL=1 runs every step even without a GPU (CPU rows; a developer's dry run
@@ -34,7 +39,7 @@ OUT=$(cd "$OUT" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 2
 PY=${PYTHON:-python3}
-BUDGET=${DEVICE_CHECK_BUDGET_S:-470}
+BUDGET=${DEVICE_CHECK_BUDGET_S:-360}
 T0=$SECONDS
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore MPLBACKEND=Agg
 declare -a SUMMARY=()
@@ -131,7 +136,7 @@ if [ "$HAVE_GPU" = "1" ] && [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
 fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 echo "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-} MAX_JOBS=$MAX_JOBS" >>"$SETUP"
-run_step "install" "$SETUP" 240 200 "$PY" -m pip install --no-index --no-deps --no-build-isolation -v -e .
+run_step "install" "$SETUP" 90 250 "$PY" -m pip install --no-index --no-deps --no-build-isolation -v -e .
 rc=$?
 if [ $rc -ne 0 ]; then
     say "install: FAILED (exit $rc, see setup.log)"
@@ -155,37 +160,58 @@ EOF
 echo "$BACKENDS" >>"$SETUP"
 say "install: ok in $(grep -o 'exit status 0 after [0-9]*s' "$SETUP" | tail -1 | grep -o '[0-9]*s$'); ${BACKENDS:-mhakern does not import (see setup.log)}"
 
-# ------------------------------------------------------------------ 3. GPU tests
+# ------------------------------------------------------------------ 3. smoke (45 s at most)
+SMOKE_DEV=$([ "$HAVE_GPU" = "1" ] && echo cuda || echo cpu)
+: >"$OUT/.smoke.log"
+run_step "smoke: each GPU backend once, C++ errors raise" "$OUT/.smoke.log" 45 200 "$PY" -m benchmarks.device_smoke --device "$SMOKE_DEV" --budget-s 35
+rc0=$?
+cat "$OUT/.smoke.log" >>"$SETUP"
+while IFS= read -r line; do say "$line"; done < <(grep '^smoke: ' "$OUT/.smoke.log")
+[ "$rc0" -ne 0 ] && say "smoke: exit $rc0 (the later stages run anyway: their failures say more)"
+rm -f "$OUT/.smoke.log"
+
+# ------------------------------------------------------------------ 4. GPU tests, per backend
 TESTS=$OUT/tests.log
 : >"$TESTS"
 PYTEST_EXTRA=()
-"$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_EXTRA+=(--timeout=120)
-run_step "GPU tests (marked gpu)" "$TESTS" 150 150 "$PY" -m pytest tests -m gpu -q -p no:cacheprovider "${PYTEST_EXTRA[@]}"
-rc1=$?
-say "GPU tests (pytest -m gpu): $(pytest_counts "$TESTS") [exit $rc1]"
-# (not the ahead-of-time compile tests: they are for machines without a GPU)
-TRITON_TESTS=$(ls tests/test_triton*.py 2>/dev/null | grep -v -e _gpu -e _aot || true)
-if [ -n "$TRITON_TESTS" ]; then
-    : >"$OUT/.t2.log"
-    # The device-generic Triton suite runs on CUDA tensors here (compiled, not interpreted).
-    run_step "Triton suite on CUDA" "$OUT/.t2.log" 100 130 "$PY" -m pytest $TRITON_TESTS -m "not gpu" -q -p no:cacheprovider "${PYTEST_EXTRA[@]}"
-    rc2=$?
-    cat "$OUT/.t2.log" >>"$TESTS"
-    say "Triton suite on CUDA ($(echo $TRITON_TESTS | tr '\n' ' ')): $(pytest_counts "$OUT/.t2.log") [exit $rc2]"
-    rm -f "$OUT/.t2.log"
-fi
+"$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_EXTRA+=(--timeout=60)
+# gpu_tests NAME CAP RESERVE FILES/ARGS...: one pytest run, its counts in the summary.
+gpu_tests() {
+    local name=$1 cap=$2 reserve=$3
+    shift 3
+    : >"$OUT/.t.log"
+    run_step "GPU tests: $name" "$OUT/.t.log" "$cap" "$reserve" "$PY" -m pytest "$@" -q -p no:cacheprovider "${PYTEST_EXTRA[@]}"
+    local rc=$?
+    cat "$OUT/.t.log" >>"$TESTS"
+    say "GPU tests, $name: $(pytest_counts "$OUT/.t.log") [exit $rc]"
+    rm -f "$OUT/.t.log"
+    return "$rc"
+}
+rc1=0
+gpu_tests "cuda backend (tests/test_cuda.py)" 55 150 tests/test_cuda.py || rc1=1
+# The Triton backend's GPU file, and its device-generic suite on CUDA tensors (compiled, not
+# interpreted; not the ahead-of-time compile tests, which are for machines without a GPU).
+TRITON_TESTS=$(ls tests/test_triton*.py 2>/dev/null | grep -v -e _aot || true)
+# shellcheck disable=SC2086
+gpu_tests "triton backend ($(echo $TRITON_TESTS | tr '\n' ' '))" 55 100 $TRITON_TESTS || rc1=1
+OTHER_IGNORE=()
+for f in tests/test_cuda.py $TRITON_TESTS; do OTHER_IGNORE+=(--ignore "$f"); done
+gpu_tests "everything else marked gpu" 20 90 tests -m gpu "${OTHER_IGNORE[@]}"
+rc=$?
+# pytest's 5: nothing else is marked gpu.
+[ "$rc" -ne 0 ] && [ "$rc" -ne 5 ] && rc1=1
 
-# ------------------------------------------------------------------ 4. headline benchmarks
+# ------------------------------------------------------------------ 5. headline benchmarks
 BENCH=$OUT/bench.log
 : >"$BENCH"
 BENCH_FILES=(benchmarks/test_bench_attention.py)
 [ -f benchmarks/bench_trainer.py ] && BENCH_FILES+=(benchmarks/bench_trainer.py)
-run_step "headline benchmarks" "$BENCH" 110 75 "$PY" -m pytest "${BENCH_FILES[@]}" --benchmark-only --bench-set headline \
+run_step "headline benchmarks" "$BENCH" 65 25 "$PY" -m pytest "${BENCH_FILES[@]}" --benchmark-only --bench-set headline \
     --benchmark-json "$OUT/bench.json" --benchmark-columns=median,iqr,rounds -q -p no:cacheprovider ${BENCH_ARGS:-}
 rc=$?
 say "benchmarks (${BENCH_FILES[*]}, headline set): $(pytest_counts "$BENCH") [exit $rc]"
 
-# ------------------------------------------------------------------ 5. the trainer's quick preset
+# ------------------------------------------------------------------ 6. the trainer's quick preset
 TRAIN=$OUT/trainer.log
 : >"$TRAIN"
 TDIR=$(mktemp -d)
@@ -208,7 +234,7 @@ else
         grep -q -- "--out" <<<"$HELP" && TCMD+=(--out "$TDIR/results")
         grep -q -- "--no-progress" <<<"$HELP" && TCMD+=(--no-progress)
     fi
-    (cd "$TDIR" && run_step "trainer quick preset" "$TRAIN" 100 25 "${TCMD[@]}")
+    (cd "$TDIR" && run_step "trainer quick preset" "$TRAIN" 25 0 "${TCMD[@]}")
     rc=$?
     # The preset's Markdown tables (its results stay in a scratch folder: 8 files come back).
     for md in $(find "$TDIR" -name '*.md' 2>/dev/null | head -3); do
@@ -218,7 +244,7 @@ else
     say "trainer quick preset: exit $rc after $(grep -o 'exit status [0-9]* after [0-9]*s' "$TRAIN" | tail -1 | grep -o '[0-9]*s$'); last line: $last"
 fi
 
-# ------------------------------------------------------------------ 6. report
+# ------------------------------------------------------------------ 7. report
 if [ -f "$OUT/bench.json" ]; then
     RLOG=$(mktemp)
     if timeout 60 "$PY" -m benchmarks.report "$OUT/bench.json" --out "$OUT" --headline >"$RLOG" 2>&1; then
@@ -233,6 +259,6 @@ else
 fi
 
 status=0
+[ "${rc0:-0}" -ne 0 ] && status=1
 [ "${rc1:-0}" -ne 0 ] && status=1
-[ "${rc2:-0}" -ne 0 ] && status=1
 finish $status

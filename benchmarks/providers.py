@@ -114,11 +114,7 @@ class MhakernProvider(Provider):
             return None
         be = self._registry_entry()
         why = be.unavailable()
-        if why is not None:
-            return why
-        if not be.auto:
-            return "the backend marks itself as not a performance path (auto never picks it)"
-        return None
+        return why
 
     def supports(self, case, device, q=None, k=None, v=None):
         why = super().supports(case, device)

@@ -153,9 +153,15 @@ def text_summary(records: Sequence[Dict]) -> List[str]:
     return lines
 
 
+# The field kernels a headline line names one by one (issue: ratios to SDPA's cuDNN and flash
+# kernels, and to flash-attn where it imports), besides the row's fastest peer.
+HEADLINE_PEERS = ("sdpa:cudnn", "sdpa:flash", "flash-attn", "flash-attn3")
+
+
 def headline_lines(records: Sequence[Dict]) -> List[str]:
-    """Per row, mhakern's providers (fastest first) as ``figure (ratio to the peer)``, then the
-    peer's figure: the lines a device check copies into its summary."""
+    """Per row, mhakern's providers (fastest first) as ``figure (ratio to the fastest peer)``,
+    then each of HEADLINE_PEERS measured in the row with mhakern's fastest provider's speed
+    ratio to it: the lines a device check copies into its summary."""
     lines = []
     for row_id, row in group_rows(records).items():
         peer = peer_of(row)
@@ -168,6 +174,14 @@ def headline_lines(records: Sequence[Dict]) -> List[str]:
                 s += f" ({_ratio(speed_vs_peer(row, p))})"
             parts.append(s)
         tail = f"peer {peer} {_fmt(figure(row[peer]) / div)} {unit}" if peer else f"no peer measured ({unit})"
+        named = []
+        for name in HEADLINE_PEERS:
+            if name in row and ours:
+                best = ours[0][1]
+                ratio = row[name]["stats"]["median"] / row[best]["stats"]["median"]
+                named.append(f"{name} {_fmt(figure(row[name]) / div)} (mhakern {ratio:.2f}x)")
+        if named:
+            tail += "; " + ", ".join(named)
         lines.append(f"{row_id}: " + (", ".join(parts) if parts else "no mhakern provider measured") + f"; {tail}")
     return lines
 

@@ -79,7 +79,7 @@ def attn_bwd(
         )
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    dq, dk, dv = backends.get(backend).backward(dout, q, k, v, out, lse, scale, causal, key_lengths)
+    dq, dk, dv, _ = backends.get(backend).backward(dout, q, k, v, out, lse, scale, causal, key_lengths)
     return same_layout(dq, q), same_layout(dk, k), same_layout(dv, v)
 
 

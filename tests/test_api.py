@@ -77,3 +77,15 @@ def test_auto_falls_back_to_a_working_backend_for_float64():
     q, k, v = make_inputs(1, 2, 2, 4, 4, 16, dtype=torch.float64, requires_grad=False)
     out = mhakern.attention(q, k, v)
     assert out.dtype == torch.float64
+
+
+def test_dispatch_never_sends_a_mode_outside_a_backends_features():
+    from mhakern.backends import Backend, Modes, missing_features
+
+    plain = Backend()
+    assert Modes().required_features() == frozenset()
+    need = Modes(dropout_p=0.1, top_left=True, window_left=3).required_features()
+    assert need == {"dropout", "top_left", "window"}
+    assert missing_features(plain, need) == "does not implement dropout, top_left, window"
+    plain.features = frozenset({"dropout", "top_left", "window"})
+    assert missing_features(plain, need) is None

@@ -111,6 +111,8 @@ def test_report_renders_tables_ratios_and_plots(tmp_path):
     heads = [l for l in r.stdout.splitlines() if l.startswith("headline: ")]
     assert len(heads) == 5
     assert any("mhakern:auto->cpu 107 (2.00x)" in l and "peer sdpa:flash 53.7 GFLOP/s" in l for l in heads), heads
+    # ...and mhakern's fastest against each named field kernel measured in the row (SDPA's flash here).
+    assert any("; sdpa:flash 53.7 (mhakern 2.00x)" in l for l in heads), heads
 
 
 def test_report_rejects_a_file_that_is_not_benchmark_json(tmp_path):

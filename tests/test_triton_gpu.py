@@ -58,3 +58,25 @@ def test_backward_deterministic_gpu():
         runs.append([x.grad.clone() for x in (q, k, v)])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("Lk", [1, 77, 4099])
+def test_decode_packing_gpu(dtype, Lk):
+    """Lq = 1 with 32 query heads over 8 KV heads: the four query heads of a group share a tile."""
+    q, k, v = make_inputs(3, 32, 8, 1, Lk, 128, dtype=dtype, device="cuda")
+    kl = torch.tensor([Lk, max(Lk // 2, 1), 0], device="cuda")
+    check_against_reference(triton_attention, q, k, v, False, kl)
+
+
+def test_batch_above_the_grid_limit_gpu():
+    """More batch elements than CUDA's grid axes y/z hold (65,535): the trainer's stacked runs."""
+    q, k, v = make_inputs(70_000, 1, 1, 1, 8, 16, dtype=torch.float32, device="cuda")
+    check_against_reference(triton_attention, q, k, v, False, None)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_runs_on_the_tensors_device_not_the_current_one_gpu():
+    q, k, v = make_inputs(1, 4, 2, 65, 70, 64, dtype=torch.float16, device="cuda:1")
+    with torch.cuda.device(0):
+        check_against_reference(triton_attention, q, k, v, True, None)

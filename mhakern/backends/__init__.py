@@ -3,8 +3,11 @@
 A backend implements the raw contract of GUIDE.md section 3 on tensors in logical
 (B, H, L, D) layout with unit stride on the last dim:
 
-* ``forward(q, k, v, scale, causal, key_lengths) -> (out, lse)``
-* ``backward(dout, q, k, v, out, lse, scale, causal, key_lengths) -> (dq, dk, dv)``
+* ``forward(q, k, v, scale, causal, key_lengths, modes=DEFAULT_MODES) -> (out, lse)``
+* ``backward(dout, q, k, v, out, lse, scale, causal, key_lengths, modes=DEFAULT_MODES)
+  -> (dq, dk, dv, dmask)``, ``dmask`` None unless ``modes.mask_grad``
+* ``features``: the optional modes (fields of :class:`Modes`) the backend implements. Dispatch
+  never hands a backend a mode outside its ``features``: such a backend sees DEFAULT_MODES only.
 * ``unavailable() -> None | str``: None when the backend can run at all in this process,
   otherwise why not (missing library, no device, failed build).
 * ``supports(q, k, v, causal, key_lengths) -> None | str``: None when it can serve these
@@ -19,11 +22,52 @@ values in [0, Lk]. ``scale`` is a float. The tensors reaching ``supports`` are r
 from __future__ import annotations
 
 import importlib
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
 import torch
 
 Tensor = torch.Tensor
+
+#: Every optional mode a backend may implement (the names used in ``Backend.features``).
+ALL_FEATURES: FrozenSet[str] = frozenset({"attn_mask", "mask_grad", "dropout", "top_left", "window"})
+
+
+class Modes(NamedTuple):
+    """The optional attention modes of one call, beyond causal and key_lengths.
+
+    ``attn_mask``: None, or a 4-D view broadcast to (B, H, Lq, Lk) (stride 0 on broadcast dims),
+    bool (True = the key may be attended) or float (added to the scaled scores).
+    ``dropout_p`` in [0, 1) with the 64-bit ``seed`` of the counter-based keep mask.
+    ``top_left``: causal (and window) offset 0 instead of ``Lk_b - Lq``.
+    ``window_left`` / ``window_right``: sliding window sizes, -1 for unbounded.
+    ``mask_grad``: a float mask requires grad; the backward returns dL/dscore.
+    """
+
+    attn_mask: Optional[Tensor] = None
+    dropout_p: float = 0.0
+    seed: int = 0
+    top_left: bool = False
+    window_left: int = -1
+    window_right: int = -1
+    mask_grad: bool = False
+
+    def required_features(self) -> FrozenSet[str]:
+        """The names of the modes this call uses (empty for the default call)."""
+        need = set()
+        if self.attn_mask is not None:
+            need.add("attn_mask")
+        if self.mask_grad:
+            need.add("mask_grad")
+        if self.dropout_p > 0.0:
+            need.add("dropout")
+        if self.top_left:
+            need.add("top_left")
+        if self.window_left >= 0 or self.window_right >= 0:
+            need.add("window")
+        return frozenset(need)
+
+
+DEFAULT_MODES = Modes()
 
 
 class Backend:
@@ -33,8 +77,8 @@ class Backend:
     name: str = ""
     #: ``auto`` prefers higher numbers.
     priority: int = 0
-    #: Whether ``auto`` may pick it (the Triton interpreter may run, but is never fast).
-    auto: bool = True
+    #: The optional modes it implements (a subset of ALL_FEATURES).
+    features: FrozenSet[str] = frozenset()
 
     def unavailable(self) -> Optional[str]:
         return None
@@ -46,11 +90,21 @@ class Backend:
         """Like :meth:`supports`, with the extra reasons for which ``auto`` should not pick it."""
         return self.supports(q, k, v, causal, key_lengths)
 
-    def forward(self, q, k, v, scale, causal, key_lengths) -> Tuple[Tensor, Tensor]:
+    def forward(self, q, k, v, scale, causal, key_lengths, modes: Modes = DEFAULT_MODES) -> Tuple[Tensor, Tensor]:
         raise NotImplementedError
 
-    def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths) -> Tuple[Tensor, Tensor, Tensor]:
+    def backward(
+        self, dout, q, k, v, out, lse, scale, causal, key_lengths, modes: Modes = DEFAULT_MODES
+    ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
         raise NotImplementedError
+
+
+def missing_features(be: Backend, needed: FrozenSet[str]) -> Optional[str]:
+    """The reason ``be`` cannot serve a call needing ``needed`` modes, or None."""
+    missing = sorted(needed - be.features)
+    if not missing:
+        return None
+    return "does not implement " + ", ".join(missing)
 
 
 _REGISTRY: Dict[str, Backend] = {}
@@ -81,14 +135,10 @@ def _load_builtins() -> None:
     if _loaded:
         return
     _loaded = True
+    # Every built-in module exists; what one of them needs and lacks (the extension, triton) it
+    # reports through unavailable(), never by failing to import.
     for mod in _BUILTIN:
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            # A backend module not written yet (or removed) is simply absent; anything it
-            # imports that is missing must be reported by the backend itself via unavailable().
-            if e.name != mod:
-                raise
+        importlib.import_module(mod)
 
 
 def names() -> List[str]:
@@ -112,21 +162,30 @@ def available_backends() -> Dict[str, Optional[str]]:
     return {n: _REGISTRY[n].unavailable() for n in names()}
 
 
-def select(name: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_lengths: Optional[Tensor]) -> Backend:
-    """Resolve ``name`` ("auto" or a backend name) to the backend that will serve these tensors."""
+def select(
+    name: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool,
+    key_lengths: Optional[Tensor],
+    needed: FrozenSet[str] = frozenset(),
+) -> Backend:
+    """Resolve ``name`` ("auto" or a backend name) to the backend that will serve these tensors.
+
+    ``needed``: the optional modes of the call (:meth:`Modes.required_features`).
+    """
     usable = available_backends()
     if name != "auto":
         be = get(name)
-        why = usable[name] or be.supports(q, k, v, causal, key_lengths)
+        why = usable[name] or missing_features(be, needed) or be.supports(q, k, v, causal, key_lengths)
         if why is not None:
             raise ValueError(f"backend={name!r} cannot serve these inputs: {name}: {why}")
         return be
     reasons = []
     for n in names():
         be = _REGISTRY[n]
-        if not be.auto:
-            continue
-        why = usable[n] or be.auto_supports(q, k, v, causal, key_lengths)
+        why = usable[n] or missing_features(be, needed) or be.auto_supports(q, k, v, causal, key_lengths)
         if why is None:
             return be
         reasons.append(f"{n}: {why}")

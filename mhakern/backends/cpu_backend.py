@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from .._layout import empty_like_heads
-from . import Backend, register
+from . import DEFAULT_MODES, Backend, register
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BUILD_HINT = (
@@ -66,15 +66,16 @@ class CpuBackend(Backend):
             return f"head dims up to {max_dim} only, got D={q.shape[-1]} and Dv={v.shape[-1]}"
         return None
 
-    def forward(self, q, k, v, scale, causal, key_lengths):
+    def forward(self, q, k, v, scale, causal, key_lengths, modes=DEFAULT_MODES):
         out = empty_like_heads(q, v.shape[-1])
         return _load().cpu_attn_fwd(q, k, v, scale, causal, key_lengths, out)
 
-    def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths):
+    def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, modes=DEFAULT_MODES):
         dq = empty_like_heads(q, q.shape[-1])
         dk = empty_like_heads(k, k.shape[-1])
         dv = empty_like_heads(v, v.shape[-1])
-        return _load().cpu_attn_bwd(dout, q, k, v, out, lse, scale, causal, key_lengths, dq, dk, dv)
+        dq, dk, dv = _load().cpu_attn_bwd(dout, q, k, v, out, lse, scale, causal, key_lengths, dq, dk, dv)
+        return dq, dk, dv, None
 
 
 register(CpuBackend())

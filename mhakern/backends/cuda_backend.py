@@ -21,7 +21,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .._layout import empty_like_heads
-from . import Backend, register
+from . import DEFAULT_MODES, Backend, register
 
 HEAD_DIMS = (32, 64, 96, 128)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -179,7 +179,7 @@ class CudaBackend(Backend):
         return self._sms[idx]
 
     # -- compute -------------------------------------------------------------------------------
-    def forward(self, q, k, v, scale, causal, key_lengths):
+    def forward(self, q, k, v, scale, causal, key_lengths, modes=DEFAULT_MODES):
         q, k, v = _aligned(q), _aligned(k), _aligned(v)
         B, H, Lq, D = q.shape
         Hkv, Lk = k.shape[1], k.shape[2]
@@ -189,7 +189,7 @@ class CudaBackend(Backend):
         self._extension().cuda_attn_fwd(q, k, v, out, lse, key_lengths, float(scale), bool(causal), splits)
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths):
+    def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, modes=DEFAULT_MODES):
         dout, q, k, v, out = (_aligned(x) for x in (dout, q, k, v, out))
         lse = lse.contiguous()
         B, H, Lq, D = q.shape
@@ -201,7 +201,7 @@ class CudaBackend(Backend):
         self._extension().cuda_attn_bwd(
             dout, q, k, v, out, lse, dq, dk, dv, key_lengths, float(scale), bool(causal), splits
         )
-        return dq, dk, dv
+        return dq, dk, dv, None
 
 
 register(CudaBackend())

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .. import reference
-from . import Backend, register
+from . import DEFAULT_MODES, Backend, register
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -22,11 +22,12 @@ class ReferenceBackend(Backend):
             return f"dtype {q.dtype} is not one of {_DTYPES}"
         return None
 
-    def forward(self, q, k, v, scale, causal, key_lengths):
+    def forward(self, q, k, v, scale, causal, key_lengths, modes=DEFAULT_MODES):
         return reference.attention_forward(q, k, v, scale, causal, key_lengths)
 
-    def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths):
-        return reference.attention_backward(dout, q, k, v, out, lse, scale, causal, key_lengths)
+    def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, modes=DEFAULT_MODES):
+        dq, dk, dv = reference.attention_backward(dout, q, k, v, out, lse, scale, causal, key_lengths)
+        return dq, dk, dv, None
 
 
 register(ReferenceBackend())

@@ -8,7 +8,7 @@ import os
 import torch
 
 from .._layout import empty_like_heads
-from . import Backend, register
+from . import DEFAULT_MODES, Backend, register
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -83,17 +83,18 @@ class TritonBackend(Backend):
             return "running under TRITON_INTERPRET=1 (the interpreter is for testing; auto never picks it)"
         return self.supports(q, k, v, causal, key_lengths)
 
-    def forward(self, q, k, v, scale, causal, key_lengths):
+    def forward(self, q, k, v, scale, causal, key_lengths, modes=DEFAULT_MODES):
         B, H, Lq, _ = q.shape
         out = empty_like_heads(q, v.shape[-1])
         lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
         return self._kernels().attention_forward(q, k, v, out, lse, scale, causal, key_lengths)
 
-    def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths):
+    def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, modes=DEFAULT_MODES):
         dq = empty_like_heads(q, q.shape[-1])
         dk = empty_like_heads(k, k.shape[-1])
         dv = empty_like_heads(v, v.shape[-1])
-        return self._kernels().attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, key_lengths)
+        self._kernels().attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, key_lengths)
+        return dq, dk, dv, None
 
 
 register(TritonBackend())
