@@ -1,10 +1,21 @@
-"""Ahead-of-time compilation of every Triton kernel variant the dispatcher can launch.
+"""Ahead-of-time compilation of every Triton kernel variant the dispatcher can launch, with a
+check of what each costs on the chip.
 
 Runs with no GPU: ``triton.compile`` with a ``GPUTarget`` lowers each variant to a cubin for
-sm_80 / sm_90 and reports its shared memory, which is checked against the chip's limit. A
-kernel that could not build (or would not fit) on a GPU therefore fails here, in CI.
+sm_80 / sm_90 with the tiles heuristics.py gives that architecture, and with the
+specialisation the JIT applies on a typical launch (16-byte aligned pointers, strides divisible
+by 16). kernels/sass.py then reads the cubin back with Triton's cuobjdump. A variant fails when
+it spills registers (any stack), when on sm_90 a loop multiplies matrices without HGMMA (unless
+heuristics.MMA_SYNC_ON_SM90 names it, with the reason), or when its shared memory exceeds the
+chip's limit. A kernel that would not build or fit on a GPU therefore fails here, in CI.
 
     python -m mhakern.kernels.aot [--arch 80 90] [--dtypes fp16 bf16 fp32] [--dims 16 32 64 80 128 256]
+                                  [--all-flags] [--only fwd delta dkdv dq]
+
+Prints one row per variant: tile, warps/stages, shared memory, registers, stack bytes, LDL
+count, LDL/STL inside loops, loops with HGMMA / loops with a matrix instruction.
+kernels/ imports nothing from mhakern, so the same module runs against another triton version
+by path (``sys.path.insert(0, checkout); from kernels import aot; aot.main([...])``).
 
 Must run without TRITON_INTERPRET (the interpreter replaces the kernels by Python functions);
 the tests run it in a subprocess.
