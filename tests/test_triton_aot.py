@@ -2,7 +2,9 @@
 tiles the heuristics give that architecture, and fits the chip (no GPU needed: triton.compile
 with a GPUTarget, then the SASS read back with the cuobjdump Triton ships):
 
-* no register spills: zero stack, so no local-memory traffic anywhere (kernels/sass.py);
+* no register spills in a loop, and at most aot.STACK_SLACK bytes of stack (kernels/sass.py);
+  without the JIT's alignment specialisation (head dims that are not multiples of 16), no
+  spills in a loop;
 * on sm_90, every loop that multiplies matrices uses the warpgroup MMA (HGMMA), except the
   variants heuristics.MMA_SYNC_ON_SM90 names with the reason;
 * shared memory within the chip's limit.
@@ -40,6 +42,19 @@ def test_kernels_compile_for_sm80_and_sm90_without_spills_within_shared_memory()
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out
     assert report.count(" ok (") == 2 * 3 * 4, report
+
+
+def test_unaligned_variants_keep_local_memory_out_of_their_loops():
+    # Strides that are not multiples of 16 (head dim 40, say) get no alignment specialisation:
+    # loads go element by element and the prologue may spill, never the key loop.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    cmd = [sys.executable, "-m", "mhakern.kernels.aot", "--dtypes", "fp16", "--dims", "64", "--only", "fwd", "dq",
+           "--unaligned"]
+    out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200)
+    print(out.stdout)
+    assert out.returncode == 0, out.stdout
+    assert out.stdout.count(" ok (") == 2 * 2, out.stdout
 
 
 # The SASS reading itself, on hand-written listings in cuobjdump's format.
