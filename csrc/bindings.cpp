@@ -1,53 +1,167 @@
-// The Python module mhakern._C: the cpu kernels' entry points and, in builds with CUDA
-// (setup.py defines MHAKERN_WITH_CUDA), the CUDA ones registered by csrc/cuda_host.cpp.
-#include <torch/extension.h>
+// The operators of mhakern._C, registered with PyTorch's dispatcher (TORCH_LIBRARY): one schema
+// per operation for every device, the per-device kernels registered beside their host code
+// (cpu/attention_cpu.cpp: CPU; cuda_host.cpp: CUDA, in builds with MHAKERN_WITH_CUDA), and the
+// meta kernels here, which torch.compile's fake tensors run to learn output shapes. Python calls
+// them as torch.ops.mhakern_C.<name>; errors raised in a kernel (TORCH_CHECK) reach Python through
+// torch's own operator machinery as ValueError / TypeError / NotImplementedError / RuntimeError.
+//
+// The Python module itself only exists so that `import mhakern._C` loads this library, which
+// registers the operators. It binds no function and is made with the plain CPython API, as
+// pytorch/extension-cpp does: no pybind11 in this library at all, so no pybind11 version or
+// exception translator of ours can differ from the one torch was built with (one of the
+// hypotheses for the TORCH_CHECK crash seen on a GPU machine: issue 9).
+#include <Python.h>
 
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <sstream>
+#include <string>
+
+#include "capabilities.h"
 #include "cpu/attention_cpu.h"
+#include "op_common.h"
+
+namespace mhakern {
+namespace {
 
 #ifdef MHAKERN_WITH_CUDA
-#include "cuda_host.h"
-#endif
-
-namespace py = pybind11;
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() =
-      "mhakern._C: fused exact attention kernels (multi-core CPU; CUDA when built with it). "
-      "Tensors are (B, H, L, D) with unit stride on the last dim; see mhakern.attention for the semantics.";
-
-  m.def("cpu_attn_fwd", &mhakern::cpu::attn_fwd,
-        "cpu_attn_fwd(q, k, v, scale, causal, key_lengths=None, out=None) -> (out, lse)\n\n"
-        "q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) on the CPU, one dtype among float32, bfloat16 and "
-        "float16, H a multiple of Hkv, D and Dv at most 256. causal is bottom-right aligned per batch element; "
-        "key_lengths (int32, (B,), values in [0, Lk]) hides keys at positions >= key_lengths[b]. Returns out "
-        "(B, H, Lq, Dv) in q's dtype (written into `out` when given) and lse float32 (B, H, Lq), natural log, "
-        "-inf (and out 0) for rows that see no key.",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("causal"),
-        py::arg("key_lengths") = py::none(), py::arg("out") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
-
-  m.def("cpu_attn_bwd", &mhakern::cpu::attn_bwd,
-        "cpu_attn_bwd(dout, q, k, v, out, lse, scale, causal, key_lengths=None, dq=None, dk=None, dv=None) "
-        "-> (dq, dk, dv)\n\n"
-        "Gradients of cpu_attn_fwd, recomputing the probabilities from lse (delta = rowsum(dout * out)). dk and dv "
-        "are summed over the query heads sharing a KV head; rows that see no key get zero gradient.",
-        py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
-        py::arg("causal"), py::arg("key_lengths") = py::none(), py::arg("dq") = py::none(),
-        py::arg("dk") = py::none(), py::arg("dv") = py::none(), py::call_guard<py::gil_scoped_release>());
-
-  m.def("cpu_kernel_isa", &mhakern::cpu::kernel_isa,
-        "The instruction-set variant of the cpu kernels in use: 'AVX512', 'AVX2' or 'DEFAULT' (chosen once, from "
-        "ATen's CPU capability -- ATEN_CPU_CAPABILITY -- and the CPU's own flags).");
-
-  m.def("cpu_parallel_threads_probe", &mhakern::cpu::parallel_threads_probe,
-        "Runs `tasks` empty tasks through at::parallel_for and returns how many threads ran them.",
-        py::arg("tasks"), py::call_guard<py::gil_scoped_release>());
-
-  m.attr("cpu_max_head_dim") = mhakern::cpu::kMaxHeadDim;
-#ifdef MHAKERN_WITH_CUDA
-  m.attr("with_cuda") = true;
-  mhakern::cuda::register_ops(m);
+constexpr bool kWithCuda = true;
 #else
-  m.attr("with_cuda") = false;
+constexpr bool kWithCuda = false;
 #endif
+
+void json_features(std::ostringstream& js, unsigned mask) {
+  js << "[";
+  bool first = true;
+  for (int f = 0; f < caps::kNumFeatures; ++f) {
+    if (!(mask & (1u << f))) continue;
+    js << (first ? "" : ", ") << '"' << caps::kFeatureNames[f] << '"';
+    first = false;
+  }
+  js << "]";
+}
+
+// capabilities.h as JSON: what each kernel family serves (mhakern/backends/*_backend.py read it).
+std::string capabilities() {
+  std::ostringstream js;
+  js << "{\"cpu\": {\"compiled\": true, \"dtypes\": [\"float32\", \"bfloat16\", \"float16\"], \"max_head_dim\": "
+     << caps::kCpuMaxHeadDim << ", \"features\": ";
+  json_features(js, caps::kCpuFeatures);
+  js << "}, \"cuda\": {\"compiled\": " << (kWithCuda ? "true" : "false") << ", \"dtypes\": [";
+  for (int i = 0; i < caps::kCudaNumDtypes; ++i) js << (i ? ", " : "") << '"' << caps::kCudaDtypeNames[i] << '"';
+  js << "], \"head_dims\": [";
+  for (int i = 0; i < caps::kCudaNumHeadDims; ++i) js << (i ? ", " : "") << caps::kCudaHeadDims[i];
+  js << "], \"equal_head_dims\": true, \"min_capability\": [" << caps::kCudaMinCapabilityMajor << ", "
+     << caps::kCudaMinCapabilityMinor << "], \"max_group_rows\": " << caps::kCudaMaxGroupRows
+     << ", \"max_keys\": " << caps::kCudaMaxKeys << ", \"tiles\": {";
+  for (int i = 0; i < caps::kCudaNumHeadDims; ++i) {
+    const caps::CudaTiles t = caps::cuda_tiles(caps::kCudaHeadDims[i]);
+    js << (i ? ", " : "") << '"' << caps::kCudaHeadDims[i] << "\": {\"fwd\": [" << t.fwd_m << ", " << t.fwd_n
+       << "], \"dq\": [" << t.dq_m << ", " << t.dq_n << "], \"dkv\": [" << t.dkv_m << ", " << t.dkv_n << "]}";
+  }
+  js << "}, \"split\": {\"min_blocks_per_split\": " << caps::kMinBlocksPerSplit
+     << ", \"max_splits\": " << caps::kMaxSplits << ", \"max_workspace_bytes\": " << caps::kMaxSplitWorkspaceBytes
+     << "}, \"features\": ";
+  json_features(js, caps::kCudaFeatures);
+  js << "}}";
+  return js.str();
+}
+
+// The split-K planner the CUDA host code runs (capabilities.h), for tests and tools.
+int64_t cuda_plan_splits(int64_t batch, int64_t kv_heads, int64_t group, int64_t q_len, int64_t k_len,
+                         int64_t head_dim, int64_t num_sms, bool backward) {
+  const std::pair<const char*, int64_t> args[] = {{"batch", batch}, {"kv_heads", kv_heads}, {"group", group},
+                                                  {"q_len", q_len}, {"k_len", k_len},       {"num_sms", num_sms}};
+  for (const auto& a : args)
+    TORCH_CHECK_VALUE(a.second >= 0, "cuda_plan_splits: ", a.first, " must be non-negative, got ", a.second);
+  TORCH_CHECK_VALUE(caps::cuda_head_dim_supported(head_dim), "cuda_plan_splits: head_dim ", head_dim,
+                    " has no compiled cuda kernel");
+  const caps::CudaTiles t = caps::cuda_tiles(static_cast<int>(head_dim));
+  return caps::plan_splits(batch, kv_heads, group, q_len, k_len, head_dim, num_sms, backward ? t.dq_m : t.fwd_m,
+                           backward ? t.dq_n : t.fwd_n);
+}
+
+// Sets the CUDA host code's split-K count (0: its planner decides); returns the previous value.
+int64_t cuda_force_splits(int64_t num_splits) {
+  TORCH_CHECK_VALUE(num_splits >= 0 && num_splits <= op::kMaxForcedSplits,
+                    "cuda_force_splits: num_splits must lie in [0, ", op::kMaxForcedSplits, "] (0: planned), got ",
+                    num_splits);
+  return op::cuda_forced_splits().exchange(num_splits);
+}
+
+// Meta kernels: the same argument checks as every device (op_common.h), then outputs of the
+// right shape, dtype and layout. Which modes a family implements is checked by the real kernel.
+constexpr unsigned kAllFeatures = ~0u;
+
+std::tuple<at::Tensor, at::Tensor> fwd_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                            double scale, bool /*causal*/, const std::optional<at::Tensor>& key_lengths,
+                                            const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                                            int64_t seed, bool top_left, int64_t window_left, int64_t window_right) {
+  const op::ModeArgs modes{&attn_mask, dropout_p, seed, top_left, window_left, window_right, false};
+  const op::Sizes s = op::check_qkv(q, k, v, scale);
+  op::check_key_lengths_meta(key_lengths, q, s);
+  op::check_modes(modes, q, s, kAllFeatures, "meta", false);
+  return {op::empty_like_heads(q, s.Dv), at::empty({s.B, s.H, s.Lq}, q.options().dtype(at::kFloat))};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_meta(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, double scale, bool /*causal*/, const std::optional<at::Tensor>& key_lengths,
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, int64_t seed, bool top_left, int64_t window_left,
+    int64_t window_right, bool mask_grad) {
+  const op::ModeArgs modes{&attn_mask, dropout_p, seed, top_left, window_left, window_right, mask_grad};
+  const op::Sizes s = op::check_qkv(q, k, v, scale);
+  op::check_key_lengths_meta(key_lengths, q, s);
+  op::check_modes(modes, q, s, kAllFeatures, "meta", true);
+  op::check_bwd_operands(dout, q, out, lse, s);
+  return {op::empty_like_heads(q, s.D), op::empty_like_heads(k, s.D), op::empty_like_heads(v, s.Dv),
+          op::alloc_dmask(modes, q, s)};
+}
+
+}  // namespace
+}  // namespace mhakern
+
+TORCH_LIBRARY(mhakern_C, m) {
+  // docs/contract.md gives the semantics; INTERFACE: one schema for CPU and CUDA, outputs
+  // allocated by the op.
+  m.def(
+      "fwd(Tensor q, Tensor k, Tensor v, float scale, bool causal, Tensor? key_lengths, Tensor? attn_mask, "
+      "float dropout_p, int seed, bool top_left, int window_left, int window_right) -> (Tensor out, Tensor lse)");
+  m.def(
+      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, bool causal, "
+      "Tensor? key_lengths, Tensor? attn_mask, float dropout_p, int seed, bool top_left, int window_left, "
+      "int window_right, bool mask_grad) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)");
+  // Small non-tensor helpers (no dispatch key: one kernel for all).
+  m.def("capabilities() -> str", &mhakern::capabilities);
+  m.def("cpu_kernel_isa() -> str", &mhakern::cpu::kernel_isa);
+  m.def("cpu_parallel_threads_probe(int tasks) -> int", &mhakern::cpu::parallel_threads_probe);
+  m.def(
+      "cuda_plan_splits(int batch, int kv_heads, int group, int q_len, int k_len, int head_dim, int num_sms, "
+      "bool backward=False) -> int",
+      &mhakern::cuda_plan_splits);
+  m.def("cuda_force_splits(int num_splits) -> int", &mhakern::cuda_force_splits);
+}
+
+TORCH_LIBRARY_IMPL(mhakern_C, Meta, m) {
+  m.impl("fwd", &mhakern::fwd_meta);
+  m.impl("bwd", &mhakern::bwd_meta);
+}
+
+#define MHK_CONCAT_(a, b) a##b
+#define MHK_PYINIT_(name) MHK_CONCAT_(PyInit_, name)
+
+PyMODINIT_FUNC MHK_PYINIT_(TORCH_EXTENSION_NAME)(void) {
+  static PyModuleDef module = {
+      PyModuleDef_HEAD_INIT,
+      "mhakern._C",
+      "mhakern._C: fused exact attention kernels (multi-core CPU; CUDA when built with it), registered as the "
+      "dispatcher operators torch.ops.mhakern_C.fwd / bwd (see csrc/bindings.cpp for the schemas and "
+      "torch.ops.mhakern_C.capabilities() for what each kernel family serves).",
+      -1,
+      nullptr,
+  };
+  return PyModule_Create(&module);
 }

@@ -1,249 +1,230 @@
-// Torch-facing host code of the CUDA attention kernels: see cuda_host.h.
+// The CUDA kernels of the dispatcher ops mhakern_C::fwd and mhakern_C::bwd (schemas in
+// csrc/bindings.cpp; one schema for every device): see cuda_host.h.
 //
-// The kernels (csrc/cuda/*.cu) see no torch type: this file checks the tensors, fills the plain
-// parameter structs (pointers, strides in elements, sizes), allocates the split-K workspaces
-// through torch's caching allocator, and launches on torch's current stream of the tensors'
-// device.
+// The kernels (csrc/cuda/*.cu) see no torch type: this file checks the tensors (op_common.h for
+// what every device checks alike, here what the tensor-core kernels need besides), fills the
+// plain parameter structs through the helpers the emulator also uses (attn_params.h), plans the
+// split-K (capabilities.h), allocates the outputs and workspaces through torch's caching
+// allocator, and launches on torch's current stream of the tensors' device.
 #include "cuda_host.h"
 
-// Light torch headers (not torch/extension.h): this file needs tensors, the stream and the
-// pybind11 casters only, and compiles in a third of the time.
+// Light torch headers (not torch/extension.h): tensors, the stream, the device guard and the
+// operator registration only.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
+#include <cuda_runtime_api.h>
+
+#include <atomic>
 #include <cstdint>
-#include <iterator>
 #include <limits>
-#include <string>
-#include <vector>
+#include <optional>
+#include <tuple>
 
+#include "capabilities.h"
 #include "cuda/attn_dispatch.h"
+#include "op_common.h"
 
 namespace mhakern {
 namespace cuda {
 namespace {
 
-// Limits of the kernels' index arithmetic: rows of a KV-head group (H / Hkv * Lq) and key
-// positions are 32-bit ints, with room for a key block past the end.
-constexpr int64_t kMaxRows = (int64_t{1} << 31) - 1;
-constexpr int64_t kMaxKeys = int64_t{1} << 30;
-
 ElemType elem_type_of(const at::Tensor& q) {
-  if (q.scalar_type() == at::kHalf) return ElemType::kFloat16;
-  if (q.scalar_type() == at::kBFloat16) return ElemType::kBFloat16;
-  TORCH_CHECK_TYPE(false, "q: the cuda backend takes float16 or bfloat16 tensors, got ", q.scalar_type(),
+  if (q.scalar_type() == at::kHalf) return ElemType::fp16;
+  if (q.scalar_type() == at::kBFloat16) return ElemType::bf16;
+  TORCH_CHECK_TYPE(false, "q: the cuda kernels take float16 or bfloat16 tensors, got ", q.scalar_type(),
                    " (float32 is served by the triton and reference backends)");
-  return ElemType::kFloat16;
+  return ElemType::fp16;
 }
 
-HeadStrides strides_of(const at::Tensor& x) {
-  HeadStrides s;
-  s.batch = x.stride(0);
-  s.head = x.stride(1);
-  s.row = x.stride(2);
+std::string head_dim_list() {
+  std::string s;
+  for (int i = 0; i < caps::kCudaNumHeadDims; ++i) s += (i ? ", " : "") + std::to_string(caps::kCudaHeadDims[i]);
   return s;
 }
 
-// A (B, H, L, D) tensor the kernels can read or write as it is: on q's device, q's dtype, unit
-// stride on D, 16-byte aligned rows (cp.async and the 16-byte stores move 8 elements at a time).
-void check_heads(const at::Tensor& x, const char* name, const at::Tensor& q, int64_t B, int64_t H, int64_t L,
-                 int64_t D) {
-  TORCH_CHECK_VALUE(x.defined(), name, ": expected a tensor, got None");
-  TORCH_CHECK_VALUE(x.is_cuda(), name, ": expected a CUDA tensor, got one on ", x.device());
-  TORCH_CHECK_VALUE(x.device() == q.device(), name, ": expected a tensor on ", q.device(), " (q's device), got ",
-                    x.device());
-  TORCH_CHECK_VALUE(x.dim() == 4, name, ": expected 4 dims (batch, heads, length, head_dim), got shape ", x.sizes());
-  TORCH_CHECK_VALUE(x.size(0) == B && x.size(1) == H && x.size(2) == L && x.size(3) == D, name, ": expected shape (",
-                    B, ", ", H, ", ", L, ", ", D, "), got ", x.sizes());
-  TORCH_CHECK_TYPE(x.scalar_type() == q.scalar_type(), name, ": expected dtype ", q.scalar_type(), " (q's), got ",
-                   x.scalar_type());
-  TORCH_CHECK_VALUE(x.stride(3) == 1, name, ": expected unit stride on the head dim, got strides ", x.strides());
+Operand operand(const at::Tensor& x) {
+  Operand o;
+  o.ptr = x.data_ptr();
+  o.stride.batch = x.stride(0);
+  o.stride.head = x.stride(1);
+  o.stride.row = x.stride(2);
+  return o;
+}
+
+// What the tensor-core kernels need of a (B, H, L, D) operand besides op_common.h's checks:
+// 16-byte aligned rows (cp.async and the 16-byte stores move 8 elements at a time).
+void check_aligned(const at::Tensor& x, const char* name) {
   for (int d = 0; d < 3; ++d)
     TORCH_CHECK_VALUE(x.size(d) <= 1 || x.stride(d) % 8 == 0, name,
-                      ": strides of dims 0-2 must be multiples of 8 elements (16 bytes), got strides ", x.strides());
+                      ": strides of dims 0-2 must be multiples of 8 elements (16 bytes), got strides ", x.strides(),
+                      " (pass .contiguous())");
   TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, name,
                     ": data must be 16-byte aligned (got a view at an odd offset; pass .contiguous())");
 }
 
-void check_lse(const at::Tensor& lse, const char* name, const at::Tensor& q, int64_t B, int64_t H, int64_t Lq) {
-  TORCH_CHECK_VALUE(lse.is_cuda() && lse.device() == q.device(), name, ": expected a CUDA tensor on ", q.device(),
-                    ", got one on ", lse.device());
-  TORCH_CHECK_TYPE(lse.scalar_type() == at::kFloat, name, ": expected float32, got ", lse.scalar_type());
-  TORCH_CHECK_VALUE(lse.dim() == 3 && lse.size(0) == B && lse.size(1) == H && lse.size(2) == Lq, name,
-                    ": expected shape (", B, ", ", H, ", ", Lq, "), got ", lse.sizes());
-  TORCH_CHECK_VALUE(lse.is_contiguous(), name, ": expected a contiguous tensor");
-}
-
-const int32_t* key_lengths_ptr(const c10::optional<at::Tensor>& key_lengths, const at::Tensor& q, int64_t B) {
-  if (!key_lengths.has_value() || !key_lengths->defined()) return nullptr;
-  const at::Tensor& kl = *key_lengths;
-  TORCH_CHECK_VALUE(kl.is_cuda() && kl.device() == q.device(), "key_lengths: expected a CUDA tensor on ", q.device(),
-                    ", got one on ", kl.device());
-  TORCH_CHECK_TYPE(kl.scalar_type() == at::kInt, "key_lengths: expected int32, got ", kl.scalar_type());
-  TORCH_CHECK_VALUE(kl.dim() == 1 && kl.size(0) == B && kl.is_contiguous(),
-                    "key_lengths: expected a contiguous tensor of shape (", B, ",), got ", kl.sizes());
-  // Values are validated in [0, Lk] by the caller (mhakern.ops), where reading them is free.
-  return kl.data_ptr<int32_t>();
-}
-
-struct Dims {
-  int64_t B, H, Hkv, Lq, Lk, D;
-};
-
-Dims check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t num_splits) {
+// Everything forward and backward check alike; returns the sizes.
+op::Sizes check_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                       const std::optional<at::Tensor>& key_lengths, const op::ModeArgs& modes, bool backward) {
   TORCH_CHECK_VALUE(q.is_cuda(), "q: expected a CUDA tensor, got one on ", q.device());
-  TORCH_CHECK_VALUE(q.dim() == 4, "q: expected 4 dims (batch, heads, length, head_dim), got shape ", q.sizes());
+  const op::Sizes s = op::check_qkv(q, k, v, scale);
   elem_type_of(q);
-  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
-  TORCH_CHECK_VALUE(k.dim() == 4, "k: expected 4 dims (batch, kv heads, length, head_dim), got shape ", k.sizes());
-  const int64_t Hkv = k.size(1), Lk = k.size(2);
-  TORCH_CHECK_VALUE(head_dim_supported(static_cast<int>(D)), "q: head dim ", D,
-                    " has no compiled cuda kernel (supported: 32, 64, 96, 128)");
-  TORCH_CHECK_VALUE(Hkv > 0 && H % Hkv == 0, "k: number of kv heads (", Hkv, ") must divide q's number of heads (", H,
-                    ")");
-  check_heads(q, "q", q, B, H, Lq, D);
-  check_heads(k, "k", q, B, Hkv, Lk, D);
-  check_heads(v, "v", q, B, Hkv, Lk, D);
-  TORCH_CHECK_VALUE((H / Hkv) * Lq <= kMaxRows, "q: (heads per kv head) x Lq = ", (H / Hkv) * Lq, " exceeds ",
-                    kMaxRows);
-  TORCH_CHECK_VALUE(Lk < kMaxKeys, "k: length ", Lk, " exceeds the cuda kernels' limit of ", kMaxKeys);
-  TORCH_CHECK_VALUE(num_splits >= 1 && num_splits <= 1024, "num_splits: expected 1..1024, got ", num_splits);
-  return {B, H, Hkv, Lq, Lk, D};
+  TORCH_CHECK_VALUE(s.Dv == s.D, "v: head dim ", s.Dv, " differs from q's (", s.D,
+                    "); the cuda kernels need them equal");
+  TORCH_CHECK_VALUE(caps::cuda_head_dim_supported(s.D), "q: head dim ", s.D,
+                    " has no compiled cuda kernel (supported: ", head_dim_list(), ")");
+  check_aligned(q, "q");
+  check_aligned(k, "k");
+  check_aligned(v, "v");
+  TORCH_CHECK_VALUE((s.H / s.Hkv) * s.Lq <= caps::kCudaMaxGroupRows, "q: (heads per kv head) x Lq = ",
+                    (s.H / s.Hkv) * s.Lq, " exceeds the cuda kernels' limit of ", caps::kCudaMaxGroupRows);
+  TORCH_CHECK_VALUE(s.Lk < caps::kCudaMaxKeys, "k: length ", s.Lk, " exceeds the cuda kernels' limit of ",
+                    caps::kCudaMaxKeys - 1);
+  TORCH_CHECK_VALUE(s.B <= std::numeric_limits<int>::max() && s.H <= std::numeric_limits<int>::max(),
+                    "q: batch and heads must fit 32 bits, got shape ", q.sizes());
+  op::check_key_lengths_meta(key_lengths, q, s);
+  op::check_modes(modes, q, s, caps::kCudaFeatures, "cuda", backward);
+  return s;
 }
 
-void check_launch(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, what, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
-}
-
-void attn_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-              const at::Tensor& lse, const c10::optional<at::Tensor>& key_lengths, double scale, bool causal,
-              int64_t num_splits) {
-  const Dims d = check_qkv(q, k, v, num_splits);
-  check_heads(out, "out", q, d.B, d.H, d.Lq, d.D);
-  check_lse(lse, "lse", q, d.B, d.H, d.Lq);
-  const c10::cuda::CUDAGuard guard(q.device());
-
-  FwdParams p;
-  p.q = q.data_ptr();
-  p.k = k.data_ptr();
-  p.v = v.data_ptr();
-  p.o = out.data_ptr();
-  p.lse = lse.data_ptr<float>();
-  p.key_lengths = key_lengths_ptr(key_lengths, q, d.B);
-  p.q_stride = strides_of(q);
-  p.k_stride = strides_of(k);
-  p.v_stride = strides_of(v);
-  p.o_stride = strides_of(out);
-  p.B = static_cast<int>(d.B);
-  p.H = static_cast<int>(d.H);
-  p.Hkv = static_cast<int>(d.Hkv);
-  p.Lq = static_cast<int>(d.Lq);
-  p.Lk = static_cast<int>(d.Lk);
-  p.D = static_cast<int>(d.D);
-  p.group = static_cast<int>(d.H / d.Hkv);
-  p.scale = static_cast<float>(scale);
-  p.scale_log2 = static_cast<float>(scale) * kLog2e;
-  p.causal = causal;
-  p.num_splits = static_cast<int>(num_splits);
-  at::Tensor o_partial, lse_partial;  // kept alive until the kernels are queued (caching allocator)
-  if (num_splits > 1) {
-    const auto f32 = q.options().dtype(at::kFloat);
-    o_partial = at::empty({num_splits, d.B, d.H, d.Lq, d.D}, f32);
-    lse_partial = at::empty({num_splits, d.B, d.H, d.Lq}, f32);
-    p.o_partial = o_partial.data_ptr<float>();
-    p.lse_partial = lse_partial.data_ptr<float>();
+// The key lengths for the kernels (contiguous int32, or nullptr). Their values are checked here
+// (one small device-to-host read) except while the stream is being captured into a CUDA graph,
+// where a read is impossible; the kernels clamp every length into [0, Lk] in any case, so a bad
+// value never makes them read outside k and v.
+const int32_t* key_lengths_ptr(const std::optional<at::Tensor>& key_lengths, const op::Sizes& s,
+                               cudaStream_t stream, at::Tensor& keep) {
+  if (!key_lengths.has_value() || !key_lengths->defined()) return nullptr;
+  keep = key_lengths->contiguous();
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const cudaError_t err = cudaStreamIsCapturing(stream, &capture);
+  TORCH_CHECK(err == cudaSuccess, "key_lengths: cudaStreamIsCapturing failed: ", cudaGetErrorString(err));
+  if (capture == cudaStreamCaptureStatusNone && s.B > 0) {
+    const at::Tensor host = keep.to(at::kCPU);
+    op::check_key_length_values(host.const_data_ptr<int32_t>(), s);
   }
-  if (d.B == 0 || d.H == 0 || d.Lq == 0) return;
-  if (d.Lk == 0) {
+  return keep.const_data_ptr<int32_t>();
+}
+
+int num_sms(int device) {
+  // Per device, read once (a driver query).
+  static std::atomic<int> cache[64] = {};
+  if (device >= 0 && device < 64) {
+    const int n = cache[device].load(std::memory_order_relaxed);
+    if (n > 0) return n;
+  }
+  int n = 0;
+  const cudaError_t err = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+  TORCH_CHECK(err == cudaSuccess, "cudaDeviceGetAttribute(multiProcessorCount) failed: ", cudaGetErrorString(err));
+  if (device >= 0 && device < 64) cache[device].store(n, std::memory_order_relaxed);
+  return n;
+}
+
+// An error left pending by an earlier operation is not this kernel's: report it as what it is,
+// before launching, so that the error read after the launch is the launch's own.
+void check_no_pending_error(const char* op) {
+  const cudaError_t pending = cudaGetLastError();
+  TORCH_CHECK(pending == cudaSuccess, op, ": a CUDA error from an earlier operation was still pending (not raised ",
+              "by mhakern's kernels): ", cudaGetErrorString(pending));
+}
+
+void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+}
+
+std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                            double scale, bool causal, const std::optional<at::Tensor>& key_lengths,
+                                            const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                                            int64_t seed, bool top_left, int64_t window_left, int64_t window_right) {
+  const op::ModeArgs modes{&attn_mask, dropout_p, seed, top_left, window_left, window_right, false};
+  const op::Sizes s = check_common(q, k, v, scale, key_lengths, modes, false);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+
+  at::Tensor out = op::empty_like_heads(q, s.D);
+  at::Tensor lse = at::empty({s.B, s.H, s.Lq}, q.options().dtype(at::kFloat));
+  if (s.B == 0 || s.H == 0 || s.Lq == 0) return {out, lse};
+  at::Tensor kl;
+  const int32_t* kl_ptr = key_lengths_ptr(key_lengths, s, stream, kl);
+  if (s.Lk == 0) {
     out.zero_();
     lse.fill_(-std::numeric_limits<float>::infinity());
-    return;
+    return {out, lse};
   }
-  check_launch(dispatch_attn_fwd(elem_type_of(q), p.D, p, c10::cuda::getCurrentCUDAStream().stream()), "cuda_attn_fwd");
+  const caps::CudaTiles t = caps::cuda_tiles(static_cast<int>(s.D));
+  const int64_t forced = op::cuda_forced_splits().load();
+  const int64_t splits = forced > 0 ? forced
+                                    : caps::plan_splits(s.B, s.Hkv, s.H / s.Hkv, s.Lq, s.Lk, s.D,
+                                                        num_sms(q.device().index()), t.fwd_m, t.fwd_n);
+  at::Tensor o_partial, lse_partial;  // kept alive until the kernels are queued (caching allocator)
+  if (splits > 1) {
+    const auto f32 = q.options().dtype(at::kFloat);
+    o_partial = at::empty({splits, s.B, s.H, s.Lq, s.D}, f32);
+    lse_partial = at::empty({splits, s.B, s.H, s.Lq}, f32);
+  }
+  const CallSizes cs{s.B, s.H, s.Hkv, s.Lq, s.Lk, s.D};
+  FwdParams p = make_fwd_params(cs, operand(q), operand(k), operand(v), operand(out), lse.data_ptr<float>(), kl_ptr,
+                                static_cast<float>(scale), causal, static_cast<int>(splits),
+                                splits > 1 ? o_partial.data_ptr<float>() : nullptr,
+                                splits > 1 ? lse_partial.data_ptr<float>() : nullptr);
+  op::fill_mode_params(p, modes);
+  check_no_pending_error("mhakern_C::fwd");
+  check_launch(dispatch_attn_fwd(elem_type_of(q), p.D, p, stream), "mhakern_C::fwd");
+  return {out, lse};
 }
 
-void attn_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-              const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
-              const at::Tensor& dv, const c10::optional<at::Tensor>& key_lengths, double scale, bool causal,
-              int64_t num_splits) {
-  const Dims d = check_qkv(q, k, v, num_splits);
-  check_heads(dout, "dout", q, d.B, d.H, d.Lq, d.D);
-  check_heads(out, "out", q, d.B, d.H, d.Lq, d.D);
-  check_lse(lse, "lse", q, d.B, d.H, d.Lq);
-  check_heads(dq, "dq", q, d.B, d.H, d.Lq, d.D);
-  check_heads(dk, "dk", q, d.B, d.Hkv, d.Lk, d.D);
-  check_heads(dv, "dv", q, d.B, d.Hkv, d.Lk, d.D);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, double scale, bool causal, const std::optional<at::Tensor>& key_lengths,
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, int64_t seed, bool top_left, int64_t window_left,
+    int64_t window_right, bool mask_grad) {
+  const op::ModeArgs modes{&attn_mask, dropout_p, seed, top_left, window_left, window_right, mask_grad};
+  const op::Sizes s = check_common(q, k, v, scale, key_lengths, modes, true);
+  op::check_bwd_operands(dout, q, out, lse, s);
+  check_aligned(dout, "dout");
+  check_aligned(out, "out");
   const c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
 
-  BwdParams p;
-  p.q = q.data_ptr();
-  p.k = k.data_ptr();
-  p.v = v.data_ptr();
-  p.o = out.data_ptr();
-  p.dout = dout.data_ptr();
-  p.lse = lse.data_ptr<float>();
-  p.key_lengths = key_lengths_ptr(key_lengths, q, d.B);
-  p.dq = dq.data_ptr();
-  p.dk = dk.data_ptr();
-  p.dv = dv.data_ptr();
-  p.q_stride = strides_of(q);
-  p.k_stride = strides_of(k);
-  p.v_stride = strides_of(v);
-  p.o_stride = strides_of(out);
-  p.do_stride = strides_of(dout);
-  p.dq_stride = strides_of(dq);
-  p.dk_stride = strides_of(dk);
-  p.dv_stride = strides_of(dv);
-  p.B = static_cast<int>(d.B);
-  p.H = static_cast<int>(d.H);
-  p.Hkv = static_cast<int>(d.Hkv);
-  p.Lq = static_cast<int>(d.Lq);
-  p.Lk = static_cast<int>(d.Lk);
-  p.D = static_cast<int>(d.D);
-  p.group = static_cast<int>(d.H / d.Hkv);
-  p.scale = static_cast<float>(scale);
-  p.scale_log2 = static_cast<float>(scale) * kLog2e;
-  p.causal = causal;
-  p.num_splits = static_cast<int>(num_splits);
-  const auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor delta = at::empty({d.B, d.H, d.Lq}, f32);
-  p.delta = delta.data_ptr<float>();
-  at::Tensor dq_partial;
-  if (num_splits > 1) {
-    dq_partial = at::empty({num_splits, d.B, d.H, d.Lq, d.D}, f32);
-    p.dq_partial = dq_partial.data_ptr<float>();
-  }
-  if (d.B == 0 || d.H == 0 || d.Lq == 0 || d.Lk == 0) {
+  at::Tensor dq = op::empty_like_heads(q, s.D);
+  at::Tensor dk = op::empty_like_heads(k, s.D);
+  at::Tensor dv = op::empty_like_heads(v, s.D);
+  at::Tensor dmask = op::alloc_dmask(modes, q, s);
+  if (s.B == 0 || s.H == 0 || s.Lq == 0 || s.Lk == 0) {
     dq.zero_();
     dk.zero_();
     dv.zero_();
-    return;
+    return {dq, dk, dv, dmask};
   }
-  check_launch(dispatch_attn_bwd(elem_type_of(q), p.D, p, c10::cuda::getCurrentCUDAStream().stream()), "cuda_attn_bwd");
+  at::Tensor kl;
+  const int32_t* kl_ptr = key_lengths_ptr(key_lengths, s, stream, kl);
+  const at::Tensor lse_c = lse.contiguous();
+  const caps::CudaTiles t = caps::cuda_tiles(static_cast<int>(s.D));
+  const int64_t forced = op::cuda_forced_splits().load();
+  const int64_t splits = forced > 0 ? forced
+                                    : caps::plan_splits(s.B, s.Hkv, s.H / s.Hkv, s.Lq, s.Lk, s.D,
+                                                        num_sms(q.device().index()), t.dq_m, t.dq_n);
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor delta = at::empty({s.B, s.H, s.Lq}, f32);
+  at::Tensor dq_partial;
+  if (splits > 1) dq_partial = at::empty({splits, s.B, s.H, s.Lq, s.D}, f32);
+  const CallSizes cs{s.B, s.H, s.Hkv, s.Lq, s.Lk, s.D};
+  BwdParams p = make_bwd_params(cs, operand(dout), operand(q), operand(k), operand(v), operand(out),
+                                lse_c.const_data_ptr<float>(), operand(dq), operand(dk), operand(dv),
+                                delta.data_ptr<float>(), kl_ptr, static_cast<float>(scale), causal,
+                                static_cast<int>(splits), splits > 1 ? dq_partial.data_ptr<float>() : nullptr);
+  op::fill_mode_params(p, modes);
+  check_no_pending_error("mhakern_C::bwd");
+  check_launch(dispatch_attn_bwd(elem_type_of(q), p.D, p, stream), "mhakern_C::bwd");
+  return {dq, dk, dv, dmask};
 }
 
 }  // namespace
-
-void register_ops(pybind11::module& m) {
-  namespace py = pybind11;
-  m.def("cuda_attn_fwd", &attn_fwd,
-        "Fused attention forward on tensor cores (fp16/bf16, sm_80+). Writes out (B, H, Lq, D) and "
-        "lse (B, H, Lq) float32; q (B, H, Lq, D), k and v (B, Hkv, Lk, D); key_lengths int32 (B,) or None; "
-        "num_splits > 1 splits the keys (combined through their lse).",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("key_lengths"),
-        py::arg("scale"), py::arg("causal"), py::arg("num_splits") = 1);
-  m.def("cuda_attn_bwd", &attn_bwd,
-        "Fused attention backward on tensor cores, deterministic. Writes dq, dk, dv (dk, dv summed over "
-        "the query heads of each kv head); num_splits > 1 splits the keys of the dq pass.",
-        py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"),
-        py::arg("dk"), py::arg("dv"), py::arg("key_lengths"), py::arg("scale"), py::arg("causal"),
-        py::arg("num_splits") = 1);
-  m.def(
-      "cuda_head_dims", [] { return std::vector<int>(std::begin(kHeadDims), std::end(kHeadDims)); },
-      "Head dims with compiled cuda kernels.");
-}
-
 }  // namespace cuda
 }  // namespace mhakern
+
+TORCH_LIBRARY_IMPL(mhakern_C, CUDA, m) {
+  m.impl("fwd", &mhakern::cuda::attn_fwd);
+  m.impl("bwd", &mhakern::cuda::attn_bwd);
+}

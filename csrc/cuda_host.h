@@ -1,22 +1,11 @@
-// Torch-facing host code of the CUDA attention kernels (csrc/cuda/): argument checks, dispatch
-// on (dtype, head dim) to the compiled instantiations, split-K workspaces, and the Python
-// bindings. Compiled into mhakern._C only when torch has CUDA and nvcc is found (setup.py
-// defines MHAKERN_WITH_CUDA); the bindings call register_ops under that macro.
+// Torch-facing host code of the CUDA attention kernels (csrc/cuda/): the CUDA implementations of
+// the dispatcher ops mhakern_C::fwd / mhakern_C::bwd, registered for the CUDA dispatch key by
+// cuda_host.cpp itself (TORCH_LIBRARY_IMPL) against the schemas of csrc/bindings.cpp. Compiled
+// into mhakern._C only when torch has CUDA and nvcc is found (setup.py defines
+// MHAKERN_WITH_CUDA). Nothing to declare: the dispatcher is the interface.
+//
+// Beyond the checks every device shares (op_common.h), the cuda kernels need float16 or
+// bfloat16, D == Dv among the compiled head dims, 16-byte aligned rows and the index limits of
+// capabilities.h; they implement none of the optional modes yet (kCudaFeatures), which the op
+// refuses by name. Split-K is planned here (capabilities.h: plan_splits).
 #pragma once
-
-#include <pybind11/pybind11.h>
-
-namespace mhakern {
-namespace cuda {
-
-// Adds to `m`:
-//   cuda_attn_fwd(q, k, v, out, lse, key_lengths, scale, causal, num_splits) -> None
-//   cuda_attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, key_lengths, scale, causal, num_splits) -> None
-//   cuda_head_dims() -> list[int]
-// Outputs are allocated by the caller (mhakern/backends/cuda_backend.py), in the memory layout
-// it wants; the functions check every argument and raise ValueError/TypeError-like
-// RuntimeErrors (TORCH_CHECK) naming it.
-void register_ops(pybind11::module& m);
-
-}  // namespace cuda
-}  // namespace mhakern

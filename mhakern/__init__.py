@@ -2,18 +2,22 @@
 
 Public API:
 
-* :func:`attention` -- functional, SDPA-like shapes (B, H, L, D), GQA/MQA, causal, key lengths.
+* :func:`attention` -- functional, SDPA-like shapes (B, H, L, D), GQA/MQA, causal (either
+  alignment), sliding windows, key lengths, bool or additive masks, dropout.
+* :func:`scaled_dot_product_attention` -- torch's SDPA signature and semantics on mhakern.
 * :class:`FusedMHA` -- a module mirroring ``torch.nn.MultiheadAttention``.
 * :func:`available_backends` -- each backend with None (usable) or the reason it is not.
 
-Importing mhakern touches no device and compiles nothing.
+Importing mhakern touches no device and compiles nothing. Semantics and the backend contract:
+docs/contract.md.
 """
 from .attention import FusedAttentionFunction, attention
 from .backends import available_backends
+from .sdpa import scaled_dot_product_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "available_backends", "FusedAttentionFunction", "FusedMHA", "__version__"]
+__all__ = ["attention", "scaled_dot_product_attention", "available_backends", "FusedAttentionFunction", "FusedMHA", "__version__"]
 
 
 def __getattr__(name):

@@ -37,7 +37,9 @@ def same_layout(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     Dims of size one are ignored: their stride carries no meaning.
     """
     want = layout_strides(like, t.shape[-1])
-    if all(n <= 1 or a == b for n, a, b in zip(t.shape, t.stride(), want)):
+    have = t.stride()
+    # Exact match first (the common case, one tuple comparison), then modulo size-1 dims.
+    if have == want or all(n <= 1 or a == b for n, a, b in zip(t.shape, have, want)):
         return t
     out = empty_like_heads(like, t.shape[-1], t.dtype)
     out.copy_(t)

@@ -1,105 +1,119 @@
-"""Public functional API: argument checks, dispatch, and the one autograd Function."""
+"""Public functional API: argument checks, dispatch, and the one autograd Function.
+
+Semantics (visibility, modes, dropout hash, NaN/inf rule): docs/contract.md.
+"""
 from __future__ import annotations
 
-import math
-from typing import Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import backends
-from . import ops  # noqa: F401  (registers torch.ops.mhakern.*)
+from .backends import DEFAULT_MODES
+from .ops import (
+    CAUSAL_ALIGNS,
+    backward_impl,
+    check_key_lengths_meta,
+    check_mask,
+    check_modes,
+    check_qkv,
+    check_scale,
+    draw_seed,
+    expand_mask,
+    forward_impl,
+    make_modes,
+    mask_dtype,
+    prepare_key_lengths,
+    reduce_mask_grad,
+    _unit_last_stride,
+)
 
 Tensor = torch.Tensor
 
-_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
-
 
 class FusedAttentionFunction(torch.autograd.Function):
-    """Autograd over ``torch.ops.mhakern.attn_fwd`` / ``attn_bwd`` for every backend.
+    """Autograd over one backend's forward and backward, for every backend.
 
-    Saves q, k, v, out and lse; the backward recomputes the probabilities from lse. ``lse`` is
-    returned as a non-differentiable output.
+    Saves q, k, v, out, lse (and the mask); the backward recomputes the probabilities from lse,
+    and the dropout keep mask from the saved seed. ``lse`` is a non-differentiable output. A
+    floating ``attn_mask`` (4-D, size 1 on its broadcast dims) gets its gradient, reduced to
+    its shape. While torch.compile traces, it calls the custom ops ``torch.ops.mhakern.*``
+    (opaque graph nodes); in eager mode it calls the same implementations directly.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, key_lengths, backend):
-        out, lse = torch.ops.mhakern.attn_fwd(q, k, v, scale, causal, key_lengths, backend)
-        ctx.save_for_backward(q, k, v, out, lse, key_lengths)
-        ctx.scale, ctx.causal, ctx.backend = scale, causal, backend
+    def forward(ctx, q, k, v, attn_mask, scale, causal, key_lengths, backend, dropout_p, seed, top_left,
+                window_left, window_right, mask_grad):
+        if torch.compiler.is_compiling():
+            out, lse = torch.ops.mhakern.attn_fwd(
+                q, k, v, scale, causal, key_lengths, backend, attn_mask, dropout_p, seed, top_left,
+                window_left, window_right,
+            )
+        else:
+            B, H, Lq, _ = q.shape
+            modes = make_modes(expand_mask(attn_mask, B, H, Lq, k.shape[2]), dropout_p, seed, top_left,
+                               window_left, window_right, False)
+            out, lse = forward_impl(backends.get(backend), q, k, v, scale, causal, key_lengths, modes)
+        ctx.save_for_backward(q, k, v, out, lse, key_lengths, attn_mask)
+        # lse never receives a gradient: no zeros tensor for it on every backward.
+        ctx.set_materialize_grads(False)
+        ctx.args = (scale, causal, backend, dropout_p, seed, top_left, window_left, window_right, mask_grad)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, key_lengths = ctx.saved_tensors
-        dq, dk, dv = torch.ops.mhakern.attn_bwd(
-            dout, q, k, v, out, lse, ctx.scale, ctx.causal, key_lengths, ctx.backend
-        )
-        return dq, dk, dv, None, None, None, None
-
-
-def _check_tensor(name: str, x) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 4:
-        raise ValueError(f"{name}: expected 4 dims (batch, heads, length, head_dim), got shape {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise TypeError(f"{name}: expected a floating-point dtype, got {x.dtype}")
-
-
-def _unit_last_stride(x: Tensor) -> Tensor:
-    # Kernels index the head dim contiguously; any other stride pattern is taken as is.
-    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+        q, k, v, out, lse, key_lengths, attn_mask = ctx.saved_tensors
+        if dout is None:  # only lse was used downstream: nothing flows back
+            return (None,) * 14
+        scale, causal, backend, dropout_p, seed, top_left, wl, wr, mask_grad = ctx.args
+        if torch.compiler.is_compiling():
+            dq, dk, dv, dmask = torch.ops.mhakern.attn_bwd(
+                dout, q, k, v, out, lse, scale, causal, key_lengths, backend, attn_mask, dropout_p, seed,
+                top_left, wl, wr, mask_grad,
+            )
+        else:
+            B, H, Lq, _ = q.shape
+            modes = make_modes(expand_mask(attn_mask, B, H, Lq, k.shape[2]), dropout_p, seed, top_left, wl, wr,
+                               mask_grad)
+            dq, dk, dv, dmask = backward_impl(backends.get(backend), dout, q, k, v, out, lse, scale, causal,
+                                              key_lengths, modes)
+            if mask_grad:
+                dmask = reduce_mask_grad(dmask, attn_mask.shape)
+        gmask = dmask.to(attn_mask.dtype) if mask_grad else None
+        return dq, dk, dv, gmask, None, None, None, None, None, None, None, None, None, None
 
 
 def check_inputs(
     q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], causal: bool, key_lengths: Optional[Tensor]
 ) -> Tuple[Tensor, Tensor, Tensor, float, Optional[Tensor]]:
-    """Validate the arguments of :func:`attention`; return them normalised.
+    """Validate the basic arguments of :func:`attention`; return them normalised (key_lengths
+    int32 after its values were checked in its own dtype).
 
     Raises TypeError / ValueError naming the argument and what is accepted.
     """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, x)
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v: dtypes must match, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v: must be on one device, got q on {q.device}, k on {k.device}, v on {v.device}")
-    B, H, Lq, D = q.shape
-    Bk, Hkv, Lk, Dk = k.shape
-    if Bk != B:
-        raise ValueError(f"k: batch size {Bk} does not match q's batch size {B}")
-    if k.shape[:3] != v.shape[:3]:
-        raise ValueError(
-            f"k, v: (batch, kv heads, length) must match, got k {tuple(k.shape)} and v {tuple(v.shape)}"
-        )
-    if D == 0:
-        raise ValueError("q: head dim must be positive, got 0")
-    if Dk != D:
-        raise ValueError(f"k: head dim {Dk} does not match q's head dim {D}")
-    if Hkv == 0 or H % Hkv != 0:
-        raise ValueError(
-            f"k, v: number of kv heads ({Hkv}) must be positive and divide q's number of heads ({H})"
-        )
+    check_qkv(q, k, v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(D)
-    elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        scale = float(scale)
-        if not math.isfinite(scale):
-            raise ValueError(f"scale: must be a finite number, got {scale}")
-    else:
-        raise TypeError(f"scale: expected None or a float, got {type(scale).__name__}")
-    if key_lengths is not None:
-        if not isinstance(key_lengths, torch.Tensor):
-            raise TypeError(f"key_lengths: expected an integer tensor of shape ({B},), got {type(key_lengths).__name__}")
-        if key_lengths.dtype not in _INT_DTYPES:
-            raise TypeError(f"key_lengths: expected an integer dtype, got {key_lengths.dtype}")
-        if tuple(key_lengths.shape) != (B,):
-            raise ValueError(f"key_lengths: expected shape ({B},) (one length per batch element), got {tuple(key_lengths.shape)}")
-        key_lengths = key_lengths.to(device=q.device, dtype=torch.int32).contiguous()
+    scale = check_scale(scale, q.shape[3])
+    check_key_lengths_meta(key_lengths, q.shape[0], q.device)
+    key_lengths = prepare_key_lengths(key_lengths, k.shape[2], q.device)
     return _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v), scale, key_lengths
+
+
+def _window(window, causal: bool) -> Tuple[int, int]:
+    if window is None:
+        return -1, -1
+    if (
+        not isinstance(window, (tuple, list))
+        or len(window) != 2
+        or any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window)
+    ):
+        raise ValueError(f"window: expected None or (left, right), two ints >= -1 (-1 = unbounded), got {window!r}")
+    left, right = window
+    if causal and (left >= 0 or right >= 0):
+        right = 0  # causal with a window is the window with right = min(right, 0)
+    return left, right
 
 
 def attention(
@@ -107,45 +121,109 @@ def attention(
     k: Tensor,
     v: Tensor,
     *,
+    attn_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    generator: Optional[torch.Generator] = None,
     causal: bool = False,
+    causal_align: str = "bottom_right",
+    window: Optional[Sequence[int]] = None,
     scale: Optional[float] = None,
     key_lengths: Optional[Tensor] = None,
     backend: str = "auto",
     return_lse: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """Exact softmax attention, fused.
+    """Exact softmax attention, fused. Semantics: docs/contract.md.
 
     Args:
         q: (B, H, Lq, D) queries.
         k: (B, Hkv, Lk, D) keys; H must be a multiple of Hkv (GQA; Hkv = 1 is MQA). Query head
             ``h`` reads KV head ``h // (H // Hkv)``.
         v: (B, Hkv, Lk, Dv) values.
-        causal: bottom-right aligned per batch element: key ``j`` is visible to query ``i`` iff
-            ``j <= i + Lk_b - Lq``, where ``Lk_b`` is that element's key length.
+        attn_mask: bool (True = may attend, as SDPA) or floating (added to the scaled scores;
+            -inf hides the key), any shape broadcastable to (B, H, Lq, Lk) (1-D to 4-D, aligned
+            from the right). Never expanded in memory. A floating mask that requires grad
+            gets its gradient.
+        dropout_p: probability in [0, 1) of dropping each attention probability (the rest are
+            scaled by 1 / (1 - p)); the keep mask is the contract's counter-based hash of a
+            64-bit seed drawn once per call from ``generator`` (default: torch's default CPU
+            generator), identical on every backend; lse stays that of the undropped softmax.
+        causal: key ``j`` is visible to query ``i`` iff ``j <= i + off``.
+        causal_align: "bottom_right" (``off = Lk_b - Lq`` per batch element, the default) or
+            "top_left" (``off = 0``, SDPA's ``is_causal``); also aligns ``window``.
+        window: ``(left, right)`` sliding window, -1 = unbounded on that side (FlashAttention's
+            ``window_size``): ``i + off - left <= j <= i + off + right``.
         scale: multiplies ``q @ k^T``; default ``1 / sqrt(D)``.
         key_lengths: optional integer tensor (B,); keys at positions >= key_lengths[b] are
-            hidden. Values must lie in [0, Lk].
-        backend: "auto" (the fastest backend able to serve these tensors) or a name from
+            hidden. Values must lie in [0, Lk] (checked in their own dtype).
+        backend: "auto" (the fastest backend able to serve this call) or a name from
             :func:`mhakern.available_backends`.
-        return_lse: also return the log-sum-exp of the scaled scores.
+        return_lse: also return the log-sum-exp of the visible scaled (and masked) scores.
 
     Any strides with unit stride on the last dim are used without a copy, so (B, L, H, D)
     tensors viewed through ``.transpose(1, 2)`` work as they are. A query row that sees no key
-    gets output 0 (lse = -inf) and zero gradient. Computation accumulates in fp32.
+    gets output 0, lse = -inf and zero gradients. A NaN or inf in a visible input propagates;
+    hidden positions never influence anything. Computation accumulates in fp32.
 
     Returns:
         ``out`` (B, H, Lq, Dv) in q's dtype, and with ``return_lse`` also ``lse`` float32
         (B, H, Lq), natural log (not differentiable).
     """
-    q, k, v, scale, key_lengths = check_inputs(q, k, v, scale, causal, key_lengths)
+    check_qkv(q, k, v)
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    scale = check_scale(scale, D)
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
-    be = backends.select(backend, q, k, v, causal, key_lengths)
+    check_key_lengths_meta(key_lengths, B, q.device)
+    compiling = torch.compiler.is_compiling()
+    # Under torch.compile the values are checked by the op, on real tensors.
+    kl = key_lengths if compiling else prepare_key_lengths(key_lengths, Lk, q.device)
+    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+
+    plain = attn_mask is None and dropout_p == 0.0 and window is None and causal_align == "bottom_right"
+    if plain:
+        top_left, wl, wr, mask, mask_grad, seed, dropout_p = False, -1, -1, None, False, 0, 0.0
+        modes = DEFAULT_MODES
+    else:
+        if causal_align not in CAUSAL_ALIGNS:
+            raise ValueError(f"causal_align: expected one of {CAUSAL_ALIGNS}, got {causal_align!r}")
+        wl, wr = _window(window, causal)
+        top_left = causal_align == "top_left" and (causal or wl >= 0 or wr >= 0)
+        check_modes(dropout_p, top_left, wl, wr)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator: expected None or a torch.Generator, got {type(generator).__name__}")
+        check_mask(attn_mask, B, H, Lq, Lk, q.device)
+        mask, mask_grad = attn_mask, False
+        if mask is not None:
+            if mask.is_floating_point():
+                # Kernels take float32 masks (float64 for float64 inputs); converted before the
+                # broadcast so that a small mask stays small.
+                mask = mask.to(mask_dtype(q.dtype))
+                mask_grad = mask.requires_grad and torch.is_grad_enabled()
+            if mask.dim() < 4:
+                mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        seed = 0
+        if dropout_p > 0.0:
+            seed = draw_seed(generator)
+        dropout_p = float(dropout_p)
+        modes = make_modes(None if mask is None else expand_mask(mask, B, H, Lq, Lk), dropout_p, seed, top_left,
+                           wl, wr, mask_grad)
+    be = backends.select(backend, q, k, v, causal, kl, modes.required_features())
+
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or mask_grad)
+    if not needs_grad and not compiling:
+        # Nothing to differentiate: the backend directly, without the autograd Function.
+        out, lse = forward_impl(be, q, k, v, scale, causal, kl, modes)
+        return (out, lse) if return_lse else out
     # Self-attention callers may pass one tensor as q, k and v; torch.compile refuses an
     # autograd.Function given the same tensor twice, so distinct views (free) stand in.
     if k is q:
         k = k.view(k.shape)
     if v is q or v is k:
         v = v.view(v.shape)
-    out, lse = FusedAttentionFunction.apply(q, k, v, scale, causal, key_lengths, be.name)
+    out, lse = FusedAttentionFunction.apply(
+        q, k, v, mask, scale, causal, kl, be.name, dropout_p, seed, top_left, wl, wr, mask_grad
+    )
     return (out, lse) if return_lse else out

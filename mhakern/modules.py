@@ -1,13 +1,14 @@
 """``FusedMHA``: a drop-in for ``torch.nn.MultiheadAttention`` on mhakern's fused kernels.
 
 The module keeps nn.MultiheadAttention's parameter names, shapes and initialisation, so a
-state dict moves between the two with ``load_state_dict``; its forward computes the same
-function for the subset of options it supports, and raises a ValueError naming the argument for
-the others. Extras: grouped-query attention (``num_kv_heads``), a free ``head_dim`` and the
-choice of ``backend``.
+state dict moves between the two with ``load_state_dict``, and its forward takes the same
+arguments and computes the same function (outputs, attention weights and gradients). Extras:
+grouped-query attention (``num_kv_heads``), a free ``head_dim``, ``key_lengths``, causal
+masking without a mask tensor, and the choice of ``backend``.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -15,8 +16,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from . import backends
+from . import backends, reference
 from .attention import attention
+from .ops import draw_seed
 
 Tensor = torch.Tensor
 
@@ -30,11 +32,15 @@ class FusedMHA(nn.Module):
     Args:
         embed_dim: E, the query (and output) feature size.
         num_heads: H, the number of query heads.
-        dropout: attention dropout probability. Only 0 is computed; a module with
-            ``dropout > 0`` can be built and used in ``eval()`` mode (where nn.MultiheadAttention
-            applies no dropout either), but its forward raises in training mode.
+        dropout: attention dropout probability in [0, 1], applied in training mode to the
+            attention probabilities (and to the returned weights), as nn.MultiheadAttention
+            does. The keep mask is mhakern's counter-based one (see :func:`mhakern.attention`),
+            seeded by one draw from torch's default CPU generator per forward: equal RNG states
+            give equal results; the bits differ from torch's own dropout.
         bias: add biases to the input and output projections.
-        add_bias_kv, add_zero_attn: not supported; must be False.
+        add_bias_kv: append one learnt key and value (``bias_k``, ``bias_v``) to every
+            sequence, after its projected keys and values.
+        add_zero_attn: append one key and value of zeros (after ``bias_k``/``bias_v``).
         kdim, vdim: feature sizes of ``key`` and ``value`` (default E).
         batch_first: inputs and output are (N, L, E) when True (the default here, unlike
             nn.MultiheadAttention), (L, N, E) when False.
@@ -53,12 +59,14 @@ class FusedMHA(nn.Module):
       ``q_proj_weight`` (Q, E), ``k_proj_weight`` (K, kdim), ``v_proj_weight`` (K, vdim).
     * ``in_proj_bias`` (Q + 2K,) when ``bias``, split the same way (in both cases, as in
       nn.MultiheadAttention).
+    * ``bias_k``, ``bias_v`` (1, 1, K) with ``add_bias_kv`` (None otherwise).
     * ``out_proj``: a Linear from Q to E features.
 
     Within each projection the features are head-major: feature ``h * hd + d`` is dimension
     ``d`` of head ``h``. Initialisation is nn.MultiheadAttention's: ``out_proj`` as a Linear,
-    then Xavier-uniform input projection weights (the packed matrix as one), zero biases; with
-    the default sizes and the same RNG state both modules start from identical parameters.
+    then Xavier-uniform input projection weights (the packed matrix as one), zero biases,
+    Xavier-normal ``bias_k`` and ``bias_v``; with the default sizes and the same RNG state both
+    modules start from identical parameters.
     """
 
     def __init__(
@@ -87,13 +95,13 @@ class FusedMHA(nn.Module):
                 _check_positive_int(name, val)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout <= 1.0:
             raise ValueError(f"dropout: expected a probability in [0, 1], got {dropout!r}")
-        for name, val in (("bias", bias), ("batch_first", batch_first)):
-            if not isinstance(val, bool):
-                raise TypeError(f"{name}: expected a bool, got {type(val).__name__}")
-        if add_bias_kv:
-            raise ValueError("add_bias_kv: not supported by FusedMHA; only add_bias_kv=False is accepted")
-        if add_zero_attn:
-            raise ValueError("add_zero_attn: not supported by FusedMHA; only add_zero_attn=False is accepted")
+        for name, val in (
+            ("bias", bias),
+            ("add_bias_kv", add_bias_kv),
+            ("add_zero_attn", add_zero_attn),
+            ("batch_first", batch_first),
+        ):
+            _check_flag(name, val)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads % num_kv_heads != 0:
             raise ValueError(
@@ -122,9 +130,6 @@ class FusedMHA(nn.Module):
         self.dropout = float(dropout)
         self.batch_first = batch_first
         self.backend = backend
-        # nn.MultiheadAttention keeps these as attributes; they are always off here.
-        self.bias_k = self.bias_v = None
-        self.add_zero_attn = False
 
         q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
         if self._qkv_same_embed_dim:
@@ -144,6 +149,13 @@ class FusedMHA(nn.Module):
         # The same class and creation order as nn.MultiheadAttention, so that equal RNG states
         # give equal parameters (and quantization tooling treats it alike).
         self.out_proj = NonDynamicallyQuantizableLinear(q_out, embed_dim, bias=bias, **factory)
+        if add_bias_kv:
+            self.bias_k = nn.Parameter(torch.empty((1, 1, kv_out), **factory))
+            self.bias_v = nn.Parameter(torch.empty((1, 1, kv_out), **factory))
+        else:
+            # Plain attributes, as in nn.MultiheadAttention (code that reads them finds None).
+            self.bias_k = self.bias_v = None
+        self.add_zero_attn = add_zero_attn
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
@@ -156,6 +168,9 @@ class FusedMHA(nn.Module):
         if self.in_proj_bias is not None:
             nn.init.constant_(self.in_proj_bias, 0.0)
             nn.init.constant_(self.out_proj.bias, 0.0)
+        if self.bias_k is not None:
+            nn.init.xavier_normal_(self.bias_k)
+            nn.init.xavier_normal_(self.bias_v)
 
     def extra_repr(self) -> str:
         s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}"
@@ -167,6 +182,10 @@ class FusedMHA(nn.Module):
             s += f", kdim={self.kdim}, vdim={self.vdim}"
         if self.dropout:
             s += f", dropout={self.dropout}"
+        if self.bias_k is not None:
+            s += ", add_bias_kv=True"
+        if self.add_zero_attn:
+            s += ", add_zero_attn=True"
         return s + f", batch_first={self.batch_first}, backend={self.backend!r}"
 
     def forward(
@@ -175,67 +194,100 @@ class FusedMHA(nn.Module):
         key: Tensor,
         value: Tensor,
         key_padding_mask: Optional[Tensor] = None,
-        need_weights: bool = False,
+        need_weights: bool = True,
         attn_mask: Optional[Tensor] = None,
         average_attn_weights: bool = True,
         is_causal: bool = False,
         *,
         key_lengths: Optional[Tensor] = None,
-    ) -> Tuple[Tensor, None]:
-        r"""Attend from ``query`` to ``key``/``value``; returns ``(out, None)``.
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        r"""Attend from ``query`` to ``key``/``value``; returns ``(out, weights)``.
 
         Shapes, as in nn.MultiheadAttention: ``query`` (N, L, E), ``key`` (N, S, kdim),
         ``value`` (N, S, vdim) with ``batch_first``, else (L, N, E), (S, N, kdim), (S, N, vdim);
         unbatched (L, E), (S, kdim), (S, vdim). ``out`` has the query's shape; with
         ``batch_first=False`` it is a transposed view of an (N, L, E) tensor (no copy is made).
+        Below, S' = S + ``add_bias_kv`` + ``add_zero_attn`` counts the appended keys, which no
+        mask hides.
 
         Args:
             key_padding_mask: (N, S), or (S,) unbatched: bool (True = ignore that key) or float
-                (additive: 0 keeps a key, -inf ignores it). Only right padding is supported:
-                in each row the ignored keys must form a suffix (possibly empty, possibly the
-                whole row); otherwise ValueError (under ``torch.compile`` the check runs inside
-                the graph and raises RuntimeError instead). It is converted to ``key_lengths``.
-            need_weights: must be False (the fused kernels never form the weights).
-            attn_mask: must be None; use ``is_causal`` for causal masking.
-            average_attn_weights: ignored (it only matters with ``need_weights``).
-            is_causal: causal masking aligned to the bottom right, per batch element: with
-                ``n_b`` the number of keys element ``b`` keeps, query ``i`` sees key ``j`` iff
-                ``j < n_b`` and ``j <= i + n_b - L``. Without padding (``n_b = S``) and with
-                L == S this is exactly nn.MultiheadAttention's (top-left) causal mask
-                ``j <= i``; with L != S the last query lines up with the last key (the KV-cache
-                convention). With right padding the alignment is to each row's last kept key,
-                which is *not* what right-padded causal self-attention wants; there, pass
+                (added to the scores of that key; -inf ignores it). Any pattern (right or left
+                padding, holes). A right-padding mask (bool, or float of 0 and -inf only) runs
+                as per-element key lengths; any other as an attention mask (under
+                ``torch.compile`` always the latter: the check would need the mask's data).
+            need_weights: also return the attention weights (default True, as in torch). They
+                are computed in a second pass, only when asked, exactly from the forward's
+                log-sum-exp: ``exp(scale * q.k + mask - lse)``; with dropout in training they
+                are the dropped and rescaled probabilities that produced ``out``.
+            attn_mask: (L, S) or (N * H, L, S) (unbatched (L, S) or (H, L, S)); bool (True =
+                *not* allowed to attend, nn.MultiheadAttention's convention, opposite to SDPA's)
+                or float (added to the scores). Merged with ``key_padding_mask`` as torch does
+                (a float sum when either is float). A float mask that requires grad gets its
+                gradient.
+            average_attn_weights: with ``need_weights``, return weights averaged over heads,
+                (N, L, S'), rather than per head, (N, H, L, S') (unbatched without the N).
+            is_causal: as in nn.MultiheadAttention, a hint that ``attn_mask`` is the causal
+                mask: when ``need_weights`` is False and there is no ``key_padding_mask`` the
+                mask is dropped and the top-left causal rule ``j <= i`` applied to all S' keys
+                (SDPA's ``is_causal``); otherwise ``attn_mask`` is used as given. Extension:
+                without ``attn_mask`` (which nn.MultiheadAttention refuses) it is causal masking
+                aligned to the bottom right, per batch element: with ``n_b`` = 1 + the position
+                of the last key that element keeps (S' when it keeps the last, S' with
+                ``add_bias_kv`` or ``add_zero_attn``), query ``i`` sees key ``j`` iff
+                ``j <= i + n_b - L``. With L == S' and no padding this is ``j <= i``; with
+                L != S' the last query lines up with the last key (the KV-cache convention).
+                With right padding the alignment is to each row's last kept key, which is
+                *not* what right-padded causal self-attention wants; there, pass
                 ``is_causal=True`` without the mask: the causal rule already hides every later
                 key, padded ones included, from each real query, and only the outputs of padded
                 query rows differ from nn.MultiheadAttention's.
             key_lengths: (extra) int tensor (N,) (shape () or (1,) unbatched): keys at
-                positions >= key_lengths[b] are ignored. An alternative to
-                ``key_padding_mask``; give at most one of the two.
+                positions >= key_lengths[b] (among the S given ones) are ignored. An alternative
+                to a right-padding ``key_padding_mask``; give at most one of the two.
 
-        A query that sees no key (every key padded, or causally hidden) gets attention output
-        0, so ``out`` is ``out_proj.bias`` there and its gradients are 0, where
-        nn.MultiheadAttention returns NaN.
+        Returns:
+            ``out``, and ``weights`` (None unless ``need_weights``) in the query's dtype.
+
+        A query that sees no key (every key padded or masked) gets attention output 0, so
+        ``out`` is ``out_proj.bias`` there, its gradients are 0 and its weights 0;
+        nn.MultiheadAttention gives the same output when ``need_weights`` is False and NaN
+        output and weights when it is True.
         """
-        if need_weights:
-            raise ValueError(
-                "need_weights: FusedMHA never forms attention weights; only need_weights=False is accepted"
-            )
-        if attn_mask is not None:
-            raise ValueError(
-                "attn_mask: not supported by FusedMHA; only None is accepted (use is_causal=True for causal "
-                "masking and key_padding_mask or key_lengths for padding)"
-            )
-        if not isinstance(is_causal, bool):
-            raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__}")
-        if self.training and self.dropout > 0.0:
-            raise ValueError(
-                f"dropout: attention dropout is not supported in training mode (dropout={self.dropout}); "
-                "build the module with dropout=0.0 or call .eval()"
-            )
+        for name, val in (
+            ("need_weights", need_weights),
+            ("average_attn_weights", average_attn_weights),
+            ("is_causal", is_causal),
+        ):
+            _check_flag(name, val)
         if key_padding_mask is not None and key_lengths is not None:
             raise ValueError("key_padding_mask, key_lengths: give at most one of the two")
 
         batched = _check_inputs(query, key, value, self.embed_dim, self.kdim, self.vdim, self.batch_first)
+        H, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        if batched:
+            bd, ld = (0, 1) if self.batch_first else (1, 0)
+            N, L, S = query.shape[bd], query.shape[ld], key.shape[ld]
+        else:
+            N, L, S = 1, query.shape[0], key.shape[0]
+        dev = query.device
+        # Both masks in SDPA's convention (True or a finite value: may attend).
+        pad = _padding_mask(key_padding_mask, N, S, batched, dev)
+        amask = _attn_mask_4d(attn_mask, N, H, L, S, batched, dev)
+        if key_lengths is not None and not batched:
+            if isinstance(key_lengths, Tensor) and key_lengths.dim() == 0:
+                key_lengths = key_lengths.reshape(1)
+
+        # is_causal, as nn.MultiheadAttention reads it (F.multi_head_attention_forward): a hint
+        # that replaces the mask by SDPA's top-left causal rule only without key_padding_mask
+        # and without weights; otherwise the mask speaks.
+        causal = top_left = False
+        if is_causal:
+            if amask is None:
+                causal = True
+            elif key_padding_mask is None and not need_weights:
+                amask, causal, top_left = None, True, True
+
         # Project in the inputs' own layout (no copy of them), sharing a GEMM where the inputs
         # are one tensor; then see the projections as (N, L, features).
         q, k, v = self._in_projection(query, key, value, query is key and key is value, key is value)
@@ -244,29 +296,73 @@ class FusedMHA(nn.Module):
         elif not self.batch_first:
             # (L, N, F) memory seen as (N, L, F); mhakern.attention takes such strides as they are.
             q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        N, L, _ = q.shape
-        S = k.shape[1]
+        extra = 0
+        if self.bias_k is not None:
+            k = torch.cat([k, self.bias_k.expand(N, 1, -1)], dim=1)
+            v = torch.cat([v, self.bias_v.expand(N, 1, -1)], dim=1)
+            extra += 1
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(N, 1, k.shape[-1])], dim=1)
+            v = torch.cat([v, v.new_zeros(N, 1, v.shape[-1])], dim=1)
+            extra += 1
+        Sx = S + extra
 
-        if key_padding_mask is not None:
-            key_lengths = _right_padding_lengths(key_padding_mask, N, S, batched)
-        elif key_lengths is not None and not batched:
-            if isinstance(key_lengths, Tensor) and key_lengths.dim() == 0:
-                key_lengths = key_lengths.reshape(1)
+        lengths, kmask = _kept_keys(pad, key_lengths, N, S, extra > 0, self.backend)
+        if kmask is not None:
+            kmask = kmask[:, None, None, :]
+        mask = _merge_masks(_append_visible(amask, extra), _append_visible(kmask, extra))
+        if causal and top_left and lengths is None and L == Sx:
+            top_left = False  # the same rule either way; bottom-right leaves every backend a choice
 
-        H, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        p = self.dropout if self.training else 0.0
+        kw = {"causal": causal, "key_lengths": lengths, "backend": self.backend}
+        if mask is not None:
+            kw["attn_mask"] = mask
+        if top_left:
+            kw["causal_align"] = "top_left"
+        dropout_seed = None
+        if 0.0 < p < 1.0:
+            # One draw from torch's default generator, as nn.MultiheadAttention's dropout makes;
+            # it seeds the generator handed to attention(), so that the weights pass can repeat
+            # attention()'s own seed draw and regenerate its keep mask.
+            dropout_seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+            kw["dropout_p"] = p
+            kw["generator"] = torch.Generator().manual_seed(dropout_seed)
+
         # Split the features into heads and see them as (N, H, L, hd): views, no copy. The output
         # comes back laid out like q, i.e. (N, L, H, hd) in memory, so merging heads is a view.
         q = q.unflatten(-1, (H, hd)).transpose(1, 2)
         k = k.unflatten(-1, (Hkv, hd)).transpose(1, 2)
         v = v.unflatten(-1, (Hkv, hd)).transpose(1, 2)
-        o = attention(q, k, v, causal=is_causal, key_lengths=key_lengths, backend=self.backend)
+        if need_weights:
+            o, lse = attention(q, k, v, return_lse=True, **kw)
+        else:
+            o = attention(q, k, v, **kw)
+        if p >= 1.0:
+            # Every probability dropped: torch's dropout multiplies by zero (NaN stays NaN).
+            o = o * 0.0
         out = self.out_proj(o.transpose(1, 2).reshape(N, L, H * hd))
 
+        weights = None
+        if need_weights:
+            keep = None
+            if dropout_seed is not None:
+                seed = draw_seed(torch.Generator().manual_seed(dropout_seed))
+                keep = reference.dropout_keep_mask(seed, N, H, L, Sx, p, dev)
+            weights = _attention_weights(q, k, lse, 1.0 / math.sqrt(hd), mask, lengths, causal, top_left, keep, p)
+            if p >= 1.0:
+                weights = weights * 0.0
+            if average_attn_weights:
+                weights = weights.mean(dim=1)
+            weights = weights.to(query.dtype)
+            if not batched:
+                weights = weights.squeeze(0)
+
         if not batched:
-            return out.squeeze(0), None
+            return out.squeeze(0), weights
         if not self.batch_first:
-            return out.transpose(0, 1), None
-        return out, None
+            return out.transpose(0, 1), weights
+        return out, weights
 
     def _in_projection(
         self, query: Tensor, key: Tensor, value: Tensor, same_qkv: bool, same_kv: bool
@@ -333,35 +429,177 @@ def _check_inputs(query, key, value, embed_dim: int, kdim: int, vdim: int, batch
     return query.dim() == 3
 
 
-def _right_padding_lengths(mask, N: int, S: int, batched: bool) -> Tensor:
-    """Key lengths (N,) int64 of a right-padding ``key_padding_mask``; ValueError otherwise."""
+
+
+def _check_flag(name: str, val) -> None:
+    if not isinstance(val, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(val).__name__}")
+
+
+def _check_mask_dtype(name: str, mask) -> None:
     if not isinstance(mask, Tensor):
-        raise TypeError(f"key_padding_mask: expected a torch.Tensor, got {type(mask).__name__}")
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"{name}: expected a bool or floating-point tensor, got {mask.dtype}")
+
+
+def _is_compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _padding_mask(mask, N: int, S: int, batched: bool, device) -> Optional[Tensor]:
+    """``key_padding_mask`` checked and turned into SDPA's convention, (N, S): bool True = keep,
+    or the float bias as given."""
+    if mask is None:
+        return None
+    _check_mask_dtype("key_padding_mask", mask)
     want = (N, S) if batched else (S,)
     if tuple(mask.shape) != want:
         raise ValueError(f"key_padding_mask: expected shape {want} (batch, source length), got {tuple(mask.shape)}")
-    if not batched:
-        mask = mask.unsqueeze(0)
-    if mask.dtype == torch.bool:
-        keep = ~mask
-        well_formed = None
-    elif mask.is_floating_point():
-        keep = mask == 0
-        well_formed = torch.all(keep | torch.isneginf(mask))
+    mask = mask.to(device).reshape(N, S)
+    return ~mask if mask.dtype == torch.bool else mask
+
+
+def _attn_mask_4d(mask, N: int, H: int, L: int, S: int, batched: bool, device) -> Optional[Tensor]:
+    """``attn_mask`` checked and seen as a (1 or N, 1 or H, L, S) view in SDPA's convention."""
+    if mask is None:
+        return None
+    _check_mask_dtype("attn_mask", mask)
+    per_head = (N * H, L, S) if batched else (H, L, S)
+    if mask.dim() == 2 and tuple(mask.shape) == (L, S):
+        mask = mask[None, None]
+    elif mask.dim() == 3 and tuple(mask.shape) == per_head:
+        # Row b * H + h is (batch element b, head h), as in nn.MultiheadAttention.
+        mask = mask.unflatten(0, (N, H))
     else:
-        raise TypeError(f"key_padding_mask: expected a bool or floating-point tensor, got {mask.dtype}")
-    lengths = keep.sum(dim=1)
-    # Right padding: the kept keys are exactly a prefix of each row.
-    prefix = torch.all(keep == (torch.arange(S, device=mask.device) < lengths.unsqueeze(1)))
-    ok = prefix if well_formed is None else prefix & well_formed
-    msg = (
-        "key_padding_mask: only right padding is supported: each row must keep a prefix of the keys and "
-        "ignore the rest (bool: False then True; float: 0 then -inf, no other values)"
-    )
-    if torch.compiler.is_compiling():
-        # A Python branch on tensor data would break the graph; the check runs as an op instead
-        # (it raises RuntimeError when the compiled code runs).
+        raise ValueError(
+            f"attn_mask: expected shape {(L, S)} or {per_head} ((target length, source length), or with "
+            f"{'batch * heads' if batched else 'heads'} first), got {tuple(mask.shape)}"
+        )
+    mask = mask.to(device)
+    return ~mask if mask.dtype == torch.bool else mask
+
+
+def _kept_keys(pad: Optional[Tensor], key_lengths, N: int, S: int, appended: bool, backend: str):
+    """Split key-side masking into attention()'s ``key_lengths`` and an (N, S) mask.
+
+    Returns ``(lengths, kmask)``. Without appended keys ``lengths`` is 1 + the position of each
+    element's last kept key (the causal alignment point, and a bound that lets kernels skip
+    tiles), and ``kmask`` is None when the lengths say everything: right padding, which eager
+    mode checks on the data. Under torch.compile a check on the data cannot choose the path, so
+    the mask goes along, unless ``backend`` is named and takes no mask: then right padding is
+    required (checked inside the graph). Appended keys sit after the padding, so then only the
+    mask can express it.
+    """
+    if pad is None and key_lengths is None:
+        return None, None
+    if pad is None:
+        if not appended:
+            return key_lengths, None
+        return None, _lengths_mask(key_lengths, N, S)
+    if appended:
+        return None, pad
+    keep = pad if pad.dtype == torch.bool else ~torch.isneginf(pad)
+    pos = torch.arange(1, S + 1, device=pad.device)
+    lengths = (keep * pos).amax(dim=1) if S > 0 else torch.zeros(N, dtype=torch.int64, device=pad.device)
+    # A float mask that requires grad must reach attention() to get its gradient.
+    if pad.requires_grad:
+        return lengths, pad
+    compiling = _is_compiling()
+    if compiling and (backend == "auto" or "attn_mask" in backends.get(backend).features):
+        return lengths, pad
+    plain = torch.all(keep == (pos <= lengths[:, None]))
+    if pad.dtype != torch.bool:
+        plain &= torch.all(~keep | (pad == 0))
+    if compiling:
+        torch._assert_async(
+            plain,
+            f"key_padding_mask: backend {backend!r} takes no attention mask, so under torch.compile only "
+            "right padding is accepted (bool: False then True; float: 0 then -inf)",
+        )
+        return lengths, None
+    return (lengths, None) if bool(plain) else (lengths, pad)
+
+
+def _lengths_mask(key_lengths, N: int, S: int) -> Tensor:
+    """(N, S) bool mask, True for keys below ``key_lengths``; checks the argument like attention()."""
+    if not isinstance(key_lengths, Tensor):
+        raise TypeError(f"key_lengths: expected an integer tensor of shape ({N},), got {type(key_lengths).__name__}")
+    if key_lengths.dtype.is_floating_point or key_lengths.dtype.is_complex or key_lengths.dtype == torch.bool:
+        raise TypeError(f"key_lengths: expected an integer dtype, got {key_lengths.dtype}")
+    if tuple(key_lengths.shape) != (N,):
+        raise ValueError(
+            f"key_lengths: expected shape ({N},) (one length per batch element), got {tuple(key_lengths.shape)}"
+        )
+    ok = torch.all((key_lengths >= 0) & (key_lengths <= S))
+    msg = f"key_lengths: values must lie in [0, Lk={S}]"
+    if _is_compiling():
         torch._assert_async(ok, msg)
     elif not bool(ok):
-        raise ValueError(msg)
-    return lengths
+        raise ValueError(f"{msg}, got {key_lengths.tolist()}")
+    return torch.arange(S, device=key_lengths.device) < key_lengths[:, None].long()
+
+
+def _append_visible(mask: Optional[Tensor], extra: int) -> Optional[Tensor]:
+    """Extend a (.., S) mask by ``extra`` always-visible keys (add_bias_kv, add_zero_attn)."""
+    if mask is None or extra == 0:
+        return mask
+    fill = torch.ones if mask.dtype == torch.bool else torch.zeros
+    return torch.cat([mask, fill(mask.shape[:-1] + (extra,), dtype=mask.dtype, device=mask.device)], dim=-1)
+
+
+def _merge_masks(a: Optional[Tensor], b: Optional[Tensor]) -> Optional[Tensor]:
+    """One SDPA-convention mask for both: ``and`` of bool masks, else a float sum (torch's rule:
+    a bool mask turns into 0 / -inf and the biases add)."""
+    if a is None or b is None:
+        return b if a is None else a
+    if a.dtype == torch.bool and b.dtype == torch.bool:
+        return a & b
+    if a.dtype == torch.bool:
+        a, b = b, a
+    if b.dtype == torch.bool:
+        b = torch.zeros(b.shape, dtype=a.dtype, device=b.device).masked_fill(~b, float("-inf"))
+    return a + b
+
+
+class _SoftmaxFromLse(torch.autograd.Function):
+    """``p = exp(s - lse)`` for scores ``s`` whose row log-sum-exp the kernel already computed,
+    differentiated as the softmax it equals (``lse`` is the function of ``s`` it stands for).
+    Rows with lse = -inf see no key: p = 0 there."""
+
+    @staticmethod
+    def forward(ctx, s, lse):
+        lse = lse.to(s.dtype).unsqueeze(-1)
+        p = torch.exp(s - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse))
+        ctx.save_for_backward(p)
+        return p
+
+    @staticmethod
+    def backward(ctx, dp):
+        (p,) = ctx.saved_tensors
+        return p * (dp - (dp * p).sum(dim=-1, keepdim=True)), None
+
+
+def _attention_weights(q, k, lse, scale, mask, lengths, causal, top_left, keep, p) -> Tensor:
+    """The attention probabilities (N, H, L, S) of one attention() call, from its lse.
+
+    q (N, H, L, hd), k (N, Hkv, S, hd); ``mask``, ``lengths``, ``causal``, ``top_left`` as passed
+    to attention(); ``keep`` the dropout keep mask (N, H, L, S) or None, ``p`` its probability.
+    Computed in float32 (float64 for float64 inputs), like the kernels' accumulation; lse is
+    float32 (the contract), which bounds the relative accuracy of float64 weights at ~1e-7.
+    """
+    N, H, L, _ = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    wdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    # Query head h reads kv head h // (H // Hkv): group the query heads instead of copying k.
+    qg = q.to(wdt).unflatten(1, (Hkv, H // Hkv))
+    s = torch.matmul(qg, k.to(wdt).unsqueeze(2).transpose(-1, -2)).flatten(1, 2) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(wdt)
+    vis = reference.visible_mask(L, S, causal, lengths, q.device, top_left=top_left)
+    if vis is not None:
+        s = s.masked_fill(~vis, float("-inf"))
+    w = _SoftmaxFromLse.apply(s, lse)
+    if keep is not None:
+        w = w * keep * (1.0 / (1.0 - p))
+    return w

@@ -1,13 +1,19 @@
 """Plain PyTorch attention: the oracle of every test and the fallback of ``auto``.
 
-Shapes follow the backend contract (GUIDE.md section 3):
+Shapes and semantics are those of the backend contract (docs/contract.md):
 
 * ``q``: (B, H, Lq, D), ``k``: (B, Hkv, Lk, D), ``v``: (B, Hkv, Lk, Dv), H a multiple of Hkv;
   query head ``h`` reads KV head ``h // (H // Hkv)``.
-* ``key_lengths``: optional integer tensor (B,); keys at positions >= key_lengths[b] are hidden.
-* ``causal``: bottom-right aligned per batch element: key ``j`` is visible to query ``i`` iff
-  ``j <= i + Lk_b - Lq`` where ``Lk_b`` is that element's key length.
-* A query row that sees no key gets output 0 and lse = -inf, and zero gradient.
+* Visibility of key ``j`` to query ``i`` of element ``b``: ``j < Lk_b`` (``key_lengths[b]`` or
+  Lk); with ``off = 0`` if ``modes.top_left`` else ``Lk_b - Lq``, ``causal`` requires
+  ``j <= i + off``, a window ``(left, right)`` requires ``j >= i + off - left`` (left >= 0) and
+  ``j <= i + off + right`` (right >= 0); a bool ``attn_mask`` hides False entries, a float one is
+  added to the scaled scores (-inf hides).
+* Dropout: the keep mask :func:`dropout_keep_mask`, applied to the normalised probabilities
+  (``out = (P * keep / (1 - p)) @ V``); lse is that of the undropped softmax.
+* A query row that sees no key gets output 0, lse = -inf and zero gradients.
+* NaN/inf: a non-finite value in a visible input propagates as IEEE arithmetic makes it (as in
+  SDPA's math); hidden positions never contribute, not even ``0 * NaN``.
 
 ``upcast=True`` computes in float64 (the oracle); ``upcast=False`` computes in the input dtype
 (the "torch math in T" of the tolerance rule). Outputs are returned in the input dtype unless
@@ -20,10 +26,77 @@ from typing import Optional, Tuple
 
 import torch
 
+from .backends import DEFAULT_MODES, Modes
+
 Tensor = torch.Tensor
 
 # Query rows per chunk: bounds the (rows x Lk) score matrix when Lk is very long.
 _SCORE_BUDGET = 1 << 24
+
+M32 = 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout hash (docs/contract.md, "Dropout"): the same bits in every backend.
+
+
+def mix32(x):
+    """lowbias32 finaliser on 32-bit values held in int64 tensors (or Python ints).
+
+    Every product of a 32-bit value with a 32-bit constant below 2**31 stays below 2**63, so
+    int64 arithmetic is exact before the ``& M32``.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & M32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & M32
+    x = x ^ (x >> 15)
+    return x
+
+
+def dropout_threshold(p: float) -> int:
+    """The 32-bit threshold: a probability is kept iff its hash is >= this."""
+    return min(int(p * 4294967296.0), M32)
+
+
+def dropout_keep_bit(seed: int, b: int, h: int, H: int, i: int, j: int, p: float) -> bool:
+    """One keep decision, in plain Python integers (the specification the tensor code follows)."""
+    seed_lo, seed_hi = seed & M32, (seed >> 32) & M32
+    s_bh = mix32(seed_lo ^ mix32(seed_hi ^ ((b * H + h) & M32)))
+    r_i = mix32(s_bh ^ (i & M32))
+    u = mix32((r_i + j) & M32)
+    return u >= dropout_threshold(p)
+
+
+def dropout_keep_mask(
+    seed: int,
+    B: int,
+    H: int,
+    Lq: int,
+    Lk: int,
+    p: float,
+    device=None,
+    row_offset: int = 0,
+    rows: Optional[int] = None,
+) -> Tensor:
+    """Bool keep mask (B, H, rows, Lk) of query rows ``row_offset ..`` (all rows by default).
+
+    ``H`` is the number of *query* heads. ``p = 0`` keeps everything.
+    """
+    rows = Lq - row_offset if rows is None else rows
+    seed_lo, seed_hi = seed & M32, (seed >> 32) & M32
+    i64 = dict(dtype=torch.int64, device=device)
+    bh = (torch.arange(B, **i64).view(B, 1) * H + torch.arange(H, **i64).view(1, H)) & M32
+    s_bh = mix32(seed_lo ^ mix32(seed_hi ^ bh))
+    i = torch.arange(row_offset, row_offset + rows, **i64) & M32
+    r_i = mix32(s_bh.view(B, H, 1) ^ i.view(1, 1, rows))
+    j = torch.arange(Lk, **i64)
+    u = mix32((r_i.view(B, H, rows, 1) + j.view(1, 1, 1, Lk)) & M32)
+    return u >= dropout_threshold(p)
+
+
+# ---------------------------------------------------------------------------------------------
+# Visibility
 
 
 def visible_mask(
@@ -34,14 +107,20 @@ def visible_mask(
     device: torch.device,
     row_offset: int = 0,
     rows: Optional[int] = None,
+    *,
+    top_left: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> Optional[Tensor]:
-    """Boolean mask of visible (query, key) pairs, or None when every key is visible.
+    """Boolean mask of structurally visible (query, key) pairs (key lengths, causal, window),
+    or None when every key is visible. ``attn_mask`` is not part of it.
 
     Returns a tensor broadcastable to (B, H, rows, Lk): shape (B or 1, 1, rows, Lk), for the
     query rows ``row_offset .. row_offset + rows - 1``.
     """
     rows = Lq - row_offset if rows is None else rows
-    if not causal and key_lengths is None:
+    windowed = window_left >= 0 or window_right >= 0
+    if not causal and key_lengths is None and not windowed:
         return None
     j = torch.arange(Lk, device=device).view(1, 1, 1, Lk)
     if key_lengths is None:
@@ -50,9 +129,15 @@ def visible_mask(
         lk = key_lengths.to(device=device, dtype=torch.long)
     lk = lk.view(-1, 1, 1, 1)
     mask = j < lk
-    if causal:
+    if causal or windowed:
         i = torch.arange(row_offset, row_offset + rows, device=device).view(1, 1, rows, 1)
-        mask = mask & (j <= i + lk - Lq)
+        diag = i if top_left else i + lk - Lq
+        if causal:
+            mask = mask & (j <= diag)
+        if window_left >= 0:
+            mask = mask & (j >= diag - window_left)
+        if window_right >= 0:
+            mask = mask & (j <= diag + window_right)
     return mask
 
 
@@ -68,6 +153,67 @@ def _expand_kv(x: Tensor, n_rep: int) -> Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
+def _mask4(attn_mask: Optional[Tensor]) -> Optional[Tensor]:
+    """A mask broadcastable to (B, H, Lq, Lk) as a 4-D tensor (SDPA's right-aligned rule)."""
+    if attn_mask is None:
+        return None
+    return attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+
+
+def _scores(q, kk, scale, r0, rows, Lq, Lk, causal, key_lengths, modes, wdt):
+    """Scaled scores (B, H, rows, Lk) with the float mask added, and the visibility (or None).
+
+    Hidden positions hold -inf in the scores whatever q and k hold there.
+    """
+    s = torch.matmul(q[:, :, r0 : r0 + rows].to(wdt), kk.transpose(-1, -2)) * scale
+    vis = visible_mask(
+        Lq, Lk, causal, key_lengths, q.device, r0, rows,
+        top_left=modes.top_left, window_left=modes.window_left, window_right=modes.window_right,
+    )
+    m = _mask4(modes.attn_mask)
+    if m is not None:
+        m = m[:, :, r0 : r0 + rows] if m.shape[2] != 1 else m
+        if m.dtype == torch.bool:
+            vis = m if vis is None else vis & m
+        else:
+            m = m.to(wdt)
+            s = s + m
+            hide = m != float("-inf")
+            vis = hide if vis is None else vis & hide
+    if vis is not None:
+        vis = vis.expand(s.shape)
+        s = s.masked_fill(~vis, float("-inf"))
+    return s, vis
+
+
+def _support_matmul(a: Tensor, b: Tensor, present: Optional[Tensor]) -> Tensor:
+    """``a @ b`` summing only the terms where ``present`` (shape of ``a``) is True.
+
+    A term left out contributes nothing, not even ``0 * inf = NaN``: a NaN or inf in ``b`` at a
+    position hidden from a row never reaches that row. Terms present keep IEEE semantics
+    (``0 * inf`` is NaN, ``inf + -inf`` is NaN), as SDPA's math gives them.
+    """
+    if present is None:
+        return torch.matmul(a, b)
+    a0 = a.masked_fill(~present, 0.0)
+    fin_b = torch.isfinite(b)
+    if bool(fin_b.all()):
+        return torch.matmul(a0, b)
+    out = torch.matmul(a0, b.masked_fill(~fin_b, 0.0))
+    f = a.dtype
+    pos_a = (present & (a > 0)).to(f)
+    neg_a = (present & (a < 0)).to(f)
+    zero_or_nan_a = (present & ~(a > 0) & ~(a < 0)).to(f)
+    nan_b, pinf_b, ninf_b = torch.isnan(b).to(f), (b == math.inf).to(f), (b == -math.inf).to(f)
+    n_nan = torch.matmul(present.to(f), nan_b) + torch.matmul(zero_or_nan_a, pinf_b + ninf_b)
+    n_pos = torch.matmul(pos_a, pinf_b) + torch.matmul(neg_a, ninf_b)
+    n_neg = torch.matmul(pos_a, ninf_b) + torch.matmul(neg_a, pinf_b)
+    nan = (n_nan > 0) | ((n_pos > 0) & ((n_neg > 0) | (out == -math.inf))) | ((n_neg > 0) & (out == math.inf))
+    out = torch.where(n_pos > 0, torch.full_like(out, math.inf), out)
+    out = torch.where(n_neg > 0, torch.full_like(out, -math.inf), out)
+    return out.masked_fill(nan, math.nan)
+
+
 def attention_forward(
     q: Tensor,
     k: Tensor,
@@ -76,13 +222,16 @@ def attention_forward(
     causal: bool = False,
     key_lengths: Optional[Tensor] = None,
     upcast: bool = False,
+    modes: Modes = DEFAULT_MODES,
 ) -> Tuple[Tensor, Tensor]:
     """Exact attention by materialising the scores. Returns ``(out, lse)``.
 
     ``out``: (B, H, Lq, Dv) in the compute dtype's output dtype (see module docstring);
     ``lse``: float32 (float64 with ``upcast``) of shape (B, H, Lq), natural log, -inf for rows
     that see no key. Work dtype is float64 with ``upcast``, float32 for half inputs otherwise
-    (accumulation in fp32, as every backend), else the input dtype.
+    (accumulation in fp32, as every backend), else the input dtype. ``modes``: the optional
+    modes (:class:`mhakern.backends.Modes`); its ``attn_mask`` may have any shape broadcastable
+    to (B, H, Lq, Lk).
     """
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
@@ -94,15 +243,16 @@ def attention_forward(
     step = max(1, _SCORE_BUDGET // max(1, B * H * Lk))
     for r0 in range(0, Lq, step):
         rows = min(step, Lq - r0)
-        s = torch.matmul(q[:, :, r0 : r0 + rows].to(wdt), kk.transpose(-1, -2)) * scale
-        mask = visible_mask(Lq, Lk, causal, key_lengths, q.device, r0, rows)
-        if mask is not None:
-            s = s.masked_fill(~mask, float("-inf"))
+        s, vis = _scores(q, kk, scale, r0, rows, Lq, Lk, causal, key_lengths, modes, wdt)
         lse = torch.logsumexp(s, dim=-1)
-        # exp(s - lse) is NaN on rows with lse = -inf; those rows must give exactly 0.
-        safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        # Rows that see no key (lse = -inf) give exactly 0: subtract 0 there instead of -inf.
+        # lse = +inf (a +inf score) is kept, so that inf - inf makes the row NaN as in SDPA.
+        safe = lse.masked_fill(torch.isneginf(lse), 0.0)
         p = torch.exp(s - safe.unsqueeze(-1))
-        outs.append(torch.matmul(p, vv))
+        if modes.dropout_p > 0.0:
+            keep = dropout_keep_mask(modes.seed, B, H, Lq, Lk, modes.dropout_p, q.device, r0, rows)
+            p = p * keep.to(wdt) / (1.0 - modes.dropout_p)
+        outs.append(_support_matmul(p, vv, vis))
         lses.append(lse)
     out = torch.cat(outs, dim=2) if outs else q.new_zeros((B, H, 0, v.shape[-1]), dtype=wdt)
     lse = torch.cat(lses, dim=2) if lses else q.new_zeros((B, H, 0), dtype=wdt)
@@ -122,12 +272,32 @@ def attention_backward(
     causal: bool = False,
     key_lengths: Optional[Tensor] = None,
     upcast: bool = False,
+    modes: Modes = DEFAULT_MODES,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients by the contract: probabilities recomputed from ``lse``, ``delta = rowsum(dout*out)``.
 
     Returns ``(dq, dk, dv)`` shaped like ``q``, ``k``, ``v``; dk and dv are summed over the query
-    heads that share a KV head.
+    heads that share a KV head. :func:`attention_backward_modes` also returns dL/dscore.
     """
+    return attention_backward_modes(dout, q, k, v, out, lse, scale, causal, key_lengths, upcast, modes)[:3]
+
+
+def attention_backward_modes(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    key_lengths: Optional[Tensor] = None,
+    upcast: bool = False,
+    modes: Modes = DEFAULT_MODES,
+) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """:func:`attention_backward` plus ``dmask``: None unless ``modes.mask_grad``, else
+    dL/d(score) (B, H, Lq, Lk) in the work dtype (float32, float64 with ``upcast``), 0 where
+    hidden: the gradient of an additive mask before its reduction to the mask's shape."""
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     n_rep = H // Hkv
@@ -137,24 +307,36 @@ def attention_backward(
     kk = _expand_kv(k, n_rep).to(wdt)
     vv = _expand_kv(v, n_rep).to(wdt)
     delta = (dow * out.to(wdt)).sum(-1, keepdim=True)
-    s = torch.matmul(qw, kk.transpose(-1, -2)) * scale
+    s, vis = _scores(q, kk, scale, 0, Lq, Lq, Lk, causal, key_lengths, modes, wdt)
     lse_w = lse.to(wdt).unsqueeze(-1)
-    p = torch.exp(s - torch.where(torch.isinf(lse_w), torch.zeros_like(lse_w), lse_w))
-    mask = visible_mask(Lq, Lk, causal, key_lengths, q.device)
-    if mask is not None:
-        p = p.masked_fill(~mask, 0.0)
-    p = p.masked_fill(torch.isinf(lse_w), 0.0)
-    dv = torch.matmul(p.transpose(-1, -2), dow)
-    dp = torch.matmul(dow, vv.transpose(-1, -2))
-    ds = p * (dp - delta) * scale
-    dq = torch.matmul(ds, kk)
-    dk = torch.matmul(ds.transpose(-1, -2), qw)
+    dead = torch.isneginf(lse_w)
+    p = torch.exp(s - lse_w.masked_fill(dead, 0.0)).masked_fill(dead, 0.0)
+    if vis is not None:
+        p = p.masked_fill(~vis, 0.0)
+    dp = _support_matmul(dow, vv.transpose(-1, -2), None)
+    if modes.dropout_p > 0.0:
+        keep = dropout_keep_mask(modes.seed, B, H, Lq, Lk, modes.dropout_p, q.device).to(wdt) / (1.0 - modes.dropout_p)
+        pd, dp = p * keep, dp * keep
+    else:
+        pd = p
+    ds = p * (dp - delta)
+    if vis is not None:
+        # where, not a product: dp may be NaN at a hidden key (a NaN in v there).
+        ds = ds.masked_fill(~vis, 0.0)
+    ds = ds.masked_fill(dead, 0.0)
+    vis_t = None if vis is None else vis.transpose(-1, -2)
+    dv = _support_matmul(pd.transpose(-1, -2), dow, vis_t)
+    dq = _support_matmul(ds, kk, vis) * scale
+    dk = _support_matmul(ds.transpose(-1, -2), qw, vis_t) * scale
     if n_rep > 1:
         dk = dk.view(B, Hkv, n_rep, Lk, D).sum(2)
         dv = dv.view(B, Hkv, n_rep, Lk, v.shape[-1]).sum(2)
+    dmask = None
+    if modes.mask_grad:
+        dmask = ds if upcast else ds.float()
     if upcast:
-        return dq, dk, dv
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return dq, dk, dv, dmask
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask
 
 
 def attention(
@@ -165,26 +347,36 @@ def attention(
     causal: bool = False,
     key_lengths: Optional[Tensor] = None,
     upcast: bool = True,
+    modes: Modes = DEFAULT_MODES,
 ) -> Tensor:
     """Differentiable naive attention (autograd through PyTorch ops), for tests.
 
     Unlike :func:`attention_forward` this one lets autograd derive the gradients, so it checks
-    the hand-written backward formulas rather than sharing them.
+    the hand-written backward formulas rather than sharing them. A float ``modes.attn_mask``
+    that requires grad receives its gradient. Non-finite values in keys past ``key_lengths``
+    are kept out; for other hidden positions (causal, window, mask) holding NaN or inf use
+    :func:`attention_forward` / :func:`attention_backward_modes`, which exclude every hidden
+    term.
     """
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     wdt = torch.float64 if upcast else q.dtype
-    kk = _expand_kv(k.to(wdt), H // Hkv)
-    vv = _expand_kv(v.to(wdt), H // Hkv)
-    s = torch.matmul(q.to(wdt), kk.transpose(-1, -2)) * scale
-    mask = visible_mask(Lq, Lk, causal, key_lengths, q.device)
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-        # Fully hidden rows: softmax of all -inf is NaN; give them zero weights instead.
-        dead = ~mask.any(-1, keepdim=True)
-        s = s.masked_fill(dead, 0.0)
-        p = torch.softmax(s, dim=-1).masked_fill(dead, 0.0)
+    k, v = k.to(wdt), v.to(wdt)
+    if key_lengths is not None:
+        # Keys past a length are replaced (where, not a product) before any arithmetic, so
+        # that a NaN stored there reaches neither the output nor a gradient.
+        live = (torch.arange(Lk, device=k.device) < key_lengths.to(k.device).view(-1, 1)).view(B, 1, Lk, 1)
+        k, v = torch.where(live, k, 0.0), torch.where(live, v, 0.0)
+    kk, vv = _expand_kv(k, H // Hkv), _expand_kv(v, H // Hkv)
+    s, vis = _scores(q, kk, scale, 0, Lq, Lq, Lk, causal, key_lengths, modes, wdt)
+    if vis is not None:
+        dead = ~vis.any(-1, keepdim=True)
+        # softmax of an all -inf row is NaN; give those rows zero weights instead.
+        p = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead | ~vis, 0.0)
     else:
         p = torch.softmax(s, dim=-1)
+    if modes.dropout_p > 0.0:
+        keep = dropout_keep_mask(modes.seed, B, H, Lq, Lk, modes.dropout_p, q.device)
+        p = p * keep.to(wdt) / (1.0 - modes.dropout_p)
     return torch.matmul(p, vv)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import mhakern
-from attn_testing import HARD_CASES, case_id, check_against_reference, make_inputs
+from attn_testing import make_inputs
 
 
 def test_available_backends_lists_reference_and_reasons():
@@ -11,14 +11,6 @@ def test_available_backends_lists_reference_and_reasons():
     assert av["reference"] is None
     for name, why in av.items():
         assert why is None or (isinstance(why, str) and why), name
-
-
-@pytest.mark.parametrize("case", HARD_CASES, ids=case_id)
-def test_reference_backend_through_autograd_function(case):
-    B, H, Hkv, Lq, Lk, D, Dv, causal, kl = case
-    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv)
-    kl_t = None if kl is None else torch.tensor(kl)
-    check_against_reference(lambda *a, **kw: mhakern.attention(*a, backend="reference", **kw), q, k, v, causal, kl_t)
 
 
 def test_strided_blhd_inputs_are_not_copied_and_output_follows_layout():
@@ -89,3 +81,433 @@ def test_dispatch_never_sends_a_mode_outside_a_backends_features():
     assert missing_features(plain, need) == "does not implement dropout, top_left, window"
     plain.features = frozenset({"dropout", "top_left", "window"})
     assert missing_features(plain, need) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Silent failures of issue 12, section 3 (each of these failed before the fix)
+
+
+def test_int64_key_lengths_are_range_checked_before_the_cast():
+    q, k, v = make_inputs(2, 2, 2, 3, 4, 16, requires_grad=False)
+    with pytest.raises(ValueError, match=r"key_lengths: values must lie in \[0, Lk=4\], got min 4 and max 4294967299"):
+        mhakern.attention(q, k, v, key_lengths=torch.tensor([2**32 + 3, 4]), backend="reference")
+    with pytest.raises(ValueError, match="max 4294967299"):
+        torch.ops.mhakern.attn_fwd(q, k, v, 0.25, False, torch.tensor([2**32 + 3, 4]), "reference")
+
+
+def test_attn_bwd_checks_key_lengths_values():
+    q, k, v = make_inputs(2, 2, 2, 3, 4, 16, requires_grad=False)
+    out, lse = torch.ops.mhakern.attn_fwd(q, k, v, 0.25, False, None, "reference")
+    for bad in (torch.tensor([5, 1]), torch.tensor([-1, 1]), torch.tensor([2**32 + 1, 1])):
+        with pytest.raises(ValueError, match="key_lengths: values must lie in"):
+            torch.ops.mhakern.attn_bwd(out, q, k, v, out, lse, 0.25, False, bad, "reference")
+
+
+@pytest.mark.parametrize(
+    "call,words",
+    [
+        (lambda q, k, v: torch.ops.mhakern.attn_fwd(q[0], k, v, 0.25, False, None, "reference"), ["q:", "4 dims"]),
+        (lambda q, k, v: torch.ops.mhakern.attn_fwd(q, k[:, :, :, :8], v, 0.25, False, None, "reference"), ["k:", "head dim 8"]),
+        (lambda q, k, v: torch.ops.mhakern.attn_fwd(q, k, v[:, :, :3], 0.25, False, None, "reference"), ["k, v:", "must match"]),
+        (lambda q, k, v: torch.ops.mhakern.attn_fwd(q, k, v, 0.25, False, None, "nope"), ["unknown backend 'nope'"]),
+        (lambda q, k, v: torch.ops.mhakern.attn_fwd(q, k, v, float("inf"), False, None, "reference"), ["scale", "finite"]),
+        (lambda q, k, v: torch.ops.mhakern.attn_fwd(q, k, v, 0.25, False, torch.tensor([1.0, 2.0]), "auto"), ["key_lengths", "integer"]),
+        (lambda q, k, v: torch.ops.mhakern.attn_fwd(q, k, v, 0.25, False, None, "auto", torch.ones(3, 3)), ["attn_mask", "broadcastable"]),
+        (lambda q, k, v: torch.ops.mhakern.attn_fwd(q, k, v, 0.25, False, None, "auto", None, 1.0), ["dropout_p", "[0, 1)"]),
+        (lambda q, k, v: torch.ops.mhakern.attn_fwd(q, k, v, 0.25, False, None, "auto", None, 0.0, 0, False, -2), ["window_left"]),
+        (lambda q, k, v: torch.ops.mhakern.attn_bwd(q[:, :, :2], q, k, v, q, q[..., 0].float(), 0.25, False, None, "auto"), ["dout", "shape"]),
+        (lambda q, k, v: torch.ops.mhakern.attn_bwd(q, q, k, v, q, q[..., 0].double(), 0.25, False, None, "auto"), ["lse", "float32"]),
+        (lambda q, k, v: torch.ops.mhakern.attn_bwd(q, q, k, v, q[..., :3], q[..., 0].float(), 0.25, False, None, "auto"), ["out:", "shape"]),
+        (lambda q, k, v: torch.ops.mhakern.attn_bwd(q, q, k, v, q, q[..., 0].float(), 0.25, False, None, "auto", None, 0.0, 0, False, -1, -1, True), ["mask_grad", "floating attn_mask"]),
+    ],
+)
+def test_the_ops_validate_and_name_the_argument(call, words):
+    # Before: "not enough values to unpack", raw bmm errors, "unknown backend 'auto'".
+    q, k, v = make_inputs(2, 4, 2, 5, 6, 16, requires_grad=False)
+    with pytest.raises((ValueError, TypeError)) as info:
+        call(q, k, v)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_the_ops_accept_auto_and_match_the_api():
+    q, k, v = make_inputs(2, 4, 2, 5, 6, 16, requires_grad=False)
+    out, lse = torch.ops.mhakern.attn_fwd(q, k, v, 0.25, True, torch.tensor([6, 2]), "auto")
+    ref, ref_lse = mhakern.attention(q, k, v, causal=True, scale=0.25, key_lengths=torch.tensor([6, 2]), return_lse=True)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
+    dq, dk, dv, dmask = torch.ops.mhakern.attn_bwd(out, q, k, v, out, lse, 0.25, True, torch.tensor([6, 2]), "auto")
+    assert dq.shape == q.shape and dk.shape == k.shape and dmask.numel() == 0
+
+
+@pytest.mark.parametrize(
+    "kw,exc,words",
+    [
+        (dict(attn_mask=torch.ones(5, 7, dtype=torch.bool)), ValueError, ["attn_mask", "(5, 7)", "broadcastable"]),
+        (dict(attn_mask=torch.ones(2, 4, 5, 6, 1, dtype=torch.bool)), ValueError, ["attn_mask", "1 to 4 dims"]),
+        (dict(attn_mask=torch.ones(5, 6, dtype=torch.int32)), TypeError, ["attn_mask", "bool", "int32"]),
+        (dict(attn_mask=[[True]]), TypeError, ["attn_mask", "list"]),
+        (dict(dropout_p=1.0), ValueError, ["dropout_p", "[0, 1)", "1.0"]),
+        (dict(dropout_p=-0.1), ValueError, ["dropout_p"]),
+        (dict(dropout_p=0.1, generator=3), TypeError, ["generator", "int"]),
+        (dict(causal_align="bottom"), ValueError, ["causal_align", "top_left", "'bottom'"]),
+        (dict(window=(2,)), ValueError, ["window", "(left, right)"]),
+        (dict(window=(-2, 1)), ValueError, ["window", ">= -1"]),
+        (dict(window=(1.5, 1)), ValueError, ["window"]),
+        (dict(backend="auto", key_lengths=torch.tensor([1, 2]).float()), TypeError, ["key_lengths", "integer"]),
+    ],
+)
+def test_bad_mode_arguments_name_the_argument(kw, exc, words):
+    q, k, v = make_inputs(2, 4, 2, 5, 6, 16, requires_grad=False)
+    with pytest.raises(exc) as info:
+        mhakern.attention(q, k, v, **kw)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+# ---------------------------------------------------------------------------------------------
+# Modes through the public API on the reference
+
+
+def test_bool_false_float_neg_inf_and_key_lengths_hide_alike():
+    q, k, v = make_inputs(2, 4, 2, 5, 6, 16, requires_grad=False)
+    kl = torch.tensor([6, 3])
+    vis = (torch.arange(6) < kl.view(2, 1)).view(2, 1, 1, 6)
+    bias = torch.zeros(2, 1, 1, 6).masked_fill(~vis, float("-inf"))
+    a = mhakern.attention(q, k, v, key_lengths=kl, backend="reference")
+    b = mhakern.attention(q, k, v, attn_mask=vis, backend="reference")
+    c = mhakern.attention(q, k, v, attn_mask=bias, backend="reference")
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    torch.testing.assert_close(a, c, rtol=0, atol=1e-6)
+
+
+def test_float_mask_gradient_is_reduced_to_its_shape_and_dtype():
+    q, k, v = make_inputs(2, 4, 2, 5, 6, 16, dtype=torch.float64)
+    for shape in [(6,), (5, 6), (4, 1, 6), (2, 1, 5, 1), (1, 4, 5, 6)]:
+        m = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+        out = mhakern.attention(q, k, v, attn_mask=m, backend="reference")
+        out.sum().backward()
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.detach(), k.detach().repeat_interleave(2, 1), v.detach().repeat_interleave(2, 1), attn_mask=m.detach().requires_grad_()
+        )
+        m2 = m.detach().requires_grad_()
+        torch.nn.functional.scaled_dot_product_attention(
+            q.detach(), k.detach().repeat_interleave(2, 1), v.detach().repeat_interleave(2, 1), attn_mask=m2
+        ).sum().backward()
+        # the backward recomputes P from the float32 lse (the contract): ~1e-7 relative
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+        assert m.grad.shape == m.shape and m.grad.dtype == m.dtype
+        torch.testing.assert_close(m.grad, m2.grad, rtol=1e-5, atol=1e-6)
+
+
+class _SpyBackend(mhakern.backends.Backend):
+    """A registered third-party backend: the reference underneath, recording what it is given."""
+
+    name = "spy"
+    priority = -5
+    features = frozenset({"attn_mask", "mask_grad"})
+
+    def __init__(self):
+        self.seen = []
+        self.supports_calls = 0
+
+    def supports(self, q, k, v, causal, key_lengths):
+        self.supports_calls += 1
+        return None
+
+    def forward(self, q, k, v, scale, causal, key_lengths, modes=mhakern.backends.DEFAULT_MODES):
+        self.seen.append(modes)
+        return mhakern.backends.get("reference").forward(q, k, v, scale, causal, key_lengths, modes)
+
+    def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, modes=mhakern.backends.DEFAULT_MODES):
+        self.seen.append(modes)
+        return mhakern.backends.get("reference").backward(dout, q, k, v, out, lse, scale, causal, key_lengths, modes)
+
+
+@pytest.fixture
+def spy():
+    from mhakern import backends
+
+    be = backends.register(_SpyBackend())
+    yield be
+    del backends._REGISTRY["spy"]
+    backends._ORDER = None
+    backends.clear_dispatch_cache()
+
+
+def test_a_registered_backend_gets_the_mask_as_an_expanded_view_never_a_copy(spy):
+    q, k, v = make_inputs(2, 4, 2, 5, 6, 16)
+    m = torch.randn(5, 6, requires_grad=True)
+    mhakern.attention(q, k, v, attn_mask=m, backend="spy").sum().backward()
+    fwd, bwd = spy.seen
+    assert fwd.attn_mask.shape == (2, 4, 5, 6) and fwd.attn_mask.stride()[:2] == (0, 0)
+    assert fwd.attn_mask.data_ptr() == m.data_ptr(), "the float32 mask was copied"
+    assert not fwd.mask_grad and bwd.mask_grad
+    assert m.grad is not None and m.grad.shape == (5, 6)
+
+
+def test_dispatch_refuses_modes_outside_features_and_auto_skips(spy):
+    q, k, v = make_inputs(1, 2, 2, 3, 4, 16, requires_grad=False)
+    with pytest.raises(ValueError, match="backend='spy' cannot serve these inputs: spy: does not implement window"):
+        mhakern.attention(q, k, v, window=(1, 1), backend="spy")
+    with pytest.raises(ValueError, match="does not implement dropout"):
+        mhakern.attention(q, k, v, dropout_p=0.5, backend="spy")
+    from mhakern import backends
+
+    chosen = backends.select("auto", q, k, v, False, None, frozenset({"window", "dropout"}))
+    assert {"window", "dropout"} <= chosen.features
+
+
+def test_selection_is_cached_per_call_signature(spy):
+    q, k, v = make_inputs(1, 2, 2, 3, 4, 16, requires_grad=False)
+    for _ in range(5):
+        mhakern.attention(q, k, v, backend="spy")
+    assert spy.supports_calls == 1
+    q2, k2, v2 = make_inputs(1, 2, 2, 7, 4, 16, requires_grad=False)
+    mhakern.attention(q2, k2, v2, backend="spy")
+    assert spy.supports_calls == 2
+
+
+def test_dropout_reproducible_from_the_generator_and_the_default_seed():
+    q, k, v = make_inputs(2, 4, 2, 5, 6, 16, requires_grad=False)
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    a = mhakern.attention(q, k, v, dropout_p=0.5, generator=g1, backend="reference")
+    b = mhakern.attention(q, k, v, dropout_p=0.5, generator=g2, backend="reference")
+    assert torch.equal(a, b)
+    assert not torch.equal(a, mhakern.attention(q, k, v, dropout_p=0.5, generator=g1, backend="reference"))
+    torch.manual_seed(9)
+    c = mhakern.attention(q, k, v, dropout_p=0.5, backend="reference")
+    torch.manual_seed(9)
+    assert torch.equal(c, mhakern.attention(q, k, v, dropout_p=0.5, backend="reference"))
+    # p = 0 draws nothing: the default generator is not advanced
+    state = torch.random.get_rng_state()
+    mhakern.attention(q, k, v, dropout_p=0.0, backend="reference")
+    assert torch.equal(state, torch.random.get_rng_state())
+
+
+def test_dropout_backward_uses_the_forward_keep_mask():
+    q, k, v = make_inputs(1, 2, 2, 4, 9, 8, dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    out = mhakern.attention(q, k, v, dropout_p=0.4, generator=g, backend="reference")
+    out.pow(2).sum().backward()
+    from attn_testing import oracle_modes
+    from mhakern import reference
+
+    modes = oracle_modes(dropout_p=0.4, generator=torch.Generator().manual_seed(3))
+    q2, k2, v2 = (x.detach().requires_grad_() for x in (q, k, v))
+    reference.attention(q2, k2, v2, modes=modes).pow(2).sum().backward()
+    for a, b in ((q.grad, q2.grad), (k.grad, k2.grad), (v.grad, v2.grad)):
+        torch.testing.assert_close(a, b)
+
+
+def test_no_grad_and_grad_paths_agree():
+    q, k, v = make_inputs(2, 4, 2, 5, 6, 16)
+    with torch.no_grad():
+        a, la = mhakern.attention(q, k, v, causal=True, return_lse=True)
+    b, lb = mhakern.attention(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(a, b.detach()) and torch.equal(la, lb)
+    assert b.requires_grad and not a.requires_grad and not lb.requires_grad
+
+
+@pytest.mark.gpu
+def test_key_lengths_under_cuda_graph_capture_are_clamped_without_a_sync():
+    q, k, v = make_inputs(2, 4, 2, 5, 6, 16, device="cuda", requires_grad=False)
+    kl = torch.tensor([9, 3], device="cuda")
+    with pytest.raises(ValueError, match="key_lengths"):
+        mhakern.attention(q, k, v, key_lengths=kl, backend="reference")
+    from mhakern.ops import prepare_key_lengths
+
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        clamped = prepare_key_lengths(kl, 6, q.device)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert clamped.tolist() == [6, 3]
+
+
+# ---------------------------------------------------------------------------------------------
+# mhakern.scaled_dot_product_attention against torch's
+
+import itertools  # noqa: E402
+
+import torch.nn.functional as F  # noqa: E402
+
+SDPA_SHAPES = {
+    "4d": ((2, 4, 5, 8), (2, 4, 7, 8), (2, 4, 7, 6), False),
+    "4d-gqa": ((2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8), True),
+    "4d-one-kv-head-broadcast": ((2, 4, 5, 8), (2, 1, 7, 8), (2, 1, 7, 8), False),
+    "4d-batch-broadcast": ((2, 4, 6, 8), (1, 4, 4, 8), (1, 4, 4, 8), False),
+    "3d": ((3, 5, 8), (3, 7, 8), (3, 7, 8), False),
+    "2d": ((5, 8), (7, 8), (7, 8), False),
+    "5d": ((2, 3, 2, 5, 8), (2, 3, 2, 7, 8), (2, 3, 2, 7, 8), False),
+}
+
+
+def _sdpa_mask(kind, L, S):
+    g = torch.Generator().manual_seed(3)
+    if kind is None:
+        return None
+    if kind == "bool-2d":
+        m = torch.rand(L, S, generator=g) > 0.4
+        m[0] = False  # a row that sees nothing
+        return m
+    if kind == "bool-bcast":
+        return torch.rand(1, 1, L, S, generator=g) > 0.3
+    if kind == "float-2d":
+        return torch.randn(L, S, generator=g, dtype=torch.float64)
+    if kind == "float-row":
+        return torch.randn(1, S, generator=g, dtype=torch.float64).requires_grad_()
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize(
+    "shape,mask,is_causal,scale",
+    list(itertools.product(SDPA_SHAPES, [None, "bool-2d", "bool-bcast", "float-2d", "float-row"], [False, True], [None, 0.3])),
+)
+def test_sdpa_matches_torch(shape, mask, is_causal, scale):
+    qs, ks, vs, gqa = SDPA_SHAPES[shape]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, generator=g, dtype=torch.float64).requires_grad_() for s in (qs, ks, vs))
+    L, S = qs[-2], ks[-2]
+    m = _sdpa_mask(mask, L, S)
+    if m is not None and m.dim() > len(qs):
+        m = m.reshape(m.shape[-len(qs):])
+    kw = dict(attn_mask=m, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    if m is not None and is_causal:
+        # torch documents the refusal (some of its paths combine the two instead); we refuse.
+        with pytest.raises(ValueError, match="attn_mask, is_causal"):
+            mhakern.scaled_dot_product_attention(q, k, v, **kw)
+        return
+    ours = mhakern.scaled_dot_product_attention(q, k, v, **kw)
+    leaves = [q, k, v] + ([m] if m is not None and m.requires_grad else [])
+    dout = torch.randn(ours.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(ours, leaves, dout)
+    theirs = F.scaled_dot_product_attention(q, k, v, **kw)
+    want = torch.autograd.grad(theirs, leaves, dout)
+    assert ours.shape == theirs.shape
+    # float64 throughout, but the backward recomputes from a float32 lse (the contract)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    for name, a, b in zip(("dq", "dk", "dv", "dmask"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_sdpa_float32_and_dropout_semantics():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 6, 16, generator=g) for _ in range(3))
+    torch.testing.assert_close(
+        mhakern.scaled_dot_product_attention(q, k, v, is_causal=True), F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    )
+    torch.manual_seed(4)
+    a = mhakern.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(4)
+    b = mhakern.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, b) and not torch.equal(a, mhakern.scaled_dot_product_attention(q, k, v))
+
+
+@pytest.mark.parametrize(
+    "kw,exc,words",
+    [
+        (dict(attn_mask=torch.zeros(6, 6, dtype=torch.float64)), TypeError, ["attn_mask", "float32 or query's dtype"]),
+        (dict(dropout_p=1.5), ValueError, ["dropout_p"]),
+        (dict(is_causal=1), TypeError, ["is_causal"]),
+        (dict(enable_gqa="yes"), TypeError, ["enable_gqa"]),
+    ],
+)
+def test_sdpa_bad_arguments(kw, exc, words):
+    q = torch.randn(2, 4, 6, 16)
+    with pytest.raises(exc) as info:
+        mhakern.scaled_dot_product_attention(q, q, q, **kw)
+    for w in words:
+        assert w in str(info.value)
+
+
+def test_sdpa_gqa_needs_enable_gqa_like_torch():
+    q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="do not broadcast"):
+        mhakern.scaled_dot_product_attention(q, k, k)
+    with pytest.raises(ValueError, match="must divide"):
+        mhakern.scaled_dot_product_attention(q, torch.randn(1, 3, 5, 8), torch.randn(1, 3, 5, 8), enable_gqa=True)
+
+
+def test_sdpa_replaces_torchs_inside_nn_multihead_attention(monkeypatch):
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 4, batch_first=True, dtype=torch.float64)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    mask = torch.ones(5, 5, dtype=torch.bool).triu(1)  # True = not allowed, torch's module convention
+    want, _ = mha(x, x, x, attn_mask=mask, need_weights=False)
+    calls = []
+
+    def ours(*a, **kw):
+        calls.append(1)
+        return mhakern.scaled_dot_product_attention(*a, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", ours)
+    got, _ = mha(x, x, x, attn_mask=mask, need_weights=False)
+    assert calls, "nn.MultiheadAttention did not go through the replacement"
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile with the modes (tests/test_compile.py covers the plain path)
+
+
+def test_compiled_modes_and_mask_gradient_match_eager():
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, L, 16, generator=g).requires_grad_() for h, L in ((4, 5), (2, 7), (2, 7)))
+    m = torch.randn(5, 7, generator=g).requires_grad_()
+    kl = torch.tensor([7, 3])
+
+    def fn(q, k, v, m):
+        return mhakern.attention(q, k, v, attn_mask=m, window=(2, 1), causal=True, causal_align="top_left", key_lengths=kl)
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    results = []
+    for f in (compiled, fn):
+        for x in (q, k, v, m):
+            x.grad = None
+        out = f(q, k, v, m)
+        out.pow(2).sum().backward()
+        results.append([out.detach()] + [x.grad.clone() for x in (q, k, v, m)])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+    torch._dynamo.reset()
+
+
+def test_compiled_dropout_draws_the_same_seed_as_eager():
+    # The seed is a data-dependent scalar: fullgraph needs capture_scalar_outputs (contract).
+    torch._dynamo.reset()
+    q, k, v = make_inputs(1, 2, 2, 4, 6, 16)
+    fn = lambda q, k, v: mhakern.attention(q, k, v, dropout_p=0.3)  # noqa: E731
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+        torch.manual_seed(3)
+        a = compiled(q, k, v)
+        a.sum().backward()
+    torch.manual_seed(3)
+    assert torch.equal(a, fn(q, k, v))
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    torch._dynamo.reset()
+
+
+def test_get_auto_says_it_must_be_selected_not_that_it_is_unknown():
+    from mhakern import backends
+
+    # Before: "unknown backend 'auto'; choose 'auto' or ..."
+    with pytest.raises(ValueError, match="'auto' must be resolved by mhakern.backends.select"):
+        backends.get("auto")
+    with pytest.raises(ValueError, match="reserved"):
+        backends.register(type("B", (backends.Backend,), {"name": "auto"})())
+    with pytest.raises(ValueError, match="unknown features"):
+        backends.register(type("B", (backends.Backend,), {"name": "x", "features": frozenset({"alibi"})})())
+
+
+def test_the_op_hands_backends_float32_masks_and_returns_the_mask_gradient_in_its_shape():
+    q, k, v = make_inputs(2, 4, 2, 5, 6, 16, requires_grad=False)
+    m = torch.randn(1, 4, 1, 6, dtype=torch.bfloat16)
+    out, lse = torch.ops.mhakern.attn_fwd(q, k, v, 0.25, False, None, "reference", m)
+    ref = mhakern.attention(q, k, v, scale=0.25, attn_mask=m.float(), backend="reference")
+    torch.testing.assert_close(out, ref)
+    dq, dk, dv, dmask = torch.ops.mhakern.attn_bwd(out, q, k, v, out, lse, 0.25, False, None, "reference", m,
+                                                   mask_grad=True)
+    assert dmask.shape == m.shape and dmask.dtype == torch.float32

@@ -30,12 +30,6 @@ def cpu_attention(*a, **kw):
     return mhakern.attention(*a, backend="cpu", **kw)
 
 
-def _C():
-    from mhakern import _C
-
-    return _C
-
-
 def _kl(lengths):
     return None if lengths is None else torch.tensor(lengths)
 
@@ -65,14 +59,14 @@ def test_kernels_run_on_several_threads():
     if torch.get_num_threads() < 2:
         pytest.skip("torch runs one thread here (torch.get_num_threads() == 1)")
     # 1 would mean at::parallel_for ran serially: the module was built without torch's OpenMP.
-    assert _C().cpu_parallel_threads_probe(64) == min(torch.get_num_threads(), 64)
+    assert torch.ops.mhakern_C.cpu_parallel_threads_probe(64) == min(torch.get_num_threads(), 64)
 
 
 def test_kernel_isa_is_reported():
     from mhakern.backends.cpu_backend import kernel_isa
 
     assert kernel_isa() in ("AVX512", "AVX2", "DEFAULT")
-    assert kernel_isa() == _C().cpu_kernel_isa()
+    assert kernel_isa() == torch.ops.mhakern_C.cpu_kernel_isa()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,68 +319,18 @@ def test_deterministic_across_runs_and_thread_counts(shape):
 
 
 # ---------------------------------------------------------------------------------------------
-# The C++ boundary: bad input raises a Python exception carrying the TORCH_CHECK message
+# The C++ boundary: the dispatcher ops torch.ops.mhakern_C.fwd / bwd (bad input at the boundary:
+# tests/test_cpp_errors.py, in a child process)
+
+_NOMODES = (None, 0.0, 0, False, -1, -1)  # attn_mask, dropout_p, seed, top_left, window_left, window_right
 
 
-def _fwd_args(**over):
-    q, k, v = make_inputs(2, 4, 2, 5, 7, 16, requires_grad=False)
-    args = dict(q=q, k=k, v=v, scale=0.25, causal=False, key_lengths=None, out=None)
-    args.update(over)
-    return args
+def _fwd(q, k, v, scale, causal, key_lengths=None):
+    return torch.ops.mhakern_C.fwd(q, k, v, scale, causal, key_lengths, *_NOMODES)
 
 
-def _t(*shape, dtype=torch.float32):
-    return torch.randn(*shape).to(dtype)
-
-
-@pytest.mark.parametrize(
-    "over,exc,match",
-    [
-        (dict(q=_t(2, 4, 5, 16, dtype=torch.float64)), TypeError, r"q: expected dtype float32, bfloat16 or float16, got Double"),
-        (dict(k=_t(2, 2, 7, 16, dtype=torch.bfloat16)), TypeError, r"k: expected dtype Float \(q's\), got BFloat16"),
-        (dict(v=torch.zeros(2, 2, 7, 16, dtype=torch.int32)), TypeError, r"v: expected dtype Float \(q's\), got Int"),
-        (dict(q=_t(2, 4, 16)), ValueError, r"q: expected 4 dims \(batch, heads, length, head_dim\), got shape \[2, 4, 16\]"),
-        (dict(k=_t(3, 2, 7, 16)), ValueError, r"k: expected batch size 2 \(q's\), got 3"),
-        (dict(k=_t(2, 3, 7, 16), v=_t(2, 3, 7, 16)), ValueError, r"k: number of kv heads \(3\) must be positive and divide q's number of heads \(4\)"),
-        (dict(k=_t(2, 2, 7, 8)), ValueError, r"k: expected head dim 16 \(q's\), got 8"),
-        (dict(v=_t(2, 2, 6, 16)), ValueError, r"v: expected \(batch, kv heads, length\) = \(2, 2, 7\)"),
-        (dict(q=_t(2, 4, 5, 300), k=_t(2, 2, 7, 300)), ValueError, r"q: head dim 300 exceeds the cpu kernels' maximum of 256"),
-        (dict(v=_t(2, 2, 7, 257)), ValueError, r"v: head dim 257 exceeds"),
-        (dict(q=_t(2, 4, 16, 5).transpose(-1, -2)), ValueError, r"q: expected unit stride on the last dim"),
-        (dict(q=torch.empty(2, 4, 5, 16, device="meta")), ValueError, r"q: expected a CPU tensor, got one on meta"),
-        (dict(scale=float("nan")), ValueError, r"scale: expected a finite number, got nan"),
-        (dict(key_lengths=torch.tensor([7, 3])), TypeError, r"key_lengths: expected dtype int32, got Long"),
-        (dict(key_lengths=torch.tensor([7], dtype=torch.int32)), ValueError, r"key_lengths: expected shape \(2,\)"),
-        (dict(key_lengths=torch.tensor([7, 8], dtype=torch.int32)), ValueError, r"key_lengths: values must lie in \[0, Lk=7\], got 8 at index 1"),
-        (dict(key_lengths=torch.tensor([-1, 2], dtype=torch.int32)), ValueError, r"key_lengths: values must lie in \[0, Lk=7\], got -1 at index 0"),
-        (dict(out=_t(2, 4, 5, 8)), ValueError, r"out: expected shape \[2, 4, 5, 16\]"),
-        (dict(out=_t(2, 4, 5, 16, dtype=torch.bfloat16)), TypeError, r"out: expected dtype Float \(q's\), got BFloat16"),
-        (dict(out=_t(2, 4, 1, 16).expand(2, 4, 5, 16)), ValueError, r"out: expected a non-overlapping, dense tensor"),
-    ],
-)
-def test_bad_forward_input_raises_with_the_check_message(over, exc, match):
-    with pytest.raises(exc, match=match):
-        _C().cpu_attn_fwd(**_fwd_args(**over))
-
-
-def test_bad_backward_input_raises_with_the_check_message():
-    q, k, v = make_inputs(2, 4, 2, 5, 7, 16, requires_grad=False)
-    out, lse = _C().cpu_attn_fwd(q, k, v, 0.25, False)
-    dout = torch.randn_like(out)
-    bwd = _C().cpu_attn_bwd
-    with pytest.raises(ValueError, match=r"lse: expected shape \[2, 4, 5\] \(batch, heads, q length\), got \[2, 4, 6\]"):
-        bwd(dout, q, k, v, out, torch.zeros(2, 4, 6), 0.25, False)
-    with pytest.raises(TypeError, match=r"lse: expected dtype float32, got Double"):
-        bwd(dout, q, k, v, out, lse.double(), 0.25, False)
-    with pytest.raises(ValueError, match=r"dout: expected shape \[2, 4, 5, 16\] \(like the forward's out\)"):
-        bwd(dout[:, :, :4], q, k, v, out, lse, 0.25, False)
-    with pytest.raises(TypeError, match=r"out: expected dtype Float \(q's\), got Half"):
-        bwd(dout, q, k, v, out.half(), lse, 0.25, False)
-    with pytest.raises(ValueError, match=r"dk: expected shape \[2, 2, 7, 16\]"):
-        bwd(dout, q, k, v, out, lse, 0.25, False, None, None, torch.empty(2, 4, 7, 16))
-    # Good arguments after bad ones: the module is still healthy.
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, 0.25, False)
-    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+def _bwd(dout, q, k, v, out, lse, scale, causal, key_lengths=None):
+    return torch.ops.mhakern_C.bwd(dout, q, k, v, out, lse, scale, causal, key_lengths, *_NOMODES, False)
 
 
 def test_direct_calls_match_the_autograd_path():
@@ -394,11 +338,32 @@ def test_direct_calls_match_the_autograd_path():
     out, lse = cpu_attention(q, k, v, causal=True, return_lse=True)
     dout = torch.randn_like(out)
     out.backward(dout)
-    C = _C()
-    o2, l2 = C.cpu_attn_fwd(q.detach(), k.detach(), v.detach(), 32**-0.5, True)
+    o2, l2 = _fwd(q.detach(), k.detach(), v.detach(), 32**-0.5, True)
     assert torch.equal(out, o2) and torch.equal(lse, l2)
-    dq, dk, dv = C.cpu_attn_bwd(dout, q.detach(), k.detach(), v.detach(), o2, l2, 32**-0.5, True)
+    dq, dk, dv, dmask = _bwd(dout, q.detach(), k.detach(), v.detach(), o2, l2, 32**-0.5, True)
     assert torch.equal(dq, q.grad) and torch.equal(dk, k.grad) and torch.equal(dv, v.grad)
+    assert dmask.shape == (0,) and dmask.dtype == torch.float32
+
+
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_outputs_are_allocated_by_the_op_in_the_inputs_layout(layout):
+    q, k, v = make_inputs(2, 4, 2, 9, 13, 32, 24, layout=layout, requires_grad=False)
+    out, lse = _fwd(q, k, v, 0.2, False)
+    dq, dk, dv, _ = _bwd(torch.randn_like(out), q, k, v, out, lse, 0.2, False)
+    for x, like, last in ((out, q, 24), (dq, q, 32), (dk, k, 32), (dv, v, 24)):
+        assert x.shape == like.shape[:3] + (last,)
+        # (B, L, H, D) inputs seen as (B, H, L, D) get outputs laid out the same way
+        assert (x.stride(1) < x.stride(2)) == (layout == "blhd")
+    assert lse.shape == (2, 4, 9) and lse.is_contiguous() and lse.dtype == torch.float32
+
+
+def test_key_lengths_are_checked_by_the_backward_too():
+    # Only the forward used to check the values: a bad length reaching the backward must raise,
+    # never read outside k and v.
+    q, k, v = make_inputs(2, 4, 2, 5, 7, 16, requires_grad=False)
+    out, lse = _fwd(q, k, v, 0.25, False)
+    with pytest.raises(ValueError, match=r"key_lengths: values must lie in \[0, Lk=7\], got 8 at index 0"):
+        _bwd(torch.randn_like(out), q, k, v, out, lse, 0.25, False, torch.tensor([8, 1], dtype=torch.int32))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,17 +374,19 @@ _DEFAULT_ISA_SCRIPT = textwrap.dedent(
     """
     import sys, torch
     sys.path.insert(0, {tests!r})
-    from mhakern import _C
+    import mhakern._C  # registers torch.ops.mhakern_C
     from attn_testing import check_against_reference, make_inputs
 
-    assert _C.cpu_kernel_isa() == "DEFAULT", _C.cpu_kernel_isa()
+    ops = torch.ops.mhakern_C
+    assert ops.cpu_kernel_isa() == "DEFAULT", ops.cpu_kernel_isa()
+    NOMODES = (None, 0.0, 0, False, -1, -1)
 
-    # mhakern._C's functions straight under autograd: the backend registry (and the other
-    # backends' imports) stay out of this short process.
+    # mhakern._C's ops straight under autograd: the backend registry (and the other backends'
+    # imports) stay out of this short process.
     class Attn(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, scale, causal, kl):
-            out, lse = _C.cpu_attn_fwd(q, k, v, scale, causal, kl)
+            out, lse = ops.fwd(q, k, v, scale, causal, kl, *NOMODES)
             ctx.save_for_backward(q, k, v, out, lse)
             ctx.args = (scale, causal, kl)
             ctx.mark_non_differentiable(lse)
@@ -428,8 +395,8 @@ _DEFAULT_ISA_SCRIPT = textwrap.dedent(
         @staticmethod
         def backward(ctx, dout, _):
             q, k, v, out, lse = ctx.saved_tensors
-            grads = _C.cpu_attn_bwd(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-            return (*grads, None, None, None)
+            grads = ops.bwd(dout.contiguous(), q, k, v, out, lse, *ctx.args, *NOMODES, False)
+            return (*grads[:3], None, None, None)
 
     def fn(q, k, v, causal=False, key_lengths=None, scale=None, return_lse=False):
         scale = q.shape[-1] ** -0.5 if scale is None else scale

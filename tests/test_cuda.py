@@ -42,9 +42,15 @@ def _kl(kl):
     return None if kl is None else torch.tensor(kl, device="cuda")
 
 
+def _head_dims():
+    """The compiled head dims (the capability table of mhakern._C), or () without the extension."""
+    caps = cuda_backend.capabilities()
+    return tuple(caps["cuda"]["head_dims"]) if caps is not None else ()
+
+
 def _supported(case) -> bool:
     D, Dv = case[5], case[6]
-    return D == Dv and D in cuda_backend.HEAD_DIMS
+    return D == Dv and D in _head_dims()
 
 
 def test_cuda_backend_is_available_on_a_gpu():
@@ -70,7 +76,7 @@ def test_hard_cases_outside_the_kernels_fall_back(cuda_ready, case):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("D", cuda_backend.HEAD_DIMS)
+@pytest.mark.parametrize("D", _head_dims() or (64,))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_every_dtype_and_head_dim(cuda_ready, dtype, D, causal):
     q, k, v = make_inputs(2, 4, 2, 97, 203, D, dtype=dtype, device="cuda")
@@ -120,25 +126,35 @@ def test_long_keys_take_the_split_k_path(cuda_ready, causal):
     B, H, Hkv, Lq, Lk, D = 1, 4, 1, 3, 2**20, 64
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert cuda_backend.plan_splits(B, Hkv, H // Hkv, Lq, Lk, D, sms) > 1
+    assert cuda_backend.plan_splits(B, Hkv, H // Hkv, Lq, Lk, D, sms, backward=True) > 1
     q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, dtype=torch.bfloat16, device="cuda")
     check_against_reference(_cuda_fn(), q, k, v, causal, torch.tensor([Lk - 5], device="cuda"))
 
 
-def _raw_fwd(q, k, v, scale, causal, kl, splits):
-    from mhakern import _C
+_NOMODES = (None, 0.0, 0, False, -1, -1)  # attn_mask, dropout_p, seed, top_left, window_left, window_right
 
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    _C.cuda_attn_fwd(q, k, v, out, lse, kl, scale, causal, splits)
-    return out, lse
+
+class _forced_splits:
+    """Within the block, the CUDA host code uses ``splits`` key splits instead of planning."""
+
+    def __init__(self, splits):
+        self.splits = splits
+
+    def __enter__(self):
+        self.prev = torch.ops.mhakern_C.cuda_force_splits(self.splits)
+
+    def __exit__(self, *exc):
+        torch.ops.mhakern_C.cuda_force_splits(self.prev)
+
+
+def _raw_fwd(q, k, v, scale, causal, kl, splits):
+    with _forced_splits(splits):
+        return torch.ops.mhakern_C.fwd(q, k, v, scale, causal, kl, *_NOMODES)
 
 
 def _raw_bwd(dout, q, k, v, out, lse, scale, causal, kl, splits):
-    from mhakern import _C
-
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _C.cuda_attn_bwd(dout, q, k, v, out, lse, dq, dk, dv, kl, scale, causal, splits)
-    return dq, dk, dv
+    with _forced_splits(splits):
+        return torch.ops.mhakern_C.bwd(dout, q, k, v, out, lse, scale, causal, kl, *_NOMODES, False)[:3]
 
 
 @pytest.mark.parametrize("splits", [2, 7, 64])
@@ -207,27 +223,52 @@ def test_auto_prefers_cuda_for_half_precision(cuda_ready):
 
 
 def test_extension_checks_name_the_argument(cuda_ready):
-    from mhakern import _C
-
+    # Raised by the CUDA kernels of the dispatcher ops, through torch's operator machinery (the
+    # device-independent checks: tests/test_cpp_errors.py).
+    fwd = torch.ops.mhakern_C.fwd
     q, k, v = make_inputs(1, 2, 2, 16, 16, 64, dtype=torch.float16, device="cuda", requires_grad=False)
-    out = torch.empty_like(q)
-    lse = torch.empty(1, 2, 16, device="cuda")
-    with pytest.raises(TypeError, match="q: the cuda backend takes float16 or bfloat16"):
-        _C.cuda_attn_fwd(q.float(), k.float(), v.float(), out, lse, None, 0.125, False, 1)
+    with pytest.raises(TypeError, match="q: the cuda kernels take float16 or bfloat16"):
+        fwd(q.float(), k.float(), v.float(), 0.125, False, None, *_NOMODES)
     with pytest.raises(ValueError, match="head dim 48 has no compiled cuda kernel"):
         q48 = q[..., :48].contiguous()
-        _C.cuda_attn_fwd(q48, k[..., :48].contiguous(), v[..., :48].contiguous(), q48.clone(), lse, None, 1.0, False, 1)
-    with pytest.raises(ValueError, match="out: expected shape"):
-        _C.cuda_attn_fwd(q, k, v, out[:, :1], lse, None, 0.125, False, 1)
+        fwd(q48, k[..., :48].contiguous(), v[..., :48].contiguous(), 1.0, False, None, *_NOMODES)
+    with pytest.raises(ValueError, match="v: head dim 32 differs from q's"):
+        fwd(q, k, v[..., :32].contiguous(), 0.125, False, None, *_NOMODES)
     with pytest.raises(ValueError, match="k: strides of dims 0-2 must be multiples of 8"):
         big = torch.zeros(1, 2, 16, 68, dtype=torch.float16, device="cuda")[..., 2:66]
-        _C.cuda_attn_fwd(q, big, v, out, lse, None, 0.125, False, 1)
-    with pytest.raises(TypeError, match="key_lengths: expected int32"):
-        _C.cuda_attn_fwd(q, k, v, out, lse, torch.tensor([16], device="cuda"), 0.125, False, 1)
-    with pytest.raises(ValueError, match="num_splits"):
-        _C.cuda_attn_fwd(q, k, v, out, lse, None, 0.125, False, 0)
-    with pytest.raises(TypeError, match="lse: expected float32"):
-        _C.cuda_attn_fwd(q, k, v, out, lse.half(), None, 0.125, False, 1)
+        fwd(q, big, v, 0.125, False, None, *_NOMODES)
+    with pytest.raises(TypeError, match="key_lengths: expected dtype int32"):
+        fwd(q, k, v, 0.125, False, torch.tensor([16], device="cuda"), *_NOMODES)
+    with pytest.raises(ValueError, match=r"key_lengths: values must lie in \[0, Lk=16\], got 17 at index 0"):
+        fwd(q, k, v, 0.125, False, torch.tensor([17], dtype=torch.int32, device="cuda"), *_NOMODES)
+    with pytest.raises(ValueError, match="key_lengths: expected a tensor on cuda"):
+        fwd(q, k, v, 0.125, False, torch.tensor([16], dtype=torch.int32), *_NOMODES)
+    with pytest.raises(NotImplementedError, match="the cuda kernels do not implement dropout"):
+        fwd(q, k, v, 0.125, False, None, None, 0.5, 0, False, -1, -1)
+    with pytest.raises(ValueError, match="cuda_force_splits: num_splits must lie in"):
+        torch.ops.mhakern_C.cuda_force_splits(-1)
+    out, lse = fwd(q, k, v, 0.125, False, None, *_NOMODES)
+    with pytest.raises(TypeError, match="lse: expected dtype float32"):
+        torch.ops.mhakern_C.bwd(out, q, k, v, out, lse.half(), 0.125, False, None, *_NOMODES, False)
+    # Still healthy after all of that.
+    out2, _ = fwd(q, k, v, 0.125, False, None, *_NOMODES)
+    assert torch.equal(out, out2)
+
+
+def test_clamped_key_lengths_under_graph_capture(cuda_ready):
+    # Under CUDA-graph capture the host cannot read the lengths: the kernels clamp them, so an
+    # out-of-range value gives the answer of the clamped one instead of reading outside k and v.
+    q, k, v = make_inputs(2, 2, 2, 8, 40, 64, dtype=torch.float16, device="cuda", requires_grad=False)
+    kl_bad = torch.tensor([1000, -5], dtype=torch.int32, device="cuda")
+    kl_ok = torch.tensor([40, 0], dtype=torch.int32, device="cuda")
+    want, want_lse = torch.ops.mhakern_C.fwd(q, k, v, 0.125, False, kl_ok, *_NOMODES)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got, got_lse = torch.ops.mhakern_C.fwd(q, k, v, 0.125, False, kl_bad, *_NOMODES)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
 
 
 def test_misaligned_views_are_copied_not_refused(cuda_ready):

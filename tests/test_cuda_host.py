@@ -12,14 +12,19 @@
   What emulation cannot show (timing, register limits, whether the hardware matches the
   documented layouts) is left to tests/test_cuda.py on a GPU.
 
-The run builds four of the eight instantiations (``EMU_INSTANCES``: every head dim, both dtypes,
-both backward tile configs) to bound the compile time; the emulator reports any other as not
-compiled in. Compiled objects are cached under pytest's cache dir.
+The run builds all eight instantiations (``EMU_INSTANCES``; each costs about 2 s of CPU to
+compile); a build may leave some out, and the emulator then reports them as not compiled in.
+Compiled objects are cached under pytest's cache dir. The tests that use the ``deferred`` fixture
+run under the emulator's seeded random schedule (one seed per test, derived from a session seed:
+``MHK_EMU_SEED`` pins it, and a failing test prints it); the emulator's own checks are in
+tests/test_cuda_emulator.py.
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -42,6 +47,19 @@ from attn_testing import HARD_CASES, case_id, check_against_reference, make_inpu
 # ---------------------------------------------------------------------------------------------
 ROOT = Path(__file__).resolve().parent.parent
 CUDA_SRC = ROOT / "csrc" / "cuda"
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("generate_kernels", ROOT / "tools" / "generate_kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# The instance list of the capability table (csrc/capabilities.h), read from the source so that
+# the emulator tests need no built extension.
+TABLE_INSTANCES = _generator().instances((ROOT / "csrc" / "capabilities.h").read_text())
+HEAD_DIMS = tuple(sorted({d for _, d in TABLE_INSTANCES}))
 ELEM = {torch.float16: 0, torch.bfloat16: 1}
 TAG = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 # Shared memory per block on sm_86 / sm_89, the smallest of the sm_80+ family (sm_80: 163 KB,
@@ -95,7 +113,12 @@ def _sources_digest(extra: Iterable[str]) -> str:
     return h.hexdigest()[:16]
 
 
-FLAGS = ["-std=c++17", "-O1", "-fPIC", "-DMHAKERN_CUDA_EMULATE", "-w"]
+# The emulator names a collective's program point by its call stack (cuda_emu.h): frame pointers
+# to walk it, and no jump threading, which copies a join point (a __syncthreads after an `if`)
+# into each branch and so would split one program point into two.
+FLAGS = ["-std=c++17", "-O1", "-fPIC", "-fno-omit-frame-pointer", "-fno-thread-jumps", "-DMHAKERN_CUDA_EMULATE", "-w"]
+# The emulator's runtime entry points (schedule, read guard) and its self-test kernels.
+RUNTIME_UNITS = ("emu_entry.cpp", "emu_schedule.cpp", "emu_selftest.cpp")
 
 
 def build(cache_dir: Path, instances: Sequence[str], jobs: Optional[int] = None) -> Path:
@@ -110,7 +133,7 @@ def build(cache_dir: Path, instances: Sequence[str], jobs: Optional[int] = None)
     digest = _sources_digest(FLAGS + [str(inc)])
     out = cache_dir / digest
     out.mkdir(parents=True, exist_ok=True)
-    units = [CUDA_SRC / "emulation" / "emu_entry.cpp"]
+    units = [CUDA_SRC / "emulation" / u for u in RUNTIME_UNITS]
     for inst in instances:
         units += [CUDA_SRC / f"attn_fwd_{inst}.cu", CUDA_SRC / f"attn_bwd_{inst}.cu"]
 
@@ -128,10 +151,10 @@ def build(cache_dir: Path, instances: Sequence[str], jobs: Optional[int] = None)
 
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 2) as pool:
         objs = list(pool.map(compile_one, units))
-    lib = out / ("libmhk_emu_" + "_".join(sorted(instances)) + ".so")
+    lib = out / ("libmhk_emu_" + ("_".join(sorted(instances)) or "runtime") + ".so")
     if not lib.exists():
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        res = subprocess.run(["g++", "-shared", "-o", str(tmp), *map(str, objs)], capture_output=True, text=True)
+        res = subprocess.run(["g++", "-shared", "-o", str(tmp), *map(str, objs), "-ldl"], capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"emulator link failed:\n{res.stderr[-4000:]}")
         os.replace(tmp, lib)
@@ -145,8 +168,13 @@ class Emulator:
         self.lib = ctypes.CDLL(str(lib_path))
         self.lib.mhk_emu_last_error.restype = ctypes.c_char_p
         self.lib.mhk_emu_configure.argtypes = [ctypes.c_int, ctypes.c_longlong]
+        self.lib.mhk_emu_schedule.argtypes = [ctypes.c_int, ctypes.c_ulonglong]
         self.instances = set(instances)
         self.defer_async = True
+
+    def schedule(self, seed: Optional[int]) -> None:
+        """The seeded random schedule for the following calls, or the fixed one (seed None)."""
+        self.lib.mhk_emu_schedule(0 if seed is None else 1, 0 if seed is None else seed)
 
     def has(self, dtype: torch.dtype, D: int) -> bool:
         return f"{TAG[dtype]}_d{D}" in self.instances
@@ -277,11 +305,38 @@ def emulated_attention(emu: Emulator, splits: int = 1, bwd_splits: int = 1):
     return fn
 
 
-# Instantiations built for the tests: every head dim, both dtypes, both tile configs of the
-# backward (D <= 64 and D > 64). The other four differ from these only in the element type.
-EMU_INSTANCES = ("fp16_d32", "bf16_d64", "fp16_d96", "bf16_d128")
-ALL_INSTANCES = tuple(f"{t}_d{d}" for t in ("fp16", "bf16") for d in (32, 64, 96, 128))
-DTYPE_FOR_D = {32: torch.float16, 64: torch.bfloat16, 96: torch.float16, 128: torch.bfloat16}
+# Instantiations built for the tests: all of them (the capability table's list). The hard cases
+# run each head dim in one dtype (DTYPE_FOR_D, alternating); tests/test_cuda_emulator.py runs
+# every instantiation in the other.
+ALL_INSTANCES = tuple(f"{t}_d{d}" for t, d in TABLE_INSTANCES)
+EMU_INSTANCES = ALL_INSTANCES
+DTYPE_FOR_D = {d: (torch.float16, torch.bfloat16)[i % 2] for i, d in enumerate(HEAD_DIMS)}
+
+
+def emu_session_seed() -> int:
+    """The session's base seed of the random schedule: MHK_EMU_SEED, or a fresh one per run."""
+    env = os.environ.get("MHK_EMU_SEED")
+    if env:
+        return int(env, 0)
+    if not hasattr(emu_session_seed, "seed"):
+        emu_session_seed.seed = int.from_bytes(os.urandom(4), "little")
+    return emu_session_seed.seed
+
+
+def emu_test_seed(nodeid: str, salt: str = "") -> int:
+    """The seed of one test: a function of the session seed and the test's id."""
+    digest = hashlib.sha256(f"{emu_session_seed()}:{nodeid}:{salt}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def use_random_schedule(emu: "Emulator", nodeid: str, salt: str = "") -> int:
+    """Puts emu on the random schedule for one test and prints how to rerun it (pytest shows the
+    print when the test fails). Returns the seed."""
+    seed = emu_test_seed(nodeid, salt)
+    emu.schedule(seed)
+    print(f"emulator: random schedule seed {seed} (rerun with MHK_EMU_SEED={emu_session_seed()} "
+          f"python -m pytest '{nodeid}')")
+    return seed
 
 
 def _make_emulator(request, instances) -> Emulator:
@@ -298,9 +353,12 @@ def emu(request):
 
 
 @pytest.fixture
-def deferred(emu):
+def deferred(emu, request):
+    """emu under the seeded random schedule (the test's own seed); fixed again afterwards."""
     emu.defer_async = True
+    use_random_schedule(emu, request.node.nodeid)
     yield emu
+    emu.schedule(None)
     emu.defer_async = True
 
 
@@ -313,7 +371,7 @@ def _run(emu, case, dtype, splits=1, bwd_splits=1, layout="bhld", scale_inputs=1
 
 def _cuda_supported(case) -> bool:
     D, Dv = case[5], case[6]
-    return D == Dv and D in cuda_backend.HEAD_DIMS
+    return D == Dv and D in HEAD_DIMS
 
 
 SUPPORTED_HARD = [c for c in HARD_CASES if _cuda_supported(c)]
@@ -386,6 +444,25 @@ def test_emulated_hidden_keys_are_never_read(deferred):
     assert torch.equal(out.detach(), ref)
 
 
+def test_emulated_kernels_clamp_out_of_range_key_lengths(deferred):
+    # The host refuses such lengths where it can read them; where it cannot (CUDA-graph capture)
+    # the kernels clamp them into [0, Lk]: never a read outside k and v (which the NaN padding
+    # around every emulated tensor would turn into NaN results).
+    q, k, v = make_inputs(3, 4, 2, 9, 40, 32, dtype=torch.float16)
+    fn = emulated_attention(deferred)
+    bad = torch.tensor([41, -3, 2**31 - 1], dtype=torch.int32)
+    clamped = bad.clamp(0, 40)
+    out, lse = fn(q, k, v, causal=True, key_lengths=bad, return_lse=True)
+    dout = torch.randn(out.shape).to(out.dtype)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    q2, k2, v2 = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    out2, lse2 = fn(q2, k2, v2, causal=True, key_lengths=clamped, return_lse=True)
+    want = torch.autograd.grad(out2, (q2, k2, v2), dout)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b) and not torch.isnan(a).any()
+
+
 def test_emulated_fully_masked_rows_are_zero_with_zero_gradient(deferred):
     # Causal with Lq > Lk: the first Lq - Lk rows see no key; key_lengths 0 hides every key.
     q, k, v = make_inputs(2, 2, 2, 70, 20, 32, dtype=torch.float16)
@@ -411,13 +488,12 @@ def test_emulator_catches_an_out_of_bounds_write():
         guard.check("poked")
 
 
-def test_emulator_reports_a_missing_instantiation(deferred):
-    missing = [i for i in ALL_INSTANCES if i not in EMU_INSTANCES][0]
-    dtype = torch.float16 if missing.startswith("fp16") else torch.bfloat16
-    D = int(missing.split("_d")[1])
-    q, k, v = make_inputs(1, 1, 1, 4, 4, D, dtype=dtype, requires_grad=False)
-    with pytest.raises(RuntimeError, match="not compiled into this emulator build"):
-        emulated_attention(deferred)(q, k, v)
+def test_emulator_reports_a_missing_instantiation(request):
+    # A build with one instantiation (linked from the cached objects) reports the others.
+    partial = _make_emulator(request, ("fp16_d32",))
+    q, k, v = make_inputs(1, 1, 1, 4, 4, 64, dtype=torch.bfloat16, requires_grad=False)
+    with pytest.raises(RuntimeError, match="run_attn_fwd_bf16_d64 is not compiled into this emulator build"):
+        emulated_attention(partial)(q, k, v)
 
 
 @pytest.mark.parametrize("scale", [-0.3, 0.0])
@@ -441,49 +517,75 @@ def test_available_backends_reports_cuda_with_a_reason_here():
         assert av["cuda"] is not None
 
 
-def _fresh_backend(monkeypatch, cuda_version, ext, device=True, caps=((9, 0),)):
+def _real_table():
+    """The capability table of the built extension, or skip (the tests below read its limits)."""
+    caps = cuda_backend.capabilities()
+    if caps is None:
+        pytest.skip("mhakern._C is not built (the capability table comes from it)")
+    return caps
+
+
+def _compiled_table():
+    """The real table, as a build with the CUDA kernels would report it."""
+    caps = json.loads(json.dumps(_real_table()))
+    caps["cuda"]["compiled"] = True
+    return caps
+
+
+def _fresh_backend(monkeypatch, cuda_version, table, device=True, caps=((9, 0),), ext_error=None):
     be = cuda_backend.CudaBackend()
     monkeypatch.setattr(be, "_device_capabilities", lambda: dict(enumerate(caps)))
     monkeypatch.setattr(torch.version, "cuda", cuda_version)
-    if isinstance(ext, Exception):
-        def raise_it():
-            raise ext
-        monkeypatch.setattr(be, "_extension", raise_it)
-    else:
-        monkeypatch.setattr(be, "_extension", lambda: ext)
+    monkeypatch.setattr(be, "_capabilities", lambda: table)
+    if ext_error is not None:
+        from mhakern.backends import cpu_backend
+
+        monkeypatch.setattr(cpu_backend, "_ext_error", ext_error)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: device)
     return be
 
 
 def test_reason_torch_without_cuda(monkeypatch):
-    be = _fresh_backend(monkeypatch, None, types.SimpleNamespace(with_cuda=True, cuda_attn_fwd=None))
+    be = _fresh_backend(monkeypatch, None, _compiled_table())
     why = be.unavailable()
     assert "built without CUDA" in why and "torch.version.cuda is None" in why
 
 
 def test_reason_extension_missing(monkeypatch):
-    be = _fresh_backend(monkeypatch, "13.0", ImportError("No module named 'mhakern._C'"))
+    be = _fresh_backend(monkeypatch, "13.0", None, ext_error="No module named 'mhakern._C'")
     why = be.unavailable()
     assert "mhakern._C" in why and "No module named" in why and "--no-build-isolation" in why
 
 
 def test_reason_extension_built_without_cuda(monkeypatch):
-    be = _fresh_backend(monkeypatch, "13.0", types.SimpleNamespace(with_cuda=False))
+    table = _compiled_table()
+    table["cuda"]["compiled"] = False
+    be = _fresh_backend(monkeypatch, "13.0", table)
     assert "built without its CUDA kernels" in be.unavailable()
 
 
 def test_reason_no_device(monkeypatch):
-    ext = types.SimpleNamespace(with_cuda=True, cuda_attn_fwd=object())
-    be = _fresh_backend(monkeypatch, "13.0", ext, device=False)
+    be = _fresh_backend(monkeypatch, "13.0", _compiled_table(), device=False)
     assert "no CUDA device" in be.unavailable()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert be.unavailable() is None
 
 
 def test_reason_only_old_devices(monkeypatch):
-    ext = types.SimpleNamespace(with_cuda=True, cuda_attn_fwd=object())
-    be = _fresh_backend(monkeypatch, "13.0", ext, caps=((7, 5), (7, 0)))
+    be = _fresh_backend(monkeypatch, "13.0", _compiled_table(), caps=((7, 5), (7, 0)))
     assert "compute capability 8.0 or newer (found 7.5, 7.0)" in be.unavailable()
+
+
+def test_backend_reads_the_capability_table(monkeypatch):
+    table = _compiled_table()
+    be = _fresh_backend(monkeypatch, "13.0", table)
+    assert be.unavailable() is None
+    assert be.table == table["cuda"] and set(be._head_dims) == set(HEAD_DIMS)
+    assert be.features == frozenset(table["cuda"]["features"])
+    # A table that serves more is served: nothing about head dims is restated in Python.
+    table["cuda"]["head_dims"] = [*HEAD_DIMS, 80]
+    be2 = _fresh_backend(monkeypatch, "13.0", table)
+    assert be2.unavailable() is None and be2.supports(*_qkv(D=80), False, None) is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,13 +611,14 @@ def _qkv(B=2, H=8, Hkv=2, Lq=128, Lk=256, D=64, Dv=None, dtype=torch.float16):
 
 
 @pytest.fixture
-def be():
-    b = cuda_backend.CudaBackend()
+def be(monkeypatch):
+    b = _fresh_backend(monkeypatch, "13.0", _compiled_table())
+    assert b.unavailable() is None
     b._caps = {0: (9, 0)}  # what unavailable() reads on an H100
     return b
 
 
-@pytest.mark.parametrize("D", cuda_backend.HEAD_DIMS)
+@pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_supports_fp16_bf16_and_every_compiled_head_dim(be, D, dtype):
     assert be.supports(*_qkv(D=D, dtype=dtype), True, None) is None
@@ -526,10 +629,12 @@ def test_supports_fp16_bf16_and_every_compiled_head_dim(be, D, dtype):
     [
         (dict(dtype=torch.float32), "served by the triton backend"),
         (dict(dtype=torch.float64), "float16 or bfloat16"),
-        (dict(D=80), "supported: 32, 64, 96, 128"),
+        (dict(D=80), "supported: " + ", ".join(map(str, HEAD_DIMS))),
         (dict(D=256), "head dim 256"),
         (dict(D=64, Dv=32), "differ"),
         (dict(Lk=2**30), "exceeds"),
+        # 2^30 + 2 packed rows of one KV head: ceil_div over 32-bit rows would overflow near 2^31
+        (dict(B=1, H=2, Hkv=1, Lq=2**29 + 1), "exceeds the cuda kernels' limit of 1073741824"),
     ],
 )
 def test_supports_refuses_with_a_reason(be, kw, needle):
@@ -549,8 +654,13 @@ def test_supports_refuses_cpu_tensors_and_old_gpus(be, monkeypatch):
 def test_auto_picks_cuda_first_and_falls_back_with_its_reason(monkeypatch):
     be = backends.get("cuda")
     assert be.priority == 40 and be.priority > backends.get("reference").priority
+    table = _compiled_table()["cuda"]
     monkeypatch.setattr(be, "unavailable", lambda: None)
     monkeypatch.setattr(be, "_caps", {0: (8, 0)})
+    monkeypatch.setattr(be, "table", table)
+    monkeypatch.setattr(be, "_dtypes", (torch.float16, torch.bfloat16))
+    monkeypatch.setattr(be, "_head_dims", tuple(table["head_dims"]))
+    monkeypatch.setattr(be, "_min_capability", tuple(table["min_capability"]))
     assert backends.select("auto", *_qkv(), False, None) is be
     # float32 and head dim 80: cuda says why, and auto moves on to another backend
     for kw in (dict(dtype=torch.float32), dict(D=80)):
@@ -571,52 +681,61 @@ def test_hard_cases_outside_the_kernels_are_refused_not_guessed(be, case):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_plan_splits_no_split_when_query_tiles_fill_the_gpu():
+@pytest.fixture
+def split_table():
+    return _real_table()["cuda"]["split"]
+
+
+def test_plan_splits_no_split_when_query_tiles_fill_the_gpu(split_table):
     # 16 x 16 heads x 2048 rows / 64 = 8192 CTAs on 132 SMs
     assert cuda_backend.plan_splits(16, 16, 1, 2048, 2048, 128, 132) == 1
 
 
-def test_plan_splits_long_key_decode_splits_the_keys():
+def test_plan_splits_long_key_decode_splits_the_keys(split_table):
     # MQA decode: 8 query heads share one KV head, Lq = 1: a single CTA per batch element.
     s = cuda_backend.plan_splits(1, 1, 8, 1, 2**20, 128, 132)
-    assert s == cuda_backend.MAX_SPLITS
+    assert s == split_table["max_splits"]
     s = cuda_backend.plan_splits(4, 2, 4, 1, 2**20, 64, 132)  # 8 CTAs
     assert s == 33  # ceil(2 * 132 / 8)
 
 
-def test_plan_splits_keeps_enough_keys_per_split():
+def test_plan_splits_keeps_enough_keys_per_split(split_table):
     # 640 keys = 10 blocks of 64: one split of at least 8 blocks
+    assert split_table["min_blocks_per_split"] == 8
     assert cuda_backend.plan_splits(1, 1, 1, 1, 640, 64, 132) == 1
     assert cuda_backend.plan_splits(1, 1, 1, 1, 64 * 8 * 5, 64, 132) == 5
 
 
-def test_plan_splits_caps_the_workspace():
+def test_plan_splits_caps_the_workspace(split_table):
     # 2^19 packed rows x 128 dims x 4 B = 256 MiB per split: the 1 GiB cap allows 4 splits
     # (a device with very many SMs would otherwise ask for more).
     rows = 64 * 2**13
     s = cuda_backend.plan_splits(1, 1, 64, 2**13, 2**29, 128, 10**9)
     assert s == 4
-    assert s * rows * 128 * 4 <= cuda_backend.MAX_SPLIT_WORKSPACE_BYTES
+    assert s * rows * 128 * 4 <= split_table["max_workspace_bytes"]
 
 
-@pytest.mark.parametrize("D", cuda_backend.HEAD_DIMS)
+@pytest.mark.parametrize("D", HEAD_DIMS)
 def test_planner_tiles_match_the_compiled_configs(emu, D):
+    # The kernels' FwdConfig / BwdConfig take their tiles from the table; the emulator build
+    # reports what the compiled configs hold, the extension what the table says.
     out = (ctypes.c_int * 6)()
     assert emu.lib.mhk_emu_tiles(D, out) == 0
-    fwd_m, fwd_n, dq_m, dq_n = out[0], out[1], out[2], out[3]
-    assert cuda_backend.fwd_tiles(D) == (fwd_m, fwd_n)
-    assert cuda_backend.dq_tiles(D) == (dq_m, dq_n)
+    tiles = _real_table()["cuda"]["tiles"][str(D)]
+    assert tuple(tiles["fwd"]) == (out[0], out[1])
+    assert tuple(tiles["dq"]) == (out[2], out[3])
+    assert tuple(tiles["dkv"]) == (out[5], out[4])
 
 
-def test_plan_splits_uses_the_pass_tiles():
+def test_plan_splits_uses_the_pass_tiles(split_table):
     # 8 query heads x 16 rows = 128 packed rows: one forward CTA (128 rows), two dq CTAs (64)
     # on 40 SMs: 2 x 40 CTAs wanted, so 80 splits of the one forward CTA, 40 of each dq CTA
     fwd = cuda_backend.plan_splits(1, 1, 8, 16, 2**16, 128, 40)
-    dq = cuda_backend.plan_splits(1, 1, 8, 16, 2**16, 128, 40, tiles=cuda_backend.dq_tiles(128))
+    dq = cuda_backend.plan_splits(1, 1, 8, 16, 2**16, 128, 40, backward=True)
     assert (fwd, dq) == (80, 40)
 
 
-def test_plan_splits_rejects_bad_arguments():
+def test_plan_splits_rejects_bad_arguments(split_table):
     with pytest.raises(ValueError, match="num_sms"):
         cuda_backend.plan_splits(1, 1, 1, 1, 64, 64, -1)
 

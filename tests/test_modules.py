@@ -2,11 +2,19 @@
 
 Equivalence is judged by GUIDE.md's tolerance rule: nn.MultiheadAttention in float64 is the
 oracle, nn.MultiheadAttention in float32 the "torch math in T"; FusedMHA (float32, weights
-loaded from the same state dict) must stay within 2x (outputs) / 3x (gradients of inputs and
-parameters) of torch's own error plus atol. Every case runs on each backend usable for CPU
-float32 tensors (reference always; triton under the interpreter once it is there).
+loaded from the same state dict) must stay within 2x (outputs and attention weights) / 3x
+(gradients of inputs, float masks and parameters) of torch's own error plus atol.
+
+``test_walk_matches_torch`` walks every combination of mask form, padding form and weights form,
+with the other arguments (self/cross attention, kdim/vdim, batch_first, unbatched, bias,
+add_bias_kv, add_zero_attn, float masks that require grad) spread over the cases so that every
+pair of argument values meets at least once. The simpler cases run on each backend usable for
+CPU float32 tensors (reference always; the compiled cpu backend once built; triton under the
+interpreter).
 """
+import itertools
 import math
+import os
 
 import pytest
 import torch
@@ -28,6 +36,9 @@ def _cpu_backends():
 
 
 BACKENDS = _cpu_backends()
+# The modes FusedMHA hands to mhakern.attention (window is not one of them).
+_MODES = frozenset({"attn_mask", "mask_grad", "dropout", "top_left"})
+FULL_BACKENDS = [b for b in BACKENDS if b == "reference" or _MODES <= backends.get(b).features]
 
 
 def test_reference_backend_is_among_the_tested():
@@ -42,7 +53,7 @@ def _torch_pair(seed, dtype=torch.float32, device="cpu", **kw):
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for n, p in m32.named_parameters():
-            if "bias" in n:
+            if "bias" in n and n not in ("bias_k", "bias_v"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
     # The oracle holds exactly the tested parameters, upcast.
     m64 = nn.MultiheadAttention(**kw).to(device=device, dtype=torch.float64)
@@ -54,7 +65,10 @@ def _fused_from(m32, backend, batch_first, **extra):
     f = mhakern.FusedMHA(
         m32.embed_dim,
         m32.num_heads,
+        dropout=m32.dropout,
         bias=m32.in_proj_bias is not None,
+        add_bias_kv=m32.bias_k is not None,
+        add_zero_attn=m32.add_zero_attn,
         kdim=m32.kdim,
         vdim=m32.vdim,
         batch_first=batch_first,
@@ -71,49 +85,81 @@ def _leaf(x, dtype, device="cpu"):
     return x.detach().to(device=device, dtype=dtype).requires_grad_(True)
 
 
-def _compare_to_torch(fused, m32, m64, inputs, fused_kw, torch_kw, out_rows=None, seed=7):
-    """Forward and backward of FusedMHA vs nn.MHA in fp64 (oracle) and in FusedMHA's dtype T
-    (torch math), on FusedMHA's device; ``m32`` is the torch module in T.
+class _Run:
+    """One forward and backward of a module on fresh leaves: out, weights and named gradients."""
 
-    ``inputs`` are float64 tensors (query, key, value) — the same objects where the call is
-    self-attention, so that the fused module takes its packed path. ``out_rows`` optionally
-    selects the output entries compared and back-propagated (the rest get zero gradient).
-    """
-    T, device = fused.out_proj.weight.dtype, fused.out_proj.weight.device
-
-    def run(module, dtype, kw):
+    def __init__(self, module, dtype, inputs, kw, grad_kw, use_weights, out_rows, seed):
+        device = next(module.parameters()).device
         cache = {}  # one leaf per distinct input object, so self-attention stays self-attention
         xs = []
         for x in inputs:
             if id(x) not in cache:
                 cache[id(x)] = _leaf(x, dtype, device)
             xs.append(cache[id(x)])
-        if module is not fused:
-            # Float masks in the module's own dtype, so torch's fp32 math stays fp32.
-            kw = {n: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype) if torch.is_tensor(t) else t
-                  for n, t in kw.items()}
+        call_kw = {}
+        for n, t in kw.items():
+            if torch.is_tensor(t):
+                # Float masks in the module's own dtype, so torch's fp32 math stays fp32.
+                t = t.detach().to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+                if n in grad_kw:
+                    t.requires_grad_(True)
+            call_kw[n] = t
+        self.out, self.weights = module(*xs, **call_kw)
+        sel = (lambda t: t) if out_rows is None else out_rows
+        g = torch.Generator().manual_seed(seed)
+        dout = torch.randn(sel(self.out).shape, generator=g, dtype=torch.float64)
+        loss = (sel(self.out) * dout.to(device=device, dtype=self.out.dtype)).sum()
+        if use_weights and self.weights is not None:
+            dw = torch.randn(self.weights.shape, generator=g, dtype=torch.float64)
+            loss = loss + (self.weights * dw.to(device=device, dtype=self.weights.dtype)).sum()
+        loss.backward()
+        self.grads = {f"d(input {i})": x.grad for i, x in enumerate(cache.values())}
+        self.grads.update({f"d({n})": call_kw[n].grad for n in grad_kw})
+        self.grads.update({f"d({n})": p.grad for n, p in module.named_parameters()})
+
+
+def _compare_to_torch(fused, m32, m64, inputs, fused_kw, torch_kw, out_rows=None, seed=7, grad_kw=()):
+    """Forward and backward of FusedMHA vs nn.MHA in fp64 (oracle) and in FusedMHA's dtype T
+    (torch math), on FusedMHA's device; ``m32`` is the torch module in T.
+
+    ``inputs`` are float64 tensors (query, key, value) — the same objects where the call is
+    self-attention, so that the fused module takes its packed path. ``out_rows`` optionally
+    selects the output entries compared and back-propagated (the rest get zero gradient).
+    ``grad_kw`` names float masks among the keyword arguments that require grad. The loss
+    includes the attention weights when both modules return them, so their gradients count.
+
+    Rows that see no key: nn.MHA's weights path gives NaN there, its SDPA path (need_weights
+    False) 0 like FusedMHA. When the oracle's weights hold NaN rows, the weights are compared on
+    the other rows (FusedMHA's must be 0 on those), and out and gradients against torch's SDPA
+    path.
+    """
+    T = fused.out_proj.weight.dtype
+
+    def runs(fkw, tkw, use_weights):
+        return (
+            _Run(fused, T, inputs, fkw, grad_kw, use_weights, out_rows, seed),
+            _Run(m64, torch.float64, inputs, tkw, grad_kw, use_weights, out_rows, seed),
+            _Run(m32, T, inputs, tkw, grad_kw, use_weights, out_rows, seed),
+        )
+
+    f, r64, r32 = runs(fused_kw, torch_kw, True)
+    if r64.weights is not None and f.weights is not None:
+        w64 = r64.weights.detach()
+        assert f.weights.shape == w64.shape and f.weights.dtype == T
+        dead = torch.isnan(w64).any(-1)
+        if dead.any():
+            live = ~dead
+            assert torch.all(f.weights[dead] == 0), "weights of rows that see no key must be 0"
+            rule_check("weights", f.weights[live], w64[live], r32.weights[live], T, 2.0)
+            f, r64, r32 = runs(fused_kw, {**torch_kw, "need_weights": False}, False)
         else:
-            kw = {n: t.to(device) if torch.is_tensor(t) else t for n, t in kw.items()}
-        out, w = module(*xs, **kw)
-        assert w is None or module is not fused
-        return out, cache
-
-    out_f, c_f = run(fused, T, fused_kw)
-    out_64, c_64 = run(m64, torch.float64, torch_kw)
-    out_32, c_32 = run(m32, T, torch_kw)
-    assert out_f.shape == out_64.shape
+            rule_check("weights", f.weights, w64, r32.weights, T, 2.0)
+    assert f.out.shape == r64.out.shape
     sel = (lambda t: t) if out_rows is None else out_rows
-    rule_check("out", sel(out_f), sel(out_64), sel(out_32), T, 2.0)
-
-    g = torch.Generator().manual_seed(seed)
-    dout = torch.randn(sel(out_64).shape, generator=g, dtype=torch.float64)
-    for out, dt in ((out_f, T), (out_64, torch.float64), (out_32, T)):
-        sel(out).backward(dout.to(device=device, dtype=dt))
-    for i, (xf, x64, x32) in enumerate(zip(c_f.values(), c_64.values(), c_32.values())):
-        rule_check(f"d(input {i})", xf.grad, x64.grad, x32.grad, T, 3.0)
-    p64, p32 = dict(m64.named_parameters()), dict(m32.named_parameters())
-    for name, p in fused.named_parameters():
-        rule_check(f"d({name})", p.grad, p64[name].grad, p32[name].grad, T, 3.0)
+    rule_check("out", sel(f.out), sel(r64.out), sel(r32.out), T, 2.0)
+    assert f.grads.keys() == r64.grads.keys(), (f.grads.keys(), r64.grads.keys())
+    for name, g in f.grads.items():
+        rule_check(name, g, r64.grads[name], r32.grads[name], T, 3.0)
 
 
 def _bottom_right_block(L, S, lengths, num_heads):
@@ -127,13 +173,206 @@ def _x(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
+# --------------------------------------------------------------------------------------------
+# The combination walk.
+
+_WALK_AXES = {
+    "attn_mask": (None, "bool2", "float2", "bool3", "float3", "causal_bool", "causal_float"),
+    "padding": (None, "right_bool", "right_float", "left_bool", "left_float", "holes_bool", "bias_float"),
+    "weights": ("none", "averaged", "per_head"),
+    "inputs": ("self", "kv", "cross"),
+    "batch_first": (True, False),
+    "batched": (True, False),
+    "bias": (True, False),
+    "add_bias_kv": (False, True),
+    "add_zero_attn": (False, True),
+    "mask_grad": (False, True),
+}
+_MAIN = ("attn_mask", "padding", "weights")
+
+
+def _pairs(case):
+    names = list(_WALK_AXES)
+    return {((a, case[a]), (b, case[b])) for a, b in itertools.combinations(names, 2)}
+
+
+def _walk_cases():
+    """Every combination of the _MAIN axes; the other axes chosen greedily so that every pair
+    of values of any two axes occurs in some case (then more cases until that holds)."""
+    names = list(_WALK_AXES)
+    others = [n for n in names if n not in _MAIN]
+    wanted = {
+        ((a, va), (b, vb))
+        for a, b in itertools.combinations(names, 2)
+        for va in _WALK_AXES[a]
+        for vb in _WALK_AXES[b]
+    }
+    covered, cases = set(), []
+
+    def best(fixed):
+        free = [n for n in names if n not in fixed]
+        options = [dict(fixed, **dict(zip(free, vals))) for vals in itertools.product(*(_WALK_AXES[n] for n in free))]
+        gains = [len(_pairs(c) - covered) for c in options]
+        top = [c for c, g in zip(options, gains) if g == max(gains)]
+        # Among equals, rotate (deterministically), so that cases past full pair coverage still
+        # vary the other arguments.
+        return top[(37 * len(cases)) % len(top)]
+
+    for main in itertools.product(*(_WALK_AXES[n] for n in _MAIN)):
+        c = best(dict(zip(_MAIN, main)))
+        covered |= _pairs(c)
+        cases.append(c)
+    while wanted - covered:
+        (a, va), (b, vb) = min(wanted - covered, key=repr)
+        c = best({a: va, b: vb})
+        covered |= _pairs(c)
+        cases.append(c)
+    return cases
+
+
+_WALK = _walk_cases()
+
+
+def _walk_id(c):
+    parts = [f"mask={c['attn_mask']}", f"pad={c['padding']}", f"w={c['weights']}", c["inputs"]]
+    parts.append("bf" if c["batch_first"] else "sf")
+    parts += [n for n in ("bias", "add_bias_kv", "add_zero_attn", "mask_grad") if c[n]]
+    if not c["batched"]:
+        parts.append("unbatched")
+    return ",".join(parts)
+
+
+def _walk_params():
+    # The Triton interpreter takes about a second per call: it walks a spread seventh.
+    for b in FULL_BACKENDS:
+        step = 7 if b == "triton" and os.environ.get("TRITON_INTERPRET") == "1" else 1
+        for i, c in enumerate(_WALK):
+            if i % step == 0:
+                yield pytest.param(b, c, id=f"{b}-{i}-{_walk_id(c)}")
+
+
+def test_walk_covers_every_pair_of_argument_values():
+    wanted = {
+        ((a, va), (b, vb))
+        for a, b in itertools.combinations(_WALK_AXES, 2)
+        for va in _WALK_AXES[a]
+        for vb in _WALK_AXES[b]
+    }
+    covered = set().union(*(_pairs(c) for c in _WALK))
+    assert wanted <= covered, sorted(wanted - covered)[:5]
+    main = {tuple(c[n] for n in _MAIN) for c in _WALK}
+    assert len(main) == math.prod(len(_WALK_AXES[n]) for n in _MAIN)
+
+
+def _walk_setup(c, i):
+    """Modules, inputs and keyword arguments of walk case ``c`` (case number ``i``)."""
+    E, H, N = 16, 2, 2
+    kw = {"embed_dim": E, "num_heads": H, "batch_first": c["batch_first"], "bias": c["bias"],
+          "add_bias_kv": c["add_bias_kv"], "add_zero_attn": c["add_zero_attn"]}
+    if c["inputs"] == "self":
+        L = S = 5
+    else:
+        L, S = 4, 6
+    if c["inputs"] == "cross":
+        kw.update(kdim=6, vdim=10)
+    m32, m64 = _torch_pair(100 + i, **kw)
+    kdim, vdim = m32.kdim, m32.vdim
+    g = torch.Generator().manual_seed(200 + i)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    def seq(n, f):
+        if not c["batched"]:
+            return rnd(n, f)
+        return rnd(N, n, f) if c["batch_first"] else rnd(n, N, f)
+
+    q = seq(L, E)
+    if c["inputs"] == "self":
+        inputs = (q, q, q)
+    elif c["inputs"] == "kv":
+        kv = seq(S, E)
+        inputs = (q, kv, kv)
+    else:
+        inputs = (q, seq(S, kdim), seq(S, vdim))
+
+    # Key S // 2 stays visible under every mask and padding below (causal masks excepted),
+    # so that most rows see a key; rows that see none are covered as _compare_to_torch says.
+    anchor = S // 2
+    heads = N * H if c["batched"] else H
+    call, grad_kw = {}, []
+    m = c["attn_mask"]
+    if m is not None:
+        if m.startswith("causal"):
+            blocked = torch.ones(L, S, dtype=torch.bool).triu(1)
+            call["is_causal"] = True
+        else:
+            shape = (L, S) if m.endswith("2") else (heads, L, S)
+            blocked = torch.rand(shape, generator=g) < 0.35
+            blocked[..., anchor] = False
+        if m.startswith("bool") or m == "causal_bool":
+            call["attn_mask"] = blocked
+        else:
+            causal_mask = m.startswith("causal")
+            bias = torch.zeros(blocked.shape, dtype=torch.float64) if causal_mask else rnd(*blocked.shape)
+            call["attn_mask"] = bias.masked_fill(blocked, float("-inf"))
+            if c["mask_grad"]:
+                grad_kw.append("attn_mask")
+    p = c["padding"]
+    if p is not None:
+        j = torch.arange(S)
+        ignore = {
+            "right": torch.stack([torch.zeros(S, dtype=torch.bool), j >= S - 2]),
+            "left": torch.stack([torch.zeros(S, dtype=torch.bool), j < 2]),
+            "holes": torch.stack([(j == 1) | (j == S - 1), (j == 0) | (j == S - 2)]),
+            # Right padding, but other values than 0 on kept keys: not key lengths alone.
+            "bias": torch.stack([torch.zeros(S, dtype=torch.bool), j >= S - 2]),
+        }[p.split("_")[0]]
+        if p.endswith("float"):
+            bias = rnd(2, S) if p.startswith("bias") else torch.zeros(2, S, dtype=torch.float64)
+            kpm = bias.masked_fill(ignore, float("-inf"))
+            if c["mask_grad"]:
+                grad_kw.append("key_padding_mask")
+        else:
+            kpm = ignore
+        call["key_padding_mask"] = kpm if c["batched"] else kpm[1]
+    call["need_weights"] = c["weights"] != "none"
+    call["average_attn_weights"] = c["weights"] == "averaged"
+    return m32, m64, inputs, call, grad_kw
+
+
+# torch warns when one mask is bool and the other float; the walk mixes them on purpose.
+@pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask and attn_mask is deprecated")
+@pytest.mark.parametrize("backend,case", list(_walk_params()))
+def test_walk_matches_torch(backend, case):
+    i = _WALK.index(case)
+    m32, m64, inputs, call, grad_kw = _walk_setup(case, i)
+    fused = _fused_from(m32, backend, case["batch_first"])
+    _compare_to_torch(fused, m32, m64, inputs, call, call, grad_kw=tuple(grad_kw), seed=300 + i)
+
+
+# --------------------------------------------------------------------------------------------
+# Named cases, on every backend.
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
 def test_self_attention_matches_torch(backend, batch_first):
+    # torch's defaults: need_weights=True, averaged.
     m32, m64 = _torch_pair(0, embed_dim=24, num_heads=3, batch_first=batch_first)
     fused = _fused_from(m32, backend, batch_first)
     x = _x(2, 7, 24) if batch_first else _x(7, 2, 24)
-    _compare_to_torch(fused, m32, m64, (x, x, x), {}, {"need_weights": False})
+    _compare_to_torch(fused, m32, m64, (x, x, x), {}, {})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_head_weights_match_torch(backend):
+    m32, m64 = _torch_pair(8, embed_dim=16, num_heads=4, batch_first=True)
+    fused = _fused_from(m32, backend, True)
+    x = _x(2, 6, 16, seed=17)
+    kw = {"average_attn_weights": False}
+    _compare_to_torch(fused, m32, m64, (x, x, x), kw, kw)
+    assert fused(x.float(), x.float(), x.float(), **kw)[1].shape == (2, 4, 6, 6)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -166,20 +405,41 @@ def test_bool_padding_mask_and_key_is_value_path(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
 def test_is_causal_square_matches_torch_causal_mask(backend, batch_first):
-    # L == S: bottom-right and top-left alignment coincide; torch takes its usual triu mask.
+    # L == S: torch's hint path (SDPA's top-left is_causal) and mhakern's bottom-right causal
+    # coincide, so every backend serves it.
     m32, m64 = _torch_pair(3, embed_dim=16, num_heads=2, batch_first=batch_first, bias=False)
     fused = _fused_from(m32, backend, batch_first)
     assert fused.in_proj_bias is None and fused.out_proj.bias is None
     x = _x(2, 6, 16, seed=6) if batch_first else _x(6, 2, 16, seed=6)
     mask = nn.Transformer.generate_square_subsequent_mask(6, dtype=torch.float64)
-    _compare_to_torch(
-        fused, m32, m64, (x, x, x), {"is_causal": True}, {"attn_mask": mask, "is_causal": True, "need_weights": False}
+    kw = {"attn_mask": mask, "is_causal": True, "need_weights": False}
+    _compare_to_torch(fused, m32, m64, (x, x, x), kw, kw)
+    # The extension: is_causal without the mask is the same rule here.
+    _compare_to_torch(fused, m32, m64, (x, x, x), {"is_causal": True, "need_weights": False}, kw)
+
+
+@pytest.mark.parametrize("extra", ["none", "bias_kv", "zero_attn", "both"])
+@pytest.mark.parametrize("L,S", [(5, 5), (3, 6), (6, 3)], ids=["square", "wide", "tall"])
+@pytest.mark.parametrize("need_weights", [False, True], ids=["hint", "mask"])
+def test_is_causal_hint_follows_torch(need_weights, L, S, extra):
+    # torch reads is_causal with a (here top-left, honest) causal attn_mask as a hint: without
+    # key_padding_mask and weights it drops the mask and runs SDPA's top-left causal rule over
+    # all keys, the appended ones included (these then hide from the first queries); otherwise
+    # it uses the mask, padded so that appended keys stay visible. FusedMHA follows both.
+    bias_kv, zero_attn = extra in ("bias_kv", "both"), extra in ("zero_attn", "both")
+    m32, m64 = _torch_pair(
+        13, embed_dim=16, num_heads=2, batch_first=True, add_bias_kv=bias_kv, add_zero_attn=zero_attn
     )
+    fused = _fused_from(m32, "reference", True)
+    q, kv = _x(2, L, 16, seed=24), _x(2, S, 16, seed=25)
+    kw = {"attn_mask": torch.ones(L, S, dtype=torch.bool).triu(1), "is_causal": True, "need_weights": need_weights}
+    _compare_to_torch(fused, m32, m64, (q, kv, kv), kw, kw)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_is_causal_rectangular_with_padding_is_bottom_right_per_element(backend):
-    # L < S with right padding: query i sees key j iff j < n_b and j <= i + n_b - L.
+    # The extension (is_causal without attn_mask), L < S with right padding: query i sees key j
+    # iff j < n_b and j <= i + n_b - L. torch gets the equivalent explicit mask.
     m32, m64 = _torch_pair(4, embed_dim=16, num_heads=2, kdim=8, vdim=8, batch_first=True)
     fused = _fused_from(m32, backend, True)
     N, L, S = 2, 3, 7
@@ -190,13 +450,13 @@ def test_is_causal_rectangular_with_padding_is_bottom_right_per_element(backend)
     _compare_to_torch(
         fused, m32, m64, (q, k, v),
         {"key_padding_mask": kpm, "is_causal": True},
-        {"attn_mask": blocked, "need_weights": False},
+        {"attn_mask": blocked},
     )
     # The same through key_lengths directly.
     q1 = q.float()
-    a, _ = fused(q1, k.float(), v.float(), key_padding_mask=kpm, is_causal=True)
-    b, _ = fused(q1, k.float(), v.float(), key_lengths=lengths, is_causal=True)
-    assert torch.equal(a, b)
+    a, wa = fused(q1, k.float(), v.float(), key_padding_mask=kpm, is_causal=True)
+    b, wb = fused(q1, k.float(), v.float(), key_lengths=lengths, is_causal=True)
+    assert torch.equal(a, b) and torch.equal(wa, wb)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -205,10 +465,13 @@ def test_unbatched_inputs(backend):
     fused = _fused_from(m32, backend, True)
     q, kv = _x(4, 12, seed=10), _x(5, 12, seed=11)
     kpm = torch.tensor([False, False, False, True, True])
-    _compare_to_torch(fused, m32, m64, (q, kv, kv), {"key_padding_mask": kpm}, {"key_padding_mask": kpm})
-    out_a, _ = fused(q.float(), kv.float(), kv.float(), key_padding_mask=kpm)
-    out_b, _ = fused(q.float(), kv.float(), kv.float(), key_lengths=torch.tensor(3))
-    assert out_a.shape == (4, 12) and torch.equal(out_a, out_b)
+    for avg in (True, False):
+        kw = {"key_padding_mask": kpm, "average_attn_weights": avg}
+        _compare_to_torch(fused, m32, m64, (q, kv, kv), kw, kw)
+    out_a, w_a = fused(q.float(), kv.float(), kv.float(), key_padding_mask=kpm)
+    out_b, w_b = fused(q.float(), kv.float(), kv.float(), key_lengths=torch.tensor(3))
+    assert out_a.shape == (4, 12) and w_a.shape == (4, 5)
+    assert torch.equal(out_a, out_b) and torch.equal(w_a, w_b)
 
 
 @pytest.mark.gpu
@@ -222,11 +485,11 @@ def test_cuda_half_precision_matches_torch(dtype, causal):
     x = _x(N, L, 256, seed=16)
     if causal:
         mask = torch.ones(L, L, dtype=torch.bool).triu(1)
-        fused_kw, torch_kw = {"is_causal": True}, {"attn_mask": mask, "is_causal": True, "need_weights": False}
+        kw = {"attn_mask": mask, "is_causal": True, "need_weights": False}
     else:
         kpm = torch.arange(L) >= torch.tensor([[200], [137], [64], [1]])
-        fused_kw, torch_kw = {"key_padding_mask": kpm}, {"key_padding_mask": kpm, "need_weights": False}
-    _compare_to_torch(fused, m, m64, (x, x, x), fused_kw, torch_kw)
+        kw = {"key_padding_mask": kpm, "need_weights": False}
+    _compare_to_torch(fused, m, m64, (x, x, x), kw, kw)
 
 
 def test_padded_causal_self_attention_recipe_matches_torch_on_real_rows():
@@ -241,7 +504,7 @@ def test_padded_causal_self_attention_recipe_matches_torch_on_real_rows():
     mask = torch.ones(L, L, dtype=torch.bool).triu(1)
     _compare_to_torch(
         fused, m32, m64, (x, x, x),
-        {"is_causal": True},
+        {"is_causal": True, "need_weights": False},
         {"attn_mask": mask, "key_padding_mask": ~real, "need_weights": False},
         out_rows=lambda t: t[real],
     )
@@ -255,9 +518,10 @@ def test_row_without_keys_gives_bias_and_zero_gradient(backend):
         fused.out_proj.bias.uniform_(-1, 1)
     q = torch.randn(2, 3, 8, requires_grad=True)
     kv = torch.randn(2, 4, 8, requires_grad=True)
-    out, _ = fused(q, kv, kv, key_lengths=torch.tensor([4, 0]))
+    out, w = fused(q, kv, kv, key_lengths=torch.tensor([4, 0]))
     assert torch.equal(out[1], fused.out_proj.bias.detach().expand(3, 8))
-    out.sum().backward()
+    assert torch.all(w[1] == 0) and torch.allclose(w[0].sum(-1), torch.ones(3))
+    (out.sum() + w.sum()).backward()
     assert torch.all(q.grad[1] == 0) and torch.all(kv.grad[1] == 0)
     assert torch.isfinite(q.grad).all() and q.grad[0].abs().sum() > 0
 
@@ -278,7 +542,12 @@ def _gqa_oracle(fused, q, k, v, causal, key_lengths, dtype):
     vh = (v @ wv.T + bv).view(N, S, Hkv, hd).transpose(1, 2)
     o = reference.attention(qh, kh, vh, 1.0 / math.sqrt(hd), causal, key_lengths, upcast=dtype == torch.float64)
     out = o.transpose(1, 2).reshape(N, L, Q) @ p["out_proj.weight"].T + p["out_proj.bias"]
-    return out, p
+    # The attention probabilities per query head (kv head h // (H // Hkv)), by softmax.
+    s = qh @ kh.repeat_interleave(H // Hkv, dim=1).transpose(-1, -2) / math.sqrt(hd)
+    vis = reference.visible_mask(L, S, causal, key_lengths, q.device)
+    s = s.masked_fill(~vis, float("-inf"))
+    weights = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return out, weights, p
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -312,24 +581,29 @@ def test_gqa_and_head_dim_against_stepwise_oracle(backend, E, H, Hkv, hd, kdim, 
         return (q, q) if self_attn else (q, _leaf(k64, dtype))
 
     q, k = leaves(torch.float32)
-    out, _ = fused(q, k, k, is_causal=True, key_lengths=lengths)
+    out, w = fused(q, k, k, is_causal=True, key_lengths=lengths, average_attn_weights=False)
     # Oracle and torch-math computations, each with its own leaves.
     qr, kr = leaves(torch.float64)
-    ref, p64 = _gqa_oracle(fused, qr, kr, kr, True, lengths, torch.float64)
+    ref, w_ref, p64 = _gqa_oracle(fused, qr, kr, kr, True, lengths, torch.float64)
     qt, kt = leaves(torch.float32)
-    mth, p32 = _gqa_oracle(fused, qt, kt, kt, True, lengths, torch.float32)
+    mth, w_mth, p32 = _gqa_oracle(fused, qt, kt, kt, True, lengths, torch.float32)
     rule_check("out", out, ref, mth, torch.float32, 2.0)
-    dout = _x(*out.shape, seed=15)
-    out.backward(dout.float())
-    ref.backward(dout)
-    mth.backward(dout.float())
+    rule_check("weights", w, w_ref, w_mth, torch.float32, 2.0)
+    dout, dw = _x(*out.shape, seed=15), _x(*w.shape, seed=16)
+    (out * dout.float()).sum().add((w * dw.float()).sum()).backward()
+    (ref * dout).sum().add((w_ref * dw).sum()).backward()
+    (mth * dout.float()).sum().add((w_mth * dw.float()).sum()).backward()
     rule_check("dq", q.grad, qr.grad, qt.grad, torch.float32, 3.0)
     rule_check("dk", k.grad, kr.grad, kt.grad, torch.float32, 3.0)
     for name, prm in fused.named_parameters():
         rule_check(f"d({name})", prm.grad, p64[name].grad, p32[name].grad, torch.float32, 3.0)
 
 
-@pytest.mark.parametrize("kw", [{}, {"kdim": 6, "vdim": 10}, {"bias": False}], ids=["packed", "separate", "no-bias"])
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"kdim": 6, "vdim": 10}, {"bias": False}, {"add_bias_kv": True, "add_zero_attn": True}],
+    ids=["packed", "separate", "no-bias", "bias-kv"],
+)
 def test_initialisation_and_state_dict_equal_torch(kw):
     torch.manual_seed(123)
     ref = nn.MultiheadAttention(16, 4, batch_first=True, **kw)
@@ -369,7 +643,7 @@ def test_projections_reach_attention_without_copies(monkeypatch, batch_first):
     fused.out_proj.register_forward_pre_hook(lambda m, args: merged.setdefault("x", args[0]))
     N, L = 2, 5
     x = torch.randn(N, L, 32) if batch_first else torch.randn(L, N, 32)
-    fused(x, x, x)
+    fused(x, x, x, need_weights=False)
     q, k, v = seen["qkv"]
     # All three are views of one (.., Q + 2K) projection, unit stride on the head dim.
     W = 32 + 2 * 16
@@ -382,16 +656,219 @@ def test_projections_reach_attention_without_copies(monkeypatch, batch_first):
     assert merged["x"].data_ptr() == seen["out"].data_ptr() and merged["x"].is_contiguous()
 
 
-def test_dropout_allowed_in_eval_mode_only():
-    torch.manual_seed(0)
-    ref = nn.MultiheadAttention(8, 2, dropout=0.3, batch_first=True)
-    fused = mhakern.FusedMHA(8, 2, dropout=0.3, backend="reference")
-    fused.load_state_dict(ref.state_dict())
-    x = torch.randn(2, 3, 8)
-    with pytest.raises(ValueError, match=r"dropout: .*training mode"):
-        fused(x, x, x)
-    ref.eval(), fused.eval()
-    torch.testing.assert_close(fused(x, x, x)[0], ref(x, x, x, need_weights=False)[0])
+def test_weights_pass_runs_only_when_asked(monkeypatch):
+    calls = []
+    real = mhakern.modules.attention
+
+    def spy(*a, **kw):
+        calls.append(kw.get("return_lse", False))
+        return real(*a, **kw)
+
+    def no_weights(*a, **kw):
+        raise AssertionError("the weights pass ran although need_weights=False")
+
+    monkeypatch.setattr(mhakern.modules, "attention", spy)
+    monkeypatch.setattr(mhakern.modules, "_attention_weights", no_weights)
+    fused = mhakern.FusedMHA(16, 2, backend="reference")
+    x = torch.randn(2, 5, 16)
+    out, w = fused(x, x, x, need_weights=False)
+    assert w is None and calls == [False]
+
+
+# --------------------------------------------------------------------------------------------
+# Dropout: compared with dropout off, and for determinism with itself.
+
+
+def _dropout_module(p, seed=0, **kw):
+    torch.manual_seed(seed)
+    fused = mhakern.FusedMHA(16, 2, dropout=p, backend="reference", **kw)
+    with torch.no_grad():
+        fused.in_proj_bias.normal_()
+        fused.out_proj.bias.normal_()
+    return fused
+
+
+def _grads_of(fused, x, seed, **kw):
+    xl = x.detach().clone().requires_grad_(True)
+    fused.zero_grad()
+    torch.manual_seed(seed)
+    out, w = fused(xl, xl, xl, **kw)
+    loss = out.pow(2).sum() + (0.0 if w is None else w.pow(2).sum())
+    loss.backward()
+    return [out, w, xl.grad] + [p.grad.clone() for p in fused.parameters()]
+
+
+def test_dropout_is_deterministic_for_a_seed_and_varies_across_seeds():
+    fused = _dropout_module(0.4)
+    x = torch.randn(2, 6, 16)
+    a = _grads_of(fused, x, 11, average_attn_weights=False)
+    b = _grads_of(fused, x, 11, average_attn_weights=False)
+    for i, (u, v) in enumerate(zip(a, b)):
+        assert torch.equal(u, v), f"result {i} (out, weights, dx, parameter grads) differs between equal seeds"
+    c = _grads_of(fused, x, 12, average_attn_weights=False)
+    assert not torch.equal(a[1] == 0, c[1] == 0), "another seed must drop other probabilities"
+    # need_weights does not change what the output draws.
+    d = _grads_of(fused, x, 11, need_weights=False)
+    assert d[1] is None and torch.equal(a[0], d[0])
+
+
+def test_dropout_weights_are_the_ones_that_made_the_output():
+    p = 0.4
+    fused = _dropout_module(p, seed=1)
+    N, L, E, H = 2, 24, 16, 2
+    x = torch.randn(N, L, E, dtype=torch.float32)
+    torch.manual_seed(5)
+    out, w = fused(x, x, x, average_attn_weights=False)
+    assert w.shape == (N, H, L, L)
+    # Stepwise from the returned (dropped, rescaled) weights: out = out_proj(w @ v).
+    v = torch.nn.functional.linear(x, fused.in_proj_weight[2 * E:], fused.in_proj_bias[2 * E:])
+    v = v.view(N, L, H, E // H).transpose(1, 2)
+    o = (w @ v).transpose(1, 2).reshape(N, L, E)
+    torch.testing.assert_close(out, fused.out_proj(o), rtol=1e-5, atol=1e-5)
+    # The kept weights are the undropped probabilities / (1 - p); about p of them are dropped.
+    fused.eval()
+    _, full = fused(x, x, x, average_attn_weights=False)
+    kept = w != 0
+    torch.testing.assert_close(w[kept], full[kept] / (1 - p), rtol=1e-5, atol=1e-7)
+    dropped = 1.0 - kept.double().mean().item()
+    assert abs(dropped - p) < 0.05, dropped  # 2304 draws: 0.05 is about 5 standard deviations
+
+
+def test_dropout_path_with_nothing_dropped_matches_torch_without_dropout():
+    # p small enough that the keep threshold is 0: the dropout path runs (seed, generator,
+    # kernel's keep test) and must keep everything, i.e. equal torch without dropout.
+    m32, m64 = _torch_pair(9, embed_dim=16, num_heads=2, batch_first=True)
+    fused = _fused_from(m32, "reference", True)
+    fused.dropout = 1e-12
+    assert fused.training and int(fused.dropout * 4294967296.0) == 0
+    x = _x(2, 5, 16, seed=18)
+    kpm = torch.tensor([[False] * 5, [True, False, False, False, False]])
+    kw = {"key_padding_mask": kpm, "average_attn_weights": False}
+    _compare_to_torch(fused, m32, m64, (x, x, x), kw, kw)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train-p1", "eval-p0.3"])
+def test_dropout_edges_match_torch(training):
+    # Training with p = 1 drops everything (out = out_proj.bias, weights 0, as torch's dropout);
+    # in eval mode neither module drops anything.
+    p = 1.0 if training else 0.3
+    m32, m64 = _torch_pair(10, embed_dim=16, num_heads=2, dropout=p, batch_first=True)
+    fused = _fused_from(m32, "reference", True)
+    for m in (m32, m64, fused):
+        m.train(training)
+    x = _x(2, 5, 16, seed=19)
+    _compare_to_torch(fused, m32, m64, (x, x, x), {}, {})
+    if training:
+        out, w = fused(x.float(), x.float(), x.float())
+        assert torch.equal(out, fused.out_proj.bias.detach().expand_as(out)) and torch.all(w == 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Extensions beyond nn.MultiheadAttention, against torch given the equivalent explicit mask.
+
+
+@pytest.mark.parametrize(
+    "ignore",
+    [[[False] * 6, [True, True, False, False, False, False]], [[False, True, False, False, True, True], [False] * 6]],
+    ids=["left", "holes"],
+)
+def test_is_causal_without_mask_aligns_to_the_last_kept_key(ignore):
+    m32, m64 = _torch_pair(11, embed_dim=16, num_heads=2, batch_first=True)
+    fused = _fused_from(m32, "reference", True)
+    N, H, L, S = 2, 2, 3, 6
+    kpm = torch.tensor(ignore)
+    n = S - torch.argmax((~kpm).flip(1).int(), dim=1)  # 1 + the last kept position
+    i, j = torch.arange(L).view(1, L, 1), torch.arange(S).view(1, 1, S)
+    blocked = (j > i + n.view(N, 1, 1) - L).repeat_interleave(H, dim=0)
+    q, kv = _x(N, L, 16, seed=20), _x(N, S, 16, seed=21)
+    _compare_to_torch(
+        fused, m32, m64, (q, kv, kv),
+        {"key_padding_mask": kpm, "is_causal": True},
+        {"key_padding_mask": kpm, "attn_mask": blocked},
+    )
+
+
+def test_key_lengths_with_appended_keys_keep_those_visible():
+    m32, m64 = _torch_pair(12, embed_dim=16, num_heads=2, batch_first=True, add_bias_kv=True, add_zero_attn=True)
+    fused = _fused_from(m32, "reference", True)
+    lengths = torch.tensor([5, 0])
+    kpm = torch.arange(5) >= lengths[:, None]
+    q, kv = _x(2, 3, 16, seed=22), _x(2, 5, 16, seed=23)
+    _compare_to_torch(fused, m32, m64, (q, kv, kv), {"key_lengths": lengths}, {"key_padding_mask": kpm})
+    with pytest.raises(ValueError, match=r"key_lengths: values must lie in \[0, Lk=5\]"):
+        fused(q.float(), kv.float(), kv.float(), key_lengths=torch.tensor([6, 0]))
+
+
+def test_compiled_masks_and_weights_match_eager():
+    # Under torch.compile the padding check cannot read the data: a left-padding mask, a float
+    # attn_mask that requires grad and the weights pass must all compile into one graph and
+    # give eager's results.
+    torch._dynamo.reset()
+    torch.manual_seed(14)
+    fused = mhakern.FusedMHA(16, 2, add_bias_kv=True, backend="reference")
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    kpm = torch.tensor([[False] * 5, [True, True, False, False, False]])
+    bias = torch.randn(5, 5).masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+
+    def run(m):
+        am = bias.clone().requires_grad_(True)
+        x.grad = None
+        fused.zero_grad()
+        out, w = m(x, x, x, key_padding_mask=kpm, attn_mask=am, average_attn_weights=False)
+        (out.pow(2).sum() + w.pow(2).sum()).backward()
+        return [out, w, x.grad, am.grad] + [p.grad.clone() for p in fused.parameters()]
+
+    compiled = torch.compile(fused, backend="aot_eager", fullgraph=True)
+    for i, (c, e) in enumerate(zip(run(compiled), run(fused))):
+        torch.testing.assert_close(c, e, msg=lambda m: f"result {i} (out, weights, then gradients): {m}")
+    torch._dynamo.reset()
+
+
+class _NoModesBackend(backends.Backend):
+    """A registered backend that implements no optional mode (the reference underneath)."""
+
+    name = "no_modes"
+    priority = -5
+
+    def forward(self, q, k, v, scale, causal, key_lengths, modes=backends.DEFAULT_MODES):
+        assert modes == backends.DEFAULT_MODES
+        return backends.get("reference").forward(q, k, v, scale, causal, key_lengths, modes)
+
+    def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, modes=backends.DEFAULT_MODES):
+        return backends.get("reference").backward(dout, q, k, v, out, lse, scale, causal, key_lengths, modes)
+
+
+@pytest.fixture
+def no_modes():
+    be = backends.register(_NoModesBackend())
+    yield be
+    del backends._REGISTRY[be.name]
+    backends._ORDER = None
+    backends.clear_dispatch_cache()
+
+
+def test_backend_without_masks_serves_right_padding_and_names_the_mode_otherwise(no_modes):
+    torch.manual_seed(15)
+    fused = mhakern.FusedMHA(8, 2, backend="no_modes")
+    ref = mhakern.FusedMHA(8, 2, backend="reference")
+    ref.load_state_dict(fused.state_dict())
+    x = torch.randn(2, 4, 8)
+    right = torch.tensor([[False] * 4, [False, False, False, True]])
+    left = torch.tensor([[False] * 4, [True, False, False, False]])
+    for a, b in zip(fused(x, x, x, key_padding_mask=right), ref(x, x, x, key_padding_mask=right)):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="attn_mask"):
+        fused(x, x, x, key_padding_mask=left)
+    # Under compile the data cannot pick the path: right padding is required, checked in the graph.
+    torch._dynamo.reset()
+    compiled = torch.compile(fused, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(
+        compiled(x, x, x, key_padding_mask=right, need_weights=False)[0],
+        ref(x, x, x, key_padding_mask=right, need_weights=False)[0],
+    )
+    with pytest.raises(RuntimeError, match="right padding"):
+        compiled(x, x, x, key_padding_mask=left, need_weights=False)
+    torch._dynamo.reset()
 
 
 def _mk(**kw):
@@ -409,8 +886,8 @@ def _mk(**kw):
         (_mk(head_dim=2.5), ValueError, ["head_dim", "positive int"]),
         (_mk(kdim=0), ValueError, ["kdim", "positive int"]),
         (_mk(dropout=1.5), ValueError, ["dropout", "[0, 1]"]),
-        (_mk(add_bias_kv=True), ValueError, ["add_bias_kv", "False"]),
-        (_mk(add_zero_attn=True), ValueError, ["add_zero_attn", "False"]),
+        (_mk(add_bias_kv=1), TypeError, ["add_bias_kv", "bool"]),
+        (_mk(add_zero_attn="no"), TypeError, ["add_zero_attn", "bool"]),
         (_mk(bias="yes"), TypeError, ["bias", "bool"]),
         (_mk(batch_first=None), TypeError, ["batch_first", "bool"]),
         (_mk(backend="nope"), ValueError, ["backend", "'nope'", "reference"]),
@@ -431,20 +908,17 @@ def _call(**over):
     return lambda: fused(**args)
 
 
-_LEFT = torch.tensor([[False] * 5, [True, False, False, False, False]])
-_HOLE = torch.tensor([[False, True, False, True, True], [False] * 5])
-_FLOAT_BIAS = torch.tensor([[0.0, -1.0, 0.0, 0.0, 0.0], [0.0] * 5])
-
-
 @pytest.mark.parametrize(
     "make,exc,words",
     [
-        (_call(need_weights=True), ValueError, ["need_weights", "False"]),
-        (_call(attn_mask=torch.zeros(3, 5)), ValueError, ["attn_mask", "None", "is_causal"]),
+        (_call(need_weights=1), TypeError, ["need_weights", "bool"]),
+        (_call(average_attn_weights=None), TypeError, ["average_attn_weights", "bool"]),
         (_call(is_causal=1), TypeError, ["is_causal", "bool"]),
-        (_call(key_padding_mask=_LEFT), ValueError, ["key_padding_mask", "right padding"]),
-        (_call(key_padding_mask=_HOLE), ValueError, ["key_padding_mask", "right padding"]),
-        (_call(key_padding_mask=_FLOAT_BIAS), ValueError, ["key_padding_mask", "-inf"]),
+        (_call(attn_mask=torch.zeros(3, 4)), ValueError, ["attn_mask", "(3, 5)", "(8, 3, 5)"]),
+        (_call(attn_mask=torch.zeros(4, 3, 5)), ValueError, ["attn_mask", "(8, 3, 5)", "(4, 3, 5)"]),
+        (_call(attn_mask=torch.zeros(1, 1, 3, 5)), ValueError, ["attn_mask", "(3, 5)", "(1, 1, 3, 5)"]),
+        (_call(attn_mask=torch.zeros(3, 5, dtype=torch.int64)), TypeError, ["attn_mask", "bool or floating", "int64"]),
+        (_call(attn_mask=[[0.0] * 5] * 3), TypeError, ["attn_mask", "Tensor"]),
         (_call(key_padding_mask=torch.zeros(2, 5, dtype=torch.int64)), TypeError, ["key_padding_mask", "bool"]),
         (_call(key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)), ValueError, ["key_padding_mask", "(2, 5)"]),
         (_call(key_padding_mask=[[0] * 5] * 2), TypeError, ["key_padding_mask", "Tensor"]),

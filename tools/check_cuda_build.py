@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Compile-check the CUDA kernels without a GPU.
 
-Compiles every csrc/cuda/*.cu with nvcc for sm_80 and sm_90 (``-Xptxas -v``, the flags torch's
+Checks that the instantiation files are current (tools/generate_kernels.py), then compiles
+every csrc/cuda/*.cu with nvcc for sm_80 and sm_90 (``-Xptxas -v``, the flags torch's
 CUDAExtension and setup.py use), in parallel, and prints one table row per kernel and
 architecture: registers, spill stores/loads, stack frame, static shared memory, the dynamic
 shared memory its launcher asks for, and the local-memory instructions (LDL/STL) that sit inside a
@@ -209,7 +210,8 @@ using namespace mhakern::cuda;
 template <int D> void row() {
   std::printf("%d %d %d %d\n", D, FwdConfig<D>::kSmemBytes, BwdConfig<D>::kDkvSmemBytes, BwdConfig<D>::kDqSmemBytes);
 }
-int main() { row<32>(); row<64>(); row<96>(); row<128>(); }
+#define MHK_ROW_(tag, D) row<D>();
+int main() { MHK_CUDA_FOR_EACH_HEAD_DIM(MHK_ROW_, _) }
 """
 
 
@@ -290,6 +292,17 @@ def main(argv=None) -> int:
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
     print(f"check_cuda_build: {len(sources)} .cu files x sm_{', sm_'.join(map(str, archs))} with {nvcc} "
           f"({version}), {args.jobs} jobs; SASS loop check: {cuobjdump or 'unavailable (no cuobjdump)'}")
+
+    # The instantiation files are generated from the capability table: a stale set would check
+    # (and build) something else than the table says.
+    sys.path.insert(0, str(ROOT / "tools"))
+    from generate_kernels import differences
+
+    stale = differences()
+    if stale:
+        print("check_cuda_build: the instantiation files are not current (run tools/generate_kernels.py):\n  "
+              + "\n  ".join(stale), file=sys.stderr)
+        return 1
 
     t0 = time.time()
     failed = []

@@ -5,6 +5,7 @@
 #include <ATen/Version.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include <atomic>
 #include <cmath>
@@ -12,6 +13,8 @@
 #include <vector>
 
 #include "attention_params.h"
+#include "../capabilities.h"
+#include "../op_common.h"
 
 namespace mhakern::cpu {
 namespace {
@@ -65,34 +68,9 @@ DType dtype_of(const at::Tensor& q) {
   return DType::Float32;  // not reached
 }
 
-// A (B, H, L, D) operand: CPU, 4 dims, unit stride on the last dim.
-void check_heads(const at::Tensor& x, const char* name) {
-  TORCH_CHECK_VALUE(x.defined(), name, ": expected a tensor, got an undefined one");
+void check_cpu(const at::Tensor& x, const char* name) {
   TORCH_CHECK_VALUE(x.device().is_cpu(), name, ": expected a CPU tensor, got one on ", x.device(),
-                    " (mhakern._C cpu kernels serve CPU tensors only)");
-  TORCH_CHECK_VALUE(x.dim() == 4, name, ": expected 4 dims (batch, heads, length, head_dim), got shape ",
-                    x.sizes());
-  TORCH_CHECK_VALUE(x.size(3) <= 1 || x.stride(3) == 1, name,
-                    ": expected unit stride on the last dim (head_dim), got strides ", x.strides());
-}
-
-void check_same_dtype(const at::Tensor& x, const char* name, const at::Tensor& q) {
-  TORCH_CHECK_TYPE(x.scalar_type() == q.scalar_type(), name, ": expected dtype ", q.scalar_type(),
-                   " (q's), got ", x.scalar_type());
-}
-
-void check_shape(const at::Tensor& x, const char* name, at::IntArrayRef want, const char* what) {
-  TORCH_CHECK_VALUE(x.sizes() == want, name, ": expected shape ", want, " ", what, ", got ", x.sizes());
-}
-
-// An output written by the kernels: like an input, and without overlapping elements (one
-// thread writes each element once).
-void check_output(const at::Tensor& x, const char* name, at::IntArrayRef want, const at::Tensor& q, const char* what) {
-  check_heads(x, name);
-  check_same_dtype(x, name, q);
-  check_shape(x, name, want, what);
-  TORCH_CHECK_VALUE(x.is_non_overlapping_and_dense(), name,
-                    ": expected a non-overlapping, dense tensor (any order of dims), got strides ", x.strides());
+                    " (the cpu kernels serve CPU tensors only)");
 }
 
 View view_of(const at::Tensor& x) {
@@ -103,53 +81,41 @@ MutView mut_view_of(const at::Tensor& x) {
   return MutView{x.data_ptr(), x.stride(0), x.stride(1), x.stride(2)};
 }
 
-// Checks shared by forward and backward; fills the sizes, flags and input views of `p`.
-// Returns key_lengths as a contiguous int32 tensor (undefined when not given) that must
-// outlive the kernel call.
+// Everything forward and backward check and fill alike: q, k, v, scale, causal, key lengths and
+// the modes. Returns key_lengths as a contiguous int32 tensor (undefined when not given) that
+// must outlive the kernel call.
 at::Tensor check_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                        bool causal, const std::optional<at::Tensor>& key_lengths) {
-  check_heads(q, "q");
-  check_heads(k, "k");
-  check_heads(v, "v");
+                        bool causal, const std::optional<at::Tensor>& key_lengths, const op::ModeArgs& modes,
+                        bool backward) {
+  check_cpu(q, "q");
+  const op::Sizes s = op::check_qkv(q, k, v, scale);
   p.dtype = dtype_of(q);
-  check_same_dtype(k, "k", q);
-  check_same_dtype(v, "v", q);
-  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), Lk = k.size(2), Dv = v.size(3);
-  TORCH_CHECK_VALUE(k.size(0) == B, "k: expected batch size ", B, " (q's), got ", k.size(0));
-  TORCH_CHECK_VALUE(k.size(3) == D, "k: expected head dim ", D, " (q's), got ", k.size(3));
-  TORCH_CHECK_VALUE(v.size(0) == B && v.size(1) == Hkv && v.size(2) == Lk, "v: expected (batch, kv heads, length) = (",
-                    B, ", ", Hkv, ", ", Lk, ") (k's), got shape ", v.sizes());
-  TORCH_CHECK_VALUE(Hkv > 0 && H % Hkv == 0, "k: number of kv heads (", Hkv,
-                    ") must be positive and divide q's number of heads (", H, ")");
-  TORCH_CHECK_VALUE(D <= kMaxHeadDim, "q: head dim ", D, " exceeds the cpu kernels' maximum of ", kMaxHeadDim);
-  TORCH_CHECK_VALUE(Dv <= kMaxHeadDim, "v: head dim ", Dv, " exceeds the cpu kernels' maximum of ", kMaxHeadDim);
-  TORCH_CHECK_VALUE(std::isfinite(scale), "scale: expected a finite number, got ", scale);
-  p.B = B;
-  p.H = H;
-  p.Hkv = Hkv;
-  p.Lq = Lq;
-  p.Lk = Lk;
-  p.D = D;
-  p.Dv = Dv;
+  TORCH_CHECK_VALUE(s.D <= caps::kCpuMaxHeadDim, "q: head dim ", s.D, " exceeds the cpu kernels' maximum of ",
+                    caps::kCpuMaxHeadDim);
+  TORCH_CHECK_VALUE(s.Dv <= caps::kCpuMaxHeadDim, "v: head dim ", s.Dv, " exceeds the cpu kernels' maximum of ",
+                    caps::kCpuMaxHeadDim);
+  op::check_key_lengths_meta(key_lengths, q, s);
+  op::check_modes(modes, q, s, caps::kCpuFeatures, "cpu", backward);
+  p.B = s.B;
+  p.H = s.H;
+  p.Hkv = s.Hkv;
+  p.Lq = s.Lq;
+  p.Lk = s.Lk;
+  p.D = s.D;
+  p.Dv = s.Dv;
   p.scale = static_cast<float>(scale);
   p.causal = causal;
   p.q = view_of(q);
   p.k = view_of(k);
   p.v = view_of(v);
+  op::fill_mode_params(p, modes);
   at::Tensor kl;
   if (key_lengths.has_value() && key_lengths->defined()) {
-    kl = *key_lengths;
-    TORCH_CHECK_VALUE(kl.device().is_cpu(), "key_lengths: expected a CPU tensor, got one on ", kl.device());
-    TORCH_CHECK_TYPE(kl.scalar_type() == at::kInt, "key_lengths: expected dtype int32, got ", kl.scalar_type());
-    TORCH_CHECK_VALUE(kl.dim() == 1 && kl.size(0) == B, "key_lengths: expected shape (", B,
-                      ",) (one length per batch element), got ", kl.sizes());
-    kl = kl.contiguous();
-    const int32_t* lens = kl.const_data_ptr<int32_t>();
-    for (int64_t b = 0; b < B; ++b)
-      TORCH_CHECK_VALUE(lens[b] >= 0 && lens[b] <= Lk, "key_lengths: values must lie in [0, Lk=", Lk,
-                        "], got ", lens[b], " at index ", b);
-    p.key_lengths = lens;
+    kl = key_lengths->contiguous();
+    // Read here, where it is free: an out-of-range length is refused, never clamped into a
+    // silently different answer.
+    op::check_key_length_values(kl.const_data_ptr<int32_t>(), s);
+    p.key_lengths = kl.const_data_ptr<int32_t>();
   }
   return kl;
 }
@@ -158,17 +124,12 @@ at::Tensor check_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k,
 
 std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                             double scale, bool causal, const std::optional<at::Tensor>& key_lengths,
-                                            const std::optional<at::Tensor>& out) {
+                                            const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                                            int64_t seed, bool top_left, int64_t window_left, int64_t window_right) {
+  const op::ModeArgs modes{&attn_mask, dropout_p, seed, top_left, window_left, window_right, false};
   AttnParams p;
-  const at::Tensor kl = check_common(p, q, k, v, scale, causal, key_lengths);
-  const std::vector<int64_t> out_shape{p.B, p.H, p.Lq, p.Dv};
-  at::Tensor o;
-  if (out.has_value() && out->defined()) {
-    o = *out;
-    check_output(o, "out", out_shape, q, "(batch, heads, q length, v head dim)");
-  } else {
-    o = at::empty(out_shape, q.options());
-  }
+  const at::Tensor kl = check_common(p, q, k, v, scale, causal, key_lengths, modes, false);
+  at::Tensor o = op::empty_like_heads(q, p.Dv);
   at::Tensor lse = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
   p.out = mut_view_of(o);
   p.lse = lse.data_ptr<float>();
@@ -176,35 +137,21 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tenso
   return {o, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, double scale, bool causal, const std::optional<at::Tensor>& key_lengths,
-    const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk, const std::optional<at::Tensor>& dv) {
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, int64_t seed, bool top_left, int64_t window_left,
+    int64_t window_right, bool mask_grad) {
+  const op::ModeArgs modes{&attn_mask, dropout_p, seed, top_left, window_left, window_right, mask_grad};
   AttnParams p;
-  const at::Tensor kl = check_common(p, q, k, v, scale, causal, key_lengths);
-  const std::vector<int64_t> o_shape{p.B, p.H, p.Lq, p.Dv};
-  check_heads(dout, "dout");
-  check_same_dtype(dout, "dout", q);
-  check_shape(dout, "dout", o_shape, "(like the forward's out)");
-  check_heads(out, "out");
-  check_same_dtype(out, "out", q);
-  check_shape(out, "out", o_shape, "(the forward's output)");
-  TORCH_CHECK_VALUE(lse.defined() && lse.device().is_cpu(), "lse: expected a CPU tensor");
-  TORCH_CHECK_TYPE(lse.scalar_type() == at::kFloat, "lse: expected dtype float32, got ", lse.scalar_type());
-  TORCH_CHECK_VALUE(lse.sizes() == at::IntArrayRef({p.B, p.H, p.Lq}), "lse: expected shape ",
-                    at::IntArrayRef({p.B, p.H, p.Lq}), " (batch, heads, q length), got ", lse.sizes());
+  const at::Tensor kl = check_common(p, q, k, v, scale, causal, key_lengths, modes, true);
+  const op::Sizes s{p.B, p.H, p.Hkv, p.Lq, p.Lk, p.D, p.Dv};
+  op::check_bwd_operands(dout, q, out, lse, s);
   const at::Tensor lse_c = lse.contiguous();
-
-  auto output = [&](const std::optional<at::Tensor>& given, const at::Tensor& like, const char* name) {
-    if (given.has_value() && given->defined()) {
-      check_output(*given, name, like.sizes(), q, "(like the input it is the gradient of)");
-      return *given;
-    }
-    return at::empty(like.sizes(), like.options());
-  };
-  at::Tensor gq = output(dq, q, "dq");
-  at::Tensor gk = output(dk, k, "dk");
-  at::Tensor gv = output(dv, v, "dv");
+  at::Tensor gq = op::empty_like_heads(q, p.D);
+  at::Tensor gk = op::empty_like_heads(k, p.D);
+  at::Tensor gv = op::empty_like_heads(v, p.Dv);
+  at::Tensor dmask = op::alloc_dmask(modes, q, s);
 
   p.out = mut_view_of(out);  // read only in the backward
   p.lse = const_cast<float*>(lse_c.const_data_ptr<float>());
@@ -212,8 +159,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd(
   p.dq = mut_view_of(gq);
   p.dk = mut_view_of(gk);
   p.dv = mut_view_of(gv);
+  if (mask_grad) p.dmask = dmask.data_ptr<float>();
   kernels().backward(p);
-  return {gq, gk, gv};
+  return {gq, gk, gv, dmask};
 }
 
 std::string kernel_isa() { return kernels().isa; }
@@ -232,3 +180,9 @@ int64_t parallel_threads_probe(int64_t tasks) {
 }
 
 }  // namespace mhakern::cpu
+
+// The CPU kernels of the ops whose schemas csrc/bindings.cpp defines.
+TORCH_LIBRARY_IMPL(mhakern_C, CPU, m) {
+  m.impl("fwd", &mhakern::cpu::attn_fwd);
+  m.impl("bwd", &mhakern::cpu::attn_bwd);
+}

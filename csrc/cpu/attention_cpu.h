@@ -1,5 +1,6 @@
-// Host side of the cpu kernels: argument checks (TORCH_CHECK messages name the argument and
-// what was expected), output allocation and the choice of the instruction-set variant.
+// Host side of the cpu kernels: the CPU implementations of the dispatcher ops mhakern_C::fwd and
+// mhakern_C::bwd (schemas in csrc/bindings.cpp, registered for the CPU key in attention_cpu.cpp),
+// plus the choice of the instruction-set variant.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -10,23 +11,23 @@
 
 namespace mhakern::cpu {
 
-// Largest head dim (D and Dv) the kernels accept.
-constexpr int64_t kMaxHeadDim = 256;
-
 // Forward: q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), CPU, one dtype among
 // float32, bfloat16, float16, unit stride on the last dim. Returns out (B, H, Lq, Dv) in q's
-// dtype (written into `out` when given) and lse float32 (B, H, Lq), natural log, -inf for rows
-// that see no key.
+// dtype, laid out like q, and lse float32 (B, H, Lq), natural log, -inf for rows that see no
+// key. The modes follow docs/contract.md.
 std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                             double scale, bool causal, const std::optional<at::Tensor>& key_lengths,
-                                            const std::optional<at::Tensor>& out);
+                                            const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                                            int64_t seed, bool top_left, int64_t window_left, int64_t window_right);
 
-// Backward from lse: returns (dq, dk, dv) shaped like q, k, v (written into dq/dk/dv when
-// given); dk and dv are summed over the query heads sharing a KV head.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd(
+// Backward from lse: returns (dq, dk, dv) shaped and laid out like q, k, v (dk and dv summed
+// over the query heads sharing a KV head) and dmask ((B, H, Lq, Lk) float32 dL/dscore when
+// mask_grad, else an empty (0,) float32 tensor).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, double scale, bool causal, const std::optional<at::Tensor>& key_lengths,
-    const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk, const std::optional<at::Tensor>& dv);
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, int64_t seed, bool top_left, int64_t window_left,
+    int64_t window_right, bool mask_grad);
 
 // Name of the instruction-set variant in use: "AVX512", "AVX2" or "DEFAULT".
 std::string kernel_isa();

@@ -31,6 +31,16 @@ struct AttnParams {
   bool causal = false;
   // (B,) int32 in [0, Lk], or nullptr when every key is visible.
   const int32_t* key_lengths = nullptr;
+  // Modes (docs/contract.md). Visibility: see the contract; off = top_left ? 0 : Lk_b - Lq.
+  bool top_left = false;
+  int64_t window_left = -1, window_right = -1;   // -1 = unbounded
+  // attn_mask: nullptr or a (B, H, Lq, Lk) view with element strides (0 on broadcast dims).
+  const void* mask = nullptr;
+  int mask_kind = 0;            // 0 none, 1 bool (uint8/bool bytes, nonzero = visible), 2 additive float32
+  int64_t mask_sb = 0, mask_sh = 0, mask_sq = 0, mask_sk = 0;
+  float* dmask = nullptr;       // backward: (B, H, Lq, Lk) contiguous float32 dL/dscore, or nullptr
+  float dropout_p = 0.f;
+  uint64_t seed = 0;
 
   View q, k, v;
   // Forward: written. Backward: read (delta = rowsum(dout * out)).

@@ -16,6 +16,8 @@
 // keeps every sum in one thread's registers in one order: two runs are bit-identical.
 #pragma once
 
+#include "../capabilities.h"
+#include "smem_opt_in.cuh"
 #include "tile_io.cuh"
 
 namespace mhakern {
@@ -32,7 +34,8 @@ struct BwdConfig {
   // fp32 accumulators (dK, dV: D registers per thread) and the two kDkvBlockM-wide score tiles
   // (S^T, dP^T) fit in the register file without spilling.
   static constexpr int kDkvBlockN = 16 * kWarps;
-  static constexpr int kDkvBlockM = D <= 64 ? 64 : 32;
+  static constexpr int kDkvBlockM = caps::cuda_tiles(D).dkv_m;
+  static_assert(kDkvBlockN == caps::cuda_tiles(D).dkv_n, "capabilities.h: dK/dV keys per CTA = 16 x warps");
   static constexpr int kDkvKTile = kDkvBlockN * kPitch;
   static constexpr int kDkvQTile = kDkvBlockM * kPitch;
   // K, V; Q and dO with two stages each; then lse, delta and the visible-key limit per row,
@@ -42,7 +45,8 @@ struct BwdConfig {
   // dQ kernel: 64 query rows per CTA, 64 keys per step (32 above D = 64: registers, and shared
   // memory under the 99 KB per block of sm_86/sm_89).
   static constexpr int kDqBlockM = 16 * kWarps;
-  static constexpr int kDqBlockN = D <= 64 ? 64 : 32;
+  static constexpr int kDqBlockN = caps::cuda_tiles(D).dq_n;
+  static_assert(kDqBlockM == caps::cuda_tiles(D).dq_m, "capabilities.h: dQ rows per CTA = 16 x warps");
   static constexpr int kDqQTile = kDqBlockM * kPitch;
   static constexpr int kDqKTile = kDqBlockN * kPitch;
   // Q and dO; K and V with two stages each.
@@ -133,7 +137,7 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_kerne
   const int hkv = static_cast<int>(bid % p.Hkv);
   const int b = static_cast<int>(bid / p.Hkv);
   const int n0 = kb * kBlockN;
-  const int Lk_b = p.key_lengths ? p.key_lengths[b] : p.Lk;
+  const int Lk_b = key_length_of(p, b);  // clamped into [0, Lk]
   const int rows_total = p.group * p.Lq;
   const int n_qblocks = ceil_div(rows_total, kBlockM);
 
@@ -307,7 +311,7 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_kernel(
   if (p.causal) mb = n_mblocks - 1 - mb;
   const int r0 = mb * kBlockM;
   const int nrows = imin(kBlockM, rows_total - r0);
-  const int Lk_b = p.key_lengths ? p.key_lengths[b] : p.Lk;
+  const int Lk_b = key_length_of(p, b);  // clamped into [0, Lk]
 
   int i_lo, i_hi;
   tile_query_range(r0, nrows, p.Lq, i_lo, i_hi);
@@ -448,13 +452,13 @@ cudaError_t run_attn_bwd(const BwdParams& p, cudaStream_t stream) {
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
 
-  err = set_max_dynamic_smem(attn_bwd_dkdv_kernel<Elem, D>, Cfg::kDkvSmemBytes);
+  err = opt_in_dynamic_smem<kTagBwdDkdv, Elem, D>(attn_bwd_dkdv_kernel<Elem, D>, Cfg::kDkvSmemBytes);
   if (err != cudaSuccess) return err;
   launch_kernel(attn_bwd_dkdv_kernel<Elem, D>, grid_kv, Cfg::kThreads, Cfg::kDkvSmemBytes, stream, p);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
 
-  err = set_max_dynamic_smem(attn_bwd_dq_kernel<Elem, D>, Cfg::kDqSmemBytes);
+  err = opt_in_dynamic_smem<kTagBwdDq, Elem, D>(attn_bwd_dq_kernel<Elem, D>, Cfg::kDqSmemBytes);
   if (err != cudaSuccess) return err;
   launch_kernel(attn_bwd_dq_kernel<Elem, D>, grid_q, Cfg::kThreads, Cfg::kDqSmemBytes, stream, p);
   err = cudaGetLastError();
@@ -467,3 +471,14 @@ cudaError_t run_attn_bwd(const BwdParams& p, cudaStream_t stream) {
 
 }  // namespace cuda
 }  // namespace mhakern
+
+// The body of one generated instantiation file (tools/generate_kernels.py): the backward for
+// element tag `tag` (capabilities.h: MHK_CUDA_ELEM_TYPE_<tag>) and head dim D.
+#define MHK_DEFINE_ATTN_BWD(tag, D)                                                     \
+  namespace mhakern {                                                                   \
+  namespace cuda {                                                                      \
+  cudaError_t run_attn_bwd_##tag##_d##D(const BwdParams& p, cudaStream_t s) {           \
+    return run_attn_bwd<MHK_CUDA_ELEM_TYPE_##tag, D>(p, s);                             \
+  }                                                                                     \
+  }                                                                                     \
+  }

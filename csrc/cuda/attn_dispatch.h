@@ -1,7 +1,8 @@
-// The compiled instantiations of the CUDA attention kernels and the switch that picks one.
-// One instantiation (element type x head dim) per .cu file, so a parallel build compiles them
-// side by side; this header declares them and maps (dtype, head dim) to the right one. No torch
-// header: the host code (cuda_host.cpp) and the CPU emulation used by the tests share it.
+// The compiled instantiations of the CUDA attention kernels and the switch that picks one, both
+// expanded from the instance list of csrc/capabilities.h (MHK_CUDA_FOR_EACH_INSTANCE). One
+// instantiation (element type x head dim) per generated .cu file (tools/generate_kernels.py), so
+// a parallel build compiles them side by side. No torch header: the host code (cuda_host.cpp) and
+// the CPU emulation used by the tests share it.
 #pragma once
 
 #if defined(MHAKERN_CUDA_EMULATE)
@@ -10,57 +11,40 @@
 #include <cuda_runtime_api.h>
 #endif
 
+#include "../capabilities.h"
 #include "attn_params.h"
 
 namespace mhakern {
 namespace cuda {
 
-enum class ElemType { kFloat16 = 0, kBFloat16 = 1 };
+// Element types by tag, numbered in the order of MHK_CUDA_FOR_EACH_ELEM (fp16 = 0, bf16 = 1).
+#define MHK_ELEM_ENUM_ITEM_(F, tag) tag,
+enum class ElemType : int { MHK_CUDA_FOR_EACH_ELEM(MHK_ELEM_ENUM_ITEM_, _) };
+#undef MHK_ELEM_ENUM_ITEM_
 
-// Head dims with a compiled kernel; anything else is refused by the host, and the Python
-// backend's supports() names the list so that dispatch falls back to another backend.
-constexpr int kHeadDims[] = {32, 64, 96, 128};
-
-constexpr bool head_dim_supported(int d) {
-  return d == 32 || d == 64 || d == 96 || d == 128;
-}
-
-#define MHK_DECLARE_INSTANCE(tag, D)                                          \
+#define MHK_DECLARE_INSTANCE_(tag, D)                                         \
   cudaError_t run_attn_fwd_##tag##_d##D(const FwdParams& p, cudaStream_t s); \
   cudaError_t run_attn_bwd_##tag##_d##D(const BwdParams& p, cudaStream_t s);
-MHK_DECLARE_INSTANCE(fp16, 32)
-MHK_DECLARE_INSTANCE(fp16, 64)
-MHK_DECLARE_INSTANCE(fp16, 96)
-MHK_DECLARE_INSTANCE(fp16, 128)
-MHK_DECLARE_INSTANCE(bf16, 32)
-MHK_DECLARE_INSTANCE(bf16, 64)
-MHK_DECLARE_INSTANCE(bf16, 96)
-MHK_DECLARE_INSTANCE(bf16, 128)
-#undef MHK_DECLARE_INSTANCE
+MHK_CUDA_FOR_EACH_INSTANCE(MHK_DECLARE_INSTANCE_)
+#undef MHK_DECLARE_INSTANCE_
 
 // Runs the forward (and, for split-K, its combine) on `stream`. cudaErrorInvalidValue for a
 // (dtype, head dim) without an instantiation: the host checks before calling.
 inline cudaError_t dispatch_attn_fwd(ElemType t, int D, const FwdParams& p, cudaStream_t s) {
-  const bool h = t == ElemType::kFloat16;
-  switch (D) {
-    case 32: return h ? run_attn_fwd_fp16_d32(p, s) : run_attn_fwd_bf16_d32(p, s);
-    case 64: return h ? run_attn_fwd_fp16_d64(p, s) : run_attn_fwd_bf16_d64(p, s);
-    case 96: return h ? run_attn_fwd_fp16_d96(p, s) : run_attn_fwd_bf16_d96(p, s);
-    case 128: return h ? run_attn_fwd_fp16_d128(p, s) : run_attn_fwd_bf16_d128(p, s);
-    default: return cudaErrorInvalidValue;
-  }
+#define MHK_FWD_CASE_(tag, DD) \
+  if (t == ElemType::tag && D == DD) return run_attn_fwd_##tag##_d##DD(p, s);
+  MHK_CUDA_FOR_EACH_INSTANCE(MHK_FWD_CASE_)
+#undef MHK_FWD_CASE_
+  return cudaErrorInvalidValue;
 }
 
 // Runs delta, dK/dV and dQ (and, for split-K, the dQ reduction) on `stream`.
 inline cudaError_t dispatch_attn_bwd(ElemType t, int D, const BwdParams& p, cudaStream_t s) {
-  const bool h = t == ElemType::kFloat16;
-  switch (D) {
-    case 32: return h ? run_attn_bwd_fp16_d32(p, s) : run_attn_bwd_bf16_d32(p, s);
-    case 64: return h ? run_attn_bwd_fp16_d64(p, s) : run_attn_bwd_bf16_d64(p, s);
-    case 96: return h ? run_attn_bwd_fp16_d96(p, s) : run_attn_bwd_bf16_d96(p, s);
-    case 128: return h ? run_attn_bwd_fp16_d128(p, s) : run_attn_bwd_bf16_d128(p, s);
-    default: return cudaErrorInvalidValue;
-  }
+#define MHK_BWD_CASE_(tag, DD) \
+  if (t == ElemType::tag && D == DD) return run_attn_bwd_##tag##_d##DD(p, s);
+  MHK_CUDA_FOR_EACH_INSTANCE(MHK_BWD_CASE_)
+#undef MHK_BWD_CASE_
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace cuda

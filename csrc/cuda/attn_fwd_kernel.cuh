@@ -13,6 +13,8 @@
 // attn_fwd_combine_kernel merges the partials through their lse.
 #pragma once
 
+#include "../capabilities.h"
+#include "smem_opt_in.cuh"
 #include "tile_io.cuh"
 
 namespace mhakern {
@@ -33,7 +35,8 @@ struct FwdConfig {
   // accumulator rescales per key) or giving up the second strip.
   static constexpr int kMTiles = 2;
   static constexpr int kBlockM = 16 * kMTiles * kWarps;  // packed query rows per CTA
-  static constexpr int kBlockN = D <= 64 ? 64 : 32;      // keys per step
+  static constexpr int kBlockN = caps::cuda_tiles(D).fwd_n;  // keys per step
+  static_assert(kBlockM == caps::cuda_tiles(D).fwd_m, "capabilities.h: forward tile rows = 16 x strips x warps");
   static constexpr int kPitch = TilePitch<D>::kPitch;
   static constexpr int kQTile = kBlockM * kPitch;   // elements
   static constexpr int kKVTile = kBlockN * kPitch;  // elements
@@ -143,7 +146,7 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfig<D>::kThreads, 2) attn_fwd_kernel(con
   if (p.causal) mb = n_mblocks - 1 - mb;  // causal: the rows with the most keys start first
   const int r0 = mb * kBlockM;
   const int nrows = imin(kBlockM, rows_total - r0);
-  const int Lk_b = p.key_lengths ? p.key_lengths[b] : p.Lk;
+  const int Lk_b = key_length_of(p, b);  // clamped into [0, Lk]
 
   int i_lo, i_hi;
   tile_query_range(r0, nrows, p.Lq, i_lo, i_hi);
@@ -330,7 +333,7 @@ cudaError_t run_attn_fwd(const FwdParams& p, cudaStream_t stream) {
   const int64_t grid = n_mblocks * p.Hkv * p.B * p.num_splits;
   if (grid == 0) return cudaSuccess;
   if (grid > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  cudaError_t err = set_max_dynamic_smem(attn_fwd_kernel<Elem, D>, Cfg::kSmemBytes);
+  cudaError_t err = opt_in_dynamic_smem<kTagFwd, Elem, D>(attn_fwd_kernel<Elem, D>, Cfg::kSmemBytes);
   if (err != cudaSuccess) return err;
   launch_kernel(attn_fwd_kernel<Elem, D>, grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p);
   err = cudaGetLastError();
@@ -342,3 +345,14 @@ cudaError_t run_attn_fwd(const FwdParams& p, cudaStream_t stream) {
 
 }  // namespace cuda
 }  // namespace mhakern
+
+// The body of one generated instantiation file (tools/generate_kernels.py): the forward for
+// element tag `tag` (capabilities.h: MHK_CUDA_ELEM_TYPE_<tag>) and head dim D.
+#define MHK_DEFINE_ATTN_FWD(tag, D)                                                     \
+  namespace mhakern {                                                                   \
+  namespace cuda {                                                                      \
+  cudaError_t run_attn_fwd_##tag##_d##D(const FwdParams& p, cudaStream_t s) {           \
+    return run_attn_fwd<MHK_CUDA_ELEM_TYPE_##tag, D>(p, s);                             \
+  }                                                                                     \
+  }                                                                                     \
+  }

@@ -8,11 +8,23 @@
 //
 // Masking (all kernels): key j is visible to query i of batch element b iff
 //     j < Lk_b  and, when causal,  j <= i + Lk_b - Lq        (bottom-right aligned)
-// with Lk_b = key_lengths[b] (or Lk when key_lengths is null). A query row that sees no key
-// gets output 0, lse = -inf and zero gradient.
+// with Lk_b = key_lengths[b] clamped into [0, Lk] (or Lk when key_lengths is null). A query row
+// that sees no key gets output 0, lse = -inf and zero gradient. The other modes of
+// docs/contract.md have their fields here, but these kernels do not implement them yet
+// (capabilities.h: kCudaFeatures); the host refuses them by name.
+//
+// make_fwd_params / make_bwd_params fill the structs from plain operand descriptions; the host
+// code (cuda_host.cpp, from tensors) and the CPU emulation (emulation/emu_entry.cpp, from raw
+// pointers) both call them, so the two cannot fill them differently.
 #pragma once
 
 #include <cstdint>
+
+#if defined(__CUDACC__)
+#define MHK_PARAMS_HD __host__ __device__ __forceinline__
+#else
+#define MHK_PARAMS_HD inline
+#endif
 
 namespace mhakern {
 namespace cuda {
@@ -41,6 +53,16 @@ struct FwdParams {
   float scale = 1.f;        // multiplies q.k
   float scale_log2 = 1.f;   // scale * log2(e): the kernels work in base 2
   bool causal = false;
+  // Modes (docs/contract.md). Visibility: see the contract; off = top_left ? 0 : Lk_b - Lq.
+  bool top_left = false;
+  int64_t window_left = -1, window_right = -1;   // -1 = unbounded
+  // attn_mask: nullptr or a (B, H, Lq, Lk) view with element strides (0 on broadcast dims).
+  const void* mask = nullptr;
+  int mask_kind = 0;            // 0 none, 1 bool (uint8/bool bytes, nonzero = visible), 2 additive float32
+  int64_t mask_sb = 0, mask_sh = 0, mask_sq = 0, mask_sk = 0;
+  float* dmask = nullptr;       // backward: (B, H, Lq, Lk) contiguous float32 dL/dscore, or nullptr
+  float dropout_p = 0.f;
+  uint64_t seed = 0;
 
   // Split-K: the key range is cut into num_splits chunks of whole key blocks; each chunk writes
   // its normalised partial output and lse, and a combine kernel merges them through their lse.
@@ -69,12 +91,110 @@ struct BwdParams {
   float scale = 1.f;
   float scale_log2 = 1.f;
   bool causal = false;
+  // Modes (docs/contract.md). Visibility: see the contract; off = top_left ? 0 : Lk_b - Lq.
+  bool top_left = false;
+  int64_t window_left = -1, window_right = -1;   // -1 = unbounded
+  // attn_mask: nullptr or a (B, H, Lq, Lk) view with element strides (0 on broadcast dims).
+  const void* mask = nullptr;
+  int mask_kind = 0;            // 0 none, 1 bool (uint8/bool bytes, nonzero = visible), 2 additive float32
+  int64_t mask_sb = 0, mask_sh = 0, mask_sq = 0, mask_sk = 0;
+  float* dmask = nullptr;       // backward: (B, H, Lq, Lk) contiguous float32 dL/dscore, or nullptr
+  float dropout_p = 0.f;
+  uint64_t seed = 0;
 
   // Split-K of the dq kernel (long keys): each split writes an fp32 partial dq, and a reduce
   // kernel adds the partials in split order (deterministic).
   int num_splits = 1;
   float* dq_partial = nullptr;  // (num_splits, B, H, Lq, D) fp32, used when num_splits > 1
 };
+
+// The key length of batch element b, clamped into [0, Lk]: a length out of range (which the host
+// refuses where it can read the values) must never make a kernel read outside k and v.
+template <typename Params>
+MHK_PARAMS_HD int key_length_of(const Params& p, int b) {
+  if (p.key_lengths == nullptr) return p.Lk;
+  const int n = p.key_lengths[b];
+  return n < 0 ? 0 : (n > p.Lk ? p.Lk : n);
+}
+
+// One (B, H, L, D) operand as the kernels see it: its data and its (batch, head, row) strides.
+struct Operand {
+  const void* ptr = nullptr;
+  HeadStrides stride;
+};
+
+// The sizes of one call (checked by the caller: H a multiple of Hkv, the limits of
+// capabilities.h, so every value fits an int).
+struct CallSizes {
+  int64_t B = 0, H = 0, Hkv = 0, Lq = 0, Lk = 0, D = 0;
+};
+
+template <typename Params>
+void fill_sizes(Params& p, const CallSizes& s, float scale, bool causal, const int32_t* key_lengths, int num_splits) {
+  p.B = static_cast<int>(s.B);
+  p.H = static_cast<int>(s.H);
+  p.Hkv = static_cast<int>(s.Hkv);
+  p.Lq = static_cast<int>(s.Lq);
+  p.Lk = static_cast<int>(s.Lk);
+  p.D = static_cast<int>(s.D);
+  p.group = static_cast<int>(s.H / s.Hkv);
+  p.scale = scale;
+  p.scale_log2 = scale * kLog2e;
+  p.causal = causal;
+  p.key_lengths = key_lengths;
+  p.num_splits = num_splits;
+}
+
+// Forward: o is written, lse (B, H, Lq) contiguous. o_partial / lse_partial: the split-K
+// workspaces, needed when num_splits > 1.
+inline FwdParams make_fwd_params(const CallSizes& s, Operand q, Operand k, Operand v, Operand o, float* lse,
+                                 const int32_t* key_lengths, float scale, bool causal, int num_splits,
+                                 float* o_partial, float* lse_partial) {
+  FwdParams p;
+  p.q = q.ptr;
+  p.k = k.ptr;
+  p.v = v.ptr;
+  p.o = const_cast<void*>(o.ptr);
+  p.lse = lse;
+  p.q_stride = q.stride;
+  p.k_stride = k.stride;
+  p.v_stride = v.stride;
+  p.o_stride = o.stride;
+  fill_sizes(p, s, scale, causal, key_lengths, num_splits);
+  p.o_partial = o_partial;
+  p.lse_partial = lse_partial;
+  return p;
+}
+
+// Backward: dq, dk, dv are written; delta (B, H, Lq) is a workspace; dq_partial the split-K
+// workspace of the dq kernel, needed when num_splits > 1.
+inline BwdParams make_bwd_params(const CallSizes& s, Operand dout, Operand q, Operand k, Operand v, Operand o,
+                                 const float* lse, Operand dq, Operand dk, Operand dv, float* delta,
+                                 const int32_t* key_lengths, float scale, bool causal, int num_splits,
+                                 float* dq_partial) {
+  BwdParams p;
+  p.q = q.ptr;
+  p.k = k.ptr;
+  p.v = v.ptr;
+  p.o = o.ptr;
+  p.dout = dout.ptr;
+  p.lse = lse;
+  p.dq = const_cast<void*>(dq.ptr);
+  p.dk = const_cast<void*>(dk.ptr);
+  p.dv = const_cast<void*>(dv.ptr);
+  p.delta = delta;
+  p.q_stride = q.stride;
+  p.k_stride = k.stride;
+  p.v_stride = v.stride;
+  p.o_stride = o.stride;
+  p.do_stride = dout.stride;
+  p.dq_stride = dq.stride;
+  p.dk_stride = dk.stride;
+  p.dv_stride = dv.stride;
+  fill_sizes(p, s, scale, causal, key_lengths, num_splits);
+  p.dq_partial = dq_partial;
+  return p;
+}
 
 }  // namespace cuda
 }  // namespace mhakern

@@ -1,6 +1,6 @@
 """Backend registry and dispatch.
 
-A backend implements the raw contract of GUIDE.md section 3 on tensors in logical
+A backend implements the raw contract of docs/contract.md on tensors in logical
 (B, H, L, D) layout with unit stride on the last dim:
 
 * ``forward(q, k, v, scale, causal, key_lengths, modes=DEFAULT_MODES) -> (out, lse)``
@@ -17,7 +17,15 @@ A backend implements the raw contract of GUIDE.md section 3 on tensors in logica
 
 ``key_lengths`` reaches a backend already validated: int32, on the tensors' device, shape (B,),
 values in [0, Lk]. ``scale`` is a float. The tensors reaching ``supports`` are real or fake
-(meta) tensors, so ``supports`` looks only at shapes, strides, dtypes and devices.
+(meta) tensors, so ``supports`` looks only at shapes, strides, dtypes and devices: dispatch
+caches its answers per (backend, device, dtypes, shapes, strides, causal, key_lengths given,
+modes needed), and a backend whose answer depends on anything else must not be registered.
+``unavailable()`` is asked on every selection that misses the cache; :func:`register` and
+:func:`clear_dispatch_cache` empty it.
+
+A new backend plugs in by subclassing :class:`Backend` and calling :func:`register`; the
+conformance suite (tests/test_conformance.py) then runs it on every case its ``features``
+allow.
 """
 from __future__ import annotations
 
@@ -119,12 +127,32 @@ _BUILTIN = (
 _loaded = False
 
 
+# Dispatch caches: what cannot change between calls in one process. Cleared by register() and
+# clear_dispatch_cache().
+_ORDER: Optional[List[str]] = None
+_SELECTED: Dict[tuple, object] = {}
+_SELECTED_MAX = 4096  # distinct call signatures kept; the cache restarts when full
+
+
 def register(backend: Backend) -> Backend:
     """Add (or replace) a backend under ``backend.name``."""
-    if not backend.name:
-        raise ValueError("register: backend.name must be a non-empty string")
+    global _ORDER
+    if not isinstance(backend, Backend) or not backend.name or not isinstance(backend.name, str):
+        raise ValueError("register: expected a Backend instance with a non-empty string name")
+    if backend.name == "auto":
+        raise ValueError("register: 'auto' is reserved for automatic selection")
+    unknown = set(backend.features) - ALL_FEATURES
+    if unknown:
+        raise ValueError(f"register: {backend.name}: unknown features {sorted(unknown)}; known: {sorted(ALL_FEATURES)}")
     _REGISTRY[backend.name] = backend
+    _ORDER = None
+    _SELECTED.clear()
     return backend
+
+
+def clear_dispatch_cache() -> None:
+    """Forget the cached selections (for a backend whose availability changed in-process)."""
+    _SELECTED.clear()
 
 
 # Dynamo cannot trace importlib: under torch.compile this runs once at trace time instead, its
@@ -142,15 +170,25 @@ def _load_builtins() -> None:
 
 
 def names() -> List[str]:
+    """Registered backend names, highest priority first."""
+    global _ORDER
     _load_builtins()
-    return sorted(_REGISTRY, key=lambda n: -_REGISTRY[n].priority)
+    if _ORDER is None:
+        _ORDER = sorted(_REGISTRY, key=lambda n: -_REGISTRY[n].priority)
+    return list(_ORDER)
 
 
 def get(name: str) -> Backend:
+    """The backend registered as ``name`` ("auto" is not a backend: see :func:`select`)."""
     _load_builtins()
     try:
         return _REGISTRY[name]
-    except KeyError:
+    except (KeyError, TypeError):
+        if name == "auto":
+            raise ValueError(
+                "backend: 'auto' must be resolved by mhakern.backends.select() first; "
+                f"get() takes a registered backend name, one of {names()}"
+            ) from None
         raise ValueError(f"backend: unknown backend {name!r}; choose 'auto' or one of {names()}") from None
 
 
@@ -160,6 +198,14 @@ def get(name: str) -> Backend:
 def available_backends() -> Dict[str, Optional[str]]:
     """Each backend's name with None (usable in this process) or the reason it is not."""
     return {n: _REGISTRY[n].unavailable() for n in names()}
+
+
+def _signature(name, q, k, v, causal, key_lengths, needed) -> tuple:
+    # Everything supports() may look at (module docstring): the cache key of a selection.
+    return (
+        name, q.device, q.dtype, k.dtype, v.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape),
+        q.stride(), k.stride(), v.stride(), bool(causal), key_lengths is None, needed,
+    )
 
 
 def select(
@@ -173,8 +219,42 @@ def select(
 ) -> Backend:
     """Resolve ``name`` ("auto" or a backend name) to the backend that will serve these tensors.
 
-    ``needed``: the optional modes of the call (:meth:`Modes.required_features`).
+    ``needed``: the optional modes of the call (:meth:`Modes.required_features`). Raises
+    ValueError with every backend's reason when none can serve the call. Answers are cached per
+    call signature when the tensors are real (fake tensors under torch.compile may carry
+    symbolic shapes, which are not hashed).
     """
+    if not isinstance(name, str):
+        raise TypeError(f"backend: expected a string ('auto' or one of {names()}), got {type(name).__name__}")
+    key = None
+    # Real tensors outside tracing only: fake tensors may carry symbolic shapes, and stand-ins
+    # (tests' duck-typed tensors) need not have strides.
+    plain = all(type(x) is torch.Tensor or type(x) is torch.nn.Parameter for x in (q, k, v))
+    if plain and not torch.compiler.is_compiling():
+        key = _signature(name, q, k, v, causal, key_lengths, frozenset(needed))
+        hit = _SELECTED.get(key)
+        if hit is not None:
+            if isinstance(hit, Backend):
+                return hit
+            raise ValueError(hit)
+    try:
+        be = _select(name, q, k, v, causal, key_lengths, frozenset(needed))
+    except ValueError as e:
+        if key is not None and (name in _REGISTRY or name == "auto"):
+            _remember(key, str(e))
+        raise
+    if key is not None:
+        _remember(key, be)
+    return be
+
+
+def _remember(key, answer) -> None:
+    if len(_SELECTED) >= _SELECTED_MAX:
+        _SELECTED.clear()
+    _SELECTED[key] = answer
+
+
+def _select(name, q, k, v, causal, key_lengths, needed) -> Backend:
     usable = available_backends()
     if name != "auto":
         be = get(name)

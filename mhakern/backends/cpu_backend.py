@@ -1,7 +1,7 @@
 """The ``cpu`` backend: the fused multi-core C++ kernels of ``mhakern._C`` on CPU tensors.
 
-Exact attention with a blocked online softmax (fp32 accumulation) for float32, bfloat16 and
-float16 inputs, head dims up to 256 (D and Dv may differ), GQA/MQA, causal (bottom-right) and
+Exact attention with a blocked online softmax (fp32 accumulation) for the dtypes and head dims
+of the capability table (float32, bfloat16, float16; D and Dv may differ), GQA/MQA, causal (bottom-right) and
 key lengths; parallel over (batch, KV head, query block) with at::parallel_for, and
 deterministic (the work split depends on the shapes only). For small query lengths (decode)
 the query heads sharing a KV head are processed together, so each key block is read once; long
@@ -9,20 +9,23 @@ key ranges with few query rows are split across threads and merged by their lse,
 memory. The kernels exist per instruction set (AVX-512, AVX2, portable) and the one matching
 the CPU and ATen's capability (``ATEN_CPU_CAPABILITY``) is used: see ``kernel_isa()``.
 
+The kernels are the dispatcher operators ``torch.ops.mhakern_C.fwd`` / ``bwd`` (schemas in
+csrc/bindings.cpp; outputs allocated by the op, laid out like the input they mirror); what they
+serve is read from ``torch.ops.mhakern_C.capabilities()``, never restated here.
+
 When ``mhakern._C`` is missing (not built, build skipped or failed), the backend stays
 registered and ``available_backends()["cpu"]`` says why.
 """
 from __future__ import annotations
 
 import importlib
+import json
 from typing import Optional
 
 import torch
 
-from .._layout import empty_like_heads
 from . import DEFAULT_MODES, Backend, register
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BUILD_HINT = (
     "build it with `pip install -e . --no-build-isolation` (torch must be importable at build time; "
     "MHAKERN_NO_EXTENSION=1 skips it, and a failed compile prints a warning in the build log)"
@@ -30,10 +33,12 @@ _BUILD_HINT = (
 
 _ext = None
 _ext_error: Optional[str] = None
+_caps: Optional[dict] = None
 
 
 def _load():
-    """The extension module, or None (with the reason in ``_ext_error``)."""
+    """The extension module, or None (with the reason in ``_ext_error``). Importing it registers
+    the ``torch.ops.mhakern_C`` operators."""
     global _ext, _ext_error
     if _ext is None and _ext_error is None:
         try:
@@ -43,39 +48,64 @@ def _load():
     return _ext
 
 
+def capabilities() -> Optional[dict]:
+    """What the compiled kernel families serve (csrc/capabilities.h, the one place it is written):
+    ``{"cpu": {...}, "cuda": {...}}`` with dtypes, head dims, tiles, limits and features, or None
+    when mhakern._C is not available."""
+    global _caps
+    if _caps is None and _load() is not None:
+        _caps = json.loads(torch.ops.mhakern_C.capabilities())
+    return _caps
+
+
 def kernel_isa() -> Optional[str]:
     """The instruction-set variant the cpu kernels run ('AVX512', 'AVX2', 'DEFAULT'), or None."""
-    ext = _load()
-    return None if ext is None else ext.cpu_kernel_isa()
+    return None if _load() is None else torch.ops.mhakern_C.cpu_kernel_isa()
+
+
+def _mode_args(modes):
+    """The mode arguments of the mhakern_C ops, in schema order (after key_lengths)."""
+    return (modes.attn_mask, float(modes.dropout_p), int(modes.seed), bool(modes.top_left),
+            int(modes.window_left), int(modes.window_right))
 
 
 class CpuBackend(Backend):
     name = "cpu"
     priority = 20
 
+    def __init__(self):
+        # Filled from the capability table once the extension loads (unavailable() runs first).
+        self._dtypes = ()
+        self._max_head_dim = 0
+
     def unavailable(self):
-        return None if _load() is not None else _ext_error
+        caps = capabilities()
+        if caps is None:
+            return _ext_error
+        cpu = caps["cpu"]
+        self._dtypes = tuple(getattr(torch, n) for n in cpu["dtypes"])
+        self._max_head_dim = cpu["max_head_dim"]
+        self.features = frozenset(cpu["features"])
+        return None
 
     def supports(self, q, k, v, causal, key_lengths):
         if q.device.type != "cpu":
             return f"serves CPU tensors only, got a tensor on {q.device}"
-        if q.dtype not in _DTYPES:
-            return f"dtype {q.dtype} is not one of {_DTYPES}"
-        max_dim = 256
+        if q.dtype not in self._dtypes:
+            return f"dtype {q.dtype} is not one of {self._dtypes}"
+        max_dim = self._max_head_dim
         if q.shape[-1] > max_dim or v.shape[-1] > max_dim:
             return f"head dims up to {max_dim} only, got D={q.shape[-1]} and Dv={v.shape[-1]}"
         return None
 
     def forward(self, q, k, v, scale, causal, key_lengths, modes=DEFAULT_MODES):
-        out = empty_like_heads(q, v.shape[-1])
-        return _load().cpu_attn_fwd(q, k, v, scale, causal, key_lengths, out)
+        return torch.ops.mhakern_C.fwd(q, k, v, float(scale), bool(causal), key_lengths, *_mode_args(modes))
 
     def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, modes=DEFAULT_MODES):
-        dq = empty_like_heads(q, q.shape[-1])
-        dk = empty_like_heads(k, k.shape[-1])
-        dv = empty_like_heads(v, v.shape[-1])
-        dq, dk, dv = _load().cpu_attn_bwd(dout, q, k, v, out, lse, scale, causal, key_lengths, dq, dk, dv)
-        return dq, dk, dv, None
+        dq, dk, dv, dmask = torch.ops.mhakern_C.bwd(
+            dout, q, k, v, out, lse, float(scale), bool(causal), key_lengths, *_mode_args(modes), bool(modes.mask_grad)
+        )
+        return dq, dk, dv, (dmask if modes.mask_grad else None)
 
 
 register(CpuBackend())

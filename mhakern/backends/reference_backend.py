@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .. import reference
-from . import DEFAULT_MODES, Backend, register
+from . import ALL_FEATURES, DEFAULT_MODES, Backend, register
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -16,6 +16,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 class ReferenceBackend(Backend):
     name = "reference"
     priority = 0
+    features = ALL_FEATURES
 
     def supports(self, q, k, v, causal, key_lengths):
         if q.dtype not in _DTYPES:
@@ -23,11 +24,10 @@ class ReferenceBackend(Backend):
         return None
 
     def forward(self, q, k, v, scale, causal, key_lengths, modes=DEFAULT_MODES):
-        return reference.attention_forward(q, k, v, scale, causal, key_lengths)
+        return reference.attention_forward(q, k, v, scale, causal, key_lengths, modes=modes)
 
     def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, modes=DEFAULT_MODES):
-        dq, dk, dv = reference.attention_backward(dout, q, k, v, out, lse, scale, causal, key_lengths)
-        return dq, dk, dv, None
+        return reference.attention_backward_modes(dout, q, k, v, out, lse, scale, causal, key_lengths, modes=modes)
 
 
 register(ReferenceBackend())

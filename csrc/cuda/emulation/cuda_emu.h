@@ -1,31 +1,55 @@
 // CPU emulation of the CUDA features the attention kernels use, so that the host-side tests can
 // run the kernels' own source without a GPU (tests/test_cuda_host.py builds it with g++).
 //
-// Each CUDA thread of a block is a fiber on one OS thread; blocks run one after the
-// other. Barriers (__syncthreads, and the implicit warp rendezvous of ldmatrix, mma and
-// shuffles) suspend a fiber until all its peers arrive; a barrier that can never complete
-// (divergent __syncthreads) is reported as an error instead of hanging. Warp-collective
-// instructions follow the PTX ISA's documented fragment layouts (see ../primitives.cuh), and
-// cp.async copies either land at once or only at the wait that must cover them (deferred mode),
-// so a kernel that reads a tile before waiting for it, or overwrites one still being read,
-// computes wrong numbers here. Shared memory starts filled with NaN bytes each block.
+// Each CUDA thread of a block is a fiber on one OS thread; blocks run one after the other.
+// Barriers (__syncthreads, and the implicit warp rendezvous of ldmatrix, mma and shuffles)
+// suspend a fiber until all its peers arrive; a barrier that can never complete (a thread that
+// left while others wait) is reported as an error instead of hanging. Warp-collective
+// instructions follow the PTX ISA's documented fragment layouts (see ../primitives.cuh).
 //
-// What this cannot show: timing, occupancy, register limits, bank conflicts, and whether the
-// hardware matches the documented layouts (that is left to the GPU test suite).
+// Two schedules (mhk_emu_schedule in emu_schedule.cpp selects one):
+//  * fixed: fibers switch only where they must wait, and run in thread order; cp.async copies
+//    land at once or, deferred, only at the wait that must cover them. Deterministic: the same
+//    interleaving every run.
+//  * random (seeded): every pass over the fibers runs them in a fresh random order (lanes of a
+//    warp interleave with each other and with other warps), a fiber may be preempted at every
+//    shared-memory primitive (cp.async issue and wait, barrier arrival and release, between an
+//    ldmatrix's rendezvous and its shared-memory read), and each cp.async copy lands at a random
+//    moment between its issue and the wait that covers it. A kernel that reads a tile before
+//    waiting for it, overwrites one another warp still reads, or reads a neighbour's
+//    plain shared-memory store without a barrier then computes wrong numbers for some seeds.
+//    The per-block random stream is a function of (seed, launch shape, block index) only, so a
+//    failing seed reproduces on its own; errors name the seed.
+//
+// Convergence: every .sync.aligned collective (mma.sync, ldmatrix, shfl.sync, vote.sync,
+// bar.warp.sync) must be reached by all 32 lanes of the warp from the same program point with
+// the full member mask, and every bar.sync (__syncthreads) by all threads of the block from the
+// same program point; the emulator identifies a program point by the fiber's call stack (return
+// addresses, so the same source line inlined into two templates is two points, as on the GPU).
+// A divergent arrival or a partial mask is an error naming the call sites.
+//
+// Shared memory starts filled with NaN bytes each block. What this cannot show: timing,
+// occupancy, register limits, bank conflicts, races between plain shared-memory accesses that
+// no primitive separates (they are not switch points), and whether the hardware matches the
+// documented layouts (that is left to the GPU test suite).
 #pragma once
 
 #if !defined(__x86_64__)
 #include <ucontext.h>
 #endif
 
+#include <cxxabi.h>
+#include <dlfcn.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <cuda_bf16.h>
@@ -42,10 +66,24 @@ extern "C" void mhk_emu_switch(void** save_sp, void* load_sp);
 
 namespace mhk_emu {
 
+constexpr uint32_t kFullMask = 0xffffffffu;
+constexpr int kSiteFrames = 6;  // return addresses kept per arrival for error messages
+
 struct AsyncCopy {
   void* dst;
   const void* src;
   bool valid;
+  uint64_t group;  // sequence number of the commit group it belongs to
+};
+
+// Where a fiber arrived at a collective or barrier: the operation, its member mask, a hash of
+// the whole call stack (the program point) and its innermost return addresses.
+struct Site {
+  const char* op = nullptr;
+  uint32_t mask = kFullMask;
+  uint64_t hash = 0;
+  int frames = 0;
+  void* pc[kSiteFrames] = {};
 };
 
 struct Fiber {
@@ -56,13 +94,25 @@ struct Fiber {
 #endif
   std::vector<char> stack;
   bool done = false;
-  std::vector<AsyncCopy> open_group;
-  std::deque<std::vector<AsyncCopy>> committed;
+  std::vector<AsyncCopy> inflight;  // issued and not landed yet, in issue order
+  uint64_t groups_committed = 0;
+  Site site;
   // Per-lane mailbox of the warp collectives.
   uint32_t regs[6] = {0, 0, 0, 0, 0, 0};
   float out[4] = {0.f, 0.f, 0.f, 0.f};
   const void* addr = nullptr;
   float value = 0.f;
+  uint32_t word = 0;
+};
+
+// Knobs of the random schedule, drawn from the seed (so that different seeds also explore
+// different kinds of interleaving); probabilities as thresholds on 32-bit random numbers.
+struct Schedule {
+  bool random = false;
+  uint64_t seed = 0;
+  uint32_t p_preempt = 0;  // a switch point yields
+  uint32_t p_land_now = 0;  // a cp.async lands at its issue
+  uint32_t p_land_step = 0;  // after each slice of a fiber, one of its in-flight copies lands
 };
 
 struct State {
@@ -86,6 +136,11 @@ struct State {
   bool defer_async = true;
   size_t stack_bytes = 256 * 1024;
   int64_t max_smem = 227 * 1024;  // sm_90's opt-in limit per block
+  Schedule sched;
+  uint64_t rng = 0;
+  std::vector<int> order;
+  // Global memory that cp.async may read (empty: unchecked); [begin, end) byte ranges.
+  std::vector<std::pair<uintptr_t, uintptr_t>> readable;
 };
 
 inline State& state() {
@@ -95,13 +150,47 @@ inline State& state() {
 
 inline void fail(const std::string& msg) {
   State& s = state();
-  if (s.error.empty()) s.error = msg;
+  if (!s.error.empty()) return;
+  s.error = msg;
+  if (s.sched.random) s.error += " [random schedule, seed " + std::to_string(s.sched.seed) + "]";
+}
+
+// splitmix64: the random stream of the schedule.
+inline uint64_t mix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+inline uint32_t next_random() {
+  State& s = state();
+  s.rng = mix64(s.rng);
+  return static_cast<uint32_t>(s.rng >> 32);
+}
+inline bool chance(uint32_t threshold) { return threshold != 0 && next_random() < threshold; }
+
+// Seeds the knobs; mode 0 restores the fixed schedule.
+inline void set_schedule(int random, uint64_t seed) {
+  Schedule& c = state().sched;
+  c = Schedule{};
+  if (!random) return;
+  c.random = true;
+  c.seed = seed;
+  const uint64_t r = mix64(seed ^ 0x5eed5eed5eedull);
+  static const uint32_t kPreempt[4] = {1u << 26, 1u << 28, 1u << 29, 1u << 30};  // 1/64 .. 1/4
+  static const uint32_t kNow[4] = {0u, 1u << 30, 3u << 30, 0xffffffffu};         // 0, 1/4, 3/4, 1
+  static const uint32_t kStep[4] = {0u, 1u << 27, 1u << 29, 1u << 31};           // 0 .. 1/2
+  c.p_preempt = kPreempt[r & 3];
+  c.p_land_now = kNow[(r >> 2) & 3];
+  c.p_land_step = kStep[(r >> 4) & 3];
 }
 
 inline int thread_index() { return state().current; }
 inline int64_t block_index() { return state().block; }
 inline unsigned char* dynamic_smem() { return state().smem.data(); }
 
+// Back to the scheduler. A fiber resumed after an error never runs on: the scheduler stops a
+// block at its first error, so this never returns then (its stack is reset at the next launch).
 inline void yield() {
   State& s = state();
 #if defined(__x86_64__)
@@ -111,24 +200,176 @@ inline void yield() {
 #endif
 }
 
+// Records the calling fiber's program point: a hash of the return addresses on its stack,
+// followed through the frame-pointer chain (the emulator is built with -fno-omit-frame-pointer;
+// the chain ends at the fiber's entry, whose saved frame pointer is null) within the fiber's
+// own stack.
+__attribute__((noinline)) inline void record_site(Site& site, const char* op, uint32_t mask) {
+  State& s = state();
+  const std::vector<char>& stack = s.fibers[s.current].stack;
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(stack.data());
+  const uintptr_t hi = lo + stack.size();
+  void** fp = static_cast<void**>(__builtin_frame_address(0));
+  uint64_t h = 0xcbf29ce484222325ull;
+  int n = 0;
+  for (int depth = 0; depth < 64; ++depth) {
+    const uintptr_t f = reinterpret_cast<uintptr_t>(fp);
+    if (f < lo || f + 2 * sizeof(void*) > hi) break;
+    void* ret = fp[1];
+    h = (h ^ reinterpret_cast<uintptr_t>(ret)) * 0x100000001b3ull;
+    if (n < kSiteFrames) site.pc[n++] = ret;
+    void** up = static_cast<void**>(fp[0]);
+    if (up <= fp) break;
+    fp = up;
+  }
+  site.op = op;
+  site.mask = mask;
+  site.hash = h;
+  site.frames = n;
+}
+
+// "function<args>+0xoff" for a return address (the kernel's own frames, emulator frames skipped).
+inline std::string describe_pc(void* pc) {
+  Dl_info info;
+  char buf[64];
+  if (dladdr(pc, &info) == 0 || info.dli_sname == nullptr) {
+    std::snprintf(buf, sizeof buf, "%p", pc);
+    return buf;
+  }
+  int status = 0;
+  char* dem = abi::__cxa_demangle(info.dli_sname, nullptr, nullptr, &status);
+  std::string name = (status == 0 && dem) ? dem : info.dli_sname;
+  std::free(dem);
+  // Drop the parameter list: the template arguments name the instantiation.
+  int depth = 0;
+  for (size_t i = 0; i < name.size(); ++i) {
+    if (name[i] == '<') ++depth;
+    if (name[i] == '>') --depth;
+    if (name[i] == '(' && depth == 0 && i > 0) {
+      name.resize(i);
+      break;
+    }
+  }
+  if (name.size() > 120) name = name.substr(0, 117) + "...";
+  std::snprintf(buf, sizeof buf, "+0x%lx", static_cast<unsigned long>(static_cast<char*>(pc) - static_cast<char*>(info.dli_saddr)));
+  return name + buf;
+}
+
+inline std::string describe_site(const Site& site) {
+  std::string out = site.op ? site.op : "?";
+  out += " called from ";
+  int shown = 0;
+  for (int i = 0; i < site.frames && shown < 3; ++i) {
+    const std::string d = describe_pc(site.pc[i]);
+    if (d.rfind("mhk_emu::", 0) == 0) continue;  // the emulator's own frames
+    if (shown++) out += " < ";
+    out += d;
+  }
+  return out;
+}
+
+// Names the groups of threads [first, first + count) by program point, for error messages.
+inline std::string describe_groups(int first, int count) {
+  State& s = state();
+  std::string out;
+  std::vector<bool> seen(count, false);
+  int groups = 0;
+  for (int i = 0; i < count; ++i) {
+    if (seen[i]) continue;
+    const Site& a = s.fibers[first + i].site;
+    std::string members;
+    int n = 0;
+    for (int j = i; j < count; ++j) {
+      const Site& b = s.fibers[first + j].site;
+      if (!seen[j] && b.hash == a.hash && b.op == a.op) {
+        seen[j] = true;
+        if (n < 8) members += (n ? "," : "") + std::to_string(first + j);
+        ++n;
+      }
+    }
+    if (n > 8) members += ",...";
+    if (groups++ == 3) {
+      out += "; ...";
+      break;
+    }
+    out += (groups > 1 ? "; " : "") + std::to_string(n) + " thread(s) (" + members + ") at " + describe_site(a);
+  }
+  return out;
+}
+
+// A point where another fiber may run first (random schedule only). Counts as progress for the
+// deadlock check.
+inline void preempt_point() {
+  State& s = state();
+  if (!s.sched.random || !chance(s.sched.p_preempt)) return;
+  ++s.events;
+  yield();
+}
+
 inline void syncthreads() {
   State& s = state();
+  preempt_point();
+  record_site(s.fibers[s.current].site, "bar.sync (__syncthreads)", kFullMask);
   const uint64_t gen = s.bar_gen;
   ++s.events;
   if (++s.bar_arrived == s.nthreads) {
+    for (int i = 1; i < s.nthreads; ++i) {
+      if (s.fibers[i].site.hash != s.fibers[0].site.hash) {
+        fail("divergent barrier in block " + std::to_string(s.block) +
+             ": the threads reached __syncthreads from different program points: " + describe_groups(0, s.nthreads));
+        yield();
+      }
+    }
     s.bar_arrived = 0;
     ++s.bar_gen;
-    return;
+  } else {
+    while (s.bar_gen == gen) yield();
   }
-  while (s.bar_gen == gen) yield();
+  preempt_point();  // leave the barrier in a random order
 }
 
+// Plain rendezvous of the calling fiber's warp (no checks): the second half of a collective.
 inline void warp_sync() {
   State& s = state();
   const int w = s.current / 32;
   const uint64_t gen = s.warp_gen[w];
   ++s.events;
   if (++s.warp_arrived[w] == 32) {
+    s.warp_arrived[w] = 0;
+    ++s.warp_gen[w];
+    return;
+  }
+  while (s.warp_gen[w] == gen) yield();
+}
+
+// The entry rendezvous of a .sync.aligned warp collective: every lane must come from the same
+// program point with the full member mask. After it, every lane's mailbox is filled.
+inline void warp_collective(const char* op, uint32_t mask) {
+  State& s = state();
+  Fiber& me = s.fibers[s.current];
+  record_site(me.site, op, mask);
+  if (mask != kFullMask) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "0x%08x", mask);
+    fail(std::string(op) + ": member mask " + buf + " in block " + std::to_string(s.block) + ", thread " +
+         std::to_string(s.current) + " (" + describe_site(me.site) +
+         "): the kernels' collectives must name the full warp, 0xffffffff");
+    yield();
+  }
+  const int w = s.current / 32;
+  const uint64_t gen = s.warp_gen[w];
+  ++s.events;
+  if (++s.warp_arrived[w] == 32) {
+    const int base = 32 * w;
+    for (int l = 1; l < 32; ++l) {
+      const Site& a = s.fibers[base].site;
+      const Site& b = s.fibers[base + l].site;
+      if (a.hash != b.hash || a.op != b.op) {
+        fail("divergent warp collective in block " + std::to_string(s.block) + ", warp " + std::to_string(w) +
+             ": its lanes arrived from different program points: " + describe_groups(base, 32));
+        yield();
+      }
+    }
     s.warp_arrived[w] = 0;
     ++s.warp_gen[w];
     return;
@@ -172,7 +413,8 @@ inline void ldmatrix_x4(uint32_t (&r)[4], const void* p, bool trans) {
   check_smem_access(p, 16, "ldmatrix");
   Fiber& me = s.fibers[s.current];
   me.addr = s.error.empty() ? p : s.smem.data();
-  warp_sync();
+  warp_collective(trans ? "ldmatrix.sync.aligned.x4.trans" : "ldmatrix.sync.aligned.x4", kFullMask);
+  preempt_point();  // the shared-memory read happens some time after the rendezvous
   const int lane = s.current % 32, base = s.current - lane;
   const int g = lane / 4, t = lane % 4;
   for (int j = 0; j < 4; ++j) {
@@ -206,7 +448,7 @@ inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uin
   me.regs[4] = b0;
   me.regs[5] = b1;
   for (int e = 0; e < 4; ++e) me.out[e] = d[e];
-  warp_sync();
+  warp_collective(bf16 ? "mma.sync.aligned.m16n8k16.bf16" : "mma.sync.aligned.m16n8k16.f16", kFullMask);
   const int lane = s.current % 32, base = s.current - lane;
   if (lane == 0) {
     float A[16][16], B[16][8];
@@ -244,15 +486,36 @@ inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uin
   for (int e = 0; e < 4; ++e) d[e] = me.out[e];
 }
 
-inline float shfl_xor(float x, int mask) {
+// shfl.sync.bfly.b32: lane l receives lane (l ^ lane_mask)'s x.
+inline float shfl_xor_sync(uint32_t member_mask, float x, int lane_mask) {
   State& s = state();
   s.fibers[s.current].value = x;
-  warp_sync();
+  warp_collective("shfl.sync.bfly", member_mask);
   const int lane = s.current % 32, base = s.current - lane;
-  const float y = s.fibers[base + (lane ^ mask)].value;
+  const float y = s.fibers[base + ((lane ^ lane_mask) & 31)].value;
   warp_sync();
   return y;
 }
+
+// The kernels' shuffle (primitives.cuh): __shfl_xor_sync over the full warp.
+inline float shfl_xor(float x, int lane_mask) { return shfl_xor_sync(kFullMask, x, lane_mask); }
+
+// vote.sync.ballot.b32: bit l of the result is lane l's predicate.
+inline uint32_t ballot_sync(uint32_t member_mask, bool pred) {
+  State& s = state();
+  s.fibers[s.current].word = pred ? 1u : 0u;
+  warp_collective("vote.sync.ballot", member_mask);
+  const int base = s.current - s.current % 32;
+  uint32_t bits = 0;
+  for (int l = 0; l < 32; ++l) bits |= s.fibers[base + l].word << l;
+  warp_sync();
+  return bits;
+}
+inline bool all_sync(uint32_t member_mask, bool pred) { return ballot_sync(member_mask, pred) == kFullMask; }
+inline bool any_sync(uint32_t member_mask, bool pred) { return ballot_sync(member_mask, pred) != 0; }
+
+// bar.warp.sync (__syncwarp).
+inline void syncwarp(uint32_t member_mask = kFullMask) { warp_collective("bar.warp.sync", member_mask); }
 
 inline void perform(const AsyncCopy& c) {
   if (c.valid)
@@ -261,32 +524,69 @@ inline void perform(const AsyncCopy& c) {
     std::memset(c.dst, 0, 16);
 }
 
+// s.readable is sorted by begin and its ranges do not overlap (emu_schedule.cpp merges them).
+inline bool readable(const void* p, size_t bytes) {
+  State& s = state();
+  if (s.readable.empty()) return true;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  auto it = std::upper_bound(s.readable.begin(), s.readable.end(), std::make_pair(a, ~uintptr_t(0)));
+  if (it == s.readable.begin()) return false;
+  --it;
+  return a >= it->first && a + bytes <= it->second;
+}
+
 inline void cp_async_16(void* smem, const void* gmem, bool valid) {
   State& s = state();
+  preempt_point();
   check_smem_access(smem, 16, "cp.async destination");
   if (reinterpret_cast<uintptr_t>(gmem) % 16 != 0) fail("cp.async: global source not 16-byte aligned");
+  if (valid && !readable(gmem, 16)) {
+    char buf[200];
+    std::snprintf(buf, sizeof buf,
+                  "cp.async reads 16 bytes at %p, outside every tensor the kernel may read (thread %d, block %lld)",
+                  gmem, s.current, static_cast<long long>(s.block));
+    fail(buf);
+  }
   if (!s.error.empty()) return;
-  const AsyncCopy c{smem, gmem, valid};
-  if (s.defer_async)
-    s.fibers[s.current].open_group.push_back(c);
-  else
+  Fiber& me = s.fibers[s.current];
+  const AsyncCopy c{smem, gmem, valid, me.groups_committed};
+  const bool now = s.sched.random ? chance(s.sched.p_land_now) : !s.defer_async;
+  if (now)
     perform(c);
+  else
+    me.inflight.push_back(c);
 }
 
 inline void cp_async_commit() {
   State& s = state();
-  Fiber& me = s.fibers[s.current];
-  me.committed.push_back(std::move(me.open_group));
-  me.open_group.clear();
+  ++s.fibers[s.current].groups_committed;
 }
 
+// cp.async.wait_group n: all but the n most recent committed groups have landed (copies not
+// committed yet are not waited for, as on the GPU).
 inline void cp_async_wait(int n) {
   State& s = state();
+  preempt_point();
   Fiber& me = s.fibers[s.current];
-  while (static_cast<int>(me.committed.size()) > n) {
-    for (const AsyncCopy& c : me.committed.front()) perform(c);
-    me.committed.pop_front();
+  if (me.groups_committed < static_cast<uint64_t>(n)) return;
+  const uint64_t limit = me.groups_committed - n;  // groups [0, limit) must have landed
+  size_t keep = 0;
+  for (size_t i = 0; i < me.inflight.size(); ++i) {
+    if (me.inflight[i].group < limit)
+      perform(me.inflight[i]);
+    else
+      me.inflight[keep++] = me.inflight[i];
   }
+  me.inflight.resize(keep);
+}
+
+// Random schedule: one in-flight copy of fiber f lands now.
+inline void land_one(Fiber& f) {
+  if (f.inflight.empty()) return;
+  const size_t i = next_random() % f.inflight.size();
+  perform(f.inflight[i]);
+  f.inflight[i] = f.inflight.back();
+  f.inflight.pop_back();
 }
 
 inline cudaError_t check_dynamic_smem(int bytes) {
@@ -309,7 +609,8 @@ inline void fiber_main() {
 extern "C" inline void mhk_emu_fiber_entry() { fiber_main(); }
 
 // Prepares a fresh stack so that the first mhk_emu_switch into it pops six zero registers and
-// "returns" into mhk_emu_fiber_entry with the stack aligned as after a call.
+// "returns" into mhk_emu_fiber_entry with the stack aligned as after a call. The zero frame
+// pointer ends record_site's walk.
 inline void* fresh_stack(std::vector<char>& stack) {
   uintptr_t top = reinterpret_cast<uintptr_t>(stack.data() + stack.size()) & ~uintptr_t(15);
   void** sp = reinterpret_cast<void**>(top);
@@ -319,6 +620,34 @@ inline void* fresh_stack(std::vector<char>& stack) {
   return sp;
 }
 #endif
+
+inline void run_fiber(int i) {
+  State& s = state();
+  s.current = i;
+#if defined(__x86_64__)
+  mhk_emu_switch(&s.scheduler_sp, s.fibers[i].sp);
+#else
+  swapcontext(&s.scheduler, &s.fibers[i].ctx);
+#endif
+}
+
+inline std::string describe_deadlock(int64_t blk, int threads) {
+  State& s = state();
+  int waiting = 0, finished = 0, first = -1;
+  for (int i = 0; i < threads; ++i) {
+    if (s.fibers[i].done) {
+      ++finished;
+    } else {
+      ++waiting;
+      if (first < 0) first = i;
+    }
+  }
+  std::string msg = "deadlock in block " + std::to_string(blk) + ": " + std::to_string(waiting) +
+                    " threads wait at a barrier the others never reach (" + std::to_string(finished) +
+                    " threads have finished)";
+  if (first >= 0) msg += "; thread " + std::to_string(first) + " waits at " + describe_site(s.fibers[first].site);
+  return msg;
+}
 
 // Runs grid blocks of `threads` threads one after the other; each thread runs body().
 inline void launch(std::function<void()> body, int64_t grid, int threads, int smem_bytes) {
@@ -335,16 +664,21 @@ inline void launch(std::function<void()> body, int64_t grid, int threads, int sm
   s.body = std::move(body);
   s.nthreads = threads;
   if (static_cast<int>(s.fibers.size()) < threads) s.fibers.resize(threads);
+  s.order.resize(threads);
   for (int64_t blk = 0; blk < grid && s.error.empty(); ++blk) {
     s.block = blk;
     s.smem.assign(static_cast<size_t>(smem_bytes) + 16, 0xff);  // NaN in every float type
     s.bar_arrived = 0;
     for (int w = 0; w < 32; ++w) s.warp_arrived[w] = 0;
+    // The block's random stream depends on the seed and the launch shape only.
+    s.rng = mix64(s.sched.seed ^ mix64(static_cast<uint64_t>(grid) * 0x10001u + threads) ^
+                  mix64(static_cast<uint64_t>(smem_bytes) << 20 ^ static_cast<uint64_t>(blk)));
     for (int i = 0; i < threads; ++i) {
       Fiber& f = s.fibers[i];
       f.done = false;
-      f.open_group.clear();
-      f.committed.clear();
+      f.inflight.clear();
+      f.groups_committed = 0;
+      f.site = Site{};
       f.stack.resize(s.stack_bytes);
 #if defined(__x86_64__)
       f.sp = fresh_stack(f.stack);
@@ -355,27 +689,25 @@ inline void launch(std::function<void()> body, int64_t grid, int threads, int sm
       f.ctx.uc_link = &s.scheduler;
       makecontext(&f.ctx, fiber_main, 0);
 #endif
+      s.order[i] = i;
     }
     int live = threads;
-    while (live > 0) {
+    while (live > 0 && s.error.empty()) {
       const uint64_t before = s.events;
+      if (s.sched.random) {
+        for (int i = threads - 1; i > 0; --i) std::swap(s.order[i], s.order[next_random() % (i + 1)]);
+      }
       live = 0;
-      for (int i = 0; i < threads; ++i) {
+      for (int k = 0; k < threads; ++k) {
+        const int i = s.order[k];
         if (s.fibers[i].done) continue;
-        s.current = i;
-#if defined(__x86_64__)
-        mhk_emu_switch(&s.scheduler_sp, s.fibers[i].sp);
-#else
-        swapcontext(&s.scheduler, &s.fibers[i].ctx);
-#endif
+        run_fiber(i);
+        if (!s.error.empty()) break;  // the block stops at its first error
+        if (s.sched.random && chance(s.sched.p_land_step)) land_one(s.fibers[i]);
         if (!s.fibers[i].done) ++live;
       }
-      if (live > 0 && s.events == before) {
-        char buf[160];
-        std::snprintf(buf, sizeof buf,
-                      "deadlock in block %lld: %d threads wait at a barrier the others never reach",
-                      static_cast<long long>(blk), live);
-        fail(buf);
+      if (s.error.empty() && live > 0 && s.events == before) {
+        fail(describe_deadlock(blk, threads));
         break;
       }
     }

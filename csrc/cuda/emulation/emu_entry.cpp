@@ -1,8 +1,8 @@
 // C entry points of the CPU emulation library (built by tests/test_cuda_host.py with g++ from
 // this file and csrc/cuda/*.cu compiled as C++ with -DMHAKERN_CUDA_EMULATE). They fill the
-// kernels' parameter structs from raw pointers and strides, as cuda_host.cpp does from tensors,
-// and go through the same dispatch switch, so the emulated run covers everything from the
-// parameter struct down. "Device memory" is host memory here.
+// kernels' parameter structs from raw pointers and strides with the helpers cuda_host.cpp uses
+// on tensors (make_fwd_params / make_bwd_params), and go through the same dispatch switch, so
+// the emulated run covers everything from the parameter struct down. "Device memory" is host memory here.
 #include <string>
 
 #include "../attn_bwd_kernel.cuh"
@@ -12,8 +12,8 @@
 
 // An emulator build may compile only some of the instantiation files (compiling all of them
 // takes a while); the others resolve to these weak definitions, which report that they are
-// missing instead of failing the link.
-#define MHK_WEAK_INSTANCE(tag, D)                                                                             \
+// missing instead of failing the link. One per instance of capabilities.h.
+#define MHK_WEAK_INSTANCE_(tag, D)                                                                            \
   namespace mhakern {                                                                                         \
   namespace cuda {                                                                                            \
   __attribute__((weak)) cudaError_t run_attn_fwd_##tag##_d##D(const FwdParams&, cudaStream_t) {             \
@@ -26,15 +26,8 @@
   }                                                                                                           \
   }                                                                                                           \
   }
-MHK_WEAK_INSTANCE(fp16, 32)
-MHK_WEAK_INSTANCE(fp16, 64)
-MHK_WEAK_INSTANCE(fp16, 96)
-MHK_WEAK_INSTANCE(fp16, 128)
-MHK_WEAK_INSTANCE(bf16, 32)
-MHK_WEAK_INSTANCE(bf16, 64)
-MHK_WEAK_INSTANCE(bf16, 96)
-MHK_WEAK_INSTANCE(bf16, 128)
-#undef MHK_WEAK_INSTANCE
+MHK_CUDA_FOR_EACH_INSTANCE(MHK_WEAK_INSTANCE_)
+#undef MHK_WEAK_INSTANCE_
 
 #if defined(__x86_64__)
 // mhk_emu_switch(save_sp, load_sp): push the System V callee-saved registers, store the stack
@@ -65,19 +58,20 @@ mhk_emu_switch:
 )");
 #endif
 
-using mhakern::cuda::BwdParams;
+using mhakern::cuda::CallSizes;
 using mhakern::cuda::ElemType;
-using mhakern::cuda::FwdParams;
 using mhakern::cuda::HeadStrides;
+using mhakern::cuda::Operand;
 
 namespace {
 
-HeadStrides strides(const int64_t* s) {
-  HeadStrides h;
-  h.batch = s[0];
-  h.head = s[1];
-  h.row = s[2];
-  return h;
+Operand operand(const void* ptr, const int64_t* s) {
+  Operand o;
+  o.ptr = ptr;
+  o.stride.batch = s[0];
+  o.stride.head = s[1];
+  o.stride.row = s[2];
+  return o;
 }
 
 int finish(cudaError_t err) {
@@ -100,10 +94,11 @@ void mhk_emu_configure(int defer_async, long long max_smem) {
 
 const char* mhk_emu_last_error() { return mhk_emu::state().error.c_str(); }
 
-int mhk_emu_head_dim_supported(int d) { return mhakern::cuda::head_dim_supported(d) ? 1 : 0; }
+int mhk_emu_head_dim_supported(int d) { return mhakern::caps::cuda_head_dim_supported(d) ? 1 : 0; }
 
-// Tile sizes of the compiled configs, for the Python side's split planner to be checked against:
-// out = {fwd rows, fwd keys, dq rows, dq keys, dkdv keys, dkdv rows}. Returns 1 for an unknown D.
+// Tile sizes of the compiled configs (FwdConfig / BwdConfig), for tests to compare with
+// capabilities.h's table: out = {fwd rows, fwd keys, dq rows, dq keys, dkdv keys, dkdv rows}.
+// Returns 1 for a head dim without an instance.
 int mhk_emu_tiles(int d, int* out) {
   using namespace mhakern::cuda;
   auto fill = [out](auto fwd, auto bwd) {
@@ -116,43 +111,25 @@ int mhk_emu_tiles(int d, int* out) {
     out[4] = Bw::kDkvBlockN;
     out[5] = Bw::kDkvBlockM;
   };
-  switch (d) {
-    case 32: fill(FwdConfig<32>{}, BwdConfig<32>{}); return 0;
-    case 64: fill(FwdConfig<64>{}, BwdConfig<64>{}); return 0;
-    case 96: fill(FwdConfig<96>{}, BwdConfig<96>{}); return 0;
-    case 128: fill(FwdConfig<128>{}, BwdConfig<128>{}); return 0;
-    default: return 1;
+#define MHK_TILES_CASE_(tag, D) \
+  if (d == D) {                 \
+    fill(FwdConfig<D>{}, BwdConfig<D>{}); \
+    return 0;                   \
   }
+  MHK_CUDA_FOR_EACH_HEAD_DIM(MHK_TILES_CASE_, _)
+#undef MHK_TILES_CASE_
+  return 1;
 }
 
 // Strides are (batch, head, row) in elements. Returns 0 on success, 1 with mhk_emu_last_error().
+// Parameters are filled by the helpers the host code uses (attn_params.h).
 int mhk_emu_fwd(int elem, int D, const void* q, const int64_t* q_st, const void* k, const int64_t* k_st, const void* v,
                 const int64_t* v_st, void* o, const int64_t* o_st, float* lse, const int32_t* key_lengths, int B, int H,
                 int Hkv, int Lq, int Lk, float scale, int causal, int num_splits, float* o_partial, float* lse_partial) {
-  FwdParams p;
-  p.q = q;
-  p.k = k;
-  p.v = v;
-  p.o = o;
-  p.lse = lse;
-  p.key_lengths = key_lengths;
-  p.q_stride = strides(q_st);
-  p.k_stride = strides(k_st);
-  p.v_stride = strides(v_st);
-  p.o_stride = strides(o_st);
-  p.B = B;
-  p.H = H;
-  p.Hkv = Hkv;
-  p.Lq = Lq;
-  p.Lk = Lk;
-  p.D = D;
-  p.group = H / Hkv;
-  p.scale = scale;
-  p.scale_log2 = scale * mhakern::cuda::kLog2e;
-  p.causal = causal != 0;
-  p.num_splits = num_splits;
-  p.o_partial = o_partial;
-  p.lse_partial = lse_partial;
+  const CallSizes s{B, H, Hkv, Lq, Lk, D};
+  const auto p = mhakern::cuda::make_fwd_params(s, operand(q, q_st), operand(k, k_st), operand(v, v_st),
+                                                operand(o, o_st), lse, key_lengths, scale, causal != 0, num_splits,
+                                                o_partial, lse_partial);
   return finish(mhakern::cuda::dispatch_attn_fwd(static_cast<ElemType>(elem), D, p, nullptr));
 }
 
@@ -161,38 +138,11 @@ int mhk_emu_bwd(int elem, int D, const void* dout, const int64_t* do_st, const v
                 const float* lse, void* dq, const int64_t* dq_st, void* dk, const int64_t* dk_st, void* dv,
                 const int64_t* dv_st, float* delta, const int32_t* key_lengths, int B, int H, int Hkv, int Lq, int Lk,
                 float scale, int causal, int num_splits, float* dq_partial) {
-  BwdParams p;
-  p.q = q;
-  p.k = k;
-  p.v = v;
-  p.o = o;
-  p.dout = dout;
-  p.lse = lse;
-  p.key_lengths = key_lengths;
-  p.dq = dq;
-  p.dk = dk;
-  p.dv = dv;
-  p.delta = delta;
-  p.q_stride = strides(q_st);
-  p.k_stride = strides(k_st);
-  p.v_stride = strides(v_st);
-  p.o_stride = strides(o_st);
-  p.do_stride = strides(do_st);
-  p.dq_stride = strides(dq_st);
-  p.dk_stride = strides(dk_st);
-  p.dv_stride = strides(dv_st);
-  p.B = B;
-  p.H = H;
-  p.Hkv = Hkv;
-  p.Lq = Lq;
-  p.Lk = Lk;
-  p.D = D;
-  p.group = H / Hkv;
-  p.scale = scale;
-  p.scale_log2 = scale * mhakern::cuda::kLog2e;
-  p.causal = causal != 0;
-  p.num_splits = num_splits;
-  p.dq_partial = dq_partial;
+  const CallSizes s{B, H, Hkv, Lq, Lk, D};
+  const auto p = mhakern::cuda::make_bwd_params(s, operand(dout, do_st), operand(q, q_st), operand(k, k_st),
+                                                operand(v, v_st), operand(o, o_st), lse, operand(dq, dq_st),
+                                                operand(dk, dk_st), operand(dv, dv_st), delta, key_lengths, scale,
+                                                causal != 0, num_splits, dq_partial);
   return finish(mhakern::cuda::dispatch_attn_bwd(static_cast<ElemType>(elem), D, p, nullptr));
 }
 

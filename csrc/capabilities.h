@@ -1,0 +1,120 @@
+// What the compiled kernel families of mhakern._C serve: the one place where head dims, dtypes,
+// tile shapes, index limits and implemented modes are written. Everything else reads them:
+//   - csrc/cuda/attn_dispatch.h and csrc/cuda/emulation/emu_entry.cpp expand the instance list
+//     below (X-macros), tools/generate_kernels.py writes one csrc/cuda/*.cu per instance from
+//     it (tests/test_generated_kernels.py checks the committed files are current);
+//   - the kernels' tile configs (FwdConfig / BwdConfig) take their tiles from cuda_tiles();
+//   - the host code (csrc/cpu/attention_cpu.cpp, csrc/cuda_host.cpp) checks against the limits;
+//   - Python reads all of it as JSON through torch.ops.mhakern_C.capabilities()
+//     (mhakern/backends/cpu_backend.py, cuda_backend.py).
+// No torch and no CUDA header: nvcc, the emulator build and the host code all include it.
+#pragma once
+
+#include <cstdint>
+
+namespace mhakern {
+namespace caps {
+
+// Modes of docs/contract.md a family may implement (bits of a feature mask; the names are the
+// Python backends' feature names).
+enum Feature : unsigned {
+  kAttnMask = 1u << 0,
+  kMaskGrad = 1u << 1,
+  kDropout = 1u << 2,
+  kTopLeft = 1u << 3,
+  kWindow = 1u << 4,
+};
+constexpr const char* kFeatureNames[] = {"attn_mask", "mask_grad", "dropout", "top_left", "window"};
+constexpr int kNumFeatures = 5;
+
+// ---- cpu family (csrc/cpu/) ------------------------------------------------------------------
+// dtypes float32, bfloat16, float16; any head dims D, Dv in [1, kCpuMaxHeadDim] (D != Dv allowed).
+constexpr int64_t kCpuMaxHeadDim = 256;
+// Modes the cpu kernels implement (csrc/cpu/attention_kernel_impl.h reads the params fields of
+// attention_params.h). The op refuses the others with the mode's name.
+constexpr unsigned kCpuFeatures = 0;
+
+// ---- cuda family (csrc/cuda/) ----------------------------------------------------------------
+// One compiled instantiation per (element type, head dim): F(tag, D) for each. Adding a head dim
+// here (and running tools/generate_kernels.py) is all a new instance needs; the tile shapes of
+// cuda_tiles() must cover it (the configs static_assert multiples of 16 up to 128).
+#define MHK_CUDA_FOR_EACH_HEAD_DIM(F, tag) F(tag, 32) F(tag, 64) F(tag, 96) F(tag, 128)
+// Element types by tag (fp16, bf16); csrc/cuda/attn_dispatch.h maps a tag to its C++ type and
+// torch dtype. F(tag, D) for every instance: G(F, tag) for each tag.
+#define MHK_CUDA_FOR_EACH_ELEM(G, F) G(F, fp16) G(F, bf16)
+#define MHK_CUDA_FOR_EACH_INSTANCE(F) MHK_CUDA_FOR_EACH_ELEM(MHK_CUDA_FOR_EACH_HEAD_DIM_, F)
+#define MHK_CUDA_FOR_EACH_HEAD_DIM_(F, tag) MHK_CUDA_FOR_EACH_HEAD_DIM(F, tag)
+
+// C++ element type of each tag (used only where the CUDA headers are included).
+#define MHK_CUDA_ELEM_TYPE_fp16 __half
+#define MHK_CUDA_ELEM_TYPE_bf16 __nv_bfloat16
+// Torch dtype name of each tag, in the order of MHK_CUDA_FOR_EACH_ELEM.
+#define MHK_CUDA_DTYPE_NAME_fp16 "float16"
+#define MHK_CUDA_DTYPE_NAME_bf16 "bfloat16"
+#define MHK_CUDA_DTYPE_NAME_ITEM_(F, tag) MHK_CUDA_DTYPE_NAME_##tag,
+constexpr const char* kCudaDtypeNames[] = {MHK_CUDA_FOR_EACH_ELEM(MHK_CUDA_DTYPE_NAME_ITEM_, _)};
+#undef MHK_CUDA_DTYPE_NAME_ITEM_
+constexpr int kCudaNumDtypes = sizeof(kCudaDtypeNames) / sizeof(kCudaDtypeNames[0]);
+
+#define MHK_CUDA_HEAD_DIM_ITEM_(tag, D) D,
+constexpr int kCudaHeadDims[] = {MHK_CUDA_FOR_EACH_HEAD_DIM(MHK_CUDA_HEAD_DIM_ITEM_, _)};
+#undef MHK_CUDA_HEAD_DIM_ITEM_
+constexpr int kCudaNumHeadDims = sizeof(kCudaHeadDims) / sizeof(kCudaHeadDims[0]);
+
+constexpr bool cuda_head_dim_supported(int64_t d) {
+  for (int i = 0; i < kCudaNumHeadDims; ++i)
+    if (kCudaHeadDims[i] == d) return true;
+  return false;
+}
+
+// Compute capability the kernels need (mma.sync bf16, cp.async, ldmatrix).
+constexpr int kCudaMinCapabilityMajor = 8, kCudaMinCapabilityMinor = 0;
+// The kernels' index arithmetic is 32-bit: the packed rows of a KV-head group (H / Hkv * Lq)
+// and the key positions stay below 2^30 so that ceil_div(n + block - 1) and a key block past
+// the end never overflow an int.
+constexpr int64_t kCudaMaxGroupRows = int64_t{1} << 30;
+constexpr int64_t kCudaMaxKeys = int64_t{1} << 30;  // Lk < kCudaMaxKeys
+constexpr unsigned kCudaFeatures = 0;
+
+// Tiles of each pass, per head dim: (packed query rows, keys) per CTA and step. The forward
+// keeps 2 strips of 16 rows per warp x 4 warps; above D = 64 the keys per step halve so that
+// accumulators and score tiles stay in registers (see FwdConfig / BwdConfig).
+struct CudaTiles {
+  int fwd_m, fwd_n;  // forward
+  int dq_m, dq_n;    // backward, dQ kernel
+  int dkv_n, dkv_m;  // backward, dK/dV kernel: keys per CTA, query rows per step
+};
+constexpr CudaTiles cuda_tiles(int d) {
+  return CudaTiles{128, d <= 64 ? 64 : 32, 64, d <= 64 ? 64 : 32, 64, d <= 64 ? 64 : 32};
+}
+
+// Split-K planning (long keys with few query tiles: decode): at least kMinBlocksPerSplit key
+// blocks per split, at most kMaxSplits splits, and the fp32 partial outputs under
+// kMaxSplitWorkspaceBytes.
+constexpr int64_t kMinBlocksPerSplit = 8;
+constexpr int64_t kMaxSplits = 128;
+constexpr int64_t kMaxSplitWorkspaceBytes = int64_t{1} << 30;
+
+// Number of key splits for a pass whose CTAs each take block_m packed query rows and step
+// through the keys block_n at a time. One CTA per (batch, kv head, tile of block_m of the
+// group's group * q_len rows): when those fill the GPU (at least num_sms) or the keys are short,
+// 1; otherwise enough splits for about two CTAs per multiprocessor, within the limits above.
+constexpr int64_t plan_splits(int64_t batch, int64_t kv_heads, int64_t group, int64_t q_len, int64_t k_len,
+                              int64_t head_dim, int64_t num_sms, int64_t block_m, int64_t block_n) {
+  const int64_t ctas = batch * kv_heads * ((group * q_len + block_m - 1) / block_m);
+  if (ctas == 0 || ctas >= num_sms) return 1;
+  const int64_t key_blocks = (k_len + block_n - 1) / block_n;
+  const int64_t by_occupancy = (2 * num_sms + ctas - 1) / ctas;
+  const int64_t by_keys = key_blocks / kMinBlocksPerSplit;
+  const int64_t rows = batch * kv_heads * group * q_len;
+  const int64_t row_bytes = rows * head_dim * 4;
+  const int64_t by_memory = kMaxSplitWorkspaceBytes / (row_bytes > 0 ? row_bytes : 1);
+  int64_t s = by_occupancy;
+  if (by_keys < s) s = by_keys;
+  if (by_memory < s) s = by_memory;
+  if (kMaxSplits < s) s = kMaxSplits;
+  return s < 1 ? 1 : s;
+}
+
+}  // namespace caps
+}  // namespace mhakern

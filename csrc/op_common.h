@@ -1,0 +1,222 @@
+// What the mhakern_C::fwd / mhakern_C::bwd ops (schemas in csrc/bindings.cpp) check and do the
+// same way on every device: argument checks that name the argument and what is accepted, the
+// optional modes (docs/contract.md), the outputs' allocation, and filling the mode fields of a
+// kernel family's parameter struct. Header-only, included by the cpu host code
+// (cpu/attention_cpu.cpp), the CUDA host code (cuda_host.cpp) and the meta (fake) kernels
+// (bindings.cpp), so the three agree by construction.
+//
+// Errors are TORCH_CHECK_* (c10::Error subclasses) thrown from inside dispatcher kernels: torch's
+// own operator machinery turns them into Python ValueError / TypeError / NotImplementedError /
+// RuntimeError, whatever pybind11 this module was built with.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "capabilities.h"
+
+namespace mhakern {
+namespace op {
+
+// The optional modes of one call, as the op schemas pass them.
+struct ModeArgs {
+  const std::optional<at::Tensor>* attn_mask = nullptr;
+  double dropout_p = 0.0;
+  int64_t seed = 0;
+  bool top_left = false;
+  int64_t window_left = -1, window_right = -1;
+  bool mask_grad = false;
+
+  bool has_mask() const { return attn_mask != nullptr && attn_mask->has_value() && (*attn_mask)->defined(); }
+  const at::Tensor& mask() const { return **attn_mask; }
+
+  // caps::Feature bits this call needs.
+  unsigned required() const {
+    unsigned need = 0;
+    if (has_mask()) need |= caps::kAttnMask;
+    if (mask_grad) need |= caps::kMaskGrad;
+    if (dropout_p > 0.0) need |= caps::kDropout;
+    if (top_left) need |= caps::kTopLeft;
+    if (window_left >= 0 || window_right >= 0) need |= caps::kWindow;
+    return need;
+  }
+};
+
+// Sizes of one call: q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv).
+struct Sizes {
+  int64_t B, H, Hkv, Lq, Lk, D, Dv;
+};
+
+inline const char* op_name(bool backward) { return backward ? "mhakern_C::bwd" : "mhakern_C::fwd"; }
+
+// A (batch, heads, length, head_dim) operand: defined, 4 dims, unit stride on the last dim.
+inline void check_rank4(const at::Tensor& x, const char* name) {
+  TORCH_CHECK_VALUE(x.defined(), name, ": expected a tensor, got an undefined one");
+  TORCH_CHECK_VALUE(x.dim() == 4, name, ": expected 4 dims (batch, heads, length, head_dim), got shape ", x.sizes());
+  TORCH_CHECK_VALUE(x.size(3) <= 1 || x.stride(3) == 1, name,
+                    ": expected unit stride on the last dim (head_dim), got strides ", x.strides());
+}
+
+inline void check_same_dtype(const at::Tensor& x, const char* name, const at::Tensor& q) {
+  TORCH_CHECK_TYPE(x.scalar_type() == q.scalar_type(), name, ": expected dtype ", q.scalar_type(), " (q's), got ",
+                   x.scalar_type());
+}
+
+inline void check_same_device(const at::Tensor& x, const char* name, const at::Tensor& q) {
+  TORCH_CHECK_VALUE(x.device() == q.device(), name, ": expected a tensor on ", q.device(), " (q's device), got one on ",
+                    x.device());
+}
+
+inline void check_shape(const at::Tensor& x, const char* name, at::IntArrayRef want, const char* what) {
+  TORCH_CHECK_VALUE(x.sizes() == want, name, ": expected shape ", want, " ", what, ", got ", x.sizes());
+}
+
+// q, k, v: ranks, relations between their shapes, one dtype, one device, finite scale.
+inline Sizes check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  check_rank4(q, "q");
+  check_rank4(k, "k");
+  check_rank4(v, "v");
+  check_same_device(k, "k", q);
+  check_same_device(v, "v", q);
+  check_same_dtype(k, "k", q);
+  check_same_dtype(v, "v", q);
+  const Sizes s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
+  TORCH_CHECK_VALUE(k.size(0) == s.B, "k: expected batch size ", s.B, " (q's), got ", k.size(0));
+  TORCH_CHECK_VALUE(k.size(3) == s.D, "k: expected head dim ", s.D, " (q's), got ", k.size(3));
+  TORCH_CHECK_VALUE(v.size(0) == s.B && v.size(1) == s.Hkv && v.size(2) == s.Lk,
+                    "v: expected (batch, kv heads, length) = (", s.B, ", ", s.Hkv, ", ", s.Lk, ") (k's), got shape ",
+                    v.sizes());
+  TORCH_CHECK_VALUE(s.Hkv > 0 && s.H % s.Hkv == 0, "k: number of kv heads (", s.Hkv,
+                    ") must be positive and divide q's number of heads (", s.H, ")");
+  TORCH_CHECK_VALUE(std::isfinite(scale), "scale: expected a finite number, got ", scale);
+  return s;
+}
+
+// key_lengths: int32 (B,) on q's device. Values in [0, Lk] are checked by the caller where
+// reading them is free (on the CPU); the kernels clamp them in any case.
+inline void check_key_lengths_meta(const std::optional<at::Tensor>& key_lengths, const at::Tensor& q,
+                                   const Sizes& s) {
+  if (!key_lengths.has_value() || !key_lengths->defined()) return;
+  const at::Tensor& kl = *key_lengths;
+  TORCH_CHECK_TYPE(kl.scalar_type() == at::kInt, "key_lengths: expected dtype int32, got ", kl.scalar_type());
+  TORCH_CHECK_VALUE(kl.dim() == 1 && kl.size(0) == s.B, "key_lengths: expected shape (", s.B,
+                    ",) (one length per batch element), got ", kl.sizes());
+  check_same_device(kl, "key_lengths", q);
+}
+
+// The host-side values check (a CPU tensor).
+inline void check_key_length_values(const int32_t* lens, const Sizes& s) {
+  for (int64_t b = 0; b < s.B; ++b)
+    TORCH_CHECK_VALUE(lens[b] >= 0 && lens[b] <= s.Lk, "key_lengths: values must lie in [0, Lk=", s.Lk, "], got ",
+                      lens[b], " at index ", b);
+}
+
+// The modes: ranges, the mask's dtype, shape and device, and whether the family implements them.
+inline void check_modes(const ModeArgs& m, const at::Tensor& q, const Sizes& s, unsigned family_features,
+                        const char* family, bool backward) {
+  TORCH_CHECK_VALUE(std::isfinite(m.dropout_p) && m.dropout_p >= 0.0 && m.dropout_p < 1.0,
+                    "dropout_p: expected a number in [0, 1), got ", m.dropout_p);
+  TORCH_CHECK_VALUE(m.window_left >= -1, "window_left: expected -1 (unbounded) or a size >= 0, got ", m.window_left);
+  TORCH_CHECK_VALUE(m.window_right >= -1, "window_right: expected -1 (unbounded) or a size >= 0, got ",
+                    m.window_right);
+  if (m.has_mask()) {
+    const at::Tensor& mk = m.mask();
+    TORCH_CHECK_TYPE(mk.scalar_type() == at::kBool || mk.scalar_type() == at::kFloat,
+                     "attn_mask: expected dtype bool (True = may attend) or float32 (additive), got ",
+                     mk.scalar_type(), " (convert other float dtypes to float32 first)");
+    TORCH_CHECK_VALUE(mk.dim() == 4, "attn_mask: expected a 4-D view broadcast to (batch, heads, q length, k length) = (",
+                      s.B, ", ", s.H, ", ", s.Lq, ", ", s.Lk, "), got shape ", mk.sizes());
+    check_shape(mk, "attn_mask", {s.B, s.H, s.Lq, s.Lk}, "(batch, heads, q length, k length; expand() to broadcast)");
+    check_same_device(mk, "attn_mask", q);
+  }
+  TORCH_CHECK_VALUE(!m.mask_grad || (m.has_mask() && m.mask().scalar_type() == at::kFloat),
+                    "mask_grad: True needs a float32 attn_mask (the gradient of an additive mask), got ",
+                    m.has_mask() ? "a bool mask" : "no mask");
+  TORCH_CHECK_VALUE(!m.mask_grad || backward, "mask_grad: only the backward takes it");
+  const unsigned missing = m.required() & ~family_features;
+  for (int f = 0; f < caps::kNumFeatures; ++f)
+    TORCH_CHECK_NOT_IMPLEMENTED(!(missing & (1u << f)), op_name(backward), ": the ", family,
+                                " kernels do not implement ", caps::kFeatureNames[f],
+                                " (backend features come from torch.ops.mhakern_C.capabilities())");
+}
+
+// Fills the mode fields of a parameter struct (cpu AttnParams, cuda FwdParams / BwdParams: the
+// same names, docs/contract.md). The mask's storage must outlive the kernel call.
+template <typename Params>
+void fill_mode_params(Params& p, const ModeArgs& m) {
+  p.top_left = m.top_left;
+  p.window_left = m.window_left;
+  p.window_right = m.window_right;
+  p.dropout_p = static_cast<float>(m.dropout_p);
+  p.seed = static_cast<uint64_t>(m.seed);
+  if (m.has_mask()) {
+    const at::Tensor& mk = m.mask();
+    p.mask = mk.data_ptr();
+    p.mask_kind = mk.scalar_type() == at::kBool ? 1 : 2;
+    p.mask_sb = mk.stride(0);
+    p.mask_sh = mk.stride(1);
+    p.mask_sq = mk.stride(2);
+    p.mask_sk = mk.stride(3);
+  }
+}
+
+// True when x (B, H, L, D) is a (B, L, H, D) tensor seen through a transpose
+// (mhakern/_layout.py's heads_inner; the two must agree).
+inline bool heads_inner(const at::Tensor& x) { return x.size(1) > 1 && x.size(2) > 1 && x.stride(1) < x.stride(2); }
+
+// Uninitialised (B, H, L, last_dim) tensor with x's head/sequence memory order, so that
+// merging heads afterwards is free (mhakern/_layout.py's empty_like_heads).
+inline at::Tensor empty_like_heads(const at::Tensor& x, int64_t last_dim, at::TensorOptions opts) {
+  const int64_t B = x.size(0), H = x.size(1), L = x.size(2);
+  if (heads_inner(x)) return at::empty({B, L, H, last_dim}, opts).transpose(1, 2);
+  return at::empty({B, H, L, last_dim}, opts);
+}
+inline at::Tensor empty_like_heads(const at::Tensor& x, int64_t last_dim) {
+  return empty_like_heads(x, last_dim, x.options());
+}
+
+// dmask of the backward: (B, H, Lq, Lk) float32 zeros (kernels write the visible entries) when
+// mask_grad, else an empty (0,) float32 tensor.
+inline at::Tensor alloc_dmask(const ModeArgs& m, const at::Tensor& q, const Sizes& s) {
+  const auto f32 = q.options().dtype(at::kFloat);
+  return m.mask_grad ? at::zeros({s.B, s.H, s.Lq, s.Lk}, f32) : at::empty({0}, f32);
+}
+
+// Checks of the backward's extra operands, shared by every device.
+inline void check_bwd_operands(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out,
+                               const at::Tensor& lse, const Sizes& s) {
+  const std::vector<int64_t> o_shape{s.B, s.H, s.Lq, s.Dv};
+  check_rank4(dout, "dout");
+  check_same_device(dout, "dout", q);
+  check_same_dtype(dout, "dout", q);
+  check_shape(dout, "dout", o_shape, "(like the forward's out)");
+  check_rank4(out, "out");
+  check_same_device(out, "out", q);
+  check_same_dtype(out, "out", q);
+  check_shape(out, "out", o_shape, "(the forward's output)");
+  TORCH_CHECK_VALUE(lse.defined(), "lse: expected a tensor, got an undefined one");
+  check_same_device(lse, "lse", q);
+  TORCH_CHECK_TYPE(lse.scalar_type() == at::kFloat, "lse: expected dtype float32, got ", lse.scalar_type());
+  TORCH_CHECK_VALUE(lse.sizes() == at::IntArrayRef({s.B, s.H, s.Lq}), "lse: expected shape ",
+                    at::IntArrayRef({s.B, s.H, s.Lq}), " (batch, heads, q length), got ", lse.sizes());
+}
+
+// Test hook of the CUDA host code: a split-K count to use instead of its planner's (0: plan), set
+// through torch.ops.mhakern_C.cuda_force_splits so that GPU tests can drive every split path.
+inline std::atomic<int64_t>& cuda_forced_splits() {
+  static std::atomic<int64_t> n{0};
+  return n;
+}
+constexpr int64_t kMaxForcedSplits = 1024;
+
+}  // namespace op
+}  // namespace mhakern

@@ -1,0 +1,110 @@
+"""The C++ kernels as dispatcher operators (torch.ops.mhakern_C.*): schemas, the meta (fake)
+kernels torch.compile relies on, and torch's own consistency checks of a custom op.
+
+Bad input at this boundary: tests/test_cpp_errors.py."""
+import json
+
+import pytest
+import torch
+
+import mhakern
+from attn_testing import make_inputs
+
+_WHY = mhakern.available_backends().get("cpu", "backend 'cpu' is not registered")
+pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"mhakern._C unavailable: {_WHY}")
+
+NOMODES = (None, 0.0, 0, False, -1, -1)  # attn_mask, dropout_p, seed, top_left, window_left, window_right
+
+
+def _args(layout="bhld", kl=True):
+    q, k, v = make_inputs(2, 4, 2, 9, 13, 32, 24, layout=layout, requires_grad=False)
+    key_lengths = torch.tensor([13, 5], dtype=torch.int32) if kl else None
+    return q, k, v, 0.2, True, key_lengths
+
+
+def test_schemas_match_the_interface():
+    fwd = torch.ops.mhakern_C.fwd.default._schema
+    bwd = torch.ops.mhakern_C.bwd.default._schema
+    assert [a.name for a in fwd.arguments] == [
+        "q", "k", "v", "scale", "causal", "key_lengths", "attn_mask", "dropout_p", "seed", "top_left",
+        "window_left", "window_right"]
+    assert [r.name for r in fwd.returns] == ["out", "lse"]
+    assert [a.name for a in bwd.arguments] == [
+        "dout", "q", "k", "v", "out", "lse", "scale", "causal", "key_lengths", "attn_mask", "dropout_p", "seed",
+        "top_left", "window_left", "window_right", "mask_grad"]
+    assert [r.name for r in bwd.returns] == ["dq", "dk", "dv", "dmask"]
+
+
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_meta_kernels_give_the_real_shapes_dtypes_and_strides(layout):
+    q, k, v, scale, causal, kl = _args(layout)
+    out, lse = torch.ops.mhakern_C.fwd(q, k, v, scale, causal, kl, *NOMODES)
+    grads = torch.ops.mhakern_C.bwd(torch.randn_like(out), q, k, v, out, lse, scale, causal, kl, *NOMODES, False)
+    meta = [x.to("meta") for x in (q, k, v)]
+    m_out, m_lse = torch.ops.mhakern_C.fwd(*meta, scale, causal, kl.to("meta"), *NOMODES)
+    m_grads = torch.ops.mhakern_C.bwd(m_out, *meta, m_out, m_lse, scale, causal, kl.to("meta"), *NOMODES, False)
+    for real, fake in zip((out, lse, *grads), (m_out, m_lse, *m_grads)):
+        assert fake.device.type == "meta"
+        assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
+
+
+def test_dmask_is_allocated_on_request_only():
+    # The meta kernel shows the allocation without any kernel implementing mask gradients.
+    q, k, v, scale, causal, kl = (x.to("meta") if isinstance(x, torch.Tensor) else x for x in _args())
+    mask = torch.zeros(1, 1, 9, 13, device="meta").expand(2, 4, 9, 13)
+    out, lse = torch.ops.mhakern_C.fwd(q, k, v, scale, causal, kl, mask, 0.0, 0, False, -1, -1)
+    *_, dmask = torch.ops.mhakern_C.bwd(out, q, k, v, out, lse, scale, causal, kl, mask, 0.0, 0, False, -1, -1, True)
+    assert dmask.shape == (2, 4, 9, 13) and dmask.dtype == torch.float32 and dmask.is_contiguous()
+    *_, none = torch.ops.mhakern_C.bwd(out, q, k, v, out, lse, scale, causal, kl, mask, 0.0, 0, False, -1, -1, False)
+    assert none.shape == (0,) and none.dtype == torch.float32
+
+
+def test_torch_opcheck_forward_and_backward():
+    # Schema, fake-tensor kernel, and AOT dispatch agree with the real kernel (torch.library.opcheck).
+    q, k, v, scale, causal, kl = _args()
+    torch.library.opcheck(torch.ops.mhakern_C.fwd.default, (q, k, v, scale, causal, kl, *NOMODES))
+    out, lse = torch.ops.mhakern_C.fwd(q, k, v, scale, causal, kl, *NOMODES)
+    torch.library.opcheck(torch.ops.mhakern_C.bwd.default,
+                          (torch.randn_like(out), q, k, v, out, lse, scale, causal, kl, *NOMODES, False))
+
+
+def test_ops_compile_with_fullgraph():
+    q, k, v, scale, causal, kl = _args()
+
+    def f(q, k, v):
+        out, lse = torch.ops.mhakern_C.fwd(q, k, v, scale, causal, kl, *NOMODES)
+        return out * 2, lse
+
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    finally:
+        torch._dynamo.reset()
+    want = f(q, k, v)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_capabilities_is_json_with_both_families():
+    caps = json.loads(torch.ops.mhakern_C.capabilities())
+    assert set(caps) == {"cpu", "cuda"}
+    assert caps["cpu"]["compiled"] is True and isinstance(caps["cuda"]["compiled"], bool)
+    for fam in caps.values():
+        assert set(fam["features"]) <= {"attn_mask", "mask_grad", "dropout", "top_left", "window"}
+
+
+def test_the_module_links_no_pybind11():
+    # Errors cross into Python only through torch's operator machinery: the module holds no
+    # pybind11 of its own (a pybind11 differing from torch's was one hypothesis for the
+    # TORCH_CHECK crash seen on a GPU machine).
+    import shutil
+    import subprocess
+
+    import mhakern._C
+
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) is not installed")
+    res = subprocess.run([nm, "-D", "-C", mhakern._C.__file__], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "PyInit__C" in res.stdout
+    assert "pybind11" not in res.stdout

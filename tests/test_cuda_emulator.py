@@ -1,0 +1,299 @@
+"""The CUDA emulator's own checks (csrc/cuda/emulation/), and the kernels under them.
+
+The emulator (tests/test_cuda_host.py builds it) runs the CUDA kernels' source on CPU fibers. Its
+checks must be able to fail, so each one meets a toy kernel with the defect it claims to catch
+(csrc/cuda/emulation/emu_selftest.cpp) next to a correct twin:
+
+* convergence: a ``.sync.aligned`` collective (mma, ldmatrix, shfl, vote, bar.warp.sync) reached
+  from two program points, or with a partial member mask, and a ``__syncthreads`` reached from
+  two program points, are errors naming the call sites;
+* the seeded random schedule: shared-memory races that the fixed schedule (threads in order,
+  cp.async landing at the wait) never exposes give wrong numbers under some seeds;
+* the read guard: a cp.async from outside the registered tensors is an error, not a read.
+
+Then the real kernels: every instantiation (both dtypes, every head dim) forward and backward
+under a random schedule, the hard cases in the dtype tests/test_cuda_host.py does not use, several random schedules giving bit-identical results, and out-of-range
+key lengths that must not make the kernels read outside k and v.
+
+Seeds: the toy tests use fixed seeds (their outcome must not depend on the run); the kernel tests
+derive theirs from the session seed (``MHK_EMU_SEED``, printed on failure with the rerun command).
+``MHK_EMU_SEEDS`` sets how many random schedules the multi-seed test tries (default 3).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import pytest
+import torch
+
+from attn_testing import case_id, check_against_reference, make_inputs
+from test_cuda_host import (
+    ALL_INSTANCES,
+    DTYPE_FOR_D,
+    EMU_INSTANCES,
+    SUPPORTED_HARD,
+    _make_emulator,
+    _ptr,
+    emu_test_seed,
+    emulated_attention,
+    padded,
+    use_random_schedule,
+)
+
+TOY_SEEDS = range(1, 9)
+N_SEEDS = int(os.environ.get("MHK_EMU_SEEDS", "3"))
+
+
+@pytest.fixture(scope="module")
+def emu(request):
+    e = _make_emulator(request, EMU_INSTANCES)
+    lib = e.lib
+    lib.mhk_selftest_collectives.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    lib.mhk_selftest_race.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    lib.mhk_selftest_copy.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    lib.mhk_emu_guard_reads.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    yield e
+    e.schedule(None)
+    lib.mhk_emu_guard_reads(0, None, None)
+
+
+def _error(emu) -> str:
+    return emu.lib.mhk_emu_last_error().decode()
+
+
+def _collectives(emu, variant, seed=None):
+    emu.schedule(seed)
+    out = torch.full((128,), float("nan"))
+    rc = emu.lib.mhk_selftest_collectives(variant, _ptr(out))
+    return rc, out
+
+
+# ---------------------------------------------------------------------------------------------
+# Convergence of collectives and barriers
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [None, 1, 2])
+def test_convergent_collectives_pass(emu, seed):
+    rc, out = _collectives(emu, 0, seed)
+    assert rc == 0, _error(emu)
+    # mma of ones over k = 16: 16; its neighbour's d[1]: 16; ballot(lane < 5): 5 bits
+    assert torch.equal(out, torch.full((128,), 37.0))
+
+
+@pytest.mark.parametrize("seed", [None, 3])
+@pytest.mark.parametrize(
+    "variant,needles",
+    [
+        (1, ["divergent warp collective", "mma.sync.aligned.m16n8k16.f16", "16 thread(s)",
+             "lower_half_mma", "upper_half_mma"]),
+        (3, ["divergent warp collective", "vote.sync.ballot", "lower_half_ballot", "upper_half_ballot"]),
+        (2, ["shfl.sync.bfly: member mask 0x0000ffff", "collectives_body"]),
+        (5, ["bar.warp.sync: member mask 0xfffffffe"]),
+        (4, ["divergent barrier", "__syncthreads", "64 thread(s)", "first_warps_barrier", "last_warps_barrier"]),
+        (6, ["deadlock in block 0", "64 threads have finished", "shfl.sync.bfly"]),
+    ],
+    ids=["mma-two-sites", "ballot-two-sites", "shfl-half-mask", "syncwarp-partial-mask", "syncthreads-two-sites",
+         "lanes-exit-before-shfl"],
+)
+def test_divergence_and_partial_masks_are_errors_naming_the_site(emu, variant, needles, seed):
+    rc, _ = _collectives(emu, variant, seed)
+    msg = _error(emu)
+    assert rc == 1
+    for n in needles:
+        assert n in msg, f"{n!r} not in {msg!r}"
+    if seed is not None:
+        assert f"seed {seed}" in msg
+
+
+# ---------------------------------------------------------------------------------------------
+# The random schedule finds races the fixed one hides
+# ---------------------------------------------------------------------------------------------
+
+
+def _race(emu, variant, seed, steps=6, values=None):
+    emu.schedule(seed)
+    # tile j holds j + 1 everywhere: the sum over tiles is 21 for 6 tiles, unless a stage was
+    # overwritten before it was read
+    src = torch.arange(1, steps + 1, dtype=torch.float16).repeat_interleave(1024)
+    out = torch.full((128,), float("nan"))
+    rc = emu.lib.mhk_selftest_race(variant, _ptr(src), steps, _ptr(out))
+    assert rc == 0, _error(emu)
+    if variant <= 1:
+        want = torch.arange(128, dtype=torch.float32).clamp(min=1)  # buf[t - 1] = t
+    else:
+        want = torch.full((128,), float(steps * (steps + 1) // 2))
+    if values is not None:
+        values.append(out)
+    return torch.equal(out, want)
+
+
+@pytest.mark.parametrize("racy,fixed_twin", [(0, 1), (2, 3)], ids=["neighbour-store-no-barrier", "prefetch-overwrites-stage"])
+def test_random_schedule_exposes_races_the_fixed_one_hides(emu, racy, fixed_twin):
+    # The fixed schedule runs threads in order and lands copies at their wait: both races pass
+    # unnoticed there (which is why the random schedule exists).
+    assert _race(emu, racy, None)
+    caught = [s for s in TOY_SEEDS if not _race(emu, racy, s)]
+    assert caught, f"no seed of {list(TOY_SEEDS)} exposed the race"
+    # a seed replays its interleaving exactly: the same wrong numbers again
+    first, again = [], []
+    _race(emu, racy, caught[0], values=first)
+    _race(emu, racy, caught[0], values=again)
+    assert torch.equal(first[0].view(torch.int32), again[0].view(torch.int32))  # NaN included
+    # the corrected kernel passes every schedule
+    assert _race(emu, fixed_twin, None)
+    for s in TOY_SEEDS:
+        assert _race(emu, fixed_twin, s), f"seed {s}: the race-free twin gave wrong numbers"
+
+
+# ---------------------------------------------------------------------------------------------
+# Read guard
+# ---------------------------------------------------------------------------------------------
+
+
+def _guard(emu, ranges):
+    n = len(ranges)
+    begin = (ctypes.c_ulonglong * max(n, 1))(*[b for b, _ in ranges])
+    end = (ctypes.c_ulonglong * max(n, 1))(*[e for _, e in ranges])
+    emu.lib.mhk_emu_guard_reads(n, begin, end)
+
+
+def test_read_guard_stops_a_copy_outside_the_tensors(emu):
+    emu.schedule(None)
+    src = torch.arange(64 * 4, dtype=torch.int32)  # 64 chunks of 16 bytes
+    base = src.data_ptr()
+    try:
+        _guard(emu, [(base, base + 32 * 16)])
+        dst = torch.full((64 * 4,), -1, dtype=torch.int32)
+        assert emu.lib.mhk_selftest_copy(_ptr(src), 32, _ptr(dst)) == 0, _error(emu)
+        assert torch.equal(dst[:128], src[:128])
+        dst.fill_(-1)
+        assert emu.lib.mhk_selftest_copy(_ptr(src), 33, _ptr(dst)) == 1
+        assert "outside every tensor the kernel may read (thread 32, block 0)" in _error(emu)
+    finally:
+        _guard(emu, [])
+    assert emu.lib.mhk_selftest_copy(_ptr(src), 33, _ptr(dst)) == 0, _error(emu)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def scheduled(emu, request):
+    use_random_schedule(emu, request.node.nodeid)
+    yield emu
+    emu.schedule(None)
+
+
+def _dtype(inst):
+    return torch.float16 if inst.startswith("fp16") else torch.bfloat16
+
+
+@pytest.mark.parametrize("inst", ALL_INSTANCES)
+def test_every_instantiation_forward_and_backward(scheduled, inst):
+    # GQA with lengths and causal, several key blocks, split-K in both passes: every kernel of
+    # the instantiation (forward, combine, delta, dK/dV, dQ, dQ reduce) runs.
+    D = int(inst.split("_d")[1])
+    q, k, v = make_inputs(2, 4, 2, 21, 140, D, dtype=_dtype(inst), layout="blhd", seed=D)
+    kl = torch.tensor([140, 33], dtype=torch.int32)
+    check_against_reference(emulated_attention(scheduled, 2, 2), q, k, v, True, kl)
+
+
+@pytest.mark.parametrize("case", SUPPORTED_HARD, ids=case_id)
+def test_hard_cases_in_the_other_dtype(scheduled, case):
+    # tests/test_cuda_host.py runs the hard cases in one dtype per head dim (DTYPE_FOR_D); these
+    # are the other four instantiations on the same cases.
+    B, H, Hkv, Lq, Lk, D, Dv, causal, kl = case
+    dtype = torch.bfloat16 if DTYPE_FOR_D[D] == torch.float16 else torch.float16
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype=dtype)
+    kl_t = None if kl is None else torch.tensor(kl, dtype=torch.int32)
+    check_against_reference(emulated_attention(scheduled), q, k, v, causal, kl_t)
+
+
+def _run_all(emu, q, k, v, kl, splits=1):
+    fn = emulated_attention(emu, splits, splits)
+    qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    out, lse = fn(qq, kk, vv, causal=True, key_lengths=kl, return_lse=True)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.dtype))
+    return [out.detach(), lse, qq.grad, kk.grad, vv.grad]
+
+
+def test_random_schedules_give_bit_identical_results(emu, request):
+    # The kernels' arithmetic order is fixed per thread, so no interleaving may change a bit.
+    q, k, v = make_inputs(1, 2, 1, 130, 200, 64, dtype=torch.bfloat16, layout="blhd", seed=3)
+    kl = torch.tensor([190], dtype=torch.int32)
+    emu.schedule(None)
+    want = _run_all(emu, q, k, v, kl, splits=2)
+    for i in range(N_SEEDS):
+        seed = emu_test_seed(request.node.nodeid, str(i))
+        use_random_schedule(emu, request.node.nodeid, str(i))
+        try:
+            got = _run_all(emu, q, k, v, kl, splits=2)
+        finally:
+            emu.schedule(None)
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+            assert torch.equal(a, b), f"{name} differs from the fixed schedule's under seed {seed}"
+
+
+def _row_ranges(x: torch.Tensor):
+    """[begin, end) byte ranges of every (b, h, i) row of a (B, H, L, D) view."""
+    B, H, L, D = x.shape
+    e = x.element_size()
+    idx = torch.arange(B).view(B, 1, 1) * x.stride(0) + torch.arange(H).view(1, H, 1) * x.stride(1)
+    idx = idx + torch.arange(L).view(1, 1, L) * x.stride(2)
+    begins = x.data_ptr() + e * idx.reshape(-1)
+    return [(int(b), int(b) + D * e) for b in begins]
+
+
+def _guarded(emu, *tensors):
+    ranges = []
+    for t in tensors:
+        ranges += _row_ranges(t)
+    _guard(emu, ranges)
+
+
+# The kernels clamp key_lengths[b] into [0, Lk] (csrc/cuda/attn_params.h, key_length_of): a
+# value past Lk must never make the last key block read rows past the end of k and v (on a GPU:
+# an illegal address), which the read guard turns into an error here.
+@pytest.mark.parametrize("splits", [1, 2])
+def test_out_of_range_key_lengths_never_read_outside_k_and_v(emu, splits):
+    # Every row of every input is registered with the read guard, so a cp.async from anywhere
+    # else (the pad columns, the spare row, past the buffer) is an error before it reads. The
+    # results must be those of the clamped lengths: above Lk means Lk, below 0 means 0.
+    emu.schedule(None)
+    B, H, Lq, Lk, D = 3, 2, 9, 70, 64
+    q, k, v = make_inputs(B, H, H, Lq, Lk, D, dtype=torch.bfloat16, requires_grad=False, seed=11)
+    bad = torch.tensor([Lk + 1, Lk + 100, -7], dtype=torch.int32)
+    clamped = torch.tensor([Lk, Lk, 0], dtype=torch.int32)
+    qp, kp, vp = padded(q), padded(k), padded(v)
+    scale = D**-0.5
+    out, lse = emu.forward(qp, kp, vp, scale, True, clamped, splits)
+    dout = padded(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype))
+    dq, dk, dv = emu.backward(dout, qp, kp, vp, out, lse, scale, True, clamped, splits)
+    try:
+        _guarded(emu, qp, kp, vp, out, dout)
+        out_bad, lse_bad = emu.forward(qp, kp, vp, scale, True, bad, splits)
+        grads_bad = emu.backward(dout, qp, kp, vp, out, lse, scale, True, bad, splits)
+    finally:
+        _guard(emu, [])
+    assert torch.equal(out_bad, out) and torch.equal(lse_bad, lse)
+    for name, a, b in zip(("dq", "dk", "dv"), grads_bad, (dq, dk, dv)):
+        assert torch.equal(a, b), name
+
+
+def test_read_guard_passes_the_kernels_in_range(emu):
+    # The guard itself does not get in the kernels' way: in-range lengths read only the rows.
+    emu.schedule(None)
+    B, H, Lq, Lk, D = 2, 2, 9, 70, 32
+    q, k, v = make_inputs(B, H, H, Lq, Lk, D, dtype=torch.float16, requires_grad=False, seed=12)
+    kl = torch.tensor([Lk, 5], dtype=torch.int32)
+    qp, kp, vp = padded(q), padded(k), padded(v)
+    try:
+        _guarded(emu, qp, kp, vp)
+        out, lse = emu.forward(qp, kp, vp, D**-0.5, True, kl, 2)
+    finally:
+        _guard(emu, [])
+    assert torch.isfinite(out).all()
