@@ -58,6 +58,11 @@ def _bwd_delta_kernel(
 
 
 @triton.jit
+def _finite_or_zero(x):
+    return tl.where(tl.abs(x) < float("inf"), x, 0.0)
+
+
+@triton.jit
 def _load_lse(LSE, idx, mask):
     """lse (natural log); -inf (row saw no key) becomes +inf so that exp(s - lse) is 0.
 
@@ -99,6 +104,12 @@ def _dkdv_rows(
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
         ds_t = p_t * (dp_t - delta[None, :])
+        if MASKED:
+            # Hidden pairs contribute exactly 0, even against a NaN or inf in a hidden value or in
+            # a query row that does not see this key (0 * NaN would be NaN). A row that sees a
+            # non-finite query has a NaN lse, so its own gradients stay NaN through ds.
+            ds_t = tl.where(vis, ds_t, 0.0)
+            q = _finite_or_zero(q)
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
     return dk, dv
 
@@ -128,8 +139,11 @@ def _attn_bwd_dkdv_kernel(
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     key_in = offs_n < Lk
-    k = _load_tile(K + b * stride_kb + kvh * stride_kh, _idx(offs_n, IDX64) * stride_kn, key_in, D, BLOCK_D, True)
-    v = _load_tile(V + b * stride_vb + kvh * stride_vh, _idx(offs_n, IDX64) * stride_vn, key_in, DV, BLOCK_DV, True)
+    # Keys past this element's length are loaded as zeros: their gradients are 0 whatever they
+    # hold (a NaN value would otherwise reach dK through dP).
+    key_vis = offs_n < lk_b
+    k = _load_tile(K + b * stride_kb + kvh * stride_kh, _idx(offs_n, IDX64) * stride_kn, key_vis, D, BLOCK_D, True)
+    v = _load_tile(V + b * stride_vb + kvh * stride_vh, _idx(offs_n, IDX64) * stride_vn, key_vis, DV, BLOCK_DV, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     rows_total = heads_per_prog * Lq
@@ -188,6 +202,11 @@ def _dq_inner(
         p = tl.exp(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
+        if MASKED:
+            # As in dK/dV: a NaN or inf in a key or value hidden from a row must not reach its dq
+            # through 0 * NaN; rows that see it get NaN through their lse and ds.
+            ds = tl.where(vis, ds, 0.0)
+            k = _finite_or_zero(k)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
     return dq
 

@@ -205,7 +205,9 @@ def _attn_fwd_kernel(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, full, hi, kmax, lk_b, sm_scale,
         D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC, IDX64,
     )
-    seen = l_i > 0.0
+    # l = 0 exactly when the row saw no key (a seen key adds exp2(0) = 1); a NaN l (a NaN among
+    # the visible scores) must stay NaN in out and lse, so test "!= 0", not "> 0".
+    seen = l_i != 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(seen, m_i + tl.log(l_safe), float("-inf"))
