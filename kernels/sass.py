@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import List, Tuple
 
 _INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
-_BRANCH = re.compile(r"\bBRA(?:\.\S+)?\s+(?:`?\(?\.?L?_?x?_?)?(0x[0-9a-f]+)")
+_ADDR = re.compile(r"0x[0-9a-f]+")
 _USAGE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 
 
@@ -62,12 +62,17 @@ def loops_of(insns) -> List[Tuple[int, int]]:
     """[start, end] address ranges closed by a backward branch."""
     found = []
     for addr, text in insns:
-        m = _BRANCH.search(text)
-        if m:
-            target = int(m.group(1), 16)
-            if target <= addr:
-                found.append((target, addr))
+        # "BRA 0x10", "@!P0 BRA 0x10", "BRA.U !UP0, 0x10": the target is the last address.
+        if _opcode(text).startswith("BRA"):
+            targets = _ADDR.findall(text)
+            if targets and int(targets[-1], 16) <= addr:
+                found.append((int(targets[-1], 16), addr))
     return found
+
+
+def _opcode(text: str) -> str:
+    words = text.split()
+    return words[1] if words and words[0].startswith("@") and len(words) > 1 else (words[0] if words else "")
 
 
 def analyse(sass: str, usage: str) -> SassReport:
@@ -83,7 +88,7 @@ def analyse(sass: str, usage: str) -> SassReport:
 
     ldl = stl = in_loops = 0
     for addr, text in insns:
-        op = text.split()[0] if not text.startswith("@") else text.split()[1]
+        op = _opcode(text)
         if op.startswith("LDL") or op.startswith("STL"):
             ldl += op.startswith("LDL")
             stl += op.startswith("STL")

@@ -94,6 +94,8 @@ def test_sass_sees_hgmma_loops_and_ignores_forward_branches():
     rep = sass.analyse(text, _USAGE.replace("STACK:16", "STACK:0"))
     assert rep.loops == [(0x10, 0x30)]
     assert (rep.mma_loops, rep.hgmma_loops, rep.local_in_loops, rep.stack) == (1, 1, 0, 0)
+    # a uniform-predicated branch names its target last
+    assert sass.loops_of(sass.parse_sass(_listing((0x10, "LDL R2, [R1]"), (0x20, "@!P0 BRA.U !UP0, 0x10")))) == [(0x10, 0x20)]
 
 
 def test_sass_refuses_a_listing_without_resource_usage():
