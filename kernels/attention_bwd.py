@@ -24,8 +24,16 @@ from .attention_fwd import (
     _key_range,
     _last_visible_key,
     _load_rows,
+    _idx,
+    _load_tile,
     _row_tile,
+    _store_tile,
+    _unfold_rows_grid,
+    arch_of,
+    check_buffer,
     launch_geometry,
+    needs_64bit_offsets,
+    on_device,
     precision,
 )
 from .heuristics import dkdv_config, dq_config, head_block, next_pow2, packed_rows
@@ -34,19 +42,24 @@ from .heuristics import dkdv_config, dq_config, head_block, next_pow2, packed_ro
 @triton.jit
 def _bwd_delta_kernel(
     O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_db, stride_dh, stride_dm, H, Lq,
-    DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, IDX64: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
+    # Flat grid: row tiles fastest, then heads, then batch elements (see _unfold_rows_grid).
+    pid_m, h, b = _unfold_rows_grid(H, Lq, 1, BLOCK_M)
+    b = b.to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask = (offs_m[:, None] < Lq) & (offs_dv[None, :] < DV)
-    rows = offs_m[:, None].to(tl.int64)
-    o = tl.load(O + b * stride_ob + h * stride_oh + rows * stride_om + offs_dv[None, :], mask=mask, other=0.0)
-    do = tl.load(DO + b * stride_db + h * stride_dh + rows * stride_dm + offs_dv[None, :], mask=mask, other=0.0)
+    row_ok = offs_m < Lq
+    h = _idx(h, IDX64)
+    rows = _idx(offs_m, IDX64)
+    o = _load_tile(O + b * stride_ob, h * stride_oh + rows * stride_om, row_ok, DV, BLOCK_DV, True)
+    do = _load_tile(DO + b * stride_db, h * stride_dh + rows * stride_dm, row_ok, DV, BLOCK_DV, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + (b * H + h) * Lq + offs_m, delta, mask=offs_m < Lq)
+
+
+@triton.jit
+def _finite_or_zero(x):
+    return tl.where(tl.abs(x) < float("inf"), x, 0.0)
 
 
 @triton.jit
@@ -67,14 +80,15 @@ def _dkdv_rows(
     stride_qh, stride_qm, stride_dh, stride_dm, offs_n, lk_b, H, Lq, b, sm_scale, start, stop,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    IDX64: tl.constexpr,
 ):
     for start_m in range(start, stop, BLOCK_M):
         r = start_m + tl.arange(0, BLOCK_M)
         row_ok = r < rows_total
-        hh = (head0 + r // Lq).to(tl.int64)
+        hh = head0 + r // Lq
         i = r % Lq
-        q = _load_rows(Q + q_base_b, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D)
-        do = _load_rows(DO + do_base_b, hh, i, stride_dh, stride_dm, row_ok, DV, BLOCK_DV)
+        q = _load_rows(Q + q_base_b, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
+        do = _load_rows(DO + do_base_b, hh, i, stride_dh, stride_dm, row_ok, DV, BLOCK_DV, IDX64)
         row_idx = (b * H + hh) * Lq + i
         lse = _load_lse(LSE, row_idx, row_ok)
         delta = tl.load(DELTA + row_idx, mask=row_ok, other=0.0)
@@ -90,6 +104,12 @@ def _dkdv_rows(
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
         ds_t = p_t * (dp_t - delta[None, :])
+        if MASKED:
+            # Hidden pairs contribute exactly 0, even against a NaN or inf in a hidden value or in
+            # a query row that does not see this key (0 * NaN would be NaN). A row that sees a
+            # non-finite query has a NaN lse, so its own gradients stay NaN through ds.
+            ds_t = tl.where(vis, ds_t, 0.0)
+            q = _finite_or_zero(q)
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
     return dk, dv
 
@@ -106,25 +126,24 @@ def _attn_bwd_dkdv_kernel(
     H, Lq, Lk, n_rep, heads_per_prog, sm_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    kvh = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
+    # Flat grid: key blocks fastest, then KV heads, then batch elements (see _unfold_rows_grid).
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(Lk, BLOCK_N)
+    Hkv = H // n_rep
+    pid_n = pid % n_blocks
+    kvh = ((pid // n_blocks) % Hkv).to(tl.int64)
+    b = (pid // n_blocks // Hkv).to(tl.int64)
     lk_b = _key_length(KL, b, Lk, HAS_KL)
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     key_in = offs_n < Lk
-    k = tl.load(
-        K + b * stride_kb + kvh * stride_kh + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
-        mask=key_in[:, None] & (offs_d[None, :] < D), other=0.0,
-    )
-    v = tl.load(
-        V + b * stride_vb + kvh * stride_vh + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :],
-        mask=key_in[:, None] & (offs_dv[None, :] < DV), other=0.0,
-    )
+    # Keys past this element's length are loaded as zeros: their gradients are 0 whatever they
+    # hold (a NaN value would otherwise reach dK through dP).
+    key_vis = offs_n < lk_b
+    k = _load_tile(K + b * stride_kb + kvh * stride_kh, _idx(offs_n, IDX64) * stride_kn, key_vis, D, BLOCK_D, True)
+    v = _load_tile(V + b * stride_vb + kvh * stride_vh, _idx(offs_n, IDX64) * stride_vn, key_vis, DV, BLOCK_DV, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     rows_total = heads_per_prog * Lq
@@ -150,47 +169,32 @@ def _attn_bwd_dkdv_kernel(
         dk, dv = _dkdv_rows(
             dk, dv, k, v, Q, DO, LSE, DELTA, b * stride_qb, b * stride_db, head0, rows_total,
             stride_qh, stride_qm, stride_dh, stride_dm, offs_n, lk_b, H, Lq, b, sm_scale, m_lo, m_full,
-            D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL, PREC,
+            D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL, PREC, IDX64,
         )
         dk, dv = _dkdv_rows(
             dk, dv, k, v, Q, DO, LSE, DELTA, b * stride_qb, b * stride_db, head0, rows_total,
             stride_qh, stride_qm, stride_dh, stride_dm, offs_n, lk_b, H, Lq, b, sm_scale, m_full, rows_total,
-            D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, CAUSAL, PREC,
+            D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, CAUSAL, PREC, IDX64,
         )
     dk = dk * sm_scale
-    tl.store(
-        DK + b * stride_dkb + kvh * stride_dkh + offs_n[:, None].to(tl.int64) * stride_dkn + offs_d[None, :],
-        dk.to(DK.dtype.element_ty), mask=key_in[:, None] & (offs_d[None, :] < D),
-    )
-    tl.store(
-        DV_ + b * stride_dvb + kvh * stride_dvh + offs_n[:, None].to(tl.int64) * stride_dvn + offs_dv[None, :],
-        dv.to(DV_.dtype.element_ty), mask=key_in[:, None] & (offs_dv[None, :] < DV),
-    )
+    _store_tile(DK + b * stride_dkb + kvh * stride_dkh, _idx(offs_n, IDX64) * stride_dkn, key_in,
+                dk.to(DK.dtype.element_ty), D, BLOCK_D)
+    _store_tile(DV_ + b * stride_dvb + kvh * stride_dvh, _idx(offs_n, IDX64) * stride_dvn, key_in,
+                dv.to(DV_.dtype.element_ty), DV, BLOCK_DV)
 
 
 @triton.jit
 def _dq_inner(
     dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start, stop, kmax, lk_b, sm_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
 ):
     offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + offs_n0
-        if MASKED:
-            key_ok = offs_n < lk_b
-        else:
-            key_ok = offs_n0 < BLOCK_N
-        k = tl.load(
-            k_base + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
-            mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0,
-        )
-        v = tl.load(
-            v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :],
-            mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
-        )
+        key_ok = offs_n < lk_b
+        k = _load_tile(k_base, _idx(offs_n, IDX64) * stride_kn, key_ok, D, BLOCK_D, MASKED)
+        v = _load_tile(v_base, _idx(offs_n, IDX64) * stride_vn, key_ok, DV, BLOCK_DV, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale
         if MASKED:
             vis = key_ok[None, :] & (offs_n[None, :] <= kmax[:, None])
@@ -198,6 +202,11 @@ def _dq_inner(
         p = tl.exp(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
+        if MASKED:
+            # As in dK/dV: a NaN or inf in a key or value hidden from a row must not reach its dq
+            # through 0 * NaN; rows that see it get NaN through their lse and ds.
+            ds = tl.where(vis, ds, 0.0)
+            k = _finite_or_zero(k)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
     return dq
 
@@ -213,16 +222,14 @@ def _attn_bwd_dq_kernel(
     H, Lq, Lk, n_rep, heads_per_prog, sm_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
 ):
-    b = tl.program_id(2).to(tl.int64)
-    r, row_ok, hh, i, i_lo, i_hi, kvh = _row_tile(
-        tl.program_id(0), tl.program_id(1), heads_per_prog, n_rep, Lq, BLOCK_M
-    )
+    pid_m, pid_h, b = _unfold_rows_grid(H, Lq, heads_per_prog, BLOCK_M)
+    b = b.to(tl.int64)
+    r, row_ok, hh, i, i_lo, i_hi, kvh = _row_tile(pid_m, pid_h, heads_per_prog, n_rep, Lq, BLOCK_M)
     lk_b = _key_length(KL, b, Lk, HAS_KL)
-    offs_d = tl.arange(0, BLOCK_D)
-    q = _load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D)
-    do = _load_rows(DO + b * stride_db, hh, i, stride_dh, stride_dm, row_ok, DV, BLOCK_DV)
+    q = _load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
+    do = _load_rows(DO + b * stride_db, hh, i, stride_dh, stride_dm, row_ok, DV, BLOCK_DV, IDX64)
     row_idx = (b * H + hh) * Lq + i
     lse = _load_lse(LSE, row_idx, row_ok)
     delta = tl.load(DELTA + row_idx, mask=row_ok, other=0.0)
@@ -233,72 +240,74 @@ def _attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dq = _dq_inner(
         dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, 0, full, kmax, lk_b, sm_scale,
-        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, PREC,
+        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, PREC, IDX64,
     )
     dq = _dq_inner(
         dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, full, hi, kmax, lk_b, sm_scale,
-        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC,
+        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC, IDX64,
     )
     dq = dq * sm_scale
-    tl.store(
-        DQ + b * stride_dqb + hh[:, None] * stride_dqh + i[:, None].to(tl.int64) * stride_dqm + offs_d[None, :],
-        dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D),
-    )
+    _store_tile(DQ + b * stride_dqb, _idx(hh, IDX64) * stride_dqh + _idx(i, IDX64) * stride_dqm, row_ok,
+                dq.to(DQ.dtype.element_ty), D, BLOCK_D)
 
 
-def attention_backward(dout, q, k, v, out, lse, scale: float, causal: bool, key_lengths=None):
-    """Launch delta, dK/dV and dQ kernels. Returns ``(dq, dk, dv)`` shaped and laid out like
-    ``q``, ``k``, ``v``; dk and dv summed over the query heads sharing each KV head.
+def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal: bool, key_lengths=None):
+    """Launch delta, dK/dV and dQ kernels into the caller's buffers; returns ``(dq, dk, dv)``.
+
+    Shapes as the forward's (out and lse are its outputs, dout like out); dq (B, H, Lq, D),
+    dk (B, Hkv, Lk, D), dv (B, Hkv, Lk, Dv) in q's dtype with any strides of unit last stride.
+    dk and dv are summed over the query heads sharing each KV head.
     """
-    from mhakern._layout import empty_like_heads
-
     B, H, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    check_buffer("dq", dq, (B, H, Lq, D), q.dtype, q)
+    check_buffer("dk", dk, (B, Hkv, Lk, D), q.dtype, q)
+    check_buffer("dv", dv, (B, Hkv, Lk, Dv), q.dtype, q)
+    check_buffer("lse", lse, (B, H, Lq), torch.float32, q, contiguous=True)
     n_rep = H // Hkv
     bd, bdv = head_block(D), head_block(Dv)
     prec = precision(q.dtype)
     has_kl = key_lengths is not None
+    arch = arch_of(q)
+    idx64 = needs_64bit_offsets(q, k, v, out, dout, dq, dk, dv)
+    with on_device(q):
+        delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+        bm_delta = min(64, next_pow2(Lq))
+        _bwd_delta_kernel[(triton.cdiv(Lq, bm_delta) * H * B,)](
+            out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2), H, Lq,
+            DV=Dv, BLOCK_M=bm_delta, BLOCK_DV=bdv, IDX64=idx64,
+        )
+        kl = key_lengths if has_kl else delta  # unused pointer when HAS_KL is False
 
-    delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
-    bm_delta = min(64, next_pow2(Lq))
-    _bwd_delta_kernel[(triton.cdiv(Lq, bm_delta), H, B)](
-        out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2), H, Lq,
-        DV=Dv, BLOCK_M=bm_delta, BLOCK_DV=bdv,
-    )
-    kl = key_lengths if has_kl else delta  # unused pointer when HAS_KL is False
+        cfg = dkdv_config(D, Dv, q.dtype, arch)
+        hpp = packed_rows(Lq, n_rep, cfg.block_m)
+        _attn_bwd_dkdv_kernel[(triton.cdiv(Lk, cfg.block_n) * Hkv * B,)](
+            q, k, v, dout, lse, delta, dk, dv, kl,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2),
+            dv.stride(0), dv.stride(1), dv.stride(2),
+            H, Lq, Lk, n_rep, hpp, scale,
+            D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            CAUSAL=causal, HAS_KL=has_kl, PREC=prec, IDX64=idx64,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
 
-    dk = empty_like_heads(k, D)
-    dv = empty_like_heads(v, Dv)
-    cfg = dkdv_config(D, Dv, q.dtype)
-    hpp = packed_rows(Lq, n_rep, cfg.block_m)
-    _attn_bwd_dkdv_kernel[(triton.cdiv(Lk, cfg.block_n), Hkv, B)](
-        q, k, v, dout, lse, delta, dk, dv, kl,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2),
-        H, Lq, Lk, n_rep, hpp, scale,
-        D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        CAUSAL=causal, HAS_KL=has_kl, PREC=prec,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-
-    dq = empty_like_heads(q, D)
-    cfg = dq_config(D, Dv, q.dtype)
-    hpp, bm, grid = launch_geometry(B, H, Hkv, Lq, cfg.block_m)
-    _attn_bwd_dq_kernel[grid](
-        q, k, v, dout, lse, delta, dq, kl,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        H, Lq, Lk, n_rep, hpp, scale,
-        D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=bm, BLOCK_N=cfg.block_n,
-        CAUSAL=causal, HAS_KL=has_kl, PREC=prec,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        cfg = dq_config(D, Dv, q.dtype, arch)
+        hpp, bm, grid = launch_geometry(B, H, Hkv, Lq, cfg.block_m)
+        _attn_bwd_dq_kernel[grid](
+            q, k, v, dout, lse, delta, dq, kl,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            H, Lq, Lk, n_rep, hpp, scale,
+            D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=bm, BLOCK_N=cfg.block_n,
+            CAUSAL=causal, HAS_KL=has_kl, PREC=prec, IDX64=idx64,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     return dq, dk, dv

@@ -20,11 +20,29 @@ constexpr, as in Triton's fused-attention tutorial.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
 
 from .heuristics import fwd_config, head_block, packed_rows, row_block
+
+
+@triton.jit
+def _unfold_rows_grid(H, Lq, heads_per_prog, BLOCK_M: tl.constexpr):
+    """(row tile, head group, batch element) of this program in the one-dimensional grid.
+
+    The grid is flat, row tiles fastest, then head groups, then batch elements: CUDA limits grid
+    axes 1 and 2 to 65,535, and batches (the trainer's runs x batch) go beyond that; axis 0
+    takes 2**31 - 1 programs. Consecutive programs share a head and so its keys and values in L2.
+    """
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(heads_per_prog * Lq, BLOCK_M)
+    n_h = H // heads_per_prog
+    pid_m = pid % n_m
+    rest = pid // n_m
+    return pid_m, rest % n_h, rest // n_h
 
 
 @triton.jit
@@ -40,14 +58,16 @@ def _row_tile(pid_m, pid_h, heads_per_prog, n_rep, Lq, BLOCK_M: tl.constexpr):
     same_head = (r0 // Lq) == (r1 // Lq)
     i_lo = tl.where(same_head, r0 % Lq, 0)
     i_hi = tl.where(same_head, r1 % Lq, Lq - 1)
-    hh = (head0 + r // Lq).to(tl.int64)
+    hh = head0 + r // Lq
     return r, r < rows_total, hh, r % Lq, i_lo, i_hi, head0 // n_rep
 
 
 @triton.jit
 def _key_length(KL, b, Lk, HAS_KL: tl.constexpr):
+    """Key length of batch element ``b``, clamped to [0, Lk]: callers validate key_lengths, but a
+    value out of range must never make a kernel read outside k and v."""
     if HAS_KL:
-        return tl.load(KL + b)
+        return tl.minimum(tl.maximum(tl.load(KL + b), 0), Lk)
     return Lk
 
 
@@ -60,13 +80,56 @@ def _last_visible_key(i, lk_b, Lq, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(base, hh, i, stride_h, stride_m, row_ok, DIM: tl.constexpr, BLOCK: tl.constexpr):
+def _idx(x, IDX64: tl.constexpr):
+    """Element offsets inside one batch element in 32 bits, unless the launcher found a tensor
+    whose batch element spans 2**31 elements or more (IDX64). Batch offsets are always 64-bit;
+    32-bit offsets halve the registers a tile of addresses takes."""
+    if IDX64:
+        return x.to(tl.int64)
+    return x
+
+
+@triton.jit
+def _tile_ptrs(base, row_off, BLOCK: tl.constexpr):
+    """Pointers to a (rows, BLOCK) tile: row r starts at ``base + row_off[r]``, columns are unit-stride."""
+    return base + row_off[:, None] + tl.arange(0, BLOCK)[None, :]
+
+
+@triton.jit
+def _load_tile(base, row_off, row_ok, COLS: tl.constexpr, BLOCK: tl.constexpr, ROW_MASK: tl.constexpr):
+    """A (rows, BLOCK) tile of a slab with COLS columns, zero outside. Masks only what can be out
+    of range: the columns when COLS < BLOCK (padded head dims), the rows when ROW_MASK (a key
+    block wholly inside the visible keys needs none)."""
+    ptrs = _tile_ptrs(base, row_off, BLOCK)
+    cols = tl.arange(0, BLOCK)
+    if ROW_MASK:
+        if COLS < BLOCK:
+            x = tl.load(ptrs, mask=row_ok[:, None] & (cols[None, :] < COLS), other=0.0)
+        else:
+            x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        if COLS < BLOCK:
+            x = tl.load(ptrs, mask=cols[None, :] < COLS, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _store_tile(base, row_off, row_ok, x, COLS: tl.constexpr, BLOCK: tl.constexpr):
+    ptrs = _tile_ptrs(base, row_off, BLOCK)
+    cols = tl.arange(0, BLOCK)
+    if COLS < BLOCK:
+        tl.store(ptrs, x, mask=row_ok[:, None] & (cols[None, :] < COLS))
+    else:
+        tl.store(ptrs, x, mask=row_ok[:, None])
+
+
+@triton.jit
+def _load_rows(base, hh, i, stride_h, stride_m, row_ok, DIM: tl.constexpr, BLOCK: tl.constexpr,
+               IDX64: tl.constexpr):
     """Rows (hh, i) of a (heads, length, DIM) slab, zero-padded to BLOCK columns."""
-    offs = tl.arange(0, BLOCK)
-    return tl.load(
-        base + hh[:, None] * stride_h + i[:, None].to(tl.int64) * stride_m + offs[None, :],
-        mask=row_ok[:, None] & (offs[None, :] < DIM), other=0.0,
-    )
+    return _load_tile(base, _idx(hh, IDX64) * stride_h + _idx(i, IDX64) * stride_m, row_ok, DIM, BLOCK, True)
 
 
 @triton.jit
@@ -86,21 +149,13 @@ def _key_range(i_lo, i_hi, lk_b, Lq, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr
 def _fwd_inner(
     acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start, stop, kmax, lk_b, sm_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
 ):
     offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + offs_n0
-        if MASKED:
-            key_ok = offs_n < lk_b
-        else:
-            key_ok = offs_n0 < BLOCK_N
-        k = tl.load(
-            k_base + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
-            mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0,
-        )
+        key_ok = offs_n < lk_b
+        k = _load_tile(k_base, _idx(offs_n, IDX64) * stride_kn, key_ok, D, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale
         if MASKED:
             vis = key_ok[None, :] & (offs_n[None, :] <= kmax[:, None])
@@ -111,10 +166,7 @@ def _fwd_inner(
         p = tl.math.exp2((s - m_safe[:, None]) * 1.4426950408889634)
         alpha = tl.math.exp2((m_i - m_safe) * 1.4426950408889634)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :],
-            mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
-        )
+        v = _load_tile(v_base, _idx(offs_n, IDX64) * stride_vn, key_ok, DV, BLOCK_DV, MASKED)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -130,15 +182,13 @@ def _attn_fwd_kernel(
     H, Lq, Lk, n_rep, heads_per_prog, sm_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
 ):
-    b = tl.program_id(2).to(tl.int64)
-    r, row_ok, hh, i, i_lo, i_hi, kvh = _row_tile(
-        tl.program_id(0), tl.program_id(1), heads_per_prog, n_rep, Lq, BLOCK_M
-    )
+    pid_m, pid_h, b = _unfold_rows_grid(H, Lq, heads_per_prog, BLOCK_M)
+    b = b.to(tl.int64)
+    r, row_ok, hh, i, i_lo, i_hi, kvh = _row_tile(pid_m, pid_h, heads_per_prog, n_rep, Lq, BLOCK_M)
     lk_b = _key_length(KL, b, Lk, HAS_KL)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D)
+    q = _load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
     k_base = K + b * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = V + b * stride_vb + kvh.to(tl.int64) * stride_vh
     kmax = _last_visible_key(i, lk_b, Lq, CAUSAL)
@@ -149,20 +199,20 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, 0, full, kmax, lk_b, sm_scale,
-        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, PREC,
+        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, PREC, IDX64,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, full, hi, kmax, lk_b, sm_scale,
-        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC,
+        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC, IDX64,
     )
-    seen = l_i > 0.0
+    # l = 0 exactly when the row saw no key (a seen key adds exp2(0) = 1); a NaN l (a NaN among
+    # the visible scores) must stay NaN in out and lse, so test "!= 0", not "> 0".
+    seen = l_i != 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(seen, m_i + tl.log(l_safe), float("-inf"))
-    tl.store(
-        O + b * stride_ob + hh[:, None] * stride_oh + i[:, None].to(tl.int64) * stride_om + offs_dv[None, :],
-        out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV),
-    )
+    _store_tile(O + b * stride_ob, _idx(hh, IDX64) * stride_oh + _idx(i, IDX64) * stride_om, row_ok,
+                out.to(O.dtype.element_ty), DV, BLOCK_DV)
     tl.store(LSE + (b * H + hh) * Lq + i, lse, mask=row_ok)
 
 
@@ -171,44 +221,98 @@ def precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+MAX_PROGRAMS = 2**31 - 1  # CUDA's limit on grid axis 0, which carries every launch here
+
+
+def needs_64bit_offsets(*tensors) -> bool:
+    """Whether some tensor's batch element spans 2**31 elements or more, so that offsets inside
+    one batch element (what the kernels compute per row) need 64 bits."""
+    for t in tensors:
+        if t.dim() and sum((n - 1) * abs(st) for n, st in zip(t.shape[1:], t.stride()[1:]) if n > 0) >= 2**31 - 1:
+            return True
+    return False
+
+
+_ARCH = {}
+
+
+def arch_of(t: torch.Tensor) -> int:
+    """Compute capability of ``t``'s device as an int (90 for sm_90), cached; 80 off CUDA (the
+    interpreter), which only picks the tile table's row."""
+    if t.device.type != "cuda":
+        return 80
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if idx not in _ARCH:
+        major, minor = torch.cuda.get_device_capability(idx)
+        _ARCH[idx] = 10 * major + minor
+    return _ARCH[idx]
+
+
 def launch_geometry(B: int, H: int, Hkv: int, Lq: int, block_m: int):
-    """(heads per program, row tile, grid) of the forward and dQ kernels."""
+    """(heads per program, row tile, grid) of the forward and dQ kernels: a flat grid of
+    row tiles x head groups x batch elements (see ``_unfold_rows_grid``)."""
     n_rep = H // Hkv
     hpp = packed_rows(Lq, n_rep, block_m)
     bm = row_block(hpp * Lq, block_m)
-    grid = (triton.cdiv(hpp * Lq, bm), H // hpp, B)
+    grid = (triton.cdiv(hpp * Lq, bm) * (H // hpp) * B,)
     return hpp, bm, grid
 
 
-def attention_forward(q, k, v, scale: float, causal: bool, key_lengths=None, out=None):
-    """Launch the forward kernel. Shapes: q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv).
+def on_device(t: torch.Tensor):
+    """Make ``t``'s device current for a launch: Triton launches on the current device and its
+    current stream, so without this a tensor on cuda:1 while cuda:0 is current would be read
+    from the wrong device (the CUDA host code holds a CUDAGuard for the same reason)."""
+    if t.device.type == "cuda":
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
-    Returns ``(out, lse)``: out (B, H, Lq, Dv) in q's dtype and memory order, lse float32
-    (B, H, Lq), natural log, -inf on rows that see no key.
+
+def check_buffer(name: str, t: torch.Tensor, shape, dtype, like: torch.Tensor, contiguous: bool = False):
+    """Refuse an output buffer the kernels cannot write as given (launchers take the buffers
+    their caller allocates)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != like.device:
+        raise ValueError(
+            f"{name}: expected a {dtype} tensor of shape {tuple(shape)} on {like.device}, "
+            f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+        )
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: expected unit stride on the last dim, got strides {t.stride()}")
+
+
+def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths=None):
+    """Launch the forward kernel into the caller's buffers; returns ``(out, lse)``.
+
+    Shapes: q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv); out (B, H, Lq, Dv) in q's
+    dtype, any strides with a unit last one; lse contiguous float32 (B, H, Lq), written in
+    natural log, -inf on rows that see no key. key_lengths: None or int32 (B,) on q's device.
     """
-    from mhakern._layout import empty_like_heads
-
     B, H, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    cfg = fwd_config(D, Dv, q.dtype)
+    check_buffer("out", out, (B, H, Lq, Dv), q.dtype, q)
+    check_buffer("lse", lse, (B, H, Lq), torch.float32, q, contiguous=True)
+    cfg = fwd_config(D, Dv, q.dtype, arch_of(q))
     hpp, bm, grid = launch_geometry(B, H, Hkv, Lq, cfg.block_m)
-    if out is None:
-        out = empty_like_heads(q, Dv)
-    lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
     kl = key_lengths if key_lengths is not None else lse  # unused pointer when HAS_KL is False
-    _attn_fwd_kernel[grid](
-        q, k, v, out, lse, kl,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        H, Lq, Lk, H // Hkv, hpp, scale,
-        D=D, DV=Dv, BLOCK_D=head_block(D), BLOCK_DV=head_block(Dv),
-        BLOCK_M=bm, BLOCK_N=cfg.block_n,
-        CAUSAL=causal, HAS_KL=key_lengths is not None, PREC=precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    with on_device(q):
+        _attn_fwd_kernel[grid](
+            q, k, v, out, lse, kl,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            H, Lq, Lk, H // Hkv, hpp, scale,
+            D=D, DV=Dv, BLOCK_D=head_block(D), BLOCK_DV=head_block(Dv),
+            BLOCK_M=bm, BLOCK_N=cfg.block_n,
+            CAUSAL=causal, HAS_KL=key_lengths is not None, PREC=precision(q.dtype),
+            IDX64=needs_64bit_offsets(q, k, v, out),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     return out, lse
 
 
-__all__ = ["attention_forward", "launch_geometry", "precision"]
+__all__ = ["attention_forward", "launch_geometry", "precision", "on_device", "check_buffer", "MAX_PROGRAMS",
+           "needs_64bit_offsets", "arch_of"]

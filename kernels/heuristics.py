@@ -1,12 +1,31 @@
-"""Block sizes, warps and pipeline depth of the Triton attention kernels.
+"""Block sizes, warps and pipeline depth of the Triton attention kernels, per architecture.
 
-Kept apart from the kernels so that tuning means editing one table. Every configuration
-returned here is compiled ahead of time for sm_80 and sm_90 by tests/test_triton_aot.py, which
-fails when one exceeds the chip's shared memory; change the table and that test tells you.
+Kept apart from the kernels so that tuning means editing one table. Every configuration here
+is compiled ahead of time for its architecture by ``python -m mhakern.kernels.aot`` (and by
+tests/test_triton_aot.py), which reads the cubin's SASS and fails when a variant spills
+registers to local memory, uses more shared memory than the chip has, or (sm_90) multiplies
+in a loop without the warpgroup MMA (HGMMA). Change the table and that check tells you.
+
+How the table was chosen (triton 3.9, cuobjdump figures in the AOT report): start from the
+tiles of Triton's fused-attention tutorial and FlashAttention 2, then shrink (fewer rows or
+keys per tile, or more warps to spread the accumulators) until the variant has no stack. A
+thread can hold 255 registers; the accumulators alone take rows * cols * 4 B / threads, e.g.
+the forward's (BLOCK_M x Dv) fp32 accumulator at 128 x 128 over 8 warps is 64 registers, the
+scores tile (BLOCK_M x BLOCK_N) as much again, so the larger head dims take more warps or
+fewer keys. sm_90 tiles keep BLOCK_M a multiple of 64 per warpgroup where the MMA allows
+(wgmma's M is 64), sm_80 tiles keep 16 rows per warp.
+
+Both supported triton versions must pass (3.9 here, 3.6 on the GPU machine): their register
+allocations differ by up to ~20 registers, so a tile at the edge in one spills in the other
+(dK/dV at head dim 64 on sm_80 spills 48 B with triton 3.6 at 2 stages, none at 1 stage).
+
+fp32 multiplies in full precision (no tensor cores: exactness first), so its tiles are small
+and are not tuned for speed; they are checked like the others.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Dict, Tuple
 
 import torch
 
@@ -30,45 +49,86 @@ def head_block(d: int) -> int:
     return max(16, next_pow2(d))
 
 
-def _wide(dtype: torch.dtype) -> bool:
-    return dtype == torch.float32
+def arch_family(capability: Tuple[int, int]) -> int:
+    """Row of the table for a device of this compute capability: 90 (Hopper and newer) or 80."""
+    return 90 if capability[0] >= 9 else 80
 
 
-def fwd_config(d: int, dv: int, dtype: torch.dtype) -> TileConfig:
-    """Forward (and dQ) tiles by padded head dim and dtype."""
-    dmax = max(head_block(d), head_block(dv))
-    if _wide(dtype):
-        if dmax <= 64:
-            return TileConfig(64, 64, 4, 2)
-        if dmax <= 128:
-            return TileConfig(64, 32, 4, 2)
-        return TileConfig(32, 32, 4, 1)
-    if dmax <= 64:
-        return TileConfig(128, 64, 4, 3)
-    if dmax <= 128:
-        return TileConfig(128, 64, 8, 2)
-    return TileConfig(64, 32, 4, 2)
+def head_bucket(d: int, dv: int) -> int:
+    """Row of the table for head dims (d, dv): the padded head dim, at least 64."""
+    return max(64, head_block(d), head_block(dv))
 
 
-def dq_config(d: int, dv: int, dtype: torch.dtype) -> TileConfig:
-    dmax = max(head_block(d), head_block(dv))
-    if _wide(dtype):
-        return TileConfig(64, 32, 4, 1) if dmax <= 128 else TileConfig(32, 32, 4, 1)
-    if dmax <= 128:
-        return TileConfig(64, 64, 4, 2)
-    return TileConfig(64, 32, 8, 1)
+# (kernel, arch family, "16" for fp16/bf16 or "32" for fp32, padded head dim bucket) -> tiles.
+# "dkdv" tiles: block_n keys stay resident while block_m query rows stream past.
+_T = TileConfig
+TILES: Dict[Tuple[str, int, str, int], TileConfig] = {
+    # forward
+    ("fwd", 90, "16", 64): _T(128, 64, 4, 3),
+    ("fwd", 90, "16", 128): _T(128, 64, 8, 2),
+    ("fwd", 90, "16", 256): _T(64, 32, 8, 2),
+    ("fwd", 80, "16", 64): _T(128, 64, 8, 3),
+    ("fwd", 80, "16", 128): _T(128, 32, 8, 2),
+    ("fwd", 80, "16", 256): _T(64, 32, 8, 2),
+    ("fwd", 90, "32", 64): _T(64, 64, 4, 2),
+    ("fwd", 90, "32", 128): _T(64, 32, 4, 2),
+    ("fwd", 90, "32", 256): _T(32, 32, 4, 1),
+    ("fwd", 80, "32", 64): _T(64, 64, 4, 2),
+    ("fwd", 80, "32", 128): _T(64, 32, 4, 2),
+    ("fwd", 80, "32", 256): _T(32, 32, 4, 1),
+    # dQ
+    ("dq", 90, "16", 64): _T(64, 64, 4, 2),
+    ("dq", 90, "16", 128): _T(64, 64, 8, 2),
+    ("dq", 90, "16", 256): _T(64, 16, 8, 2),
+    ("dq", 80, "16", 64): _T(64, 64, 8, 2),
+    ("dq", 80, "16", 128): _T(64, 64, 8, 2),
+    ("dq", 80, "16", 256): _T(64, 32, 8, 1),
+    ("dq", 90, "32", 64): _T(64, 32, 4, 1),
+    ("dq", 90, "32", 128): _T(64, 32, 4, 1),
+    ("dq", 90, "32", 256): _T(32, 32, 4, 1),
+    ("dq", 80, "32", 64): _T(64, 32, 4, 1),
+    ("dq", 80, "32", 128): _T(64, 32, 4, 1),
+    ("dq", 80, "32", 256): _T(32, 32, 4, 1),
+    # dK/dV
+    ("dkdv", 90, "16", 64): _T(32, 128, 8, 2),
+    ("dkdv", 90, "16", 128): _T(16, 64, 8, 2),
+    ("dkdv", 90, "16", 256): _T(16, 32, 8, 1),  # mma.sync: see MMA_SYNC_ON_SM90
+    ("dkdv", 80, "16", 64): _T(32, 128, 8, 1),
+    ("dkdv", 80, "16", 128): _T(32, 64, 8, 2),
+    ("dkdv", 80, "16", 256): _T(16, 32, 8, 1),
+    ("dkdv", 90, "32", 64): _T(32, 64, 4, 1),
+    ("dkdv", 90, "32", 128): _T(16, 32, 4, 1),
+    ("dkdv", 90, "32", 256): _T(16, 32, 4, 1),
+    ("dkdv", 80, "32", 64): _T(32, 64, 4, 1),
+    ("dkdv", 80, "32", 128): _T(16, 32, 4, 1),
+    ("dkdv", 80, "32", 256): _T(16, 32, 4, 1),
+}
 
 
-def dkdv_config(d: int, dv: int, dtype: torch.dtype) -> TileConfig:
-    """dK/dV tiles: block_n keys stay resident while block_m query rows stream past."""
-    dmax = max(head_block(d), head_block(dv))
-    if _wide(dtype):
-        return TileConfig(32, 64, 4, 1) if dmax <= 64 else TileConfig(16, 32, 4, 1)
-    if dmax <= 64:
-        return TileConfig(32, 128, 4, 2)
-    if dmax <= 128:
-        return TileConfig(32, 64, 8, 2)
-    return TileConfig(16, 32, 8, 1)
+# Variants allowed to multiply with mma.sync (HMMA) on sm_90 instead of the warpgroup MMA.
+# dK/dV at head dim 256 keeps two (BLOCK_N x 256) fp32 accumulators per program; wgmma needs
+# BLOCK_N >= 64 there, which makes them 128 registers a thread at 8 warps and spills inside the
+# loop (measured, triton 3.9: 792 B of stack at 16x64, 8 warps; 16 warps cap a thread at 128
+# registers and spill more). 32 keys with mma.sync fit with no stack.
+MMA_SYNC_ON_SM90 = frozenset({("dkdv", "16", 256)})
+
+
+def tile_config(kernel: str, d: int, dv: int, dtype: torch.dtype, arch: int = 80) -> TileConfig:
+    """Tiles of ``kernel`` ("fwd", "dq" or "dkdv") for head dims (d, dv), dtype and arch family."""
+    width = "32" if dtype == torch.float32 else "16"
+    return TILES[(kernel, 90 if arch >= 90 else 80, width, head_bucket(d, dv))]
+
+
+def fwd_config(d: int, dv: int, dtype: torch.dtype, arch: int = 80) -> TileConfig:
+    return tile_config("fwd", d, dv, dtype, arch)
+
+
+def dq_config(d: int, dv: int, dtype: torch.dtype, arch: int = 80) -> TileConfig:
+    return tile_config("dq", d, dv, dtype, arch)
+
+
+def dkdv_config(d: int, dv: int, dtype: torch.dtype, arch: int = 80) -> TileConfig:
+    return tile_config("dkdv", d, dv, dtype, arch)
 
 
 def packed_rows(lq: int, n_rep: int, block_m: int) -> int:

@@ -62,7 +62,7 @@ def test_decode_packs_query_heads_of_a_kv_head(Lq, n_rep):
     cfg = fwd_config(D, D, torch.float32)
     hpp, bm, grid = launch_geometry(B, n_rep * Hkv, Hkv, Lq, cfg.block_m)
     # One program per (row tile, KV head, batch element): each reads its keys once for the group.
-    assert hpp == n_rep and grid[1] == Hkv
+    assert hpp == n_rep and grid == (-(-(n_rep * Lq) // bm) * Hkv * B,)
     q, k, v = make_inputs(B, n_rep * Hkv, Hkv, Lq, Lk, D, device=DEVICE)
     check_against_reference(triton_attention, q, k, v, True, torch.tensor([45, 0, 17], device=DEVICE))
 
@@ -115,3 +115,144 @@ def test_auto_never_picks_the_interpreter():
 
     q, k, v = make_inputs(1, 2, 2, 4, 4, 16, requires_grad=False)
     assert backends.select("auto", q, k, v, False, None).name != "triton"
+
+
+def _kernel_sources():
+    import pathlib
+
+    import mhakern.kernels
+
+    return sorted(pathlib.Path(mhakern.kernels.__file__).parent.glob("*.py"))
+
+
+def test_kernels_import_nothing_from_mhakern():
+    # The kernel layer sits below the package: launchers take the buffers the backend allocates.
+    import ast
+
+    files = _kernel_sources()
+    assert len(files) >= 4, files
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            for name in names:
+                assert name.split(".")[0] != "mhakern", f"{path.name}:{node.lineno} imports {name}"
+
+
+class _GridRecorder:
+    """Stands in for a kernel: records each launch's grid instead of running it."""
+
+    def __init__(self, grids, name):
+        self.grids, self.name = grids, name
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.grids.append((self.name, tuple(grid)))
+
+        return launch
+
+
+def test_batches_beyond_cuda_grid_axis_limits_launch_within_them(monkeypatch):
+    # The trainer (fp32, hence Triton on a GPU) reaches runs x batch > 65,535, CUDA's limit on
+    # grid axes 1 and 2. Every launch uses a flat grid on axis 0 instead. Running 65,537
+    # batch elements through the interpreter would take hours (about 0.1 s per program here),
+    # so this records the grids the launchers ask for; the folding itself (program id ->
+    # row tile, head, batch element) runs in every interpreter test of this file.
+    from mhakern.kernels import attention_bwd, attention_fwd
+
+    grids = []
+    for mod, name in [(attention_fwd, "_attn_fwd_kernel"), (attention_bwd, "_bwd_delta_kernel"),
+                      (attention_bwd, "_attn_bwd_dkdv_kernel"), (attention_bwd, "_attn_bwd_dq_kernel")]:
+        monkeypatch.setattr(mod, name, _GridRecorder(grids, name))
+    B, H, Hkv, Lq, Lk, D = 70000, 4, 2, 3, 5, 16
+    q = torch.zeros(B, H, Lq, D)
+    k = torch.zeros(B, Hkv, Lk, D)
+    assert mhakern.backends.get("triton").supports(q, k, k, False, None) is None
+    from mhakern.backends import triton_backend
+
+    be = triton_backend.TritonBackend()
+    out, lse = be.forward(q, k, k, 0.25, True, None)
+    assert be.backward(out, q, k, k, out, lse, 0.25, True, None)[3] is None
+    assert [n for n, _ in grids] == ["_attn_fwd_kernel", "_bwd_delta_kernel", "_attn_bwd_dkdv_kernel",
+                                     "_attn_bwd_dq_kernel"]
+    for name, grid in grids:
+        assert len(grid) == 1 and B <= grid[0] <= 2**31 - 1, (name, grid)
+    # forward and dQ: one program per (row tile, head group, batch element); here decode packing
+    # puts the 2 query heads of a KV head in one 16-row tile; dK/dV: one per (key block, KV head, b)
+    assert dict(grids)["_attn_fwd_kernel"] == (B * Hkv,)
+    assert dict(grids)["_attn_bwd_dkdv_kernel"] == (B * Hkv,)
+
+
+def test_grid_folding_covers_every_batch_element_and_head():
+    # Many (row tile, head, batch) programs in one flat grid: each output row written once, right.
+    q, k, v = make_inputs(7, 6, 3, 21, 19, 16, device=DEVICE)
+    check_against_reference(triton_attention, q, k, v, True, torch.tensor([19, 0, 5, 19, 1, 12, 18], device=DEVICE))
+
+
+def test_on_device_guard_selects_the_tensors_device():
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mhakern.kernels.attention_fwd import on_device
+
+    with FakeTensorMode():
+        t = torch.empty(2, device="cuda:1")
+    guard = on_device(t)
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    assert isinstance(on_device(torch.empty(2)), contextlib.nullcontext)
+
+
+def test_launchers_run_under_the_device_guard(monkeypatch):
+    import contextlib
+
+    from mhakern.kernels import attention_bwd, attention_fwd
+
+    entered = []
+
+    @contextlib.contextmanager
+    def recording_guard(t):
+        entered.append(t.device)
+        yield
+
+    monkeypatch.setattr(attention_fwd, "on_device", recording_guard)
+    monkeypatch.setattr(attention_bwd, "on_device", recording_guard)
+    q, k, v = make_inputs(1, 2, 1, 5, 6, 16, device=DEVICE)
+    triton_attention(q, k, v).sum().backward()
+    assert len(entered) == 2, entered
+
+
+def test_launchers_refuse_wrong_output_buffers():
+    from mhakern.kernels import attention_forward
+
+    q, k, v = make_inputs(1, 2, 1, 5, 6, 16, device=DEVICE, requires_grad=False)
+    lse = torch.empty(1, 2, 5)
+    with pytest.raises(ValueError, match="out: expected a torch.float32 tensor of shape \\(1, 2, 5, 16\\)"):
+        attention_forward(q, k, v, torch.empty(1, 2, 5, 8), lse, 0.25, False)
+    with pytest.raises(ValueError, match="lse: expected a contiguous tensor"):
+        attention_forward(q, k, v, torch.empty(1, 2, 5, 16), torch.empty(1, 5, 2).transpose(1, 2), 0.25, False)
+    with pytest.raises(ValueError, match="out: expected unit stride on the last dim"):
+        attention_forward(q, k, v, torch.empty(1, 2, 16, 5).transpose(2, 3), lse, 0.25, False)
+
+
+def test_key_lengths_out_of_range_are_clamped_in_the_kernels():
+    # Callers validate key_lengths; the kernels still never read outside k and v with a bad one.
+    from mhakern.kernels import attention_backward, attention_forward
+
+    q, k, v = make_inputs(2, 2, 1, 4, 6, 16, device=DEVICE, requires_grad=False)
+    scale = 0.25
+
+    def run(kl):
+        out, lse = torch.empty(2, 2, 4, 16), torch.empty(2, 2, 4)
+        attention_forward(q, k, v, out, lse, scale, True, kl)
+        grads = [torch.empty_like(x) for x in (q, k, v)]
+        attention_backward(torch.ones_like(out), q, k, v, out, lse, *grads, scale, True, kl)
+        return [out, lse, *grads]
+
+    bad = run(torch.tensor([100, -5], dtype=torch.int32))
+    good = run(torch.tensor([6, 0], dtype=torch.int32))
+    for a, b in zip(bad, good):
+        assert torch.equal(a, b)

@@ -7,10 +7,10 @@ import os
 
 import torch
 
+from .._layout import empty_like_heads
 from . import DEFAULT_MODES, Backend, register
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MAX_GRID_YZ = 65535  # CUDA's limit on grid dims 1 and 2 (heads and batch here)
 
 
 def _interpreting() -> bool:
@@ -55,6 +55,7 @@ class TritonBackend(Backend):
         return None
 
     def supports(self, q, k, v, causal, key_lengths):
+        from mhakern.kernels.attention_fwd import MAX_PROGRAMS
         from mhakern.kernels.heuristics import MAX_HEAD_DIM
 
         interp = _interpreting()
@@ -69,8 +70,12 @@ class TritonBackend(Backend):
         D, Dv = q.shape[-1], v.shape[-1]
         if D > MAX_HEAD_DIM or Dv > MAX_HEAD_DIM:
             return f"head dim {max(D, Dv)} exceeds {MAX_HEAD_DIM}"
-        if q.shape[0] > _MAX_GRID_YZ or q.shape[1] > _MAX_GRID_YZ:
-            return f"batch {q.shape[0]} or heads {q.shape[1]} exceeds {_MAX_GRID_YZ}"
+        # Every launch is a flat grid on axis 0; its programs number at most B * H * tiles, and
+        # no tile is shorter than 16 rows or keys.
+        B, H, Lq, Lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        programs = B * H * -(-max(Lq, Lk, 1) // 16)
+        if programs > MAX_PROGRAMS:
+            return f"B * H * ceil(max(Lq, Lk) / 16) = {programs} programs exceed CUDA's grid limit {MAX_PROGRAMS}"
         return None
 
     def auto_supports(self, q, k, v, causal, key_lengths):
@@ -79,10 +84,16 @@ class TritonBackend(Backend):
         return self.supports(q, k, v, causal, key_lengths)
 
     def forward(self, q, k, v, scale, causal, key_lengths, modes=DEFAULT_MODES):
-        return self._kernels().attention_forward(q, k, v, scale, causal, key_lengths)
+        B, H, Lq, _ = q.shape
+        out = empty_like_heads(q, v.shape[-1])
+        lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+        return self._kernels().attention_forward(q, k, v, out, lse, scale, causal, key_lengths)
 
     def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, modes=DEFAULT_MODES):
-        dq, dk, dv = self._kernels().attention_backward(dout, q, k, v, out, lse, scale, causal, key_lengths)
+        dq = empty_like_heads(q, q.shape[-1])
+        dk = empty_like_heads(k, k.shape[-1])
+        dv = empty_like_heads(v, v.shape[-1])
+        self._kernels().attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, key_lengths)
         return dq, dk, dv, None
 
 
