@@ -136,7 +136,12 @@ if [ "$HAVE_GPU" = "1" ] && [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
 fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 echo "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-} MAX_JOBS=$MAX_JOBS" >>"$SETUP"
-run_step "install" "$SETUP" 90 250 "$PY" -m pip install --no-index --no-deps --no-build-isolation -v -e .
+# The pure-Python install (the GPU machine has no network, so no build isolation: pip could not
+# fetch setuptools), then the compiled kernels built the way a plain `pip install -e .` user gets
+# them: the first-use build, ahead of time (python -m mhakern.build), for this GPU's arch only. A
+# CUDA part that fails to build fails here instead of falling back to the CPU kernels unnoticed.
+export MHAKERN_REQUIRE_CUDA=1
+run_step "install" "$SETUP" 90 250 bash -c "MHAKERN_NO_EXTENSION=1 \"$PY\" -m pip install --no-index --no-deps --no-build-isolation -e . && \"$PY\" -m mhakern.build"
 rc=$?
 if [ $rc -ne 0 ]; then
     say "install: FAILED (exit $rc, see setup.log)"
@@ -188,13 +193,15 @@ gpu_tests() {
     return "$rc"
 }
 rc1=0
-gpu_tests "cuda backend (tests/test_cuda.py)" 55 150 tests/test_cuda.py || rc1=1
-# The Triton backend's GPU file, and its device-generic suite on CUDA tensors (compiled, not
-# interpreted; not the ahead-of-time compile tests, which are for machines without a GPU).
+# Each GPU backend: its own GPU file, then the conformance suite (hard cases in every dtype,
+# modes, NaN/inf contract; tests/test_conformance.py) restricted to it, on CUDA tensors.
+gpu_tests "cuda backend (tests/test_cuda.py, conformance -k cuda)" 55 150 tests/test_cuda.py tests/test_conformance.py -k "cuda or not conformance" || rc1=1
+# The Triton backend's GPU file and its device-generic suite, compiled (not interpreted; not the
+# ahead-of-time compile tests, which are for machines without a GPU).
 TRITON_TESTS=$(ls tests/test_triton*.py 2>/dev/null | grep -v -e _aot || true)
 # shellcheck disable=SC2086
-gpu_tests "triton backend ($(echo $TRITON_TESTS | tr '\n' ' '))" 55 100 $TRITON_TESTS || rc1=1
-OTHER_IGNORE=()
+gpu_tests "triton backend ($(echo $TRITON_TESTS | tr '\n' ' '), conformance -k triton)" 55 100 $TRITON_TESTS tests/test_conformance.py -k "triton or not conformance" || rc1=1
+OTHER_IGNORE=(--ignore tests/test_conformance.py)
 for f in tests/test_cuda.py $TRITON_TESTS; do OTHER_IGNORE+=(--ignore "$f"); done
 gpu_tests "everything else marked gpu" 20 90 tests -m gpu "${OTHER_IGNORE[@]}"
 rc=$?

@@ -33,15 +33,10 @@ MAIN = [(n, d) for n, d in MAIN if d is not None]
 MAIN_IDS = [n for n, _ in MAIN]
 
 
-# Contract gaps of backends on this branch, found by this suite (the kernels belong to other
-# helpers, issue 12 section 3). Strict xfail: once a kernel is fixed the test XPASSes and fails,
-# and the entry must go.
-KNOWN_GAPS = {
-    ("triton", "test_nan_in_a_key_hidden_by_key_lengths_changes_nothing[v]"): "a NaN value past key_lengths reaches the gradients",
-    ("triton", "test_nan_in_a_causally_hidden_key_reaches_only_the_rows_that_see_it"): "0 * NaN from a causally hidden key",
-    ("triton", "test_nan_in_a_visible_key_gives_nan_out_lse_and_gradients"): "NaN not propagated to lse or gradients as required",
-    ("triton", "test_nan_in_a_query_that_sees_no_key_changes_nothing"): "a NaN query of a row with no key reaches dk",
-}
+# Contract gaps of registered backends that this suite found and that are not fixed yet, as
+# (backend, test id): reason. Strict xfail: once a kernel is fixed the test XPASSes and fails,
+# and the entry must go. Empty: every gap found this round was fixed.
+KNOWN_GAPS: dict = {}
 
 
 @pytest.fixture(autouse=True)

@@ -73,14 +73,6 @@ def test_kernel_isa_is_reported():
 # Correctness against the float64 reference
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", HARD_CASES, ids=case_id)
-def test_hard_cases(case, dtype):
-    B, H, Hkv, Lq, Lk, D, Dv, causal, kl = case
-    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype=dtype)
-    check_against_reference(cpu_attention, q, k, v, causal, _kl(kl))
-
-
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("case", HARD_CASES[1::2], ids=case_id)
 def test_hard_cases_strided_blhd(case, dtype):
@@ -106,21 +98,6 @@ def test_large_logits_do_not_overflow(dtype, causal):
     q, k, v = make_inputs(2, 4, 2, 33, 47, 64, dtype=dtype, scale_inputs=30.0)
     check_against_reference(cpu_attention, q, k, v, causal, torch.tensor([47, 20]), large_logits=True)
 
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_fully_masked_rows_zero_output_and_gradient(dtype):
-    q, k, v = make_inputs(2, 4, 2, 8, 5, 16, dtype=dtype)
-    out, lse = cpu_attention(q, k, v, causal=True, key_lengths=torch.tensor([0, 5]), return_lse=True)
-    assert torch.all(out[0] == 0) and torch.all(torch.isneginf(lse[0]))
-    # Bottom-right causal with Lq = 8 > Lk = 5: the first 3 queries of batch 1 see nothing.
-    assert torch.all(out[1, :, :3] == 0) and torch.all(torch.isneginf(lse[1, :, :3]))
-    assert torch.isfinite(lse[1, :, 3:]).all()
-    out.sum().backward()
-    for g in (q.grad, k.grad, v.grad):
-        assert torch.isfinite(g).all()
-    assert torch.all(q.grad[0] == 0) and torch.all(q.grad[1, :, :3] == 0)
-    assert torch.all(k.grad[0] == 0) and torch.all(v.grad[0] == 0)
-    assert q.grad[1, :, 3:].abs().sum() > 0
 
 def test_nan_in_a_visible_key_gives_nan_lse_and_gradients_not_zeros():
     # Issue 12: a NaN in k used to give out NaN but lse -inf and all gradients exactly 0, so a

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mhakern
-from attn_testing import HARD_CASES, case_id, check_against_reference, make_inputs
+from attn_testing import check_against_reference, make_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERP_DTYPES = (torch.float32, torch.float16)
@@ -20,15 +20,6 @@ pytestmark = pytest.mark.skipif(
 
 def triton_attention(*a, **kw):
     return mhakern.attention(*a, backend="triton", **kw)
-
-
-@pytest.mark.parametrize("dtype", INTERP_DTYPES, ids=str)
-@pytest.mark.parametrize("case", HARD_CASES, ids=case_id)
-def test_hard_cases(case, dtype):
-    B, H, Hkv, Lq, Lk, D, Dv, causal, kl = case
-    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype=dtype, device=DEVICE)
-    kl_t = None if kl is None else torch.tensor(kl, device=DEVICE)
-    check_against_reference(triton_attention, q, k, v, causal, kl_t)
 
 
 @pytest.mark.parametrize("dtype", INTERP_DTYPES, ids=str)
@@ -88,16 +79,6 @@ def test_backward_is_deterministic():
         grads.append([x.grad.clone() for x in (q, k, v)])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
-
-
-def test_fully_masked_rows_zero_output_and_gradient():
-    q, k, v = make_inputs(2, 2, 2, 8, 5, 16, device=DEVICE)
-    out, lse = triton_attention(q, k, v, causal=True, key_lengths=torch.tensor([0, 5], device=DEVICE), return_lse=True)
-    assert torch.all(out[0] == 0) and torch.all(torch.isneginf(lse[0]))
-    assert torch.all(out[1, :, :3] == 0) and torch.all(torch.isneginf(lse[1, :, :3]))
-    out.sum().backward()
-    assert torch.isfinite(q.grad).all() and torch.all(q.grad[0] == 0) and torch.all(q.grad[1, :, :3] == 0)
-    assert torch.all(k.grad[0] == 0) and torch.all(v.grad[0] == 0)
 
 
 def test_head_dim_over_limit_is_refused_with_reason():

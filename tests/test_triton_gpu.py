@@ -80,3 +80,40 @@ def test_runs_on_the_tensors_device_not_the_current_one_gpu():
     q, k, v = make_inputs(1, 4, 2, 65, 70, 64, dtype=torch.float16, device="cuda:1")
     with torch.cuda.device(0):
         check_against_reference(triton_attention, q, k, v, True, None)
+
+
+class _KernelRecorder:
+    """Forwards to a Triton kernel and keeps the compiled kernel each launch returns."""
+
+    def __init__(self, kernel, name, seen):
+        self.kernel, self.name, self.seen = kernel, name, seen
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            compiled = launch(*args, **kwargs)
+            self.seen.append((self.name, compiled))
+            return compiled
+
+        return run
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_launched_kernels_do_not_spill_gpu(monkeypatch, dtype, D):
+    """What tests/test_triton_aot.py checks ahead of time, on the kernels this GPU really compiles
+    (``n_spills`` is Triton's count of spilled 4-byte words)."""
+    from mhakern.kernels import aot, attention_bwd, attention_fwd
+
+    seen = []
+    for mod, name in [(attention_fwd, "_attn_fwd_kernel"), (attention_bwd, "_bwd_delta_kernel"),
+                      (attention_bwd, "_attn_bwd_dkdv_kernel"), (attention_bwd, "_attn_bwd_dq_kernel")]:
+        monkeypatch.setattr(mod, name, _KernelRecorder(getattr(mod, name), name, seen))
+    q, k, v = make_inputs(2, 4, 2, 300, 333, D, dtype=dtype, device="cuda")
+    kl = torch.tensor([333, 100], device="cuda")
+    triton_attention(q, k, v, causal=True, key_lengths=kl).float().sum().backward()
+    launched = [n for n, _ in seen]
+    assert launched == ["_attn_fwd_kernel", "_bwd_delta_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"], launched
+    for name, compiled in seen:
+        assert compiled.n_spills * 4 <= aot.STACK_SLACK, f"{name}: {compiled.n_regs} regs, {compiled.n_spills} words spilled"
