@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "../mode_params.h"
+
 namespace mhakern::cpu {
 
 enum class DType : int { Float32 = 0, BFloat16 = 1, Float16 = 2 };
@@ -22,25 +24,15 @@ struct MutView {
   int64_t sb = 0, sh = 0, sl = 0;
 };
 
-struct AttnParams {
+struct AttnParams : ModeParams {  // the modes: ../mode_params.h
   DType dtype = DType::Float32;
   int64_t B = 0, H = 0, Hkv = 0, Lq = 0, Lk = 0, D = 0, Dv = 0;
   float scale = 1.f;
-  // Bottom-right aligned per batch element: key j is visible to query i iff
-  // j <= i + Lk_b - Lq (Lk_b: that element's key length).
+  // Key j is visible to query i iff j <= i + off (off: see ModeParams::top_left; Lk_b - Lq,
+  // bottom-right per batch element, by default).
   bool causal = false;
   // (B,) int32 in [0, Lk], or nullptr when every key is visible.
   const int32_t* key_lengths = nullptr;
-  // Modes (docs/contract.md). Visibility: see the contract; off = top_left ? 0 : Lk_b - Lq.
-  bool top_left = false;
-  int64_t window_left = -1, window_right = -1;   // -1 = unbounded
-  // attn_mask: nullptr or a (B, H, Lq, Lk) view with element strides (0 on broadcast dims).
-  const void* mask = nullptr;
-  int mask_kind = 0;            // 0 none, 1 bool (uint8/bool bytes, nonzero = visible), 2 additive float32
-  int64_t mask_sb = 0, mask_sh = 0, mask_sq = 0, mask_sk = 0;
-  float* dmask = nullptr;       // backward: (B, H, Lq, Lk) contiguous float32 dL/dscore, or nullptr
-  double dropout_p = 0.0;  // double: the keep threshold floor(p * 2^32) must be the reference's exactly
-  uint64_t seed = 0;
 
   View q, k, v;
   // Forward: written. Backward: read (delta = rowsum(dout * out)).

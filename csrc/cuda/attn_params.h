@@ -20,6 +20,8 @@
 
 #include <cstdint>
 
+#include "../mode_params.h"
+
 #if defined(__CUDACC__)
 #define MHK_PARAMS_HD __host__ __device__ __forceinline__
 #else
@@ -39,7 +41,7 @@ struct HeadStrides {
   int64_t row = 0;
 };
 
-struct FwdParams {
+struct FwdParams : ModeParams {  // the modes: ../mode_params.h
   const void* q = nullptr;  // (B, H, Lq, D)
   const void* k = nullptr;  // (B, Hkv, Lk, D)
   const void* v = nullptr;  // (B, Hkv, Lk, D)
@@ -53,16 +55,6 @@ struct FwdParams {
   float scale = 1.f;        // multiplies q.k
   float scale_log2 = 1.f;   // scale * log2(e): the kernels work in base 2
   bool causal = false;
-  // Modes (docs/contract.md). Visibility: see the contract; off = top_left ? 0 : Lk_b - Lq.
-  bool top_left = false;
-  int64_t window_left = -1, window_right = -1;   // -1 = unbounded
-  // attn_mask: nullptr or a (B, H, Lq, Lk) view with element strides (0 on broadcast dims).
-  const void* mask = nullptr;
-  int mask_kind = 0;            // 0 none, 1 bool (uint8/bool bytes, nonzero = visible), 2 additive float32
-  int64_t mask_sb = 0, mask_sh = 0, mask_sq = 0, mask_sk = 0;
-  float* dmask = nullptr;       // backward: (B, H, Lq, Lk) contiguous float32 dL/dscore, or nullptr
-  double dropout_p = 0.0;  // double: the keep threshold floor(p * 2^32) must be the reference's exactly
-  uint64_t seed = 0;
 
   // Split-K: the key range is cut into num_splits chunks of whole key blocks; each chunk writes
   // its normalised partial output and lse, and a combine kernel merges them through their lse.
@@ -71,7 +63,7 @@ struct FwdParams {
   float* lse_partial = nullptr;  // (num_splits, B, H, Lq) fp32, used when num_splits > 1
 };
 
-struct BwdParams {
+struct BwdParams : ModeParams {  // the modes: ../mode_params.h
   const void* q = nullptr;     // (B, H, Lq, D)
   const void* k = nullptr;     // (B, Hkv, Lk, D)
   const void* v = nullptr;     // (B, Hkv, Lk, D)
@@ -91,16 +83,6 @@ struct BwdParams {
   float scale = 1.f;
   float scale_log2 = 1.f;
   bool causal = false;
-  // Modes (docs/contract.md). Visibility: see the contract; off = top_left ? 0 : Lk_b - Lq.
-  bool top_left = false;
-  int64_t window_left = -1, window_right = -1;   // -1 = unbounded
-  // attn_mask: nullptr or a (B, H, Lq, Lk) view with element strides (0 on broadcast dims).
-  const void* mask = nullptr;
-  int mask_kind = 0;            // 0 none, 1 bool (uint8/bool bytes, nonzero = visible), 2 additive float32
-  int64_t mask_sb = 0, mask_sh = 0, mask_sq = 0, mask_sk = 0;
-  float* dmask = nullptr;       // backward: (B, H, Lq, Lk) contiguous float32 dL/dscore, or nullptr
-  double dropout_p = 0.0;  // double: the keep threshold floor(p * 2^32) must be the reference's exactly
-  uint64_t seed = 0;
 
   // Split-K of the dq kernel (long keys): each split writes an fp32 partial dq, and a reduce
   // kernel adds the partials in split order (deterministic).
