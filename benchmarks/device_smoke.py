@@ -103,6 +103,10 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--budget-s", type=float, default=60.0, help="stop starting new checks after this many seconds")
     args = ap.parse_args(argv)
+    if args.device == "cpu":
+        # The CPU rehearsal runs the Triton kernels through the interpreter, which must be on
+        # before mhakern.kernels is first imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import torch
 
