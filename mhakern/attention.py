@@ -84,23 +84,6 @@ class FusedAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, gmask, None, None, None, None, None, None, None, None, None, None
 
 
-def check_inputs(
-    q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], causal: bool, key_lengths: Optional[Tensor]
-) -> Tuple[Tensor, Tensor, Tensor, float, Optional[Tensor]]:
-    """Validate the basic arguments of :func:`attention`; return them normalised (key_lengths
-    int32 after its values were checked in its own dtype).
-
-    Raises TypeError / ValueError naming the argument and what is accepted.
-    """
-    check_qkv(q, k, v)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    scale = check_scale(scale, q.shape[3])
-    check_key_lengths_meta(key_lengths, q.shape[0], q.device)
-    key_lengths = prepare_key_lengths(key_lengths, k.shape[2], q.device)
-    return _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v), scale, key_lengths
-
-
 def _window(window, causal: bool) -> Tuple[int, int]:
     if window is None:
         return -1, -1
