@@ -42,8 +42,8 @@ class FusedMHA(nn.Module):
             sequence, after its projected keys and values.
         add_zero_attn: append one key and value of zeros (after ``bias_k``/``bias_v``).
         kdim, vdim: feature sizes of ``key`` and ``value`` (default E).
-        batch_first: inputs and output are (N, L, E) when True (the default here, unlike
-            nn.MultiheadAttention), (L, N, E) when False.
+        batch_first: inputs and output are (N, L, E) when True, (L, N, E) when False (the
+            default, as in nn.MultiheadAttention, so that swapping the modules changes nothing).
         device, dtype: of the parameters.
         num_kv_heads: Hkv, the number of key/value heads (default H). H must be a multiple of
             Hkv: query head ``h`` reads key/value head ``h // (H // Hkv)`` (grouped-query
@@ -79,7 +79,7 @@ class FusedMHA(nn.Module):
         add_zero_attn: bool = False,
         kdim: Optional[int] = None,
         vdim: Optional[int] = None,
-        batch_first: bool = True,
+        batch_first: bool = False,
         device=None,
         dtype=None,
         *,

@@ -82,7 +82,7 @@ def _assert_same(compiled, eager, **tol):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_fused_mha_matches_eager(backend):
     torch.manual_seed(0)
-    mha = mhakern.FusedMHA(16, 4, num_kv_heads=2, backend=backend)
+    mha = mhakern.FusedMHA(16, 4, num_kv_heads=2, backend=backend, batch_first=True)
     with torch.no_grad():
         mha.in_proj_bias.normal_()
     x = torch.randn(2, 6, 16, requires_grad=True)
@@ -121,7 +121,7 @@ def test_compiled_functional_attention_with_key_lengths_matches_eager():
 def test_graphs_hold_the_custom_ops_and_nothing_traced_from_a_backend():
     rec = GraphRecorder()
     torch.manual_seed(3)
-    mha = mhakern.FusedMHA(16, 4, backend="reference")
+    mha = mhakern.FusedMHA(16, 4, backend="reference", batch_first=True)
     x = torch.randn(2, 5, 16, requires_grad=True)
     compiled = torch.compile(mha, backend=rec.backend, fullgraph=True)
     out, _ = compiled(x, x, x, is_causal=True, need_weights=False)
@@ -148,7 +148,7 @@ def test_explain_reports_no_graph_break():
 
 def test_dynamic_shapes_compile_once_for_two_lengths():
     torch.manual_seed(4)
-    mha = mhakern.FusedMHA(16, 2, backend="reference")
+    mha = mhakern.FusedMHA(16, 2, backend="reference", batch_first=True)
     compiled = torch.compile(mha, backend="aot_eager", fullgraph=True, dynamic=True)
     params = list(mha.parameters())
     for L in (5, 9):
@@ -160,7 +160,7 @@ def test_dynamic_shapes_compile_once_for_two_lengths():
 def test_compiled_left_padding_matches_eager():
     # Left padding goes in as a mask under compile (the module cannot read the padding's data to
     # pick the key_lengths fast path inside a graph).
-    mha = mhakern.FusedMHA(8, 2, backend="reference")
+    mha = mhakern.FusedMHA(8, 2, backend="reference", batch_first=True)
     compiled = torch.compile(mha, backend="aot_eager", fullgraph=True)
     x = torch.randn(2, 4, 8)
     left = torch.tensor([[False] * 4, [True, False, False, False]])
@@ -172,7 +172,7 @@ def test_inductor_compiles_fused_mha_on_cuda():
     # The default compiler (inductor, generating Triton code around the opaque ops), on the
     # best backend for CUDA tensors; fp16, GQA, right padding and causal.
     torch.manual_seed(5)
-    mha = mhakern.FusedMHA(128, 4, num_kv_heads=2, device="cuda", dtype=torch.float16)
+    mha = mhakern.FusedMHA(128, 4, num_kv_heads=2, device="cuda", dtype=torch.float16, batch_first=True)
     with torch.no_grad():
         mha.in_proj_bias.normal_()
     x = torch.randn(2, 64, 128, device="cuda", dtype=torch.float16, requires_grad=True)

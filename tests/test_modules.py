@@ -513,7 +513,7 @@ def test_padded_causal_self_attention_recipe_matches_torch_on_real_rows():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_row_without_keys_gives_bias_and_zero_gradient(backend):
     torch.manual_seed(0)
-    fused = mhakern.FusedMHA(8, 2, backend=backend)
+    fused = mhakern.FusedMHA(8, 2, backend=backend, batch_first=True)
     with torch.no_grad():
         fused.out_proj.bias.uniform_(-1, 1)
     q = torch.randn(2, 3, 8, requires_grad=True)
@@ -558,7 +558,7 @@ def _gqa_oracle(fused, q, k, v, causal, key_lengths, dtype):
 )
 def test_gqa_and_head_dim_against_stepwise_oracle(backend, E, H, Hkv, hd, kdim, self_attn):
     torch.manual_seed(1)
-    fused = mhakern.FusedMHA(E, H, num_kv_heads=Hkv, head_dim=hd, kdim=kdim, vdim=kdim, backend=backend)
+    fused = mhakern.FusedMHA(E, H, num_kv_heads=Hkv, head_dim=hd, kdim=kdim, vdim=kdim, backend=backend, batch_first=True)
     hd = E // H if hd is None else hd
     Q, K, Ek = H * hd, Hkv * hd, kdim or E
     if kdim is None:
@@ -608,7 +608,7 @@ def test_initialisation_and_state_dict_equal_torch(kw):
     torch.manual_seed(123)
     ref = nn.MultiheadAttention(16, 4, batch_first=True, **kw)
     torch.manual_seed(123)
-    fused = mhakern.FusedMHA(16, 4, **kw)
+    fused = mhakern.FusedMHA(16, 4, batch_first=True, **kw)
     sd_r, sd_f = ref.state_dict(), fused.state_dict()
     assert list(sd_r) == list(sd_f)
     for n in sd_r:
@@ -619,7 +619,7 @@ def test_initialisation_and_state_dict_equal_torch(kw):
 
 def test_gqa_initialisation_is_xavier_on_the_packed_matrix():
     torch.manual_seed(0)
-    fused = mhakern.FusedMHA(64, 8, num_kv_heads=2, head_dim=16)
+    fused = mhakern.FusedMHA(64, 8, num_kv_heads=2, head_dim=16, batch_first=True)
     w = fused.in_proj_weight
     bound = math.sqrt(6.0 / (64 + w.shape[0]))
     assert w.shape == (128 + 2 * 32, 64)
@@ -669,7 +669,7 @@ def test_weights_pass_runs_only_when_asked(monkeypatch):
 
     monkeypatch.setattr(mhakern.modules, "attention", spy)
     monkeypatch.setattr(mhakern.modules, "_attention_weights", no_weights)
-    fused = mhakern.FusedMHA(16, 2, backend="reference")
+    fused = mhakern.FusedMHA(16, 2, backend="reference", batch_first=True)
     x = torch.randn(2, 5, 16)
     out, w = fused(x, x, x, need_weights=False)
     assert w is None and calls == [False]
@@ -681,7 +681,7 @@ def test_weights_pass_runs_only_when_asked(monkeypatch):
 
 def _dropout_module(p, seed=0, **kw):
     torch.manual_seed(seed)
-    fused = mhakern.FusedMHA(16, 2, dropout=p, backend="reference", **kw)
+    fused = mhakern.FusedMHA(16, 2, dropout=p, backend="reference", batch_first=True, **kw)
     with torch.no_grad():
         fused.in_proj_bias.normal_()
         fused.out_proj.bias.normal_()
@@ -805,7 +805,7 @@ def test_compiled_masks_and_weights_match_eager():
     # give eager's results.
     torch._dynamo.reset()
     torch.manual_seed(14)
-    fused = mhakern.FusedMHA(16, 2, add_bias_kv=True, backend="reference")
+    fused = mhakern.FusedMHA(16, 2, add_bias_kv=True, backend="reference", batch_first=True)
     x = torch.randn(2, 5, 16, requires_grad=True)
     kpm = torch.tensor([[False] * 5, [True, True, False, False, False]])
     bias = torch.randn(5, 5).masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
@@ -849,8 +849,8 @@ def no_modes():
 
 def test_backend_without_masks_serves_right_padding_and_names_the_mode_otherwise(no_modes):
     torch.manual_seed(15)
-    fused = mhakern.FusedMHA(8, 2, backend="no_modes")
-    ref = mhakern.FusedMHA(8, 2, backend="reference")
+    fused = mhakern.FusedMHA(8, 2, backend="no_modes", batch_first=True)
+    ref = mhakern.FusedMHA(8, 2, backend="reference", batch_first=True)
     ref.load_state_dict(fused.state_dict())
     x = torch.randn(2, 4, 8)
     right = torch.tensor([[False] * 4, [False, False, False, True]])
@@ -902,7 +902,7 @@ def test_constructor_rejects_bad_arguments(make, exc, words):
 
 
 def _call(**over):
-    fused = mhakern.FusedMHA(16, 4, kdim=8, vdim=8, backend="reference")
+    fused = mhakern.FusedMHA(16, 4, kdim=8, vdim=8, backend="reference", batch_first=True)
     args = dict(query=torch.randn(2, 3, 16), key=torch.randn(2, 5, 8), value=torch.randn(2, 5, 8))
     args.update(over)
     return lambda: fused(**args)
@@ -953,7 +953,26 @@ def test_backend_that_cannot_serve_names_its_reason():
     refusing = [n for n in BACKENDS if backends.get(n).supports(x, x, x, False, None) is not None]
     if not refusing:
         pytest.skip(f"needs a compiled backend (triton or cpu); usable here: {BACKENDS}")
-    fused = mhakern.FusedMHA(16, 2, backend=refusing[0], dtype=torch.float64)
+    fused = mhakern.FusedMHA(16, 2, backend=refusing[0], dtype=torch.float64, batch_first=True)
     y = torch.randn(1, 3, 16, dtype=torch.float64)
     with pytest.raises(ValueError, match=f"backend='{refusing[0]}' cannot serve"):
         fused(y, y, y)
+
+
+def test_constructor_defaults_are_torchs():
+    # A drop-in swap relies on every shared argument defaulting as in nn.MultiheadAttention
+    # (batch_first above all: a different default silently reads (L, N, E) as (N, L, E)).
+    import inspect
+
+    ours = inspect.signature(mhakern.FusedMHA.__init__).parameters
+    theirs = inspect.signature(nn.MultiheadAttention.__init__).parameters
+    shared = [n for n in theirs if n != "self"]
+    assert all(n in ours for n in shared), sorted(set(shared) - set(ours))
+    for n in shared:
+        assert ours[n].default == theirs[n].default, (n, ours[n].default, theirs[n].default)
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(8, 2)
+    torch.manual_seed(0)
+    fused = mhakern.FusedMHA(8, 2, backend="reference")
+    x = torch.randn(5, 3, 8)  # (L, N, E): torch's default layout
+    torch.testing.assert_close(fused(x, x, x)[0], ref(x, x, x)[0], atol=1e-5, rtol=1e-5)
