@@ -511,3 +511,70 @@ def test_the_op_hands_backends_float32_masks_and_returns_the_mask_gradient_in_it
     dq, dk, dv, dmask = torch.ops.mhakern.attn_bwd(out, q, k, v, out, lse, 0.25, False, None, "reference", m,
                                                    mask_grad=True)
     assert dmask.shape == m.shape and dmask.dtype == torch.float32
+
+
+_REGISTRY_RACE_CHILD = r"""
+import importlib, threading
+import mhakern.backends as bk
+
+# Thread A pauses inside the first built-in import; thread B then asks for the registry. B must
+# wait for the lock (seen through the wrapper below) rather than return a partial list.
+cond = threading.Condition()
+state = {"a_inside": False, "b_acquiring": False, "go": False, "b_result": None}
+real_import = importlib.import_module
+
+def paused_import(name, *a):
+    if threading.current_thread().name == "A" and not state["a_inside"]:
+        with cond:
+            state["a_inside"] = True
+            cond.notify_all()
+            cond.wait_for(lambda: state["go"])
+    return real_import(name, *a)
+
+class SpyLock:
+    def __init__(self, lock):
+        self.lock = lock
+    def __enter__(self):
+        if threading.current_thread().name == "B":
+            with cond:
+                state["b_acquiring"] = True
+                cond.notify_all()
+        return self.lock.__enter__()
+    def __exit__(self, *exc):
+        return self.lock.__exit__(*exc)
+
+bk.importlib = type("M", (), {"import_module": staticmethod(paused_import)})
+if hasattr(bk, "_LOAD_LOCK"):
+    bk._LOAD_LOCK = SpyLock(bk._LOAD_LOCK)
+
+def b():
+    state["b_result"] = bk.names()
+    with cond:
+        cond.notify_all()
+
+ta = threading.Thread(target=bk.names, name="A")
+ta.start()
+with cond:
+    cond.wait_for(lambda: state["a_inside"])
+tb = threading.Thread(target=b, name="B")
+tb.start()
+with cond:
+    cond.wait_for(lambda: state["b_acquiring"] or state["b_result"] is not None)
+    early = state["b_result"]
+    state["go"] = True
+    cond.notify_all()
+ta.join(); tb.join()
+assert early is None, f"thread B saw a partial registry: {early}"
+assert set(state["b_result"]) >= {"reference", "triton", "cpu", "cuda"}, state["b_result"]
+print("ok")
+"""
+
+
+def test_first_registry_lookup_from_two_threads_waits_for_every_builtin():
+    # Two sweeps in threads used to race the first look-up: the second saw the registry half
+    # filled (KeyError 'cuda', or no backend at all).
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _REGISTRY_RACE_CHILD], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr

@@ -30,6 +30,7 @@ allow.
 from __future__ import annotations
 
 import importlib
+import threading
 from typing import Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -125,6 +126,10 @@ _BUILTIN = (
     "mhakern.backends.cuda_backend",
 )
 _loaded = False
+# Held while the built-in modules import, so that a second thread's first call (two sweeps in
+# threads, a DataLoader worker) waits for a complete registry instead of seeing part of it.
+# Re-entrant: a backend module's import may itself look the registry up.
+_LOAD_LOCK = threading.RLock()
 
 
 # Dispatch caches: what cannot change between calls in one process. Cleared by register() and
@@ -162,11 +167,14 @@ def _load_builtins() -> None:
     global _loaded
     if _loaded:
         return
-    _loaded = True
-    # Every built-in module exists; what one of them needs and lacks (the extension, triton) it
-    # reports through unavailable(), never by failing to import.
-    for mod in _BUILTIN:
-        importlib.import_module(mod)
+    with _LOAD_LOCK:
+        if _loaded:  # another thread finished loading while this one waited
+            return
+        # Every built-in module exists; what one of them needs and lacks (the extension, triton)
+        # it reports through unavailable(), never by failing to import.
+        for mod in _BUILTIN:
+            importlib.import_module(mod)
+        _loaded = True  # only now: a thread that sees it True sees every built-in registered
 
 
 def names() -> List[str]:
