@@ -175,3 +175,38 @@ def test_captured_steps_do_not_sync_on_cuda():
         torch.cuda.set_sync_debug_mode("default")
     res = T.train_stack(cfgs, device="cuda", progress=False)
     assert all(r.steps_done == 100 for r in res)
+
+
+# ---------------------------------------------------------------------------- direct attention op
+@pytest.mark.parametrize("data", ["random", "shared"])
+@pytest.mark.parametrize("layout", ["rows", "heads"])
+def test_direct_op_attention_equals_mhakern_attention_and_the_paper_form(data, layout):
+    """The trainer's own autograd Function over torch.ops.mhakern_C gives mhakern.attention's
+    numbers (bit for bit: same kernels) and the paper's function."""
+    import mhakern
+    from mhakern.memorize import model as M
+
+    cfg = RunConfig(heads=3, context=5, d_model=16, d_in=6, d_head=4, d_value=2, T=9, data=data)
+    P = M.StackedParams.init(M.ModelShape.of(cfg), [0, 1])
+    task = T.data_mod.TaskData([0, 1], [9, 7], 5, 6, data=data)
+    q, c, _ = task.batch(None)
+    pe = M.sinusoidal_positions(6, 16)
+
+    def out_and_grads(fn):
+        for p in P.tensors():
+            p.grad = None
+        out = fn()
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return [out.detach()] + [p.grad.clone() for p in P.tensors()]
+
+    direct = out_and_grads(lambda: M.folded_forward(P, q, c, pe, backend="cpu", layout=layout))
+    orig = M._context_attention
+    try:
+        M._context_attention = lambda q_, C_, s_, b_: mhakern.attention(q_, C_, C_, scale=s_, backend=b_)
+        generic = out_and_grads(lambda: M.folded_forward(P, q, c, pe, backend="cpu", layout=layout))
+    finally:
+        M._context_attention = orig
+    paper = out_and_grads(lambda: M.paper_forward(P, q, c, pe))
+    for a, g, p in zip(direct, generic, paper):
+        assert torch.equal(a, g)
+        torch.testing.assert_close(a, p, rtol=2e-5, atol=2e-6)
