@@ -118,20 +118,28 @@ def test_host_reads_grow_with_evaluations_not_steps(monkeypatch):
 def test_planner_sizes_stacks_to_the_memory_given():
     cfgs = [RunConfig(heads=20, context=32, d_model=64, T=30_000, seed=s) for s in range(4)]
     per = T.run_footprint_bytes(cfgs)
-    assert T.max_stack_runs(cfgs, free_bytes=10 * per, reserve=0.0) == 10
-    assert T.max_stack_runs(cfgs, free_bytes=10 * per, reserve=0.15) == 8
-    assert T.max_stack_runs(cfgs, free_bytes=per // 2) == 1  # never below one run
-    # more heads or context, more bytes; data kept in memory only while the stack's limit allows
-    bigger = [dataclasses.replace(c, heads=60) for c in cfgs]
-    assert T.run_footprint_bytes(bigger) > per
-    assert T.run_footprint_bytes(cfgs, data_max_bytes=0) < per
+    lots = 1 << 62  # tasks always stored
+    assert T.max_stack_runs(cfgs, free_bytes=10 * per, reserve=0.0, data_max_bytes=lots) == 10
+    assert T.max_stack_runs(cfgs, free_bytes=10 * per, reserve=0.15, data_max_bytes=lots) == 8
+    assert T.max_stack_runs(cfgs, free_bytes=per // 2, data_max_bytes=lots) == 1  # never below one run
+    # more heads, more bytes; a generated task costs no storage
+    assert T.run_footprint_bytes([dataclasses.replace(c, heads=60) for c in cfgs]) > per
+    gen = T.run_footprint_bytes(cfgs, stored=False)
+    assert gen == per - T.task_bytes(cfgs)
+    # Stored tasks limited to 3 runs' worth: a larger stack generates its batches instead, and
+    # fits as many runs as the generated footprint allows.
+    three = 3 * T.task_bytes(cfgs)
+    assert T.max_stack_runs(cfgs, free_bytes=10 * per, reserve=0.0, data_max_bytes=three) == 10 * per // gen
+    # ... unless so few would fit that the stack stores its tasks after all (2 runs' tasks are
+    # under the limit, so a stack of 2 stores them and does not fit twice the generated size)
+    assert T.max_stack_runs(cfgs, free_bytes=2 * gen, reserve=0.0, data_max_bytes=three) == 1
 
 
 def test_planner_reads_the_cuda_free_memory(monkeypatch):
     cfgs = [RunConfig(heads=4, context=8, d_model=16, T=500, seed=0)]
     per = T.run_footprint_bytes(cfgs)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * per, 200 * per))
-    assert T.max_stack_runs(cfgs, "cuda", reserve=0.0) == 100
+    assert T.max_stack_runs(cfgs, "cuda", reserve=0.0, data_max_bytes=1 << 62) == 100
 
 
 def test_a_stack_larger_than_memory_trains_as_sub_stacks():

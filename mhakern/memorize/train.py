@@ -561,8 +561,10 @@ def max_stack_runs(configs: Sequence[RunConfig], device="cpu", free_bytes: Optio
 
     ``free_bytes`` defaults to ``torch.cuda.mem_get_info`` on CUDA and the available physical
     memory on the CPU; ``reserve`` of it is left for the allocator's slack, the evaluation chunks
-    (which size themselves to what is left) and other users. The per-run footprint is
-    :func:`run_footprint_bytes` of the padded stack shape.
+    (which size themselves to what is left) and other users. A stack keeps its tasks in memory
+    while they total at most ``data_max_bytes`` (``TaskData``'s rule) and generates batches on the
+    device beyond that, so the answer is the larger of the stacks that fit either way; the per-run
+    footprints are :func:`run_footprint_bytes` of the padded stack shape.
     """
     device = torch.device(device)
     if free_bytes is None:
@@ -572,17 +574,28 @@ def max_stack_runs(configs: Sequence[RunConfig], device="cpu", free_bytes: Optio
             import os
 
             free_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    per_run = run_footprint_bytes(configs, data_max_bytes)
-    return max(1, int(free_bytes * (1 - reserve)) // per_run)
+    budget = int(free_bytes * (1 - reserve))
+    store = task_bytes(configs)
+    stored = min(budget // run_footprint_bytes(configs, stored=True), data_max_bytes // max(1, store))
+    generated = budget // run_footprint_bytes(configs, stored=False)
+    best = max(stored, generated) if generated * store > data_max_bytes else stored
+    return max(1, best)
 
 
-def run_footprint_bytes(configs: Sequence[RunConfig], data_max_bytes: int = 2 << 30) -> int:
+def task_bytes(configs: Sequence[RunConfig]) -> int:
+    """Bytes of one run's stored task (tokens and labels) at the stack's largest T."""
+    c0 = configs[0]
+    es = torch.finfo(torch_dtype(c0.dtype)).bits // 8
+    tok = c0.din if c0.data == "shared" else (c0.context + 1) * c0.din
+    return max(c.T for c in configs) * (tok + 1) * es
+
+
+def run_footprint_bytes(configs: Sequence[RunConfig], stored: bool = True) -> int:
     """Bytes one run of ``configs``' padded stack shape holds during training (an upper
     estimate): parameters with their gradients, Adam moments and update temporaries (6 copies),
-    the materialised data when the stack keeps it (``TaskData``'s rule: up to
-    ``data_max_bytes`` for the stack; estimated per run here as if the stack kept it whenever one
-    run's data fit), one step's activations and their gradients (the counter-hash generation's
-    int64 temporaries included), and the engine's epoch-order buffer."""
+    its stored task (``stored``; else batches are generated on the device), one step's
+    activations and their gradients (the counter hash's int64 temporaries included), and the
+    engine's epoch-order buffer."""
     c0 = configs[0]
     sh = stack_shape(configs)
     es = torch.finfo(torch_dtype(c0.dtype)).bits // 8
@@ -591,15 +604,13 @@ def run_footprint_bytes(configs: Sequence[RunConfig], data_max_bytes: int = 2 <<
     b = min(c0.batch, Tmax)
     params = 6 * sh.n_params() * es
     tok = di if c0.data == "shared" else (n + 1) * di
-    store = Tmax * (tok + 1) * es
-    data = store if store <= data_max_bytes else 0
     # Activations per example: generated tokens (with ~5 int64 hash temporaries each), the
     # embedded context and its gradient, folded queries, attention outputs, scores and
     # probabilities (eager) and their gradients, head outputs, logits.
     gen = tok * (es + 5 * 8)
     act = gen + es * (3 * n * d + 6 * H * d + 4 * H * n + 4 * H * sh.d_value + 4 * d + 4 * C)
     perms = (512 * b + 2 * Tmax) * 8
-    return params + data + b * act + perms
+    return params + (task_bytes(configs) if stored else 0) + b * act + perms
 
 
 def train_stack(
