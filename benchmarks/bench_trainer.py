@@ -344,7 +344,8 @@ def main(argv=None):
         print(f"{a.project} on {device_name(torch.device(_device()))}: {len(rows)} stacks, "
               f"measured in {time.perf_counter() - t:.0f} s")
         for label, n, rs, longest, est in rows:
-            print(f"  {label:50s} {n:3d} runs {rs:10.0f} run-steps/s  longest {longest:7d} steps  -> {est / 60:7.1f} min")
+            print(f"  {label:50s} {n:3d} runs {rs:10.0f} run-steps/s  longest {longest:7d} steps"
+                  f"  -> {est / 60:7.1f} min")
         print(f"  projected total (no early stop, an upper bound): {total / 60:.1f} min")
         return
     names = a.variants.split(",") if a.variants else [

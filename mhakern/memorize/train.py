@@ -360,7 +360,6 @@ def stack_label(configs: Sequence[RunConfig]) -> str:
     return s + f" T={vals(lambda c: c.T)} {c0.data} x{len(configs)}"
 
 
-
 class StepEngine:
     """The training step of a :class:`_Stack` as one static-shaped function of device tensors.
 
