@@ -14,6 +14,10 @@ same function with the same weights:
 * ``paper``  -- the paper's computation in plain PyTorch: per-head Q, K and V of all n + 1
   tokens and the full (n + 1) x (n + 1) attention.
 
+``engine`` and ``engine-x8`` are ``fused`` through the trainer's step engine (``train.StepEngine``,
+what ``train_stack`` runs; on CUDA one captured CUDA graph per step, no host sync between
+evaluations); the others step through the per-step loop (``_Stack.train_step``).
+
 ``-x8`` variants train 8 seeds stacked as one batched model (what sweeps do): their steps/s is
 per run, and the ratios compare run-steps per second.
 
@@ -53,6 +57,9 @@ VARIANTS = {
     "fused-x8": ("fused", "rows", 8),
     "eager-x8": ("eager", "rows", 8),
     "paper-code": ("paper-code", None, 1),
+    # the fused model through the trainer's step engine (train.StepEngine; a CUDA graph on CUDA)
+    "engine": ("engine", "rows", 1),
+    "engine-x8": ("engine", "rows", 8),
 }
 _RESULTS = {}
 _THREADS = int(os.environ.get("MHAKERN_BENCH_THREADS", "1"))
@@ -91,7 +98,7 @@ def _summary(request):
                 f"  {r['examples_per_s'] * r['runs']:10.0f} examples/s in all  ({r['backend']})"
             )
         for a in _RESULTS:
-            for b in ("eager", "paper", "paper-code"):
+            for b in ("eager", "paper", "paper-code", "fused"):
                 if a != b and b in _RESULTS:
                     ra, rb = _RESULTS[a], _RESULTS[b]
                     rep.write_line(f"{a} / {b}: {ra['steps_per_s'] * ra['runs'] / (rb['steps_per_s'] * rb['runs']):.2f}x "
@@ -143,15 +150,22 @@ def _paper_code_stepper():
 def _stepper(impl: str, layout: str, runs: int):
     if impl == "paper-code":
         return _paper_code_stepper()
+    from mhakern.memorize.train import StepEngine
+
     dev = _device()
+    engine = impl == "engine"
+    impl = "fused" if engine else impl
     cfgs = [RunConfig(**SHAPE, impl=impl, steps=1_000_000, eval_every=10**9, seed=s) for s in range(runs)]
     st = _Stack(cfgs, dev, layout, 1 << 30)
+    eng = StepEngine(st) if engine else None
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     counter = [0]
 
     def steps(k):
         def run():
-            for _ in range(k):
+            if eng is not None:
+                eng.run(k)
+            for _ in range(k if eng is None else 0):
                 st.train_step(counter[0])
                 counter[0] += 1
             sync()
@@ -175,7 +189,7 @@ def test_trainer_steps_per_second(benchmark, variant):
     benchmark.pedantic(steps(k), rounds=rounds, iterations=1)
     med = benchmark.stats.stats.median
     sps = k / med
-    if impl == "fused":
+    if impl in ("fused", "engine"):
         import mhakern
 
         q = torch.empty((2, 1, 20, 64), device=_device())

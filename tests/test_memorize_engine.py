@@ -14,8 +14,6 @@ import torch
 from mhakern.memorize import train as T
 from mhakern.memorize.config import RunConfig
 
-CUDA = torch.cuda.is_available()
-
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
@@ -151,7 +149,7 @@ def test_a_stack_larger_than_memory_trains_as_sub_stacks():
 
 
 # ---------------------------------------------------------------------------- CUDA graphs
-@pytest.mark.skipif(not CUDA, reason="CUDA graph capture needs a CUDA device")
+@pytest.mark.gpu  # tests/conftest.py skips it without a CUDA device
 def test_captured_step_matches_the_eager_step_on_cuda():
     cfgs = [RunConfig(heads=4, context=8, d_model=16, T=t, batch=32, steps=60, eval_every=20, seed=s)
             for s, t in ((0, 50), (1, 100))]
@@ -169,7 +167,7 @@ def test_captured_step_matches_the_eager_step_on_cuda():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(not CUDA, reason="CUDA graph capture needs a CUDA device")
+@pytest.mark.gpu  # tests/conftest.py skips it without a CUDA device
 def test_captured_steps_do_not_sync_on_cuda():
     cfgs = [RunConfig(heads=4, context=8, d_model=16, T=100, batch=32, steps=100, seed=s) for s in (0, 1)]
     st = T._Stack(cfgs, "cuda", "rows", 2 << 30)
