@@ -14,6 +14,10 @@ same function with the same weights:
 * ``paper``  -- the paper's computation in plain PyTorch: per-head Q, K and V of all n + 1
   tokens and the full (n + 1) x (n + 1) attention.
 
+``engine`` and ``engine-x8`` are ``fused`` through the trainer's step engine (``train.StepEngine``,
+what ``train_stack`` runs; on CUDA one captured CUDA graph per step, no host sync between
+evaluations); the others step through the per-step loop (``_Stack.train_step``).
+
 ``-x8`` variants train 8 seeds stacked as one batched model (what sweeps do): their steps/s is
 per run, and the ratios compare run-steps per second.
 
@@ -53,6 +57,9 @@ VARIANTS = {
     "fused-x8": ("fused", "rows", 8),
     "eager-x8": ("eager", "rows", 8),
     "paper-code": ("paper-code", None, 1),
+    # the fused model through the trainer's step engine (train.StepEngine; a CUDA graph on CUDA)
+    "engine": ("engine", "rows", 1),
+    "engine-x8": ("engine", "rows", 8),
 }
 _RESULTS = {}
 _THREADS = int(os.environ.get("MHAKERN_BENCH_THREADS", "1"))
@@ -91,7 +98,7 @@ def _summary(request):
                 f"  {r['examples_per_s'] * r['runs']:10.0f} examples/s in all  ({r['backend']})"
             )
         for a in _RESULTS:
-            for b in ("eager", "paper", "paper-code"):
+            for b in ("eager", "paper", "paper-code", "fused"):
                 if a != b and b in _RESULTS:
                     ra, rb = _RESULTS[a], _RESULTS[b]
                     rep.write_line(f"{a} / {b}: {ra['steps_per_s'] * ra['runs'] / (rb['steps_per_s'] * rb['runs']):.2f}x "
@@ -143,15 +150,22 @@ def _paper_code_stepper():
 def _stepper(impl: str, layout: str, runs: int):
     if impl == "paper-code":
         return _paper_code_stepper()
+    from mhakern.memorize.train import StepEngine
+
     dev = _device()
+    engine = impl == "engine"
+    impl = "fused" if engine else impl
     cfgs = [RunConfig(**SHAPE, impl=impl, steps=1_000_000, eval_every=10**9, seed=s) for s in range(runs)]
     st = _Stack(cfgs, dev, layout, 1 << 30)
+    eng = StepEngine(st) if engine else None
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     counter = [0]
 
     def steps(k):
         def run():
-            for _ in range(k):
+            if eng is not None:
+                eng.run(k)
+            for _ in range(k if eng is None else 0):
                 st.train_step(counter[0])
                 counter[0] += 1
             sync()
@@ -175,7 +189,7 @@ def test_trainer_steps_per_second(benchmark, variant):
     benchmark.pedantic(steps(k), rounds=rounds, iterations=1)
     med = benchmark.stats.stats.median
     sps = k / med
-    if impl == "fused":
+    if impl in ("fused", "engine"):
         import mhakern
 
         q = torch.empty((2, 1, 20, 64), device=_device())
@@ -189,3 +203,185 @@ def test_trainer_steps_per_second(benchmark, variant):
         backend=backend, threads=torch.get_num_threads(),
     )
     _RESULTS[variant] = dict(steps_per_s=sps, examples_per_s=sps * SHAPE["batch"], backend=backend, runs=runs)
+
+
+# ---------------------------------------------------------------------------- interleaved rounds
+# ``python benchmarks/bench_trainer.py [--rounds 6] [--seconds 1.0] [--compile]``: the variants
+# below measured in interleaved rounds (A B C A B C ...) in one process, so that a shared
+# machine's load changes hit every variant alike; medians of the rounds and the median of the
+# per-round ratios are printed. One CPU thread, process CPU time on the CPU; wall time with the
+# device synchronised on CUDA. Every variant runs the trainer's step engine (StepEngine: the same
+# loop, data, loss and Adam), only the model differs, except ``loop``, the per-step loop that the
+# engine replaced. On CUDA the engine captures its step as a CUDA graph.
+ENGINE_VARIANTS = {
+    # name: (impl, runs stacked, engine?, compiled?)
+    "fused": ("fused", 1, True, False),
+    "eager": ("eager", 1, True, False),
+    "compiled": ("eager", 1, True, True),
+    "paper": ("paper", 1, True, False),
+    "fused-x8": ("fused", 8, True, False),
+    "loop": ("fused", 1, False, False),
+    # the paper's own model and step (see _paper_code_stepper; needs MHAKERN_PAPER_SRC)
+    "paper-code": ("paper-code", 1, False, False),
+}
+
+
+def _engine_stepper(impl, runs, engine, compiled, device, shape=SHAPE):
+    from mhakern.memorize.model import forward
+    from mhakern.memorize.train import StepEngine
+
+    if impl == "paper-code":
+        _, steps = _paper_code_stepper()
+        steps(1)()
+        return (lambda k: steps(k)()), None
+    cfgs = [RunConfig(**shape, impl=impl, steps=1_000_000, eval_every=10**9, seed=s) for s in range(runs)]
+    st = _Stack(cfgs, device, "rows", 1 << 30)
+    compile_s = None
+    if compiled:
+        # The folded model with its attention in eager PyTorch, compiled by inductor (forward;
+        # the backward through AOTAutograd), called in the engine's step as the trainer's model.
+        fn = torch.compile(lambda P, q, c, pe: forward(P, q, c, pe, "eager"), dynamic=False)
+        st.logits = lambda P, q, c: fn(P, q, c, st.pe)
+    eng = StepEngine(st) if engine else None
+    counter = [0]
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+    def run(k):
+        if eng is not None:
+            eng.run(k)
+        else:
+            for _ in range(k):
+                st.train_step(counter[0])
+                counter[0] += 1
+        sync()
+
+    t = time.perf_counter()
+    run(3)  # first calls, compilation, capture
+    if compiled:
+        compile_s = time.perf_counter() - t
+    return run, compile_s
+
+
+def interleaved(variants, rounds=6, seconds=1.0, device=None, shape=SHAPE):
+    """Run-steps/s (steps/s times the runs stacked) of each variant: {name: [round values]},
+    plus compile times."""
+    device = device or _device()
+    cuda = torch.device(device).type == "cuda"
+    clock = time.perf_counter if cuda else time.process_time
+    runners, sizes, compile_s = {}, {}, {}
+    for name in variants:
+        impl, runs, engine, compiled = ENGINE_VARIANTS[name]
+        run, cs = _engine_stepper(impl, runs, engine, compiled, device, shape)
+        if cs is not None:
+            compile_s[name] = cs
+        t = clock()
+        run(2)
+        per = (clock() - t) / 2
+        runners[name], sizes[name] = run, max(1, int(seconds / max(per, 1e-6)))
+    out = {n: [] for n in variants}
+    for _ in range(rounds):
+        for name in variants:
+            k = sizes[name]
+            t = clock()
+            runners[name](k)
+            out[name].append(k * ENGINE_VARIANTS[name][1] / (clock() - t))
+    return out, compile_s
+
+
+def project_preset(name: str, seconds: float = 2.0, device=None, data_max_bytes: int = 2 << 30):
+    """Project a preset's wall time on this device from a timed slice of each of its stacks.
+
+    The preset's runs are planned as the sweep plans them (``sweep.plan_stacks`` with the
+    device's work bound, then cut to :func:`~mhakern.memorize.train.max_stack_runs`); each stack
+    is built, its first steps run (CUDA graph capture), and then timed for about ``seconds``.
+    A stack trains until its longest run's budget, so its time is at most that many steps at the
+    full stack's rate (runs that stop early or finish sooner only shorten it): the projection is
+    an upper bound without early stopping. Returns (rows, total seconds); a row per stack:
+    (label, runs, run-steps/s measured, steps of its longest run, projected seconds).
+    """
+    from mhakern.memorize import presets, sweep
+    from mhakern.memorize.train import StepEngine, max_stack_runs, stack_label
+
+    device = torch.device(device or _device())
+    p = presets.get(name)
+    cfgs = [c for part in p.parts for c in sweep.expand_grid(part.base, part.grid, p.seeds)]
+    bound = sweep.STACK_MACS["cuda" if device.type == "cuda" else "cpu"]
+    stacks = []
+    # No bound on a stack's task bytes here: a stack whose tasks exceed data_max_bytes generates
+    # its batches on the device instead of storing them; memory bounds the stack below.
+    for s in sweep.plan_stacks(cfgs, max_stack=10**6, max_bytes=1 << 62, max_macs=bound):
+        fit = max_stack_runs(s, device, data_max_bytes=data_max_bytes)
+        stacks += [s[i : i + fit] for i in range(0, len(s), fit)]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rows, total = [], 0.0
+    for s in stacks:
+        st = _Stack(s, device, "rows", data_max_bytes)
+        eng = StepEngine(st)
+        eng.run(3)
+        sync()
+        k, t0 = 8, time.perf_counter()
+        done = 0
+        while time.perf_counter() - t0 < seconds:
+            eng.run(k)
+            sync()
+            done += k
+            k = min(2 * k, 4096)
+        rs = done * len(s) / (time.perf_counter() - t0)
+        longest = max(c.total_steps for c in s)
+        est = longest * len(s) / rs
+        rows.append((stack_label(s), len(s), rs, longest, est))
+        total += est
+        del st, eng
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows, total
+
+
+def main(argv=None):
+    import argparse
+    import statistics
+
+    ap = argparse.ArgumentParser(description="Interleaved trainer step rounds (see the module docstring).")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--seconds", type=float, default=1.0, help="length of one variant's round")
+    ap.add_argument("--variants", default=None, help="comma list of " + ",".join(ENGINE_VARIANTS))
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--project", default=None, metavar="PRESET",
+                    help="instead: project PRESET's wall time from a timed slice of each of its stacks")
+    a = ap.parse_args(argv)
+    dev = _device()
+    if dev == "cpu":
+        torch.set_num_threads(a.threads)
+    if a.project:
+        t = time.perf_counter()
+        rows, total = project_preset(a.project, a.seconds)
+        print(f"{a.project} on {device_name(torch.device(_device()))}: {len(rows)} stacks, "
+              f"measured in {time.perf_counter() - t:.0f} s")
+        for label, n, rs, longest, est in rows:
+            print(f"  {label:50s} {n:3d} runs {rs:10.0f} run-steps/s  longest {longest:7d} steps"
+                  f"  -> {est / 60:7.1f} min")
+        print(f"  projected total (no early stop, an upper bound): {total / 60:.1f} min")
+        return
+    names = a.variants.split(",") if a.variants else [
+        n for n in ENGINE_VARIANTS if n != "paper-code" or os.environ.get("MHAKERN_PAPER_SRC")]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    res, comp = interleaved(names, a.rounds, a.seconds, dev)
+    load2 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"trainer step at H=20, n=32, d=64, batch 256; {device_name(torch.device(dev))}; "
+          f"{a.rounds} interleaved rounds of ~{a.seconds:g} s; load average {load:.1f} -> {load2:.1f}")
+    for n in names:
+        med = statistics.median(res[n])
+        extra = f"  (first steps incl. compilation: {comp[n]:.1f} s wall)" if n in comp else ""
+        print(f"  {n:10s} {med:9.2f} run-steps/s (median)  rounds {min(res[n]):.2f}-{max(res[n]):.2f}{extra}")
+    # Ratios of run-steps per second (a stacked variant's steps advance all its runs).
+    for n in names:
+        for base in ("eager", "compiled", "paper", "paper-code", "fused"):
+            if n != base and base in res and not (n in ("eager", "compiled", "paper", "paper-code") and
+                                                  base in ("fused",)):
+                ratios = [x / y for x, y in zip(res[n], res[base])]
+                print(f"  {n} / {base}: {statistics.median(ratios):.2f}x "
+                      f"(round ratios {min(ratios):.2f}-{max(ratios):.2f})")
+
+
+if __name__ == "__main__":
+    main()

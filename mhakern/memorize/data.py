@@ -227,8 +227,13 @@ def epoch_permutations(seed: int, first_epoch: int, count: int, T: int, length: 
     bases = torch.tensor(
         [_mix32_int(base0 ^ _mix32_int(e + 0x51ED27)) for e in range(first_epoch, first_epoch + count)],
         dtype=torch.int64,
-        device=device,
     ).view(-1, 1)
+    if torch.device(device).type == "cuda":
+        # From pinned memory without waiting: the step engine refills its epoch orders while the
+        # device is still running the previous segment's steps.
+        bases = bases.pin_memory().to(device, non_blocking=True)
+    else:
+        bases = bases.to(device)
     j = torch.arange(length, device=device).view(1, -1)
     keys = hash32(bases, j)
     keys = torch.where(j < T, keys, keys + (1 << 33))  # padding sorts last

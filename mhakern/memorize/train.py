@@ -19,6 +19,7 @@ import dataclasses
 import math
 import platform
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -34,6 +35,12 @@ from .model import ModelShape, StackedParams, attention_weights, forward, sinuso
 from .optim import BatchedAdam, lr_factor
 
 Tensor = torch.Tensor
+
+# mhakern.backends fills its registry on first use without a lock (its _load_builtins marks
+# itself done before the imports finish), so two sweeps in threads of one process could see a
+# half-filled registry ("no backend can serve these inputs ()", KeyError 'cuda'). Trainer
+# threads take their first backend look-up one at a time.
+_FIRST_USE = threading.Lock()
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -276,7 +283,10 @@ class _Stack:
         Ts = [self.Ts[self.act[i]] for i in sel]
         Tmax = max(Ts)
         per_ex = (c0.context + 1) * c0.din if c0.data == "random" else c0.din
-        chunk = max(1, min(8192, (1 << 23) // max(1, len(sel) * per_ex)))
+        # Large batches on a GPU (a few hundred MB of inputs per chunk); the CPU keeps its
+        # cache-sized chunks (and with them its numbers, which the chunking rounds).
+        budget, cap = ((1 << 27), 1 << 16) if self.device.type == "cuda" else ((1 << 23), 8192)
+        chunk = max(1, min(cap, budget // max(1, len(sel) * per_ex)))
         correct = torch.zeros(len(sel), dtype=torch.float64, device=self.device)
         loss = torch.zeros(len(sel), dtype=torch.float64, device=self.device)
         T_t = torch.tensor(Ts, device=self.device).view(-1, 1)
@@ -350,6 +360,258 @@ def stack_label(configs: Sequence[RunConfig]) -> str:
     return s + f" T={vals(lambda c: c.T)} {c0.data} x{len(configs)}"
 
 
+class StepEngine:
+    """The training step of a :class:`_Stack` as one static-shaped function of device tensors.
+
+    Everything a step needs lives in tensors whose shapes and addresses do not change from one
+    step to the next: the step counter, the mini-batch indices (computed on the device from the
+    step and per-run epoch orders), the data (gathered from the materialised store or generated
+    from the counter hash), forward, backward, Adam and the learning-rate schedule (per-step
+    step sizes in a buffer). So the step can run eagerly (CPU) or be captured once as a CUDA
+    graph and replayed (CUDA), with the same code and the same numbers, and it never reads a
+    value back to the host: the host touches the device only at *segment* boundaries, where it
+    refills the buffers for the next segment's steps (epoch orders, step sizes) without waiting
+    for the device, and at evaluations, which read accuracies back (``tolist``) by necessity.
+
+    The numbers are those of :meth:`_Stack.train_step` bit for bit on the CPU: the same batches
+    (the sampler's epochs are functions of (seed, epoch, T), see ``data.epoch_permutations``), the
+    same loss (a weighted mean, which equals ``mean`` where every slot is real), the same Adam
+    arithmetic with its bias corrections and step sizes computed on the host in float64 exactly
+    as :class:`~mhakern.memorize.optim.BatchedAdam` computes them.
+
+    CUDA graphs: we capture with ``torch.cuda.CUDAGraph`` directly rather than through
+    ``torch.compile(mode="reduce-overhead")``. The step is already a fixed sequence of kernels
+    with static shapes, so capture is all that is needed; compile would add minutes of tracing
+    per stack shape (and again whenever runs leave a stack and the shape changes), would have to
+    trace through mhakern's custom ops and the in-place optimizer, and its graph trees manage
+    memory of mutated inputs we want to own. Capture costs a few steps (warm-up on a side stream
+    with the state saved and restored, then one recorded step); a stack whose runs drop out is
+    compacted and recaptured at the evaluation where they drop.
+    """
+
+    def __init__(self, st: "_Stack", segment: int = 512, capture: Optional[bool] = None):
+        self.st = st
+        c0 = st.c0
+        dev = st.device
+        self.segment = max(1, int(segment))
+        self.capture = (dev.type == "cuda") if capture is None else bool(capture)
+        if self.capture and dev.type != "cuda":
+            raise ValueError("StepEngine: capture=True needs a CUDA device")
+        self.b1, self.b2, self.eps = st.opt.b1, st.opt.b2, st.opt.eps
+        self.task, self.lr0, self.warmup = c0.task, c0.lr, c0.warmup
+        self.b = st.sampler.b
+        self.m = [torch.zeros_like(p) for p in st.P.tensors()]
+        self.v = [torch.zeros_like(p) for p in st.P.tensors()]
+        self.step_host = 0  # steps done (the host's copy, advanced as segments are launched)
+        self.step_t = torch.zeros((), dtype=torch.int64, device=dev)
+        self.pos_t = torch.zeros(1, dtype=torch.int64, device=dev)  # position in the segment buffers
+        self._runs_changed()
+
+    # ------------------------------------------------------------------ per-stack buffers
+    def _runs_changed(self) -> None:
+        """(Re)build the per-run buffers for the stack's active runs (after start or a drop)."""
+        st, dev, b = self.st, self.st.device, self.b
+        act = st.act
+        Ts = [st.Ts[r] for r in act]
+        self.full = [st.sampler.full[r] for r in act]
+        R = len(act)
+        self.R = R
+        self.runs_t = st.act_t.clone()
+        T_t = torch.tensor(Ts, dtype=torch.int64, device=dev).view(-1, 1)
+        # Batches per epoch; full-batch runs never change epoch (their batch is the whole set).
+        nb = [-(-T // b) if not f else 1 << 40 for T, f in zip(Ts, self.full)]
+        self.nb_host = nb
+        self.nb_t = torch.tensor(nb, dtype=torch.int64, device=dev).view(-1, 1)
+        self.T_t = T_t
+        self.full_t = torch.tensor(self.full, device=dev).view(-1, 1)
+        self.ar = torch.arange(b, device=dev).view(1, -1)
+        self.full_idx = self.ar % T_t
+        # Epochs a segment can touch: at most (segment - 1) // nb + 2 per run.
+        self.E = max([(self.segment - 1) // n + 2 for n, f in zip(nb, self.full) if not f] or [1])
+        self.Tmax = st.sampler.Tmax
+        self.perm = torch.zeros((R, self.E * self.Tmax), dtype=torch.int64, device=dev)
+        self.epoch0 = torch.zeros((R, 1), dtype=torch.int64, device=dev)
+        self.step_size = torch.zeros((R, self.segment), dtype=st.dtype, device=dev)
+        self.sqrt_bc2 = torch.zeros(self.segment, dtype=st.dtype, device=dev)
+        self._bshape = [(-1,) + (1,) * (p.dim() - 1) for p in st.P.tensors()]
+        self.graph = None
+
+    def select(self, keep: List[int]) -> None:
+        """Keep the active runs at positions ``keep`` (their weights and Adam state)."""
+        keep_t = torch.tensor(keep, device=self.st.device, dtype=torch.long)
+        self.m = [m[keep_t].contiguous() for m in self.m]
+        self.v = [v[keep_t].contiguous() for v in self.v]
+        self.st.drop(keep)
+        self._runs_changed()
+
+    def _fill_segment(self, s0: int, length: int) -> None:
+        """Write the buffers for steps s0 .. s0 + length - 1 (host work, no device read)."""
+        st, dev = self.st, self.st.device
+        host: Dict[str, Tensor] = {}
+        # Epoch orders: the epochs each run's steps of this segment fall in.
+        e0 = []
+        for i, r in enumerate(st.act):
+            if self.full[i]:
+                e0.append(0)
+                continue
+            first, last = s0 // self.nb_host[i], (s0 + length - 1) // self.nb_host[i]
+            e0.append(first)
+            perms = data_mod.epoch_permutations(st.cfgs[r].seed, first, last - first + 1, st.Ts[r], self.Tmax, dev)
+            self.perm[i, : perms.numel()].copy_(perms.view(-1))
+        host["epoch0"] = torch.tensor(e0, dtype=torch.int64).view(-1, 1)
+        # Step sizes lr / (1 - b1^t) per run and step and sqrt(1 - b2^t) per step, in float64 on
+        # the host with BatchedAdam's expressions, then rounded once to the parameters' dtype.
+        ts = range(s0 + 1, s0 + length + 1)
+        bc1 = torch.tensor([1 - self.b1**t for t in ts], dtype=torch.float64)
+        lr = torch.tensor(
+            [[self.lr0 * lr_factor(s, st.totals[r], self.warmup) for s in range(s0, s0 + length)] for r in st.act],
+            dtype=torch.float64,
+        )
+        ss = torch.zeros((self.R, self.segment), dtype=torch.float64)
+        ss[:, :length] = lr / bc1
+        host["step_size"] = ss.to(st.dtype)
+        sb = torch.ones(self.segment, dtype=torch.float64)
+        sb[:length] = torch.tensor([math.sqrt(1 - self.b2**t) for t in ts], dtype=torch.float64)
+        host["sqrt_bc2"] = sb.to(st.dtype)
+        for name, t in host.items():
+            if dev.type == "cuda":
+                t = t.pin_memory()  # an asynchronous copy: the host does not wait for the device
+            getattr(self, name).copy_(t, non_blocking=True)
+        self.pos_t.zero_()
+        self.step_t.fill_(s0)
+
+    # ------------------------------------------------------------------ the step
+    def _indices(self) -> Tuple[Tensor, Tensor]:
+        """Example indices (R, b) and 0/1 weights (R, b) of this step's batches, on the device."""
+        s, b, ar = self.step_t, self.b, self.ar
+        e = torch.div(s, self.nb_t, rounding_mode="floor")
+        start = (s - e * self.nb_t) * b
+        valid = ar < torch.minimum(self.T_t - start, torch.full_like(start, b))
+        # Slots past a partial batch read the batch's first example, weighted 0 (as _Sampler).
+        pos = torch.where(valid, start + ar, start)
+        flat = (e - self.epoch0) * self.Tmax + pos
+        idx = torch.where(self.full_t, self.full_idx, self.perm.gather(1, torch.where(self.full_t, 0, flat)))
+        valid = torch.where(self.full_t, ar < self.T_t, valid)
+        return idx, valid.to(torch.float32)
+
+    def _step(self) -> None:
+        """One training step of every active run; reads nothing back to the host."""
+        st = self.st
+        params = st.P.tensors()
+        idx, w = self._indices()
+        runs = None if len(st.act) == len(st.cfgs) else self.runs_t
+        q, c, y = st.data.batch(idx, runs)
+        out = st.logits(st.P, q, c)
+        per = _per_run_loss(out, y, self.task)
+        loss = (per * w).sum(1) / w.sum(1)
+        grads = torch.autograd.grad(loss.sum(), params)
+        with torch.no_grad():
+            m, v = self.m, self.v
+            torch._foreach_lerp_(m, grads, 1 - self.b1)
+            torch._foreach_mul_(v, self.b2)
+            torch._foreach_addcmul_(v, grads, grads, 1 - self.b2)
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_div_(denom, self.sqrt_bc2.index_select(0, self.pos_t).view(()))
+            torch._foreach_add_(denom, self.eps)
+            upd = torch._foreach_div(m, denom)
+            ss = self.step_size.index_select(1, self.pos_t)
+            torch._foreach_mul_(upd, [ss.view(sh) for sh in self._bshape])
+            torch._foreach_sub_(params, upd)
+            self.step_t += 1
+            self.pos_t += 1
+
+    def _capture(self) -> None:
+        """Record :meth:`_step` as a CUDA graph (warm-up first, with the state restored)."""
+        state = self.st.P.tensors() + self.m + self.v + [self.step_t, self.pos_t]
+        saved = [t.detach().clone() for t in state]
+        side = torch.cuda.Stream(self.st.device)
+        side.wait_stream(torch.cuda.current_stream(self.st.device))
+        with torch.cuda.stream(side):
+            for _ in range(3):  # kernels selected, Triton compiled, cuBLAS workspaces made
+                self._step()
+        torch.cuda.current_stream(self.st.device).wait_stream(side)
+        with torch.no_grad():
+            for t, s in zip(state, saved):
+                t.copy_(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            self._step()
+        self.graph = g
+
+    def run(self, steps: int) -> None:
+        """Run ``steps`` training steps (any number; segments are cut internally)."""
+        while steps > 0:
+            n = min(steps, self.segment)
+            self._fill_segment(self.step_host, n)
+            if self.capture and self.graph is None:
+                self._capture()
+            for _ in range(n):
+                if self.graph is not None:
+                    self.graph.replay()
+                else:
+                    self._step()
+            self.step_host += n
+            steps -= n
+
+
+def max_stack_runs(configs: Sequence[RunConfig], device="cpu", free_bytes: Optional[int] = None,
+                   reserve: float = 0.15, data_max_bytes: int = 2 << 30) -> int:
+    """How many runs of ``configs``' stack shape fit the device's memory at once (>= 1).
+
+    ``free_bytes`` defaults to ``torch.cuda.mem_get_info`` on CUDA and the available physical
+    memory on the CPU; ``reserve`` of it is left for the allocator's slack, the evaluation chunks
+    (which size themselves to what is left) and other users. A stack keeps its tasks in memory
+    while they total at most ``data_max_bytes`` (``TaskData``'s rule) and generates batches on the
+    device beyond that, so the answer is the larger of the stacks that fit either way; the per-run
+    footprints are :func:`run_footprint_bytes` of the padded stack shape.
+    """
+    device = torch.device(device)
+    if free_bytes is None:
+        if device.type == "cuda":
+            free_bytes = torch.cuda.mem_get_info(device)[0]
+        else:
+            import os
+
+            free_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    budget = int(free_bytes * (1 - reserve))
+    store = task_bytes(configs)
+    stored = min(budget // run_footprint_bytes(configs, stored=True), data_max_bytes // max(1, store))
+    generated = budget // run_footprint_bytes(configs, stored=False)
+    best = max(stored, generated) if generated * store > data_max_bytes else stored
+    return max(1, best)
+
+
+def task_bytes(configs: Sequence[RunConfig]) -> int:
+    """Bytes of one run's stored task (tokens and labels) at the stack's largest T."""
+    c0 = configs[0]
+    es = torch.finfo(torch_dtype(c0.dtype)).bits // 8
+    tok = c0.din if c0.data == "shared" else (c0.context + 1) * c0.din
+    return max(c.T for c in configs) * (tok + 1) * es
+
+
+def run_footprint_bytes(configs: Sequence[RunConfig], stored: bool = True) -> int:
+    """Bytes one run of ``configs``' padded stack shape holds during training (an upper
+    estimate): parameters with their gradients, Adam moments and update temporaries (6 copies),
+    its stored task (``stored``; else batches are generated on the device), one step's
+    activations and their gradients (the counter hash's int64 temporaries included), and the
+    engine's epoch-order buffer."""
+    c0 = configs[0]
+    sh = stack_shape(configs)
+    es = torch.finfo(torch_dtype(c0.dtype)).bits // 8
+    H, n, d, di, C = sh.heads, sh.context, sh.d_model, sh.d_in, sh.n_out
+    Tmax = max(c.T for c in configs)
+    b = min(c0.batch, Tmax)
+    params = 6 * sh.n_params() * es
+    tok = di if c0.data == "shared" else (n + 1) * di
+    # Activations per example: generated tokens (with ~5 int64 hash temporaries each), the
+    # embedded context and its gradient, folded queries, attention outputs, scores and
+    # probabilities (eager) and their gradients, head outputs, logits.
+    gen = tok * (es + 5 * 8)
+    act = gen + es * (3 * n * d + 6 * H * d + 4 * H * n + 4 * H * sh.d_value + 4 * d + 4 * C)
+    perms = (512 * b + 2 * Tmax) * 8
+    return params + (task_bytes(configs) if stored else 0) + b * act + perms
+
+
 def train_stack(
     configs: Sequence[RunConfig],
     device="cpu",
@@ -358,11 +620,20 @@ def train_stack(
     layout: str = "rows",
     data_max_bytes: int = 2 << 30,
     desc: Optional[str] = None,
+    engine: bool = True,
+    free_bytes: Optional[int] = None,
 ) -> List[RunResult]:
-    """Train ``configs`` (same :meth:`RunConfig.shape_key`) as one stack; return their results.
+    """Train ``configs`` (same :meth:`RunConfig.stack_key`) as one stack; return their results.
 
     ``on_result`` is called as each run finishes (before the others do), so that a caller can
     store it at once. The results come back in the order of ``configs``.
+
+    ``engine`` (default) runs the steps between evaluations through :class:`StepEngine` (one
+    CUDA graph per step on CUDA, the same step eagerly on the CPU, no host sync between
+    evaluations); ``engine=False`` is the plain per-step loop (:meth:`_Stack.train_step`), kept
+    as the engine's reference: both give the same numbers on the CPU. On CUDA a stack larger than
+    the device's memory holds (:func:`max_stack_runs`, ``free_bytes`` to fake the free memory)
+    is trained as consecutive sub-stacks.
     """
     if not configs:
         return []
@@ -374,10 +645,19 @@ def train_stack(
                 "train_stack: configurations differ in more than seed, T, heads, d_head and d_value; "
                 "they cannot share a stack"
             )
-    t_start = time.perf_counter()
     device = torch.device(device)
+    if device.type == "cuda" or free_bytes is not None:
+        fit = max_stack_runs(configs, device, free_bytes, data_max_bytes=data_max_bytes)
+        if len(configs) > fit:
+            out: List[RunResult] = []
+            for i in range(0, len(configs), fit):
+                out += train_stack(configs[i : i + fit], device, progress, on_result, layout, data_max_bytes, desc,
+                                   engine, free_bytes)
+            return out
+    t_start = time.perf_counter()
     sh = stack_shape(configs)
-    backend_used = resolve_backend(dataclasses.replace(configs[0], heads=sh.heads), device)
+    with _FIRST_USE:
+        backend_used = resolve_backend(dataclasses.replace(configs[0], heads=sh.heads), device)
     dev_name = device_name(device)
     st = _Stack(configs, device, layout, data_max_bytes)
     c0 = configs[0]
@@ -394,15 +674,25 @@ def train_stack(
 
         label = desc or stack_label(configs)
         bar = tqdm(total=max_total, desc=label, unit="step", leave=False, mininterval=0.5, dynamic_ncols=True)
+    eng = StepEngine(st) if engine else None
     t_loop = time.perf_counter()
     last_acc = None
     try:
         step = 0
         while st.act:
-            st.train_step(step)
-            step += 1
-            if bar is not None:
-                bar.update(1)
+            if eng is not None:
+                # Steps up to the next evaluation point or the next run's last step, launched
+                # without reading anything back.
+                nxt = next_boundary(step, c0.eval_every, [st.totals[r] for r in st.act])
+                eng.run(nxt - step)
+                if bar is not None:
+                    bar.update(nxt - step)
+                step = nxt
+            else:
+                st.train_step(step)
+                step += 1
+                if bar is not None:
+                    bar.update(1)
             # The paper evaluates after its 0-based step s when s % eval_every == 0, i.e. after
             # 1, 1 + eval_every, ... updates; every run also gets an evaluation at its last step.
             at_eval = (step - 1) % c0.eval_every == 0
@@ -448,7 +738,10 @@ def train_stack(
             if done:
                 keep = [i for i in range(len(st.act)) if i not in done]
                 if keep:
-                    st.drop(keep)
+                    if eng is not None:
+                        eng.select(keep)
+                    else:
+                        st.drop(keep)
                 else:
                     st.act = []
             if bar is not None:
@@ -457,6 +750,15 @@ def train_stack(
         if bar is not None:
             bar.close()
     return results  # type: ignore[return-value]
+
+
+def next_boundary(step: int, eval_every: int, totals: Sequence[int]) -> int:
+    """The first step count after ``step`` at which the loop must look at the runs: after an
+    evaluation step (1, 1 + eval_every, ...) or a run's last step."""
+    e = -(-step // eval_every) * eval_every + 1  # the first 1 + k eval_every > step
+    if e <= step:
+        e += eval_every
+    return min([e] + [t for t in totals if t > step])
 
 
 def run_one(cfg: RunConfig, device="cpu", progress: bool = False, **kw) -> RunResult:

@@ -1,0 +1,218 @@
+"""The trainer's step engine (``train.StepEngine``) and the stack memory planner.
+
+On the CPU the engine runs its step eagerly: the same code that CUDA captures as a graph. These
+tests check that it trains exactly as the plain per-step loop (bit for bit: same histories,
+checkpoints and stopping points), that its steps read nothing back to the host (counted with
+patched torch functions), and the planner with faked memory sizes. The capture itself needs a
+GPU (skipped without one). Tiny shapes, one thread: a few seconds in all.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from mhakern.memorize import train as T
+from mhakern.memorize.config import RunConfig
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _same_results(cfgs, **kw):
+    loop = T.train_stack(cfgs, progress=False, engine=False, **kw)
+    eng = T.train_stack(cfgs, progress=False, engine=True, **kw)
+    for a, b in zip(loop, eng):
+        assert a.history == b.history  # exact: every evaluation's accuracy and loss
+        assert (a.mem_acc, a.best_acc, a.final_acc, a.loss, a.steps_done, a.stopped_early) == (
+            b.mem_acc, b.best_acc, b.final_acc, b.loss, b.steps_done, b.stopped_early)
+    return eng
+
+
+STACKS = {
+    # partial last batches (T not a multiple of the batch), full-batch runs beside sampled ones,
+    # different T (so different step budgets via the schedule) in one stack
+    "partial-batches": [RunConfig(heads=2, context=4, d_model=8, T=t, batch=16, steps=60, eval_every=20, seed=s)
+                        for s, t in ((0, 40), (1, 23), (2, 10), (3, 16))],
+    # runs leave the stack at different steps (budget and early stop); mixed H padded; float64
+    "drops-mixed-heads": [RunConfig(heads=h, context=4, d_model=8, T=32, steps=st, eval_every=13, dtype="float64",
+                                    impl="eager", seed=s) for s, h, st in ((0, 4, 80), (1, 1, 110), (2, 2, 140))],
+    # shared context, regression (no early stop), on-the-fly data generation
+    "regress-shared-generated": [RunConfig(heads=2, context=3, d_model=8, T=50, batch=8, steps=70, eval_every=30,
+                                           task="regress", data="shared", seed=1)],
+}
+
+
+@pytest.mark.parametrize("name", list(STACKS))
+def test_engine_trains_exactly_as_the_per_step_loop(name):
+    kw = dict(data_max_bytes=0) if "generated" in name else {}
+    res = _same_results(STACKS[name], **kw)
+    if name == "drops-mixed-heads":
+        assert [r.steps_done for r in res] != [res[0].steps_done] * 3  # they did leave at different steps
+
+
+def test_engine_crosses_segments_and_epochs_exactly():
+    # Segments shorter than the evaluation interval, epochs spanning segment boundaries.
+    cfgs = [RunConfig(heads=2, context=4, d_model=8, T=t, batch=8, steps=45, eval_every=40, seed=s)
+            for s, t in ((5, 21), (6, 30))]
+    loop = T.train_stack(cfgs, progress=False, engine=False)
+    st = T._Stack(cfgs, "cpu", "rows", 2 << 30)
+    eng = T.StepEngine(st, segment=7)
+    for n in (1, 9, 35):  # the loop's evaluation points: after steps 1, 10 (no), 41 -> compare at 45
+        eng.run(n)
+    accs, losses = st.evaluate([0, 1])
+    assert [h[-1][1:] for h in (r.history for r in loop)] == [(a, l) for a, l in zip(accs, losses)]
+
+
+class _Counter:
+    """Counts calls that read a tensor's value on the host (on CUDA each is a device sync)."""
+
+    NAMES = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        for name in self.NAMES:
+            orig = getattr(torch.Tensor, name)
+
+            def wrapped(t, *a, _orig=orig, **k):
+                self.n += 1
+                return _orig(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, wrapped)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: self._sync())
+
+    def _sync(self):
+        self.n += 1
+
+
+def test_engine_steps_read_nothing_back(monkeypatch):
+    cfgs = STACKS["partial-batches"]
+    st = T._Stack(cfgs, "cpu", "rows", 2 << 30)
+    eng = T.StepEngine(st, segment=64)
+    eng.run(2)  # first calls (backend selection caches) outside the count
+    count = _Counter(monkeypatch)
+    eng.run(50)
+    assert count.n == 0
+
+
+def test_host_reads_grow_with_evaluations_not_steps(monkeypatch):
+    def reads(steps):
+        cfg = RunConfig(heads=2, context=4, d_model=8, T=40, batch=16, steps=steps, eval_every=1000, seed=0)
+        count = _Counter(monkeypatch)
+        T.train_stack([cfg], progress=False)
+        monkeypatch.undo()
+        return count.n
+
+    # evaluations after step 1 and at the last step in both; 10x the steps
+    n = reads(20)
+    assert n > 0 and reads(200) == n
+
+
+# ---------------------------------------------------------------------------- planner
+def test_planner_sizes_stacks_to_the_memory_given():
+    cfgs = [RunConfig(heads=20, context=32, d_model=64, T=30_000, seed=s) for s in range(4)]
+    per = T.run_footprint_bytes(cfgs)
+    lots = 1 << 62  # tasks always stored
+    assert T.max_stack_runs(cfgs, free_bytes=10 * per, reserve=0.0, data_max_bytes=lots) == 10
+    assert T.max_stack_runs(cfgs, free_bytes=10 * per, reserve=0.15, data_max_bytes=lots) == 8
+    assert T.max_stack_runs(cfgs, free_bytes=per // 2, data_max_bytes=lots) == 1  # never below one run
+    # more heads, more bytes; a generated task costs no storage
+    assert T.run_footprint_bytes([dataclasses.replace(c, heads=60) for c in cfgs]) > per
+    gen = T.run_footprint_bytes(cfgs, stored=False)
+    assert gen == per - T.task_bytes(cfgs)
+    # Stored tasks limited to 3 runs' worth: a larger stack generates its batches instead, and
+    # fits as many runs as the generated footprint allows.
+    three = 3 * T.task_bytes(cfgs)
+    assert T.max_stack_runs(cfgs, free_bytes=10 * per, reserve=0.0, data_max_bytes=three) == 10 * per // gen
+    # ... unless so few would fit that the stack stores its tasks after all (2 runs' tasks are
+    # under the limit, so a stack of 2 stores them and does not fit twice the generated size)
+    assert T.max_stack_runs(cfgs, free_bytes=2 * gen, reserve=0.0, data_max_bytes=three) == 1
+
+
+def test_planner_reads_the_cuda_free_memory(monkeypatch):
+    cfgs = [RunConfig(heads=4, context=8, d_model=16, T=500, seed=0)]
+    per = T.run_footprint_bytes(cfgs)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * per, 200 * per))
+    assert T.max_stack_runs(cfgs, "cuda", reserve=0.0, data_max_bytes=1 << 62) == 100
+
+
+def test_a_stack_larger_than_memory_trains_as_sub_stacks():
+    cfgs = [RunConfig(heads=2, context=4, d_model=8, T=16, steps=5, eval_every=5, seed=s) for s in range(3)]
+    per = T.run_footprint_bytes(cfgs)
+    res = T.train_stack(cfgs, progress=False, free_bytes=int(2.5 * per))
+    assert [r.stack_size for r in res] == [2, 2, 1]
+    assert [r.config.seed for r in res] == [0, 1, 2]
+
+
+# ---------------------------------------------------------------------------- CUDA graphs
+@pytest.mark.gpu  # tests/conftest.py skips it without a CUDA device
+def test_captured_step_matches_the_eager_step_on_cuda():
+    cfgs = [RunConfig(heads=4, context=8, d_model=16, T=t, batch=32, steps=60, eval_every=20, seed=s)
+            for s, t in ((0, 50), (1, 100))]
+
+    def train(capture):
+        st = T._Stack(cfgs, "cuda", "rows", 2 << 30)
+        eng = T.StepEngine(st, segment=16, capture=capture)
+        eng.run(60)
+        return [p.detach().cpu() for p in st.P.tensors()], eng
+
+    eager, _ = train(False)
+    graph, eng = train(True)
+    assert eng.graph is not None
+    for a, b in zip(eager, graph):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu  # tests/conftest.py skips it without a CUDA device
+def test_captured_steps_do_not_sync_on_cuda():
+    cfgs = [RunConfig(heads=4, context=8, d_model=16, T=100, batch=32, steps=100, seed=s) for s in (0, 1)]
+    st = T._Stack(cfgs, "cuda", "rows", 2 << 30)
+    eng = T.StepEngine(st, segment=32)
+    eng.run(32)  # capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eng.run(64)  # refills and replays: any synchronizing call raises
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    res = T.train_stack(cfgs, device="cuda", progress=False)
+    assert all(r.steps_done == 100 for r in res)
+
+
+# ---------------------------------------------------------------------------- direct attention op
+@pytest.mark.parametrize("data", ["random", "shared"])
+@pytest.mark.parametrize("layout", ["rows", "heads"])
+def test_direct_op_attention_equals_mhakern_attention_and_the_paper_form(data, layout):
+    """The trainer's own autograd Function over torch.ops.mhakern_C gives mhakern.attention's
+    numbers (bit for bit: same kernels) and the paper's function."""
+    import mhakern
+    from mhakern.memorize import model as M
+
+    cfg = RunConfig(heads=3, context=5, d_model=16, d_in=6, d_head=4, d_value=2, T=9, data=data)
+    P = M.StackedParams.init(M.ModelShape.of(cfg), [0, 1])
+    task = T.data_mod.TaskData([0, 1], [9, 7], 5, 6, data=data)
+    q, c, _ = task.batch(None)
+    pe = M.sinusoidal_positions(6, 16)
+
+    def out_and_grads(fn):
+        for p in P.tensors():
+            p.grad = None
+        out = fn()
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return [out.detach()] + [p.grad.clone() for p in P.tensors()]
+
+    direct = out_and_grads(lambda: M.folded_forward(P, q, c, pe, backend="cpu", layout=layout))
+    orig = M._context_attention
+    try:
+        M._context_attention = lambda q_, C_, s_, b_: mhakern.attention(q_, C_, C_, scale=s_, backend=b_)
+        generic = out_and_grads(lambda: M.folded_forward(P, q, c, pe, backend="cpu", layout=layout))
+    finally:
+        M._context_attention = orig
+    paper = out_and_grads(lambda: M.paper_forward(P, q, c, pe))
+    for a, g, p in zip(direct, generic, paper):
+        assert torch.equal(a, g)
+        torch.testing.assert_close(a, p, rtol=2e-5, atol=2e-6)
