@@ -56,7 +56,7 @@ struct FwdConfigSm90 {
 
 // The kernel's parameters: the common forward fields and the tensor maps of K and V (in the
 // kernel parameter space: __grid_constant__, so TMA may read them where they are).
-struct alignas(64) FwdParamsSm90 {
+struct FwdParamsSm90 {  // CUtensorMap is 64-byte aligned, so is this
   TensorMap tma_k;
   TensorMap tma_v;
   FwdParams p;
@@ -212,15 +212,23 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
     for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i % 4) / 2];
 
     // O += P V: P's accumulator fragment, two n8 chunks per k16 step, is wgmma's A fragment.
+    // All of P is packed before the fence: a register written between two wgmma of one batch
+    // would make ptxas insert a warpgroup.arrive (a wait) before each.
+    uint32_t pa[BN / 16][4];
+    MHK_UNROLL
+    for (int ks = 0; ks < BN / 16; ++ks) {
+      pa[ks][0] = Tr::pack2(sc[8 * ks + 0], sc[8 * ks + 1]);
+      pa[ks][1] = Tr::pack2(sc[8 * ks + 2], sc[8 * ks + 3]);
+      pa[ks][2] = Tr::pack2(sc[8 * ks + 4], sc[8 * ks + 5]);
+      pa[ks][3] = Tr::pack2(sc[8 * ks + 6], sc[8 * ks + 7]);
+    }
     wgmma_fence();
     MHK_UNROLL
     for (int ks = 0; ks < BN / 16; ++ks) {
-      const uint32_t a[4] = {Tr::pack2(sc[8 * ks + 0], sc[8 * ks + 1]), Tr::pack2(sc[8 * ks + 2], sc[8 * ks + 3]),
-                             Tr::pack2(sc[8 * ks + 4], sc[8 * ks + 5]), Tr::pack2(sc[8 * ks + 6], sc[8 * ks + 7])};
       // V stage: rows = keys (K of this product), 64-element panels of D (N): 8 keys per
       // 1024-byte atom (SBO), one panel to the next (LBO).
       const uint64_t db = desc_bits(shared_u32(sV + s * Cfg::kTileBytes + ks * 16 * 128), Cfg::kPanelBytesKV, 1024);
-      wgmma_rs_tb<D, Elem>(o, a, db);
+      wgmma_rs_tb<D, Elem>(o, pa[ks], db);
     }
     wgmma_commit();
     wgmma_wait<0>();
