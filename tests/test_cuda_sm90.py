@@ -52,7 +52,8 @@ UNITS = ("emu_entry.cpp", "emu_schedule.cpp", "emu_sm90_entry.cpp")
 
 def build_sm90(cache_dir: Path) -> Path:
     inc = cuda_include_dir()
-    out = cache_dir / _sources_digest(FLAGS + [str(inc), "sm90"])
+    # The directory tests/test_cuda_host.py builds in: the runtime objects are shared.
+    out = cache_dir / _sources_digest(FLAGS + [str(inc)])
     out.mkdir(parents=True, exist_ok=True)
     units = [CUDA_SRC / "emulation" / u for u in UNITS]
     units += [CUDA_SRC / "sm90" / f"attn_fwd_sm90_{t}_d{d}.cu" for t, d in SM90_INSTANCES]
@@ -283,3 +284,62 @@ def test_sm90_forward_is_deterministic_across_schedules(emu):
 )
 def test_family_choice_by_compute_capability(emu, cc, compiled, D, splits, mode, Hkv, head_stride, want):
     assert emu.lib.mhk_emu_fwd_family(cc[0], cc[1], compiled, D, splits, mode, Hkv, head_stride) == want
+
+
+# ---------------------------------------------------------------------------------------------
+# The SASS check of tools/check_cuda_build.py can fail (synthetic SASS; the real compile runs in
+# tests/test_cuda_build.py)
+# ---------------------------------------------------------------------------------------------
+
+_MANGLED = "_ZN7mhakern4cuda4sm9020attn_fwd_sm90_kernelI6__halfLi64EEEvNS1_13FwdParamsSm90E"
+
+
+def _check_tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_cuda_build", ROOT / "tools" / "check_cuda_build.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _sass(body: list[str]) -> str:
+    lines = ["\tcode for sm_90a", f"\t\tFunction : {_MANGLED}"]
+    lines += [f"        /*{16 * i:04x}*/                   {ins} ;" for i, ins in enumerate(body)]
+    return "\n".join(lines)
+
+
+def _ptxas_log(regs=168, spill=0):
+    return (f"ptxas info    : Compiling entry function '{_MANGLED}' for 'sm_90a'\n"
+            f"ptxas info    : Function properties for {_MANGLED}\n"
+            f"    0 bytes stack frame, {spill} bytes spill stores, {spill} bytes spill loads\n"
+            f"ptxas info    : Used {regs} registers, used 1 barriers\n")
+
+
+@pytest.mark.parametrize(
+    "body,regs,smem,needle",
+    [
+        (["USETMAXREG.DEALLOC.CTAPOOL 0x18", "SYNCS.ARRIVE.TRANS64 RZ, [UR4], RZ",
+          "HGMMA.64x64x16.F32 R24, gdesc[UR16], R24, gsb0", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "@!P0 BRA 0x20", "EXIT"],
+         168, 81952, None),
+        # the product outside the loop: the main loop has no HGMMA
+        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24, gsb0", "FADD R1, R2, R3", "@!P0 BRA 0x10", "EXIT"], 168, 81952,
+         "no HGMMA inside any loop"),
+        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24", "STL [R1], R2", "@!P0 BRA 0x00", "EXIT"], 168, 81952,
+         "local-memory instructions"),
+        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24", "@!P0 BRA 0x00", "EXIT"], 168, 240 * 1024, "of shared memory"),
+        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24", "@!P0 BRA 0x00", "EXIT"], 256, 81952, "registers per thread"),
+    ],
+    ids=["good", "hgmma-outside-loop", "local-memory", "smem-over-227KB", "regs-over-255"],
+)
+def test_sass_check_fails_on_each_defect(body, regs, smem, needle):
+    tool = _check_tool()
+    facts = tool.sass_facts_text(_sass(body))
+    result = {"src": "attn_fwd_sm90_fp16_d64.cu", "rc": 0, "log": _ptxas_log(regs), "facts": facts}
+    rows, problems, lines = tool.check_sm90([result], {64: smem})
+    assert len(rows) == 1 and rows[0]["kernel"] == "attn_fwd_sm90_kernel" and rows[0]["D"] == 64
+    if needle is None:
+        assert problems == [], problems
+        assert "1 HGMMA" in lines[0]
+    else:
+        assert any(needle in p for p in problems), problems

@@ -305,13 +305,18 @@ _SETMAXNREG = re.compile(r"USETMAXREG\.\S+\s+(?:\w+,\s*)?(0x[0-9a-f]+)")
 
 
 def sass_facts(cuobjdump: str, obj: Path) -> dict[str, dict]:
-    """{mangled kernel: facts} of an sm_90a object: the main loop (the backward-branch range
-    holding the most HGMMA) and its instruction mix, local-memory instructions, setmaxnreg
+    """{mangled kernel: facts} of an sm_90a object: the main loop (the innermost backward-branch
+    range holding HGMMA) and its instruction mix, local-memory instructions, setmaxnreg
     targets, TMA loads."""
     res = subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True)
+    return sass_facts_text(res.stdout)
+
+
+def sass_facts_text(sass: str) -> dict[str, dict]:
+    """sass_facts of cuobjdump -sass output."""
     funcs: dict[str, list[tuple[int, str]]] = {}
     func = None
-    for line in res.stdout.splitlines():
+    for line in sass.splitlines():
         m = _SASS_FUNC.search(line)
         if m:
             func = m.group(1)
@@ -332,10 +337,13 @@ def sass_facts(cuobjdump: str, obj: Path) -> dict[str, dict]:
             t = re.sub(r"^@!?U?P\w+\s+", "", text)
             return t.split()[0] if t else ""
 
+        # The main loop: the innermost (shortest) backward-branch range holding HGMMA. Longer
+        # ranges also "hold" it when an out-of-line slow path (an mbarrier retry placed at the
+        # end of the function) branches back into the middle.
         best, best_n = None, 0
         for lo, hi in loops:
             n = sum(1 for a, t in ins if lo <= a <= hi and opcode(t).startswith("HGMMA"))
-            if n > best_n or (n == best_n and best is not None and n and hi - lo < best[1] - best[0]):
+            if n and (best is None or hi - lo < best[1] - best[0]):
                 best, best_n = (lo, hi), n
         mix: dict[str, int] = {}
         if best:
@@ -366,9 +374,9 @@ def compile_sm90(nvcc: str, src: Path, outdir: Path, cuobjdump: str | None) -> d
             "cmd": " ".join(cmd), "facts": facts}
 
 
-def check_sm90(results: list[dict], include: Path | None) -> tuple[list[dict], list[str], list[str]]:
-    """(rows, problems, report lines) of the compiled sm90 units."""
-    smem = sm90_dynamic_smem(include) if include is not None else None
+def check_sm90(results: list[dict], smem: dict[int, int] | None) -> tuple[list[dict], list[str], list[str]]:
+    """(rows, problems, report lines) of the compiled sm90 units (compile_sm90's results);
+    smem: {head dim: dynamic shared memory} (sm90_dynamic_smem), None when unknown."""
     rows, problems, lines = [], [], []
     # ptxas names the target 'sm_90a'; parse_ptxas reads the number only.
     entries = [(r, e) for r in results if r["rc"] == 0 for e in parse_ptxas(r["log"].replace("'sm_90a'", "'sm_90'"))]
@@ -543,7 +551,8 @@ def main(argv=None) -> int:
     if host[0] == "FAILED":
         print(host[1], file=sys.stderr)
 
-    sm90_rows, sm90_problems, sm90_lines = check_sm90(sm90_results, include)
+    sm90_smem = sm90_dynamic_smem(include) if include is not None and sm90_results else None
+    sm90_rows, sm90_problems, sm90_lines = check_sm90(sm90_results, sm90_smem)
     problems += sm90_problems
     if sm90_lines:
         print("\nsm90 family (-gencode=arch=compute_90a,code=sm_90a), main loop = the SASS loop holding the HGMMA:")

@@ -10,7 +10,8 @@
 //     S = Q K^T by wgmma m64n128k16 (Q and K from shared memory), the online softmax in fp32
 //     registers (base 2, masked only on tiles that cross a row's visible limit), P converted
 //     in registers into wgmma's A fragment, O += P V by wgmma m64nDk16 (V N-major from shared
-//     memory), then the stage is released.
+//     memory), then the stage is released. The softmax of one tile runs while the previous
+//     tile's P V is in flight (intra-warpgroup overlap, see the main loop).
 // Q is loaded once by all threads with plain 16-byte loads (its packed rows span query heads, a
 // shape no tensor map describes) into the same swizzled layout, then fence.proxy.async.
 //
@@ -19,9 +20,8 @@
 // (r = (h - hkv * group) * Lq + i), lse in natural log, rows that see no key give 0 and -inf.
 // Key tiles past every row's visible limit are never loaded (causal tiles skipped).
 //
-// Not done here (see the family's note in capabilities.h): overlap of one tile's softmax with
-// the next tile's products (ping-pong or intra-warpgroup pipelining), split-K, the modes of
-// docs/contract.md, the backward. The host uses this family only where it serves the call.
+// Not done here: ping-pong scheduling between the two consumer warpgroups (named barriers),
+// split-K, the modes of docs/contract.md, the backward (the mma.sync family serves those). The host uses this family only where it serves the call.
 #pragma once
 
 #include "../attn_params.h"
@@ -162,12 +162,25 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   float l[2] = {0.f, 0.f};
   const float sl2 = p.scale_log2;
 
-  for (int it = 0; it < n_tiles; ++it) {
-    const int s = it % Cfg::kStages;
-    mbar_wait(&full[s], (it / Cfg::kStages) & 1);
+  // Intra-warpgroup overlap: each step issues S = Q K^T of tile `it` and O += P V of tile
+  // it - 1 as two commit groups, waits for the first only (wait_group 1), and masks and
+  // exponentiates tile `it` while the tensor cores still run the previous tile's P V. O is
+  // rescaled by this tile's alpha once that P V has landed (wait_group 0), which also frees the
+  // previous tile's stage. The last tile's P V follows the loop.
+  uint32_t pa[BN / 16][4];  // P of the previous tile in wgmma's A fragment
+  // O += P V of the tile in stage s: P's accumulator fragment (two n8 chunks per k16 step) is
+  // the A fragment; V's rows are keys (K of this product) in 64-element panels of D (N): 8 keys
+  // per 1024-byte atom (SBO), one panel to the next (LBO).
+  auto issue_pv = [&](int s) {
+    MHK_UNROLL
+    for (int ks = 0; ks < BN / 16; ++ks) {
+      const uint64_t db = desc_bits(shared_u32(sV + s * Cfg::kTileBytes + ks * 16 * 128), Cfg::kPanelBytesKV, 1024);
+      wgmma_rs_tb<D, Elem>(o, pa[ks], db);
+    }
+  };
 
-    float sc[BN / 2];
-    wgmma_fence();
+  // S = Q K^T of the tile in stage s (one commit group's worth of wgmma).
+  auto issue_s = [&](float (&sc)[BN / 2], int s) {
     MHK_UNROLL
     for (int kk = 0; kk < D / 16; ++kk) {
       const int pn = kk / 4, off = (kk % 4) * 32;  // 16 elements of D = 32 bytes inside a 128-byte row
@@ -175,20 +188,21 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
       const uint64_t db = desc_bits(shared_u32(sK + s * Cfg::kTileBytes + pn * Cfg::kPanelBytesKV + off), 16, 1024);
       wgmma_ss<BN, Elem>(sc, da, db, kk > 0 ? 1 : 0);
     }
-    wgmma_commit();
-    wgmma_wait<0>();
-
+  };
+  // Mask (only where the tile crosses a row's visible limit) and exponentiate tile `it` in
+  // place, updating m and l; alpha = exp2(m_old - m_new) rescales what O holds so far.
+  // Base 2. A row with every key so far hidden keeps m = -inf and exponentiates against 0, so
+  // that exp2(-inf - 0) = 0 instead of NaN.
+  auto softmax = [&](float (&sc)[BN / 2], int it, float (&alpha)[2]) {
     const int n0 = it * BN;
-    if (n0 + BN > lim_min) {  // some key of this tile is hidden from some row: mask
+    if (n0 + BN > lim_min) {
       MHK_UNROLL
       for (int i = 0; i < BN / 2; ++i) {
         const int col = n0 + 8 * (i / 4) + 2 * t + (i % 2);
         if (col >= lim[(i % 4) / 2]) sc[i] = -INFINITY;
       }
     }
-    // Online softmax, base 2. A row with every key so far hidden keeps m = -inf; it then
-    // exponentiates against 0 so that exp2(-inf - 0) = 0 instead of NaN.
-    float alpha[2], m_use[2];
+    float m_use[2];
     for (int h = 0; h < 2; ++h) {
       float mx = -INFINITY;
       MHK_UNROLL
@@ -208,13 +222,8 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
       rs[h] += sc[i];
     }
     for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + rs[h];
-    MHK_UNROLL
-    for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i % 4) / 2];
-
-    // O += P V: P's accumulator fragment, two n8 chunks per k16 step, is wgmma's A fragment.
-    // All of P is packed before the fence: a register written between two wgmma of one batch
-    // would make ptxas insert a warpgroup.arrive (a wait) before each.
-    uint32_t pa[BN / 16][4];
+  };
+  auto pack_p = [&](const float (&sc)[BN / 2]) {
     MHK_UNROLL
     for (int ks = 0; ks < BN / 16; ++ks) {
       pa[ks][0] = Tr::pack2(sc[8 * ks + 0], sc[8 * ks + 1]);
@@ -222,17 +231,47 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
       pa[ks][2] = Tr::pack2(sc[8 * ks + 4], sc[8 * ks + 5]);
       pa[ks][3] = Tr::pack2(sc[8 * ks + 6], sc[8 * ks + 7]);
     }
+  };
+
+  // The first tile on its own (O is still 0), so that the loop body has no branch around its
+  // wgmma: ptxas serialises every wgmma of a loop whose pipeline it cannot follow.
+  if (n_tiles > 0) {
+    mbar_wait(&full[0], 0);
+    float sc[BN / 2];
+    float alpha[2];
     wgmma_fence();
-    MHK_UNROLL
-    for (int ks = 0; ks < BN / 16; ++ks) {
-      // V stage: rows = keys (K of this product), 64-element panels of D (N): 8 keys per
-      // 1024-byte atom (SBO), one panel to the next (LBO).
-      const uint64_t db = desc_bits(shared_u32(sV + s * Cfg::kTileBytes + ks * 16 * 128), Cfg::kPanelBytesKV, 1024);
-      wgmma_rs_tb<D, Elem>(o, pa[ks], db);
-    }
+    issue_s(sc, 0);
     wgmma_commit();
     wgmma_wait<0>();
-    mbar_arrive(&empty[s]);  // this thread is done with stage s
+    softmax(sc, 0, alpha);
+    pack_p(sc);
+  }
+  for (int it = 1; it < n_tiles; ++it) {
+    const int s = it % Cfg::kStages;
+    const int s_prev = (it - 1) % Cfg::kStages;
+    mbar_wait(&full[s], (it / Cfg::kStages) & 1);
+    float sc[BN / 2];
+    float alpha[2];
+    wgmma_fence();  // one fence for the batch: o was rescaled and pa written since the last wait
+    issue_s(sc, s);
+    wgmma_commit();
+    issue_pv(s_prev);
+    wgmma_commit();
+    wgmma_wait<1>();  // S of this tile is complete; the previous tile's P V may still run
+    softmax(sc, it, alpha);
+    wgmma_wait<0>();              // the previous tile's P V has landed in o
+    mbar_arrive(&empty[s_prev]);  // and its stage is free
+    MHK_UNROLL
+    for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i % 4) / 2];
+    pack_p(sc);
+  }
+  if (n_tiles > 0) {
+    const int s_last = (n_tiles - 1) % Cfg::kStages;
+    wgmma_fence();
+    issue_pv(s_last);
+    wgmma_commit();
+    wgmma_wait<0>();
+    mbar_arrive(&empty[s_last]);
   }
 
   // ---- epilogue: normalise, store O and lse ----
