@@ -206,11 +206,11 @@ def sm90_attention(emu: Sm90Emulator):
     return fn
 
 
-def _run(emu, case, dtype, layout="bhld", scale_inputs=1.0):
+def _run(emu, case, dtype, layout="bhld", scale_inputs=1.0, scale=None):
     B, H, Hkv, Lq, Lk, D, Dv, causal, kl = case
     q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype=dtype, layout=layout, scale_inputs=scale_inputs)
     kl_t = None if kl is None else torch.tensor(kl, dtype=torch.int32)
-    check_against_reference(sm90_attention(emu), q, k, v, causal, kl_t, grads=False)
+    check_against_reference(sm90_attention(emu), q, k, v, causal, kl_t, scale=scale, grads=False)
 
 
 SM90_HARD = [c for c in HARD_CASES if c[5] == c[6] and c[5] in SM90_DIMS]
@@ -241,6 +241,12 @@ def test_sm90_forward_hard_cases(rnd, case):
 )
 def test_sm90_forward_shapes(rnd, case, layout, scale_inputs):
     _run(rnd, case, OTHER_DTYPE[case[5]], layout=layout, scale_inputs=scale_inputs)
+
+
+@pytest.mark.parametrize("scale", [-0.3, 0.0])
+def test_sm90_forward_any_finite_scale(rnd, scale):
+    # A negative or zero scale must still hide masked keys (scaled first, masked after).
+    _run(rnd, (1, 2, 1, 40, 150, 64, 64, True, (150,)), torch.bfloat16, scale=scale)
 
 
 def test_sm90_decode_packs_query_heads(rnd):

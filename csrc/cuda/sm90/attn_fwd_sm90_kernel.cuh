@@ -194,6 +194,9 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   // Base 2. A row with every key so far hidden keeps m = -inf and exponentiates against 0, so
   // that exp2(-inf - 0) = 0 instead of NaN.
   auto softmax = [&](float (&sc)[BN / 2], int it, float (&alpha)[2]) {
+    // Scaled first, masked after: a hidden key is -inf whatever the sign of the scale.
+    MHK_UNROLL
+    for (int i = 0; i < BN / 2; ++i) sc[i] *= sl2;
     const int n0 = it * BN;
     if (n0 + BN > lim_min) {
       MHK_UNROLL
@@ -207,7 +210,7 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
       float mx = -INFINITY;
       MHK_UNROLL
       for (int i = 0; i < BN / 2; ++i)
-        if ((i % 4) / 2 == h) mx = fmaxf(mx, sc[i] * sl2);
+        if ((i % 4) / 2 == h) mx = fmaxf(mx, sc[i]);
       mx = quad_max(mx);
       const float m_new = fmaxf(m[h], mx);
       m_use[h] = m_new == -INFINITY ? 0.f : m_new;
@@ -218,7 +221,7 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
     MHK_UNROLL
     for (int i = 0; i < BN / 2; ++i) {
       const int h = (i % 4) / 2;
-      sc[i] = fast_exp2(sc[i] * sl2 - m_use[h]);
+      sc[i] = fast_exp2(sc[i] - m_use[h]);
       rs[h] += sc[i];
     }
     for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + rs[h];
