@@ -97,11 +97,13 @@ class Sm90Emulator:
     def schedule(self, seed) -> None:
         self.lib.mhk_emu_schedule(0 if seed is None else 1, 0 if seed is None else seed)
 
-    def forward(self, q, k, v, scale, causal, key_lengths):
+    def forward(self, q, k, v, scale, causal, key_lengths, splits=1):
         B, H, Lq, D = q.shape
         Hkv, Lk = k.shape[1], k.shape[2]
         out, guard = padded_empty(q)
         lse = torch.full((B, H, Lq), float("nan"))
+        o_part = torch.full((splits, B, H, Lq, D), float("nan")) if splits > 1 else None
+        l_part = torch.full((splits, B, H, Lq), float("nan")) if splits > 1 else None
         # TMA may read only k and v's buffers (their padding included: a box may cover it).
         bufs = [k, v]
         begin = (ctypes.c_ulonglong * 2)(*[x.untyped_storage().data_ptr() for x in bufs])
@@ -110,7 +112,8 @@ class Sm90Emulator:
         self.lib.mhk_emu_configure(1, SMEM_LIMIT_SM90)
         rc = self.lib.mhk_emu_sm90_fwd(
             ELEM[q.dtype], D, _ptr(q), _st(q), _ptr(k), _st(k), _ptr(v), _st(v), _ptr(out), _st(out), _ptr(lse),
-            _ptr(key_lengths), B, H, Hkv, Lq, Lk, ctypes.c_float(scale), int(causal))
+            _ptr(key_lengths), B, H, Hkv, Lq, Lk, ctypes.c_float(scale), int(causal), splits, _ptr(o_part),
+            _ptr(l_part))
         self.lib.mhk_emu_guard_reads(0, None, None)
         if rc != 0:
             raise RuntimeError(f"emulated sm90 forward: {self.error()}")
@@ -194,23 +197,23 @@ def test_setmaxnreg_checks_the_register_plan(emu):
 # ---------------------------------------------------------------------------------------------
 
 
-def sm90_attention(emu: Sm90Emulator):
+def sm90_attention(emu: Sm90Emulator, splits: int = 1):
     def fn(q, k, v, *, causal=False, key_lengths=None, scale=None, return_lse=False):
         D = q.shape[-1]
         scale = 1.0 / D**0.5 if scale is None else float(scale)
         kl = None if key_lengths is None else key_lengths.to(torch.int32).contiguous()
-        out, lse = emu.forward(padded(q), padded(k), padded(v), scale, causal, kl)
+        out, lse = emu.forward(padded(q), padded(k), padded(v), scale, causal, kl, splits)
         out = out.clone()
         return (out, lse) if return_lse else out
 
     return fn
 
 
-def _run(emu, case, dtype, layout="bhld", scale_inputs=1.0, scale=None):
+def _run(emu, case, dtype, layout="bhld", scale_inputs=1.0, scale=None, splits=1):
     B, H, Hkv, Lq, Lk, D, Dv, causal, kl = case
     q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype=dtype, layout=layout, scale_inputs=scale_inputs)
     kl_t = None if kl is None else torch.tensor(kl, dtype=torch.int32)
-    check_against_reference(sm90_attention(emu), q, k, v, causal, kl_t, scale=scale, grads=False)
+    check_against_reference(sm90_attention(emu, splits), q, k, v, causal, kl_t, scale=scale, grads=False)
 
 
 SM90_HARD = [c for c in HARD_CASES if c[5] == c[6] and c[5] in SM90_DIMS]
@@ -249,6 +252,14 @@ def test_sm90_forward_any_finite_scale(rnd, scale):
     _run(rnd, (1, 2, 1, 40, 150, 64, 64, True, (150,)), torch.bfloat16, scale=scale)
 
 
+@pytest.mark.parametrize("splits", [3, 5])
+def test_sm90_split_k_combines_through_lse(rnd, splits):
+    # 5 key tiles over 3 or 5 splits; causal with a short key length leaves some splits with no
+    # visible key (lse -inf partials), key length 0 leaves every split empty.
+    _run(rnd, (2, 4, 2, 5, 600, 64, 64, True, (600, 70)), torch.bfloat16, splits=splits)
+    _run(rnd, (1, 4, 4, 3, 560, 128, 128, False, (0,)), torch.float16, splits=splits)
+
+
 def test_sm90_decode_packs_query_heads(rnd):
     # Lq = 1, 16 query heads over 2 KV heads: each group's 8 rows share one tile.
     _run(rnd, (3, 16, 2, 1, 150, 64, 64, False, (150, 1, 77)), torch.bfloat16)
@@ -280,7 +291,7 @@ def test_sm90_forward_is_deterministic_across_schedules(emu):
         ((10, 0), 1, 64, 1, 0, 2, 6400, 0),   # sm_90a code does not run on 10.0
         ((9, 0), 0, 64, 1, 0, 2, 6400, 0),    # built without the sm_90a pass
         ((9, 0), 1, 96, 1, 0, 2, 9600, 0),    # a head dim the family lacks
-        ((9, 0), 1, 64, 4, 0, 2, 6400, 0),    # split-K
+        ((9, 0), 1, 64, 4, 0, 2, 6400, 1),    # split-K (the family's own, merged by the combine)
         ((9, 0), 1, 64, 1, 1, 2, 6400, 0),    # attn_mask
         ((9, 0), 1, 64, 1, 2, 2, 6400, 0),    # dropout
         ((9, 0), 1, 64, 1, 3, 2, 6400, 0),    # window

@@ -65,12 +65,13 @@ enum class FwdFamily : int { mma_sync = 0, sm90 = 1 };
 // Which family runs a forward call (params filled, splits planned) on a device of compute
 // capability major.minor. sm90_compiled: the build has the sm_90a pass (MHAKERN_WITH_SM90A).
 // The sm90 family takes a call only where it implements all of it: a 9.0 device (sm_90a code
-// runs there only), its head dims (both dtypes), one key split, no mode (mask, dropout, window,
-// top-left), and K/V strides a tensor map can describe (a broadcast dim of stride 0 cannot be).
+// runs there only), its head dims (both dtypes; split-K included), no mode (mask, dropout,
+// window, top-left), and K/V strides a tensor map can describe (a broadcast dim of stride 0
+// cannot be).
 inline FwdFamily choose_fwd_family(int major, int minor, bool sm90_compiled, const FwdParams& p) {
   if (!sm90_compiled || major != caps::kSm90CapabilityMajor || minor != caps::kSm90CapabilityMinor)
     return FwdFamily::mma_sync;
-  if (!caps::sm90_head_dim_supported(p.D) || p.num_splits != 1) return FwdFamily::mma_sync;
+  if (!caps::sm90_head_dim_supported(p.D) || p.num_splits < 1) return FwdFamily::mma_sync;
   if (p.mask != nullptr || p.dropout_p > 0.0 || p.top_left || p.window_left >= 0 || p.window_right >= 0)
     return FwdFamily::mma_sync;
   const HeadStrides* kv[2] = {&p.k_stride, &p.v_stride};

@@ -126,10 +126,12 @@ extern "C" {
 // Strides are (batch, head, row) in elements. Returns 0, or 1 with mhk_emu_last_error().
 int mhk_emu_sm90_fwd(int elem, int D, const void* q, const int64_t* q_st, const void* k, const int64_t* k_st,
                      const void* v, const int64_t* v_st, void* o, const int64_t* o_st, float* lse,
-                     const int32_t* key_lengths, int B, int H, int Hkv, int Lq, int Lk, float scale, int causal) {
+                     const int32_t* key_lengths, int B, int H, int Hkv, int Lq, int Lk, float scale, int causal,
+                     int num_splits, float* o_partial, float* lse_partial) {
   const CallSizes s{B, H, Hkv, Lq, Lk, D};
   const FwdParams p = mhakern::cuda::make_fwd_params(s, op3(q, q_st), op3(k, k_st), op3(v, v_st), op3(o, o_st), lse,
-                                                     key_lengths, scale, causal != 0, 1, nullptr, nullptr);
+                                                     key_lengths, scale, causal != 0, num_splits, o_partial,
+                                                     lse_partial);
   return done(mhakern::cuda::dispatch_attn_fwd_sm90(static_cast<ElemType>(elem), D, p, nullptr));
 }
 

@@ -20,8 +20,12 @@
 // (r = (h - hkv * group) * Lq + i), lse in natural log, rows that see no key give 0 and -inf.
 // Key tiles past every row's visible limit are never loaded (causal tiles skipped).
 //
+// Split-K (long keys, few query tiles): CTA `split` of num_splits takes an equal share of the
+// key tiles and writes fp32 partials (o_partial, lse_partial of ../attn_params.h), merged by
+// the mma.sync family's combine kernel (../attn_fwd_kernel.cuh), which only reads them.
+//
 // Not done here: ping-pong scheduling between the two consumer warpgroups (named barriers),
-// split-K, the modes of docs/contract.md, the backward (the mma.sync family serves those). The host uses this family only where it serves the call.
+// the modes of docs/contract.md, the backward (the mma.sync family serves those). The host uses this family only where it serves the call.
 #pragma once
 
 #include "../attn_params.h"
@@ -76,6 +80,8 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   const int group_rows = p.group * p.Lq;
   const int n_mtiles = ceil_div(group_rows, BM);
   int64_t bid = block_index();
+  const int split = static_cast<int>(bid % p.num_splits);
+  bid /= p.num_splits;
   const int mt = static_cast<int>(bid % n_mtiles);
   bid /= n_mtiles;
   const int hkv = static_cast<int>(bid % p.Hkv);
@@ -89,7 +95,12 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   tile_query_range(r0, imin(BM, group_rows - r0), p.Lq, i_lo, i_hi);
   const int lim_max = visible_limit(i_hi, Lk_b, p.Lq, p.causal);
   const int lim_min = visible_limit(i_lo, Lk_b, p.Lq, p.causal);
-  const int n_tiles = lim_max > 0 ? ceil_div(lim_max, BN) : 0;
+  const int n_all = lim_max > 0 ? ceil_div(lim_max, BN) : 0;
+  // Split-K: this CTA's share of the tiles, [t0, t0 + n_tiles) (possibly none: its partial is
+  // then 0 with lse -inf, which the combine weighs away).
+  const int per_split = ceil_div(n_all, p.num_splits);
+  const int t0 = imin(n_all, split * per_split);
+  const int n_tiles = imin(n_all, t0 + per_split) - t0;
 
   unsigned char* sQ = smem;
   unsigned char* sK = smem + Cfg::kOffK;
@@ -130,15 +141,15 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
     // ---- producer ----
     setmaxnreg_dec<Cfg::kProducerRegs>();
     if (tid == 0) {
-      for (int it = 0; it < n_tiles; ++it) {
+      for (int it = 0; it < n_tiles; ++it) {  // `it` counts this CTA's tiles from t0
         const int s = it % Cfg::kStages;
         // Wait until the consumers released this stage's previous use (passes at once on the
         // first round: a fresh barrier's phase of parity 1 counts as complete).
         mbar_wait(&empty[s], ((it / Cfg::kStages) & 1) ^ 1);
         mbar_arrive_expect_tx(&full[s], 2 * Cfg::kTileBytes);
         for (int pn = 0; pn < Cfg::kPanels; ++pn) {
-          tma_load_4d(sK + s * Cfg::kTileBytes + pn * Cfg::kPanelBytesKV, &P.tma_k, pn * 64, it * BN, hkv, b, &full[s]);
-          tma_load_4d(sV + s * Cfg::kTileBytes + pn * Cfg::kPanelBytesKV, &P.tma_v, pn * 64, it * BN, hkv, b, &full[s]);
+          tma_load_4d(sK + s * Cfg::kTileBytes + pn * Cfg::kPanelBytesKV, &P.tma_k, pn * 64, (t0 + it) * BN, hkv, b, &full[s]);
+          tma_load_4d(sV + s * Cfg::kTileBytes + pn * Cfg::kPanelBytesKV, &P.tma_v, pn * 64, (t0 + it) * BN, hkv, b, &full[s]);
         }
       }
     }
@@ -189,7 +200,7 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
       wgmma_ss<BN, Elem>(sc, da, db, kk > 0 ? 1 : 0);
     }
   };
-  // Mask (only where the tile crosses a row's visible limit) and exponentiate tile `it` in
+  // Mask (only where the tile crosses a row's visible limit) and exponentiate tile t0 + it in
   // place, updating m and l; alpha = exp2(m_old - m_new) rescales what O holds so far.
   // Base 2. A row with every key so far hidden keeps m = -inf and exponentiates against 0, so
   // that exp2(-inf - 0) = 0 instead of NaN.
@@ -197,7 +208,7 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
     // Scaled first, masked after: a hidden key is -inf whatever the sign of the scale.
     MHK_UNROLL
     for (int i = 0; i < BN / 2; ++i) sc[i] *= sl2;
-    const int n0 = it * BN;
+    const int n0 = (t0 + it) * BN;
     if (n0 + BN > lim_min) {
       MHK_UNROLL
       for (int i = 0; i < BN / 2; ++i) {
@@ -277,22 +288,34 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
     mbar_arrive(&empty[s_last]);
   }
 
-  // ---- epilogue: normalise, store O and lse ----
+  // ---- epilogue: normalise, store O and lse (or this split's fp32 partials) ----
   Elem* out = static_cast<Elem*>(p.o);
+  const int64_t n_rows = static_cast<int64_t>(p.B) * p.H * p.Lq;
   for (int h = 0; h < 2; ++h) {
     const float lsum = quad_sum(l[h]);
     const int r = rows[h];
     if (r >= group_rows) continue;
     const bool seen = lsum > 0.f;
     const float inv = seen ? 1.f / lsum : 0.f;
-    Elem* dst = out + packed_row_offset(p.o_stride, b, hkv, p.group, p.Lq, r);
-    MHK_UNROLL
-    for (int j = 0; j < D / 8; ++j) {
-      const uint32_t v = Tr::pack2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-      *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * t) = v;
+    const float lse = seen ? (m[h] + log2f(lsum)) * kLn2 : -INFINITY;
+    const int64_t lin = packed_row_linear(b, p.H, hkv, p.group, p.Lq, r);
+    if (p.num_splits > 1) {
+      float* dst = p.o_partial + (split * n_rows + lin) * D;
+      MHK_UNROLL
+      for (int j = 0; j < D / 8; ++j) {
+        dst[8 * j + 2 * t] = o[4 * j + 2 * h] * inv;
+        dst[8 * j + 2 * t + 1] = o[4 * j + 2 * h + 1] * inv;
+      }
+      if (t == 0) p.lse_partial[split * n_rows + lin] = lse;
+    } else {
+      Elem* dst = out + packed_row_offset(p.o_stride, b, hkv, p.group, p.Lq, r);
+      MHK_UNROLL
+      for (int j = 0; j < D / 8; ++j) {
+        const uint32_t v = Tr::pack2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+        *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * t) = v;
+      }
+      if (t == 0) p.lse[lin] = lse;
     }
-    if (t == 0)
-      p.lse[packed_row_linear(b, p.H, hkv, p.group, p.Lq, r)] = seen ? (m[h] + log2f(lsum)) * kLn2 : -INFINITY;
   }
 #endif  // MHK_SM90_ENABLED
 }

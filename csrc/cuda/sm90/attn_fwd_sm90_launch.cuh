@@ -1,6 +1,7 @@
 // Host side of the sm_90a forward: the tensor maps of K and V, the grid, the launch.
 #pragma once
 
+#include "../attn_fwd_kernel.cuh"  // the split-K combine kernel (attn_fwd_combine_kernel)
 #include "attn_fwd_sm90_kernel.cuh"
 
 namespace mhakern {
@@ -54,14 +55,15 @@ inline bool encode_kv_map(TensorMap* map, const void* base, const HeadStrides& s
 template <typename Elem, int D>
 cudaError_t run_attn_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   using Cfg = FwdConfigSm90<D>;
-  if (p.D != D || p.num_splits != 1) return cudaErrorInvalidValue;
+  if (p.D != D || p.num_splits < 1) return cudaErrorInvalidValue;
   FwdParamsSm90 P;
   P.p = p;
   if (!encode_kv_map<Elem>(&P.tma_k, p.k, p.k_stride, p, Cfg::kBlockN) ||
       !encode_kv_map<Elem>(&P.tma_v, p.v, p.v_stride, p, Cfg::kBlockN))
     return cudaErrorInvalidValue;
-  const int64_t grid = static_cast<int64_t>(p.B) * p.Hkv * ceil_div(p.group * p.Lq, Cfg::kBlockM);
+  const int64_t grid = static_cast<int64_t>(p.B) * p.Hkv * ceil_div(p.group * p.Lq, Cfg::kBlockM) * p.num_splits;
   if (grid == 0) return cudaSuccess;
+  if (grid > 0x7fffffff) return cudaErrorInvalidConfiguration;
   auto kernel = attn_fwd_sm90_kernel<Elem, D>;
   cudaError_t err = set_max_dynamic_smem(kernel, Cfg::kSmemBytes);
   if (err != cudaSuccess) return err;
@@ -72,6 +74,11 @@ cudaError_t run_attn_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   ::mhk_emu::sm90::set_launch_registers((65536 / Cfg::kThreads) / 8 * 8);
 #endif
   launch_kernel(kernel, grid, Cfg::kThreads, Cfg::kSmemBytes, stream, P);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || p.num_splits == 1) return err;
+  // One combine for both families: the partials' layout is attn_params.h's.
+  const int64_t rows = static_cast<int64_t>(p.B) * p.H * p.Lq;
+  launch_kernel(attn_fwd_combine_kernel<Elem, D>, (rows + 3) / 4, 128, 0, stream, p);
   return cudaGetLastError();
 }
 
