@@ -3,12 +3,13 @@
 * The emulated sm_90 instructions (csrc/cuda/emulation/cuda_emu_sm90.h) against plain loops:
   TMA loads into 128-byte swizzled tiles, then wgmma from shared-memory descriptors (K-major A
   and B) or with A in registers and B N-major, must give the plain product; a wgmma without
-  wgmma.fence, an mbarrier whose transaction count never reaches zero, and a setmaxnreg plan
-  over the register file are errors.
+  wgmma.fence, an mbarrier whose transaction count never reaches zero, a setmaxnreg plan over
+  the register file, a named barrier nobody arrives at and one named with two thread counts
+  are errors.
 * The forward kernels (csrc/cuda/sm90/, every instantiation) under the emulator's seeded random
   schedule, on the hard cases and on shapes that wrap the two-stage K/V ring, cross the causal
-  diagonal in several query tiles and straddle heads with packed GQA rows, against the float64
-  reference by the project's tolerance rule. Tensors sit in NaN-padded buffers: a read outside
+  diagonal in several query tiles and straddle heads with packed GQA rows, split-K, negative
+  and zero scales, against the float64 reference by the project's tolerance rule. Tensors sit in NaN-padded buffers: a read outside
   them poisons the result, a write outside them is detected.
 * The family choice by compute capability (faked capabilities).
 
@@ -190,6 +191,15 @@ def test_setmaxnreg_checks_the_register_plan(emu):
     assert f(3, 168, 240, 240) == 1 and "deadlock" in emu.error()
     assert f(1, 168, 100, 100) == 1 and "multiple of 8" in emu.error()
     assert f(1, 168, 200, 200) == 0, emu.error()
+
+
+@pytest.mark.parametrize("seed", [None, 9])
+def test_named_barriers(emu, seed):
+    emu.schedule(seed)
+    assert emu.lib.mhk_sm90_selftest_named(0) == 0, emu.error()
+    assert emu.lib.mhk_sm90_selftest_named(1) == 1 and "deadlock" in emu.error() and "bar.sync" in emu.error()
+    assert emu.lib.mhk_sm90_selftest_named(2) == 1 and "different thread counts" in emu.error()
+    emu.schedule(None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 // CPU emulation of the sm_90 (Hopper) features the csrc/cuda/sm90/ kernels use, on top of the
 // fiber emulator of cuda_emu.h: warpgroup wgmma.mma_async with its fence / commit_group /
 // wait_group, mbarrier with transaction counts, cp.async.bulk.tensor from a tensor map,
-// fence.proxy.async and setmaxnreg. Semantics from the PTX ISA (sections "Asynchronous
+// fence.proxy.async, setmaxnreg and named barriers. Semantics from the PTX ISA (sections "Asynchronous
 // Warpgroup Level Matrix Multiply-Accumulate Instructions", "mbarrier", "cp.async.bulk.tensor",
 // "setmaxnreg"); what the emulator cannot know for sure is marked ASSUMPTION below, and is left
 // to the GPU tests.
@@ -116,8 +116,16 @@ struct WarpgroupState {
   std::vector<WgmmaOp> pending;
 };
 
+// A named barrier (bar.sync / bar.arrive with an id and a thread count).
+struct NamedBarrier {
+  int expected = 0;  // 0: not in use in the current generation
+  int arrived = 0;
+  uint64_t gen = 0;
+};
+
 struct Sm90State {
   std::map<uint32_t, MBarrier> bars;
+  NamedBarrier named[16];
   std::vector<BulkCopy> copies;
   WarpgroupState wg[kMaxWarpgroups];
   int warp_regs[32] = {};
@@ -261,6 +269,7 @@ inline bool mbar_try_wait_parity(void* p, uint32_t parity) {
   MBarrier* b = find_bar(a, "mbarrier.try_wait.parity");
   if (!b) return true;
   if ((b->phase & 1u) != (parity & 1u)) return true;
+  record_site(s.fibers[s.current].site, "mbarrier.try_wait.parity", kFullMask);  // for a deadlock report
   // Not complete: copies bound for this barrier land now (all of them under the fixed schedule,
   // one under the random one), then the waiter looks again after the others ran.
   land_for_barrier(a, !s.sched.random);
@@ -537,6 +546,37 @@ inline void setmaxnreg(int n, bool inc) {
   warpgroup_sync();
 }
 
+// bar.sync id, count / bar.arrive id, count: `count` threads (whole warps) meet at barrier id
+// (1..15; 0 is __syncthreads); arrive does not wait. Every arrival of one generation must name
+// the same count. The emulator counts threads (the hardware counts warps x 32: the same for
+// the whole-warpgroup arrivals the kernels make).
+inline void named_barrier(int id, int count, bool wait) {
+  State& s = state();
+  preempt_point();
+  if (id < 1 || id > 15 || count % 32 || count <= 0 || count > s.nthreads) {
+    fail("bar.sync/bar.arrive: id must be in [1, 15] and the count a multiple of 32 up to the block size");
+    return;
+  }
+  record_site(s.fibers[s.current].site, wait ? "bar.sync (named barrier)" : "bar.arrive (named barrier)", kFullMask);
+  NamedBarrier& nb = st().named[id];
+  if (nb.expected == 0) nb.expected = count;
+  if (nb.expected != count) {
+    fail("named barrier " + std::to_string(id) + ": arrivals name different thread counts (" +
+         std::to_string(nb.expected) + ", " + std::to_string(count) + ")");
+    return;
+  }
+  const uint64_t gen = nb.gen;
+  ++s.events;
+  if (++nb.arrived == count) {
+    nb.arrived = 0;
+    nb.expected = 0;
+    ++nb.gen;
+    return;
+  }
+  if (wait)
+    while (nb.gen == gen) yield();
+}
+
 // The per-thread register count of every warp at launch (the kernel's launch bounds allow
 // floor(65536 / threads) rounded down to 8, at most 255 - ptxas may use fewer).
 inline void set_launch_registers(int regs) { st().launch_regs = regs; }
@@ -546,6 +586,7 @@ inline void block_start() {
   x.bars.clear();
   x.copies.clear();
   for (auto& g : x.wg) g = WarpgroupState{};
+  for (auto& nb : x.named) nb = NamedBarrier{};
   for (int& r : x.warp_regs) r = x.launch_regs;
 }
 

@@ -190,4 +190,20 @@ int mhk_sm90_selftest_setmaxnreg(int warpgroups, int launch_regs, int regs_first
   return mhk_emu::state().error.empty() ? 0 : 1;
 }
 
+// Named barriers: a block of 2 warpgroups; variant 0: warpgroup 1 arrives, warpgroup 0 syncs
+// (passes); 1: warpgroup 0 syncs and nobody arrives (a deadlock); 2: the two name different
+// thread counts (an error).
+int mhk_sm90_selftest_named(int variant) {
+  mhk_emu::state().error.clear();
+  mhk_emu::sm90::install();
+  mhk_emu::sm90::set_launch_registers(0);
+  auto body = [&] {
+    const int wg = mhakern::cuda::thread_index() / 128;
+    if (wg == 1 && variant != 1) mhk_emu::sm90::named_barrier(3, variant == 2 ? 192 : 256, false);
+    if (wg == 0) mhk_emu::sm90::named_barrier(3, 256, true);
+  };
+  mhk_emu::launch(body, 1, 256, 0);
+  return mhk_emu::state().error.empty() ? 0 : 1;
+}
+
 }  // extern "C"

@@ -24,8 +24,10 @@
 // key tiles and writes fp32 partials (o_partial, lse_partial of ../attn_params.h), merged by
 // the mma.sync family's combine kernel (../attn_fwd_kernel.cuh), which only reads them.
 //
-// Not done here: ping-pong scheduling between the two consumer warpgroups (named barriers),
-// the modes of docs/contract.md, the backward (the mma.sync family serves those). The host uses this family only where it serves the call.
+// The two consumer warpgroups take turns issuing their products (ping-pong, named barriers).
+//
+// Not done here: the modes of docs/contract.md and the backward (the mma.sync family serves
+// those), head dim 256, more than 2 stages. The host uses this family only where it serves the call.
 #pragma once
 
 #include "../attn_params.h"
@@ -55,6 +57,9 @@ struct FwdConfigSm90 {
   static constexpr int kOffV = kOffK + kStages * kTileBytes;
   static constexpr int kOffBar = kOffV + kStages * kTileBytes;
   static constexpr int kSmemBytes = kOffBar + 2 * kStages * 8;
+  // Named barriers of the consumers' ping-pong (0 is __syncthreads): consumer c waits on
+  // kBarTurn + c for its turn to issue wgmma.
+  static constexpr int kBarTurn = 1;
   static_assert(kSmemBytes <= 227 * 1024, "sm_90 allows 227 KB of shared memory per block");
 };
 
@@ -247,15 +252,26 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
     }
   };
 
+  // Ping-pong: the two consumer warpgroups take turns issuing their wgmma batches, so that the
+  // tensor cores run one warpgroup's products while the other does its softmax. A turn is
+  // taken (bar.sync on its own barrier, with the other's arrival: 256 threads) right before a
+  // batch and passed (bar.arrive on the other's) right after issuing it. Both make the same
+  // number of batches (n_tiles + 1); consumer 1 passes first so that consumer 0 starts.
+  auto take_turn = [&] { named_bar_sync(Cfg::kBarTurn + cw, 2 * 128); };
+  auto pass_turn = [&] { named_bar_arrive(Cfg::kBarTurn + (1 - cw), 2 * 128); };
+  if (cw == 1) pass_turn();
+
   // The first tile on its own (O is still 0), so that the loop body has no branch around its
   // wgmma: ptxas serialises every wgmma of a loop whose pipeline it cannot follow.
   if (n_tiles > 0) {
     mbar_wait(&full[0], 0);
     float sc[BN / 2];
     float alpha[2];
+    take_turn();
     wgmma_fence();
     issue_s(sc, 0);
     wgmma_commit();
+    pass_turn();
     wgmma_wait<0>();
     softmax(sc, 0, alpha);
     pack_p(sc);
@@ -266,11 +282,13 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
     mbar_wait(&full[s], (it / Cfg::kStages) & 1);
     float sc[BN / 2];
     float alpha[2];
+    take_turn();
     wgmma_fence();  // one fence for the batch: o was rescaled and pa written since the last wait
     issue_s(sc, s);
     wgmma_commit();
     issue_pv(s_prev);
     wgmma_commit();
+    pass_turn();
     wgmma_wait<1>();  // S of this tile is complete; the previous tile's P V may still run
     softmax(sc, it, alpha);
     wgmma_wait<0>();              // the previous tile's P V has landed in o
@@ -281,9 +299,11 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   }
   if (n_tiles > 0) {
     const int s_last = (n_tiles - 1) % Cfg::kStages;
+    take_turn();
     wgmma_fence();
     issue_pv(s_last);
     wgmma_commit();
+    pass_turn();
     wgmma_wait<0>();
     mbar_arrive(&empty[s_last]);
   }

@@ -1,7 +1,7 @@
 // The sm_90a primitives of the Hopper kernel family: warpgroup wgmma.mma_async (accumulators in
 // registers, B and optionally A from shared-memory matrix descriptors with the 128-byte swizzle),
 // mbarrier with transaction counts, cp.async.bulk.tensor from a tensor map (TMA),
-// fence.proxy.async and setmaxnreg. Written once: inline PTX when nvcc compiles for sm_90a
+// fence.proxy.async, setmaxnreg and named barriers. Written once: inline PTX when nvcc compiles for sm_90a
 // (__CUDA_ARCH_FEAT_SM90_ALL), the CPU emulator's implementation (emulation/cuda_emu_sm90.h)
 // when a host compiler builds with MHAKERN_CUDA_EMULATE, as ../primitives.cuh does for the
 // mma.sync family. Other nvcc passes (sm_80, sm_86, ...) compile the kernels' bodies away.
@@ -71,6 +71,8 @@ inline void tma_load_4d(void* dst, const TensorMap* map, int c0, int c1, int c2,
   const int c[4] = {c0, c1, c2, c3};
   ::mhk_emu::sm90::tma_load(dst, map, c, bar);
 }
+inline void named_bar_sync(int id, int count) { ::mhk_emu::sm90::named_barrier(id, count, true); }
+inline void named_bar_arrive(int id, int count) { ::mhk_emu::sm90::named_barrier(id, count, false); }
 inline void wgmma_fence() { ::mhk_emu::sm90::wgmma_fence(); }
 inline void wgmma_commit() { ::mhk_emu::sm90::wgmma_commit(); }
 template <int N>
@@ -131,6 +133,13 @@ MHK_DEVICE void tma_load_4d(void* dst, const TensorMap* map, int c0, int c1, int
       "[%6];\n" ::"r"(shared_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(shared_u32(bar))
       : "memory");
+}
+// Named barriers (ids 1..15; 0 is __syncthreads): `count` threads, whole warps.
+MHK_DEVICE void named_bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+MHK_DEVICE void named_bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 MHK_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 MHK_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
