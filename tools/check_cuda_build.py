@@ -281,7 +281,7 @@ _SM90_CONFIG_PROGRAM = r"""
 #include "../capabilities.h"
 #include "sm90/attn_fwd_sm90_kernel.cuh"
 using namespace mhakern::cuda::sm90;
-#define MHK_ROW_(tag, D) std::printf("%d %d\n", D, FwdConfigSm90<D>::kSmemBytes);
+#define MHK_ROW_(tag, D) std::printf("%d %d\n", D, FwdConfigSm90<D>::kSmemAlloc);
 int main() { MHK_SM90_FOR_EACH_HEAD_DIM(MHK_ROW_, _) }
 """
 

@@ -57,10 +57,14 @@ struct FwdConfigSm90 {
   static constexpr int kOffV = kOffK + kStages * kTileBytes;
   static constexpr int kOffBar = kOffV + kStages * kTileBytes;
   static constexpr int kSmemBytes = kOffBar + 2 * kStages * 8;
+  // What the launch asks for: room to round the base up to 1024 bytes, the period of the 128B
+  // swizzle that TMA writes and wgmma reads (the declared alignment of dynamic shared memory
+  // is not a guarantee of it).
+  static constexpr int kSmemAlloc = kSmemBytes + 1024;
   // Named barriers of the consumers' ping-pong (0 is __syncthreads): consumer c waits on
   // kBarTurn + c for its turn to issue wgmma.
   static constexpr int kBarTurn = 1;
-  static_assert(kSmemBytes <= 227 * 1024, "sm_90 allows 227 KB of shared memory per block");
+  static_assert(kSmemAlloc <= 227 * 1024, "sm_90 allows 227 KB of shared memory per block");
 };
 
 // The kernel's parameters: the common forward fields and the tensor maps of K and V (in the
@@ -79,7 +83,8 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   using Tr = ElemTraits<Elem>;
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN;
   const FwdParams& p = P.p;
-  MHK_DYNAMIC_SMEM(smem);
+  MHK_DYNAMIC_SMEM(smem_raw);
+  unsigned char* smem = smem_raw + (1024 - shared_u32(smem_raw) % 1024) % 1024;
   const int tid = thread_index();
 
   const int group_rows = p.group * p.Lq;

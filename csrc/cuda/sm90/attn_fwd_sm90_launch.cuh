@@ -65,7 +65,7 @@ cudaError_t run_attn_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   if (grid == 0) return cudaSuccess;
   if (grid > 0x7fffffff) return cudaErrorInvalidConfiguration;
   auto kernel = attn_fwd_sm90_kernel<Elem, D>;
-  cudaError_t err = set_max_dynamic_smem(kernel, Cfg::kSmemBytes);
+  cudaError_t err = set_max_dynamic_smem(kernel, Cfg::kSmemAlloc);
   if (err != cudaSuccess) return err;
 #if defined(MHAKERN_CUDA_EMULATE)
   ::mhk_emu::sm90::install();
@@ -73,7 +73,7 @@ cudaError_t run_attn_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // down to a multiple of 8: the count setmaxnreg starts from.
   ::mhk_emu::sm90::set_launch_registers((65536 / Cfg::kThreads) / 8 * 8);
 #endif
-  launch_kernel(kernel, grid, Cfg::kThreads, Cfg::kSmemBytes, stream, P);
+  launch_kernel(kernel, grid, Cfg::kThreads, Cfg::kSmemAlloc, stream, P);
   err = cudaGetLastError();
   if (err != cudaSuccess || p.num_splits == 1) return err;
   // One combine for both families: the partials' layout is attn_params.h's.
