@@ -88,6 +88,31 @@ constexpr CudaTiles cuda_tiles(int d) {
   return CudaTiles{128, d <= 64 ? 64 : 32, 64, d <= 64 ? 64 : 32, 64, d <= 64 ? 64 : 32};
 }
 
+// ---- cuda sm90 family (csrc/cuda/sm90/): Hopper, wgmma + TMA + mbarrier pipeline ----------
+// A second family of CUDA kernels, compiled only in the sm_90a pass of nvcc
+// (-gencode=arch=compute_90a,code=sm_90a: wgmma and setmaxnreg exist only on the "a" target,
+// whose code runs on compute capability 9.0 exactly). Forward only so far (split-K included,
+// merged by the mma.sync family's combine kernel); the host (choose_fwd_family in
+// csrc/cuda/attn_dispatch.h) gives it the forward calls it serves on a 9.0 device (these head
+// dims and dtypes, no mode of kCudaFeatures) and everything else, the backward included, to the
+// mma.sync family above, which is built for sm_90a too. Instances: F(tag, D).
+#define MHK_SM90_FOR_EACH_HEAD_DIM(F, tag) F(tag, 64) F(tag, 128)
+#define MHK_SM90_FOR_EACH_INSTANCE(F) MHK_CUDA_FOR_EACH_ELEM(MHK_SM90_FOR_EACH_HEAD_DIM_, F)
+#define MHK_SM90_FOR_EACH_HEAD_DIM_(F, tag) MHK_SM90_FOR_EACH_HEAD_DIM(F, tag)
+constexpr int kSm90CapabilityMajor = 9, kSm90CapabilityMinor = 0;
+// Forward tiles: packed query rows per CTA (2 consumer warpgroups x 64), keys per pipeline
+// stage, stages of the K/V ring (csrc/cuda/sm90/attn_fwd_sm90_kernel.cuh: FwdConfigSm90).
+constexpr int kSm90FwdBlockM = 128, kSm90FwdBlockN = 128, kSm90FwdStages = 2;
+#define MHK_SM90_HEAD_DIM_ITEM_(tag, D) D,
+constexpr int kSm90HeadDims[] = {MHK_SM90_FOR_EACH_HEAD_DIM(MHK_SM90_HEAD_DIM_ITEM_, _)};
+#undef MHK_SM90_HEAD_DIM_ITEM_
+constexpr int kSm90NumHeadDims = sizeof(kSm90HeadDims) / sizeof(kSm90HeadDims[0]);
+constexpr bool sm90_head_dim_supported(int64_t d) {
+  for (int i = 0; i < kSm90NumHeadDims; ++i)
+    if (kSm90HeadDims[i] == d) return true;
+  return false;
+}
+
 // Split-K planning (long keys with few query tiles: decode): at least kMinBlocksPerSplit key
 // blocks per split, at most kMaxSplits splits, and the fp32 partial outputs under
 // kMaxSplitWorkspaceBytes.

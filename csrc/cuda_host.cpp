@@ -22,6 +22,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 #include "capabilities.h"
 #include "cuda/attn_dispatch.h"
@@ -133,6 +134,37 @@ void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
 }
 
+// ---- the kernel family of a forward call ----------------------------------------------------
+#if defined(MHAKERN_WITH_SM90A)
+constexpr bool kSm90Compiled = true;  // the build has the sm_90a pass (mhakern/_build.py)
+#else
+constexpr bool kSm90Compiled = false;
+#endif
+
+// Compute capability (major, minor) of a device, read once per device.
+std::pair<int, int> compute_capability(int device) {
+  static std::atomic<int> cache[64] = {};  // major * 100 + minor + 1; 0 = not read yet
+  if (device >= 0 && device < 64) {
+    const int c = cache[device].load(std::memory_order_relaxed);
+    if (c > 0) return {(c - 1) / 100, (c - 1) % 100};
+  }
+  int major = 0, minor = 0;
+  cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  TORCH_CHECK(err == cudaSuccess, "cudaDeviceGetAttribute(computeCapability) failed: ", cudaGetErrorString(err));
+  if (device >= 0 && device < 64) cache[device].store(major * 100 + minor + 1, std::memory_order_relaxed);
+  return {major, minor};
+}
+
+// Runs the forward on the family choose_fwd_family (cuda/attn_dispatch.h) picks for the device:
+// the sm90 family (wgmma + TMA) where it serves the call on a 9.0 device, else mma.sync.
+cudaError_t launch_fwd(ElemType t, const FwdParams& p, int device, cudaStream_t stream) {
+  const std::pair<int, int> cc = compute_capability(device);
+  if (choose_fwd_family(cc.first, cc.second, kSm90Compiled, p) == FwdFamily::sm90)
+    return dispatch_attn_fwd_sm90(t, p.D, p, stream);
+  return dispatch_attn_fwd(t, p.D, p, stream);
+}
+
 std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                             double scale, bool causal, const std::optional<at::Tensor>& key_lengths,
                                             const std::optional<at::Tensor>& attn_mask, double dropout_p,
@@ -170,7 +202,7 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tenso
                                 splits > 1 ? lse_partial.data_ptr<float>() : nullptr);
   op::fill_mode_params(p, modes);
   check_no_pending_error("mhakern_C::fwd");
-  check_launch(dispatch_attn_fwd(elem_type_of(q), p.D, p, stream), "mhakern_C::fwd");
+  check_launch(launch_fwd(elem_type_of(q), p, q.device().index(), stream), "mhakern_C::fwd");
   return {out, lse};
 }
 

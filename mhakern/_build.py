@@ -175,14 +175,25 @@ def filter_arch_list(text: str) -> Tuple[List[str], List[str]]:
 
 
 def arch_flags(archs: List[str]) -> List[str]:
-    """nvcc -gencode flags for kept arch entries ('9.0a', '8.6+PTX', ...)."""
+    """nvcc -gencode flags for kept arch entries ('9.0a', '8.6+PTX', ...).
+
+    9.0 is built as the sm_90a target (-gencode=arch=compute_90a,code=sm_90a): its SASS runs on
+    the same devices as sm_90's (compute capability 9.0) and it is the pass in which the sm90
+    family (csrc/cuda/sm90/: wgmma, setmaxnreg) has its kernel bodies; every other pass compiles
+    those bodies away. '+PTX' still embeds the portable compute_90 PTX."""
     flags = []
     for entry in archs:
         num = entry.split("+")[0].replace(".", "")
-        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        sass = "90a" if num == "90" else num
+        flags.append(f"-gencode=arch=compute_{sass},code=sm_{sass}")
         if entry.endswith("+PTX"):
             flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
     return flags
+
+
+def builds_sm90a(archs: List[str]) -> bool:
+    """Whether the arch list has the sm_90a pass (so the sm90 family has kernels)."""
+    return any(entry.split("+")[0] in ("9.0", "9.0a") for entry in archs)
 
 
 def _rel(root: str, path: str) -> str:
@@ -310,6 +321,8 @@ def plan(env: Mapping[str, str], info: Optional[dict], root: str, gpu_archs: Opt
     if cuda_why is None:
         p["sources"] += src["cuda"]
         p["define_macros"] = macros + [("MHAKERN_WITH_CUDA", None)]
+        if builds_sm90a(archs):  # the host may then pick the sm90 family on 9.0 devices
+            p["define_macros"].append(("MHAKERN_WITH_SM90A", None))
         # Explicit -gencode flags: torch then adds none of its own (it skips when it sees 'arch').
         p["nvcc_flags"] = ["-O3", "-Xptxas", "-v", "-lineinfo"] + arch_flags(archs)
         p["arch_list"] = ";".join(archs)

@@ -31,9 +31,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETUP = os.path.join(ROOT, "setup.py")
 HINT = "pip install -e . --no-build-isolation"
+# 9.0 is built as sm_90a, the pass in which the sm90 family (wgmma, setmaxnreg) has its kernels.
 DEFAULT_GENCODE = {
     "-gencode=arch=compute_80,code=sm_80",
-    "-gencode=arch=compute_90,code=sm_90",
+    "-gencode=arch=compute_90a,code=sm_90a",
     "-gencode=arch=compute_90,code=compute_90",
 }
 
@@ -199,6 +200,7 @@ def test_cuda_torch_with_nvcc_adds_the_cuda_sources(B):
     assert "csrc/cuda_host.cpp" in plan["sources"]
     assert any(s.startswith("csrc/cuda/") and s.endswith(".cu") for s in plan["sources"])
     assert ("MHAKERN_WITH_CUDA", None) in plan["define_macros"]
+    assert ("MHAKERN_WITH_SM90A", None) in plan["define_macros"]  # the default list has 9.0
     nv = plan["nvcc_flags"]
     assert "-Xptxas" in nv and "-v" in nv and "--use_fast_math" not in nv
     assert {f for f in nv if "gencode" in f} == DEFAULT_GENCODE
@@ -213,7 +215,7 @@ def test_cuda_torch_with_nvcc_adds_the_cuda_sources(B):
                                             "-gencode=arch=compute_86,code=compute_86"}, "7.5"),
         ("6.0 6.1 7.0 7.5 8.0 8.6", "8.0;8.6", {"-gencode=arch=compute_80,code=sm_80",
                                                "-gencode=arch=compute_86,code=sm_86"}, "6.0, 6.1, 7.0, 7.5"),
-        ("Turing;Hopper", "9.0+PTX", {"-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_90,code=compute_90"},
+        ("Turing;Hopper", "9.0+PTX", {"-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_90,code=compute_90"},
          "7.5+PTX"),
         ("9.0a", "9.0a", {"-gencode=arch=compute_90a,code=sm_90a"}, None),
     ],
@@ -222,6 +224,7 @@ def test_arch_list_keeps_only_sm80_and_newer(B, capsys, monkeypatch, tmp_path, a
     plan = B.plan({"TORCH_CUDA_ARCH_LIST": arch_list}, _fake_torch(**CUDA_TORCH), ROOT)
     assert plan["cuda"] and plan["arch_list"] == kept
     assert {f for f in plan["nvcc_flags"] if "gencode" in f} == gencode
+    assert (("MHAKERN_WITH_SM90A", None) in plan["define_macros"]) == ("sm_90a" in " ".join(gencode))
     assert f"arch {kept})" in plan["message"]
     if dropped is None:
         assert plan["notes"] == []

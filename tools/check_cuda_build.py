@@ -18,8 +18,16 @@ against the installed torch's headers plus the CUDA runtime headers, so that cod
 be compiled on a CUDA-enabled torch is at least checked here (``--no-host`` skips it; it is
 skipped with a note when torch's headers or Python's are missing).
 
+The sm90 family (csrc/cuda/sm90/*.cu) is compiled on its own with
+``-gencode=arch=compute_90a,code=sm_90a`` (wgmma and setmaxnreg exist only on the "a" target),
+and its SASS is read: the main loop of each kernel (the SASS loop holding its HGMMA) must hold
+HGMMA at all, no kernel may touch local memory (LDL/STL), use more than 255 registers per thread
+at launch or more than 227 KB of shared memory (static + what its launcher asks for), and every
+setmaxnreg target (USETMAXREG) must stay within 256. One row per kernel gives the main loop's
+instruction mix (``--no-sm90`` skips it).
+
 Usage: python tools/check_cuda_build.py [-j N] [--arch 80,90] [--only fwd_fp16_d64,...]
-       [--allow-spills] [--no-host] [--json out.json]
+       [--allow-spills] [--no-host] [--no-sm90] [--json out.json]
 """
 from __future__ import annotations
 
@@ -46,6 +54,10 @@ TORCH_NVCC_FLAGS = [
     "--expt-relaxed-constexpr",
 ]
 NVCC_FLAGS = ["-std=c++17", "-O3", "-Xptxas", "-v", "-lineinfo"] + TORCH_NVCC_FLAGS
+SM90_DIR = CUDA_DIR / "sm90"
+SM90_GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
+SM90_SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on sm_90
+SM90_MAX_REGS = 255
 SMEM_LIMIT = 99 * 1024  # opt-in shared memory per block on sm_86 / sm_89 (sm_80: 163 KB, sm_90: 227 KB)
 # Kernels whose inner loop is the product: a spill there is a defect. The small helper kernels
 # (delta, combine, dq reduce) are memory-bound one-pass loops.
@@ -264,13 +276,163 @@ def host_syntax_check(include: Path) -> tuple[str, str]:
     return "ok", "g++ -fsyntax-only -Wall -Wextra against torch's headers: no error, no warning"
 
 
+_SM90_CONFIG_PROGRAM = r"""
+#include <cstdio>
+#include "../capabilities.h"
+#include "sm90/attn_fwd_sm90_kernel.cuh"
+using namespace mhakern::cuda::sm90;
+#define MHK_ROW_(tag, D) std::printf("%d %d\n", D, FwdConfigSm90<D>::kSmemAlloc);
+int main() { MHK_SM90_FOR_EACH_HEAD_DIM(MHK_ROW_, _) }
+"""
+
+
+def sm90_dynamic_smem(include: Path) -> dict[int, int] | None:
+    """{head dim: dynamic shared memory} the sm90 forward's launcher requests."""
+    if shutil.which("g++") is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "cfg.cpp", Path(tmp) / "cfg"
+        src.write_text(_SM90_CONFIG_PROGRAM)
+        cmd = ["g++", "-std=c++17", "-DMHAKERN_CUDA_EMULATE", f"-I{CUDA_DIR}", f"-I{include}", str(src), "-o", str(exe),
+               "-ldl"]
+        if subprocess.run(cmd, capture_output=True).returncode != 0:
+            return None
+        res = subprocess.run([str(exe)], capture_output=True, text=True)
+    return {int(a): int(b) for a, b in (ln.split() for ln in res.stdout.splitlines())}
+
+
+_SETMAXNREG = re.compile(r"USETMAXREG\.\S+\s+(?:\w+,\s*)?(0x[0-9a-f]+)")
+
+
+def sass_facts(cuobjdump: str, obj: Path) -> dict[str, dict]:
+    """{mangled kernel: facts} of an sm_90a object: the main loop (the innermost backward-branch
+    range holding HGMMA) and its instruction mix, local-memory instructions, setmaxnreg
+    targets, TMA loads."""
+    res = subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True)
+    return sass_facts_text(res.stdout)
+
+
+def sass_facts_text(sass: str) -> dict[str, dict]:
+    """sass_facts of cuobjdump -sass output."""
+    funcs: dict[str, list[tuple[int, str]]] = {}
+    func = None
+    for line in sass.splitlines():
+        m = _SASS_FUNC.search(line)
+        if m:
+            func = m.group(1)
+            funcs[func] = []
+            continue
+        m = _SASS_INS.search(line)
+        if m and func is not None:
+            funcs[func].append((int(m.group(1), 16), m.group(2).strip()))
+    out = {}
+    for name, ins in funcs.items():
+        loops = []
+        for addr, text in ins:
+            m = _SASS_BRA.search(text)
+            if m and int(m.group(1), 16) < addr:
+                loops.append((int(m.group(1), 16), addr))
+
+        def opcode(text: str) -> str:
+            t = re.sub(r"^@!?U?P\w+\s+", "", text)
+            return t.split()[0] if t else ""
+
+        # The main loop: the innermost (shortest) backward-branch range holding HGMMA. Longer
+        # ranges also "hold" it when an out-of-line slow path (an mbarrier retry placed at the
+        # end of the function) branches back into the middle.
+        best, best_n = None, 0
+        for lo, hi in loops:
+            n = sum(1 for a, t in ins if lo <= a <= hi and opcode(t).startswith("HGMMA"))
+            if n and (best is None or hi - lo < best[1] - best[0]):
+                best, best_n = (lo, hi), n
+        mix: dict[str, int] = {}
+        if best:
+            for a, t in ins:
+                if best[0] <= a <= best[1]:
+                    op = opcode(t).split(".")[0]
+                    mix[op] = mix.get(op, 0) + 1
+        out[name] = {
+            "main_loop": None if best is None else [best[0], best[1]],
+            "loop_hgmma": best_n,
+            "loop_instructions": sum(mix.values()),
+            "loop_mix": dict(sorted(mix.items(), key=lambda kv: -kv[1])),
+            "hgmma_total": sum(1 for _, t in ins if opcode(t).startswith("HGMMA")),
+            "local_ins": sum(1 for _, t in ins if opcode(t).split(".")[0] in ("LDL", "STL")),
+            "setmaxnreg": [int(m.group(1), 16) for _, t in ins for m in [_SETMAXNREG.search(t)] if m],
+            "tma_loads": sum(1 for _, t in ins if opcode(t).startswith("UTMALDG")),
+        }
+    return out
+
+
+def compile_sm90(nvcc: str, src: Path, outdir: Path, cuobjdump: str | None) -> dict:
+    obj = outdir / f"{src.stem}.o"
+    cmd = [nvcc, *NVCC_FLAGS, SM90_GENCODE, "-c", str(src), "-o", str(obj)]
+    t0 = time.time()
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    facts = sass_facts(cuobjdump, obj) if cuobjdump and res.returncode == 0 else None
+    return {"src": src.name, "rc": res.returncode, "log": res.stdout + res.stderr, "seconds": time.time() - t0,
+            "cmd": " ".join(cmd), "facts": facts}
+
+
+def check_sm90(results: list[dict], smem: dict[int, int] | None) -> tuple[list[dict], list[str], list[str]]:
+    """(rows, problems, report lines) of the compiled sm90 units (compile_sm90's results);
+    smem: {head dim: dynamic shared memory} (sm90_dynamic_smem), None when unknown."""
+    rows, problems, lines = [], [], []
+    # ptxas names the target 'sm_90a'; parse_ptxas reads the number only.
+    entries = [(r, e) for r in results if r["rc"] == 0 for e in parse_ptxas(r["log"].replace("'sm_90a'", "'sm_90'"))]
+    for r in results:
+        if r["rc"] == 0 and not any(x is r for x, _ in entries):
+            problems.append(f"{r['src']}: compiled, but ptxas reported no kernel for sm_90a (empty body?)")
+    names = demangle(sorted({e["mangled"] for _, e in entries}))
+    for r, e in entries:
+        m = re.search(r"mhakern::cuda::sm90::(\w+)<(\w+), (\d+)>", names[e["mangled"]])
+        if m is None:
+            # A kernel of the other family the unit launches too (the split-K combine): it is
+            # checked with that family; here only that it compiles for sm_90a without spilling.
+            kern, dtype, D = short_name(names[e["mangled"]])
+            if e["spill_st"] or e["spill_ld"] or e["stack"]:
+                problems.append(f"{kern}<{dtype}, {D}> sm_90a: spills {e['spill_st']} B / {e['spill_ld']} B")
+            continue
+        kern, dtype, D = m.group(1), {"__half": "fp16", "__nv_bfloat16": "bf16"}.get(m.group(2)), int(m.group(3))
+        f = (r["facts"] or {}).get(e["mangled"])
+        dyn = (smem or {}).get(D, 0)
+        label = f"{kern}<{dtype}, {D}> sm_90a"
+        if f is None:
+            problems.append(f"{label}: no SASS read (cuobjdump missing): HGMMA and local memory unchecked")
+        else:
+            if f["loop_hgmma"] == 0:
+                problems.append(f"{label}: no HGMMA inside any loop of its SASS (wgmma not emitted in the main loop)")
+            if f["local_ins"]:
+                problems.append(f"{label}: {f['local_ins']} local-memory instructions (LDL/STL)")
+            if any(n > 256 for n in f["setmaxnreg"]):
+                problems.append(f"{label}: setmaxnreg target above 256: {f['setmaxnreg']}")
+        if e["spill_st"] or e["spill_ld"] or e["stack"]:
+            problems.append(f"{label}: spills {e['spill_st']} B / {e['spill_ld']} B, stack {e['stack']} B")
+        if e["regs"] is not None and e["regs"] > SM90_MAX_REGS:
+            problems.append(f"{label}: {e['regs']} registers per thread at launch (> {SM90_MAX_REGS})")
+        if smem is None:
+            problems.append(f"{label}: dynamic shared memory not read (the config printer did not build)")
+        elif dyn + e["smem_static"] > SM90_SMEM_LIMIT:
+            problems.append(f"{label}: {dyn + e['smem_static']} B of shared memory (> {SM90_SMEM_LIMIT})")
+        e.update(kernel=kern, dtype=dtype, D=D, smem_dynamic=dyn, sass=f, src=r["src"])
+        rows.append(e)
+        if f is not None:
+            top = ", ".join(f"{k} {v}" for k, v in list(f["loop_mix"].items())[:8])
+            lines.append(f"{kern}<{dtype}, {D}> sm_90a: {e['regs']} regs at launch, setmaxnreg {f['setmaxnreg']}, "
+                         f"smem {e['smem_static']} + {dyn} B, local-memory instructions {f['local_ins']}, "
+                         f"TMA loads {f['tma_loads']}; main loop {f['loop_instructions']} instructions with "
+                         f"{f['loop_hgmma']} HGMMA (of {f['hgmma_total']}): {top}")
+    return rows, problems, lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--arch", default="80,90", help="comma-separated SM versions (default 80,90)")
-    ap.add_argument("--only", default="", help="comma-separated .cu stems without 'attn_' (e.g. fwd_fp16_d64)")
+    ap.add_argument("--only", default="", help="comma-separated .cu stems without 'attn_' (e.g. fwd_fp16_d64), or 'sm90' for the sm90 family only")
     ap.add_argument("--allow-spills", action="store_true", help="report main-kernel spills without failing")
     ap.add_argument("--no-host", action="store_true", help="skip the syntax check of csrc/cuda_host.cpp")
+    ap.add_argument("--no-sm90", action="store_true", help="skip the sm_90a family (csrc/cuda/sm90/)")
     ap.add_argument("--json", default="", help="also write the results as JSON to this path")
     args = ap.parse_args(argv)
 
@@ -281,7 +443,10 @@ def main(argv=None) -> int:
     include = cuda_include(nvcc)
     cuobjdump = find_cuobjdump(nvcc)
     sources = sorted(CUDA_DIR.glob("*.cu"))
-    if args.only:
+    only_sm90 = args.only.strip() == "sm90"
+    if only_sm90:
+        sources = []
+    elif args.only:
         wanted = {f"attn_{s.strip()}" for s in args.only.split(",") if s.strip()}
         sources = [s for s in sources if s.stem in wanted]
         if len(sources) != len(wanted):
@@ -315,6 +480,8 @@ def main(argv=None) -> int:
         # Largest first (the backward files take longest): the pool drains evenly.
         ordered = sorted(sources, key=lambda s: ("bwd" not in s.name, s.name))
         jobs = [pool.submit(compile_unit, nvcc, s, archs, Path(tmp), cuobjdump) for s in ordered]
+        sm90_sources = [] if args.no_sm90 or (args.only and not only_sm90) else sorted(SM90_DIR.glob("attn_*.cu"))
+        sm90_jobs = [pool.submit(compile_sm90, nvcc, s, Path(tmp), cuobjdump) for s in sm90_sources]
         for fut in jobs:
             r = fut.result()
             if r["rc"] != 0:
@@ -325,6 +492,8 @@ def main(argv=None) -> int:
                 local = (r["sass"] or {}).get((e["mangled"], e["arch"]))
                 e["local_ins"], e["local_in_loop"] = local if local else (None, None)
                 entries.append(e)
+        sm90_results = [f.result() for f in sm90_jobs]
+        failed += [r for r in sm90_results if r["rc"] != 0]
         if host_future is not None:
             host = host_future.result()
         elif not args.no_host:
@@ -388,6 +557,14 @@ def main(argv=None) -> int:
     if host[0] == "FAILED":
         print(host[1], file=sys.stderr)
 
+    sm90_smem = sm90_dynamic_smem(include) if include is not None and sm90_results else None
+    sm90_rows, sm90_problems, sm90_lines = check_sm90(sm90_results, sm90_smem)
+    problems += sm90_problems
+    if sm90_lines:
+        print("\nsm90 family (-gencode=arch=compute_90a,code=sm_90a), main loop = the SASS loop holding the HGMMA:")
+        for ln in sm90_lines:
+            print("  " + ln)
+
     def tolerated(p: str) -> bool:
         return args.allow_spills and ("spills" in p or "hot-loop" in p)
 
@@ -396,13 +573,13 @@ def main(argv=None) -> int:
         print(("WARNING: " if tolerated(p) else "ERROR: ") + p)
     print("columns: bytes per thread (spill, stack), bytes per block (smem); 'LDL/STL in loop' = local-memory "
           "instructions inside a SASS loop / in the whole kernel")
-    n_units = len(sources)
+    n_units = len(sources) + len(sm90_sources)
     print(f"\ncheck_cuda_build: {n_units - len(failed)}/{n_units} files compiled for sm_{', sm_'.join(map(str, archs))}, "
-          f"{len(entries)} kernel builds, "
+          f"{len(entries) + len(sm90_rows)} kernel builds, "
           f"{elapsed:.0f} s wall, {'PASSED' if ok else 'FAILED'}")
     if args.json:
         Path(args.json).write_text(json.dumps({"passed": ok, "seconds": elapsed, "failed": [f["src"] for f in failed],
-                                               "host_syntax": host[0], "kernels": entries}, indent=1))
+                                               "host_syntax": host[0], "kernels": entries, "sm90": sm90_rows}, indent=1))
     return 0 if ok else 1
 
 

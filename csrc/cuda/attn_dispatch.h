@@ -47,5 +47,40 @@ inline cudaError_t dispatch_attn_bwd(ElemType t, int D, const BwdParams& p, cuda
   return cudaErrorInvalidValue;
 }
 
+// ---- the sm90 family (csrc/cuda/sm90/, capabilities.h) ---------------------------------------
+#define MHK_DECLARE_SM90_INSTANCE_(tag, D) cudaError_t run_attn_fwd_sm90_##tag##_d##D(const FwdParams& p, cudaStream_t s);
+MHK_SM90_FOR_EACH_INSTANCE(MHK_DECLARE_SM90_INSTANCE_)
+#undef MHK_DECLARE_SM90_INSTANCE_
+
+inline cudaError_t dispatch_attn_fwd_sm90(ElemType t, int D, const FwdParams& p, cudaStream_t s) {
+#define MHK_FWD_SM90_CASE_(tag, DD) \
+  if (t == ElemType::tag && D == DD) return run_attn_fwd_sm90_##tag##_d##DD(p, s);
+  MHK_SM90_FOR_EACH_INSTANCE(MHK_FWD_SM90_CASE_)
+#undef MHK_FWD_SM90_CASE_
+  return cudaErrorInvalidValue;
+}
+
+enum class FwdFamily : int { mma_sync = 0, sm90 = 1 };
+
+// Which family runs a forward call (params filled, splits planned) on a device of compute
+// capability major.minor. sm90_compiled: the build has the sm_90a pass (MHAKERN_WITH_SM90A).
+// The sm90 family takes a call only where it implements all of it: a 9.0 device (sm_90a code
+// runs there only), its head dims (both dtypes; split-K included), no mode (mask, dropout,
+// window, top-left), and K/V strides a tensor map can describe (a broadcast dim of stride 0
+// cannot be).
+inline FwdFamily choose_fwd_family(int major, int minor, bool sm90_compiled, const FwdParams& p) {
+  if (!sm90_compiled || major != caps::kSm90CapabilityMajor || minor != caps::kSm90CapabilityMinor)
+    return FwdFamily::mma_sync;
+  if (!caps::sm90_head_dim_supported(p.D) || p.num_splits < 1) return FwdFamily::mma_sync;
+  if (p.mask != nullptr || p.dropout_p > 0.0 || p.top_left || p.window_left >= 0 || p.window_right >= 0)
+    return FwdFamily::mma_sync;
+  const HeadStrides* kv[2] = {&p.k_stride, &p.v_stride};
+  for (const HeadStrides* st : kv) {
+    if ((p.Lk > 1 && st->row == 0) || (p.Hkv > 1 && st->head == 0) || (p.B > 1 && st->batch == 0))
+      return FwdFamily::mma_sync;
+  }
+  return FwdFamily::sm90;
+}
+
 }  // namespace cuda
 }  // namespace mhakern

@@ -141,6 +141,10 @@ struct State {
   std::vector<int> order;
   // Global memory that cp.async may read (empty: unchecked); [begin, end) byte ranges.
   std::vector<std::pair<uintptr_t, uintptr_t>> readable;
+  // sm_90 features (cuda_emu_sm90.h): reset at each block. Opaque here so that this header
+  // stays independent of them; sm90_block_start / sm90_step are set by cuda_emu_sm90.h.
+  void (*sm90_block_start)() = nullptr;  // called before a block's fibers start
+  void (*sm90_step)() = nullptr;         // random schedule: after each fiber slice (lands copies)
 };
 
 inline State& state() {
@@ -187,7 +191,15 @@ inline void set_schedule(int random, uint64_t seed) {
 
 inline int thread_index() { return state().current; }
 inline int64_t block_index() { return state().block; }
-inline unsigned char* dynamic_smem() { return state().smem.data(); }
+// The block's dynamic shared memory starts 1024-byte aligned, as the sm_90 kernels declare it
+// (the 128-byte swizzle of TMA and wgmma repeats every 1024 bytes of the shared address space;
+// the emulator's "shared address" of a byte is its offset from this base).
+constexpr uintptr_t kSmemAlign = 1024;
+inline unsigned char* dynamic_smem() {
+  unsigned char* p = state().smem.data();
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  return p + ((kSmemAlign - a % kSmemAlign) % kSmemAlign);
+}
 
 // Back to the scheduler. A fiber resumed after an error never runs on: the scheduler stops a
 // block at its first error, so this never returns then (its stack is reset at the next launch).
@@ -667,7 +679,9 @@ inline void launch(std::function<void()> body, int64_t grid, int threads, int sm
   s.order.resize(threads);
   for (int64_t blk = 0; blk < grid && s.error.empty(); ++blk) {
     s.block = blk;
-    s.smem.assign(static_cast<size_t>(smem_bytes) + 16, 0xff);  // NaN in every float type
+    // NaN in every float type; room to align the base (dynamic_smem).
+    s.smem.assign(static_cast<size_t>(smem_bytes) + kSmemAlign + 16, 0xff);
+    if (s.sm90_block_start) s.sm90_block_start();
     s.bar_arrived = 0;
     for (int w = 0; w < 32; ++w) s.warp_arrived[w] = 0;
     // The block's random stream depends on the seed and the launch shape only.
@@ -704,6 +718,7 @@ inline void launch(std::function<void()> body, int64_t grid, int threads, int sm
         run_fiber(i);
         if (!s.error.empty()) break;  // the block stops at its first error
         if (s.sched.random && chance(s.sched.p_land_step)) land_one(s.fibers[i]);
+        if (s.sched.random && s.sm90_step && s.error.empty()) s.sm90_step();
         if (!s.fibers[i].done) ++live;
       }
       if (s.error.empty() && live > 0 && s.events == before) {

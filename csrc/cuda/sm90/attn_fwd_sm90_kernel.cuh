@@ -1,0 +1,350 @@
+// Forward attention for sm_90a (Hopper): wgmma, TMA and an mbarrier pipeline, warp-specialised.
+//
+// One CTA per (batch b, kv head hkv, tile of kBlockM = 128 packed query rows), 3 warpgroups:
+//   warpgroup 0, the producer: gives up registers (setmaxnreg.dec 24); one thread streams the
+//     K and V tiles of kBlockN = 128 keys through a kStages = 2 ring of shared-memory stages with
+//     cp.async.bulk.tensor (4-D tensor maps over (D, Lk, Hkv, B), 128-byte swizzle, one box per
+//     64 columns of D), each stage guarded by a "full" mbarrier (transaction bytes) and an
+//     "empty" one (the consumers' arrivals);
+//   warpgroups 1 and 2, the consumers (setmaxnreg.inc 240): 64 query rows each. Per key tile:
+//     S = Q K^T by wgmma m64n128k16 (Q and K from shared memory), the online softmax in fp32
+//     registers (base 2, masked only on tiles that cross a row's visible limit), P converted
+//     in registers into wgmma's A fragment, O += P V by wgmma m64nDk16 (V N-major from shared
+//     memory), then the stage is released. The softmax of one tile runs while the previous
+//     tile's P V is in flight (intra-warpgroup overlap, see the main loop).
+// Q is loaded once by all threads with plain 16-byte loads (its packed rows span query heads, a
+// shape no tensor map describes) into the same swizzled layout, then fence.proxy.async.
+//
+// Semantics are those of the mma.sync family (../attn_params.h): bottom-right causal per batch
+// element, key_lengths clamped into [0, Lk], the query heads of a GQA/MQA group packed into rows
+// (r = (h - hkv * group) * Lq + i), lse in natural log, rows that see no key give 0 and -inf.
+// Key tiles past every row's visible limit are never loaded (causal tiles skipped).
+//
+// Split-K (long keys, few query tiles): CTA `split` of num_splits takes an equal share of the
+// key tiles and writes fp32 partials (o_partial, lse_partial of ../attn_params.h), merged by
+// the mma.sync family's combine kernel (../attn_fwd_kernel.cuh), which only reads them.
+//
+// The two consumer warpgroups take turns issuing their products (ping-pong, named barriers).
+//
+// Not done here: the modes of docs/contract.md and the backward (the mma.sync family serves
+// those), head dim 256, more than 2 stages. The host uses this family only where it serves the call.
+#pragma once
+
+#include "../attn_params.h"
+#include "primitives_sm90.cuh"
+
+namespace mhakern {
+namespace cuda {
+namespace sm90 {
+
+template <int D>
+struct FwdConfigSm90 {
+  static_assert(D == 64 || D == 128, "the sm90 forward is instantiated for head dims 64 and 128");
+  static constexpr int kBlockM = 128;  // packed query rows per CTA (2 consumer warpgroups x 64)
+  static constexpr int kBlockN = 128;  // keys per pipeline stage
+  static constexpr int kStages = 2;
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  // Register plan (setmaxnreg): 128 x 24 + 256 x 240 = 64512 <= 65536, one CTA per SM.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static constexpr int kPanels = D / 64;        // 128-byte (64-element) column panels of D
+  static constexpr int kPanelBytesQ = kBlockM * 128;
+  static constexpr int kPanelBytesKV = kBlockN * 128;
+  static constexpr int kQBytes = kPanels * kPanelBytesQ;
+  static constexpr int kTileBytes = kPanels * kPanelBytesKV;  // one K or V stage
+  static constexpr int kOffK = kQBytes;
+  static constexpr int kOffV = kOffK + kStages * kTileBytes;
+  static constexpr int kOffBar = kOffV + kStages * kTileBytes;
+  static constexpr int kSmemBytes = kOffBar + 2 * kStages * 8;
+  // What the launch asks for: room to round the base up to 1024 bytes, the period of the 128B
+  // swizzle that TMA writes and wgmma reads (the declared alignment of dynamic shared memory
+  // is not a guarantee of it).
+  static constexpr int kSmemAlloc = kSmemBytes + 1024;
+  // Named barriers of the consumers' ping-pong (0 is __syncthreads): consumer c waits on
+  // kBarTurn + c for its turn to issue wgmma.
+  static constexpr int kBarTurn = 1;
+  static_assert(kSmemAlloc <= 227 * 1024, "sm_90 allows 227 KB of shared memory per block");
+};
+
+// The kernel's parameters: the common forward fields and the tensor maps of K and V (in the
+// kernel parameter space: __grid_constant__, so TMA may read them where they are).
+struct FwdParamsSm90 {  // CUtensorMap is 64-byte aligned, so is this
+  TensorMap tma_k;
+  TensorMap tma_v;
+  FwdParams p;
+};
+
+template <typename Elem, int D>
+__global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
+    attn_fwd_sm90_kernel(const MHK_GRID_CONSTANT FwdParamsSm90 P) {
+#if MHK_SM90_ENABLED
+  using Cfg = FwdConfigSm90<D>;
+  using Tr = ElemTraits<Elem>;
+  constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN;
+  const FwdParams& p = P.p;
+  MHK_DYNAMIC_SMEM(smem_raw);
+  unsigned char* smem = smem_raw + (1024 - shared_u32(smem_raw) % 1024) % 1024;
+  const int tid = thread_index();
+
+  const int group_rows = p.group * p.Lq;
+  const int n_mtiles = ceil_div(group_rows, BM);
+  int64_t bid = block_index();
+  const int split = static_cast<int>(bid % p.num_splits);
+  bid /= p.num_splits;
+  const int mt = static_cast<int>(bid % n_mtiles);
+  bid /= n_mtiles;
+  const int hkv = static_cast<int>(bid % p.Hkv);
+  const int b = static_cast<int>(bid / p.Hkv);
+  const int r0 = mt * BM;
+  const int Lk_b = key_length_of(p, b);
+
+  // Key tiles: [0, n_tiles) reach the largest visible limit of the tile's rows; tiles that end
+  // at or before the smallest limit need no mask.
+  int i_lo, i_hi;
+  tile_query_range(r0, imin(BM, group_rows - r0), p.Lq, i_lo, i_hi);
+  const int lim_max = visible_limit(i_hi, Lk_b, p.Lq, p.causal);
+  const int lim_min = visible_limit(i_lo, Lk_b, p.Lq, p.causal);
+  const int n_all = lim_max > 0 ? ceil_div(lim_max, BN) : 0;
+  // Split-K: this CTA's share of the tiles, [t0, t0 + n_tiles) (possibly none: its partial is
+  // then 0 with lse -inf, which the combine weighs away).
+  const int per_split = ceil_div(n_all, p.num_splits);
+  const int t0 = imin(n_all, split * per_split);
+  const int n_tiles = imin(n_all, t0 + per_split) - t0;
+
+  unsigned char* sQ = smem;
+  unsigned char* sK = smem + Cfg::kOffK;
+  unsigned char* sV = smem + Cfg::kOffV;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kOffBar);
+  uint64_t* empty = full + Cfg::kStages;
+
+  if (tid == 0) {
+    for (int s = 0; s < Cfg::kStages; ++s) {
+      mbar_init(&full[s], 1);                        // the producer's arrive.expect_tx
+      mbar_init(&empty[s], Cfg::kConsumers * 128);   // every consumer thread
+    }
+    fence_barrier_init();
+  }
+
+  // Q: 16-byte chunks of packed rows into the 128-byte swizzled panels; rows past the group are
+  // zeros (their results are never stored).
+  {
+    const Elem* q = static_cast<const Elem*>(p.q);
+    constexpr int kChunks = D / 8;
+    for (int c = tid; c < BM * kChunks; c += Cfg::kThreads) {
+      const int row = c / kChunks, ch = c % kChunks;
+      const int r = r0 + row;
+      uint4 val = make_uint4(0, 0, 0, 0);
+      if (r < group_rows) {
+        const Elem* src = q + packed_row_offset(p.q_stride, b, hkv, p.group, p.Lq, r) + ch * 8;
+        val = *reinterpret_cast<const uint4*>(src);
+      }
+      const int panel = ch / 8, cc = ch % 8;
+      *reinterpret_cast<uint4*>(sQ + panel * Cfg::kPanelBytesQ + row * 128 + ((cc ^ (row % 8)) * 16)) = val;
+    }
+  }
+  fence_proxy_async();  // the generic-proxy stores of Q, before wgmma (async proxy) reads them
+  block_sync();         // Q stored and the barriers initialised, for every warpgroup
+
+  const int wg = tid / 128;
+  if (wg == 0) {
+    // ---- producer ----
+    setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (tid == 0) {
+      for (int it = 0; it < n_tiles; ++it) {  // `it` counts this CTA's tiles from t0
+        const int s = it % Cfg::kStages;
+        // Wait until the consumers released this stage's previous use (passes at once on the
+        // first round: a fresh barrier's phase of parity 1 counts as complete).
+        mbar_wait(&empty[s], ((it / Cfg::kStages) & 1) ^ 1);
+        mbar_arrive_expect_tx(&full[s], 2 * Cfg::kTileBytes);
+        for (int pn = 0; pn < Cfg::kPanels; ++pn) {
+          tma_load_4d(sK + s * Cfg::kTileBytes + pn * Cfg::kPanelBytesKV, &P.tma_k, pn * 64, (t0 + it) * BN, hkv, b, &full[s]);
+          tma_load_4d(sV + s * Cfg::kTileBytes + pn * Cfg::kPanelBytesKV, &P.tma_v, pn * 64, (t0 + it) * BN, hkv, b, &full[s]);
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- consumers ----
+  setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const int cw = wg - 1;
+  const int t128 = tid % 128, warp = t128 / 32, lane = t128 % 32, g = lane / 4, t = lane % 4;
+  // This thread's two rows (accumulator rows g and g + 8 of its warp's 16).
+  int lim[2];
+  int rows[2];
+  for (int h = 0; h < 2; ++h) {
+    rows[h] = r0 + cw * 64 + warp * 16 + g + 8 * h;
+    lim[h] = rows[h] < group_rows ? visible_limit(rows[h] % p.Lq, Lk_b, p.Lq, p.causal) : 0;
+  }
+  float o[D / 2];
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY};
+  float l[2] = {0.f, 0.f};
+  const float sl2 = p.scale_log2;
+
+  // Intra-warpgroup overlap: each step issues S = Q K^T of tile `it` and O += P V of tile
+  // it - 1 as two commit groups, waits for the first only (wait_group 1), and masks and
+  // exponentiates tile `it` while the tensor cores still run the previous tile's P V. O is
+  // rescaled by this tile's alpha once that P V has landed (wait_group 0), which also frees the
+  // previous tile's stage. The last tile's P V follows the loop.
+  uint32_t pa[BN / 16][4];  // P of the previous tile in wgmma's A fragment
+  // O += P V of the tile in stage s: P's accumulator fragment (two n8 chunks per k16 step) is
+  // the A fragment; V's rows are keys (K of this product) in 64-element panels of D (N): 8 keys
+  // per 1024-byte atom (SBO), one panel to the next (LBO).
+  auto issue_pv = [&](int s) {
+    MHK_UNROLL
+    for (int ks = 0; ks < BN / 16; ++ks) {
+      const uint64_t db = desc_bits(shared_u32(sV + s * Cfg::kTileBytes + ks * 16 * 128), Cfg::kPanelBytesKV, 1024);
+      wgmma_rs_tb<D, Elem>(o, pa[ks], db);
+    }
+  };
+
+  // S = Q K^T of the tile in stage s (one commit group's worth of wgmma).
+  auto issue_s = [&](float (&sc)[BN / 2], int s) {
+    MHK_UNROLL
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const int pn = kk / 4, off = (kk % 4) * 32;  // 16 elements of D = 32 bytes inside a 128-byte row
+      const uint64_t da = desc_bits(shared_u32(sQ + pn * Cfg::kPanelBytesQ + cw * 64 * 128 + off), 16, 1024);
+      const uint64_t db = desc_bits(shared_u32(sK + s * Cfg::kTileBytes + pn * Cfg::kPanelBytesKV + off), 16, 1024);
+      wgmma_ss<BN, Elem>(sc, da, db, kk > 0 ? 1 : 0);
+    }
+  };
+  // Mask (only where the tile crosses a row's visible limit) and exponentiate tile t0 + it in
+  // place, updating m and l; alpha = exp2(m_old - m_new) rescales what O holds so far.
+  // Base 2. A row with every key so far hidden keeps m = -inf and exponentiates against 0, so
+  // that exp2(-inf - 0) = 0 instead of NaN.
+  auto softmax = [&](float (&sc)[BN / 2], int it, float (&alpha)[2]) {
+    // Scaled first, masked after: a hidden key is -inf whatever the sign of the scale.
+    MHK_UNROLL
+    for (int i = 0; i < BN / 2; ++i) sc[i] *= sl2;
+    const int n0 = (t0 + it) * BN;
+    if (n0 + BN > lim_min) {
+      MHK_UNROLL
+      for (int i = 0; i < BN / 2; ++i) {
+        const int col = n0 + 8 * (i / 4) + 2 * t + (i % 2);
+        if (col >= lim[(i % 4) / 2]) sc[i] = -INFINITY;
+      }
+    }
+    float m_use[2];
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+      MHK_UNROLL
+      for (int i = 0; i < BN / 2; ++i)
+        if ((i % 4) / 2 == h) mx = fmaxf(mx, sc[i]);
+      mx = quad_max(mx);
+      const float m_new = fmaxf(m[h], mx);
+      m_use[h] = m_new == -INFINITY ? 0.f : m_new;
+      alpha[h] = fast_exp2(m[h] - m_use[h]);
+      m[h] = m_new;
+    }
+    float rs[2] = {0.f, 0.f};
+    MHK_UNROLL
+    for (int i = 0; i < BN / 2; ++i) {
+      const int h = (i % 4) / 2;
+      sc[i] = fast_exp2(sc[i] - m_use[h]);
+      rs[h] += sc[i];
+    }
+    for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + rs[h];
+  };
+  auto pack_p = [&](const float (&sc)[BN / 2]) {
+    MHK_UNROLL
+    for (int ks = 0; ks < BN / 16; ++ks) {
+      pa[ks][0] = Tr::pack2(sc[8 * ks + 0], sc[8 * ks + 1]);
+      pa[ks][1] = Tr::pack2(sc[8 * ks + 2], sc[8 * ks + 3]);
+      pa[ks][2] = Tr::pack2(sc[8 * ks + 4], sc[8 * ks + 5]);
+      pa[ks][3] = Tr::pack2(sc[8 * ks + 6], sc[8 * ks + 7]);
+    }
+  };
+
+  // Ping-pong: the two consumer warpgroups take turns issuing their wgmma batches, so that the
+  // tensor cores run one warpgroup's products while the other does its softmax. A turn is
+  // taken (bar.sync on its own barrier, with the other's arrival: 256 threads) right before a
+  // batch and passed (bar.arrive on the other's) right after issuing it. Both make the same
+  // number of batches (n_tiles + 1); consumer 1 passes first so that consumer 0 starts.
+  auto take_turn = [&] { named_bar_sync(Cfg::kBarTurn + cw, 2 * 128); };
+  auto pass_turn = [&] { named_bar_arrive(Cfg::kBarTurn + (1 - cw), 2 * 128); };
+  if (cw == 1) pass_turn();
+
+  // The first tile on its own (O is still 0), so that the loop body has no branch around its
+  // wgmma: ptxas serialises every wgmma of a loop whose pipeline it cannot follow.
+  if (n_tiles > 0) {
+    mbar_wait(&full[0], 0);
+    float sc[BN / 2];
+    float alpha[2];
+    take_turn();
+    wgmma_fence();
+    issue_s(sc, 0);
+    wgmma_commit();
+    pass_turn();
+    wgmma_wait<0>();
+    softmax(sc, 0, alpha);
+    pack_p(sc);
+  }
+  for (int it = 1; it < n_tiles; ++it) {
+    const int s = it % Cfg::kStages;
+    const int s_prev = (it - 1) % Cfg::kStages;
+    mbar_wait(&full[s], (it / Cfg::kStages) & 1);
+    float sc[BN / 2];
+    float alpha[2];
+    take_turn();
+    wgmma_fence();  // one fence for the batch: o was rescaled and pa written since the last wait
+    issue_s(sc, s);
+    wgmma_commit();
+    issue_pv(s_prev);
+    wgmma_commit();
+    pass_turn();
+    wgmma_wait<1>();  // S of this tile is complete; the previous tile's P V may still run
+    softmax(sc, it, alpha);
+    wgmma_wait<0>();              // the previous tile's P V has landed in o
+    mbar_arrive(&empty[s_prev]);  // and its stage is free
+    MHK_UNROLL
+    for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i % 4) / 2];
+    pack_p(sc);
+  }
+  if (n_tiles > 0) {
+    const int s_last = (n_tiles - 1) % Cfg::kStages;
+    take_turn();
+    wgmma_fence();
+    issue_pv(s_last);
+    wgmma_commit();
+    pass_turn();
+    wgmma_wait<0>();
+    mbar_arrive(&empty[s_last]);
+  }
+
+  // ---- epilogue: normalise, store O and lse (or this split's fp32 partials) ----
+  Elem* out = static_cast<Elem*>(p.o);
+  const int64_t n_rows = static_cast<int64_t>(p.B) * p.H * p.Lq;
+  for (int h = 0; h < 2; ++h) {
+    const float lsum = quad_sum(l[h]);
+    const int r = rows[h];
+    if (r >= group_rows) continue;
+    const bool seen = lsum > 0.f;
+    const float inv = seen ? 1.f / lsum : 0.f;
+    const float lse = seen ? (m[h] + log2f(lsum)) * kLn2 : -INFINITY;
+    const int64_t lin = packed_row_linear(b, p.H, hkv, p.group, p.Lq, r);
+    if (p.num_splits > 1) {
+      float* dst = p.o_partial + (split * n_rows + lin) * D;
+      MHK_UNROLL
+      for (int j = 0; j < D / 8; ++j) {
+        dst[8 * j + 2 * t] = o[4 * j + 2 * h] * inv;
+        dst[8 * j + 2 * t + 1] = o[4 * j + 2 * h + 1] * inv;
+      }
+      if (t == 0) p.lse_partial[split * n_rows + lin] = lse;
+    } else {
+      Elem* dst = out + packed_row_offset(p.o_stride, b, hkv, p.group, p.Lq, r);
+      MHK_UNROLL
+      for (int j = 0; j < D / 8; ++j) {
+        const uint32_t v = Tr::pack2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+        *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * t) = v;
+      }
+      if (t == 0) p.lse[lin] = lse;
+    }
+  }
+#endif  // MHK_SM90_ENABLED
+}
+
+}  // namespace sm90
+}  // namespace cuda
+}  // namespace mhakern

@@ -1,0 +1,372 @@
+"""The sm_90a (Hopper) CUDA family, checked without a GPU (issue 13).
+
+* The emulated sm_90 instructions (csrc/cuda/emulation/cuda_emu_sm90.h) against plain loops:
+  TMA loads into 128-byte swizzled tiles, then wgmma from shared-memory descriptors (K-major A
+  and B) or with A in registers and B N-major, must give the plain product; a wgmma without
+  wgmma.fence, an mbarrier whose transaction count never reaches zero, a setmaxnreg plan over
+  the register file, a named barrier nobody arrives at and one named with two thread counts
+  are errors.
+* The forward kernels (csrc/cuda/sm90/, every instantiation) under the emulator's seeded random
+  schedule, on the hard cases and on shapes that wrap the two-stage K/V ring, cross the causal
+  diagonal in several query tiles and straddle heads with packed GQA rows, split-K, negative
+  and zero scales, against the float64 reference by the project's tolerance rule. Tensors sit in NaN-padded buffers: a read outside
+  them poisons the result, a write outside them is detected.
+* The family choice by compute capability (faked capabilities).
+
+What emulation cannot show (speed, register allocation, whether the hardware matches the
+documented layouts) is for tools/check_cuda_build.py (SASS) and a GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from attn_testing import HARD_CASES, case_id, check_against_reference, make_inputs
+from test_cuda_host import (
+    CUDA_SRC,
+    ELEM,
+    FLAGS,
+    _generator,
+    _ptr,
+    _sources_digest,
+    _st,
+    cuda_include_dir,
+    missing_toolchain,
+    padded,
+    padded_empty,
+    use_random_schedule,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+SM90_INSTANCES = _generator().sm90_instances((ROOT / "csrc" / "capabilities.h").read_text())
+SM90_DIMS = tuple(sorted({d for _, d in SM90_INSTANCES}))
+TAG = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+SMEM_LIMIT_SM90 = 227 * 1024
+UNITS = ("emu_entry.cpp", "emu_schedule.cpp", "emu_sm90_entry.cpp")
+
+
+def build_sm90(cache_dir: Path) -> Path:
+    inc = cuda_include_dir()
+    # The directory tests/test_cuda_host.py builds in: the runtime objects are shared.
+    out = cache_dir / _sources_digest(FLAGS + [str(inc)])
+    out.mkdir(parents=True, exist_ok=True)
+    units = [CUDA_SRC / "emulation" / u for u in UNITS]
+    units += [CUDA_SRC / "sm90" / f"attn_fwd_sm90_{t}_d{d}.cu" for t, d in SM90_INSTANCES]
+
+    def compile_one(src: Path) -> Path:
+        obj = out / (src.name + ".o")
+        if not obj.exists():
+            tmp = obj.with_suffix(f".{os.getpid()}.tmp")
+            res = subprocess.run(["g++", *FLAGS, f"-I{inc}", "-x", "c++", "-c", str(src), "-o", str(tmp)],
+                                 capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"emulator build failed for {src.name}:\n{res.stderr[-4000:]}")
+            os.replace(tmp, obj)
+        return obj
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        objs = list(pool.map(compile_one, units))
+    lib = out / "libmhk_emu_sm90.so"
+    if not lib.exists():
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        res = subprocess.run(["g++", "-shared", "-o", str(tmp), *map(str, objs), "-ldl"], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"emulator link failed:\n{res.stderr[-4000:]}")
+        os.replace(tmp, lib)
+    return lib
+
+
+class Sm90Emulator:
+    def __init__(self, path: Path):
+        self.lib = lib = ctypes.CDLL(str(path))
+        lib.mhk_emu_last_error.restype = ctypes.c_char_p
+        lib.mhk_emu_configure.argtypes = [ctypes.c_int, ctypes.c_longlong]
+        lib.mhk_emu_schedule.argtypes = [ctypes.c_int, ctypes.c_ulonglong]
+        lib.mhk_emu_guard_reads.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        lib.mhk_sm90_selftest_wgmma.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 3
+        lib.mhk_emu_fwd_family.argtypes = [ctypes.c_int] * 7 + [ctypes.c_longlong]
+
+    def error(self) -> str:
+        return self.lib.mhk_emu_last_error().decode()
+
+    def schedule(self, seed) -> None:
+        self.lib.mhk_emu_schedule(0 if seed is None else 1, 0 if seed is None else seed)
+
+    def forward(self, q, k, v, scale, causal, key_lengths, splits=1):
+        B, H, Lq, D = q.shape
+        Hkv, Lk = k.shape[1], k.shape[2]
+        out, guard = padded_empty(q)
+        lse = torch.full((B, H, Lq), float("nan"))
+        o_part = torch.full((splits, B, H, Lq, D), float("nan")) if splits > 1 else None
+        l_part = torch.full((splits, B, H, Lq), float("nan")) if splits > 1 else None
+        # TMA may read only k and v's buffers (their padding included: a box may cover it).
+        bufs = [k, v]
+        begin = (ctypes.c_ulonglong * 2)(*[x.untyped_storage().data_ptr() for x in bufs])
+        end = (ctypes.c_ulonglong * 2)(*[x.untyped_storage().data_ptr() + x.untyped_storage().nbytes() for x in bufs])
+        self.lib.mhk_emu_guard_reads(2, begin, end)
+        self.lib.mhk_emu_configure(1, SMEM_LIMIT_SM90)
+        rc = self.lib.mhk_emu_sm90_fwd(
+            ELEM[q.dtype], D, _ptr(q), _st(q), _ptr(k), _st(k), _ptr(v), _st(v), _ptr(out), _st(out), _ptr(lse),
+            _ptr(key_lengths), B, H, Hkv, Lq, Lk, ctypes.c_float(scale), int(causal), splits, _ptr(o_part),
+            _ptr(l_part))
+        self.lib.mhk_emu_guard_reads(0, None, None)
+        if rc != 0:
+            raise RuntimeError(f"emulated sm90 forward: {self.error()}")
+        guard.check("out")
+        return out, lse
+
+
+@pytest.fixture(scope="module")
+def emu(request):
+    why = missing_toolchain()
+    if why:
+        pytest.skip(why)
+    e = Sm90Emulator(build_sm90(Path(request.config.cache.mkdir("mhakern_cuda_emu"))))
+    yield e
+    e.schedule(None)
+
+
+@pytest.fixture
+def rnd(emu, request):
+    use_random_schedule(emu, request.node.nodeid)
+    yield emu
+    emu.schedule(None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The emulated instructions against plain loops
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [None, 5])
+@pytest.mark.parametrize("variant", [0, 1], ids=["ss-kmajor", "rs-nmajor"])
+@pytest.mark.parametrize("N", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tma_then_wgmma_is_the_plain_product(emu, variant, N, dtype, seed):
+    g = torch.Generator().manual_seed(N + variant)
+    A = torch.randn(64, 64, generator=g).to(dtype)
+    # variant 0: B is (N, 64) with K inner, D = A B^T; variant 1: B is (64, N), D = A B
+    B = torch.randn(N, 64, generator=g).to(dtype) if variant == 0 else torch.randn(64, N, generator=g).to(dtype)
+    out = torch.full((64, N), float("nan"))
+    emu.schedule(seed)
+    rc = emu.lib.mhk_sm90_selftest_wgmma(variant, ELEM[dtype], N, _ptr(A), _ptr(B), _ptr(out))
+    assert rc == 0, emu.error()
+    want = A.double() @ (B.double().T if variant == 0 else B.double())
+    # fp32 accumulation of 64 exact products: far below 1e-4 of the magnitudes here
+    assert torch.allclose(out.double(), want, atol=1e-4, rtol=1e-5), (out.double() - want).abs().max()
+
+
+def test_wgmma_without_fence_is_an_error(emu):
+    A = torch.zeros(64, 64, dtype=torch.float16)
+    B = torch.zeros(64, 64, dtype=torch.float16)
+    out = torch.zeros(64, 64)
+    emu.schedule(None)
+    assert emu.lib.mhk_sm90_selftest_wgmma(2, 0, 64, _ptr(A), _ptr(B), _ptr(out)) == 1
+    assert "without a wgmma.fence" in emu.error()
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+def test_mbarrier_waits_for_every_transaction_byte(emu, seed):
+    # The barrier is told 16 bytes fewer than the copies bring: its count goes negative, the
+    # phase never completes, and the waiters are a deadlock, not a pass.
+    A = torch.zeros(64, 64, dtype=torch.float16)
+    B = torch.zeros(64, 64, dtype=torch.float16)
+    out = torch.zeros(64, 64)
+    emu.schedule(seed)
+    assert emu.lib.mhk_sm90_selftest_wgmma(3, 0, 64, _ptr(A), _ptr(B), _ptr(out)) == 1
+    assert "deadlock" in emu.error()
+
+
+def test_setmaxnreg_checks_the_register_plan(emu):
+    f = emu.lib.mhk_sm90_selftest_setmaxnreg
+    # the forward's plan: 3 warpgroups from 168, producer to 24, consumers to 240
+    assert f(3, 168, 24, 240) == 0, emu.error()
+    # every consumer at 240 and no producer dec: 384 x 240 > 65536 can never be granted
+    assert f(3, 168, 240, 240) == 1 and "deadlock" in emu.error()
+    assert f(1, 168, 100, 100) == 1 and "multiple of 8" in emu.error()
+    assert f(1, 168, 200, 200) == 0, emu.error()
+
+
+@pytest.mark.parametrize("seed", [None, 9])
+def test_named_barriers(emu, seed):
+    emu.schedule(seed)
+    assert emu.lib.mhk_sm90_selftest_named(0) == 0, emu.error()
+    assert emu.lib.mhk_sm90_selftest_named(1) == 1 and "deadlock" in emu.error() and "bar.sync" in emu.error()
+    assert emu.lib.mhk_sm90_selftest_named(2) == 1 and "different thread counts" in emu.error()
+    emu.schedule(None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward kernels against the float64 reference
+# ---------------------------------------------------------------------------------------------
+
+
+def sm90_attention(emu: Sm90Emulator, splits: int = 1):
+    def fn(q, k, v, *, causal=False, key_lengths=None, scale=None, return_lse=False):
+        D = q.shape[-1]
+        scale = 1.0 / D**0.5 if scale is None else float(scale)
+        kl = None if key_lengths is None else key_lengths.to(torch.int32).contiguous()
+        out, lse = emu.forward(padded(q), padded(k), padded(v), scale, causal, kl, splits)
+        out = out.clone()
+        return (out, lse) if return_lse else out
+
+    return fn
+
+
+def _run(emu, case, dtype, layout="bhld", scale_inputs=1.0, scale=None, splits=1):
+    B, H, Hkv, Lq, Lk, D, Dv, causal, kl = case
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype=dtype, layout=layout, scale_inputs=scale_inputs)
+    kl_t = None if kl is None else torch.tensor(kl, dtype=torch.int32)
+    check_against_reference(sm90_attention(emu, splits), q, k, v, causal, kl_t, scale=scale, grads=False)
+
+
+SM90_HARD = [c for c in HARD_CASES if c[5] == c[6] and c[5] in SM90_DIMS]
+# Each head dim in one dtype here, the other in the shape tests below.
+DTYPE_FOR_D = {d: (torch.bfloat16, torch.float16)[i % 2] for i, d in enumerate(SM90_DIMS)}
+OTHER_DTYPE = {d: torch.float16 if t == torch.bfloat16 else torch.bfloat16 for d, t in DTYPE_FOR_D.items()}
+
+
+@pytest.mark.parametrize("case", SM90_HARD, ids=case_id)
+def test_sm90_forward_hard_cases(rnd, case):
+    _run(rnd, case, DTYPE_FOR_D[case[5]])
+
+
+@pytest.mark.parametrize(
+    "case,layout,scale_inputs",
+    [
+        # 3 query tiles crossing the causal diagonal, 5 key tiles: the 2-stage ring wraps twice,
+        # causal tiles skipped, strided (B, L, H, D) operands, a partial last key tile
+        ((1, 1, 1, 300, 560, 64, 64, True, None), "blhd", 1.0),
+        # GQA: 4 query heads x 45 rows packed and straddling a tile edge, key lengths incl. 0
+        ((2, 8, 2, 45, 300, 128, 128, True, (300, 0)), "bhld", 1.0),
+        # more queries than keys, causal: the leading rows see no key (out 0, lse -inf)
+        ((1, 2, 1, 200, 70, 64, 64, True, (70,)), "bhld", 1.0),
+        # large logits: the online softmax must not overflow
+        ((1, 2, 2, 70, 260, 128, 128, False, None), "blhd", 30.0),
+    ],
+    ids=["ring-wraps-causal-blhd", "gqa-straddle-kl", "rows-without-keys", "large-logits"],
+)
+def test_sm90_forward_shapes(rnd, case, layout, scale_inputs):
+    _run(rnd, case, OTHER_DTYPE[case[5]], layout=layout, scale_inputs=scale_inputs)
+
+
+@pytest.mark.parametrize("scale", [-0.3, 0.0])
+def test_sm90_forward_any_finite_scale(rnd, scale):
+    # A negative or zero scale must still hide masked keys (scaled first, masked after).
+    _run(rnd, (1, 2, 1, 40, 150, 64, 64, True, (150,)), torch.bfloat16, scale=scale)
+
+
+@pytest.mark.parametrize("splits", [3, 5])
+def test_sm90_split_k_combines_through_lse(rnd, splits):
+    # 5 key tiles over 3 or 5 splits; causal with a short key length leaves some splits with no
+    # visible key (lse -inf partials), key length 0 leaves every split empty.
+    _run(rnd, (2, 4, 2, 5, 600, 64, 64, True, (600, 70)), torch.bfloat16, splits=splits)
+    _run(rnd, (1, 4, 4, 3, 560, 128, 128, False, (0,)), torch.float16, splits=splits)
+
+
+def test_sm90_decode_packs_query_heads(rnd):
+    # Lq = 1, 16 query heads over 2 KV heads: each group's 8 rows share one tile.
+    _run(rnd, (3, 16, 2, 1, 150, 64, 64, False, (150, 1, 77)), torch.bfloat16)
+
+
+def test_sm90_forward_is_deterministic_across_schedules(emu):
+    q, k, v = make_inputs(1, 2, 1, 130, 290, 64, 64, dtype=torch.float16)
+    outs = []
+    for seed in (11, 12):
+        emu.schedule(seed)
+        out, lse = emu.forward(padded(q), padded(k), padded(v), 0.125, True, None)
+        outs.append((out.clone(), lse.clone()))
+    emu.schedule(None)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Which family serves a call
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cc,compiled,D,splits,mode,Hkv,head_stride,want",
+    [
+        ((9, 0), 1, 128, 1, 0, 2, 12800, 1),  # Hopper, a call the family serves
+        ((9, 0), 1, 64, 1, 0, 1, 0, 1),       # a single KV head: its stride does not matter
+        ((8, 0), 1, 128, 1, 0, 2, 12800, 0),  # A100: mma.sync
+        ((8, 9), 1, 64, 1, 0, 2, 6400, 0),    # Ada: mma.sync
+        ((10, 0), 1, 64, 1, 0, 2, 6400, 0),   # sm_90a code does not run on 10.0
+        ((9, 0), 0, 64, 1, 0, 2, 6400, 0),    # built without the sm_90a pass
+        ((9, 0), 1, 96, 1, 0, 2, 9600, 0),    # a head dim the family lacks
+        ((9, 0), 1, 64, 4, 0, 2, 6400, 1),    # split-K (the family's own, merged by the combine)
+        ((9, 0), 1, 64, 1, 1, 2, 6400, 0),    # attn_mask
+        ((9, 0), 1, 64, 1, 2, 2, 6400, 0),    # dropout
+        ((9, 0), 1, 64, 1, 3, 2, 6400, 0),    # window
+        ((9, 0), 1, 64, 1, 4, 2, 6400, 0),    # top-left causal
+        ((9, 0), 1, 64, 1, 0, 2, 0, 0),       # K broadcast over heads (stride 0): no tensor map
+    ],
+)
+def test_family_choice_by_compute_capability(emu, cc, compiled, D, splits, mode, Hkv, head_stride, want):
+    assert emu.lib.mhk_emu_fwd_family(cc[0], cc[1], compiled, D, splits, mode, Hkv, head_stride) == want
+
+
+# ---------------------------------------------------------------------------------------------
+# The SASS check of tools/check_cuda_build.py can fail (synthetic SASS; the real compile runs in
+# tests/test_cuda_build.py)
+# ---------------------------------------------------------------------------------------------
+
+_MANGLED = "_ZN7mhakern4cuda4sm9020attn_fwd_sm90_kernelI6__halfLi64EEEvNS1_13FwdParamsSm90E"
+
+
+def _check_tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_cuda_build", ROOT / "tools" / "check_cuda_build.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _sass(body: list[str]) -> str:
+    lines = ["\tcode for sm_90a", f"\t\tFunction : {_MANGLED}"]
+    lines += [f"        /*{16 * i:04x}*/                   {ins} ;" for i, ins in enumerate(body)]
+    return "\n".join(lines)
+
+
+def _ptxas_log(regs=168, spill=0):
+    return (f"ptxas info    : Compiling entry function '{_MANGLED}' for 'sm_90a'\n"
+            f"ptxas info    : Function properties for {_MANGLED}\n"
+            f"    0 bytes stack frame, {spill} bytes spill stores, {spill} bytes spill loads\n"
+            f"ptxas info    : Used {regs} registers, used 1 barriers\n")
+
+
+@pytest.mark.parametrize(
+    "body,regs,smem,needle",
+    [
+        (["USETMAXREG.DEALLOC.CTAPOOL 0x18", "SYNCS.ARRIVE.TRANS64 RZ, [UR4], RZ",
+          "HGMMA.64x64x16.F32 R24, gdesc[UR16], R24, gsb0", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "@!P0 BRA 0x20", "EXIT"],
+         168, 81952, None),
+        # the product outside the loop: the main loop has no HGMMA
+        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24, gsb0", "FADD R1, R2, R3", "@!P0 BRA 0x10", "EXIT"], 168, 81952,
+         "no HGMMA inside any loop"),
+        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24", "STL [R1], R2", "@!P0 BRA 0x00", "EXIT"], 168, 81952,
+         "local-memory instructions"),
+        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24", "@!P0 BRA 0x00", "EXIT"], 168, 240 * 1024, "of shared memory"),
+        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24", "@!P0 BRA 0x00", "EXIT"], 256, 81952, "registers per thread"),
+    ],
+    ids=["good", "hgmma-outside-loop", "local-memory", "smem-over-227KB", "regs-over-255"],
+)
+def test_sass_check_fails_on_each_defect(body, regs, smem, needle):
+    tool = _check_tool()
+    facts = tool.sass_facts_text(_sass(body))
+    result = {"src": "attn_fwd_sm90_fp16_d64.cu", "rc": 0, "log": _ptxas_log(regs), "facts": facts}
+    rows, problems, lines = tool.check_sm90([result], {64: smem})
+    assert len(rows) == 1 and rows[0]["kernel"] == "attn_fwd_sm90_kernel" and rows[0]["D"] == 64
+    if needle is None:
+        assert problems == [], problems
+        assert "1 HGMMA" in lines[0]
+    else:
+        assert any(needle in p for p in problems), problems
