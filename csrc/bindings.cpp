@@ -32,6 +32,11 @@ constexpr bool kWithCuda = true;
 #else
 constexpr bool kWithCuda = false;
 #endif
+#if defined(MHAKERN_WITH_SM90A)
+constexpr bool kWithSm90a = true;
+#else
+constexpr bool kWithSm90a = false;
+#endif
 
 void json_features(std::ostringstream& js, unsigned mask) {
   js << "[";
@@ -62,6 +67,13 @@ std::string capabilities() {
     js << (i ? ", " : "") << '"' << caps::kCudaHeadDims[i] << "\": {\"fwd\": [" << t.fwd_m << ", " << t.fwd_n
        << "], \"dq\": [" << t.dq_m << ", " << t.dq_n << "], \"dkv\": [" << t.dkv_m << ", " << t.dkv_n << "]}";
   }
+  // The sm_90a family (forward only; capabilities.h's sm90 block): compiled when 9.0 was in the
+  // arch list of this build.
+  js << "}, \"sm90\": {\"compiled\": " << (kWithSm90a ? "true" : "false") << ", \"passes\": [\"fwd\"], \"head_dims\": [";
+  for (int i = 0; i < caps::kSm90NumHeadDims; ++i) js << (i ? ", " : "") << caps::kSm90HeadDims[i];
+  js << "], \"capability\": [" << caps::kSm90CapabilityMajor << ", " << caps::kSm90CapabilityMinor
+     << "], \"fwd_tile\": [" << caps::kSm90FwdBlockM << ", " << caps::kSm90FwdBlockN << "], \"stages\": "
+     << caps::kSm90FwdStages;
   js << "}, \"split\": {\"min_blocks_per_split\": " << caps::kMinBlocksPerSplit
      << ", \"max_splits\": " << caps::kMaxSplits << ", \"max_workspace_bytes\": " << caps::kMaxSplitWorkspaceBytes
      << "}, \"features\": ";

@@ -90,6 +90,12 @@ def test_capabilities_is_json_with_both_families():
     assert caps["cpu"]["compiled"] is True and isinstance(caps["cuda"]["compiled"], bool)
     for fam in caps.values():
         assert set(fam["features"]) <= {"attn_mask", "mask_grad", "dropout", "top_left", "window"}
+    # The sm_90a forward family sits inside the cuda block: compiled only with CUDA and 9.0 in
+    # the arch list (never in a CPU-only build), its head dims a subset of the cuda family's.
+    sm90 = caps["cuda"]["sm90"]
+    assert sm90["passes"] == ["fwd"] and sm90["capability"] == [9, 0]
+    assert set(sm90["head_dims"]) <= set(caps["cuda"]["head_dims"]) and sm90["head_dims"]
+    assert not sm90["compiled"] or caps["cuda"]["compiled"]
 
 
 def test_the_module_links_no_pybind11():

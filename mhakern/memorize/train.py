@@ -19,7 +19,6 @@ import dataclasses
 import math
 import platform
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -35,12 +34,6 @@ from .model import ModelShape, StackedParams, attention_weights, forward, sinuso
 from .optim import BatchedAdam, lr_factor
 
 Tensor = torch.Tensor
-
-# mhakern.backends fills its registry on first use without a lock (its _load_builtins marks
-# itself done before the imports finish), so two sweeps in threads of one process could see a
-# half-filled registry ("no backend can serve these inputs ()", KeyError 'cuda'). Trainer
-# threads take their first backend look-up one at a time.
-_FIRST_USE = threading.Lock()
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -656,8 +649,7 @@ def train_stack(
             return out
     t_start = time.perf_counter()
     sh = stack_shape(configs)
-    with _FIRST_USE:
-        backend_used = resolve_backend(dataclasses.replace(configs[0], heads=sh.heads), device)
+    backend_used = resolve_backend(dataclasses.replace(configs[0], heads=sh.heads), device)
     dev_name = device_name(device)
     st = _Stack(configs, device, layout, data_max_bytes)
     c0 = configs[0]
