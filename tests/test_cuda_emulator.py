@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from attn_testing import case_id, check_against_reference, make_inputs
+from mhakern.backends import Modes
 from test_cuda_host import (
     ALL_INSTANCES,
     DTYPE_FOR_D,
@@ -297,3 +298,88 @@ def test_read_guard_passes_the_kernels_in_range(emu):
     finally:
         _guard(emu, [])
     assert torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# The modes (docs/contract.md "Visibility"): top-left alignment and sliding windows
+# ---------------------------------------------------------------------------------------------
+
+# (B, H, Hkv, Lq, Lk, D, causal, key_lengths, causal_align, window, (splits, bwd_splits))
+WINDOW_CASES = [
+    # top-left causal, more queries than keys (rows past Lk see every key), lengths
+    (2, 2, 1, 70, 40, 32, True, (40, 9), "top_left", None, (1, 1)),
+    # top-left causal, fewer queries than keys: the key blocks past the last row's diagonal are skipped
+    (1, 2, 2, 20, 150, 64, True, None, "top_left", None, (1, 1)),
+    # left window only, bottom-right: blocks before the first row's window skipped
+    (1, 2, 1, 50, 150, 64, False, None, "bottom_right", (30, -1), (1, 1)),
+    # right window only, top-left, Lq > Lk: rows whose window starts past the keys see everything
+    (1, 2, 2, 45, 30, 32, False, None, "top_left", (-1, 10), (1, 1)),
+    # both sides, GQA with packed rows straddling heads, key lengths (one short)
+    (2, 4, 2, 37, 90, 96, False, (90, 41), "bottom_right", (16, 8), (1, 1)),
+    # window with causal (right becomes 0), top-left, D = 128
+    (1, 2, 2, 40, 64, 128, True, None, "top_left", (20, 5), (1, 1)),
+    # rows that see no key: top-left left window with Lq > Lk (rows i > Lk - 1 + 3), and the
+    # diagonal-only window (0, 0)
+    (1, 2, 2, 60, 20, 32, False, None, "top_left", (3, -1), (1, 1)),
+    (1, 2, 1, 33, 70, 64, False, (70,), "bottom_right", (0, 0), (1, 1)),
+    # split-K forced in both passes: decode with a window (most splits see no key) and a long
+    # tile range cut into several splits
+    (1, 4, 4, 3, 260, 32, False, None, "bottom_right", (40, 0), (3, 2)),
+    (1, 2, 1, 24, 300, 64, True, (290,), "top_left", (-1, 200), (4, 3)),
+]
+
+
+def _window_id(c):
+    B, H, Hkv, Lq, Lk, D, causal, kl, align, window, splits = c
+    s = f"q{Lq}k{Lk}d{D}h{H}kv{Hkv}-{align}"
+    s += "-causal" if causal else ""
+    s += "" if window is None else f"-w{window[0]}_{window[1]}"
+    s += "" if kl is None else "-kl"
+    s += "" if splits == (1, 1) else f"-split{splits[0]}_{splits[1]}"
+    return s
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=_window_id)
+def test_top_left_and_windows_against_the_reference(scheduled, case):
+    B, H, Hkv, Lq, Lk, D, causal, kl, align, window, (splits, bwd_splits) = case
+    dtype = DTYPE_FOR_D[D]
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, dtype=dtype, layout="blhd" if D == 64 else "bhld", seed=Lq)
+    kl_t = None if kl is None else torch.tensor(kl, dtype=torch.int32)
+    check_against_reference(emulated_attention(scheduled, splits, bwd_splits), q, k, v, causal, kl_t,
+                            causal_align=align, window=window)
+
+
+@pytest.mark.parametrize("align,window,blocks", [
+    # one query tile: rows 0..15 see keys up to 15 + 8 = 23, all in key block 0
+    ("top_left", (8, 8), (0, 64)),
+    # bottom-right: rows see keys [i + 284 - 20, i + 284], all in the last block (256..299)
+    ("bottom_right", (20, 0), (256, 300)),
+])
+def test_hidden_key_blocks_are_never_read(emu, align, window, blocks):
+    # Only the rows of k and v in the key blocks the window reaches are registered with the read
+    # guard: reading (not merely masking) any other key block is an error, in the forward and in
+    # both backward kernels (a dK/dV CTA whose keys no row sees writes zeros without reading).
+    emu.schedule(None)
+    B, H, Lq, Lk, D = 1, 2, 16, 300, 64
+    q, k, v = make_inputs(B, H, H, Lq, Lk, D, dtype=torch.bfloat16, requires_grad=False, seed=21)
+    modes = Modes(None, 0.0, 0, align == "top_left", window[0], window[1], False)
+    qp, kp, vp = padded(q), padded(k), padded(v)
+    scale = D**-0.5
+    lo, hi = blocks
+    want_out, want_lse = emu.forward(qp, kp, vp, scale, False, None, 1, modes)
+    dout = padded(torch.randn(want_out.shape, generator=torch.Generator().manual_seed(3)).to(q.dtype))
+    want = emu.backward(dout, qp, kp, vp, want_out, want_lse, scale, False, None, 1, modes)
+    try:
+        _guard(emu, _row_ranges(qp) + _row_ranges(want_out) + _row_ranges(dout)
+               + _row_ranges(kp[:, :, lo:hi]) + _row_ranges(vp[:, :, lo:hi]))
+        out, lse = emu.forward(qp, kp, vp, scale, False, None, 1, modes)
+        got = emu.backward(dout, qp, kp, vp, want_out, want_lse, scale, False, None, 1, modes)
+    finally:
+        _guard(emu, [])
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name
+    # the keys outside the blocks get exact zeros
+    assert (got[1][:, :, :lo] == 0).all() and (got[1][:, :, hi:] == 0).all()
+    assert (got[2][:, :, :lo] == 0).all() and (got[2][:, :, hi:] == 0).all()
+

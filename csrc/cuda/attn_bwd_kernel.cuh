@@ -38,9 +38,9 @@ struct BwdConfig {
   static_assert(kDkvBlockN == caps::cuda_tiles(D).dkv_n, "capabilities.h: dK/dV keys per CTA = 16 x warps");
   static constexpr int kDkvKTile = kDkvBlockN * kPitch;
   static constexpr int kDkvQTile = kDkvBlockM * kPitch;
-  // K, V; Q and dO with two stages each; then lse, delta and the visible-key limit per row,
-  // two stages.
-  static constexpr int kDkvSmemBytes = (2 * kDkvKTile + 4 * kDkvQTile) * 2 + 2 * kDkvBlockM * (4 + 4 + 4);
+  // K, V; Q and dO with two stages each; then lse, delta, the first and one past the last
+  // visible key per row, two stages.
+  static constexpr int kDkvSmemBytes = (2 * kDkvKTile + 4 * kDkvQTile) * 2 + 2 * kDkvBlockM * (4 + 4 + 4 + 4);
 
   // dQ kernel: 64 query rows per CTA, 64 keys per step (32 above D = 64: registers, and shared
   // memory under the 99 KB per block of sm_86/sm_89).
@@ -79,10 +79,11 @@ __global__ void MHK_LAUNCH_BOUNDS(128, 1) attn_bwd_delta_kernel(const BwdParams 
 
 // One step of the dK/dV kernel for one warp: its 16 keys (rows key_row0.. of sK, sV, global
 // index key0..) against kBlockM query rows staged with their lse (base 2; +inf for rows without
-// keys or past the end, which zeroes their P), delta and visible-key limit.
-template <typename Elem, int D, int kBlockM, bool kMasked>
+// keys or past the end, which zeroes their P), delta and visible keys [sLo, sLimit).
+// kMask: MaskKind (primitives.cuh).
+template <typename Elem, int D, int kBlockM, int kMask>
 MHK_DEVICE void dkdv_step(const Elem* sK, const Elem* sV, int key_row0, const Elem* sQ, const Elem* sdO, const float* sLse2,
-                          const float* sDelta, const int* sLimit, int key0, float scale_log2, float (&dk)[D / 8][4],
+                          const float* sDelta, const int* sLo, const int* sLimit, int key0, float scale_log2, float (&dk)[D / 8][4],
                           float (&dv)[D / 8][4], int lane) {
   constexpr int NT = kBlockM / 8;
   const int g = lane / 4, t = lane % 4;
@@ -96,7 +97,8 @@ MHK_DEVICE void dkdv_step(const Elem* sK, const Elem* sV, int key_row0, const El
     for (int e = 0; e < 4; ++e) {
       const int qc = nt * 8 + 2 * t + (e & 1);
       float x = pt[nt][e] * scale_log2 - sLse2[qc];
-      if (kMasked && key0 + g + 8 * (e >> 1) >= sLimit[qc]) x = -INFINITY;
+      if (kMask != kMaskNone && key0 + g + 8 * (e >> 1) >= sLimit[qc]) x = -INFINITY;
+      if (kMask == kMaskLoHi && key0 + g + 8 * (e >> 1) < sLo[qc]) x = -INFINITY;
       pt[nt][e] = fast_exp2(x);
     }
   }
@@ -126,6 +128,7 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_kerne
   float* sLse2 = reinterpret_cast<float*>(sdO + 2 * Cfg::kDkvQTile);  // stage s at + s * kBlockM
   float* sDelta = sLse2 + 2 * kBlockM;
   int* sLimit = reinterpret_cast<int*>(sDelta + 2 * kBlockM);
+  int* sLo = sLimit + 2 * kBlockM;
 
   const int tid = thread_index();
   const int warp = tid / 32, lane = tid % 32;
@@ -138,17 +141,18 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_kerne
   const int b = static_cast<int>(bid / p.Hkv);
   const int n0 = kb * kBlockN;
   const int Lk_b = key_length_of(p, b);  // clamped into [0, Lk]
+  const Visibility vis = visibility_of(p, Lk_b);
   const int rows_total = p.group * p.Lq;
   const int n_qblocks = ceil_div(rows_total, kBlockM);
 
-  // A query block matters when one of its rows sees a key of this block; it needs per-element
-  // masks when one of its rows does not see all of them.
+  // A query block matters when one of its rows may see a key of this block; it needs
+  // per-element masks when one of its rows does not see all of them.
   auto block_visible = [&](int mq, bool& masked) -> bool {
     const int rq0 = mq * kBlockM;
     int i_lo, i_hi;
     tile_query_range(rq0, imin(kBlockM, rows_total - rq0), p.Lq, i_lo, i_hi);
-    masked = visible_limit(i_lo, Lk_b, p.Lq, p.causal) < n0 + kBlockN;
-    return visible_limit(i_hi, Lk_b, p.Lq, p.causal) > n0;
+    masked = key_hi(vis, i_lo) < n0 + kBlockN || key_lo(vis, i_hi) > n0;
+    return key_hi(vis, i_hi) > n0 && key_lo(vis, i_lo) < n0 + kBlockN;
   };
   auto next_block = [&](int mq) -> int {
     bool masked;
@@ -171,30 +175,38 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_kerne
     if (tid < kBlockM) {
       const int r = rq0 + tid;
       float lse2 = INFINITY, delta = 0.f;
-      int limit = 0;
+      int limit = 0, first = 0;
       if (r < rows_total) {
         const int64_t lin = packed_row_linear(b, p.H, hkv, p.group, p.Lq, r);
         const float lse = p.lse[lin];
         lse2 = lse == -INFINITY ? INFINITY : lse * kLog2e;
         delta = p.delta[lin];
-        limit = visible_limit(r % p.Lq, Lk_b, p.Lq, p.causal);
+        limit = key_hi(vis, r % p.Lq);
+        first = key_lo(vis, r % p.Lq);
       }
       sLse2[stage * kBlockM + tid] = lse2;
       sDelta[stage * kBlockM + tid] = delta;
       sLimit[stage * kBlockM + tid] = limit;
+      sLo[stage * kBlockM + tid] = first;
     }
   };
+
+  // The first query block that sees a key of this block; none: the block's keys are hidden from
+  // every row (past Lk_b, or outside every row's causal or window range) and get zero gradients
+  // without being read.
+  int mq = n0 < Lk_b ? next_block(0) : n_qblocks;
+  const int kv_read = mq < n_qblocks ? Lk_b : 0;
 
   const Elem* k_head = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hkv * p.k_stride.head;
   const Elem* v_head = static_cast<const Elem*>(p.v) + b * p.v_stride.batch + hkv * p.v_stride.head;
   // Keys at or past Lk_b are never read (they get zero gradients).
   load_tile_async<Elem, kBlockN, D, kThreads>(sK, p.k, [&](int rr) -> const Elem* {
     const int j = n0 + rr;
-    return j < Lk_b ? k_head + static_cast<int64_t>(j) * p.k_stride.row : nullptr;
+    return j < kv_read ? k_head + static_cast<int64_t>(j) * p.k_stride.row : nullptr;
   });
   load_tile_async<Elem, kBlockN, D, kThreads>(sV, p.v, [&](int rr) -> const Elem* {
     const int j = n0 + rr;
-    return j < Lk_b ? v_head + static_cast<int64_t>(j) * p.v_stride.row : nullptr;
+    return j < kv_read ? v_head + static_cast<int64_t>(j) * p.v_stride.row : nullptr;
   });
 
   float dk[D / 8][4], dv[D / 8][4];
@@ -204,7 +216,7 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_kerne
     dv[dt][0] = dv[dt][1] = dv[dt][2] = dv[dt][3] = 0.f;
   }
 
-  int mq = n0 < Lk_b ? next_block(0) : n_qblocks;
+  const bool lo_masks = vis.left >= 0;
   if (mq < n_qblocks) load_qblock(mq, 0);
   cp_async_commit();  // K, V and the first query block
   int stage = 0;
@@ -221,11 +233,17 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_kerne
     const float* lse2 = sLse2 + stage * kBlockM;
     const float* delta = sDelta + stage * kBlockM;
     const int* limit = sLimit + stage * kBlockM;
+    const int* first = sLo + stage * kBlockM;
     const int key0 = n0 + warp * 16;
-    if (masked)
-      dkdv_step<Elem, D, kBlockM, true>(sK, sV, warp * 16, sQs, sdOs, lse2, delta, limit, key0, p.scale_log2, dk, dv, lane);
+    if (!masked)
+      dkdv_step<Elem, D, kBlockM, kMaskNone>(sK, sV, warp * 16, sQs, sdOs, lse2, delta, first, limit, key0,
+                                             p.scale_log2, dk, dv, lane);
+    else if (!lo_masks)
+      dkdv_step<Elem, D, kBlockM, kMaskHi>(sK, sV, warp * 16, sQs, sdOs, lse2, delta, first, limit, key0,
+                                           p.scale_log2, dk, dv, lane);
     else
-      dkdv_step<Elem, D, kBlockM, false>(sK, sV, warp * 16, sQs, sdOs, lse2, delta, limit, key0, p.scale_log2, dk, dv, lane);
+      dkdv_step<Elem, D, kBlockM, kMaskLoHi>(sK, sV, warp * 16, sQs, sdOs, lse2, delta, first, limit, key0,
+                                             p.scale_log2, dk, dv, lane);
     // The next iteration's prefetch overwrites this stage.
     block_sync();
     mq = nxt;
@@ -253,10 +271,11 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_kerne
   });
 }
 
-// One key block of the dQ kernel for one warp's 16 query rows.
-template <typename Elem, int D, int kBlockN, bool kMasked>
+// One key block of the dQ kernel for one warp's 16 query rows, which see keys [lo, limit).
+// kMask: MaskKind (primitives.cuh).
+template <typename Elem, int D, int kBlockN, int kMask>
 MHK_DEVICE void dq_step(const Elem* sQ, const Elem* sdO, int q_row0, const Elem* sK, const Elem* sV, int n0,
-                        const int (&limit)[2], const float (&lse2)[2], const float (&delta)[2], float scale_log2,
+                        const int (&lo)[2], const int (&limit)[2], const float (&lse2)[2], const float (&delta)[2], float scale_log2,
                         float (&dq)[D / 8][4], int lane) {
   constexpr int NT = kBlockN / 8;
   const int t = lane % 4;
@@ -269,7 +288,8 @@ MHK_DEVICE void dq_step(const Elem* sQ, const Elem* sdO, int q_row0, const Elem*
     MHK_UNROLL
     for (int e = 0; e < 4; ++e) {
       float x = ps[nt][e] * scale_log2 - lse2[e >> 1];
-      if (kMasked && n0 + nt * 8 + 2 * t + (e & 1) >= limit[e >> 1]) x = -INFINITY;
+      if (kMask != kMaskNone && n0 + nt * 8 + 2 * t + (e & 1) >= limit[e >> 1]) x = -INFINITY;
+      if (kMask == kMaskLoHi && n0 + nt * 8 + 2 * t + (e & 1) < lo[e >> 1]) x = -INFINITY;
       ps[nt][e] = fast_exp2(x);
     }
   }
@@ -313,20 +333,25 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_kernel(
   const int nrows = imin(kBlockM, rows_total - r0);
   const int Lk_b = key_length_of(p, b);  // clamped into [0, Lk]
 
+  const Visibility vis = visibility_of(p, Lk_b);
+
   int i_lo, i_hi;
   tile_query_range(r0, nrows, p.Lq, i_lo, i_hi);
-  const int kv_any = imax(0, visible_limit(i_hi, Lk_b, p.Lq, p.causal));
-  const int kv_all = imax(0, visible_limit(i_lo, Lk_b, p.Lq, p.causal));
-  const int per_split = ceil_div(ceil_div(p.Lk, kBlockN), p.num_splits) * kBlockN;
-  const int kv_begin = split * per_split;
+  int kv_first, kv_any, kv_all_lo, kv_all;
+  tile_key_range<kBlockN>(vis, i_lo, i_hi, kv_first, kv_any, kv_all_lo, kv_all);
+  // Split-K cuts this tile's own key range [kv_first, kv_any) into whole blocks.
+  const int per_split = ceil_div(ceil_div(kv_any - kv_first, kBlockN), p.num_splits) * kBlockN;
+  const int kv_begin = kv_first + split * per_split;
   const int kv_end = imin(kv_any, kv_begin + per_split);
+  const bool lo_masks = vis.left >= 0;
 
-  int limit[2];
+  int limit[2], lo[2];
   float lse2[2], delta[2];
   MHK_UNROLL
   for (int hh = 0; hh < 2; ++hh) {
     const int r = r0 + warp * 16 + g + 8 * hh;
     limit[hh] = 0;
+    lo[hh] = 0;
     lse2[hh] = INFINITY;  // zeroes P of rows past the end
     delta[hh] = 0.f;
     if (r < rows_total) {
@@ -334,7 +359,8 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_kernel(
       const float lse = p.lse[lin];
       lse2[hh] = lse == -INFINITY ? INFINITY : lse * kLog2e;
       delta[hh] = p.delta[lin];
-      limit[hh] = visible_limit(r % p.Lq, Lk_b, p.Lq, p.causal);
+      limit[hh] = key_hi(vis, r % p.Lq);
+      lo[hh] = key_lo(vis, r % p.Lq);
     }
   }
   const bool warp_active = r0 + warp * 16 < rows_total;
@@ -380,10 +406,15 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_kernel(
       const Elem* sKs = sK + stage * Cfg::kDqKTile;
       const Elem* sVs = sV + stage * Cfg::kDqKTile;
       if (warp_active) {
-        if (n0 + kBlockN > kv_all)
-          dq_step<Elem, D, kBlockN, true>(sQ, sdO, warp * 16, sKs, sVs, n0, limit, lse2, delta, p.scale_log2, dq, lane);
+        if (n0 + kBlockN <= kv_all && n0 >= kv_all_lo)
+          dq_step<Elem, D, kBlockN, kMaskNone>(sQ, sdO, warp * 16, sKs, sVs, n0, lo, limit, lse2, delta, p.scale_log2,
+                                               dq, lane);
+        else if (!lo_masks)
+          dq_step<Elem, D, kBlockN, kMaskHi>(sQ, sdO, warp * 16, sKs, sVs, n0, lo, limit, lse2, delta, p.scale_log2, dq,
+                                             lane);
         else
-          dq_step<Elem, D, kBlockN, false>(sQ, sdO, warp * 16, sKs, sVs, n0, limit, lse2, delta, p.scale_log2, dq, lane);
+          dq_step<Elem, D, kBlockN, kMaskLoHi>(sQ, sdO, warp * 16, sKs, sVs, n0, lo, limit, lse2, delta, p.scale_log2,
+                                               dq, lane);
       }
       block_sync();
     }

@@ -40,17 +40,17 @@ struct FwdConfig {
   static constexpr int kPitch = TilePitch<D>::kPitch;
   static constexpr int kQTile = kBlockM * kPitch;   // elements
   static constexpr int kKVTile = kBlockN * kPitch;  // elements
-  // Q, then K and V with two stages each, then the visible-key limit of each query row (read
-  // from shared memory on masked steps only: four registers fewer, which keeps the D = 128
-  // loop free of spills on sm_80).
-  static constexpr int kSmemBytes = (kQTile + 4 * kKVTile) * 2 + kBlockM * 4;
+  // Q, then K and V with two stages each, then the first and one past the last visible key of
+  // each query row (read from shared memory on masked steps only: registers saved, which keeps
+  // the D = 128 loop free of spills on sm_80).
+  static constexpr int kSmemBytes = (kQTile + 4 * kKVTile) * 2 + 2 * kBlockM * 4;
 };
 
 // One key block for one warp's MT strips of 16 rows (from tile row q_row0): S = Q K^T, masking,
-// online softmax, O += P V. sLimit[row] is the number of keys visible to a tile row.
-template <typename Elem, int D, int kBlockN, int MT, bool kMasked>
-MHK_DEVICE void fwd_step(const Elem* sQ, int q_row0, const Elem* sK, const Elem* sV, int n0, const int* sLimit,
-                         float scale_log2, float (&acc)[MT][D / 8][4], float (&m_run)[MT][2], float (&l_run)[MT][2],
+// online softmax, O += P V. A tile row sees keys [sLo[row], sLimit[row]).
+template <typename Elem, int D, int kBlockN, int MT, int kMask>
+MHK_DEVICE void fwd_step(const Elem* sQ, int q_row0, const Elem* sK, const Elem* sV, int n0, const int* sLo,
+                         const int* sLimit, float scale_log2, float (&acc)[MT][D / 8][4], float (&m_run)[MT][2], float (&l_run)[MT][2],
                          int lane) {
   constexpr int NT = kBlockN / 8;
   const int g = lane / 4, t = lane % 4;
@@ -65,19 +65,24 @@ MHK_DEVICE void fwd_step(const Elem* sQ, int q_row0, const Elem* sK, const Elem*
   MHK_UNROLL
   for (int mt = 0; mt < MT; ++mt) {
     // Scale into base 2 first (a negative scale would turn a -inf mask into +inf).
-    int limit[2] = {0, 0};
-    if (kMasked) {
+    int limit[2] = {0, 0}, lo[2] = {0, 0};
+    if (kMask != kMaskNone) {
       limit[0] = sLimit[q_row0 + 16 * mt + g];
       limit[1] = sLimit[q_row0 + 16 * mt + g + 8];
+    }
+    if (kMask == kMaskLoHi) {
+      lo[0] = sLo[q_row0 + 16 * mt + g];
+      lo[1] = sLo[q_row0 + 16 * mt + g + 8];
     }
     MHK_UNROLL
     for (int nt = 0; nt < NT; ++nt) {
       MHK_UNROLL
       for (int e = 0; e < 4; ++e) {
         float x = s[mt][nt][e] * scale_log2;
-        if (kMasked) {
+        if (kMask != kMaskNone) {
           const int col = n0 + nt * 8 + 2 * t + (e & 1);
           if (col >= limit[e >> 1]) x = -INFINITY;
+          if (kMask == kMaskLoHi && col < lo[e >> 1]) x = -INFINITY;
         }
         s[mt][nt][e] = x;
       }
@@ -126,6 +131,7 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfig<D>::kThreads, 2) attn_fwd_kernel(con
   Elem* sK = sQ + Cfg::kQTile;      // stage s at sK + s * kKVTile
   Elem* sV = sK + 2 * Cfg::kKVTile;
   int* sLimit = reinterpret_cast<int*>(sV + 2 * Cfg::kKVTile);
+  int* sLo = sLimit + kBlockM;
 
   const int tid = thread_index();
   const int warp = tid / 32, lane = tid % 32;
@@ -148,19 +154,23 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfig<D>::kThreads, 2) attn_fwd_kernel(con
   const int nrows = imin(kBlockM, rows_total - r0);
   const int Lk_b = key_length_of(p, b);  // clamped into [0, Lk]
 
+  const Visibility vis = visibility_of(p, Lk_b);
+
   int i_lo, i_hi;
   tile_query_range(r0, nrows, p.Lq, i_lo, i_hi);
-  // Keys below kv_all are visible to every row of the tile, keys from kv_any on to none.
-  const int kv_any = imax(0, visible_limit(i_hi, Lk_b, p.Lq, p.causal));
-  const int kv_all = imax(0, visible_limit(i_lo, Lk_b, p.Lq, p.causal));
-  const int per_split = ceil_div(ceil_div(p.Lk, kBlockN), p.num_splits) * kBlockN;
-  const int kv_begin = split * per_split;
+  int kv_first, kv_any, kv_all_lo, kv_all;
+  tile_key_range<kBlockN>(vis, i_lo, i_hi, kv_first, kv_any, kv_all_lo, kv_all);
+  // Split-K cuts this tile's own key range [kv_first, kv_any) into whole blocks.
+  const int per_split = ceil_div(ceil_div(kv_any - kv_first, kBlockN), p.num_splits) * kBlockN;
+  const int kv_begin = kv_first + split * per_split;
   const int kv_end = imin(kv_any, kv_begin + per_split);
+  const bool lo_masks = vis.left >= 0;
 
   // Published to the other warps by the first block_sync of the loop.
   for (int rr = tid; rr < kBlockM; rr += kThreads) {
     const int r = r0 + rr;
-    sLimit[rr] = r < rows_total ? visible_limit(r % p.Lq, Lk_b, p.Lq, p.causal) : 0;
+    sLimit[rr] = r < rows_total ? key_hi(vis, r % p.Lq) : 0;
+    sLo[rr] = r < rows_total ? key_lo(vis, r % p.Lq) : 0;
   }
   // Warps whose rows all lie past the end skip the math (decode: a group of 8 query heads
   // fills part of the first warp's strips only).
@@ -211,10 +221,15 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfig<D>::kThreads, 2) attn_fwd_kernel(con
       const Elem* sKs = sK + stage * Cfg::kKVTile;
       const Elem* sVs = sV + stage * Cfg::kKVTile;
       if (warp_active) {
-        if (n0 + kBlockN > kv_all)
-          fwd_step<Elem, D, kBlockN, MT, true>(sQ, warp_row0, sKs, sVs, n0, sLimit, p.scale_log2, acc, m_run, l_run, lane);
+        if (n0 + kBlockN <= kv_all && n0 >= kv_all_lo)
+          fwd_step<Elem, D, kBlockN, MT, kMaskNone>(sQ, warp_row0, sKs, sVs, n0, sLo, sLimit, p.scale_log2, acc, m_run,
+                                                    l_run, lane);
+        else if (!lo_masks)
+          fwd_step<Elem, D, kBlockN, MT, kMaskHi>(sQ, warp_row0, sKs, sVs, n0, sLo, sLimit, p.scale_log2, acc, m_run,
+                                                  l_run, lane);
         else
-          fwd_step<Elem, D, kBlockN, MT, false>(sQ, warp_row0, sKs, sVs, n0, sLimit, p.scale_log2, acc, m_run, l_run, lane);
+          fwd_step<Elem, D, kBlockN, MT, kMaskLoHi>(sQ, warp_row0, sKs, sVs, n0, sLo, sLimit, p.scale_log2, acc, m_run,
+                                                    l_run, lane);
       }
       // The next iteration's prefetch overwrites this stage.
       block_sync();

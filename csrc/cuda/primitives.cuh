@@ -226,9 +226,72 @@ MHK_DEVICE int64_t packed_row_linear(int b, int H, int hkv, int group, int Lq, i
   return (static_cast<int64_t>(b) * H + h) * Lq + r % Lq;
 }
 
-// Number of keys visible to query i: keys [0, limit) are visible (limit <= 0: none).
+// Number of keys visible to query i with bottom-right causal masking only: keys [0, limit) are
+// visible (limit <= 0: none). The kernels use Visibility below, which covers every alignment
+// and window.
 MHK_DEVICE int visible_limit(int i, int Lk_b, int Lq, bool causal) {
   return causal ? imin(Lk_b, i + Lk_b - Lq + 1) : Lk_b;
+}
+
+// Which keys the query rows of one batch element see through key_lengths, causal masking and
+// the window (docs/contract.md "Visibility"; attn_mask aside): query i sees keys
+// [key_lo(i), key_hi(i)), none when key_hi <= key_lo. Both bounds are nondecreasing in i, so the
+// rows [i_lo, i_hi] of a tile together see keys in [key_lo(i_lo), key_hi(i_hi)) and each of
+// them sees all of [key_lo(i_hi), key_hi(i_lo)): key blocks outside the first range are skipped,
+// and only blocks not inside the second are masked per element.
+struct Visibility {
+  int Lk_b;   // keys at or past it are hidden (key_lengths)
+  int diag;   // the diagonal key of row i is i + diag: 0 top-left, Lk_b - Lq bottom-right
+  int right;  // visible keys satisfy j <= i + diag + right; -1: no such bound
+  int left;   // visible keys satisfy j >= i + diag - left; -1: no such bound
+};
+
+template <typename Params>
+MHK_HD Visibility visibility_of(const Params& p, int Lk_b) {
+  // i + diag lies in [-Lq, max(Lk, Lq)), so a size of Lk + Lq already bounds nothing; clamping
+  // there keeps every sum of key_lo / key_hi in 32 bits (Lk, Lq < 2^30: capabilities.h).
+  const int64_t reach = static_cast<int64_t>(p.Lk) + p.Lq;
+  Visibility v;
+  v.Lk_b = Lk_b;
+  v.diag = p.top_left ? 0 : Lk_b - p.Lq;
+  // Causal is the window with right = min(right, 0), -1 counting as unbounded.
+  const int64_t right = p.causal ? 0 : p.window_right;
+  v.right = right < 0 ? -1 : static_cast<int>(right < reach ? right : reach);
+  v.left = p.window_left < 0 ? -1 : static_cast<int>(p.window_left < reach ? p.window_left : reach);
+  return v;
+}
+
+// One past the last key visible to query i (may be <= 0: none).
+MHK_HD int key_hi(const Visibility& v, int i) {
+  if (v.right < 0) return v.Lk_b;
+  const int t = i + v.diag;
+  return t >= v.Lk_b - v.right ? v.Lk_b : t + v.right + 1;
+}
+
+// The first key visible to query i (at most Lk_b).
+MHK_HD int key_lo(const Visibility& v, int i) {
+  if (v.left < 0) return 0;
+  const int t = i + v.diag;
+  return t <= v.left ? 0 : imin(t - v.left, v.Lk_b);
+}
+
+// Per-element masking of one key block (the block's keys are not all visible to all its rows).
+enum MaskKind : int {
+  kMaskNone = 0,  // every key of the block is visible to every row: no per-element test
+  kMaskHi = 1,    // keys at or past the row's limit are hidden (key_lengths, causal)
+  kMaskLoHi = 2,  // also keys below the row's first visible key (a left window)
+};
+
+// The keys of a tile of query rows [i_lo, i_hi] (see Visibility): the rows together see keys
+// in [first, any) (first rounded down to a block of kBlockN), and each row sees all of
+// [all_lo, all_hi): a block inside that needs no per-element mask.
+template <int kBlockN>
+MHK_DEVICE void tile_key_range(const Visibility& v, int i_lo, int i_hi, int& first, int& any, int& all_lo,
+                               int& all_hi) {
+  any = imax(0, key_hi(v, i_hi));
+  first = imin(key_lo(v, i_lo), any) / kBlockN * kBlockN;
+  all_lo = key_lo(v, i_hi);
+  all_hi = imax(0, key_hi(v, i_lo));
 }
 
 // The range of query positions i covered by packed rows [r0, r0 + nrows): a tile that wraps
