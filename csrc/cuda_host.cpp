@@ -233,6 +233,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
                                 delta.data_ptr<float>(), kl_ptr, static_cast<float>(scale), causal,
                                 static_cast<int>(splits), splits > 1 ? dq_partial.data_ptr<float>() : nullptr);
   op::fill_mode_params(p, modes);
+  if (mask_grad) p.dmask = dmask.data_ptr<float>();  // zeros; the dQ kernel writes the visible entries
   check_no_pending_error("mhakern_C::bwd");
   check_launch(dispatch_attn_bwd(elem_type_of(q), p.D, p, stream), "mhakern_C::bwd");
   return {dq, dk, dv, dmask};

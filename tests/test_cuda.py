@@ -342,3 +342,52 @@ def test_auto_picks_cuda_for_windows_and_top_left(cuda_ready):
     assert {"top_left", "window"} <= feats
     be = backends.select("auto", q, k, v, True, None, frozenset({"top_left", "window"}))
     assert be.name == "cuda"
+
+
+# ---------------------------------------------------------------------------------------------
+# Modes: attn_mask (bool, additive float with its gradient) and dropout
+# ---------------------------------------------------------------------------------------------
+
+
+def _gpu_mask(kind, shape, seed, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "bool":
+        return (torch.rand(shape, generator=g) >= 0.3).cuda()
+    m = torch.randn(shape, generator=g).masked_fill(torch.rand(shape, generator=g) < 0.2, float("-inf"))
+    return m.cuda().requires_grad_(requires_grad)
+
+
+# (B, H, Hkv, Lq, Lk, D, causal, key_lengths, kind, mask shape, window)
+GPU_MASK_CASES = [
+    (2, 8, 2, 200, 300, 64, True, (300, 77), "bool", (2, 1, 200, 300), None),
+    (1, 4, 4, 150, 150, 128, False, None, "float", (150, 150), None),
+    (2, 4, 1, 1, 2048, 64, False, (2048, 100), "float", (2, 1, 1, 2048), None),  # decode, key padding bias
+    (1, 4, 2, 256, 256, 96, True, None, "float", (1, 4, 256, 256), (64, -1)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", GPU_MASK_CASES, ids=lambda c: f"{c[8]}-q{c[3]}k{c[4]}d{c[5]}")
+def test_attn_mask_and_its_gradient(cuda_ready, case, dtype):
+    B, H, Hkv, Lq, Lk, D, causal, kl, kind, shape, window = case
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, dtype=dtype, device="cuda")
+    mask = _gpu_mask(kind, shape, seed=D, requires_grad=kind == "float")
+    check_against_reference(_cuda_fn(), q, k, v, causal, _kl(kl), attn_mask=mask, window=window)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_against_the_reference(cuda_ready, p):
+    q, k, v = make_inputs(2, 8, 2, 300, 400, 64, dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    check_against_reference(_cuda_fn(), q, k, v, True, _kl((400, 123)), dropout_p=p, generator=gen)
+
+
+def test_dropout_keep_mask_is_the_references_bit_for_bit(cuda_ready):
+    # q = 0 and v = the identity: out[i, j] = keep(i, j) / ((1 - p) Lk)
+    B, H, Hkv, Lq, Lk, D, p, seed = 2, 8, 2, 300, 64, 64, 0.3, -12345
+    q = torch.zeros(B, H, Lq, D, dtype=torch.float16, device="cuda")
+    k = torch.randn(B, Hkv, Lk, D, device="cuda").half()
+    v = torch.eye(Lk, D, device="cuda").half().expand(B, Hkv, Lk, D).contiguous()
+    out, _ = torch.ops.mhakern_C.fwd(q, k, v, 0.125, False, None, None, p, seed, False, -1, -1)
+    want = reference.dropout_keep_mask(seed, B, H, Lq, Lk, p, device="cuda")
+    assert torch.equal(out > 0, want)

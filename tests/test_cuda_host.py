@@ -232,7 +232,7 @@ class Emulator:
         else:
             # the op's allocation (op_common.h, alloc_dmask): zeros, the kernels write the visible entries
             dmask = torch.zeros((B, H, Lq, Lk), dtype=torch.float32) if modes.mask_grad else None
-            rc = self.lib.mhk_emu_bwd_modes(*args, *_mode_args(modes, dmask))
+            rc = self.lib.mhk_emu_bwd_modes(*args, *_mode_args(modes, dmask, backward=True))
         self._check(rc, "emulated backward")
         for name, g in (("dq", gq), ("dk", gk), ("dv", gv)):
             g.check(name)
@@ -247,9 +247,9 @@ def _st(x: torch.Tensor):
     return (ctypes.c_int64 * 3)(x.stride(0), x.stride(1), x.stride(2))
 
 
-def _mode_args(modes, dmask=None) -> tuple:
+def _mode_args(modes, dmask=None, backward=False) -> tuple:
     """The trailing mode arguments of mhk_emu_fwd_modes / mhk_emu_bwd_modes (tests/emu_modes_entry.cpp);
-    the backward's also carry dmask."""
+    the backward's also carry dmask (None: no mask gradient)."""
     m = modes.attn_mask
     kind = 0 if m is None else (1 if m.dtype == torch.bool else 2)
     if m is not None and kind == 2:
@@ -258,7 +258,7 @@ def _mode_args(modes, dmask=None) -> tuple:
     head = (int(modes.top_left), ctypes.c_longlong(modes.window_left), ctypes.c_longlong(modes.window_right),
             _ptr(m), kind, strides)
     tail = (ctypes.c_double(modes.dropout_p), ctypes.c_ulonglong(modes.seed & (2**64 - 1)))
-    return head + tail if dmask is None else head + (_ptr(dmask),) + tail
+    return head + (_ptr(dmask),) + tail if backward else head + tail
 
 
 class _Guard:
@@ -805,7 +805,8 @@ def test_compile_check_tool_on_one_file(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = __import__("json").loads(out.read_text())
     kernels = {k["kernel"]: k for k in report["kernels"]}
-    assert report["passed"] and set(kernels) == {"attn_fwd_kernel", "attn_fwd_combine_kernel"}
+    # the plain forward, its twin for calls with attn_mask / dropout, and the split-K combine
+    assert report["passed"] and set(kernels) == {"attn_fwd_kernel", "attn_fwd_modes_kernel", "attn_fwd_combine_kernel"}
     fwd = kernels["attn_fwd_kernel"]
     assert fwd["arch"] == 80 and 0 < fwd["regs"] <= 255 and fwd["spill_st"] == 0
     assert fwd["smem_dynamic"] > 0 and "attn_fwd_kernel" in res.stdout

@@ -41,6 +41,8 @@ struct BwdConfig {
   // K, V; Q and dO with two stages each; then lse, delta, the first and one past the last
   // visible key per row, two stages.
   static constexpr int kDkvSmemBytes = (2 * kDkvKTile + 4 * kDkvQTile) * 2 + 2 * kDkvBlockM * (4 + 4 + 4 + 4);
+  // kModes (attn_mask / dropout): each row's mask-row offset and dropout hash, two stages.
+  static constexpr int kDkvModeSmemBytes = 2 * kDkvBlockM * (8 + 4);
 
   // dQ kernel: 64 query rows per CTA, 64 keys per step (32 above D = 64: registers, and shared
   // memory under the 99 KB per block of sm_86/sm_89).
@@ -51,6 +53,8 @@ struct BwdConfig {
   static constexpr int kDqKTile = kDqBlockN * kPitch;
   // Q and dO; K and V with two stages each.
   static constexpr int kDqSmemBytes = (2 * kDqQTile + 4 * kDqKTile) * 2;
+  // kModes: each row's mask-row offset, dmask-row offset and dropout hash.
+  static constexpr int kDqModeSmemBytes = kDqBlockM * (8 + 8 + 4);
 };
 
 // delta[b, h, i] = sum_d dout[b, h, i, d] * out[b, h, i, d], fp32; one warp per row.
@@ -81,16 +85,45 @@ __global__ void MHK_LAUNCH_BOUNDS(128, 1) attn_bwd_delta_kernel(const BwdParams 
 // index key0..) against kBlockM query rows staged with their lse (base 2; +inf for rows without
 // keys or past the end, which zeroes their P), delta and visible keys [sLo, sLimit).
 // kMask: MaskKind (primitives.cuh).
-template <typename Elem, int D, int kBlockM, int kMask>
+// kModes: also attn_mask (bias or -inf on the score) and dropout (dV takes the dropped
+// probabilities; dS = P o (dP_dropped o keep / (1 - p) - delta)).
+template <typename Elem, int D, int kBlockM, int kMask, bool kModes = false>
 MHK_DEVICE void dkdv_step(const Elem* sK, const Elem* sV, int key_row0, const Elem* sQ, const Elem* sdO, const float* sLse2,
                           const float* sDelta, const int* sLo, const int* sLimit, int key0, float scale_log2, float (&dk)[D / 8][4],
-                          float (&dv)[D / 8][4], int lane) {
+                          float (&dv)[D / 8][4], int lane, const ExtraModes* em = nullptr, ModeRows rows = {}) {
   constexpr int NT = kBlockM / 8;
   const int g = lane / 4, t = lane % 4;
   float pt[NT][4];  // P^T: rows = this warp's keys, columns = query rows
   MHK_UNROLL
   for (int nt = 0; nt < NT; ++nt) pt[nt][0] = pt[nt][1] = pt[nt][2] = pt[nt][3] = 0.f;
   mma_rows_x_rowsT<Elem, D, NT>(pt, sK, key_row0, sQ, 0, lane);
+  if constexpr (kModes) {
+    float dst[NT][4];  // dP^T (of the dropped probabilities), then dS^T
+    MHK_UNROLL
+    for (int nt = 0; nt < NT; ++nt) dst[nt][0] = dst[nt][1] = dst[nt][2] = dst[nt][3] = 0.f;
+    mma_rows_x_rowsT<Elem, D, NT>(dst, sV, key_row0, sdO, 0, lane);  // dP^T = V dO^T
+    MHK_UNROLL
+    for (int nt = 0; nt < NT; ++nt) {
+      MHK_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int qc = nt * 8 + 2 * t + (e & 1);
+        const int key = key0 + g + 8 * (e >> 1);
+        bool hidden = false;
+        if (kMask != kMaskNone && key >= sLimit[qc]) hidden = true;
+        if (kMask == kMaskLoHi && key < sLo[qc]) hidden = true;
+        float x = pt[nt][e] * scale_log2;
+        if (em->mask_kind != 0 && !hidden) x += mask_bias_log2(*em, rows.mask_row[qc], key);
+        x -= sLse2[qc];
+        const float prob = fast_exp2(hidden ? -INFINITY : x);
+        const float f = em->dropout ? dropout_factor(*em, rows.drop[qc], key) : 1.f;
+        dst[nt][e] = prob * (dst[nt][e] * f - sDelta[qc]);
+        pt[nt][e] = prob * f;
+      }
+    }
+    mma_regs_x_rows<Elem, D, kBlockM>(dv, pt, sdO, 0, lane);   // dV += P_dropped^T dO
+    mma_regs_x_rows<Elem, D, kBlockM>(dk, dst, sQ, 0, lane);  // dK += dS^T Q (scaled at the end)
+    return;
+  }
   MHK_UNROLL
   for (int nt = 0; nt < NT; ++nt) {
     MHK_UNROLL
@@ -116,8 +149,10 @@ MHK_DEVICE void dkdv_step(const Elem* sK, const Elem* sV, int key_row0, const El
   mma_regs_x_rows<Elem, D, kBlockM>(dk, dst, sQ, 0, lane);  // dK += dS^T Q (scaled at the end)
 }
 
-template <typename Elem, int D>
-__global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_kernel(const BwdParams p) {
+// The body of the dK/dV kernels. kModes: the call has attn_mask or dropout (a separate kernel,
+// attn_bwd_dkdv_modes_kernel, so that the plain one is exactly the kernel without them).
+template <typename Elem, int D, bool kModes>
+MHK_DEVICE void attn_bwd_dkdv_body(const BwdParams& p) {
   using Cfg = BwdConfig<D>;
   constexpr int kBlockN = Cfg::kDkvBlockN, kBlockM = Cfg::kDkvBlockM, kThreads = Cfg::kThreads;
   MHK_DYNAMIC_SMEM(smem);
@@ -129,6 +164,8 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_kerne
   float* sDelta = sLse2 + 2 * kBlockM;
   int* sLimit = reinterpret_cast<int*>(sDelta + 2 * kBlockM);
   int* sLo = sLimit + 2 * kBlockM;
+  int64_t* sMaskRow = reinterpret_cast<int64_t*>(sLo + 2 * kBlockM);  // kModes only; stage s at + s * kBlockM
+  uint32_t* sDrop = reinterpret_cast<uint32_t*>(sMaskRow + 2 * kBlockM);  // likewise
 
   const int tid = thread_index();
   const int warp = tid / 32, lane = tid % 32;
@@ -188,8 +225,15 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_kerne
       sDelta[stage * kBlockM + tid] = delta;
       sLimit[stage * kBlockM + tid] = limit;
       sLo[stage * kBlockM + tid] = first;
+      if (kModes) {
+        const int h = hkv * p.group + (r < rows_total ? r / p.Lq : 0);
+        const int i = r < rows_total ? r % p.Lq : 0;
+        sMaskRow[stage * kBlockM + tid] = p.mask != nullptr ? mask_row_offset(p, b, h, i) : 0;
+        sDrop[stage * kBlockM + tid] = dropout_row_hash(p, b, h, i);
+      }
     }
   };
+  const ExtraModes em = extra_modes_of(p);
 
   // The first query block that sees a key of this block; none: the block's keys are hidden from
   // every row (past Lk_b, or outside every row's causal or window range) and get zero gradients
@@ -234,16 +278,17 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_kerne
     const float* delta = sDelta + stage * kBlockM;
     const int* limit = sLimit + stage * kBlockM;
     const int* first = sLo + stage * kBlockM;
+    const ModeRows rows{sMaskRow + stage * kBlockM, sDrop + stage * kBlockM, nullptr};
     const int key0 = n0 + warp * 16;
     if (!masked)
-      dkdv_step<Elem, D, kBlockM, kMaskNone>(sK, sV, warp * 16, sQs, sdOs, lse2, delta, first, limit, key0,
-                                             p.scale_log2, dk, dv, lane);
+      dkdv_step<Elem, D, kBlockM, kMaskNone, kModes>(sK, sV, warp * 16, sQs, sdOs, lse2, delta, first, limit, key0,
+                                                     p.scale_log2, dk, dv, lane, &em, rows);
     else if (!lo_masks)
-      dkdv_step<Elem, D, kBlockM, kMaskHi>(sK, sV, warp * 16, sQs, sdOs, lse2, delta, first, limit, key0,
-                                           p.scale_log2, dk, dv, lane);
+      dkdv_step<Elem, D, kBlockM, kMaskHi, kModes>(sK, sV, warp * 16, sQs, sdOs, lse2, delta, first, limit, key0,
+                                                   p.scale_log2, dk, dv, lane, &em, rows);
     else
-      dkdv_step<Elem, D, kBlockM, kMaskLoHi>(sK, sV, warp * 16, sQs, sdOs, lse2, delta, first, limit, key0,
-                                             p.scale_log2, dk, dv, lane);
+      dkdv_step<Elem, D, kBlockM, kMaskLoHi, kModes>(sK, sV, warp * 16, sQs, sdOs, lse2, delta, first, limit, key0,
+                                                     p.scale_log2, dk, dv, lane, &em, rows);
     // The next iteration's prefetch overwrites this stage.
     block_sync();
     mq = nxt;
@@ -271,18 +316,59 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_kerne
   });
 }
 
+template <typename Elem, int D>
+__global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_kernel(const BwdParams p) {
+  attn_bwd_dkdv_body<Elem, D, false>(p);
+}
+
+template <typename Elem, int D>
+__global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_modes_kernel(const BwdParams p) {
+  attn_bwd_dkdv_body<Elem, D, true>(p);
+}
+
 // One key block of the dQ kernel for one warp's 16 query rows, which see keys [lo, limit).
 // kMask: MaskKind (primitives.cuh).
-template <typename Elem, int D, int kBlockN, int kMask>
+// kModes: also attn_mask, dropout, and the float mask's gradient dS written to dmask.
+template <typename Elem, int D, int kBlockN, int kMask, bool kModes = false>
 MHK_DEVICE void dq_step(const Elem* sQ, const Elem* sdO, int q_row0, const Elem* sK, const Elem* sV, int n0,
                         const int (&lo)[2], const int (&limit)[2], const float (&lse2)[2], const float (&delta)[2], float scale_log2,
-                        float (&dq)[D / 8][4], int lane) {
+                        float (&dq)[D / 8][4], int lane, const ExtraModes* em = nullptr, ModeRows rows = {}) {
   constexpr int NT = kBlockN / 8;
   const int t = lane % 4;
   float ps[NT][4];
   MHK_UNROLL
   for (int nt = 0; nt < NT; ++nt) ps[nt][0] = ps[nt][1] = ps[nt][2] = ps[nt][3] = 0.f;
   mma_rows_x_rowsT<Elem, D, NT>(ps, sQ, q_row0, sK, 0, lane);  // S = Q K^T
+  if constexpr (kModes) {
+    const int g = lane / 4;
+    float ds[NT][4];
+    MHK_UNROLL
+    for (int nt = 0; nt < NT; ++nt) ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.f;
+    mma_rows_x_rowsT<Elem, D, NT>(ds, sdO, q_row0, sV, 0, lane);  // dP (of the dropped probabilities) = dO V^T
+    MHK_UNROLL
+    for (int nt = 0; nt < NT; ++nt) {
+      MHK_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int col = n0 + nt * 8 + 2 * t + (e & 1);
+        const int row = q_row0 + g + 8 * (e >> 1);
+        bool hidden = false;
+        if (kMask != kMaskNone && col >= limit[e >> 1]) hidden = true;
+        if (kMask == kMaskLoHi && col < lo[e >> 1]) hidden = true;
+        float x = ps[nt][e] * scale_log2;
+        if (em->mask_kind != 0 && !hidden) x += mask_bias_log2(*em, rows.mask_row[row], col);
+        x -= lse2[e >> 1];
+        const float prob = fast_exp2(hidden ? -INFINITY : x);
+        const float f = em->dropout ? dropout_factor(*em, rows.drop[row], col) : 1.f;
+        const float d = prob * (ds[nt][e] * f - delta[e >> 1]);
+        ds[nt][e] = d;
+        // dL/dscore of the float mask; exactly 0 where hidden (prob 0), whatever dP holds there.
+        if (em->dmask != nullptr && rows.dmask_row[row] >= 0 && col < em->Lk)
+          em->dmask[rows.dmask_row[row] + col] = prob != 0.f ? d : 0.f;
+      }
+    }
+    mma_regs_x_rows<Elem, D, kBlockN>(dq, ds, sK, 0, lane);  // dQ += dS K (scaled at the end)
+    return;
+  }
   MHK_UNROLL
   for (int nt = 0; nt < NT; ++nt) {
     MHK_UNROLL
@@ -305,8 +391,9 @@ MHK_DEVICE void dq_step(const Elem* sQ, const Elem* sdO, int q_row0, const Elem*
   mma_regs_x_rows<Elem, D, kBlockN>(dq, ds, sK, 0, lane);  // dQ += dS K (scaled at the end)
 }
 
-template <typename Elem, int D>
-__global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_kernel(const BwdParams p) {
+// The body of the dQ kernels (kModes as for the dK/dV kernels).
+template <typename Elem, int D, bool kModes>
+MHK_DEVICE void attn_bwd_dq_body(const BwdParams& p) {
   using Cfg = BwdConfig<D>;
   constexpr int kBlockM = Cfg::kDqBlockM, kBlockN = Cfg::kDqBlockN, kThreads = Cfg::kThreads;
   MHK_DYNAMIC_SMEM(smem);
@@ -314,6 +401,9 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_kernel(
   Elem* sdO = sQ + Cfg::kDqQTile;
   Elem* sK = sdO + Cfg::kDqQTile;       // stage s at sK + s * kDqKTile
   Elem* sV = sK + 2 * Cfg::kDqKTile;
+  int64_t* sMaskRow = reinterpret_cast<int64_t*>(sV + 2 * Cfg::kDqKTile);  // kModes only
+  int64_t* sDmaskRow = sMaskRow + kBlockM;                                 // kModes only
+  uint32_t* sDrop = reinterpret_cast<uint32_t*>(sDmaskRow + kBlockM);      // kModes only
 
   const int tid = thread_index();
   const int warp = tid / 32, lane = tid % 32;
@@ -364,6 +454,19 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_kernel(
     }
   }
   const bool warp_active = r0 + warp * 16 < rows_total;
+  // Published to the other warps by the first block_sync of the loop.
+  if (kModes) {
+    for (int rr = tid; rr < kBlockM; rr += kThreads) {
+      const int r = r0 + rr;
+      const int h = hkv * p.group + (r < rows_total ? r / p.Lq : 0);
+      const int i = r < rows_total ? r % p.Lq : 0;
+      sMaskRow[rr] = p.mask != nullptr ? mask_row_offset(p, b, h, i) : 0;
+      sDmaskRow[rr] = r < rows_total ? ((static_cast<int64_t>(b) * p.H + h) * p.Lq + i) * p.Lk : -1;
+      sDrop[rr] = dropout_row_hash(p, b, h, i);
+    }
+  }
+  const ExtraModes em = extra_modes_of(p);
+  const ModeRows mode_rows{sMaskRow, sDrop, sDmaskRow};
 
   const Elem* q = static_cast<const Elem*>(p.q);
   const Elem* dout = static_cast<const Elem*>(p.dout);
@@ -407,14 +510,14 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_kernel(
       const Elem* sVs = sV + stage * Cfg::kDqKTile;
       if (warp_active) {
         if (n0 + kBlockN <= kv_all && n0 >= kv_all_lo)
-          dq_step<Elem, D, kBlockN, kMaskNone>(sQ, sdO, warp * 16, sKs, sVs, n0, lo, limit, lse2, delta, p.scale_log2,
-                                               dq, lane);
+          dq_step<Elem, D, kBlockN, kMaskNone, kModes>(sQ, sdO, warp * 16, sKs, sVs, n0, lo, limit, lse2, delta,
+                                                       p.scale_log2, dq, lane, &em, mode_rows);
         else if (!lo_masks)
-          dq_step<Elem, D, kBlockN, kMaskHi>(sQ, sdO, warp * 16, sKs, sVs, n0, lo, limit, lse2, delta, p.scale_log2, dq,
-                                             lane);
+          dq_step<Elem, D, kBlockN, kMaskHi, kModes>(sQ, sdO, warp * 16, sKs, sVs, n0, lo, limit, lse2, delta,
+                                                     p.scale_log2, dq, lane, &em, mode_rows);
         else
-          dq_step<Elem, D, kBlockN, kMaskLoHi>(sQ, sdO, warp * 16, sKs, sVs, n0, lo, limit, lse2, delta, p.scale_log2,
-                                               dq, lane);
+          dq_step<Elem, D, kBlockN, kMaskLoHi, kModes>(sQ, sdO, warp * 16, sKs, sVs, n0, lo, limit, lse2, delta,
+                                                       p.scale_log2, dq, lane, &em, mode_rows);
       }
       block_sync();
     }
@@ -448,6 +551,16 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_kernel(
   }
 }
 
+template <typename Elem, int D>
+__global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_kernel(const BwdParams p) {
+  attn_bwd_dq_body<Elem, D, false>(p);
+}
+
+template <typename Elem, int D>
+__global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_modes_kernel(const BwdParams p) {
+  attn_bwd_dq_body<Elem, D, true>(p);
+}
+
 // dq = sum over splits of the fp32 partials, added in split order; one thread per pair of
 // elements.
 template <typename Elem, int D>
@@ -470,6 +583,26 @@ __global__ void MHK_LAUNCH_BOUNDS(256, 1) attn_bwd_dq_reduce_kernel(const BwdPar
   *reinterpret_cast<uint32_t*>(dst) = ElemTraits<Elem>::pack2(sum.x, sum.y);
 }
 
+// The dK/dV and dQ kernels, plain or with attn_mask / dropout (kModes).
+template <typename Elem, int D, bool kModes>
+cudaError_t launch_attn_bwd_main(const BwdParams& p, int64_t grid_kv, int64_t grid_q, cudaStream_t stream) {
+  using Cfg = BwdConfig<D>;
+  constexpr int kDkvBytes = Cfg::kDkvSmemBytes + (kModes ? Cfg::kDkvModeSmemBytes : 0);
+  constexpr int kDqBytes = Cfg::kDqSmemBytes + (kModes ? Cfg::kDqModeSmemBytes : 0);
+  constexpr int kTag = kModes ? kTagModes : 0;
+  auto dkdv = kModes ? attn_bwd_dkdv_modes_kernel<Elem, D> : attn_bwd_dkdv_kernel<Elem, D>;
+  auto dq = kModes ? attn_bwd_dq_modes_kernel<Elem, D> : attn_bwd_dq_kernel<Elem, D>;
+  cudaError_t err = opt_in_dynamic_smem<kTagBwdDkdv + kTag, Elem, D>(dkdv, kDkvBytes);
+  if (err != cudaSuccess) return err;
+  launch_kernel(dkdv, grid_kv, Cfg::kThreads, kDkvBytes, stream, p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  err = opt_in_dynamic_smem<kTagBwdDq + kTag, Elem, D>(dq, kDqBytes);
+  if (err != cudaSuccess) return err;
+  launch_kernel(dq, grid_q, Cfg::kThreads, kDqBytes, stream, p);
+  return cudaGetLastError();
+}
+
 template <typename Elem, int D>
 cudaError_t run_attn_bwd(const BwdParams& p, cudaStream_t stream) {
   using Cfg = BwdConfig<D>;
@@ -483,16 +616,9 @@ cudaError_t run_attn_bwd(const BwdParams& p, cudaStream_t stream) {
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
 
-  err = opt_in_dynamic_smem<kTagBwdDkdv, Elem, D>(attn_bwd_dkdv_kernel<Elem, D>, Cfg::kDkvSmemBytes);
-  if (err != cudaSuccess) return err;
-  launch_kernel(attn_bwd_dkdv_kernel<Elem, D>, grid_kv, Cfg::kThreads, Cfg::kDkvSmemBytes, stream, p);
-  err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-
-  err = opt_in_dynamic_smem<kTagBwdDq, Elem, D>(attn_bwd_dq_kernel<Elem, D>, Cfg::kDqSmemBytes);
-  if (err != cudaSuccess) return err;
-  launch_kernel(attn_bwd_dq_kernel<Elem, D>, grid_q, Cfg::kThreads, Cfg::kDqSmemBytes, stream, p);
-  err = cudaGetLastError();
+  const bool modes = p.mask != nullptr || p.dropout_p > 0.0;
+  err = modes ? launch_attn_bwd_main<Elem, D, true>(p, grid_kv, grid_q, stream)
+              : launch_attn_bwd_main<Elem, D, false>(p, grid_kv, grid_q, stream);
   if (err != cudaSuccess || p.num_splits == 1) return err;
 
   const int64_t pairs = rows * (D / 2);

@@ -294,6 +294,87 @@ MHK_DEVICE void tile_key_range(const Visibility& v, int i_lo, int i_hi, int& fir
   all_hi = imax(0, key_hi(v, i_lo));
 }
 
+// ---- attn_mask and dropout (docs/contract.md "Visibility", "Dropout") ----------------------
+// The kernels built with kModes read these once per CTA; per query row they stage the offset of
+// the row's mask row and the row's dropout hash in shared memory.
+
+// Per query row data of the kModes kernels, staged in shared memory: the element offset of the
+// row's mask row and its dropout hash r_i (dropout_row_hash).
+struct ModeRows {
+  const int64_t* mask_row;
+  const uint32_t* drop;
+  const int64_t* dmask_row;  // the backward's dQ kernel: offset of the row in dmask, -1 past the end
+};
+
+// Added to a kernel's opt_in_dynamic_smem tag (smem_opt_in.cuh) for its kModes instantiation.
+constexpr int kTagModes = 16;
+
+// The contract's lowbias32 finaliser.
+MHK_HD uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x21F0AAADu;
+  x ^= x >> 15;
+  x *= 0x735A2D97u;
+  x ^= x >> 15;
+  return x;
+}
+
+struct ExtraModes {
+  const void* mask;     // (B, H, Lq, Lk) view; nullptr: none
+  int mask_kind;        // 0 none, 1 bool bytes (nonzero = visible), 2 additive float32
+  int64_t mask_sk;      // element stride along the keys (0 when broadcast)
+  bool dropout;         // dropout_p > 0
+  uint32_t threshold;   // keep iff hash >= threshold
+  float keep_scale;     // 1 / (1 - dropout_p)
+  float* dmask;         // the backward: (B, H, Lq, Lk) float32 dL/dscore, or nullptr
+  int Lk;
+};
+
+template <typename Params>
+MHK_HD ExtraModes extra_modes_of(const Params& p) {
+  ExtraModes m;
+  m.mask = p.mask;
+  m.mask_kind = p.mask != nullptr ? p.mask_kind : 0;
+  m.mask_sk = p.mask_sk;
+  m.dropout = p.dropout_p > 0.0;
+  // floor(p * 2^32) in double, exactly the reference's threshold (p < 1: below 2^32).
+  const double t = p.dropout_p * 4294967296.0;
+  m.threshold = t >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(t);
+  m.keep_scale = m.dropout ? static_cast<float>(1.0 / (1.0 - p.dropout_p)) : 1.f;
+  m.dmask = p.dmask;
+  m.Lk = p.Lk;
+  return m;
+}
+
+// Element offset of the mask row of query i of head h, batch element b.
+template <typename Params>
+MHK_HD int64_t mask_row_offset(const Params& p, int b, int h, int i) {
+  return b * p.mask_sb + h * p.mask_sh + static_cast<int64_t>(i) * p.mask_sq;
+}
+
+// The contract's r_i for query i of query head h, batch element b: key j is kept iff
+// mix32(r_i + j) >= threshold.
+template <typename Params>
+MHK_HD uint32_t dropout_row_hash(const Params& p, int b, int h, int i) {
+  const uint32_t lo = static_cast<uint32_t>(p.seed), hi = static_cast<uint32_t>(p.seed >> 32);
+  const uint32_t bh = static_cast<uint32_t>(static_cast<int64_t>(b) * p.H + h);
+  const uint32_t s_bh = mix32(lo ^ mix32(hi ^ bh));
+  return mix32(s_bh ^ static_cast<uint32_t>(i));
+}
+
+// The mask's contribution to a base-2 score: a float bias times log2(e), or -inf where a bool
+// mask hides the key.
+MHK_DEVICE float mask_bias_log2(const ExtraModes& m, int64_t row_off, int j) {
+  const int64_t at = row_off + j * m.mask_sk;
+  if (m.mask_kind == 1) return static_cast<const unsigned char*>(m.mask)[at] != 0 ? 0.f : -INFINITY;
+  return static_cast<const float*>(m.mask)[at] * kLog2e;
+}
+
+// The factor dropout applies to probability (i, j): 1 / (1 - p) if kept, else 0.
+MHK_DEVICE float dropout_factor(const ExtraModes& m, uint32_t row_hash, int j) {
+  return mix32(row_hash + static_cast<uint32_t>(j)) >= m.threshold ? m.keep_scale : 0.f;
+}
+
 // The range of query positions i covered by packed rows [r0, r0 + nrows): a tile that wraps
 // from one head into the next covers, conservatively, every position.
 MHK_DEVICE void tile_query_range(int r0, int nrows, int Lq, int& i_lo, int& i_hi) {
