@@ -503,8 +503,9 @@ def test_dropout_against_the_reference(scheduled, case):
                             attn_mask=mask, dropout_p=p, generator=gen, causal_align=align, window=window)
 
 
-def test_dropout_same_seed_same_bits_whatever_the_split(emu):
-    # keep is a function of (seed, b, h, i, j) only: the split-K tiling must not change it
+def test_dropout_split_k_agrees_with_one_split(emu):
+    # keep is a function of (seed, b, h, i, j) only: cutting the keys into splits changes only
+    # the rounding of the combination, never which probabilities are dropped
     emu.schedule(None)
     q, k, v = make_inputs(1, 2, 1, 6, 300, 64, dtype=torch.bfloat16, requires_grad=False, seed=8)
     modes = Modes(None, 0.3, 99, False, -1, -1, False)
