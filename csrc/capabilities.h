@@ -74,7 +74,9 @@ constexpr int kCudaMinCapabilityMajor = 8, kCudaMinCapabilityMinor = 0;
 // the end never overflow an int.
 constexpr int64_t kCudaMaxGroupRows = int64_t{1} << 30;
 constexpr int64_t kCudaMaxKeys = int64_t{1} << 30;  // Lk < kCudaMaxKeys
-constexpr unsigned kCudaFeatures = 0;
+// Modes the cuda kernels implement (csrc/cuda/primitives.cuh: Visibility, ExtraModes); the op
+// refuses the others with the mode's name, and auto falls back for them.
+constexpr unsigned kCudaFeatures = kAttnMask | kMaskGrad | kDropout | kTopLeft | kWindow;
 
 // Tiles of each pass, per head dim: (packed query rows, keys) per CTA and step. The forward
 // keeps 2 strips of 16 rows per warp x 4 warps; above D = 64 the keys per step halve so that

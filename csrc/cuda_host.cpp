@@ -17,6 +17,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <limits>
@@ -130,6 +131,21 @@ void check_no_pending_error(const char* op) {
               "by mhakern's kernels): ", cudaGetErrorString(pending));
 }
 
+// The keys split-K planning sees for one query tile of block_m packed rows (the kernels split
+// each tile's own visible key range, csrc/cuda/primitives.cuh tile_key_range): with a window
+// bounded on both sides (a left size, and a right size or causal) a row sees at most
+// left + right + 1 keys, so the tile's rows (at most min(Lq, block_m) consecutive positions
+// when it holds one head's rows; any of the Lq positions when it packs several heads) see at
+// most left + right + positions of them, plus a block for the rounding down to a block start.
+// Otherwise the whole Lk.
+int64_t planned_keys(const op::ModeArgs& m, bool causal, const op::Sizes& s, int64_t block_m, int64_t block_n) {
+  if (m.window_left < 0 || (m.window_right < 0 && !causal)) return s.Lk;
+  const int64_t right = causal ? 0 : m.window_right;
+  const int64_t positions = s.H == s.Hkv ? std::min(s.Lq, block_m) : s.Lq;
+  const int64_t span = std::min(m.window_left, s.Lk) + std::min(right, s.Lk) + positions + block_n;
+  return std::min(span, s.Lk);
+}
+
 void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
 }
@@ -187,7 +203,8 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tenso
   const caps::CudaTiles t = caps::cuda_tiles(static_cast<int>(s.D));
   const int64_t forced = op::cuda_forced_splits().load();
   const int64_t splits = forced > 0 ? forced
-                                    : caps::plan_splits(s.B, s.Hkv, s.H / s.Hkv, s.Lq, s.Lk, s.D,
+                                    : caps::plan_splits(s.B, s.Hkv, s.H / s.Hkv, s.Lq,
+                                                        planned_keys(modes, causal, s, t.fwd_m, t.fwd_n), s.D,
                                                         num_sms(q.device().index()), t.fwd_m, t.fwd_n);
   at::Tensor o_partial, lse_partial;  // kept alive until the kernels are queued (caching allocator)
   if (splits > 1) {
@@ -235,7 +252,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
   const caps::CudaTiles t = caps::cuda_tiles(static_cast<int>(s.D));
   const int64_t forced = op::cuda_forced_splits().load();
   const int64_t splits = forced > 0 ? forced
-                                    : caps::plan_splits(s.B, s.Hkv, s.H / s.Hkv, s.Lq, s.Lk, s.D,
+                                    : caps::plan_splits(s.B, s.Hkv, s.H / s.Hkv, s.Lq,
+                                                        planned_keys(modes, causal, s, t.dq_m, t.dq_n), s.D,
                                                         num_sms(q.device().index()), t.dq_m, t.dq_n);
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor delta = at::empty({s.B, s.H, s.Lq}, f32);
@@ -247,6 +265,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
                                 delta.data_ptr<float>(), kl_ptr, static_cast<float>(scale), causal,
                                 static_cast<int>(splits), splits > 1 ? dq_partial.data_ptr<float>() : nullptr);
   op::fill_mode_params(p, modes);
+  if (mask_grad) p.dmask = dmask.data_ptr<float>();  // zeros; the dQ kernel writes the visible entries
   check_no_pending_error("mhakern_C::bwd");
   check_launch(dispatch_attn_bwd(elem_type_of(q), p.D, p, stream), "mhakern_C::bwd");
   return {dq, dk, dv, dmask};

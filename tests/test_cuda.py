@@ -277,3 +277,117 @@ def test_misaligned_views_are_copied_not_refused(cuda_ready):
     q = base.view(-1)[2 : 2 + 2 * 32 * 64].view(1, 2, 32, 64).requires_grad_(True)
     _, k, v = make_inputs(1, 2, 2, 32, 32, 64, dtype=torch.float16, device="cuda")
     check_against_reference(_cuda_fn(), q, k, v, False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Modes: top-left alignment and sliding windows (docs/contract.md "Visibility")
+# ---------------------------------------------------------------------------------------------
+
+# (B, H, Hkv, Lq, Lk, D, causal, key_lengths, causal_align, window)
+GPU_WINDOW_CASES = [
+    (2, 4, 2, 300, 200, 64, True, (200, 17), "top_left", None),
+    (1, 8, 2, 150, 1000, 128, True, None, "top_left", None),
+    (2, 4, 4, 500, 700, 64, False, (700, 333), "bottom_right", (100, -1)),
+    (1, 4, 1, 400, 256, 96, False, None, "top_left", (-1, 31)),
+    (2, 8, 2, 333, 333, 32, False, None, "bottom_right", (64, 64)),
+    (1, 4, 2, 256, 256, 128, True, None, "top_left", (128, 17)),
+    (1, 4, 4, 300, 100, 64, False, None, "top_left", (5, -1)),  # rows past key 104 see nothing
+    (1, 16, 2, 1, 4096, 64, False, (4096,), "bottom_right", (512, 0)),  # decode with a window
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", GPU_WINDOW_CASES, ids=lambda c: f"q{c[3]}k{c[4]}d{c[5]}-{c[8]}-w{c[9]}")
+def test_top_left_and_windows(cuda_ready, case, dtype):
+    B, H, Hkv, Lq, Lk, D, causal, kl, align, window = case
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, dtype=dtype, device="cuda")
+    check_against_reference(_cuda_fn(), q, k, v, causal, _kl(kl), causal_align=align, window=window)
+
+
+def _raw_fwd_modes(q, k, v, scale, causal, kl, splits, top_left, window):
+    with _forced_splits(splits):
+        return torch.ops.mhakern_C.fwd(q, k, v, scale, causal, kl, None, 0.0, 0, top_left, *window)
+
+
+def _raw_bwd_modes(dout, q, k, v, out, lse, scale, causal, kl, splits, top_left, window):
+    with _forced_splits(splits):
+        return torch.ops.mhakern_C.bwd(dout, q, k, v, out, lse, scale, causal, kl, None, 0.0, 0, top_left, *window,
+                                       False)[:3]
+
+
+@pytest.mark.parametrize("splits", [2, 9])
+@pytest.mark.parametrize("window,top_left", [((300, 0), False), ((-1, 40), True), ((64, 64), False)])
+def test_forced_splits_with_windows(cuda_ready, splits, window, top_left):
+    B, H, Hkv, Lq, Lk, D = 2, 8, 2, 40, 3000, 64
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, dtype=torch.bfloat16, device="cuda", requires_grad=False)
+    kl = torch.tensor([3000, 150], dtype=torch.int32, device="cuda")
+    scale = D**-0.5
+    modes = backends.Modes(None, 0.0, 0, top_left, window[0], window[1], False)
+    out, lse = _raw_fwd_modes(q, k, v, scale, False, kl, splits, top_left, window)
+    ref, ref_lse = reference.attention_forward(q.double(), k.double(), v.double(), scale, False, kl, upcast=True,
+                                               modes=modes)
+    math_out, _ = reference.attention_forward(q, k, v, scale, False, kl, modes=modes)
+    rule_check("out", out, ref, math_out, torch.bfloat16, 2.0)
+    assert torch.equal(torch.isneginf(lse), torch.isinf(ref_lse))
+    dout = torch.randn_like(q)
+    got = _raw_bwd_modes(dout, q, k, v, out, lse, scale, False, kl, splits, top_left, window)
+    want = _raw_bwd_modes(dout, q, k, v, out, lse, scale, False, kl, 1, top_left, window)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-2, msg=lambda m: f"{name}: {m}")
+
+
+def test_auto_picks_cuda_for_windows_and_top_left(cuda_ready):
+    q, k, v = make_inputs(1, 4, 2, 64, 128, 64, dtype=torch.float16, device="cuda", requires_grad=False)
+    feats = backends.get("cuda").features
+    assert {"top_left", "window"} <= feats
+    be = backends.select("auto", q, k, v, True, None, frozenset({"top_left", "window"}))
+    assert be.name == "cuda"
+
+
+# ---------------------------------------------------------------------------------------------
+# Modes: attn_mask (bool, additive float with its gradient) and dropout
+# ---------------------------------------------------------------------------------------------
+
+
+def _gpu_mask(kind, shape, seed, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "bool":
+        return (torch.rand(shape, generator=g) >= 0.3).cuda()
+    m = torch.randn(shape, generator=g).masked_fill(torch.rand(shape, generator=g) < 0.2, float("-inf"))
+    return m.cuda().requires_grad_(requires_grad)
+
+
+# (B, H, Hkv, Lq, Lk, D, causal, key_lengths, kind, mask shape, window)
+GPU_MASK_CASES = [
+    (2, 8, 2, 200, 300, 64, True, (300, 77), "bool", (2, 1, 200, 300), None),
+    (1, 4, 4, 150, 150, 128, False, None, "float", (150, 150), None),
+    (2, 4, 1, 1, 2048, 64, False, (2048, 100), "float", (2, 1, 1, 2048), None),  # decode, key padding bias
+    (1, 4, 2, 256, 256, 96, True, None, "float", (1, 4, 256, 256), (64, -1)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", GPU_MASK_CASES, ids=lambda c: f"{c[8]}-q{c[3]}k{c[4]}d{c[5]}")
+def test_attn_mask_and_its_gradient(cuda_ready, case, dtype):
+    B, H, Hkv, Lq, Lk, D, causal, kl, kind, shape, window = case
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, dtype=dtype, device="cuda")
+    mask = _gpu_mask(kind, shape, seed=D, requires_grad=kind == "float")
+    check_against_reference(_cuda_fn(), q, k, v, causal, _kl(kl), attn_mask=mask, window=window)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_against_the_reference(cuda_ready, p):
+    q, k, v = make_inputs(2, 8, 2, 300, 400, 64, dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    check_against_reference(_cuda_fn(), q, k, v, True, _kl((400, 123)), dropout_p=p, generator=gen)
+
+
+def test_dropout_keep_mask_is_the_references_bit_for_bit(cuda_ready):
+    # q = 0 and v = the identity: out[i, j] = keep(i, j) / ((1 - p) Lk)
+    B, H, Hkv, Lq, Lk, D, p, seed = 2, 8, 2, 300, 64, 64, 0.3, -12345
+    q = torch.zeros(B, H, Lq, D, dtype=torch.float16, device="cuda")
+    k = torch.randn(B, Hkv, Lk, D, device="cuda").half()
+    v = torch.eye(Lk, D, device="cuda").half().expand(B, Hkv, Lk, D).contiguous()
+    out, _ = torch.ops.mhakern_C.fwd(q, k, v, 0.125, False, None, None, p, seed, False, -1, -1)
+    want = reference.dropout_keep_mask(seed, B, H, Lq, Lk, p, device="cuda")
+    assert torch.equal(out > 0, want)

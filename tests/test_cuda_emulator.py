@@ -22,12 +22,15 @@ derive theirs from the session seed (``MHK_EMU_SEED``, printed on failure with t
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 
 import pytest
 import torch
 
 from attn_testing import case_id, check_against_reference, make_inputs
+from mhakern import reference
+from mhakern.backends import Modes
 from test_cuda_host import (
     ALL_INSTANCES,
     DTYPE_FOR_D,
@@ -297,3 +300,217 @@ def test_read_guard_passes_the_kernels_in_range(emu):
     finally:
         _guard(emu, [])
     assert torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# The modes (docs/contract.md "Visibility"): top-left alignment and sliding windows
+# ---------------------------------------------------------------------------------------------
+
+# (B, H, Hkv, Lq, Lk, D, causal, key_lengths, causal_align, window, (splits, bwd_splits))
+WINDOW_CASES = [
+    # top-left causal, more queries than keys (rows past Lk see every key), lengths
+    (2, 2, 1, 70, 40, 32, True, (40, 9), "top_left", None, (1, 1)),
+    # top-left causal, fewer queries than keys: the key blocks past the last row's diagonal are skipped
+    (1, 2, 2, 20, 150, 64, True, None, "top_left", None, (1, 1)),
+    # left window only, bottom-right: blocks before the first row's window skipped
+    (1, 2, 1, 50, 150, 64, False, None, "bottom_right", (30, -1), (1, 1)),
+    # right window only, top-left, Lq > Lk: rows whose window starts past the keys see everything
+    (1, 2, 2, 45, 30, 32, False, None, "top_left", (-1, 10), (1, 1)),
+    # both sides, GQA with packed rows straddling heads, key lengths (one short)
+    (2, 4, 2, 37, 90, 96, False, (90, 41), "bottom_right", (16, 8), (1, 1)),
+    # window with causal (right becomes 0), top-left, D = 128
+    (1, 2, 2, 40, 64, 128, True, None, "top_left", (20, 5), (1, 1)),
+    # rows that see no key: top-left left window with Lq > Lk (rows i > Lk - 1 + 3), and the
+    # diagonal-only window (0, 0)
+    (1, 2, 2, 60, 20, 32, False, None, "top_left", (3, -1), (1, 1)),
+    (1, 2, 1, 33, 70, 64, False, (70,), "bottom_right", (0, 0), (1, 1)),
+    # split-K forced in both passes: decode with a window (most splits see no key) and a long
+    # tile range cut into several splits
+    (1, 4, 4, 3, 260, 32, False, None, "bottom_right", (40, 0), (3, 2)),
+    (1, 2, 1, 24, 300, 64, True, (290,), "top_left", (-1, 200), (4, 3)),
+]
+
+
+def _window_id(c):
+    B, H, Hkv, Lq, Lk, D, causal, kl, align, window, splits = c
+    s = f"q{Lq}k{Lk}d{D}h{H}kv{Hkv}-{align}"
+    s += "-causal" if causal else ""
+    s += "" if window is None else f"-w{window[0]}_{window[1]}"
+    s += "" if kl is None else "-kl"
+    s += "" if splits == (1, 1) else f"-split{splits[0]}_{splits[1]}"
+    return s
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=_window_id)
+def test_top_left_and_windows_against_the_reference(scheduled, case):
+    B, H, Hkv, Lq, Lk, D, causal, kl, align, window, (splits, bwd_splits) = case
+    dtype = DTYPE_FOR_D[D]
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, dtype=dtype, layout="blhd" if D == 64 else "bhld", seed=Lq)
+    kl_t = None if kl is None else torch.tensor(kl, dtype=torch.int32)
+    check_against_reference(emulated_attention(scheduled, splits, bwd_splits), q, k, v, causal, kl_t,
+                            causal_align=align, window=window)
+
+
+@pytest.mark.parametrize("align,window,blocks", [
+    # one query tile: rows 0..15 see keys up to 15 + 8 = 23, all in key block 0
+    ("top_left", (8, 8), (0, 64)),
+    # bottom-right: rows see keys [i + 284 - 20, i + 284], all in the last block (256..299)
+    ("bottom_right", (20, 0), (256, 300)),
+])
+def test_hidden_key_blocks_are_never_read(emu, align, window, blocks):
+    # Only the rows of k and v in the key blocks the window reaches are registered with the read
+    # guard: reading (not merely masking) any other key block is an error, in the forward and in
+    # both backward kernels (a dK/dV CTA whose keys no row sees writes zeros without reading).
+    emu.schedule(None)
+    B, H, Lq, Lk, D = 1, 2, 16, 300, 64
+    q, k, v = make_inputs(B, H, H, Lq, Lk, D, dtype=torch.bfloat16, requires_grad=False, seed=21)
+    modes = Modes(None, 0.0, 0, align == "top_left", window[0], window[1], False)
+    qp, kp, vp = padded(q), padded(k), padded(v)
+    scale = D**-0.5
+    lo, hi = blocks
+    want_out, want_lse = emu.forward(qp, kp, vp, scale, False, None, 1, modes)
+    dout = padded(torch.randn(want_out.shape, generator=torch.Generator().manual_seed(3)).to(q.dtype))
+    want = emu.backward(dout, qp, kp, vp, want_out, want_lse, scale, False, None, 1, modes)
+    try:
+        _guard(emu, _row_ranges(qp) + _row_ranges(want_out) + _row_ranges(dout)
+               + _row_ranges(kp[:, :, lo:hi]) + _row_ranges(vp[:, :, lo:hi]))
+        out, lse = emu.forward(qp, kp, vp, scale, False, None, 1, modes)
+        got = emu.backward(dout, qp, kp, vp, want_out, want_lse, scale, False, None, 1, modes)
+    finally:
+        _guard(emu, [])
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name
+    # the keys outside the blocks get exact zeros
+    assert (got[1][:, :, :lo] == 0).all() and (got[1][:, :, hi:] == 0).all()
+    assert (got[2][:, :, :lo] == 0).all() and (got[2][:, :, hi:] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# attn_mask (bool and additive float, broadcast views) and its gradient
+# ---------------------------------------------------------------------------------------------
+
+
+def _mask(kind, shape, seed, hide=0.3, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "bool":
+        return torch.rand(shape, generator=g) >= hide
+    m = torch.randn(shape, generator=g)
+    m = m.masked_fill(torch.rand(shape, generator=g) < hide, float("-inf"))
+    return m.requires_grad_(requires_grad)
+
+
+# (B, H, Hkv, Lq, Lk, D, causal, key_lengths, causal_align, window, mask kind, mask shape, splits)
+MASK_CASES = [
+    # bool, one mask for every head (stride 0 on the head dim), causal, lengths
+    (2, 4, 2, 37, 90, 64, True, (90, 41), "bottom_right", None, "bool", (2, 1, 37, 90), (1, 1)),
+    # float bias with gradient, a 2-D (Lq, Lk) mask broadcast over batch and heads, GQA decode-like
+    (2, 8, 2, 5, 70, 32, False, None, "bottom_right", None, "float", (5, 70), (1, 1)),
+    # float bias per head with a window and top-left; rows whose visible keys are all -inf
+    (1, 2, 1, 40, 100, 128, True, None, "top_left", (30, -1), "float", (1, 2, 40, 100), (1, 1)),
+    # key-padding style (B, 1, 1, Lk): stride 0 on the query dim; split-K in both passes
+    (2, 2, 2, 6, 260, 96, False, None, "bottom_right", None, "float", (2, 1, 1, 260), (3, 2)),
+]
+
+
+@pytest.mark.parametrize("case", MASK_CASES, ids=lambda c: f"{c[10]}{'x'.join(map(str, c[11]))}-d{c[5]}"
+                         + ("-causal" if c[6] else "") + ("" if c[9] is None else f"-w{c[9][0]}_{c[9][1]}")
+                         + ("" if c[12] == (1, 1) else "-split"))
+def test_attn_mask_against_the_reference(scheduled, case):
+    B, H, Hkv, Lq, Lk, D, causal, kl, align, window, kind, shape, (splits, bwd_splits) = case
+    dtype = DTYPE_FOR_D[D]
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, dtype=dtype, seed=Lk)
+    hide = 0.97 if case[9] is not None else 0.3  # the windowed case: rows with every visible key hidden
+    mask = _mask(kind, shape, seed=D, hide=hide, requires_grad=kind == "float")
+    kl_t = None if kl is None else torch.tensor(kl, dtype=torch.int32)
+    check_against_reference(emulated_attention(scheduled, splits, bwd_splits), q, k, v, causal, kl_t,
+                            attn_mask=mask, causal_align=align, window=window)
+
+
+def test_nan_bias_at_hidden_positions_changes_nothing(emu):
+    # NaN bias entries where causal masking or key_lengths hide the key: the mask is never read
+    # there, so out, lse and every gradient are those of a clean bias; the mask's gradient is
+    # exactly 0 at those positions.
+    emu.schedule(None)
+    B, H, Lq, Lk, D = 2, 2, 20, 70, 64
+    q, k, v = make_inputs(B, H, H, Lq, Lk, D, dtype=torch.bfloat16, requires_grad=False, seed=4)
+    kl = torch.tensor([70, 33], dtype=torch.int32)
+    bias = torch.randn(B, 1, Lq, Lk)
+    dirty = bias.clone()
+    dirty[:, :, 0, 51:] = float("nan")  # row 0 of element 0 sees keys up to 0 + 70 - 20 = 50
+    dirty[1, :, :, 33:] = float("nan")  # past element 1's key length
+    fn = emulated_attention(emu)
+
+    def run(b):
+        qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))
+        bb = b.clone().requires_grad_(True)
+        out, lse = fn(qq, kk, vv, causal=True, key_lengths=kl, attn_mask=bb, return_lse=True)
+        out.float().sum().backward()
+        return [out, lse, qq.grad, kk.grad, vv.grad, bb.grad]
+
+    clean, got = run(bias), run(dirty)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dmask"), got, clean):
+        assert torch.equal(a, b), f"{name}: a NaN bias at a hidden position changed it"
+    assert (got[5][:, :, 0, 51:] == 0).all() and (got[5][1, :, :, 33:] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout: the contract's counter hash, bit for bit
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, -(2**63), 2**63 - 1, 0x9234_5678_9ABC_DEF0 - 2**64])
+def test_dropout_keep_mask_is_the_references_bit_for_bit(emu, seed):
+    # With q = 0 every visible key gets probability 1 / Lk, and v = the identity makes out[i, j]
+    # = keep(i, j) / ((1 - p) Lk): the kernel's keep mask, read off the output, must equal
+    # mhakern.reference.dropout_keep_mask exactly (every position, heads of a GQA group apart).
+    emu.schedule(None)
+    B, H, Hkv, Lq, Lk, D, p = 2, 4, 2, 40, 64, 64, 0.37
+    q = torch.zeros(B, H, Lq, D, dtype=torch.bfloat16)
+    k = torch.randn(B, Hkv, Lk, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    v = torch.eye(Lk, D, dtype=torch.bfloat16).expand(B, Hkv, Lk, D).contiguous()
+    modes = Modes(None, p, seed, False, -1, -1, False)
+    out, lse = emu.forward(padded(q), padded(k), padded(v), 0.125, False, None, 1, modes)
+    keep = out.float() > 0
+    want = reference.dropout_keep_mask(seed, B, H, Lq, Lk, p)
+    assert torch.equal(keep, want), f"{(keep != want).sum().item()} keep decisions differ from the reference"
+    assert 0.5 < keep.float().mean().item() < 0.75
+    # the kept entries are 1 / ((1 - p) Lk), rounded once to bfloat16; lse is the undropped one
+    kept = out.float()[keep]
+    assert torch.allclose(kept, torch.full_like(kept, 1 / ((1 - p) * Lk)), rtol=1e-2)
+    assert torch.allclose(lse, torch.full_like(lse, math.log(Lk)), atol=1e-5)
+
+
+# (B, H, Hkv, Lq, Lk, D, causal, key_lengths, causal_align, window, mask, p, splits)
+DROPOUT_CASES = [
+    (2, 4, 2, 37, 90, 64, True, (90, 41), "bottom_right", None, None, 0.2, (1, 1)),
+    (1, 2, 1, 45, 30, 32, True, None, "top_left", (8, -1), "float", 0.5, (1, 1)),
+    (1, 4, 2, 4, 200, 128, False, (170,), "bottom_right", None, "bool", 0.1, (3, 2)),
+]
+
+
+@pytest.mark.parametrize("case", DROPOUT_CASES, ids=lambda c: f"p{c[11]}-d{c[5]}" + ("" if c[10] is None else f"-{c[10]}")
+                         + ("" if c[9] is None else "-window") + ("" if c[12] == (1, 1) else "-split"))
+def test_dropout_against_the_reference(scheduled, case):
+    # The oracle regenerates the keep mask from the seed the call draws: forward and every
+    # gradient (the backward regenerates the mask in both kernels) by the tolerance rule.
+    B, H, Hkv, Lq, Lk, D, causal, kl, align, window, mkind, p, (splits, bwd_splits) = case
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, dtype=DTYPE_FOR_D[D], seed=Lq + 1)
+    mask = None if mkind is None else _mask(mkind, (B, 1, Lq, Lk), seed=5, requires_grad=mkind == "float")
+    kl_t = None if kl is None else torch.tensor(kl, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(Lk)
+    check_against_reference(emulated_attention(scheduled, splits, bwd_splits), q, k, v, causal, kl_t,
+                            attn_mask=mask, dropout_p=p, generator=gen, causal_align=align, window=window)
+
+
+def test_dropout_split_k_agrees_with_one_split(emu):
+    # keep is a function of (seed, b, h, i, j) only: cutting the keys into splits changes only
+    # the rounding of the combination, never which probabilities are dropped
+    emu.schedule(None)
+    q, k, v = make_inputs(1, 2, 1, 6, 300, 64, dtype=torch.bfloat16, requires_grad=False, seed=8)
+    modes = Modes(None, 0.3, 99, False, -1, -1, False)
+    qp, kp, vp = padded(q), padded(k), padded(v)
+    one, lse1 = emu.forward(qp, kp, vp, 0.125, False, None, 1, modes)
+    three, lse3 = emu.forward(qp, kp, vp, 0.125, False, None, 3, modes)
+    torch.testing.assert_close(three.float(), one.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse3, lse1)

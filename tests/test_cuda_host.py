@@ -39,7 +39,8 @@ import torch
 import mhakern
 from mhakern import backends
 from mhakern._layout import heads_inner
-from mhakern.backends import cuda_backend
+from mhakern.backends import Modes, cuda_backend
+from mhakern.ops import draw_seed
 from attn_testing import HARD_CASES, case_id, check_against_reference, make_inputs
 
 # ---------------------------------------------------------------------------------------------
@@ -104,7 +105,8 @@ def missing_toolchain() -> Optional[str]:
 
 def _sources_digest(extra: Iterable[str]) -> str:
     h = hashlib.sha256()
-    for p in sorted(CUDA_SRC.rglob("*")):
+    for p in sorted(CUDA_SRC.rglob("*")) + [ROOT / "csrc" / "mode_params.h", ROOT / "csrc" / "capabilities.h",
+                                            *TEST_UNITS]:
         if p.suffix in (".h", ".cuh", ".cu", ".cpp") and p.is_file():
             h.update(p.name.encode())
             h.update(p.read_bytes())
@@ -119,6 +121,9 @@ def _sources_digest(extra: Iterable[str]) -> str:
 FLAGS = ["-std=c++17", "-O1", "-fPIC", "-fno-omit-frame-pointer", "-fno-thread-jumps", "-DMHAKERN_CUDA_EMULATE", "-w"]
 # The emulator's runtime entry points (schedule, read guard) and its self-test kernels.
 RUNTIME_UNITS = ("emu_entry.cpp", "emu_schedule.cpp", "emu_selftest.cpp")
+# Test-only entry points: the kernels with the optional modes (docs/contract.md), parameters
+# filled as csrc/cuda_host.cpp fills them.
+TEST_UNITS = (ROOT / "tests" / "emu_modes_entry.cpp",)
 
 
 def build(cache_dir: Path, instances: Sequence[str], jobs: Optional[int] = None) -> Path:
@@ -133,7 +138,7 @@ def build(cache_dir: Path, instances: Sequence[str], jobs: Optional[int] = None)
     digest = _sources_digest(FLAGS + [str(inc)])
     out = cache_dir / digest
     out.mkdir(parents=True, exist_ok=True)
-    units = [CUDA_SRC / "emulation" / u for u in RUNTIME_UNITS]
+    units = [CUDA_SRC / "emulation" / u for u in RUNTIME_UNITS] + list(TEST_UNITS)
     for inst in instances:
         units += [CUDA_SRC / f"attn_fwd_{inst}.cu", CUDA_SRC / f"attn_bwd_{inst}.cu"]
 
@@ -183,8 +188,9 @@ class Emulator:
         if rc != 0:
             raise RuntimeError(f"{what}: {self.lib.mhk_emu_last_error().decode()}")
 
-    def forward(self, q, k, v, scale, causal, key_lengths, num_splits=1):
-        """q, k, v: padded views (see :func:`padded`). Returns (out view, lse, out guard)."""
+    def forward(self, q, k, v, scale, causal, key_lengths, num_splits=1, modes=None):
+        """q, k, v: padded views (see :func:`padded`). Returns (out view, lse). ``modes``: a
+        :class:`mhakern.backends.Modes` (attn_mask already a (B, H, Lq, Lk) view) or None."""
         B, H, Lq, D = q.shape
         Hkv, Lk = k.shape[1], k.shape[2]
         out, out_guard = padded_empty(q)
@@ -192,16 +198,21 @@ class Emulator:
         o_part = torch.full((num_splits, B, H, Lq, D), float("nan")) if num_splits > 1 else None
         l_part = torch.full((num_splits, B, H, Lq), float("nan")) if num_splits > 1 else None
         self.lib.mhk_emu_configure(int(self.defer_async), SMEM_LIMIT)
-        rc = self.lib.mhk_emu_fwd(
+        args = (
             ELEM[q.dtype], D, _ptr(q), _st(q), _ptr(k), _st(k), _ptr(v), _st(v), _ptr(out), _st(out), _ptr(lse),
             _ptr(key_lengths), B, H, Hkv, Lq, Lk, ctypes.c_float(scale), int(causal), num_splits,
             _ptr(o_part), _ptr(l_part),
         )
+        if modes is None:
+            rc = self.lib.mhk_emu_fwd(*args)
+        else:
+            rc = self.lib.mhk_emu_fwd_modes(*args, *_mode_args(modes))
         self._check(rc, "emulated forward")
         out_guard.check("out")
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, num_splits=1):
+    def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, num_splits=1, modes=None):
+        """Returns (dq, dk, dv), and dmask (float32 (B, H, Lq, Lk)) last when modes.mask_grad."""
         B, H, Lq, D = q.shape
         Hkv, Lk = k.shape[1], k.shape[2]
         dq, gq = padded_empty(q)
@@ -210,15 +221,22 @@ class Emulator:
         delta = torch.full((B, H, Lq), float("nan"))
         dq_part = torch.full((num_splits, B, H, Lq, D), float("nan")) if num_splits > 1 else None
         self.lib.mhk_emu_configure(int(self.defer_async), SMEM_LIMIT)
-        rc = self.lib.mhk_emu_bwd(
+        args = (
             ELEM[q.dtype], D, _ptr(dout), _st(dout), _ptr(q), _st(q), _ptr(k), _st(k), _ptr(v), _st(v),
             _ptr(out), _st(out), _ptr(lse), _ptr(dq), _st(dq), _ptr(dk), _st(dk), _ptr(dv), _st(dv), _ptr(delta),
             _ptr(key_lengths), B, H, Hkv, Lq, Lk, ctypes.c_float(scale), int(causal), num_splits, _ptr(dq_part),
         )
+        dmask = None
+        if modes is None:
+            rc = self.lib.mhk_emu_bwd(*args)
+        else:
+            # the op's allocation (op_common.h, alloc_dmask): zeros, the kernels write the visible entries
+            dmask = torch.zeros((B, H, Lq, Lk), dtype=torch.float32) if modes.mask_grad else None
+            rc = self.lib.mhk_emu_bwd_modes(*args, *_mode_args(modes, dmask, backward=True))
         self._check(rc, "emulated backward")
         for name, g in (("dq", gq), ("dk", gk), ("dv", gv)):
             g.check(name)
-        return dq, dk, dv
+        return (dq, dk, dv) if dmask is None else (dq, dk, dv, dmask)
 
 
 def _ptr(x: Optional[torch.Tensor]):
@@ -227,6 +245,20 @@ def _ptr(x: Optional[torch.Tensor]):
 
 def _st(x: torch.Tensor):
     return (ctypes.c_int64 * 3)(x.stride(0), x.stride(1), x.stride(2))
+
+
+def _mode_args(modes, dmask=None, backward=False) -> tuple:
+    """The trailing mode arguments of mhk_emu_fwd_modes / mhk_emu_bwd_modes (tests/emu_modes_entry.cpp);
+    the backward's also carry dmask (None: no mask gradient)."""
+    m = modes.attn_mask
+    kind = 0 if m is None else (1 if m.dtype == torch.bool else 2)
+    if m is not None and kind == 2:
+        assert m.dtype == torch.float32, "the kernels take a float32 additive mask"
+    strides = (ctypes.c_int64 * 4)(*(m.stride() if m is not None else (0, 0, 0, 0)))
+    head = (int(modes.top_left), ctypes.c_longlong(modes.window_left), ctypes.c_longlong(modes.window_right),
+            _ptr(m), kind, strides)
+    tail = (ctypes.c_double(modes.dropout_p), ctypes.c_ulonglong(modes.seed & (2**64 - 1)))
+    return head + (_ptr(dmask),) + tail if backward else head + tail
 
 
 class _Guard:
@@ -276,30 +308,46 @@ class EmulatedAttention(torch.autograd.Function):
     """The emulated CUDA forward and backward as one autograd op (CPU tensors)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, key_lengths, emu, splits, bwd_splits):
+    def forward(ctx, q, k, v, scale, causal, key_lengths, emu, splits, bwd_splits, mask, modes):
         qp, kp, vp = padded(q), padded(k), padded(v)
-        out, lse = emu.forward(qp, kp, vp, scale, causal, key_lengths, splits)
+        if modes is not None and mask is not None:
+            # as the API hands it to backends: float32 (or bool), a 4-D view with stride 0 on
+            # broadcast dims (docs/contract.md "Visibility")
+            B, H, Lq, _ = q.shape
+            m = mask.detach()
+            m = (m if m.dtype == torch.bool else m.to(torch.float32)).expand(B, H, Lq, k.shape[2])
+            modes = modes._replace(attn_mask=m, mask_grad=mask.requires_grad and mask.is_floating_point())
+        out, lse = emu.forward(qp, kp, vp, scale, causal, key_lengths, splits, modes)
         ctx.save_for_backward(qp, kp, vp, out, lse)
-        ctx.cfg = (scale, causal, key_lengths, emu, bwd_splits)
+        ctx.cfg = (scale, causal, key_lengths, emu, bwd_splits, modes, None if mask is None else mask.shape)
         ctx.mark_non_differentiable(lse)
         return out.clone(), lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         qp, kp, vp, out, lse = ctx.saved_tensors
-        scale, causal, key_lengths, emu, bwd_splits = ctx.cfg
-        dq, dk, dv = emu.backward(padded(dout), qp, kp, vp, out, lse, scale, causal, key_lengths, bwd_splits)
-        return dq.clone(), dk.clone(), dv.clone(), None, None, None, None, None, None
+        scale, causal, key_lengths, emu, bwd_splits, modes, mask_shape = ctx.cfg
+        grads = emu.backward(padded(dout), qp, kp, vp, out, lse, scale, causal, key_lengths, bwd_splits, modes)
+        dmask = grads[3].sum_to_size(mask_shape) if len(grads) == 4 else None
+        dq, dk, dv = grads[:3]
+        return dq.clone(), dk.clone(), dv.clone(), None, None, None, None, None, None, dmask, None
 
 
 def emulated_attention(emu: Emulator, splits: int = 1, bwd_splits: int = 1):
-    """A function with ``mhakern.attention``'s calling convention running the emulated kernels."""
+    """A function with ``mhakern.attention``'s calling convention running the emulated kernels,
+    modes included (attn_mask, dropout_p with generator, causal_align, window)."""
 
-    def fn(q, k, v, *, causal=False, key_lengths=None, scale=None, return_lse=False):
+    def fn(q, k, v, *, causal=False, key_lengths=None, scale=None, return_lse=False, attn_mask=None, dropout_p=0.0,
+           generator=None, causal_align="bottom_right", window=None):
         D = q.shape[-1]
         scale = 1.0 / D**0.5 if scale is None else float(scale)
         kl = None if key_lengths is None else key_lengths.to(torch.int32).contiguous()
-        out, lse = EmulatedAttention.apply(q, k, v, scale, causal, kl, emu, splits, bwd_splits)
+        modes = None
+        if attn_mask is not None or dropout_p or causal_align != "bottom_right" or window is not None:
+            wl, wr = (-1, -1) if window is None else window
+            seed = draw_seed(generator) if dropout_p else 0
+            modes = Modes(None, float(dropout_p), seed, causal_align == "top_left", wl, wr, False)
+        out, lse = EmulatedAttention.apply(q, k, v, scale, causal, kl, emu, splits, bwd_splits, attn_mask, modes)
         return (out, lse) if return_lse else out
 
     return fn
@@ -757,7 +805,8 @@ def test_compile_check_tool_on_one_file(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = __import__("json").loads(out.read_text())
     kernels = {k["kernel"]: k for k in report["kernels"]}
-    assert report["passed"] and set(kernels) == {"attn_fwd_kernel", "attn_fwd_combine_kernel"}
+    # the plain forward, its twin for calls with attn_mask / dropout, and the split-K combine
+    assert report["passed"] and set(kernels) == {"attn_fwd_kernel", "attn_fwd_modes_kernel", "attn_fwd_combine_kernel"}
     fwd = kernels["attn_fwd_kernel"]
     assert fwd["arch"] == 80 and 0 < fwd["regs"] <= 255 and fwd["spill_st"] == 0
     assert fwd["smem_dynamic"] > 0 and "attn_fwd_kernel" in res.stdout

@@ -38,9 +38,11 @@ struct BwdConfig {
   static_assert(kDkvBlockN == caps::cuda_tiles(D).dkv_n, "capabilities.h: dK/dV keys per CTA = 16 x warps");
   static constexpr int kDkvKTile = kDkvBlockN * kPitch;
   static constexpr int kDkvQTile = kDkvBlockM * kPitch;
-  // K, V; Q and dO with two stages each; then lse, delta and the visible-key limit per row,
-  // two stages.
-  static constexpr int kDkvSmemBytes = (2 * kDkvKTile + 4 * kDkvQTile) * 2 + 2 * kDkvBlockM * (4 + 4 + 4);
+  // K, V; Q and dO with two stages each; then lse, delta, the first and one past the last
+  // visible key per row, two stages.
+  static constexpr int kDkvSmemBytes = (2 * kDkvKTile + 4 * kDkvQTile) * 2 + 2 * kDkvBlockM * (4 + 4 + 4 + 4);
+  // kModes (attn_mask / dropout): each row's mask-row offset and dropout hash, two stages.
+  static constexpr int kDkvModeSmemBytes = 2 * kDkvBlockM * (8 + 4);
 
   // dQ kernel: 64 query rows per CTA, 64 keys per step (32 above D = 64: registers, and shared
   // memory under the 99 KB per block of sm_86/sm_89).
@@ -51,6 +53,8 @@ struct BwdConfig {
   static constexpr int kDqKTile = kDqBlockN * kPitch;
   // Q and dO; K and V with two stages each.
   static constexpr int kDqSmemBytes = (2 * kDqQTile + 4 * kDqKTile) * 2;
+  // kModes: each row's mask-row offset, dmask-row offset and dropout hash.
+  static constexpr int kDqModeSmemBytes = kDqBlockM * (8 + 8 + 4);
 };
 
 // delta[b, h, i] = sum_d dout[b, h, i, d] * out[b, h, i, d], fp32; one warp per row.
@@ -79,24 +83,55 @@ __global__ void MHK_LAUNCH_BOUNDS(128, 1) attn_bwd_delta_kernel(const BwdParams 
 
 // One step of the dK/dV kernel for one warp: its 16 keys (rows key_row0.. of sK, sV, global
 // index key0..) against kBlockM query rows staged with their lse (base 2; +inf for rows without
-// keys or past the end, which zeroes their P), delta and visible-key limit.
-template <typename Elem, int D, int kBlockM, bool kMasked>
+// keys or past the end, which zeroes their P), delta and visible keys [sLo, sLimit).
+// kMask: MaskKind (primitives.cuh).
+// kModes: also attn_mask (bias or -inf on the score) and dropout (dV takes the dropped
+// probabilities; dS = P o (dP_dropped o keep / (1 - p) - delta)).
+template <typename Elem, int D, int kBlockM, int kMask, bool kModes = false>
 MHK_DEVICE void dkdv_step(const Elem* sK, const Elem* sV, int key_row0, const Elem* sQ, const Elem* sdO, const float* sLse2,
-                          const float* sDelta, const int* sLimit, int key0, float scale_log2, float (&dk)[D / 8][4],
-                          float (&dv)[D / 8][4], int lane) {
+                          const float* sDelta, const int* sLo, const int* sLimit, int key0, float scale_log2, float (&dk)[D / 8][4],
+                          float (&dv)[D / 8][4], int lane, const ExtraModes* em = nullptr, ModeRows rows = {}) {
   constexpr int NT = kBlockM / 8;
   const int g = lane / 4, t = lane % 4;
   float pt[NT][4];  // P^T: rows = this warp's keys, columns = query rows
   MHK_UNROLL
   for (int nt = 0; nt < NT; ++nt) pt[nt][0] = pt[nt][1] = pt[nt][2] = pt[nt][3] = 0.f;
   mma_rows_x_rowsT<Elem, D, NT>(pt, sK, key_row0, sQ, 0, lane);
+  if constexpr (kModes) {
+    float dst[NT][4];  // dP^T (of the dropped probabilities), then dS^T
+    MHK_UNROLL
+    for (int nt = 0; nt < NT; ++nt) dst[nt][0] = dst[nt][1] = dst[nt][2] = dst[nt][3] = 0.f;
+    mma_rows_x_rowsT<Elem, D, NT>(dst, sV, key_row0, sdO, 0, lane);  // dP^T = V dO^T
+    MHK_UNROLL
+    for (int nt = 0; nt < NT; ++nt) {
+      MHK_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int qc = nt * 8 + 2 * t + (e & 1);
+        const int key = key0 + g + 8 * (e >> 1);
+        bool hidden = false;
+        if (kMask != kMaskNone && key >= sLimit[qc]) hidden = true;
+        if (kMask == kMaskLoHi && key < sLo[qc]) hidden = true;
+        float x = pt[nt][e] * scale_log2;
+        if (em->mask_kind != 0 && !hidden) x += mask_bias_log2(*em, rows.mask_row[qc], key);
+        x -= sLse2[qc];
+        const float prob = fast_exp2(hidden ? -INFINITY : x);
+        const float f = em->dropout ? dropout_factor(*em, rows.drop[qc], key) : 1.f;
+        dst[nt][e] = prob * (dst[nt][e] * f - sDelta[qc]);
+        pt[nt][e] = prob * f;
+      }
+    }
+    mma_regs_x_rows<Elem, D, kBlockM>(dv, pt, sdO, 0, lane);   // dV += P_dropped^T dO
+    mma_regs_x_rows<Elem, D, kBlockM>(dk, dst, sQ, 0, lane);  // dK += dS^T Q (scaled at the end)
+    return;
+  }
   MHK_UNROLL
   for (int nt = 0; nt < NT; ++nt) {
     MHK_UNROLL
     for (int e = 0; e < 4; ++e) {
       const int qc = nt * 8 + 2 * t + (e & 1);
       float x = pt[nt][e] * scale_log2 - sLse2[qc];
-      if (kMasked && key0 + g + 8 * (e >> 1) >= sLimit[qc]) x = -INFINITY;
+      if (kMask != kMaskNone && key0 + g + 8 * (e >> 1) >= sLimit[qc]) x = -INFINITY;
+      if (kMask == kMaskLoHi && key0 + g + 8 * (e >> 1) < sLo[qc]) x = -INFINITY;
       pt[nt][e] = fast_exp2(x);
     }
   }
@@ -114,8 +149,10 @@ MHK_DEVICE void dkdv_step(const Elem* sK, const Elem* sV, int key_row0, const El
   mma_regs_x_rows<Elem, D, kBlockM>(dk, dst, sQ, 0, lane);  // dK += dS^T Q (scaled at the end)
 }
 
-template <typename Elem, int D>
-__global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_kernel(const BwdParams p) {
+// The body of the dK/dV kernels. kModes: the call has attn_mask or dropout (a separate kernel,
+// attn_bwd_dkdv_modes_kernel, so that the plain one is exactly the kernel without them).
+template <typename Elem, int D, bool kModes>
+MHK_DEVICE void attn_bwd_dkdv_body(const BwdParams& p) {
   using Cfg = BwdConfig<D>;
   constexpr int kBlockN = Cfg::kDkvBlockN, kBlockM = Cfg::kDkvBlockM, kThreads = Cfg::kThreads;
   MHK_DYNAMIC_SMEM(smem);
@@ -126,6 +163,9 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_kerne
   float* sLse2 = reinterpret_cast<float*>(sdO + 2 * Cfg::kDkvQTile);  // stage s at + s * kBlockM
   float* sDelta = sLse2 + 2 * kBlockM;
   int* sLimit = reinterpret_cast<int*>(sDelta + 2 * kBlockM);
+  int* sLo = sLimit + 2 * kBlockM;
+  int64_t* sMaskRow = reinterpret_cast<int64_t*>(sLo + 2 * kBlockM);  // kModes only; stage s at + s * kBlockM
+  uint32_t* sDrop = reinterpret_cast<uint32_t*>(sMaskRow + 2 * kBlockM);  // likewise
 
   const int tid = thread_index();
   const int warp = tid / 32, lane = tid % 32;
@@ -138,17 +178,18 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_kerne
   const int b = static_cast<int>(bid / p.Hkv);
   const int n0 = kb * kBlockN;
   const int Lk_b = key_length_of(p, b);  // clamped into [0, Lk]
+  const Visibility vis = visibility_of(p, Lk_b);
   const int rows_total = p.group * p.Lq;
   const int n_qblocks = ceil_div(rows_total, kBlockM);
 
-  // A query block matters when one of its rows sees a key of this block; it needs per-element
-  // masks when one of its rows does not see all of them.
+  // A query block matters when one of its rows may see a key of this block; it needs
+  // per-element masks when one of its rows does not see all of them.
   auto block_visible = [&](int mq, bool& masked) -> bool {
     const int rq0 = mq * kBlockM;
     int i_lo, i_hi;
     tile_query_range(rq0, imin(kBlockM, rows_total - rq0), p.Lq, i_lo, i_hi);
-    masked = visible_limit(i_lo, Lk_b, p.Lq, p.causal) < n0 + kBlockN;
-    return visible_limit(i_hi, Lk_b, p.Lq, p.causal) > n0;
+    masked = key_hi(vis, i_lo) < n0 + kBlockN || key_lo(vis, i_hi) > n0;
+    return key_hi(vis, i_hi) > n0 && key_lo(vis, i_lo) < n0 + kBlockN;
   };
   auto next_block = [&](int mq) -> int {
     bool masked;
@@ -171,30 +212,45 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_kerne
     if (tid < kBlockM) {
       const int r = rq0 + tid;
       float lse2 = INFINITY, delta = 0.f;
-      int limit = 0;
+      int limit = 0, first = 0;
       if (r < rows_total) {
         const int64_t lin = packed_row_linear(b, p.H, hkv, p.group, p.Lq, r);
         const float lse = p.lse[lin];
         lse2 = lse == -INFINITY ? INFINITY : lse * kLog2e;
         delta = p.delta[lin];
-        limit = visible_limit(r % p.Lq, Lk_b, p.Lq, p.causal);
+        limit = key_hi(vis, r % p.Lq);
+        first = key_lo(vis, r % p.Lq);
       }
       sLse2[stage * kBlockM + tid] = lse2;
       sDelta[stage * kBlockM + tid] = delta;
       sLimit[stage * kBlockM + tid] = limit;
+      sLo[stage * kBlockM + tid] = first;
+      if (kModes) {
+        const int h = hkv * p.group + (r < rows_total ? r / p.Lq : 0);
+        const int i = r < rows_total ? r % p.Lq : 0;
+        sMaskRow[stage * kBlockM + tid] = p.mask != nullptr ? mask_row_offset(p, b, h, i) : 0;
+        sDrop[stage * kBlockM + tid] = dropout_row_hash(p, b, h, i);
+      }
     }
   };
+  const ExtraModes em = extra_modes_of(p);
+
+  // The first query block that sees a key of this block; none: the block's keys are hidden from
+  // every row (past Lk_b, or outside every row's causal or window range) and get zero gradients
+  // without being read.
+  int mq = n0 < Lk_b ? next_block(0) : n_qblocks;
+  const int kv_read = mq < n_qblocks ? Lk_b : 0;
 
   const Elem* k_head = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hkv * p.k_stride.head;
   const Elem* v_head = static_cast<const Elem*>(p.v) + b * p.v_stride.batch + hkv * p.v_stride.head;
   // Keys at or past Lk_b are never read (they get zero gradients).
   load_tile_async<Elem, kBlockN, D, kThreads>(sK, p.k, [&](int rr) -> const Elem* {
     const int j = n0 + rr;
-    return j < Lk_b ? k_head + static_cast<int64_t>(j) * p.k_stride.row : nullptr;
+    return j < kv_read ? k_head + static_cast<int64_t>(j) * p.k_stride.row : nullptr;
   });
   load_tile_async<Elem, kBlockN, D, kThreads>(sV, p.v, [&](int rr) -> const Elem* {
     const int j = n0 + rr;
-    return j < Lk_b ? v_head + static_cast<int64_t>(j) * p.v_stride.row : nullptr;
+    return j < kv_read ? v_head + static_cast<int64_t>(j) * p.v_stride.row : nullptr;
   });
 
   float dk[D / 8][4], dv[D / 8][4];
@@ -204,7 +260,7 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_kerne
     dv[dt][0] = dv[dt][1] = dv[dt][2] = dv[dt][3] = 0.f;
   }
 
-  int mq = n0 < Lk_b ? next_block(0) : n_qblocks;
+  const bool lo_masks = vis.left >= 0;
   if (mq < n_qblocks) load_qblock(mq, 0);
   cp_async_commit();  // K, V and the first query block
   int stage = 0;
@@ -221,11 +277,18 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_kerne
     const float* lse2 = sLse2 + stage * kBlockM;
     const float* delta = sDelta + stage * kBlockM;
     const int* limit = sLimit + stage * kBlockM;
+    const int* first = sLo + stage * kBlockM;
+    const ModeRows rows{sMaskRow + stage * kBlockM, sDrop + stage * kBlockM, nullptr};
     const int key0 = n0 + warp * 16;
-    if (masked)
-      dkdv_step<Elem, D, kBlockM, true>(sK, sV, warp * 16, sQs, sdOs, lse2, delta, limit, key0, p.scale_log2, dk, dv, lane);
+    if (!masked)
+      dkdv_step<Elem, D, kBlockM, kMaskNone, kModes>(sK, sV, warp * 16, sQs, sdOs, lse2, delta, first, limit, key0,
+                                                     p.scale_log2, dk, dv, lane, &em, rows);
+    else if (!lo_masks)
+      dkdv_step<Elem, D, kBlockM, kMaskHi, kModes>(sK, sV, warp * 16, sQs, sdOs, lse2, delta, first, limit, key0,
+                                                   p.scale_log2, dk, dv, lane, &em, rows);
     else
-      dkdv_step<Elem, D, kBlockM, false>(sK, sV, warp * 16, sQs, sdOs, lse2, delta, limit, key0, p.scale_log2, dk, dv, lane);
+      dkdv_step<Elem, D, kBlockM, kMaskLoHi, kModes>(sK, sV, warp * 16, sQs, sdOs, lse2, delta, first, limit, key0,
+                                                     p.scale_log2, dk, dv, lane, &em, rows);
     // The next iteration's prefetch overwrites this stage.
     block_sync();
     mq = nxt;
@@ -253,23 +316,66 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_kerne
   });
 }
 
-// One key block of the dQ kernel for one warp's 16 query rows.
-template <typename Elem, int D, int kBlockN, bool kMasked>
+template <typename Elem, int D>
+__global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_kernel(const BwdParams p) {
+  attn_bwd_dkdv_body<Elem, D, false>(p);
+}
+
+template <typename Elem, int D>
+__global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_modes_kernel(const BwdParams p) {
+  attn_bwd_dkdv_body<Elem, D, true>(p);
+}
+
+// One key block of the dQ kernel for one warp's 16 query rows, which see keys [lo, limit).
+// kMask: MaskKind (primitives.cuh).
+// kModes: also attn_mask, dropout, and the float mask's gradient dS written to dmask.
+template <typename Elem, int D, int kBlockN, int kMask, bool kModes = false>
 MHK_DEVICE void dq_step(const Elem* sQ, const Elem* sdO, int q_row0, const Elem* sK, const Elem* sV, int n0,
-                        const int (&limit)[2], const float (&lse2)[2], const float (&delta)[2], float scale_log2,
-                        float (&dq)[D / 8][4], int lane) {
+                        const int (&lo)[2], const int (&limit)[2], const float (&lse2)[2], const float (&delta)[2], float scale_log2,
+                        float (&dq)[D / 8][4], int lane, const ExtraModes* em = nullptr, ModeRows rows = {}) {
   constexpr int NT = kBlockN / 8;
   const int t = lane % 4;
   float ps[NT][4];
   MHK_UNROLL
   for (int nt = 0; nt < NT; ++nt) ps[nt][0] = ps[nt][1] = ps[nt][2] = ps[nt][3] = 0.f;
   mma_rows_x_rowsT<Elem, D, NT>(ps, sQ, q_row0, sK, 0, lane);  // S = Q K^T
+  if constexpr (kModes) {
+    const int g = lane / 4;
+    float ds[NT][4];
+    MHK_UNROLL
+    for (int nt = 0; nt < NT; ++nt) ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.f;
+    mma_rows_x_rowsT<Elem, D, NT>(ds, sdO, q_row0, sV, 0, lane);  // dP (of the dropped probabilities) = dO V^T
+    MHK_UNROLL
+    for (int nt = 0; nt < NT; ++nt) {
+      MHK_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int col = n0 + nt * 8 + 2 * t + (e & 1);
+        const int row = q_row0 + g + 8 * (e >> 1);
+        bool hidden = false;
+        if (kMask != kMaskNone && col >= limit[e >> 1]) hidden = true;
+        if (kMask == kMaskLoHi && col < lo[e >> 1]) hidden = true;
+        float x = ps[nt][e] * scale_log2;
+        if (em->mask_kind != 0 && !hidden) x += mask_bias_log2(*em, rows.mask_row[row], col);
+        x -= lse2[e >> 1];
+        const float prob = fast_exp2(hidden ? -INFINITY : x);
+        const float f = em->dropout ? dropout_factor(*em, rows.drop[row], col) : 1.f;
+        const float d = prob * (ds[nt][e] * f - delta[e >> 1]);
+        ds[nt][e] = d;
+        // dL/dscore of the float mask; exactly 0 where hidden (prob 0), whatever dP holds there.
+        if (em->dmask != nullptr && rows.dmask_row[row] >= 0 && col < em->Lk)
+          em->dmask[rows.dmask_row[row] + col] = prob != 0.f ? d : 0.f;
+      }
+    }
+    mma_regs_x_rows<Elem, D, kBlockN>(dq, ds, sK, 0, lane);  // dQ += dS K (scaled at the end)
+    return;
+  }
   MHK_UNROLL
   for (int nt = 0; nt < NT; ++nt) {
     MHK_UNROLL
     for (int e = 0; e < 4; ++e) {
       float x = ps[nt][e] * scale_log2 - lse2[e >> 1];
-      if (kMasked && n0 + nt * 8 + 2 * t + (e & 1) >= limit[e >> 1]) x = -INFINITY;
+      if (kMask != kMaskNone && n0 + nt * 8 + 2 * t + (e & 1) >= limit[e >> 1]) x = -INFINITY;
+      if (kMask == kMaskLoHi && n0 + nt * 8 + 2 * t + (e & 1) < lo[e >> 1]) x = -INFINITY;
       ps[nt][e] = fast_exp2(x);
     }
   }
@@ -285,8 +391,9 @@ MHK_DEVICE void dq_step(const Elem* sQ, const Elem* sdO, int q_row0, const Elem*
   mma_regs_x_rows<Elem, D, kBlockN>(dq, ds, sK, 0, lane);  // dQ += dS K (scaled at the end)
 }
 
-template <typename Elem, int D>
-__global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_kernel(const BwdParams p) {
+// The body of the dQ kernels (kModes as for the dK/dV kernels).
+template <typename Elem, int D, bool kModes>
+MHK_DEVICE void attn_bwd_dq_body(const BwdParams& p) {
   using Cfg = BwdConfig<D>;
   constexpr int kBlockM = Cfg::kDqBlockM, kBlockN = Cfg::kDqBlockN, kThreads = Cfg::kThreads;
   MHK_DYNAMIC_SMEM(smem);
@@ -294,6 +401,9 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_kernel(
   Elem* sdO = sQ + Cfg::kDqQTile;
   Elem* sK = sdO + Cfg::kDqQTile;       // stage s at sK + s * kDqKTile
   Elem* sV = sK + 2 * Cfg::kDqKTile;
+  int64_t* sMaskRow = reinterpret_cast<int64_t*>(sV + 2 * Cfg::kDqKTile);  // kModes only
+  int64_t* sDmaskRow = sMaskRow + kBlockM;                                 // kModes only
+  uint32_t* sDrop = reinterpret_cast<uint32_t*>(sDmaskRow + kBlockM);      // kModes only
 
   const int tid = thread_index();
   const int warp = tid / 32, lane = tid % 32;
@@ -313,20 +423,25 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_kernel(
   const int nrows = imin(kBlockM, rows_total - r0);
   const int Lk_b = key_length_of(p, b);  // clamped into [0, Lk]
 
+  const Visibility vis = visibility_of(p, Lk_b);
+
   int i_lo, i_hi;
   tile_query_range(r0, nrows, p.Lq, i_lo, i_hi);
-  const int kv_any = imax(0, visible_limit(i_hi, Lk_b, p.Lq, p.causal));
-  const int kv_all = imax(0, visible_limit(i_lo, Lk_b, p.Lq, p.causal));
-  const int per_split = ceil_div(ceil_div(p.Lk, kBlockN), p.num_splits) * kBlockN;
-  const int kv_begin = split * per_split;
+  int kv_first, kv_any, kv_all_lo, kv_all;
+  tile_key_range<kBlockN>(vis, i_lo, i_hi, kv_first, kv_any, kv_all_lo, kv_all);
+  // Split-K cuts this tile's own key range [kv_first, kv_any) into whole blocks.
+  const int per_split = ceil_div(ceil_div(kv_any - kv_first, kBlockN), p.num_splits) * kBlockN;
+  const int kv_begin = kv_first + split * per_split;
   const int kv_end = imin(kv_any, kv_begin + per_split);
+  const bool lo_masks = vis.left >= 0;
 
-  int limit[2];
+  int limit[2], lo[2];
   float lse2[2], delta[2];
   MHK_UNROLL
   for (int hh = 0; hh < 2; ++hh) {
     const int r = r0 + warp * 16 + g + 8 * hh;
     limit[hh] = 0;
+    lo[hh] = 0;
     lse2[hh] = INFINITY;  // zeroes P of rows past the end
     delta[hh] = 0.f;
     if (r < rows_total) {
@@ -334,10 +449,24 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_kernel(
       const float lse = p.lse[lin];
       lse2[hh] = lse == -INFINITY ? INFINITY : lse * kLog2e;
       delta[hh] = p.delta[lin];
-      limit[hh] = visible_limit(r % p.Lq, Lk_b, p.Lq, p.causal);
+      limit[hh] = key_hi(vis, r % p.Lq);
+      lo[hh] = key_lo(vis, r % p.Lq);
     }
   }
   const bool warp_active = r0 + warp * 16 < rows_total;
+  // Published to the other warps by the first block_sync of the loop.
+  if (kModes) {
+    for (int rr = tid; rr < kBlockM; rr += kThreads) {
+      const int r = r0 + rr;
+      const int h = hkv * p.group + (r < rows_total ? r / p.Lq : 0);
+      const int i = r < rows_total ? r % p.Lq : 0;
+      sMaskRow[rr] = p.mask != nullptr ? mask_row_offset(p, b, h, i) : 0;
+      sDmaskRow[rr] = r < rows_total ? ((static_cast<int64_t>(b) * p.H + h) * p.Lq + i) * p.Lk : -1;
+      sDrop[rr] = dropout_row_hash(p, b, h, i);
+    }
+  }
+  const ExtraModes em = extra_modes_of(p);
+  const ModeRows mode_rows{sMaskRow, sDrop, sDmaskRow};
 
   const Elem* q = static_cast<const Elem*>(p.q);
   const Elem* dout = static_cast<const Elem*>(p.dout);
@@ -380,10 +509,15 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_kernel(
       const Elem* sKs = sK + stage * Cfg::kDqKTile;
       const Elem* sVs = sV + stage * Cfg::kDqKTile;
       if (warp_active) {
-        if (n0 + kBlockN > kv_all)
-          dq_step<Elem, D, kBlockN, true>(sQ, sdO, warp * 16, sKs, sVs, n0, limit, lse2, delta, p.scale_log2, dq, lane);
+        if (n0 + kBlockN <= kv_all && n0 >= kv_all_lo)
+          dq_step<Elem, D, kBlockN, kMaskNone, kModes>(sQ, sdO, warp * 16, sKs, sVs, n0, lo, limit, lse2, delta,
+                                                       p.scale_log2, dq, lane, &em, mode_rows);
+        else if (!lo_masks)
+          dq_step<Elem, D, kBlockN, kMaskHi, kModes>(sQ, sdO, warp * 16, sKs, sVs, n0, lo, limit, lse2, delta,
+                                                     p.scale_log2, dq, lane, &em, mode_rows);
         else
-          dq_step<Elem, D, kBlockN, false>(sQ, sdO, warp * 16, sKs, sVs, n0, limit, lse2, delta, p.scale_log2, dq, lane);
+          dq_step<Elem, D, kBlockN, kMaskLoHi, kModes>(sQ, sdO, warp * 16, sKs, sVs, n0, lo, limit, lse2, delta,
+                                                       p.scale_log2, dq, lane, &em, mode_rows);
       }
       block_sync();
     }
@@ -417,6 +551,16 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_kernel(
   }
 }
 
+template <typename Elem, int D>
+__global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_kernel(const BwdParams p) {
+  attn_bwd_dq_body<Elem, D, false>(p);
+}
+
+template <typename Elem, int D>
+__global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_modes_kernel(const BwdParams p) {
+  attn_bwd_dq_body<Elem, D, true>(p);
+}
+
 // dq = sum over splits of the fp32 partials, added in split order; one thread per pair of
 // elements.
 template <typename Elem, int D>
@@ -439,6 +583,26 @@ __global__ void MHK_LAUNCH_BOUNDS(256, 1) attn_bwd_dq_reduce_kernel(const BwdPar
   *reinterpret_cast<uint32_t*>(dst) = ElemTraits<Elem>::pack2(sum.x, sum.y);
 }
 
+// The dK/dV and dQ kernels, plain or with attn_mask / dropout (kModes).
+template <typename Elem, int D, bool kModes>
+cudaError_t launch_attn_bwd_main(const BwdParams& p, int64_t grid_kv, int64_t grid_q, cudaStream_t stream) {
+  using Cfg = BwdConfig<D>;
+  constexpr int kDkvBytes = Cfg::kDkvSmemBytes + (kModes ? Cfg::kDkvModeSmemBytes : 0);
+  constexpr int kDqBytes = Cfg::kDqSmemBytes + (kModes ? Cfg::kDqModeSmemBytes : 0);
+  constexpr int kTag = kModes ? kTagModes : 0;
+  auto dkdv = kModes ? attn_bwd_dkdv_modes_kernel<Elem, D> : attn_bwd_dkdv_kernel<Elem, D>;
+  auto dq = kModes ? attn_bwd_dq_modes_kernel<Elem, D> : attn_bwd_dq_kernel<Elem, D>;
+  cudaError_t err = opt_in_dynamic_smem<kTagBwdDkdv + kTag, Elem, D>(dkdv, kDkvBytes);
+  if (err != cudaSuccess) return err;
+  launch_kernel(dkdv, grid_kv, Cfg::kThreads, kDkvBytes, stream, p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  err = opt_in_dynamic_smem<kTagBwdDq + kTag, Elem, D>(dq, kDqBytes);
+  if (err != cudaSuccess) return err;
+  launch_kernel(dq, grid_q, Cfg::kThreads, kDqBytes, stream, p);
+  return cudaGetLastError();
+}
+
 template <typename Elem, int D>
 cudaError_t run_attn_bwd(const BwdParams& p, cudaStream_t stream) {
   using Cfg = BwdConfig<D>;
@@ -452,16 +616,9 @@ cudaError_t run_attn_bwd(const BwdParams& p, cudaStream_t stream) {
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
 
-  err = opt_in_dynamic_smem<kTagBwdDkdv, Elem, D>(attn_bwd_dkdv_kernel<Elem, D>, Cfg::kDkvSmemBytes);
-  if (err != cudaSuccess) return err;
-  launch_kernel(attn_bwd_dkdv_kernel<Elem, D>, grid_kv, Cfg::kThreads, Cfg::kDkvSmemBytes, stream, p);
-  err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-
-  err = opt_in_dynamic_smem<kTagBwdDq, Elem, D>(attn_bwd_dq_kernel<Elem, D>, Cfg::kDqSmemBytes);
-  if (err != cudaSuccess) return err;
-  launch_kernel(attn_bwd_dq_kernel<Elem, D>, grid_q, Cfg::kThreads, Cfg::kDqSmemBytes, stream, p);
-  err = cudaGetLastError();
+  const bool modes = p.mask != nullptr || p.dropout_p > 0.0;
+  err = modes ? launch_attn_bwd_main<Elem, D, true>(p, grid_kv, grid_q, stream)
+              : launch_attn_bwd_main<Elem, D, false>(p, grid_kv, grid_q, stream);
   if (err != cudaSuccess || p.num_splits == 1) return err;
 
   const int64_t pairs = rows * (D / 2);

@@ -40,18 +40,24 @@ struct FwdConfig {
   static constexpr int kPitch = TilePitch<D>::kPitch;
   static constexpr int kQTile = kBlockM * kPitch;   // elements
   static constexpr int kKVTile = kBlockN * kPitch;  // elements
-  // Q, then K and V with two stages each, then the visible-key limit of each query row (read
-  // from shared memory on masked steps only: four registers fewer, which keeps the D = 128
-  // loop free of spills on sm_80).
-  static constexpr int kSmemBytes = (kQTile + 4 * kKVTile) * 2 + kBlockM * 4;
+  // Q, then K and V with two stages each, then the first and one past the last visible key of
+  // each query row (read from shared memory on masked steps only: registers saved, which keeps
+  // the D = 128 loop free of spills on sm_80).
+  static constexpr int kSmemBytes = (kQTile + 4 * kKVTile) * 2 + 2 * kBlockM * 4;
+  // The kernel with attn_mask / dropout (kModes) also stages each row's mask-row offset and
+  // dropout hash.
+  static constexpr int kModeSmemBytes = kBlockM * (8 + 4);
 };
 
+
 // One key block for one warp's MT strips of 16 rows (from tile row q_row0): S = Q K^T, masking,
-// online softmax, O += P V. sLimit[row] is the number of keys visible to a tile row.
-template <typename Elem, int D, int kBlockN, int MT, bool kMasked>
-MHK_DEVICE void fwd_step(const Elem* sQ, int q_row0, const Elem* sK, const Elem* sV, int n0, const int* sLimit,
-                         float scale_log2, float (&acc)[MT][D / 8][4], float (&m_run)[MT][2], float (&l_run)[MT][2],
-                         int lane) {
+// online softmax, O += P V. A tile row sees keys [sLo[row], sLimit[row]).
+// kModes: also attn_mask (a bias added to the base-2 score, or -inf) and dropout on the
+// probabilities that multiply V (the row sums keep the undropped ones: lse is undropped).
+template <typename Elem, int D, int kBlockN, int MT, int kMask, bool kModes = false>
+MHK_DEVICE void fwd_step(const Elem* sQ, int q_row0, const Elem* sK, const Elem* sV, int n0, const int* sLo,
+                         const int* sLimit, float scale_log2, float (&acc)[MT][D / 8][4], float (&m_run)[MT][2], float (&l_run)[MT][2],
+                         int lane, const ExtraModes* em = nullptr, ModeRows rows = {}) {
   constexpr int NT = kBlockN / 8;
   const int g = lane / 4, t = lane % 4;
   float s[MT][NT][4];
@@ -65,20 +71,30 @@ MHK_DEVICE void fwd_step(const Elem* sQ, int q_row0, const Elem* sK, const Elem*
   MHK_UNROLL
   for (int mt = 0; mt < MT; ++mt) {
     // Scale into base 2 first (a negative scale would turn a -inf mask into +inf).
-    int limit[2] = {0, 0};
-    if (kMasked) {
+    int limit[2] = {0, 0}, lo[2] = {0, 0};
+    if (kMask != kMaskNone) {
       limit[0] = sLimit[q_row0 + 16 * mt + g];
       limit[1] = sLimit[q_row0 + 16 * mt + g + 8];
+    }
+    if (kMask == kMaskLoHi) {
+      lo[0] = sLo[q_row0 + 16 * mt + g];
+      lo[1] = sLo[q_row0 + 16 * mt + g + 8];
     }
     MHK_UNROLL
     for (int nt = 0; nt < NT; ++nt) {
       MHK_UNROLL
       for (int e = 0; e < 4; ++e) {
         float x = s[mt][nt][e] * scale_log2;
-        if (kMasked) {
-          const int col = n0 + nt * 8 + 2 * t + (e & 1);
-          if (col >= limit[e >> 1]) x = -INFINITY;
+        const int col = n0 + nt * 8 + 2 * t + (e & 1);
+        bool hidden = false;
+        if (kMask != kMaskNone) {
+          if (col >= limit[e >> 1]) hidden = true;
+          if (kMask == kMaskLoHi && col < lo[e >> 1]) hidden = true;
+          if (hidden) x = -INFINITY;
         }
+        // The mask is read only where the key is structurally visible (never past Lk).
+        if (kModes && em->mask_kind != 0 && !hidden)
+          x += mask_bias_log2(*em, rows.mask_row[q_row0 + 16 * mt + g + 8 * (e >> 1)], col);
         s[mt][nt][e] = x;
       }
     }
@@ -102,6 +118,9 @@ MHK_DEVICE void fwd_step(const Elem* sQ, int q_row0, const Elem* sK, const Elem*
           const float pv = fast_exp2(s[mt][nt][2 * hh + e] - m_use);
           s[mt][nt][2 * hh + e] = pv;
           rs += pv;
+          if (kModes && em->dropout)
+            s[mt][nt][2 * hh + e] = pv * dropout_factor(*em, rows.drop[q_row0 + 16 * mt + g + 8 * hh],
+                                                        n0 + nt * 8 + 2 * t + e);
         }
       }
       // Per-lane partial row sums; the four lanes of a row are added once, at the end.
@@ -117,8 +136,10 @@ MHK_DEVICE void fwd_step(const Elem* sQ, int q_row0, const Elem* sK, const Elem*
   mma_regs_x_rows_mt<Elem, D, kBlockN, MT>(acc, s, sV, 0, lane);
 }
 
-template <typename Elem, int D>
-__global__ void MHK_LAUNCH_BOUNDS(FwdConfig<D>::kThreads, 2) attn_fwd_kernel(const FwdParams p) {
+// The body of the forward kernels. kModes: the call has attn_mask or dropout; it is a separate
+// kernel (attn_fwd_modes_kernel), so that the plain one is exactly the kernel without them.
+template <typename Elem, int D, bool kModes>
+MHK_DEVICE void attn_fwd_body(const FwdParams& p) {
   using Cfg = FwdConfig<D>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kThreads = Cfg::kThreads, MT = Cfg::kMTiles;
   MHK_DYNAMIC_SMEM(smem);
@@ -126,6 +147,9 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfig<D>::kThreads, 2) attn_fwd_kernel(con
   Elem* sK = sQ + Cfg::kQTile;      // stage s at sK + s * kKVTile
   Elem* sV = sK + 2 * Cfg::kKVTile;
   int* sLimit = reinterpret_cast<int*>(sV + 2 * Cfg::kKVTile);
+  int* sLo = sLimit + kBlockM;
+  int64_t* sMaskRow = reinterpret_cast<int64_t*>(sLo + kBlockM);  // kModes only
+  uint32_t* sDrop = reinterpret_cast<uint32_t*>(sMaskRow + kBlockM);  // kModes only
 
   const int tid = thread_index();
   const int warp = tid / 32, lane = tid % 32;
@@ -148,20 +172,32 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfig<D>::kThreads, 2) attn_fwd_kernel(con
   const int nrows = imin(kBlockM, rows_total - r0);
   const int Lk_b = key_length_of(p, b);  // clamped into [0, Lk]
 
+  const Visibility vis = visibility_of(p, Lk_b);
+
   int i_lo, i_hi;
   tile_query_range(r0, nrows, p.Lq, i_lo, i_hi);
-  // Keys below kv_all are visible to every row of the tile, keys from kv_any on to none.
-  const int kv_any = imax(0, visible_limit(i_hi, Lk_b, p.Lq, p.causal));
-  const int kv_all = imax(0, visible_limit(i_lo, Lk_b, p.Lq, p.causal));
-  const int per_split = ceil_div(ceil_div(p.Lk, kBlockN), p.num_splits) * kBlockN;
-  const int kv_begin = split * per_split;
+  int kv_first, kv_any, kv_all_lo, kv_all;
+  tile_key_range<kBlockN>(vis, i_lo, i_hi, kv_first, kv_any, kv_all_lo, kv_all);
+  // Split-K cuts this tile's own key range [kv_first, kv_any) into whole blocks.
+  const int per_split = ceil_div(ceil_div(kv_any - kv_first, kBlockN), p.num_splits) * kBlockN;
+  const int kv_begin = kv_first + split * per_split;
   const int kv_end = imin(kv_any, kv_begin + per_split);
+  const bool lo_masks = vis.left >= 0;
 
   // Published to the other warps by the first block_sync of the loop.
   for (int rr = tid; rr < kBlockM; rr += kThreads) {
     const int r = r0 + rr;
-    sLimit[rr] = r < rows_total ? visible_limit(r % p.Lq, Lk_b, p.Lq, p.causal) : 0;
+    sLimit[rr] = r < rows_total ? key_hi(vis, r % p.Lq) : 0;
+    sLo[rr] = r < rows_total ? key_lo(vis, r % p.Lq) : 0;
+    if (kModes) {
+      const int h = hkv * p.group + (r < rows_total ? r / p.Lq : 0);
+      const int i = r < rows_total ? r % p.Lq : 0;
+      sMaskRow[rr] = p.mask != nullptr ? mask_row_offset(p, b, h, i) : 0;
+      sDrop[rr] = dropout_row_hash(p, b, h, i);
+    }
   }
+  const ExtraModes em = extra_modes_of(p);
+  const ModeRows mode_rows{sMaskRow, sDrop};
   // Warps whose rows all lie past the end skip the math (decode: a group of 8 query heads
   // fills part of the first warp's strips only).
   const bool warp_active = r0 + warp_row0 < rows_total;
@@ -211,10 +247,15 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfig<D>::kThreads, 2) attn_fwd_kernel(con
       const Elem* sKs = sK + stage * Cfg::kKVTile;
       const Elem* sVs = sV + stage * Cfg::kKVTile;
       if (warp_active) {
-        if (n0 + kBlockN > kv_all)
-          fwd_step<Elem, D, kBlockN, MT, true>(sQ, warp_row0, sKs, sVs, n0, sLimit, p.scale_log2, acc, m_run, l_run, lane);
+        if (n0 + kBlockN <= kv_all && n0 >= kv_all_lo)
+          fwd_step<Elem, D, kBlockN, MT, kMaskNone, kModes>(sQ, warp_row0, sKs, sVs, n0, sLo, sLimit, p.scale_log2, acc,
+                                                            m_run, l_run, lane, &em, mode_rows);
+        else if (!lo_masks)
+          fwd_step<Elem, D, kBlockN, MT, kMaskHi, kModes>(sQ, warp_row0, sKs, sVs, n0, sLo, sLimit, p.scale_log2, acc,
+                                                          m_run, l_run, lane, &em, mode_rows);
         else
-          fwd_step<Elem, D, kBlockN, MT, false>(sQ, warp_row0, sKs, sVs, n0, sLimit, p.scale_log2, acc, m_run, l_run, lane);
+          fwd_step<Elem, D, kBlockN, MT, kMaskLoHi, kModes>(sQ, warp_row0, sKs, sVs, n0, sLo, sLimit, p.scale_log2, acc,
+                                                            m_run, l_run, lane, &em, mode_rows);
       }
       // The next iteration's prefetch overwrites this stage.
       block_sync();
@@ -277,6 +318,16 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfig<D>::kThreads, 2) attn_fwd_kernel(con
   }
 }
 
+template <typename Elem, int D>
+__global__ void MHK_LAUNCH_BOUNDS(FwdConfig<D>::kThreads, 2) attn_fwd_kernel(const FwdParams p) {
+  attn_fwd_body<Elem, D, false>(p);
+}
+
+template <typename Elem, int D>
+__global__ void MHK_LAUNCH_BOUNDS(FwdConfig<D>::kThreads, 2) attn_fwd_modes_kernel(const FwdParams p) {
+  attn_fwd_body<Elem, D, true>(p);
+}
+
 // Merges split-K partials: lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s.
 // One warp per output row; the sums run in a fixed order (deterministic).
 template <typename Elem, int D>
@@ -326,6 +377,17 @@ __global__ void MHK_LAUNCH_BOUNDS(128, 1) attn_fwd_combine_kernel(const FwdParam
   if (lane == 0) p.lse[row] = lse;
 }
 
+template <typename Elem, int D, bool kModes>
+cudaError_t launch_attn_fwd_main(const FwdParams& p, int64_t grid, cudaStream_t stream) {
+  using Cfg = FwdConfig<D>;
+  constexpr int kBytes = Cfg::kSmemBytes + (kModes ? Cfg::kModeSmemBytes : 0);
+  auto kernel = kModes ? attn_fwd_modes_kernel<Elem, D> : attn_fwd_kernel<Elem, D>;
+  cudaError_t err = opt_in_dynamic_smem<kTagFwd + (kModes ? kTagModes : 0), Elem, D>(kernel, kBytes);
+  if (err != cudaSuccess) return err;
+  launch_kernel(kernel, grid, Cfg::kThreads, kBytes, stream, p);
+  return cudaGetLastError();
+}
+
 template <typename Elem, int D>
 cudaError_t run_attn_fwd(const FwdParams& p, cudaStream_t stream) {
   using Cfg = FwdConfig<D>;
@@ -333,10 +395,9 @@ cudaError_t run_attn_fwd(const FwdParams& p, cudaStream_t stream) {
   const int64_t grid = n_mblocks * p.Hkv * p.B * p.num_splits;
   if (grid == 0) return cudaSuccess;
   if (grid > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  cudaError_t err = opt_in_dynamic_smem<kTagFwd, Elem, D>(attn_fwd_kernel<Elem, D>, Cfg::kSmemBytes);
-  if (err != cudaSuccess) return err;
-  launch_kernel(attn_fwd_kernel<Elem, D>, grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p);
-  err = cudaGetLastError();
+  const bool modes = p.mask != nullptr || p.dropout_p > 0.0;
+  cudaError_t err = modes ? launch_attn_fwd_main<Elem, D, true>(p, grid, stream)
+                          : launch_attn_fwd_main<Elem, D, false>(p, grid, stream);
   if (err != cudaSuccess || p.num_splits == 1) return err;
   const int64_t rows = static_cast<int64_t>(p.B) * p.H * p.Lq;
   launch_kernel(attn_fwd_combine_kernel<Elem, D>, (rows + 3) / 4, 128, 0, stream, p);

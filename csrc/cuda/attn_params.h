@@ -6,12 +6,13 @@
 // elements and may be anything that keeps 16-byte alignment of each row (the host checks).
 // Query head h reads KV head h / group, group = H / Hkv (GQA; Hkv = 1 is MQA).
 //
-// Masking (all kernels): key j is visible to query i of batch element b iff
-//     j < Lk_b  and, when causal,  j <= i + Lk_b - Lq        (bottom-right aligned)
-// with Lk_b = key_lengths[b] clamped into [0, Lk] (or Lk when key_lengths is null). A query row
-// that sees no key gets output 0, lse = -inf and zero gradient. The other modes of
-// docs/contract.md have their fields here, but these kernels do not implement them yet
-// (capabilities.h: kCudaFeatures); the host refuses them by name.
+// Masking (all kernels): key j is visible to query i of batch element b as docs/contract.md
+// ("Visibility") defines it: j < Lk_b, with Lk_b = key_lengths[b] clamped into [0, Lk] (or Lk
+// when key_lengths is null), and the causal and window bounds around the diagonal i + off
+// (off = 0 top-left, Lk_b - Lq bottom-right); primitives.cuh's Visibility computes each row's
+// key range from these fields. A query row that sees no key gets output 0, lse = -inf and zero
+// gradient. The modes the kernels implement are capabilities.h's kCudaFeatures; the host
+// refuses the others by name.
 //
 // make_fwd_params / make_bwd_params fill the structs from plain operand descriptions; the host
 // code (cuda_host.cpp, from tensors) and the CPU emulation (emulation/emu_entry.cpp, from raw

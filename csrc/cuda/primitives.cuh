@@ -226,9 +226,153 @@ MHK_DEVICE int64_t packed_row_linear(int b, int H, int hkv, int group, int Lq, i
   return (static_cast<int64_t>(b) * H + h) * Lq + r % Lq;
 }
 
-// Number of keys visible to query i: keys [0, limit) are visible (limit <= 0: none).
+// Number of keys visible to query i with bottom-right causal masking only: keys [0, limit) are
+// visible (limit <= 0: none). The kernels use Visibility below, which covers every alignment
+// and window.
 MHK_DEVICE int visible_limit(int i, int Lk_b, int Lq, bool causal) {
   return causal ? imin(Lk_b, i + Lk_b - Lq + 1) : Lk_b;
+}
+
+// Which keys the query rows of one batch element see through key_lengths, causal masking and
+// the window (docs/contract.md "Visibility"; attn_mask aside): query i sees keys
+// [key_lo(i), key_hi(i)), none when key_hi <= key_lo. Both bounds are nondecreasing in i, so the
+// rows [i_lo, i_hi] of a tile together see keys in [key_lo(i_lo), key_hi(i_hi)) and each of
+// them sees all of [key_lo(i_hi), key_hi(i_lo)): key blocks outside the first range are skipped,
+// and only blocks not inside the second are masked per element.
+struct Visibility {
+  int Lk_b;   // keys at or past it are hidden (key_lengths)
+  int diag;   // the diagonal key of row i is i + diag: 0 top-left, Lk_b - Lq bottom-right
+  int right;  // visible keys satisfy j <= i + diag + right; -1: no such bound
+  int left;   // visible keys satisfy j >= i + diag - left; -1: no such bound
+};
+
+template <typename Params>
+MHK_HD Visibility visibility_of(const Params& p, int Lk_b) {
+  // i + diag lies in [-Lq, max(Lk, Lq)), so a size of Lk + Lq already bounds nothing; clamping
+  // there keeps every sum of key_lo / key_hi in 32 bits (Lk, Lq < 2^30: capabilities.h).
+  const int64_t reach = static_cast<int64_t>(p.Lk) + p.Lq;
+  Visibility v;
+  v.Lk_b = Lk_b;
+  v.diag = p.top_left ? 0 : Lk_b - p.Lq;
+  // Causal is the window with right = min(right, 0), -1 counting as unbounded.
+  const int64_t right = p.causal ? 0 : p.window_right;
+  v.right = right < 0 ? -1 : static_cast<int>(right < reach ? right : reach);
+  v.left = p.window_left < 0 ? -1 : static_cast<int>(p.window_left < reach ? p.window_left : reach);
+  return v;
+}
+
+// One past the last key visible to query i (may be <= 0: none).
+MHK_HD int key_hi(const Visibility& v, int i) {
+  if (v.right < 0) return v.Lk_b;
+  const int t = i + v.diag;
+  return t >= v.Lk_b - v.right ? v.Lk_b : t + v.right + 1;
+}
+
+// The first key visible to query i (at most Lk_b).
+MHK_HD int key_lo(const Visibility& v, int i) {
+  if (v.left < 0) return 0;
+  const int t = i + v.diag;
+  return t <= v.left ? 0 : imin(t - v.left, v.Lk_b);
+}
+
+// Per-element masking of one key block (the block's keys are not all visible to all its rows).
+enum MaskKind : int {
+  kMaskNone = 0,  // every key of the block is visible to every row: no per-element test
+  kMaskHi = 1,    // keys at or past the row's limit are hidden (key_lengths, causal)
+  kMaskLoHi = 2,  // also keys below the row's first visible key (a left window)
+};
+
+// The keys of a tile of query rows [i_lo, i_hi] (see Visibility): the rows together see keys
+// in [first, any) (first rounded down to a block of kBlockN), and each row sees all of
+// [all_lo, all_hi): a block inside that needs no per-element mask.
+template <int kBlockN>
+MHK_DEVICE void tile_key_range(const Visibility& v, int i_lo, int i_hi, int& first, int& any, int& all_lo,
+                               int& all_hi) {
+  any = imax(0, key_hi(v, i_hi));
+  first = imin(key_lo(v, i_lo), any) / kBlockN * kBlockN;
+  all_lo = key_lo(v, i_hi);
+  all_hi = imax(0, key_hi(v, i_lo));
+}
+
+// ---- attn_mask and dropout (docs/contract.md "Visibility", "Dropout") ----------------------
+// The kernels built with kModes read these once per CTA; per query row they stage the offset of
+// the row's mask row and the row's dropout hash in shared memory.
+
+// Per query row data of the kModes kernels, staged in shared memory: the element offset of the
+// row's mask row and its dropout hash r_i (dropout_row_hash).
+struct ModeRows {
+  const int64_t* mask_row;
+  const uint32_t* drop;
+  const int64_t* dmask_row;  // the backward's dQ kernel: offset of the row in dmask, -1 past the end
+};
+
+// Added to a kernel's opt_in_dynamic_smem tag (smem_opt_in.cuh) for its kModes instantiation.
+constexpr int kTagModes = 16;
+
+// The contract's lowbias32 finaliser.
+MHK_HD uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x21F0AAADu;
+  x ^= x >> 15;
+  x *= 0x735A2D97u;
+  x ^= x >> 15;
+  return x;
+}
+
+struct ExtraModes {
+  const void* mask;     // (B, H, Lq, Lk) view; nullptr: none
+  int mask_kind;        // 0 none, 1 bool bytes (nonzero = visible), 2 additive float32
+  int64_t mask_sk;      // element stride along the keys (0 when broadcast)
+  bool dropout;         // dropout_p > 0
+  uint32_t threshold;   // keep iff hash >= threshold
+  float keep_scale;     // 1 / (1 - dropout_p)
+  float* dmask;         // the backward: (B, H, Lq, Lk) float32 dL/dscore, or nullptr
+  int Lk;
+};
+
+template <typename Params>
+MHK_HD ExtraModes extra_modes_of(const Params& p) {
+  ExtraModes m;
+  m.mask = p.mask;
+  m.mask_kind = p.mask != nullptr ? p.mask_kind : 0;
+  m.mask_sk = p.mask_sk;
+  m.dropout = p.dropout_p > 0.0;
+  // floor(p * 2^32) in double, exactly the reference's threshold (p < 1: below 2^32).
+  const double t = p.dropout_p * 4294967296.0;
+  m.threshold = t >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(t);
+  m.keep_scale = m.dropout ? static_cast<float>(1.0 / (1.0 - p.dropout_p)) : 1.f;
+  m.dmask = p.dmask;
+  m.Lk = p.Lk;
+  return m;
+}
+
+// Element offset of the mask row of query i of head h, batch element b.
+template <typename Params>
+MHK_HD int64_t mask_row_offset(const Params& p, int b, int h, int i) {
+  return b * p.mask_sb + h * p.mask_sh + static_cast<int64_t>(i) * p.mask_sq;
+}
+
+// The contract's r_i for query i of query head h, batch element b: key j is kept iff
+// mix32(r_i + j) >= threshold.
+template <typename Params>
+MHK_HD uint32_t dropout_row_hash(const Params& p, int b, int h, int i) {
+  const uint32_t lo = static_cast<uint32_t>(p.seed), hi = static_cast<uint32_t>(p.seed >> 32);
+  const uint32_t bh = static_cast<uint32_t>(static_cast<int64_t>(b) * p.H + h);
+  const uint32_t s_bh = mix32(lo ^ mix32(hi ^ bh));
+  return mix32(s_bh ^ static_cast<uint32_t>(i));
+}
+
+// The mask's contribution to a base-2 score: a float bias times log2(e), or -inf where a bool
+// mask hides the key.
+MHK_DEVICE float mask_bias_log2(const ExtraModes& m, int64_t row_off, int j) {
+  const int64_t at = row_off + j * m.mask_sk;
+  if (m.mask_kind == 1) return static_cast<const unsigned char*>(m.mask)[at] != 0 ? 0.f : -INFINITY;
+  return static_cast<const float*>(m.mask)[at] * kLog2e;
+}
+
+// The factor dropout applies to probability (i, j): 1 / (1 - p) if kept, else 0.
+MHK_DEVICE float dropout_factor(const ExtraModes& m, uint32_t row_hash, int j) {
+  return mix32(row_hash + static_cast<uint32_t>(j)) >= m.threshold ? m.keep_scale : 0.f;
 }
 
 // The range of query positions i covered by packed rows [r0, r0 + nrows): a tile that wraps

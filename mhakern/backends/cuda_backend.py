@@ -15,6 +15,13 @@ many query heads per KV head) reads each key block once per group. When the quer
 would leave most multiprocessors idle and the keys are long, the keys are split across CTAs
 (split-K) and the partial results combined through their lse; the op plans it
 (:func:`plan_splits` asks the same planner).
+
+Modes (docs/contract.md): ``features`` is the capability table's list for the cuda family
+(csrc/capabilities.h, ``kCudaFeatures``), read by :meth:`CudaBackend._static_unavailable`; the
+others are refused by dispatch, so that ``auto`` falls back. Causal alignment and windows
+bound each query tile's key range: key blocks that no row of the tile sees are skipped
+(neither read nor computed), and only blocks that cross a visibility boundary are masked per
+element.
 """
 from __future__ import annotations
 
