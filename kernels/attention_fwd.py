@@ -272,6 +272,14 @@ def _fwd_inner(
         alpha = tl.math.exp2((m_i - m_safe) * 1.4426950408889634)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_tile(v_base, _idx(offs_n, IDX64) * stride_vn, key_ok, DV, BLOCK_DV, MASKED)
+        if MASK_KIND != 0 or (BAND and MASKED):
+            # Values of keys that no row of the tile sees (masked column, outside every row's
+            # band) become 0, so that a NaN there cannot reach the output through 0 * NaN.
+            seen_t = mvis if MASK_KIND != 0 else vis
+            if MASK_KIND != 0 and MASKED:
+                seen_t = seen_t & vis
+            seen_any = tl.max(seen_t.to(tl.int32), 0) > 0
+            v = tl.where(seen_any[:, None], v, 0.0)
         if DROPOUT:
             p = tl.where(_keep(r_drop[:, None], offs_n[None, :], drop_thr), p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
