@@ -273,6 +273,15 @@ MODE_COMBOS = {
 }
 
 
+def test_long_window_runs_masked_and_unmasked_tiles_on_both_sides_of_the_band():
+    # 192 x 192, top-left window (100, 70): with the interpreter's fp32 tiles (64-row forward
+    # tiles, 64-key dK/dV blocks of 32-row steps) every row tile and key block has its left
+    # masked part, an unmasked middle and its right masked part; element 1 is cut at key 150.
+    q, k, v = make_inputs(2, 1, 1, 192, 192, 16, device=DEVICE)
+    check_against_reference(triton_attention, q, k, v, False, torch.tensor([192, 150], device=DEVICE),
+                            window=(100, 70), causal_align="top_left")
+
+
 @pytest.mark.parametrize("combo", list(MODE_COMBOS))
 def test_modes_combined(combo):
     dtype, (B, H, Hkv, Lq, Lk, D, Dv), causal, kl, build = MODE_COMBOS[combo]
@@ -302,7 +311,10 @@ def test_window_skips_key_tiles_no_row_of_a_tile_sees():
     bm, bn = cfg.block_m, cfg.block_n
     assert bm + 2 < (L // bn) * bn, "the shape no longer leaves a hidden block in the first row tile"
     last = ((L - 1) // bn) * bn
-    assert torch.all(dmask[0, 0, :bm, last:] == 7.0), "a key tile hidden from every row was visited"
+    assert torch.all(dmask[0, 0, :bm, last:] == 7.0), "a key tile past every row's band was visited"
+    first_row_of_last_tile = ((L - 1) // bm) * bm
+    assert first_row_of_last_tile - 2 >= bn, "the shape no longer leaves a hidden block before the last row tile"
+    assert torch.all(dmask[0, 0, first_row_of_last_tile:, :bn] == 7.0), "a key tile before every row's band was visited"
     i = torch.arange(L).view(L, 1)
     j = torch.arange(L).view(1, L)
     band = (j >= i - 2) & (j <= i + 2)
