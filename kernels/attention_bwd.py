@@ -125,13 +125,14 @@ def _dkdv_rows(
                 vis = vis & (offs_n[:, None] <= (i + lk_b - Lq)[None, :])
             s_t = tl.where(vis, s_t, float("-inf"))
         p_t = tl.exp(s_t - lse[None, :])
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
         if DROPOUT:
             keep_t = _keep(_drop_rows(seed_lo, seed_hi, b, H, hh, i)[None, :], offs_n[:, None], drop_thr)
             dv += tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, input_precision=PREC)
-            dp_t = tl.where(keep_t, dp_t * drop_scale, 0.0)
         else:
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+        if DROPOUT:
+            dp_t = tl.where(keep_t, dp_t * drop_scale, 0.0)
         ds_t = p_t * (dp_t - delta[None, :])
         if MASKED:
             # Hidden pairs contribute exactly 0, even against a NaN or inf in a hidden value or in
