@@ -29,6 +29,7 @@ import triton.language as tl
 
 from .attention_fwd import (
     ModeArgs,
+    mode_tiles,
     _band,
     _band_key_range,
     _diag,
@@ -112,8 +113,8 @@ def _dkdv_rows(
         # Transposed scores (keys x rows): keeps dK and dV as (BLOCK_N, D) accumulators.
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * sm_scale
         if MASK_KIND != 0:
-            m_row = MASK + b * stride_mb + _idx(hh, IDX64) * stride_mh + _idx(i, IDX64) * stride_mm
-            ptrs = m_row[None, :] + _idx(offs_n, IDX64)[:, None] * stride_mn
+            m_off = _idx(hh, IDX64) * stride_mh + _idx(i, IDX64) * stride_mm
+            ptrs = MASK + b * stride_mb + (m_off[None, :] + _idx(offs_n, IDX64)[:, None] * stride_mn)
             s_t, mvis = _mask_scores(s_t, ptrs, (offs_n[:, None] < lk_b) & row_ok[None, :], MASK_KIND)
         if MASKED:
             # Hidden pairs get -inf before exp: a hidden logit far above lse would overflow.
@@ -270,7 +271,7 @@ def _attn_bwd_dkdv_kernel(
 @triton.jit
 def _dq_inner(
     dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start, stop, kmax, lk_b, sm_scale,
-    kmin, m_row, stride_mn, row_ok, r_drop, drop_thr, drop_scale, dm_row,
+    kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr, drop_scale, dm_row,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
     BAND: tl.constexpr = False, MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
@@ -284,7 +285,7 @@ def _dq_inner(
         v = _load_tile(v_base, _idx(offs_n, IDX64) * stride_vn, key_ok, DV, BLOCK_DV, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale
         if MASK_KIND != 0:
-            ptrs = m_row[:, None] + _idx(offs_n, IDX64)[None, :] * stride_mn
+            ptrs = m_base + (m_off[:, None] + _idx(offs_n, IDX64)[None, :] * stride_mn)
             if MASKED:
                 s, mvis = _mask_scores(s, ptrs, row_ok[:, None] & key_ok[None, :], MASK_KIND)
             else:
@@ -352,9 +353,13 @@ def _attn_bwd_dq_kernel(
         full, hi = _key_range(i_lo, i_hi, lk_b, Lq, CAUSAL, BLOCK_N)
         start = 0
         full_lo = 0
-    m_row = MASK
+    # The mask's address splits into a scalar base and per-element offsets (int32 unless IDX64),
+    # so that no (rows x keys) tile of 64-bit pointers stays live across the loop.
+    m_base = MASK
+    m_off = i
     if MASK_KIND != 0:
-        m_row = MASK + b * stride_mb + _idx(hh, IDX64) * stride_mh + _idx(i, IDX64) * stride_mm
+        m_base = MASK + b * stride_mb
+        m_off = _idx(hh, IDX64) * stride_mh + _idx(i, IDX64) * stride_mm
     r_drop = i
     if DROPOUT:
         r_drop = _drop_rows(seed_lo, seed_hi, b, H, hh, i)
@@ -367,17 +372,17 @@ def _attn_bwd_dq_kernel(
     if BAND:
         dq = _dq_inner(
             dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start, full_lo, kmax, lk_b, sm_scale,
-            kmin, m_row, stride_mn, row_ok, r_drop, drop_thr, drop_scale, dm_row,
+            kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr, drop_scale, dm_row,
             D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC, IDX64, BAND, MASK_KIND, DROPOUT, MASK_GRAD,
         )
     dq = _dq_inner(
         dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, full_lo, full, kmax, lk_b, sm_scale,
-        kmin, m_row, stride_mn, row_ok, r_drop, drop_thr, drop_scale, dm_row,
+        kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr, drop_scale, dm_row,
         D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, PREC, IDX64, BAND, MASK_KIND, DROPOUT, MASK_GRAD,
     )
     dq = _dq_inner(
         dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, full, hi, kmax, lk_b, sm_scale,
-        kmin, m_row, stride_mn, row_ok, r_drop, drop_thr, drop_scale, dm_row,
+        kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr, drop_scale, dm_row,
         D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC, IDX64, BAND, MASK_KIND, DROPOUT, MASK_GRAD,
     )
     dq = dq * sm_scale
@@ -423,7 +428,7 @@ def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal
         kl = key_lengths if has_kl else delta  # unused pointer when HAS_KL is False
         mask = modes.mask if modes.mask is not None else delta  # unused pointer when MASK_KIND is 0
 
-        cfg = dkdv_config(D, Dv, q.dtype, arch)
+        cfg = mode_tiles("dkdv", dkdv_config(D, Dv, q.dtype, arch), modes)
         hpp = packed_rows(Lq, n_rep, cfg.block_m)
         _attn_bwd_dkdv_kernel[(triton.cdiv(Lk, cfg.block_n) * Hkv * B,)](
             q, k, v, dout, lse, delta, dk, dv, kl, mask,
@@ -441,7 +446,7 @@ def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-        cfg = dq_config(D, Dv, q.dtype, arch)
+        cfg = mode_tiles("dq", dq_config(D, Dv, q.dtype, arch), modes)
         hpp, bm, grid = launch_geometry(B, H, Hkv, Lq, cfg.block_m)
         _attn_bwd_dq_kernel[grid](
             q, k, v, dout, lse, delta, dq, kl, mask, dmask if dmask is not None else delta,

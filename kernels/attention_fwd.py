@@ -36,6 +36,7 @@ to the code above and nothing more:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import triton
@@ -243,7 +244,7 @@ def _keep(r_i, j, drop_thr):
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start, stop, kmax, lk_b, sm_scale,
-    kmin, m_row, stride_mn, row_ok, r_drop, drop_thr,
+    kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
     BAND: tl.constexpr = False, MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
@@ -255,7 +256,7 @@ def _fwd_inner(
         k = _load_tile(k_base, _idx(offs_n, IDX64) * stride_kn, key_ok, D, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale
         if MASK_KIND != 0:
-            ptrs = m_row[:, None] + _idx(offs_n, IDX64)[None, :] * stride_mn
+            ptrs = m_base + (m_off[:, None] + _idx(offs_n, IDX64)[None, :] * stride_mn)
             if MASKED:
                 s, mvis = _mask_scores(s, ptrs, row_ok[:, None] & key_ok[None, :], MASK_KIND)
             else:
@@ -272,13 +273,18 @@ def _fwd_inner(
         alpha = tl.math.exp2((m_i - m_safe) * 1.4426950408889634)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_tile(v_base, _idx(offs_n, IDX64) * stride_vn, key_ok, DV, BLOCK_DV, MASKED)
-        if MASK_KIND != 0 or (BAND and MASKED):
-            # Values of keys that no row of the tile sees (masked column, outside every row's
-            # band) become 0, so that a NaN there cannot reach the output through 0 * NaN.
-            seen_t = mvis if MASK_KIND != 0 else vis
-            if MASK_KIND != 0 and MASKED:
+        if MASK_KIND != 0:
+            # Values of keys that no row of the tile sees (a masked column, or outside every
+            # row's band) become 0, so that a NaN there cannot reach the output through 0 * NaN.
+            seen_t = mvis
+            if MASKED:
                 seen_t = seen_t & vis
             seen_any = tl.max(seen_t.to(tl.int32), 0) > 0
+            v = tl.where(seen_any[:, None], v, 0.0)
+        elif BAND and MASKED:
+            # The same for the band alone, from the tile's outermost band edges: cheaper than a
+            # reduction over the tile, which costs this variant its registers.
+            seen_any = (offs_n >= tl.min(kmin, 0)) & (offs_n <= tl.max(kmax, 0)) & key_ok
             v = tl.where(seen_any[:, None], v, 0.0)
         if DROPOUT:
             p = tl.where(_keep(r_drop[:, None], offs_n[None, :], drop_thr), p, 0.0)
@@ -319,9 +325,13 @@ def _attn_fwd_kernel(
         full, hi = _key_range(i_lo, i_hi, lk_b, Lq, CAUSAL, BLOCK_N)
         start = 0
         full_lo = 0
-    m_row = MASK
+    # The mask's address splits into a scalar base and per-element offsets (int32 unless IDX64),
+    # so that no (rows x keys) tile of 64-bit pointers stays live across the loop.
+    m_base = MASK
+    m_off = i
     if MASK_KIND != 0:
-        m_row = MASK + b * stride_mb + _idx(hh, IDX64) * stride_mh + _idx(i, IDX64) * stride_mm
+        m_base = MASK + b * stride_mb
+        m_off = _idx(hh, IDX64) * stride_mh + _idx(i, IDX64) * stride_mm
     r_drop = i
     if DROPOUT:
         r_drop = _drop_rows(seed_lo, seed_hi, b, H, hh, i)
@@ -333,17 +343,17 @@ def _attn_fwd_kernel(
         # Left boundary of the band (its blocks all precede the fully visible ones).
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start, full_lo, kmax, lk_b, sm_scale,
-            kmin, m_row, stride_mn, row_ok, r_drop, drop_thr,
+            kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr,
             D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC, IDX64, BAND, MASK_KIND, DROPOUT,
         )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, full_lo, full, kmax, lk_b, sm_scale,
-        kmin, m_row, stride_mn, row_ok, r_drop, drop_thr,
+        kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr,
         D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, PREC, IDX64, BAND, MASK_KIND, DROPOUT,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, full, hi, kmax, lk_b, sm_scale,
-        kmin, m_row, stride_mn, row_ok, r_drop, drop_thr,
+        kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr,
         D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC, IDX64, BAND, MASK_KIND, DROPOUT,
     )
     # l = 0 exactly when the row saw no key (a seen key adds exp2(0) = 1); a NaN l (a NaN among
@@ -473,6 +483,21 @@ class ModeArgs:
         return dict(BAND=self.band, TOP_LEFT=self.top_left, MASK_KIND=self.mask_kind, DROPOUT=self.dropout)
 
 
+def mode_tiles(kernel: str, cfg, modes: "ModeArgs"):
+    """The tile of ``kernel`` ("fwd", "dkdv", "dq") for a launch with ``modes``: heuristics.py's
+    tile for the plain variant, narrowed where attn_mask adds (rows x keys) tiles (its values,
+    the column test that zeroes the values of keys no row sees) that would not fit in registers
+    beside it: the AOT check found the mask variants spilling inside their loops at the plain
+    tiles on sm_80 (band and dropout variants fit there). The plain variant keeps its tile."""
+    if not modes.mask_kind:
+        return cfg
+    if kernel == "fwd":
+        return dataclasses.replace(cfg, block_m=min(cfg.block_m, 64), num_stages=min(cfg.num_stages, 2))
+    if kernel == "dkdv":
+        return dataclasses.replace(cfg, block_m=min(cfg.block_m, 16), block_n=min(cfg.block_n, 64))
+    return dataclasses.replace(cfg, block_n=min(cfg.block_n, 32))
+
+
 def _as_i32(x: int) -> int:
     return x - (1 << 32) if x >= (1 << 31) else x
 
@@ -494,7 +519,7 @@ def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths
     check_buffer("out", out, (B, H, Lq, Dv), q.dtype, q)
     check_buffer("lse", lse, (B, H, Lq), torch.float32, q, contiguous=True)
     modes = ModeArgs(Lq, Lk, causal, attn_mask, dropout_p, seed, top_left, window_left, window_right)
-    cfg = fwd_config(D, Dv, q.dtype, arch_of(q))
+    cfg = mode_tiles("fwd", fwd_config(D, Dv, q.dtype, arch_of(q)), modes)
     hpp, bm, grid = launch_geometry(B, H, Hkv, Lq, cfg.block_m)
     kl = key_lengths if key_lengths is not None else lse  # unused pointer when HAS_KL is False
     mask = modes.mask if modes.mask is not None else lse  # unused pointer when MASK_KIND is 0
@@ -518,5 +543,5 @@ def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths
     return out, lse
 
 
-__all__ = ["attention_forward", "ModeArgs", "launch_geometry", "precision", "on_device", "check_buffer", "MAX_PROGRAMS",
+__all__ = ["attention_forward", "ModeArgs", "mode_tiles", "launch_geometry", "precision", "on_device", "check_buffer", "MAX_PROGRAMS",
            "needs_64bit_offsets", "arch_of"]
