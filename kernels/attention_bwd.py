@@ -177,8 +177,8 @@ def _band_row_range(n0, lk_b, Lq, rows_total, heads_per_prog, win_l, win_r,
     return m_lo, f_lo, f_hi, m_hi
 
 
-@triton.jit(do_not_specialize=["win_l", "win_r", "seed_lo", "seed_hi", "drop_thr"])
-def _attn_bwd_dkdv_kernel(
+@triton.jit
+def _attn_bwd_dkdv_body(
     Q, K, V, DO, LSE, DELTA, DK, DV_, KL, MASK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -269,6 +269,48 @@ def _attn_bwd_dkdv_kernel(
 
 
 @triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV_, KL, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+    stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dkb,
+    stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, H, Lq, Lk, n_rep, heads_per_prog,
+    sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KL: tl.constexpr,
+    PREC: tl.constexpr, IDX64: tl.constexpr,
+):
+    """dK/dV without optional modes: the body with every mode flag off."""
+    _attn_bwd_dkdv_body(
+        Q, K, V, DO, LSE, DELTA, DK, DV_, KL, LSE, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+        stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dkb, stride_dkh,
+        stride_dkn, stride_dvb, stride_dvh, stride_dvn, 0, 0, 0, 0, H, Lq, Lk, n_rep, heads_per_prog,
+        sm_scale, 0, 0, 0, 0, 0, 1.0, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, HAS_KL, PREC,
+        IDX64, BAND=False, TOP_LEFT=False, MASK_KIND=0, DROPOUT=False,
+    )
+
+
+@triton.jit(do_not_specialize=["win_l", "win_r", "seed_lo", "seed_hi", "drop_thr"])
+def _attn_bwd_dkdv_modes_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV_, KL, MASK, stride_qb, stride_qh, stride_qm, stride_kb,
+    stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm,
+    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_mb, stride_mh,
+    stride_mm, stride_mn, H, Lq, Lk, n_rep, heads_per_prog, sm_scale, win_l, win_r, seed_lo,
+    seed_hi, drop_thr, drop_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr, BAND: tl.constexpr = False,
+    TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
+):
+    """dK/dV with optional modes."""
+    _attn_bwd_dkdv_body(
+        Q, K, V, DO, LSE, DELTA, DK, DV_, KL, MASK, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+        stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dkb, stride_dkh,
+        stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_mb, stride_mh, stride_mm, stride_mn, H, Lq,
+        Lk, n_rep, heads_per_prog, sm_scale, win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale, D, DV,
+        BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, HAS_KL, PREC, IDX64, BAND=BAND, TOP_LEFT=TOP_LEFT,
+        MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
+    )
+
+
+
+@triton.jit
 def _dq_inner(
     dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start, stop, kmax, lk_b, sm_scale,
     kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr, drop_scale, dm_row,
@@ -318,8 +360,8 @@ def _dq_inner(
     return dq
 
 
-@triton.jit(do_not_specialize=["win_l", "win_r", "seed_lo", "seed_hi", "drop_thr"])
-def _attn_bwd_dq_kernel(
+@triton.jit
+def _attn_bwd_dq_body(
     Q, K, V, DO, LSE, DELTA, DQ, KL, MASK, DMASK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -390,6 +432,49 @@ def _attn_bwd_dq_kernel(
                 dq.to(DQ.dtype.element_ty), D, BLOCK_D)
 
 
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, KL, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+    stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dqb,
+    stride_dqh, stride_dqm, H, Lq, Lk, n_rep, heads_per_prog, sm_scale, D: tl.constexpr,
+    DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr,
+    IDX64: tl.constexpr,
+):
+    """dQ without optional modes: the body with every mode flag off."""
+    _attn_bwd_dq_body(
+        Q, K, V, DO, LSE, DELTA, DQ, KL, LSE, LSE, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+        stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dqb, stride_dqh,
+        stride_dqm, 0, 0, 0, 0, H, Lq, Lk, n_rep, heads_per_prog, sm_scale, 0, 0, 0, 0, 0, 1.0, D, DV,
+        BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, HAS_KL, PREC, IDX64, BAND=False, TOP_LEFT=False,
+        MASK_KIND=0, DROPOUT=False, MASK_GRAD=False,
+    )
+
+
+@triton.jit(do_not_specialize=["win_l", "win_r", "seed_lo", "seed_hi", "drop_thr"])
+def _attn_bwd_dq_modes_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, KL, MASK, DMASK, stride_qb, stride_qh, stride_qm, stride_kb,
+    stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm,
+    stride_dqb, stride_dqh, stride_dqm, stride_mb, stride_mh, stride_mm, stride_mn, H, Lq, Lk,
+    n_rep, heads_per_prog, sm_scale, win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KL: tl.constexpr,
+    PREC: tl.constexpr, IDX64: tl.constexpr, BAND: tl.constexpr = False,
+    TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
+    MASK_GRAD: tl.constexpr = False,
+):
+    """dQ with optional modes."""
+    _attn_bwd_dq_body(
+        Q, K, V, DO, LSE, DELTA, DQ, KL, MASK, DMASK, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+        stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dqb, stride_dqh,
+        stride_dqm, stride_mb, stride_mh, stride_mm, stride_mn, H, Lq, Lk, n_rep, heads_per_prog, sm_scale,
+        win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
+        CAUSAL, HAS_KL, PREC, IDX64, BAND=BAND, TOP_LEFT=TOP_LEFT, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
+        MASK_GRAD=MASK_GRAD,
+    )
+
+
+
 def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal: bool, key_lengths=None, *,
                        attn_mask=None, dropout_p: float = 0.0, seed: int = 0, top_left: bool = False,
                        window_left: int = -1, window_right: int = -1, dmask=None):
@@ -430,37 +515,45 @@ def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal
 
         cfg = mode_tiles("dkdv", dkdv_config(D, Dv, q.dtype, arch), modes)
         hpp = packed_rows(Lq, n_rep, cfg.block_m)
-        _attn_bwd_dkdv_kernel[(triton.cdiv(Lk, cfg.block_n) * Hkv * B,)](
-            q, k, v, dout, lse, delta, dk, dv, kl, mask,
+        args = (
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             dout.stride(0), dout.stride(1), dout.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2),
             dv.stride(0), dv.stride(1), dv.stride(2),
-            *modes.mask_strides,
-            H, Lq, Lk, n_rep, hpp, scale,
-            *modes.runtime(),
-            D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=causal, HAS_KL=has_kl, PREC=prec, IDX64=idx64, **modes.constexprs(),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        common = dict(D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      CAUSAL=causal, HAS_KL=has_kl, PREC=prec, IDX64=idx64,
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        grid = (triton.cdiv(Lk, cfg.block_n) * Hkv * B,)
+        if not modes.any():
+            _attn_bwd_dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, kl, *args, H, Lq, Lk, n_rep, hpp, scale,
+                                        **common)
+        else:
+            _attn_bwd_dkdv_modes_kernel[grid](
+                q, k, v, dout, lse, delta, dk, dv, kl, mask, *args, *modes.mask_strides,
+                H, Lq, Lk, n_rep, hpp, scale, *modes.runtime(), **modes.constexprs(), **common,
+            )
 
         cfg = mode_tiles("dq", dq_config(D, Dv, q.dtype, arch), modes)
         hpp, bm, grid = launch_geometry(B, H, Hkv, Lq, cfg.block_m)
-        _attn_bwd_dq_kernel[grid](
-            q, k, v, dout, lse, delta, dq, kl, mask, dmask if dmask is not None else delta,
+        args = (
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             dout.stride(0), dout.stride(1), dout.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2),
-            *modes.mask_strides,
-            H, Lq, Lk, n_rep, hpp, scale,
-            *modes.runtime(),
-            D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=bm, BLOCK_N=cfg.block_n,
-            CAUSAL=causal, HAS_KL=has_kl, PREC=prec, IDX64=idx64, **modes.constexprs(),
-            MASK_GRAD=dmask is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        common = dict(D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=bm, BLOCK_N=cfg.block_n,
+                      CAUSAL=causal, HAS_KL=has_kl, PREC=prec, IDX64=idx64,
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if not modes.any() and dmask is None:
+            _attn_bwd_dq_kernel[grid](q, k, v, dout, lse, delta, dq, kl, *args, H, Lq, Lk, n_rep, hpp, scale, **common)
+        else:
+            _attn_bwd_dq_modes_kernel[grid](
+                q, k, v, dout, lse, delta, dq, kl, mask, dmask if dmask is not None else delta, *args,
+                *modes.mask_strides, H, Lq, Lk, n_rep, hpp, scale, *modes.runtime(), **modes.constexprs(),
+                MASK_GRAD=dmask is not None, **common,
+            )
     return dq, dk, dv

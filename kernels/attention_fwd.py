@@ -293,8 +293,8 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["win_l", "win_r", "seed_lo", "seed_hi", "drop_thr"])
-def _attn_fwd_kernel(
+@triton.jit
+def _attn_fwd_body(
     Q, K, V, O, LSE, KL, MASK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -368,6 +368,45 @@ def _attn_fwd_kernel(
     _store_tile(O + b * stride_ob, _idx(hh, IDX64) * stride_oh + _idx(i, IDX64) * stride_om, row_ok,
                 out.to(O.dtype.element_ty), DV, BLOCK_DV)
     tl.store(LSE + (b * H + hh) * Lq + i, lse, mask=row_ok)
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, O, LSE, KL, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, Lq, Lk, n_rep,
+    heads_per_prog, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
+):
+    """The forward without optional modes: the body with every mode flag off (its code and
+    parameters are the plain kernel's, which kernels/aot.py builds)."""
+    _attn_fwd_body(
+        Q, K, V, O, LSE, KL, LSE, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, 0, 0, 0, 0, H, Lq, Lk, n_rep,
+        heads_per_prog, sm_scale, 0, 0, 0, 0, 0, 1.0, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL,
+        HAS_KL, PREC, IDX64, BAND=False, TOP_LEFT=False, MASK_KIND=0, DROPOUT=False,
+    )
+
+
+@triton.jit(do_not_specialize=["win_l", "win_r", "seed_lo", "seed_hi", "drop_thr"])
+def _attn_fwd_modes_kernel(
+    Q, K, V, O, LSE, KL, MASK, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_mb, stride_mh,
+    stride_mm, stride_mn, H, Lq, Lk, n_rep, heads_per_prog, sm_scale, win_l, win_r, seed_lo,
+    seed_hi, drop_thr, drop_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr, BAND: tl.constexpr = False,
+    TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
+):
+    """The forward with optional modes (flags as constexprs; see the module docstring)."""
+    _attn_fwd_body(
+        Q, K, V, O, LSE, KL, MASK, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_mb, stride_mh, stride_mm,
+        stride_mn, H, Lq, Lk, n_rep, heads_per_prog, sm_scale, win_l, win_r, seed_lo, seed_hi, drop_thr,
+        drop_scale, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, HAS_KL, PREC, IDX64, BAND=BAND,
+        TOP_LEFT=TOP_LEFT, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
+    )
+
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -476,6 +515,10 @@ class ModeArgs:
             _as_i32(x) for x in (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, thr))
         self.drop_scale = 1.0 / (1.0 - dropout_p)
 
+    def any(self) -> bool:
+        """Whether some mode is on (the launch takes the modes kernel, not the plain one)."""
+        return self.band or self.mask_kind != 0 or self.dropout
+
     def runtime(self):
         return (self.win_l, self.win_r, self.seed_lo, self.seed_hi, self.drop_thr, self.drop_scale)
 
@@ -485,14 +528,27 @@ class ModeArgs:
 
 def mode_tiles(kernel: str, cfg, modes: "ModeArgs"):
     """The tile of ``kernel`` ("fwd", "dkdv", "dq") for a launch with ``modes``: heuristics.py's
-    tile for the plain variant, narrowed where attn_mask adds (rows x keys) tiles (its values,
-    the column test that zeroes the values of keys no row sees) that would not fit in registers
-    beside it: the AOT check found the mask variants spilling inside their loops at the plain
-    tiles on sm_80 (band and dropout variants fit there). The plain variant keeps its tile."""
+    tile for the plain variant, narrowed where the modes add (rows x keys) tiles that would not
+    fit in registers beside it (mask values, the column test that zeroes the values of keys no
+    row sees, band bounds, keep bits). Budgets are elements of one (rows x keys) tile per
+    thread, measured with the AOT check on sm_80 and sm_90 (fp16/bf16, head dims 64 and 128),
+    where the variants spilled at the plain tiles. The plain variant keeps its tile."""
+    if kernel == "fwd":
+        if modes.mask_kind:
+            budget = 8 if (modes.band or modes.dropout) else 16
+        elif modes.band or modes.dropout:
+            budget = 32
+        else:
+            return cfg
+        bm, bn = cfg.block_m, cfg.block_n
+        while bm * bn > budget * 32 * cfg.num_warps and bm > 64:
+            bm //= 2
+        while bm * bn > budget * 32 * cfg.num_warps and bn > 32:
+            bn //= 2
+        return dataclasses.replace(cfg, block_m=bm, block_n=bn,
+                                   num_stages=min(cfg.num_stages, 2) if modes.mask_kind else cfg.num_stages)
     if not modes.mask_kind:
         return cfg
-    if kernel == "fwd":
-        return dataclasses.replace(cfg, block_m=min(cfg.block_m, 64), num_stages=min(cfg.num_stages, 2))
     if kernel == "dkdv":
         return dataclasses.replace(cfg, block_m=min(cfg.block_m, 16), block_n=min(cfg.block_n, 64))
     return dataclasses.replace(cfg, block_n=min(cfg.block_n, 32))
@@ -523,23 +579,33 @@ def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths
     hpp, bm, grid = launch_geometry(B, H, Hkv, Lq, cfg.block_m)
     kl = key_lengths if key_lengths is not None else lse  # unused pointer when HAS_KL is False
     mask = modes.mask if modes.mask is not None else lse  # unused pointer when MASK_KIND is 0
+    common = dict(
+        D=D, DV=Dv, BLOCK_D=head_block(D), BLOCK_DV=head_block(Dv), BLOCK_M=bm, BLOCK_N=cfg.block_n,
+        CAUSAL=causal, HAS_KL=key_lengths is not None, PREC=precision(q.dtype),
+        IDX64=needs_64bit_offsets(q, k, v, out, *(() if attn_mask is None else (attn_mask,))),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
     with on_device(q):
-        _attn_fwd_kernel[grid](
-            q, k, v, out, lse, kl, mask,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            *modes.mask_strides,
-            H, Lq, Lk, H // Hkv, hpp, scale,
-            *modes.runtime(),
-            D=D, DV=Dv, BLOCK_D=head_block(D), BLOCK_DV=head_block(Dv),
-            BLOCK_M=bm, BLOCK_N=cfg.block_n,
-            CAUSAL=causal, HAS_KL=key_lengths is not None, PREC=precision(q.dtype),
-            IDX64=needs_64bit_offsets(q, k, v, out, *(() if attn_mask is None else (attn_mask,))),
-            **modes.constexprs(),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        if not modes.any():
+            _attn_fwd_kernel[grid](
+                q, k, v, out, lse, kl,
+                q.stride(0), q.stride(1), q.stride(2),
+                k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2),
+                out.stride(0), out.stride(1), out.stride(2),
+                H, Lq, Lk, H // Hkv, hpp, scale, **common,
+            )
+        else:
+            _attn_fwd_modes_kernel[grid](
+                q, k, v, out, lse, kl, mask,
+                q.stride(0), q.stride(1), q.stride(2),
+                k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2),
+                out.stride(0), out.stride(1), out.stride(2),
+                *modes.mask_strides,
+                H, Lq, Lk, H // Hkv, hpp, scale,
+                *modes.runtime(), **modes.constexprs(), **common,
+            )
     return out, lse
 
 
