@@ -540,7 +540,8 @@ def mode_tiles(kernel: str, cfg, modes: "ModeArgs"):
             budget = 32
         else:
             return cfg
-        bm, bn = cfg.block_m, cfg.block_n
+        # With a mask, also at most 64 rows: sm_80 d128 spilled at 128 x 32 within the budget.
+        bm, bn = (min(cfg.block_m, 64) if modes.mask_kind else cfg.block_m), cfg.block_n
         while bm * bn > budget * 32 * cfg.num_warps and bm > 64:
             bm //= 2
         while bm * bn > budget * 32 * cfg.num_warps and bn > 32:
