@@ -12,6 +12,14 @@ bit-identical gradients:
 
 Masked rows and keys follow the forward exactly; a row that saw no key has lse = -inf, which
 is read as +inf so its probabilities, and so all its gradients, are 0.
+
+The optional modes are the forward's (see attention_fwd.py), under the same constexpr flags.
+BAND: the dK/dV program visits only the query rows whose band meets its key block, masking the
+boundary row blocks; dQ visits the forward's key range. Dropout regenerates the keep bits from
+the seed: ``dV = (P * keep / (1 - p))^T dO`` and ``dS = P * (dP * keep / (1 - p) - delta)``.
+The float mask's gradient is dS itself (the bias is added after the scale): the dQ kernel, which
+visits each (row, key) pair once, writes it into a zeroed float32 (B, H, Lq, Lk) buffer
+(``MASK_GRAD``), 0 wherever the pair is hidden.
 """
 from __future__ import annotations
 
@@ -20,6 +28,14 @@ import triton
 import triton.language as tl
 
 from .attention_fwd import (
+    ModeArgs,
+    mode_tiles,
+    _band,
+    _band_key_range,
+    _diag,
+    _drop_rows,
+    _keep,
+    _mask_scores,
     _key_length,
     _key_range,
     _last_visible_key,
@@ -78,9 +94,11 @@ def _load_lse(LSE, idx, mask):
 def _dkdv_rows(
     dk, dv, k, v, Q, DO, LSE, DELTA, q_base_b, do_base_b, head0, rows_total,
     stride_qh, stride_qm, stride_dh, stride_dm, offs_n, lk_b, H, Lq, b, sm_scale, start, stop,
+    MASK, stride_mb, stride_mh, stride_mm, stride_mn, win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
-    IDX64: tl.constexpr,
+    IDX64: tl.constexpr, BAND: tl.constexpr = False, TOP_LEFT: tl.constexpr = False,
+    MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
 ):
     for start_m in range(start, stop, BLOCK_M):
         r = start_m + tl.arange(0, BLOCK_M)
@@ -94,15 +112,28 @@ def _dkdv_rows(
         delta = tl.load(DELTA + row_idx, mask=row_ok, other=0.0)
         # Transposed scores (keys x rows): keeps dK and dV as (BLOCK_N, D) accumulators.
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * sm_scale
+        if MASK_KIND != 0:
+            m_off = _idx(hh, IDX64) * stride_mh + _idx(i, IDX64) * stride_mm
+            ptrs = MASK + b * stride_mb + (m_off[None, :] + _idx(offs_n, IDX64)[:, None] * stride_mn)
+            s_t, mvis = _mask_scores(s_t, ptrs, (offs_n[:, None] < lk_b) & row_ok[None, :], MASK_KIND)
         if MASKED:
             # Hidden pairs get -inf before exp: a hidden logit far above lse would overflow.
             vis = (offs_n[:, None] < lk_b) & row_ok[None, :]
-            if CAUSAL:
+            if BAND:
+                kmin, kmax = _band(i, lk_b, Lq, win_l, win_r, TOP_LEFT)
+                vis = vis & (offs_n[:, None] <= kmax[None, :]) & (offs_n[:, None] >= kmin[None, :])
+            elif CAUSAL:
                 vis = vis & (offs_n[:, None] <= (i + lk_b - Lq)[None, :])
             s_t = tl.where(vis, s_t, float("-inf"))
         p_t = tl.exp(s_t - lse[None, :])
-        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
+        if DROPOUT:
+            keep_t = _keep(_drop_rows(seed_lo, seed_hi, b, H, hh, i)[None, :], offs_n[:, None], drop_thr)
+            dv += tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, input_precision=PREC)
+        else:
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+        if DROPOUT:
+            dp_t = tl.where(keep_t, dp_t * drop_scale, 0.0)
         ds_t = p_t * (dp_t - delta[None, :])
         if MASKED:
             # Hidden pairs contribute exactly 0, even against a NaN or inf in a hidden value or in
@@ -110,23 +141,59 @@ def _dkdv_rows(
             # non-finite query has a NaN lse, so its own gradients stay NaN through ds.
             ds_t = tl.where(vis, ds_t, 0.0)
             q = _finite_or_zero(q)
+        if MASK_KIND != 0:
+            ds_t = tl.where(mvis, ds_t, 0.0)
+            if not MASKED:
+                q = _finite_or_zero(q)
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV_, KL,
+def _band_row_range(n0, lk_b, Lq, rows_total, heads_per_prog, win_l, win_r,
+                    TOP_LEFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(m_lo, f_lo, f_hi, m_hi) for the key block [n0, n0 + BLOCK_N) in BAND mode: rows
+    [m_lo, f_lo) and [f_hi, m_hi) need the mask, [f_lo, f_hi) see every key of the block, rows
+    outside [m_lo, m_hi) see none of it. Row i sees [i + off - L, i + off + R] (both edges grow
+    with i), so it meets the block when n0 - off - R <= i <= n1 - off + L and covers it when
+    n1 - off - R <= i <= n0 - off + L. Tiles packing several heads take every row, masked."""
+    n1 = n0 + BLOCK_N - 1
+    off = _diag(0, lk_b, Lq, TOP_LEFT)
+    m_lo = (tl.maximum(n0 - off - win_r, 0) // BLOCK_M) * BLOCK_M
+    m_hi = tl.minimum(n1 - off + win_l + 1, rows_total)
+    m_hi = tl.where(n0 < lk_b, tl.maximum(m_hi, m_lo), m_lo)
+    f_lo = ((tl.maximum(n1 - off - win_r, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    f_lo = tl.maximum(f_lo, m_lo)
+    x = n0 - off + win_l + 1
+    f_hi = tl.where(x >= rows_total, rows_total, (x // BLOCK_M) * BLOCK_M)
+    empty = (n1 >= lk_b) | (f_lo >= f_hi)
+    f_lo = tl.where(empty, m_lo, f_lo)
+    f_hi = tl.where(empty, m_lo, f_hi)
+    packed = heads_per_prog != 1
+    m_lo = tl.where(packed, 0, m_lo)
+    f_lo = tl.where(packed, rows_total, f_lo)
+    f_hi = tl.where(packed, rows_total, f_hi)
+    m_hi = tl.where(packed, rows_total, m_hi)
+    return m_lo, f_lo, f_hi, m_hi
+
+
+@triton.jit
+def _attn_bwd_dkdv_body(
+    Q, K, V, DO, LSE, DELTA, DK, DV_, KL, MASK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_db, stride_dh, stride_dm,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
+    stride_mb, stride_mh, stride_mm, stride_mn,
     H, Lq, Lk, n_rep, heads_per_prog, sm_scale,
+    win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
+    BAND: tl.constexpr = False, TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
+    DROPOUT: tl.constexpr = False,
 ):
     # Flat grid: key blocks fastest, then KV heads, then batch elements (see _unfold_rows_grid).
     pid = tl.program_id(0)
@@ -147,36 +214,54 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     rows_total = heads_per_prog * Lq
-    block_full = n0 + BLOCK_N <= lk_b
-    # Rows [m_lo, m_full) need the mask, rows [m_full, rows_total) see every key of this block.
-    if CAUSAL:
-        if heads_per_prog == 1:
-            i_first = tl.maximum(n0 - lk_b + Lq, 0)
-            m_lo = (i_first // BLOCK_M) * BLOCK_M
-            i_all = n0 + BLOCK_N - 1 - lk_b + Lq
-            m_full = tl.maximum(((tl.maximum(i_all, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, m_lo)
+    if BAND:
+        m_lo, m_full, m_full_hi, m_hi = _band_row_range(n0, lk_b, Lq, rows_total, heads_per_prog, win_l, win_r,
+                                                        TOP_LEFT, BLOCK_M, BLOCK_N)
+    else:
+        block_full = n0 + BLOCK_N <= lk_b
+        # Rows [m_lo, m_full) need the mask, rows [m_full, rows_total) see every key of this block.
+        if CAUSAL:
+            if heads_per_prog == 1:
+                i_first = tl.maximum(n0 - lk_b + Lq, 0)
+                m_lo = (i_first // BLOCK_M) * BLOCK_M
+                i_all = n0 + BLOCK_N - 1 - lk_b + Lq
+                m_full = tl.maximum(((tl.maximum(i_all, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, m_lo)
+            else:
+                m_lo = 0
+                m_full = rows_total
         else:
             m_lo = 0
-            m_full = rows_total
-    else:
-        m_lo = 0
-        m_full = 0
-    m_full = tl.where(block_full, m_full, rows_total)
-    m_full = tl.minimum(m_full, rows_total)
+            m_full = 0
+        m_full = tl.where(block_full, m_full, rows_total)
+        m_full = tl.minimum(m_full, rows_total)
+        m_full_hi = rows_total
+        m_hi = rows_total
     n_chunks = n_rep // heads_per_prog
     for c in range(0, n_chunks):
         head0 = kvh * n_rep + c * heads_per_prog
         dk, dv = _dkdv_rows(
             dk, dv, k, v, Q, DO, LSE, DELTA, b * stride_qb, b * stride_db, head0, rows_total,
             stride_qh, stride_qm, stride_dh, stride_dm, offs_n, lk_b, H, Lq, b, sm_scale, m_lo, m_full,
-            D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL, PREC, IDX64,
+            MASK, stride_mb, stride_mh, stride_mm, stride_mn, win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale,
+            D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL, PREC, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT,
         )
         dk, dv = _dkdv_rows(
             dk, dv, k, v, Q, DO, LSE, DELTA, b * stride_qb, b * stride_db, head0, rows_total,
-            stride_qh, stride_qm, stride_dh, stride_dm, offs_n, lk_b, H, Lq, b, sm_scale, m_full, rows_total,
-            D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, CAUSAL, PREC, IDX64,
+            stride_qh, stride_qm, stride_dh, stride_dm, offs_n, lk_b, H, Lq, b, sm_scale, m_full, m_full_hi,
+            MASK, stride_mb, stride_mh, stride_mm, stride_mn, win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale,
+            D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, CAUSAL, PREC, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT,
         )
+        if BAND:
+            dk, dv = _dkdv_rows(
+                dk, dv, k, v, Q, DO, LSE, DELTA, b * stride_qb, b * stride_db, head0, rows_total,
+                stride_qh, stride_qm, stride_dh, stride_dm, offs_n, lk_b, H, Lq, b, sm_scale, m_full_hi, m_hi,
+                MASK, stride_mb, stride_mh, stride_mm, stride_mn, win_l, win_r, seed_lo, seed_hi, drop_thr,
+                drop_scale,
+                D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL, PREC, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT,
+            )
     dk = dk * sm_scale
+    if DROPOUT:
+        dv = dv * drop_scale
     _store_tile(DK + b * stride_dkb + kvh * stride_dkh, _idx(offs_n, IDX64) * stride_dkn, key_in,
                 dk.to(DK.dtype.element_ty), D, BLOCK_D)
     _store_tile(DV_ + b * stride_dvb + kvh * stride_dvh, _idx(offs_n, IDX64) * stride_dvn, key_in,
@@ -184,10 +269,55 @@ def _attn_bwd_dkdv_kernel(
 
 
 @triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV_, KL, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+    stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dkb,
+    stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, H, Lq, Lk, n_rep, heads_per_prog,
+    sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KL: tl.constexpr,
+    PREC: tl.constexpr, IDX64: tl.constexpr,
+):
+    """dK/dV without optional modes: the body with every mode flag off."""
+    _attn_bwd_dkdv_body(
+        Q, K, V, DO, LSE, DELTA, DK, DV_, KL, LSE, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+        stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dkb, stride_dkh,
+        stride_dkn, stride_dvb, stride_dvh, stride_dvn, 0, 0, 0, 0, H, Lq, Lk, n_rep, heads_per_prog,
+        sm_scale, 0, 0, 0, 0, 0, 1.0, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, HAS_KL, PREC,
+        IDX64, BAND=False, TOP_LEFT=False, MASK_KIND=0, DROPOUT=False,
+    )
+
+
+@triton.jit(do_not_specialize=["win_l", "win_r", "seed_lo", "seed_hi", "drop_thr"])
+def _attn_bwd_dkdv_modes_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV_, KL, MASK, stride_qb, stride_qh, stride_qm, stride_kb,
+    stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm,
+    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_mb, stride_mh,
+    stride_mm, stride_mn, H, Lq, Lk, n_rep, heads_per_prog, sm_scale, win_l, win_r, seed_lo,
+    seed_hi, drop_thr, drop_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr, BAND: tl.constexpr = False,
+    TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
+):
+    """dK/dV with optional modes."""
+    _attn_bwd_dkdv_body(
+        Q, K, V, DO, LSE, DELTA, DK, DV_, KL, MASK, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+        stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dkb, stride_dkh,
+        stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_mb, stride_mh, stride_mm, stride_mn, H, Lq,
+        Lk, n_rep, heads_per_prog, sm_scale, win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale, D, DV,
+        BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, HAS_KL, PREC, IDX64, BAND=BAND, TOP_LEFT=TOP_LEFT,
+        MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
+    )
+
+
+
+@triton.jit
 def _dq_inner(
     dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start, stop, kmax, lk_b, sm_scale,
+    kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr, drop_scale, dm_row,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
+    BAND: tl.constexpr = False, MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
+    MASK_GRAD: tl.constexpr = False,
 ):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(start, stop, BLOCK_N):
@@ -196,33 +326,56 @@ def _dq_inner(
         k = _load_tile(k_base, _idx(offs_n, IDX64) * stride_kn, key_ok, D, BLOCK_D, MASKED)
         v = _load_tile(v_base, _idx(offs_n, IDX64) * stride_vn, key_ok, DV, BLOCK_DV, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale
+        if MASK_KIND != 0:
+            ptrs = m_base + (m_off[:, None] + _idx(offs_n, IDX64)[None, :] * stride_mn)
+            if MASKED:
+                s, mvis = _mask_scores(s, ptrs, row_ok[:, None] & key_ok[None, :], MASK_KIND)
+            else:
+                s, mvis = _mask_scores(s, ptrs, row_ok[:, None], MASK_KIND)
         if MASKED:
             vis = key_ok[None, :] & (offs_n[None, :] <= kmax[:, None])
+            if BAND:
+                vis = vis & (offs_n[None, :] >= kmin[:, None])
             s = tl.where(vis, s, float("-inf"))
         p = tl.exp(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        if DROPOUT:
+            dp = tl.where(_keep(r_drop[:, None], offs_n[None, :], drop_thr), dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if MASKED:
             # As in dK/dV: a NaN or inf in a key or value hidden from a row must not reach its dq
             # through 0 * NaN; rows that see it get NaN through their lse and ds.
             ds = tl.where(vis, ds, 0.0)
             k = _finite_or_zero(k)
+        if MASK_KIND != 0:
+            ds = tl.where(mvis, ds, 0.0)
+            if not MASKED:
+                k = _finite_or_zero(k)
+        if MASK_GRAD:
+            # dL/d(bias) = dS (the bias is added after the scale); offs_n < Lk keeps the tail
+            # block of the row inside the buffer.
+            tl.store(dm_row[:, None] + offs_n[None, :].to(tl.int64), ds,
+                     mask=row_ok[:, None] & (offs_n[None, :] < lk_b))
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
     return dq
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, KL,
+def _attn_bwd_dq_body(
+    Q, K, V, DO, LSE, DELTA, DQ, KL, MASK, DMASK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_db, stride_dh, stride_dm,
     stride_dqb, stride_dqh, stride_dqm,
+    stride_mb, stride_mh, stride_mm, stride_mn,
     H, Lq, Lk, n_rep, heads_per_prog, sm_scale,
+    win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
+    BAND: tl.constexpr = False, TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
+    DROPOUT: tl.constexpr = False, MASK_GRAD: tl.constexpr = False,
 ):
     pid_m, pid_h, b = _unfold_rows_grid(H, Lq, heads_per_prog, BLOCK_M)
     b = b.to(tl.int64)
@@ -233,30 +386,106 @@ def _attn_bwd_dq_kernel(
     row_idx = (b * H + hh) * Lq + i
     lse = _load_lse(LSE, row_idx, row_ok)
     delta = tl.load(DELTA + row_idx, mask=row_ok, other=0.0)
-    kmax = _last_visible_key(i, lk_b, Lq, CAUSAL)
-    full, hi = _key_range(i_lo, i_hi, lk_b, Lq, CAUSAL, BLOCK_N)
+    if BAND:
+        kmin, kmax = _band(i, lk_b, Lq, win_l, win_r, TOP_LEFT)
+        start, full_lo, full, hi = _band_key_range(i_lo, i_hi, lk_b, Lq, win_l, win_r, TOP_LEFT, BLOCK_N)
+    else:
+        kmax = _last_visible_key(i, lk_b, Lq, CAUSAL)
+        kmin = kmax
+        full, hi = _key_range(i_lo, i_hi, lk_b, Lq, CAUSAL, BLOCK_N)
+        start = 0
+        full_lo = 0
+    # The mask's address splits into a scalar base and per-element offsets (int32 unless IDX64),
+    # so that no (rows x keys) tile of 64-bit pointers stays live across the loop.
+    m_base = MASK
+    m_off = i
+    if MASK_KIND != 0:
+        m_base = MASK + b * stride_mb
+        m_off = _idx(hh, IDX64) * stride_mh + _idx(i, IDX64) * stride_mm
+    r_drop = i
+    if DROPOUT:
+        r_drop = _drop_rows(seed_lo, seed_hi, b, H, hh, i)
+    dm_row = DMASK
+    if MASK_GRAD:
+        dm_row = DMASK + row_idx.to(tl.int64) * Lk  # contiguous float32 (B, H, Lq, Lk)
     k_base = K + b * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = V + b * stride_vb + kvh.to(tl.int64) * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if BAND:
+        dq = _dq_inner(
+            dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start, full_lo, kmax, lk_b, sm_scale,
+            kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr, drop_scale, dm_row,
+            D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC, IDX64, BAND, MASK_KIND, DROPOUT, MASK_GRAD,
+        )
     dq = _dq_inner(
-        dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, 0, full, kmax, lk_b, sm_scale,
-        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, PREC, IDX64,
+        dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, full_lo, full, kmax, lk_b, sm_scale,
+        kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr, drop_scale, dm_row,
+        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, PREC, IDX64, BAND, MASK_KIND, DROPOUT, MASK_GRAD,
     )
     dq = _dq_inner(
         dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, full, hi, kmax, lk_b, sm_scale,
-        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC, IDX64,
+        kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr, drop_scale, dm_row,
+        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC, IDX64, BAND, MASK_KIND, DROPOUT, MASK_GRAD,
     )
     dq = dq * sm_scale
     _store_tile(DQ + b * stride_dqb, _idx(hh, IDX64) * stride_dqh + _idx(i, IDX64) * stride_dqm, row_ok,
                 dq.to(DQ.dtype.element_ty), D, BLOCK_D)
 
 
-def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal: bool, key_lengths=None):
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, KL, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+    stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dqb,
+    stride_dqh, stride_dqm, H, Lq, Lk, n_rep, heads_per_prog, sm_scale, D: tl.constexpr,
+    DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr,
+    IDX64: tl.constexpr,
+):
+    """dQ without optional modes: the body with every mode flag off."""
+    _attn_bwd_dq_body(
+        Q, K, V, DO, LSE, DELTA, DQ, KL, LSE, LSE, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+        stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dqb, stride_dqh,
+        stride_dqm, 0, 0, 0, 0, H, Lq, Lk, n_rep, heads_per_prog, sm_scale, 0, 0, 0, 0, 0, 1.0, D, DV,
+        BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, HAS_KL, PREC, IDX64, BAND=False, TOP_LEFT=False,
+        MASK_KIND=0, DROPOUT=False, MASK_GRAD=False,
+    )
+
+
+@triton.jit(do_not_specialize=["win_l", "win_r", "seed_lo", "seed_hi", "drop_thr"])
+def _attn_bwd_dq_modes_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, KL, MASK, DMASK, stride_qb, stride_qh, stride_qm, stride_kb,
+    stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm,
+    stride_dqb, stride_dqh, stride_dqm, stride_mb, stride_mh, stride_mm, stride_mn, H, Lq, Lk,
+    n_rep, heads_per_prog, sm_scale, win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KL: tl.constexpr,
+    PREC: tl.constexpr, IDX64: tl.constexpr, BAND: tl.constexpr = False,
+    TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
+    MASK_GRAD: tl.constexpr = False,
+):
+    """dQ with optional modes."""
+    _attn_bwd_dq_body(
+        Q, K, V, DO, LSE, DELTA, DQ, KL, MASK, DMASK, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+        stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dqb, stride_dqh,
+        stride_dqm, stride_mb, stride_mh, stride_mm, stride_mn, H, Lq, Lk, n_rep, heads_per_prog, sm_scale,
+        win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
+        CAUSAL, HAS_KL, PREC, IDX64, BAND=BAND, TOP_LEFT=TOP_LEFT, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
+        MASK_GRAD=MASK_GRAD,
+    )
+
+
+
+def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal: bool, key_lengths=None, *,
+                       attn_mask=None, dropout_p: float = 0.0, seed: int = 0, top_left: bool = False,
+                       window_left: int = -1, window_right: int = -1, dmask=None):
     """Launch delta, dK/dV and dQ kernels into the caller's buffers; returns ``(dq, dk, dv)``.
 
     Shapes as the forward's (out and lse are its outputs, dout like out); dq (B, H, Lq, D),
     dk (B, Hkv, Lk, D), dv (B, Hkv, Lk, Dv) in q's dtype with any strides of unit last stride.
-    dk and dv are summed over the query heads sharing each KV head.
+    dk and dv are summed over the query heads sharing each KV head. The modes are the
+    forward's, with the same values (the keep mask is regenerated from ``seed``). ``dmask``:
+    None, or a zeroed contiguous float32 (B, H, Lq, Lk) buffer that receives dL/d(score), the
+    gradient of a float ``attn_mask`` before its reduction to the mask's shape.
     """
     B, H, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -264,12 +493,15 @@ def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal
     check_buffer("dk", dk, (B, Hkv, Lk, D), q.dtype, q)
     check_buffer("dv", dv, (B, Hkv, Lk, Dv), q.dtype, q)
     check_buffer("lse", lse, (B, H, Lq), torch.float32, q, contiguous=True)
+    if dmask is not None:
+        check_buffer("dmask", dmask, (B, H, Lq, Lk), torch.float32, q, contiguous=True)
+    modes = ModeArgs(Lq, Lk, causal, attn_mask, dropout_p, seed, top_left, window_left, window_right)
     n_rep = H // Hkv
     bd, bdv = head_block(D), head_block(Dv)
     prec = precision(q.dtype)
     has_kl = key_lengths is not None
     arch = arch_of(q)
-    idx64 = needs_64bit_offsets(q, k, v, out, dout, dq, dk, dv)
+    idx64 = needs_64bit_offsets(q, k, v, out, dout, dq, dk, dv, *(() if attn_mask is None else (attn_mask,)))
     with on_device(q):
         delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
         bm_delta = min(64, next_pow2(Lq))
@@ -279,35 +511,49 @@ def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal
             DV=Dv, BLOCK_M=bm_delta, BLOCK_DV=bdv, IDX64=idx64,
         )
         kl = key_lengths if has_kl else delta  # unused pointer when HAS_KL is False
+        mask = modes.mask if modes.mask is not None else delta  # unused pointer when MASK_KIND is 0
 
-        cfg = dkdv_config(D, Dv, q.dtype, arch)
+        cfg = mode_tiles("dkdv", dkdv_config(D, Dv, q.dtype, arch), modes)
         hpp = packed_rows(Lq, n_rep, cfg.block_m)
-        _attn_bwd_dkdv_kernel[(triton.cdiv(Lk, cfg.block_n) * Hkv * B,)](
-            q, k, v, dout, lse, delta, dk, dv, kl,
+        args = (
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             dout.stride(0), dout.stride(1), dout.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2),
             dv.stride(0), dv.stride(1), dv.stride(2),
-            H, Lq, Lk, n_rep, hpp, scale,
-            D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=causal, HAS_KL=has_kl, PREC=prec, IDX64=idx64,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        common = dict(D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      CAUSAL=causal, HAS_KL=has_kl, PREC=prec, IDX64=idx64,
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        grid = (triton.cdiv(Lk, cfg.block_n) * Hkv * B,)
+        if not modes.any():
+            _attn_bwd_dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, kl, *args, H, Lq, Lk, n_rep, hpp, scale,
+                                        **common)
+        else:
+            _attn_bwd_dkdv_modes_kernel[grid](
+                q, k, v, dout, lse, delta, dk, dv, kl, mask, *args, *modes.mask_strides,
+                H, Lq, Lk, n_rep, hpp, scale, *modes.runtime(), **modes.constexprs(), **common,
+            )
 
-        cfg = dq_config(D, Dv, q.dtype, arch)
+        cfg = mode_tiles("dq", dq_config(D, Dv, q.dtype, arch), modes)
         hpp, bm, grid = launch_geometry(B, H, Hkv, Lq, cfg.block_m)
-        _attn_bwd_dq_kernel[grid](
-            q, k, v, dout, lse, delta, dq, kl,
+        args = (
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             dout.stride(0), dout.stride(1), dout.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2),
-            H, Lq, Lk, n_rep, hpp, scale,
-            D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=bm, BLOCK_N=cfg.block_n,
-            CAUSAL=causal, HAS_KL=has_kl, PREC=prec, IDX64=idx64,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        common = dict(D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=bm, BLOCK_N=cfg.block_n,
+                      CAUSAL=causal, HAS_KL=has_kl, PREC=prec, IDX64=idx64,
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if not modes.any() and dmask is None:
+            _attn_bwd_dq_kernel[grid](q, k, v, dout, lse, delta, dq, kl, *args, H, Lq, Lk, n_rep, hpp, scale, **common)
+        else:
+            _attn_bwd_dq_modes_kernel[grid](
+                q, k, v, dout, lse, delta, dq, kl, mask, dmask if dmask is not None else delta, *args,
+                *modes.mask_strides, H, Lq, Lk, n_rep, hpp, scale, *modes.runtime(), **modes.constexprs(),
+                MASK_GRAD=dmask is not None, **common,
+            )
     return dq, dk, dv

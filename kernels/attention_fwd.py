@@ -17,10 +17,26 @@ Masking (bottom-right causal per batch element, key lengths) is applied only in 
 that need it: an unmasked loop runs over the blocks every row of the tile sees entirely, then
 a masked loop over the rest (diagonal and tail), through one inner function specialised by a
 constexpr, as in Triton's fused-attention tutorial.
+
+Optional modes (docs/contract.md), each behind a constexpr so that a call without them compiles
+to the code above and nothing more:
+
+* ``BAND``: top-left alignment and/or a sliding window. Row ``i`` sees keys
+  ``[i + off - L, i + off + R]`` (``off`` 0 top-left, ``Lk_b - Lq`` bottom-right; the launcher
+  folds causal into ``R`` and turns an unbounded side into ``Lq + Lk``). Key blocks below the
+  tile's first visible key or past its last are never visited; blocks every row of the tile
+  sees whole run unmasked; only the boundary blocks on either side are masked.
+* ``MASK_KIND`` 1 (bool, True = attend) or 2 (float bias added to the scaled scores, -inf
+  hides): read through the four strides of the (B, H, Lq, Lk) expanded view, never copied.
+* ``DROPOUT``: the contract's counter hash (``_mix32``, lowbias32) on (seed, b, h, i, j) in
+  uint32 arithmetic, h the query head; probabilities of dropped pairs leave the sum ``l`` (lse
+  is that of the undropped softmax) but not the output, which takes ``1 / (1 - p)`` once at
+  the end.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import triton
@@ -146,10 +162,92 @@ def _key_range(i_lo, i_hi, lk_b, Lq, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr
 
 
 @triton.jit
+def _diag(i, lk_b, Lq, TOP_LEFT: tl.constexpr):
+    """Per row, the key on its causal diagonal: ``i + off`` (docs/contract.md, "Visibility")."""
+    if TOP_LEFT:
+        return i
+    return i + lk_b - Lq
+
+
+@triton.jit
+def _band(i, lk_b, Lq, win_l, win_r, TOP_LEFT: tl.constexpr):
+    """Per row, the first and last key of its band ``[i + off - L, i + off + R]`` (BAND mode;
+    not clipped to [0, lk_b): callers test ``j < lk_b`` anyway)."""
+    d = _diag(i, lk_b, Lq, TOP_LEFT)
+    return d - win_l, d + win_r
+
+
+@triton.jit
+def _band_key_range(i_lo, i_hi, lk_b, Lq, win_l, win_r, TOP_LEFT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(start, full_lo, full_hi, stop) for a row tile of positions [i_lo, i_hi] in BAND mode:
+    keys [start, full_lo) and [full_hi, stop) need the mask, [full_lo, full_hi) are seen by every
+    row of the tile, keys outside [start, stop) by none. start, full_lo, full_hi are multiples
+    of BLOCK_N. Both band edges grow with i, so the tile's first and last rows bound them."""
+    kmin_lo, kmax_lo = _band(i_lo, lk_b, Lq, win_l, win_r, TOP_LEFT)
+    kmin_hi, kmax_hi = _band(i_hi, lk_b, Lq, win_l, win_r, TOP_LEFT)
+    stop = tl.minimum(lk_b, tl.maximum(kmax_hi + 1, 0))
+    start = (tl.maximum(kmin_lo, 0) // BLOCK_N) * BLOCK_N
+    full_hi = (tl.minimum(lk_b, tl.maximum(kmax_lo + 1, 0)) // BLOCK_N) * BLOCK_N
+    full_lo = ((tl.maximum(kmin_hi, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    full_hi = tl.maximum(full_hi, start)
+    full_lo = tl.minimum(tl.maximum(full_lo, start), full_hi)
+    return start, full_lo, full_hi, stop
+
+
+@triton.jit
+def _mask_scores(s, ptrs, ld_mask, MASK_KIND: tl.constexpr):
+    """Apply attn_mask to a tile of scaled scores: (scores, visible-by-the-mask).
+
+    Bool (stored as bytes): hidden where 0. Float: the bias is added, and a -inf bias hides the
+    pair whatever the score (a NaN score plus -inf must not leak). Out-of-range entries
+    (``ld_mask`` False) read as hidden."""
+    if MASK_KIND == 1:
+        mv = tl.load(ptrs, mask=ld_mask, other=0)
+        mvis = mv != 0
+        s = tl.where(mvis, s, float("-inf"))
+    else:
+        bias = tl.load(ptrs, mask=ld_mask, other=float("-inf")).to(tl.float32)
+        mvis = bias != float("-inf")
+        s = tl.where(mvis, s + bias, float("-inf"))
+    return s, mvis
+
+
+@triton.jit
+def _mix32(x):
+    """lowbias32 finaliser on uint32 (docs/contract.md, "Dropout"); multiplies wrap mod 2**32."""
+    x ^= x >> 16
+    x = x * 0x21F0AAAD
+    x ^= x >> 15
+    x = x * 0x735A2D97
+    x ^= x >> 15
+    return x
+
+
+@triton.jit
+def _drop_rows(seed_lo, seed_hi, b, H, hh, i):
+    """Per row (query head ``hh``, position ``i``): ``r_i`` of the contract's keep hash. The
+    seed halves arrive as int32 holding the uint32 bits."""
+    lo = seed_lo.to(tl.uint32, bitcast=True)
+    hi = seed_hi.to(tl.uint32, bitcast=True)
+    bh = (b * H + hh).to(tl.uint32)  # b is int64: (b * H + h) mod 2**32
+    s_bh = _mix32(lo ^ _mix32(hi ^ bh))
+    return _mix32(s_bh ^ i.to(tl.uint32))
+
+
+@triton.jit
+def _keep(r_i, j, drop_thr):
+    """Keep bits of the (rows, keys) tile given per-row ``r_i`` and per-key ``j`` laid out for
+    broadcasting (``r_i[:, None]`` and ``j[None, :]`` or transposed)."""
+    return _mix32(r_i + j.to(tl.uint32)) >= drop_thr.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start, stop, kmax, lk_b, sm_scale,
+    kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
+    BAND: tl.constexpr = False, MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
 ):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(start, stop, BLOCK_N):
@@ -157,8 +255,16 @@ def _fwd_inner(
         key_ok = offs_n < lk_b
         k = _load_tile(k_base, _idx(offs_n, IDX64) * stride_kn, key_ok, D, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale
+        if MASK_KIND != 0:
+            ptrs = m_base + (m_off[:, None] + _idx(offs_n, IDX64)[None, :] * stride_mn)
+            if MASKED:
+                s, mvis = _mask_scores(s, ptrs, row_ok[:, None] & key_ok[None, :], MASK_KIND)
+            else:
+                s, mvis = _mask_scores(s, ptrs, row_ok[:, None], MASK_KIND)
         if MASKED:
             vis = key_ok[None, :] & (offs_n[None, :] <= kmax[:, None])
+            if BAND:
+                vis = vis & (offs_n[None, :] >= kmin[:, None])
             s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; shift by 0 there so exp2 gives 0, not NaN.
@@ -167,22 +273,41 @@ def _fwd_inner(
         alpha = tl.math.exp2((m_i - m_safe) * 1.4426950408889634)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_tile(v_base, _idx(offs_n, IDX64) * stride_vn, key_ok, DV, BLOCK_DV, MASKED)
+        if MASK_KIND != 0:
+            # Values of keys that no row of the tile sees (a masked column, or outside every
+            # row's band) become 0, so that a NaN there cannot reach the output through 0 * NaN.
+            seen_t = mvis
+            if MASKED:
+                seen_t = seen_t & vis
+            seen_any = tl.max(seen_t.to(tl.int32), 0) > 0
+            v = tl.where(seen_any[:, None], v, 0.0)
+        elif BAND and MASKED:
+            # The same for the band alone, from the tile's outermost band edges: cheaper than a
+            # reduction over the tile, which costs this variant its registers.
+            seen_any = (offs_n >= tl.min(kmin, 0)) & (offs_n <= tl.max(kmax, 0)) & key_ok
+            v = tl.where(seen_any[:, None], v, 0.0)
+        if DROPOUT:
+            p = tl.where(_keep(r_drop[:, None], offs_n[None, :], drop_thr), p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
-def _attn_fwd_kernel(
-    Q, K, V, O, LSE, KL,
+def _attn_fwd_body(
+    Q, K, V, O, LSE, KL, MASK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
+    stride_mb, stride_mh, stride_mm, stride_mn,
     H, Lq, Lk, n_rep, heads_per_prog, sm_scale,
+    win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
+    BAND: tl.constexpr = False, TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
+    DROPOUT: tl.constexpr = False,
 ):
     pid_m, pid_h, b = _unfold_rows_grid(H, Lq, heads_per_prog, BLOCK_M)
     b = b.to(tl.int64)
@@ -191,29 +316,97 @@ def _attn_fwd_kernel(
     q = _load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
     k_base = K + b * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = V + b * stride_vb + kvh.to(tl.int64) * stride_vh
-    kmax = _last_visible_key(i, lk_b, Lq, CAUSAL)
-    full, hi = _key_range(i_lo, i_hi, lk_b, Lq, CAUSAL, BLOCK_N)
+    if BAND:
+        kmin, kmax = _band(i, lk_b, Lq, win_l, win_r, TOP_LEFT)
+        start, full_lo, full, hi = _band_key_range(i_lo, i_hi, lk_b, Lq, win_l, win_r, TOP_LEFT, BLOCK_N)
+    else:
+        kmax = _last_visible_key(i, lk_b, Lq, CAUSAL)
+        kmin = kmax
+        full, hi = _key_range(i_lo, i_hi, lk_b, Lq, CAUSAL, BLOCK_N)
+        start = 0
+        full_lo = 0
+    # The mask's address splits into a scalar base and per-element offsets (int32 unless IDX64),
+    # so that no (rows x keys) tile of 64-bit pointers stays live across the loop.
+    m_base = MASK
+    m_off = i
+    if MASK_KIND != 0:
+        m_base = MASK + b * stride_mb
+        m_off = _idx(hh, IDX64) * stride_mh + _idx(i, IDX64) * stride_mm
+    r_drop = i
+    if DROPOUT:
+        r_drop = _drop_rows(seed_lo, seed_hi, b, H, hh, i)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    if BAND:
+        # Left boundary of the band (its blocks all precede the fully visible ones).
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start, full_lo, kmax, lk_b, sm_scale,
+            kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr,
+            D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC, IDX64, BAND, MASK_KIND, DROPOUT,
+        )
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, 0, full, kmax, lk_b, sm_scale,
-        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, PREC, IDX64,
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, full_lo, full, kmax, lk_b, sm_scale,
+        kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr,
+        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, PREC, IDX64, BAND, MASK_KIND, DROPOUT,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, full, hi, kmax, lk_b, sm_scale,
-        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC, IDX64,
+        kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr,
+        D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC, IDX64, BAND, MASK_KIND, DROPOUT,
     )
     # l = 0 exactly when the row saw no key (a seen key adds exp2(0) = 1); a NaN l (a NaN among
     # the visible scores) must stay NaN in out and lse, so test "!= 0", not "> 0".
     seen = l_i != 0.0
     l_safe = tl.where(seen, l_i, 1.0)
-    out = acc / l_safe[:, None]
+    if DROPOUT:
+        out = acc * (drop_scale / l_safe)[:, None]
+    else:
+        out = acc / l_safe[:, None]
     lse = tl.where(seen, m_i + tl.log(l_safe), float("-inf"))
     _store_tile(O + b * stride_ob, _idx(hh, IDX64) * stride_oh + _idx(i, IDX64) * stride_om, row_ok,
                 out.to(O.dtype.element_ty), DV, BLOCK_DV)
     tl.store(LSE + (b * H + hh) * Lq + i, lse, mask=row_ok)
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, O, LSE, KL, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, Lq, Lk, n_rep,
+    heads_per_prog, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
+):
+    """The forward without optional modes: the body with every mode flag off (its code and
+    parameters are the plain kernel's, which kernels/aot.py builds)."""
+    _attn_fwd_body(
+        Q, K, V, O, LSE, KL, LSE, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, 0, 0, 0, 0, H, Lq, Lk, n_rep,
+        heads_per_prog, sm_scale, 0, 0, 0, 0, 0, 1.0, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL,
+        HAS_KL, PREC, IDX64, BAND=False, TOP_LEFT=False, MASK_KIND=0, DROPOUT=False,
+    )
+
+
+@triton.jit(do_not_specialize=["win_l", "win_r", "seed_lo", "seed_hi", "drop_thr"])
+def _attn_fwd_modes_kernel(
+    Q, K, V, O, LSE, KL, MASK, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_mb, stride_mh,
+    stride_mm, stride_mn, H, Lq, Lk, n_rep, heads_per_prog, sm_scale, win_l, win_r, seed_lo,
+    seed_hi, drop_thr, drop_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr, BAND: tl.constexpr = False,
+    TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
+):
+    """The forward with optional modes (flags as constexprs; see the module docstring)."""
+    _attn_fwd_body(
+        Q, K, V, O, LSE, KL, MASK, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_mb, stride_mh, stride_mm,
+        stride_mn, H, Lq, Lk, n_rep, heads_per_prog, sm_scale, win_l, win_r, seed_lo, seed_hi, drop_thr,
+        drop_scale, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, HAS_KL, PREC, IDX64, BAND=BAND,
+        TOP_LEFT=TOP_LEFT, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
+    )
+
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -283,36 +476,139 @@ def check_buffer(name: str, t: torch.Tensor, shape, dtype, like: torch.Tensor, c
         raise ValueError(f"{name}: expected unit stride on the last dim, got strides {t.stride()}")
 
 
-def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths=None):
+class ModeArgs:
+    """The launch arguments of the optional modes (docs/contract.md), shared by the forward and
+    backward launchers: what the kernels read at run time and the constexpr flags that select
+    their variant. The plain call gives BAND, TOP_LEFT, MASK_KIND, DROPOUT all off."""
+
+    def __init__(self, Lq: int, Lk: int, causal: bool, attn_mask, dropout_p: float, seed: int,
+                 top_left: bool, window_left: int, window_right: int):
+        self.band = bool(top_left) or window_left >= 0 or window_right >= 0
+        self.top_left = bool(top_left) and self.band
+        # An unbounded side becomes Lq + Lk, wider than any row can reach, and bounded sides are
+        # capped there too, so that i + off +- L, R stays far inside int32.
+        big = Lq + Lk
+        self.win_l = big if window_left < 0 else min(int(window_left), big)
+        win_r = big if window_right < 0 else min(int(window_right), big)
+        self.win_r = min(win_r, 0) if causal else win_r  # causal is the band's right edge at 0
+        self.mask = attn_mask
+        self.mask_kind = 0
+        self.mask_strides = (0, 0, 0, 0)
+        if attn_mask is not None:
+            if attn_mask.dim() != 4:
+                raise ValueError(f"attn_mask: expected a 4-D (B, H, Lq, Lk) view, got {attn_mask.dim()}-D")
+            if attn_mask.dtype == torch.bool:
+                self.mask_kind = 1
+                self.mask = attn_mask.view(torch.uint8)  # same bytes and strides; loads compare with 0
+            elif attn_mask.dtype == torch.float32:
+                self.mask_kind = 2
+            else:
+                raise ValueError(f"attn_mask: expected bool or float32, got {attn_mask.dtype}")
+            self.mask_strides = tuple(attn_mask.stride())
+        if not 0.0 <= dropout_p < 1.0:
+            raise ValueError(f"dropout_p: expected 0 <= p < 1, got {dropout_p}")
+        self.dropout = dropout_p > 0.0
+        thr = min(int(dropout_p * 4294967296.0), 0xFFFFFFFF)
+        seed = int(seed)
+        # uint32 values travel as int32 with the same bits (the kernels bitcast them back).
+        self.seed_lo, self.seed_hi, self.drop_thr = (
+            _as_i32(x) for x in (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, thr))
+        self.drop_scale = 1.0 / (1.0 - dropout_p)
+
+    def any(self) -> bool:
+        """Whether some mode is on (the launch takes the modes kernel, not the plain one)."""
+        return self.band or self.mask_kind != 0 or self.dropout
+
+    def runtime(self):
+        return (self.win_l, self.win_r, self.seed_lo, self.seed_hi, self.drop_thr, self.drop_scale)
+
+    def constexprs(self):
+        return dict(BAND=self.band, TOP_LEFT=self.top_left, MASK_KIND=self.mask_kind, DROPOUT=self.dropout)
+
+
+def mode_tiles(kernel: str, cfg, modes: "ModeArgs"):
+    """The tile of ``kernel`` ("fwd", "dkdv", "dq") for a launch with ``modes``: heuristics.py's
+    tile for the plain variant, narrowed where the modes add (rows x keys) tiles that would not
+    fit in registers beside it (mask values, the column test that zeroes the values of keys no
+    row sees, band bounds, keep bits). Budgets are elements of one (rows x keys) tile per
+    thread, measured with the AOT check on sm_80 and sm_90 (fp16/bf16, head dims 64 and 128),
+    where the variants spilled at the plain tiles. The plain variant keeps its tile."""
+    if kernel == "fwd":
+        if modes.mask_kind:
+            budget = 8 if (modes.band or modes.dropout) else 16
+        elif modes.band or modes.dropout:
+            budget = 32
+        else:
+            return cfg
+        # With a mask, also at most 64 rows: sm_80 d128 spilled at 128 x 32 within the budget.
+        bm, bn = (min(cfg.block_m, 64) if modes.mask_kind else cfg.block_m), cfg.block_n
+        while bm * bn > budget * 32 * cfg.num_warps and bm > 64:
+            bm //= 2
+        while bm * bn > budget * 32 * cfg.num_warps and bn > 32:
+            bn //= 2
+        return dataclasses.replace(cfg, block_m=bm, block_n=bn,
+                                   num_stages=min(cfg.num_stages, 2) if modes.mask_kind else cfg.num_stages)
+    if not modes.mask_kind:
+        return cfg
+    if kernel == "dkdv":
+        return dataclasses.replace(cfg, block_m=min(cfg.block_m, 16), block_n=min(cfg.block_n, 64))
+    return dataclasses.replace(cfg, block_n=min(cfg.block_n, 32))
+
+
+def _as_i32(x: int) -> int:
+    return x - (1 << 32) if x >= (1 << 31) else x
+
+
+def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths=None, *, attn_mask=None,
+                      dropout_p: float = 0.0, seed: int = 0, top_left: bool = False, window_left: int = -1,
+                      window_right: int = -1):
     """Launch the forward kernel into the caller's buffers; returns ``(out, lse)``.
 
     Shapes: q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv); out (B, H, Lq, Dv) in q's
     dtype, any strides with a unit last one; lse contiguous float32 (B, H, Lq), written in
     natural log, -inf on rows that see no key. key_lengths: None or int32 (B,) on q's device.
+    Modes (docs/contract.md): attn_mask None or a (B, H, Lq, Lk) view (bool, or float32 bias;
+    stride 0 on broadcast dims is read as such), dropout_p in [0, 1) with the 64-bit seed,
+    top_left alignment, window_left / window_right (-1 unbounded).
     """
     B, H, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
     check_buffer("out", out, (B, H, Lq, Dv), q.dtype, q)
     check_buffer("lse", lse, (B, H, Lq), torch.float32, q, contiguous=True)
-    cfg = fwd_config(D, Dv, q.dtype, arch_of(q))
+    modes = ModeArgs(Lq, Lk, causal, attn_mask, dropout_p, seed, top_left, window_left, window_right)
+    cfg = mode_tiles("fwd", fwd_config(D, Dv, q.dtype, arch_of(q)), modes)
     hpp, bm, grid = launch_geometry(B, H, Hkv, Lq, cfg.block_m)
     kl = key_lengths if key_lengths is not None else lse  # unused pointer when HAS_KL is False
+    mask = modes.mask if modes.mask is not None else lse  # unused pointer when MASK_KIND is 0
+    common = dict(
+        D=D, DV=Dv, BLOCK_D=head_block(D), BLOCK_DV=head_block(Dv), BLOCK_M=bm, BLOCK_N=cfg.block_n,
+        CAUSAL=causal, HAS_KL=key_lengths is not None, PREC=precision(q.dtype),
+        IDX64=needs_64bit_offsets(q, k, v, out, *(() if attn_mask is None else (attn_mask,))),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
     with on_device(q):
-        _attn_fwd_kernel[grid](
-            q, k, v, out, lse, kl,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            H, Lq, Lk, H // Hkv, hpp, scale,
-            D=D, DV=Dv, BLOCK_D=head_block(D), BLOCK_DV=head_block(Dv),
-            BLOCK_M=bm, BLOCK_N=cfg.block_n,
-            CAUSAL=causal, HAS_KL=key_lengths is not None, PREC=precision(q.dtype),
-            IDX64=needs_64bit_offsets(q, k, v, out),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        if not modes.any():
+            _attn_fwd_kernel[grid](
+                q, k, v, out, lse, kl,
+                q.stride(0), q.stride(1), q.stride(2),
+                k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2),
+                out.stride(0), out.stride(1), out.stride(2),
+                H, Lq, Lk, H // Hkv, hpp, scale, **common,
+            )
+        else:
+            _attn_fwd_modes_kernel[grid](
+                q, k, v, out, lse, kl, mask,
+                q.stride(0), q.stride(1), q.stride(2),
+                k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2),
+                out.stride(0), out.stride(1), out.stride(2),
+                *modes.mask_strides,
+                H, Lq, Lk, H // Hkv, hpp, scale,
+                *modes.runtime(), **modes.constexprs(), **common,
+            )
     return out, lse
 
 
-__all__ = ["attention_forward", "launch_geometry", "precision", "on_device", "check_buffer", "MAX_PROGRAMS",
+__all__ = ["attention_forward", "ModeArgs", "mode_tiles", "launch_geometry", "precision", "on_device", "check_buffer", "MAX_PROGRAMS",
            "needs_64bit_offsets", "arch_of"]

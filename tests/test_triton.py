@@ -237,3 +237,171 @@ def test_key_lengths_out_of_range_are_clamped_in_the_kernels():
     good = run(torch.tensor([6, 0], dtype=torch.int32))
     for a, b in zip(bad, good):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Optional modes (docs/contract.md) beyond the conformance suite's cases: combinations with GQA,
+# decode packing, key lengths, Lq != Lk, D != Dv and non-power-of-two dims; broadcast masks; the
+# skipping of hidden key tiles; dropout's keep bits for any seed; hidden NaNs with masks.
+
+
+def _mask(shape, seed, kind, p_hide=0.3, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "bool":
+        return (torch.rand(shape, generator=g) >= p_hide).to(DEVICE)
+    m = torch.randn(shape, generator=g)
+    m[torch.rand(shape, generator=g) < p_hide] = float("-inf")
+    return m.to(DEVICE).requires_grad_(grad)
+
+
+MODE_COMBOS = {
+    # id: (dtype, (B, H, Hkv, Lq, Lk, D, Dv), causal, key_lengths, mode kwargs builder)
+    "window-boolmask-b11k-gqa-kl": (torch.float32, (2, 6, 2, 13, 37, 24, 40), False, (37, 11),
+                                    lambda: dict(window=(4, 3), attn_mask=_mask((2, 1, 1, 37), 1, "bool"))),
+    "topleft-causal-floatgrad-11qk-dropout": (torch.float16, (2, 4, 2, 21, 9, 16, 8), True, None,
+                                              lambda: dict(causal_align="top_left", dropout_p=0.25,
+                                                           generator=torch.Generator().manual_seed(3),
+                                                           attn_mask=_mask((1, 1, 21, 9), 2, "float", grad=True))),
+    "diagonal-window-longq": (torch.float32, (1, 2, 1, 40, 23, 8, 8), False, (20,), lambda: dict(window=(0, 0))),
+    "decode-packed-window-causal-floatgrad": (torch.float32, (2, 8, 2, 3, 70, 16, 16), True, (70, 33),
+                                              lambda: dict(window=(9, -1), attn_mask=_mask((2, 8, 3, 1), 4, "float",
+                                                                                         p_hide=0.2, grad=True))),
+    "right-window-topleft-dropout-mask-kl": (torch.float16, (2, 2, 2, 35, 20, 32, 24), False, (20, 6),
+                                             lambda: dict(window=(-1, 5), causal_align="top_left", dropout_p=0.5,
+                                                          generator=torch.Generator().manual_seed(5),
+                                                          attn_mask=_mask((35, 20), 6, "bool", p_hide=0.2))),
+}
+
+
+def test_long_window_runs_masked_and_unmasked_tiles_on_both_sides_of_the_band():
+    # 192 x 192, top-left window (100, 70): with the interpreter's fp32 tiles (64-row forward
+    # tiles, 64-key dK/dV blocks of 32-row steps) every row tile and key block has its left
+    # masked part, an unmasked middle and its right masked part.
+    q, k, v = make_inputs(1, 1, 1, 192, 192, 16, device=DEVICE)
+    check_against_reference(triton_attention, q, k, v, False, None, window=(100, 70), causal_align="top_left")
+
+
+@pytest.mark.parametrize("combo", list(MODE_COMBOS))
+def test_modes_combined(combo):
+    dtype, (B, H, Hkv, Lq, Lk, D, Dv), causal, kl, build = MODE_COMBOS[combo]
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype=dtype, device=DEVICE)
+    kl = None if kl is None else torch.tensor(kl, device=DEVICE)
+    check_against_reference(triton_attention, q, k, v, causal, kl, **build())
+
+
+def test_window_skips_key_tiles_no_row_of_a_tile_sees():
+    # dQ writes dL/dscore of every (row, key) pair it visits (0 where hidden): a sentinel left
+    # in the buffer marks the tiles it skipped. Window (2, 2) on 130 x 130: the first row tile
+    # (rows 0..BLOCK_M-1) sees keys up to BLOCK_M + 1 only, so the last key block is never read.
+    from mhakern.kernels import attention_backward, attention_forward
+    from mhakern.kernels.attention_fwd import arch_of
+    from mhakern.kernels.heuristics import dq_config
+
+    B, H, L, D = 1, 1, 130, 16
+    q, k, v = make_inputs(B, H, H, L, L, D, device=DEVICE, requires_grad=False)
+    bias = torch.zeros(B, H, L, L, device=DEVICE)
+    modes = dict(attn_mask=bias, window_left=2, window_right=2)
+    out, lse = torch.empty(B, H, L, D, device=DEVICE), torch.empty(B, H, L, device=DEVICE)
+    attention_forward(q, k, v, out, lse, 0.25, False, None, **modes)
+    dmask = torch.full((B, H, L, L), 7.0, device=DEVICE)
+    grads = [torch.empty_like(x) for x in (q, k, v)]
+    attention_backward(torch.randn_like(out), q, k, v, out, lse, *grads, 0.25, False, None, dmask=dmask, **modes)
+    cfg = dq_config(D, D, q.dtype, arch_of(q))
+    bm, bn = cfg.block_m, cfg.block_n
+    assert bm + 2 < (L // bn) * bn, "the shape no longer leaves a hidden block in the first row tile"
+    last = ((L - 1) // bn) * bn
+    assert torch.all(dmask[0, 0, :bm, last:] == 7.0), "a key tile past every row's band was visited"
+    first_row_of_last_tile = ((L - 1) // bm) * bm
+    assert first_row_of_last_tile - 2 >= bn, "the shape no longer leaves a hidden block before the last row tile"
+    assert torch.all(dmask[0, 0, first_row_of_last_tile:, :bn] == 7.0), "a key tile before every row's band was visited"
+    i = torch.arange(L).view(L, 1)
+    j = torch.arange(L).view(1, L)
+    band = (j >= i - 2) & (j <= i + 2)
+    visited = dmask != 7.0
+    assert torch.all(visited[0, 0][band]), "a visible pair was skipped"
+    assert torch.all(dmask[0, 0][visited[0, 0] & ~band] == 0), "a hidden pair got a mask gradient"
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**63), 0x0123456789ABCDEF])
+def test_dropout_keep_bits_match_the_reference_for_any_seed(seed):
+    # v one-hot over the keys: out[..., j] is 0 exactly where key j is dropped for the row.
+    from mhakern.kernels import attention_forward
+
+    B, H, Hkv, Lq, Lk, p = 2, 4, 2, 5, 40, 0.37
+    q = make_inputs(B, H, Hkv, Lq, Lk, 16, device=DEVICE, requires_grad=False)[0]
+    k = torch.zeros(B, Hkv, Lk, 16, device=DEVICE)  # uniform probabilities: none underflows
+    v = torch.eye(Lk, device=DEVICE).expand(B, Hkv, Lk, Lk).contiguous()
+    out, lse = torch.empty(B, H, Lq, Lk, device=DEVICE), torch.empty(B, H, Lq, device=DEVICE)
+    attention_forward(q, k, v, out, lse, 0.25, False, None, dropout_p=p, seed=seed)
+    keep = mhakern.reference.dropout_keep_mask(seed, B, H, Lq, Lk, p, DEVICE)
+    assert torch.equal(out != 0, keep)
+    torch.testing.assert_close(out[keep], torch.full_like(out[keep], 1 / (Lk * (1 - p))))
+
+
+def test_dropout_backward_is_deterministic_and_regenerates_the_forward_mask():
+    q, k, v = make_inputs(1, 4, 2, 19, 26, 16, device=DEVICE)
+    grads = []
+    for _ in range(2):
+        for x in (q, k, v):
+            x.grad = None
+        out = triton_attention(q, k, v, dropout_p=0.4, generator=torch.Generator().manual_seed(9), causal=True)
+        out.pow(2).sum().backward()
+        grads.append([out.detach(), *(x.grad.clone() for x in (q, k, v))])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_nan_in_keys_hidden_by_a_bool_mask_or_window_changes_nothing():
+    # Keys 4 and 5 are masked for every query, keys 10.. lie outside every row's window.
+    q, k, v = make_inputs(2, 2, 1, 6, 16, 16, device=DEVICE, requires_grad=False)
+    mask = torch.ones(6, 16, dtype=torch.bool, device=DEVICE)
+    mask[:, 4:6] = False
+    kw = dict(attn_mask=mask, window=(3, 2), causal_align="top_left")
+
+    def run(k, v):
+        q_, k_, v_ = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        out, lse = triton_attention(q_, k_, v_, return_lse=True, **kw)
+        out.backward(torch.ones_like(out))
+        return out.detach(), lse, q_.grad, k_.grad, v_.grad
+
+    clean = run(k, v)
+    k, v = k.clone(), v.clone()
+    for x in (k, v):
+        x[:, :, 4:6] = float("nan")
+        x[:, :, 10:] = float("nan")
+        x[1, 0, 12, 3] = float("inf")
+    got = run(k, v)
+    for label, a, b in zip(("out", "lse", "dq", "dk", "dv"), clean, got):
+        assert torch.equal(a, b), f"{label}: a NaN/inf in a hidden key changed the result"
+    assert torch.all(got[3][:, :, 4:6] == 0) and torch.all(got[4][:, :, 10:] == 0), "hidden keys got a gradient"
+
+
+def test_rows_that_see_no_key_under_masks_and_windows_give_zero_and_no_nan():
+    # Row 1 fully masked, rows beyond Lk + 1 outside the top-left window; NaN queries there too.
+    q, k, v = make_inputs(1, 2, 2, 12, 8, 16, device=DEVICE, requires_grad=False)
+    bias = torch.randn(12, 8, device=DEVICE)
+    bias[1] = float("-inf")
+    q[:, :, 1] = float("nan")
+    q = q.requires_grad_()
+    k, v = k.requires_grad_(), v.requires_grad_()
+    bias = bias.requires_grad_()
+    out, lse = triton_attention(q, k, v, attn_mask=bias, window=(1, 1), causal_align="top_left", return_lse=True)
+    dead = [1] + list(range(10, 12))
+    assert torch.all(out[:, :, dead] == 0) and torch.isneginf(lse[:, :, dead]).all()
+    out.sum().backward()
+    for g in (q.grad, k.grad, v.grad, bias.grad):
+        assert torch.isfinite(g).all()
+    assert torch.all(q.grad[:, :, dead] == 0) and torch.all(bias.grad[dead] == 0)
+
+
+def test_launchers_refuse_bad_mode_arguments():
+    from mhakern.kernels import attention_forward
+
+    q, k, v = make_inputs(1, 2, 1, 5, 6, 16, device=DEVICE, requires_grad=False)
+    out, lse = torch.empty(1, 2, 5, 16), torch.empty(1, 2, 5)
+    with pytest.raises(ValueError, match="dropout_p: expected 0 <= p < 1"):
+        attention_forward(q, k, v, out, lse, 0.25, False, dropout_p=1.0)
+    with pytest.raises(ValueError, match="attn_mask: expected bool or float32"):
+        attention_forward(q, k, v, out, lse, 0.25, False, attn_mask=torch.zeros(1, 2, 5, 6, dtype=torch.int32))
+    with pytest.raises(ValueError, match="attn_mask: expected a 4-D"):
+        attention_forward(q, k, v, out, lse, 0.25, False, attn_mask=torch.zeros(5, 6))

@@ -21,9 +21,17 @@ def _interpreting() -> bool:
     return INTERPRET
 
 
+def _mode_kwargs(modes):
+    """The launchers' keyword arguments for ``modes`` (docs/contract.md)."""
+    return dict(attn_mask=modes.attn_mask, dropout_p=float(modes.dropout_p), seed=int(modes.seed),
+                top_left=bool(modes.top_left), window_left=int(modes.window_left),
+                window_right=int(modes.window_right))
+
+
 class TritonBackend(Backend):
     name = "triton"
     priority = 30
+    features = frozenset({"attn_mask", "mask_grad", "dropout", "top_left", "window"})
 
     def __init__(self):
         self._import_error = None
@@ -87,14 +95,20 @@ class TritonBackend(Backend):
         B, H, Lq, _ = q.shape
         out = empty_like_heads(q, v.shape[-1])
         lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
-        return self._kernels().attention_forward(q, k, v, out, lse, scale, causal, key_lengths)
+        return self._kernels().attention_forward(q, k, v, out, lse, scale, causal, key_lengths, **_mode_kwargs(modes))
 
     def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, modes=DEFAULT_MODES):
         dq = empty_like_heads(q, q.shape[-1])
         dk = empty_like_heads(k, k.shape[-1])
         dv = empty_like_heads(v, v.shape[-1])
-        self._kernels().attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, key_lengths)
-        return dq, dk, dv, None
+        dmask = None
+        if modes.mask_grad:
+            # Zeros: key blocks no row of a tile sees are never visited, and their gradient is 0.
+            B, H, Lq, _ = q.shape
+            dmask = torch.zeros((B, H, Lq, k.shape[2]), dtype=torch.float32, device=q.device)
+        self._kernels().attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, key_lengths,
+                                           dmask=dmask, **_mode_kwargs(modes))
+        return dq, dk, dv, dmask
 
 
 register(TritonBackend())
