@@ -35,8 +35,16 @@ MAIN_IDS = [n for n, _ in MAIN]
 
 # Contract gaps of registered backends that this suite found and that are not fixed yet, as
 # (backend, test id): reason. Strict xfail: once a kernel is fixed the test XPASSes and fails,
-# and the entry must go. Empty: every gap found this round was fixed.
-KNOWN_GAPS: dict = {}
+# and the entry must go. The one left is the exception docs/contract.md states for the tiled
+# GPU kernels.
+_TILE_VALUE_NAN = (
+    "a non-finite value of a key hidden from some rows of a query tile but seen by others reaches "
+    "the hidden rows through 0 * NaN in the tile's P @ V (docs/contract.md, NaN and inf)"
+)
+KNOWN_GAPS: dict = {
+    ("triton", "test_nan_value_of_a_causally_hidden_key_reaches_only_the_rows_that_see_it"): _TILE_VALUE_NAN,
+    ("cuda", "test_nan_value_of_a_causally_hidden_key_reaches_only_the_rows_that_see_it"): _TILE_VALUE_NAN,
+}
 
 
 @pytest.fixture(autouse=True)
@@ -243,6 +251,16 @@ def test_nan_in_a_causally_hidden_key_reaches_only_the_rows_that_see_it(name, dt
     assert torch.isnan(out[:, :, 6:]).all() and torch.isnan(lse[:, :, 6:]).all(), "rows that see it must be NaN"
     assert torch.isnan(dq[:, :, 6:]).all(), "dq of rows that see it must be NaN (never silently finite)"
     assert torch.isnan(dk).any() and torch.isnan(dv).any()
+
+
+@pytest.mark.parametrize("name,dtype", MAIN, ids=MAIN_IDS)
+def test_nan_value_of_a_causally_hidden_key_reaches_only_the_rows_that_see_it(name, dtype):
+    # As above with the NaN in v: rows before 6 share a tile with the rows that see key 6.
+    q, k, v = make_inputs(1, 2, 2, 9, 9, 16, dtype=dtype, device=DEVICE, requires_grad=False)
+    v[0, :, 6, 0] = math.nan
+    out, lse, dq, dk, dv = _fwd_bwd(name, q, k, v, causal=True)
+    assert torch.isnan(out[:, :, 6:, 0]).all(), "rows that see the NaN value must be NaN in its column"
+    assert torch.isfinite(out[:, :, :6]).all() and torch.isfinite(dq[:, :, :6]).all(), "rows before 6 saw the NaN value"
 
 
 @pytest.mark.parametrize("name,dtype", MAIN, ids=MAIN_IDS)
