@@ -3,18 +3,23 @@ check of what each costs on the chip.
 
 Runs with no GPU: ``triton.compile`` with a ``GPUTarget`` lowers each variant to a cubin for
 sm_80 / sm_90 with the tiles heuristics.py gives that architecture, and with the
-specialisation the JIT applies on a typical launch (16-byte aligned pointers, strides divisible
-by 16; ``--unaligned`` drops it). kernels/sass.py then reads the cubin back with Triton's
-cuobjdump. A variant fails when a local-memory load or store (a register spill) sits inside a
-loop, when it keeps more stack than ``STACK_SLACK`` bytes, when on sm_90 a loop multiplies
-matrices without HGMMA (unless heuristics.MMA_SYNC_ON_SM90 names it, with the reason), or when
-its shared memory exceeds the chip's limit. A kernel that would not build or fit on a GPU therefore fails here, in CI.
+specialisation the JIT applies on a typical launch: 16-byte aligned pointers, and strides
+divisible by 16 when the head dims are multiples of 16 (see ``divisible_args``; ``--unaligned``
+drops it all). kernels/sass.py then reads the cubin back with Triton's cuobjdump. A variant
+fails when a local-memory load or store (a register spill) sits inside a loop, when it keeps
+more stack than ``STACK_SLACK`` bytes (head dims multiples of 16), when on sm_90 a loop
+multiplies matrices without HGMMA (unless heuristics.MMA_SYNC_ON_SM90 names it, with the
+reason), when the tensor-descriptor forward has no TMA load in a loop, or when its shared
+memory exceeds the chip's limit. A kernel that would not build or fit on a GPU therefore fails
+here, in CI.
 
-    python -m mhakern.kernels.aot [--arch 80 90] [--dtypes fp16 bf16 fp32] [--dims 16 32 64 80 128 256]
+    python -m mhakern.kernels.aot [--arch 80 90] [--dtypes fp16 bf16 fp32] [--dims 16 32 40 64 ...]
                                   [--all-flags] [--only fwd desc delta dkdv dq] [--tile M N WARPS STAGES]
 
 Prints one row per variant: tile, warps/stages, shared memory, registers, stack bytes, LDL
-count, LDL/STL inside loops, loops with HGMMA / loops with a matrix instruction.
+count, LDL/STL inside loops, loops with HGMMA / loops with a matrix instruction, TMA loads.
+fp32 variants (FMA code, no tensor cores) take one to three minutes each on a busy two-core
+machine: ``--dtypes fp32`` builds them, the CI test does not.
 kernels/ imports nothing from mhakern, so the same module runs against another triton version
 by path (``sys.path.insert(0, checkout); from kernels import aot; aot.main([...])``).
 
@@ -45,7 +50,9 @@ def _ptr(dtype) -> str:
     return "*" + _TY[dtype]
 
 
-ALL_DIMS = (16, 32, 64, 80, 128, 256)
+# Head dims compiled by default: each bucket of the tile table at its largest dim, multiples of 16
+# (aligned strides) and not (40, 100, 200: strides the JIT cannot mark), and a padded one (80).
+ALL_DIMS = (16, 32, 40, 64, 80, 100, 128, 200, 256)
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,13 @@ Both supported triton versions must pass (3.9 here, 3.6 on the GPU machine): the
 allocations differ by up to ~20 registers, so a tile at the edge in one spills in the other
 (dK/dV at head dim 64 on sm_80 spills 48 B with triton 3.6 at 2 stages, none at 1 stage).
 
-fp32 multiplies in full precision (no tensor cores: exactness first), so its tiles are small
-and are not tuned for speed; they are checked like the others.
+fp32 multiplies in full precision (ieee: FMA, no tensor cores; exactness first). Triton's FMA
+dot keeps, per thread, its rows of the left operand and columns of the right one over the whole
+reduction dim in registers, so the tiles that spill are those whose reduction dim is long
+(the head dim in q.k, BLOCK_N in p.v) with many rows or columns per thread: 64x64 at 4 warps
+spilled 1.3 KB in the forward's loop and the old backward tiles 0.4-12 KB. The fp32 rows below
+(head dims 64 and 128) are 8 warps over small tiles, checked with ``--dtypes fp32`` (not in CI:
+minutes per variant); the 256 rows are not compiled yet. They are not tuned for speed.
 """
 from __future__ import annotations
 
@@ -72,11 +77,11 @@ TILES: Dict[Tuple[str, int, str, int], TileConfig] = {
     ("fwd", 80, "16", 64): _T(128, 64, 8, 3),
     ("fwd", 80, "16", 128): _T(128, 32, 8, 2),
     ("fwd", 80, "16", 256): _T(64, 32, 8, 2),
-    ("fwd", 90, "32", 64): _T(64, 64, 4, 2),
-    ("fwd", 90, "32", 128): _T(64, 32, 4, 2),
+    ("fwd", 90, "32", 64): _T(64, 32, 8, 1),
+    ("fwd", 90, "32", 128): _T(32, 32, 8, 1),
     ("fwd", 90, "32", 256): _T(32, 32, 4, 1),
-    ("fwd", 80, "32", 64): _T(64, 64, 4, 2),
-    ("fwd", 80, "32", 128): _T(64, 32, 4, 2),
+    ("fwd", 80, "32", 64): _T(64, 32, 8, 1),
+    ("fwd", 80, "32", 128): _T(32, 32, 8, 1),
     ("fwd", 80, "32", 256): _T(32, 32, 4, 1),
     # dQ
     ("dq", 90, "16", 64): _T(64, 64, 4, 2),
@@ -85,11 +90,11 @@ TILES: Dict[Tuple[str, int, str, int], TileConfig] = {
     ("dq", 80, "16", 64): _T(64, 64, 8, 2),
     ("dq", 80, "16", 128): _T(64, 64, 8, 2),
     ("dq", 80, "16", 256): _T(64, 32, 8, 1),
-    ("dq", 90, "32", 64): _T(64, 32, 4, 1),
-    ("dq", 90, "32", 128): _T(64, 32, 4, 1),
+    ("dq", 90, "32", 64): _T(32, 32, 8, 1),
+    ("dq", 90, "32", 128): _T(32, 16, 8, 1),
     ("dq", 90, "32", 256): _T(32, 32, 4, 1),
-    ("dq", 80, "32", 64): _T(64, 32, 4, 1),
-    ("dq", 80, "32", 128): _T(64, 32, 4, 1),
+    ("dq", 80, "32", 64): _T(32, 32, 8, 1),
+    ("dq", 80, "32", 128): _T(32, 16, 8, 1),
     ("dq", 80, "32", 256): _T(32, 32, 4, 1),
     # dK/dV
     ("dkdv", 90, "16", 64): _T(32, 128, 8, 2),
@@ -98,11 +103,11 @@ TILES: Dict[Tuple[str, int, str, int], TileConfig] = {
     ("dkdv", 80, "16", 64): _T(32, 128, 8, 1),
     ("dkdv", 80, "16", 128): _T(32, 64, 8, 2),
     ("dkdv", 80, "16", 256): _T(16, 32, 8, 1),
-    ("dkdv", 90, "32", 64): _T(32, 64, 4, 1),
-    ("dkdv", 90, "32", 128): _T(16, 32, 4, 1),
+    ("dkdv", 90, "32", 64): _T(16, 32, 8, 1),
+    ("dkdv", 90, "32", 128): _T(16, 32, 8, 1),
     ("dkdv", 90, "32", 256): _T(16, 32, 4, 1),
-    ("dkdv", 80, "32", 64): _T(32, 64, 4, 1),
-    ("dkdv", 80, "32", 128): _T(16, 32, 4, 1),
+    ("dkdv", 80, "32", 64): _T(16, 32, 8, 1),
+    ("dkdv", 80, "32", 128): _T(16, 32, 8, 1),
     ("dkdv", 80, "32", 256): _T(16, 32, 4, 1),
     # forward through tensor descriptors (sm_90 only; see desc_eligible)
     ("fwd_desc", 90, "16", 64): _T(128, 64, 4, 3),
@@ -122,6 +127,7 @@ UNALIGNED_TILES: Dict[Tuple[str, int, str, int], TileConfig] = {
     ("dq", 90, "16", 64): _T(64, 64, 8, 2),  # 4 warps: 24 B
     ("dq", 90, "16", 128): _T(64, 32, 8, 2),  # 64x64: 176 B
     ("dkdv", 90, "16", 128): _T(16, 32, 8, 2),  # mma.sync; every wgmma tile tried spills in the loop
+    ("fwd", 90, "16", 256): _T(64, 16, 8, 2),  # 64x32: 1 LDL in the loop with triton 3.6
     ("dq", 90, "16", 256): _T(16, 16, 8, 1),  # mma.sync (32x16: 254 registers); 64x16 wgmma: 27 LDL/STL in the loop
 }
 
@@ -129,9 +135,14 @@ UNALIGNED_TILES: Dict[Tuple[str, int, str, int], TileConfig] = {
 # Variants allowed to multiply with mma.sync (HMMA) on sm_90 instead of the warpgroup MMA, as
 # (kernel, dtype width, head-dim bucket, strides aligned to 16 elements).
 # dK/dV at head dim 256 keeps two (BLOCK_N x 256) fp32 accumulators per program; wgmma needs
-# BLOCK_N >= 64 there, which makes them 128 registers a thread at 8 warps and spills inside the
-# loop (measured, triton 3.9: 792 B of stack at 16x64, 8 warps; 16 warps cap a thread at 128
-# registers and spill more). 32 keys with mma.sync fit with no stack.
+# BLOCK_N >= 64 there (its M is 64 per warpgroup), which makes them 128 registers a thread at
+# 8 warps, next to the resident K and V tiles and the streamed Q/dO operands: every such tile
+# spills inside the key loop. Measured (triton 3.9, bf16/fp16, causal + key lengths; stack B /
+# LDL+STL in loops): 16x64 8 warps 1 stage 760 / 197; 32x64 8w 944 / 252; 16x64 4w 1568 / 661;
+# 16 warps cap a thread at 128 registers and spill more. No wgmma tile of this kernel fits;
+# one that does would split the work differently (dK and dV, or halves of the head dim, in
+# separate programs), a change of the kernel rather than of its tiles. 32 keys with mma.sync
+# fit with no stack.
 # Unaligned head dims (see UNALIGNED_TILES) at the larger buckets: every wgmma tile tried keeps
 # local memory in the key loop, because the operands streamed through the loop are loaded
 # element by element (a 64-bit address per element) before they reach shared memory.
