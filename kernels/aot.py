@@ -68,7 +68,8 @@ class Variant:
 # Pointer arguments of the kernels by name (the rest are i32 sizes and strides, or fp32 scales).
 _FP32_PTRS = {"LSE", "DELTA"}
 _DATA_PTRS = {"Q", "K", "V", "O", "DO", "DK", "DV_", "DQ"}
-_OTHER_PTRS = {"KL": "*i32", "MASK": "*u8"}
+_OTHER_PTRS = {"KL": "*i32", "MASK": "*u8", "DMASK": "*fp32"}
+_SIZES = {"H"}  # upper-case names that are not pointers
 
 
 def signature_of(kernel, dtype, descs=None) -> dict:
@@ -89,6 +90,8 @@ def signature_of(kernel, dtype, descs=None) -> dict:
             sig[name] = "*fp32"
         elif name in _OTHER_PTRS:
             sig[name] = _OTHER_PTRS[name]
+        elif name.isupper() and name not in _SIZES:
+            raise ValueError(f"aot: {kernel.fn.__name__} takes {name}, a pointer of unknown type: name it in _OTHER_PTRS")
         else:
             sig[name] = "fp32" if "scale" in name else "i32"
     return sig
