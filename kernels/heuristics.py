@@ -15,6 +15,10 @@ scores tile (BLOCK_M x BLOCK_N) as much again, so the larger head dims take more
 fewer keys. sm_90 tiles keep BLOCK_M a multiple of 64 per warpgroup where the MMA allows
 (wgmma's M is 64), sm_80 tiles keep 16 rows per warp.
 
+Head dims that are not multiples of 16 have their own rows (UNALIGNED_TILES, with why), and
+the sm_90 forward of calls without modes goes through tensor descriptors (TMA) when
+``desc_eligible`` says the tensors allow it (its tiles: the "fwd_desc" rows).
+
 Both supported triton versions must pass (3.9 here, 3.6 on the GPU machine): their register
 allocations differ by up to ~20 registers, so a tile at the edge in one spills in the other
 (dK/dV at head dim 64 on sm_80 spills 48 B with triton 3.6 at 2 stages, none at 1 stage).
@@ -219,11 +223,11 @@ def _descriptors_available() -> bool:
 
 
 def tma_compatible(t: torch.Tensor) -> bool:
-    """Whether a (B, heads, L, dim) tensor meets TMA's rules: 16-byte aligned base, unit last
-    stride, the other strides multiples of 16 bytes (dims of size one excepted: never stepped),
+    """Whether a (B, heads, L, dim) tensor meets TMA's rules: not empty, 16-byte aligned base,
+    unit last stride, the other strides multiples of 16 bytes (dims of size one excepted: never stepped),
     and a padded head dim that fits a box (at most 256 elements)."""
-    if not isinstance(t, torch.Tensor) or t.dim() != 4:
-        return False  # the launcher's own checks name what is wrong
+    if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.numel() == 0:
+        return False  # the launcher's own checks name what is wrong; TMA has no empty tensors
     size = t.element_size()
     if t.data_ptr() % 16 or t.stride(-1) != 1 or head_block(t.shape[-1]) > 256:
         return False

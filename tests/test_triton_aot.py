@@ -207,6 +207,8 @@ def test_descriptor_predicate_refuses_what_tma_cannot_address(monkeypatch):
     assert not heuristics.desc_eligible(odd, odd, odd, odd)
     shifted = torch.zeros(2 * 8 * 40 + 1, dtype=torch.float16)[1:].view(1, 2, 8, 40)  # base off by 2 bytes
     assert not heuristics.desc_eligible(shifted, x, x, x)
+    empty = torch.zeros(1, 2, 0, 40, dtype=torch.float16)  # no keys: the pointer path serves it
+    assert not heuristics.desc_eligible(x, empty, empty, x)
     # one size-1 dim with a stride TMA would refuse is never stepped over
     assert heuristics.desc_eligible(torch.zeros(1, 1, 8, 40, dtype=torch.float16).as_strided((1, 1, 8, 40), (1, 3, 40, 1)),
                                     x, x, x)
