@@ -28,8 +28,8 @@ dot keeps, per thread, its rows of the left operand and columns of the right one
 reduction dim in registers, so the tiles that spill are those whose reduction dim is long
 (the head dim in q.k, BLOCK_N in p.v) with many rows or columns per thread: 64x64 at 4 warps
 spilled 1.3 KB in the forward's loop and the old backward tiles 0.4-12 KB. The fp32 rows below
-(head dims 64 and 128) are 8 warps over small tiles, checked with ``--dtypes fp32`` (not in CI:
-minutes per variant); the 256 rows are not compiled yet. They are not tuned for speed.
+are 8 warps over small tiles, checked with ``--dtypes fp32`` (not in CI: up to a minute per
+variant on a busy two-core machine). They are not tuned for speed.
 """
 from __future__ import annotations
 
@@ -83,10 +83,10 @@ TILES: Dict[Tuple[str, int, str, int], TileConfig] = {
     ("fwd", 80, "16", 256): _T(64, 32, 8, 2),
     ("fwd", 90, "32", 64): _T(64, 32, 8, 1),
     ("fwd", 90, "32", 128): _T(32, 32, 8, 1),
-    ("fwd", 90, "32", 256): _T(32, 32, 4, 1),
+    ("fwd", 90, "32", 256): _T(16, 16, 8, 1),
     ("fwd", 80, "32", 64): _T(64, 32, 8, 1),
     ("fwd", 80, "32", 128): _T(32, 32, 8, 1),
-    ("fwd", 80, "32", 256): _T(32, 32, 4, 1),
+    ("fwd", 80, "32", 256): _T(16, 16, 8, 1),
     # dQ
     ("dq", 90, "16", 64): _T(64, 64, 4, 2),
     ("dq", 90, "16", 128): _T(64, 64, 8, 2),
@@ -96,10 +96,10 @@ TILES: Dict[Tuple[str, int, str, int], TileConfig] = {
     ("dq", 80, "16", 256): _T(64, 32, 8, 1),
     ("dq", 90, "32", 64): _T(32, 32, 8, 1),
     ("dq", 90, "32", 128): _T(32, 16, 8, 1),
-    ("dq", 90, "32", 256): _T(32, 32, 4, 1),
+    ("dq", 90, "32", 256): _T(16, 16, 8, 1),
     ("dq", 80, "32", 64): _T(32, 32, 8, 1),
     ("dq", 80, "32", 128): _T(32, 16, 8, 1),
-    ("dq", 80, "32", 256): _T(32, 32, 4, 1),
+    ("dq", 80, "32", 256): _T(16, 16, 8, 1),
     # dK/dV
     ("dkdv", 90, "16", 64): _T(32, 128, 8, 2),
     ("dkdv", 90, "16", 128): _T(16, 64, 8, 2),
@@ -109,10 +109,10 @@ TILES: Dict[Tuple[str, int, str, int], TileConfig] = {
     ("dkdv", 80, "16", 256): _T(16, 32, 8, 1),
     ("dkdv", 90, "32", 64): _T(16, 32, 8, 1),
     ("dkdv", 90, "32", 128): _T(16, 32, 8, 1),
-    ("dkdv", 90, "32", 256): _T(16, 32, 4, 1),
+    ("dkdv", 90, "32", 256): _T(16, 16, 8, 1),
     ("dkdv", 80, "32", 64): _T(16, 32, 8, 1),
     ("dkdv", 80, "32", 128): _T(16, 32, 8, 1),
-    ("dkdv", 80, "32", 256): _T(16, 32, 4, 1),
+    ("dkdv", 80, "32", 256): _T(16, 16, 8, 1),
     # forward through tensor descriptors (sm_90 only; see desc_eligible)
     ("fwd_desc", 90, "16", 64): _T(128, 64, 4, 3),
     ("fwd_desc", 90, "16", 128): _T(128, 64, 8, 2),
