@@ -3,18 +3,23 @@ check of what each costs on the chip.
 
 Runs with no GPU: ``triton.compile`` with a ``GPUTarget`` lowers each variant to a cubin for
 sm_80 / sm_90 with the tiles heuristics.py gives that architecture, and with the
-specialisation the JIT applies on a typical launch (16-byte aligned pointers, strides divisible
-by 16; ``--unaligned`` drops it). kernels/sass.py then reads the cubin back with Triton's
-cuobjdump. A variant fails when a local-memory load or store (a register spill) sits inside a
-loop, when it keeps more stack than ``STACK_SLACK`` bytes, when on sm_90 a loop multiplies
-matrices without HGMMA (unless heuristics.MMA_SYNC_ON_SM90 names it, with the reason), or when
-its shared memory exceeds the chip's limit. A kernel that would not build or fit on a GPU therefore fails here, in CI.
+specialisation the JIT applies on a typical launch: 16-byte aligned pointers, and strides
+divisible by 16 when the head dims are multiples of 16 (see ``divisible_args``; ``--unaligned``
+drops it all). kernels/sass.py then reads the cubin back with Triton's cuobjdump. A variant
+fails when a local-memory load or store (a register spill) sits inside a loop, when it keeps
+more stack than ``STACK_SLACK`` bytes (head dims multiples of 16), when on sm_90 a loop
+multiplies matrices without HGMMA (unless heuristics.MMA_SYNC_ON_SM90 names it, with the
+reason), when the tensor-descriptor forward has no TMA load in a loop, or when its shared
+memory exceeds the chip's limit. A kernel that would not build or fit on a GPU therefore fails
+here, in CI.
 
-    python -m mhakern.kernels.aot [--arch 80 90] [--dtypes fp16 bf16 fp32] [--dims 16 32 64 80 128 256]
-                                  [--all-flags] [--only fwd delta dkdv dq]
+    python -m mhakern.kernels.aot [--arch 80 90] [--dtypes fp16 bf16 fp32] [--dims 16 32 40 64 ...]
+                                  [--all-flags] [--only fwd desc delta dkdv dq] [--tile M N WARPS STAGES]
 
 Prints one row per variant: tile, warps/stages, shared memory, registers, stack bytes, LDL
-count, LDL/STL inside loops, loops with HGMMA / loops with a matrix instruction.
+count, LDL/STL inside loops, loops with HGMMA / loops with a matrix instruction, TMA loads.
+fp32 variants (FMA code, no tensor cores) take one to three minutes each on a busy two-core
+machine: ``--dtypes fp32`` builds them, the CI test does not.
 kernels/ imports nothing from mhakern, so the same module runs against another triton version
 by path (``sys.path.insert(0, checkout); from kernels import aot; aot.main([...])``).
 
@@ -33,6 +38,7 @@ from typing import List, Tuple
 import torch
 
 from . import sass
+from .heuristics import TileConfig
 
 # Shared memory a block may use (opt-in maximum), bytes.
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
@@ -44,7 +50,9 @@ def _ptr(dtype) -> str:
     return "*" + _TY[dtype]
 
 
-ALL_DIMS = (16, 32, 64, 80, 128, 256)
+# Head dims compiled by default: each bucket of the tile table at its largest dim, multiples of 16
+# (aligned strides) and not (40, 100, 200: strides the JIT cannot mark), and a padded one (80).
+ALL_DIMS = (16, 32, 40, 64, 80, 100, 128, 200, 256)
 
 
 @dataclass(frozen=True)
@@ -57,63 +65,113 @@ class Variant:
     num_stages: int
 
 
-def variants(arch: int, dtypes=("fp16", "bf16", "fp32"), dims=ALL_DIMS, flags=((True, True),)):
+# Pointer arguments of the kernels by name (the rest are i32 sizes and strides, or fp32 scales).
+_FP32_PTRS = {"LSE", "DELTA"}
+_DATA_PTRS = {"Q", "K", "V", "O", "DO", "DK", "DV_", "DQ"}
+_OTHER_PTRS = {"KL": "*i32", "MASK": "*u8", "DMASK": "*fp32"}
+_SIZES = {"H"}  # upper-case names that are not pointers
+
+
+def signature_of(kernel, dtype, descs=None) -> dict:
+    """Triton signature of ``kernel``'s runtime arguments, in its order: data pointers in
+    ``dtype``, LSE/DELTA fp32, key lengths i32, any ``*scale*`` fp32, every other scalar i32;
+    ``descs`` gives the type of descriptor arguments ("tensordesc<fp16[1,1,128,64]>")."""
+    import inspect
+
+    sig = {}
+    for name, param in inspect.signature(kernel.fn).parameters.items():
+        if "constexpr" in str(param.annotation):
+            continue
+        if descs and name in descs:
+            sig[name] = descs[name]
+        elif name in _DATA_PTRS:
+            sig[name] = _ptr(dtype)
+        elif name in _FP32_PTRS:
+            sig[name] = "*fp32"
+        elif name in _OTHER_PTRS:
+            sig[name] = _OTHER_PTRS[name]
+        elif name.isupper() and name not in _SIZES:
+            raise ValueError(f"aot: {kernel.fn.__name__} takes {name}, a pointer of unknown type: name it in _OTHER_PTRS")
+        else:
+            sig[name] = "fp32" if "scale" in name else "i32"
+    return sig
+
+
+def constexpr_defaults(kernel) -> dict:
+    """Constexpr parameters with a default (optional modes): the plain call's values."""
+    import inspect
+
+    return {n: p.default for n, p in inspect.signature(kernel.fn).parameters.items()
+            if "constexpr" in str(p.annotation) and p.default is not inspect.Parameter.empty}
+
+
+def variants(arch: int, dtypes=("fp16", "bf16", "fp32"), dims=ALL_DIMS, flags=((True, True),), tile=None):
     """Each kernel variant to build for ``arch``, with the tiles the heuristics give that arch.
 
     Covers every (kernel, dtype, head dim) asked for, with the largest row tile each uses (the
     decode tiles are smaller), for each (CAUSAL, HAS_KL) in ``flags`` (default: both on, the
-    variant with the most code).
+    variant with the most code), optional modes off. On sm_90 the tensor-descriptor forward
+    too ("desc", fp16/bf16, the head dims TMA can address). ``tile``: a TileConfig to try
+    instead of the table's.
     """
     from .attention_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _bwd_delta_kernel
     from .attention_fwd import _attn_fwd_kernel, precision
-    from .heuristics import dkdv_config, dq_config, fwd_config, head_block
+    from .attention_fwd_desc import _attn_fwd_desc_kernel
+    from .heuristics import desc_config, dkdv_config, dq_config, fwd_config, head_block
+
+    pick = (lambda f: lambda *a: tile or f(*a))  # noqa: E731
+    dkdv_config, dq_config, fwd_config, desc_config = map(pick, (dkdv_config, dq_config, fwd_config, desc_config))
 
     by_name = {v: k for k, v in _TY.items()}
-    strides = lambda names: {n: "i32" for n in names}  # noqa: E731
     for ty, d, (causal, has_kl) in itertools.product(dtypes, dims, flags):
         dtype = by_name[ty]
-        p = _ptr(dtype)
         tag = "" if (causal, has_kl) == (True, True) else f"/{'c' if causal else '-'}{'k' if has_kl else '-'}"
-        common = {"D": d, "DV": d, "BLOCK_D": head_block(d), "BLOCK_DV": head_block(d), "CAUSAL": causal,
+        bd = head_block(d)
+        common = {"D": d, "DV": d, "BLOCK_D": bd, "BLOCK_DV": bd, "CAUSAL": causal,
                   "HAS_KL": has_kl, "PREC": precision(dtype), "IDX64": False}
+
+        def make(name, kernel, cfg, ce, descs=None):
+            ce = dict(constexpr_defaults(kernel), **ce)
+            return Variant(name, kernel, signature_of(kernel, dtype, descs), ce, cfg.num_warps, cfg.num_stages)
+
         cfg = fwd_config(d, d, dtype, arch)
-        sig = {"Q": p, "K": p, "V": p, "O": p, "LSE": "*fp32", "KL": "*i32"}
-        sig.update(strides(["stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn",
-                            "stride_vb", "stride_vh", "stride_vn", "stride_ob", "stride_oh", "stride_om",
-                            "H", "Lq", "Lk", "n_rep", "heads_per_prog"]))
-        sig["sm_scale"] = "fp32"
-        ce = dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
-        yield Variant(f"fwd/{ty}/d{d}{tag}", _attn_fwd_kernel, sig, ce, cfg.num_warps, cfg.num_stages)
+        yield make(f"fwd/{ty}/d{d}{tag}", _attn_fwd_kernel, cfg, dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n))
+        # TMA: rows of a multiple of 16 bytes (the launcher's predicate, heuristics.desc_eligible)
+        if arch >= 90 and ty != "fp32" and (d * dtype.itemsize) % 16 == 0:
+            cfg = desc_config(d, d, dtype, arch)
+            box = lambda rows: f"tensordesc<{ty}[1,1,{rows},{bd}]>"  # noqa: E731
+            descs = {"q_desc": box(cfg.block_m), "o_desc": box(cfg.block_m), "k_desc": box(cfg.block_n),
+                     "v_desc": box(cfg.block_n)}
+            yield make(f"desc/{ty}/d{d}{tag}", _attn_fwd_desc_kernel, cfg,
+                       dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PACKED=False), descs)
         if tag == "":
-            sig = {"O": p, "DO": p, "DELTA": "*fp32"}
-            sig.update(strides(["stride_ob", "stride_oh", "stride_om", "stride_db", "stride_dh", "stride_dm", "H",
-                                "Lq"]))
-            ce = {"DV": d, "BLOCK_M": 64, "BLOCK_DV": head_block(d), "IDX64": False}
-            yield Variant(f"delta/{ty}/d{d}", _bwd_delta_kernel, sig, ce, 4, 1)
-        # dK/dV and dQ share their argument list but for the output pointers
-        bwd_strides = ["stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn",
-                       "stride_vb", "stride_vh", "stride_vn", "stride_db", "stride_dh", "stride_dm"]
+            ce = {"DV": d, "BLOCK_M": 64, "BLOCK_DV": bd, "IDX64": False}
+            yield make(f"delta/{ty}/d{d}", _bwd_delta_kernel, TileConfig(64, 0, 4, 1), ce)
         cfg = dkdv_config(d, d, dtype, arch)
-        sig = {"Q": p, "K": p, "V": p, "DO": p, "LSE": "*fp32", "DELTA": "*fp32", "DK": p, "DV_": p, "KL": "*i32"}
-        sig.update(strides(bwd_strides + ["stride_dkb", "stride_dkh", "stride_dkn", "stride_dvb", "stride_dvh",
-                                          "stride_dvn", "H", "Lq", "Lk", "n_rep", "heads_per_prog"]))
-        sig["sm_scale"] = "fp32"
-        ce = dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
-        yield Variant(f"dkdv/{ty}/d{d}{tag}", _attn_bwd_dkdv_kernel, sig, ce, cfg.num_warps, cfg.num_stages)
+        yield make(f"dkdv/{ty}/d{d}{tag}", _attn_bwd_dkdv_kernel, cfg,
+                   dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n))
         cfg = dq_config(d, d, dtype, arch)
-        sig = {"Q": p, "K": p, "V": p, "DO": p, "LSE": "*fp32", "DELTA": "*fp32", "DQ": p, "KL": "*i32"}
-        sig.update(strides(bwd_strides + ["stride_dqb", "stride_dqh", "stride_dqm", "H", "Lq", "Lk", "n_rep",
-                                          "heads_per_prog"]))
-        sig["sm_scale"] = "fp32"
-        ce = dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
-        yield Variant(f"dq/{ty}/d{d}{tag}", _attn_bwd_dq_kernel, sig, ce, cfg.num_warps, cfg.num_stages)
+        yield make(f"dq/{ty}/d{d}{tag}", _attn_bwd_dq_kernel, cfg, dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n))
 
 
-def divisible_args(signature) -> list:
+def divisible_args(signature, strides_too: bool = True) -> list:
     """Arguments the JIT marks divisible by 16 on a typical launch: every pointer (torch's
-    allocations are 16-byte aligned) and every stride (contiguous tensors of a head dim that is
-    a multiple of 16). Sizes (H, Lq, Lk, ...) are left arbitrary."""
-    return [n for n, ty in signature.items() if ty.startswith("*") or n.startswith("stride_")]
+    allocations are 16-byte aligned) and, with ``strides_too``, every stride.
+
+    The JIT's divisibility is that of the integer's *value* (a count of elements), not of bytes:
+    the layouts the dispatcher allocates (``(B, H, L, D)`` or ``(B, L, H, D)`` viewed as such) have
+    every stride a multiple of the head dim, so all are marked when the head dims are multiples
+    of 16. A head dim such as 40 has 80-byte rows, 16-byte aligned, yet a row stride of 40
+    elements, which the JIT leaves unmarked (and ``H * 40`` only when H is even): the worst case,
+    compiled here, is no stride marked. Sizes (H, Lq, Lk, ...) are left arbitrary."""
+    return [n for n, ty in signature.items() if ty.startswith("*") or (strides_too and n.startswith("stride_"))]
+
+
+def strides_aligned(constexprs) -> bool:
+    """Whether the JIT marks this variant's strides divisible by 16 (head dims multiples of 16)."""
+    from .heuristics import strides_aligned as aligned
+
+    return aligned(constexprs.get("D", 16), constexprs.get("DV", 16))
 
 
 def compile_variant(kernel, signature, constexprs, num_warps, num_stages, arch: int, aligned: bool = True):
@@ -127,7 +185,8 @@ def compile_variant(kernel, signature, constexprs, num_warps, num_stages, arch: 
     ordered = {name: sig[name] for name in kernel.arg_names}
     attrs = {}
     if aligned:
-        attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible_args(signature)}
+        attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]]
+                 for n in divisible_args(signature, strides_aligned(constexprs))}
     src = triton.compiler.ASTSource(fn=kernel, signature=ordered, constexprs=dict(constexprs), attrs=attrs)
     return triton.compile(
         src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages}
@@ -148,19 +207,24 @@ def check(v: Variant, arch: int, compiled, aligned: bool = True) -> Tuple[List[s
     if smem > SMEM_LIMIT[arch]:
         problems.append(f"shared memory {smem} B over sm_{arch}'s {SMEM_LIMIT[arch]} B")
     rep = sass.inspect_cubin(compiled.asm["cubin"])
-    # Without the alignment specialisation (strides not multiples of 16: head dims such as 40)
-    # tiles load element by element and their prologue spills addresses; only the loops are
-    # held to the no-local-memory rule there.
-    if rep.local_in_loops or (aligned and rep.stack > STACK_SLACK):
+    # Without the alignment specialisation (``--unaligned``, or head dims such as 40 whose strides
+    # the JIT cannot mark) tiles load element by element and their prologue/epilogue may spill
+    # addresses once per program; only the loops are held to the no-local-memory rule there.
+    strict = aligned and strides_aligned(v.constexprs)
+    if rep.local_in_loops or (strict and rep.stack > STACK_SLACK):
         problems.append(f"{rep.stack} B of stack (register spills: {rep.ldl} LDL, {rep.local_in_loops} in loops)")
     # fp32 multiplies exactly (ieee, FMA): no matrix unit to ask for.
     from .heuristics import MMA_SYNC_ON_SM90, head_bucket
 
     key = (v.name.split("/")[0], "32" if v.constexprs.get("PREC") == "ieee" else "16",
-           head_bucket(v.constexprs.get("D", 0), v.constexprs.get("DV", 0)))
+           head_bucket(v.constexprs.get("D", 0), v.constexprs.get("DV", 0)), strides_aligned(v.constexprs))
     wants_hgmma = v.constexprs.get("PREC") != "ieee" and key not in MMA_SYNC_ON_SM90
     if arch >= 90 and wants_hgmma and rep.mma_loops > rep.hgmma_loops:
         problems.append(f"{rep.mma_loops - rep.hgmma_loops} matrix loop(s) without HGMMA")
+    # The descriptor forward exists for TMA: its key loops must load through it (a triton that
+    # lowered the descriptors to pointer code would pass every other check).
+    if arch >= 90 and key[0] == "desc" and not rep.tma_loads_in_loops:
+        problems.append("no TMA load (UTMALDG) in a loop")
     return problems, rep
 
 
@@ -171,9 +235,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", type=int, nargs="+", default=list(ALL_DIMS), help="head dims (default: %(default)s)")
     ap.add_argument("--all-flags", action="store_true",
                     help="every (causal, key lengths) combination, not only both on")
-    ap.add_argument("--only", nargs="+", default=None, help="kernels to build (fwd delta dkdv dq; default: all)")
+    ap.add_argument("--only", nargs="+", default=None, help="kernels to build (fwd desc delta dkdv dq; default: all)")
     ap.add_argument("--unaligned", action="store_true",
                     help="compile without the JIT's divisibility specialisation (strides not multiples of 16)")
+    ap.add_argument("--tile", type=int, nargs=4, metavar=("M", "N", "WARPS", "STAGES"),
+                    help="try this tile for every variant instead of the table's (to tune the table)")
     args = ap.parse_args(argv)
     from . import INTERPRET
 
@@ -183,9 +249,10 @@ def main(argv=None) -> int:
     flags = list(itertools.product((True, False), repeat=2)) if args.all_flags else [(True, True)]
     failures = 0
     print(f"{'variant':<24} {'arch':>4} {'tile':>9} {'w/s':>4} {'smem KiB':>8} {'regs':>4} {'stack':>5} {'LDL':>4} "
-          f"{'inloop':>6} {'HGMMA':>5}  status")
+          f"{'inloop':>6} {'HGMMA':>5} {'TMA':>3}  status")
     for arch in args.arch:
-        for v in variants(arch, args.dtypes, args.dims, flags):
+        trial = TileConfig(*args.tile) if args.tile else None
+        for v in variants(arch, args.dtypes, args.dims, flags, trial):
             if args.only and v.name.split("/")[0] not in args.only:
                 continue
             t0 = time.time()
@@ -196,11 +263,11 @@ def main(argv=None) -> int:
                 problems, rep = check(v, arch, compiled, aligned=not args.unaligned)
                 smem = compiled.metadata.shared / 1024
                 figures = (f"{smem:>8.1f} {rep.regs:>4} {rep.stack:>5} {rep.ldl:>4} {rep.local_in_loops:>6} "
-                           f"{rep.hgmma_loops:>2}/{rep.mma_loops:<2}")
+                           f"{rep.hgmma_loops:>2}/{rep.mma_loops:<2} {rep.tma_loads:>3}")
                 status = "; ".join(problems) if problems else f"ok ({time.time() - t0:.0f}s)"
             except Exception as e:  # report every failing variant, not just the first
                 problems = [e]
-                figures = f"{'':>8} {'':>4} {'':>5} {'':>4} {'':>6} {'':>5}"
+                figures = f"{'':>8} {'':>4} {'':>5} {'':>4} {'':>6} {'':>5} {'':>3}"
                 status = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
             failures += bool(problems)
             print(f"{v.name:<24} {arch:>4} {tile:>9} {v.num_warps:>2}/{v.num_stages} {figures}  {status}", flush=True)

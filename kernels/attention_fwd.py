@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .heuristics import fwd_config, head_block, packed_rows, row_block
+from .heuristics import desc_eligible, fwd_config, head_block, packed_rows, row_block
 
 
 @triton.jit
@@ -571,6 +571,9 @@ def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths
     stride 0 on broadcast dims is read as such), dropout_p in [0, 1) with the 64-bit seed,
     top_left alignment, window_left / window_right (-1 unbounded).
     """
+    if desc_eligible(q, k, v, out):  # sm_90 without modes: TMA through tensor descriptors
+        from .attention_fwd_desc import desc_forward
+        return desc_forward(q, k, v, out, lse, scale, causal, key_lengths)
     B, H, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
     check_buffer("out", out, (B, H, Lq, Dv), q.dtype, q)

@@ -15,15 +15,26 @@ scores tile (BLOCK_M x BLOCK_N) as much again, so the larger head dims take more
 fewer keys. sm_90 tiles keep BLOCK_M a multiple of 64 per warpgroup where the MMA allows
 (wgmma's M is 64), sm_80 tiles keep 16 rows per warp.
 
+Head dims that are not multiples of 16 have their own rows (UNALIGNED_TILES, with why), and
+the sm_90 forward of calls without modes goes through tensor descriptors (TMA) when
+``desc_eligible`` says the tensors allow it (its tiles: the "fwd_desc" rows).
+
 Both supported triton versions must pass (3.9 here, 3.6 on the GPU machine): their register
 allocations differ by up to ~20 registers, so a tile at the edge in one spills in the other
 (dK/dV at head dim 64 on sm_80 spills 48 B with triton 3.6 at 2 stages, none at 1 stage).
 
-fp32 multiplies in full precision (no tensor cores: exactness first), so its tiles are small
-and are not tuned for speed; they are checked like the others.
+fp32 multiplies in full precision (ieee: FMA, no tensor cores; exactness first). Triton's FMA
+dot keeps, per thread, its rows of the left operand and columns of the right one over the whole
+reduction dim in registers, so the tiles that spill are those whose reduction dim is long
+(the head dim in q.k, BLOCK_N in p.v) with many rows or columns per thread: 64x64 at 4 warps
+spilled 1.3 KB in the forward's loop and the old backward tiles 0.4-12 KB. The fp32 rows below
+are 8 warps over small tiles, checked with ``--dtypes fp32`` (not in CI: up to a minute per
+variant on a busy two-core machine). They are not tuned for speed.
 """
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 from typing import Dict, Tuple
 
@@ -70,12 +81,12 @@ TILES: Dict[Tuple[str, int, str, int], TileConfig] = {
     ("fwd", 80, "16", 64): _T(128, 64, 8, 3),
     ("fwd", 80, "16", 128): _T(128, 32, 8, 2),
     ("fwd", 80, "16", 256): _T(64, 32, 8, 2),
-    ("fwd", 90, "32", 64): _T(64, 64, 4, 2),
-    ("fwd", 90, "32", 128): _T(64, 32, 4, 2),
-    ("fwd", 90, "32", 256): _T(32, 32, 4, 1),
-    ("fwd", 80, "32", 64): _T(64, 64, 4, 2),
-    ("fwd", 80, "32", 128): _T(64, 32, 4, 2),
-    ("fwd", 80, "32", 256): _T(32, 32, 4, 1),
+    ("fwd", 90, "32", 64): _T(64, 32, 8, 1),
+    ("fwd", 90, "32", 128): _T(32, 32, 8, 1),
+    ("fwd", 90, "32", 256): _T(16, 16, 8, 1),
+    ("fwd", 80, "32", 64): _T(64, 32, 8, 1),
+    ("fwd", 80, "32", 128): _T(32, 32, 8, 1),
+    ("fwd", 80, "32", 256): _T(16, 16, 8, 1),
     # dQ
     ("dq", 90, "16", 64): _T(64, 64, 4, 2),
     ("dq", 90, "16", 128): _T(64, 64, 8, 2),
@@ -83,12 +94,12 @@ TILES: Dict[Tuple[str, int, str, int], TileConfig] = {
     ("dq", 80, "16", 64): _T(64, 64, 8, 2),
     ("dq", 80, "16", 128): _T(64, 64, 8, 2),
     ("dq", 80, "16", 256): _T(64, 32, 8, 1),
-    ("dq", 90, "32", 64): _T(64, 32, 4, 1),
-    ("dq", 90, "32", 128): _T(64, 32, 4, 1),
-    ("dq", 90, "32", 256): _T(32, 32, 4, 1),
-    ("dq", 80, "32", 64): _T(64, 32, 4, 1),
-    ("dq", 80, "32", 128): _T(64, 32, 4, 1),
-    ("dq", 80, "32", 256): _T(32, 32, 4, 1),
+    ("dq", 90, "32", 64): _T(32, 32, 8, 1),
+    ("dq", 90, "32", 128): _T(32, 16, 8, 1),
+    ("dq", 90, "32", 256): _T(16, 16, 8, 1),
+    ("dq", 80, "32", 64): _T(32, 32, 8, 1),
+    ("dq", 80, "32", 128): _T(32, 16, 8, 1),
+    ("dq", 80, "32", 256): _T(16, 16, 8, 1),
     # dK/dV
     ("dkdv", 90, "16", 64): _T(32, 128, 8, 2),
     ("dkdv", 90, "16", 128): _T(16, 64, 8, 2),
@@ -96,31 +107,78 @@ TILES: Dict[Tuple[str, int, str, int], TileConfig] = {
     ("dkdv", 80, "16", 64): _T(32, 128, 8, 1),
     ("dkdv", 80, "16", 128): _T(32, 64, 8, 2),
     ("dkdv", 80, "16", 256): _T(16, 32, 8, 1),
-    ("dkdv", 90, "32", 64): _T(32, 64, 4, 1),
-    ("dkdv", 90, "32", 128): _T(16, 32, 4, 1),
-    ("dkdv", 90, "32", 256): _T(16, 32, 4, 1),
-    ("dkdv", 80, "32", 64): _T(32, 64, 4, 1),
-    ("dkdv", 80, "32", 128): _T(16, 32, 4, 1),
-    ("dkdv", 80, "32", 256): _T(16, 32, 4, 1),
+    ("dkdv", 90, "32", 64): _T(16, 32, 8, 1),
+    ("dkdv", 90, "32", 128): _T(16, 32, 8, 1),
+    ("dkdv", 90, "32", 256): _T(16, 16, 8, 1),
+    ("dkdv", 80, "32", 64): _T(16, 32, 8, 1),
+    ("dkdv", 80, "32", 128): _T(16, 32, 8, 1),
+    ("dkdv", 80, "32", 256): _T(16, 16, 8, 1),
+    # forward through tensor descriptors (sm_90 only; see desc_eligible)
+    ("fwd_desc", 90, "16", 64): _T(128, 64, 4, 3),
+    ("fwd_desc", 90, "16", 128): _T(128, 64, 8, 2),
+    ("fwd_desc", 90, "16", 256): _T(64, 32, 8, 2),
+}
+
+# Head dims that are not multiples of 16 (40, 72, 100, 200, ...): the JIT cannot mark their
+# strides divisible by 16 (it looks at the element count, and 40 is not, though 80 bytes are),
+# so the pointer kernels load and store element by element with a 64-bit address per element,
+# and tiles that fit when aligned spill those addresses. These rows replace TILES' there.
+# Each row names what the aligned tile costs here (triton 3.9). Stack left outside the loops
+# (the Q/K/V tiles loaded once per program, the output stored once) is allowed for these: one
+# access per program, not one per key block; the AOT check still refuses local memory in a loop.
+UNALIGNED_TILES: Dict[Tuple[str, int, str, int], TileConfig] = {
+    ("fwd", 90, "16", 64): _T(128, 64, 8, 3),  # 4 warps: 496 B of stack
+    ("dq", 90, "16", 64): _T(64, 64, 8, 2),  # 4 warps: 24 B
+    ("dq", 90, "16", 128): _T(64, 32, 8, 2),  # 64x64: 176 B
+    ("dkdv", 90, "16", 128): _T(16, 32, 8, 2),  # mma.sync; every wgmma tile tried spills in the loop
+    ("fwd", 90, "16", 256): _T(64, 16, 8, 2),  # 64x32: 1 LDL in the loop with triton 3.6
+    ("dq", 90, "16", 256): _T(16, 16, 8, 1),  # mma.sync (32x16: 254 registers); 64x16 wgmma: 27 LDL/STL in the loop
 }
 
 
-# Variants allowed to multiply with mma.sync (HMMA) on sm_90 instead of the warpgroup MMA.
+# Variants allowed to multiply with mma.sync (HMMA) on sm_90 instead of the warpgroup MMA, as
+# (kernel, dtype width, head-dim bucket, strides aligned to 16 elements).
 # dK/dV at head dim 256 keeps two (BLOCK_N x 256) fp32 accumulators per program; wgmma needs
-# BLOCK_N >= 64 there, which makes them 128 registers a thread at 8 warps and spills inside the
-# loop (measured, triton 3.9: 792 B of stack at 16x64, 8 warps; 16 warps cap a thread at 128
-# registers and spill more). 32 keys with mma.sync fit with no stack.
-MMA_SYNC_ON_SM90 = frozenset({("dkdv", "16", 256)})
+# BLOCK_N >= 64 there (its M is 64 per warpgroup), which makes them 128 registers a thread at
+# 8 warps, next to the resident K and V tiles and the streamed Q/dO operands: every such tile
+# spills inside the key loop. Measured (triton 3.9, bf16/fp16, causal + key lengths; stack B /
+# LDL+STL in loops): 16x64 8 warps 1 stage 760 / 197; 32x64 8w 944 / 252; 16x64 4w 1568 / 661;
+# 16 warps cap a thread at 128 registers and spill more. No wgmma tile of this kernel fits;
+# one that does would split the work differently (dK and dV, or halves of the head dim, in
+# separate programs), a change of the kernel rather than of its tiles. 32 keys with mma.sync
+# fit with no stack.
+# Unaligned head dims (see UNALIGNED_TILES) at the larger buckets: every wgmma tile tried keeps
+# local memory in the key loop, because the operands streamed through the loop are loaded
+# element by element (a 64-bit address per element) before they reach shared memory.
+MMA_SYNC_ON_SM90 = frozenset({
+    ("dkdv", "16", 256, True), ("dkdv", "16", 256, False), ("dkdv", "16", 128, False), ("dq", "16", 256, False),
+})
+
+
+def strides_aligned(d: int, dv: int) -> bool:
+    """Whether the layouts the dispatcher allocates give strides the JIT marks divisible by 16:
+    every stride is a multiple of the head dim, so head dims that are multiples of 16."""
+    return d % 16 == 0 and dv % 16 == 0
 
 
 def tile_config(kernel: str, d: int, dv: int, dtype: torch.dtype, arch: int = 80) -> TileConfig:
-    """Tiles of ``kernel`` ("fwd", "dq" or "dkdv") for head dims (d, dv), dtype and arch family."""
+    """Tiles of ``kernel`` ("fwd", "dq", "dkdv" or "fwd_desc") for head dims (d, dv), dtype and
+    arch family."""
     width = "32" if dtype == torch.float32 else "16"
-    return TILES[(kernel, 90 if arch >= 90 else 80, width, head_bucket(d, dv))]
+    key = (kernel, 90 if arch >= 90 else 80, width, head_bucket(d, dv))
+    if not strides_aligned(d, dv) and key in UNALIGNED_TILES:
+        return UNALIGNED_TILES[key]
+    return TILES[key]
 
 
 def fwd_config(d: int, dv: int, dtype: torch.dtype, arch: int = 80) -> TileConfig:
     return tile_config("fwd", d, dv, dtype, arch)
+
+
+def desc_config(d: int, dv: int, dtype: torch.dtype, arch: int = 90) -> TileConfig:
+    """Tiles of the descriptor forward: sm_90's row whatever ``arch`` (the kernel is for TMA;
+    elsewhere only the interpreter runs it, in tests)."""
+    return tile_config("fwd_desc", d, dv, dtype, 90)
 
 
 def dq_config(d: int, dv: int, dtype: torch.dtype, arch: int = 80) -> TileConfig:
@@ -144,3 +202,52 @@ def packed_rows(lq: int, n_rep: int, block_m: int) -> int:
 def row_block(rows: int, block_m: int) -> int:
     """Shrink the row tile for short row counts (decode), never below tl.dot's 16."""
     return max(16, min(block_m, next_pow2(rows)))
+
+
+# --- The tensor-descriptor forward (kernels/attention_fwd_desc.py) -----------------------------
+
+# "auto": sm_90 and newer where the call qualifies; "1": every qualifying call, on any arch and
+# under the interpreter (how the tests run it on CPU); "0": never. Read once at import from
+# MHAKERN_TRITON_DESC; tests set the attribute.
+DESC_MODE = os.environ.get("MHAKERN_TRITON_DESC", "auto")
+
+
+@functools.lru_cache(maxsize=None)
+def _descriptors_available() -> bool:
+    try:
+        import triton.language as tl
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(tl, "make_tensor_descriptor")
+
+
+def tma_compatible(t: torch.Tensor) -> bool:
+    """Whether a (B, heads, L, dim) tensor meets TMA's rules: not empty, 16-byte aligned base,
+    unit last stride, the other strides multiples of 16 bytes (dims of size one excepted: never stepped),
+    and a padded head dim that fits a box (at most 256 elements)."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.numel() == 0:
+        return False  # the launcher's own checks name what is wrong; TMA has no empty tensors
+    size = t.element_size()
+    if t.data_ptr() % 16 or t.stride(-1) != 1 or head_block(t.shape[-1]) > 256:
+        return False
+    return all(n <= 1 or (st * size) % 16 == 0 for n, st in zip(t.shape[:-1], t.stride()[:-1]))
+
+
+def desc_eligible(q, k, v, out, *, attn_mask=None, dropout_p: float = 0.0, top_left: bool = False,
+                  window_left: int = -1, window_right: int = -1) -> bool:
+    """Whether the forward goes through tensor descriptors (kernels/attention_fwd_desc.py).
+
+    Only calls without modes (no mask, no dropout, bottom-right alignment, no window: those live
+    in the pointer kernel), in fp16/bf16 (fp32 multiplies with FMA, where TMA buys nothing), on
+    sm_90 or newer (TMA) unless DESC_MODE forces it, with a triton that has descriptors and
+    tensors TMA can address. Everything else takes the pointer path of attention_fwd.py.
+    """
+    if DESC_MODE == "0" or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if attn_mask is not None or dropout_p > 0.0 or top_left or window_left >= 0 or window_right >= 0:
+        return False
+    if DESC_MODE != "1":
+        if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9:
+            return False
+    return _descriptors_available() and all(tma_compatible(t) for t in (q, k, v, out))

@@ -4,7 +4,8 @@ Triton's package ships (no GPU needed).
 ``inspect_cubin`` gives registers, stack and static shared memory (``--dump-resource-usage``)
 and, from the SASS (``--dump-sass``), the local-memory loads and stores (``LDL``/``STL``: the
 register spills) with how many fall inside a loop, and whether the loops that multiply
-matrices use Hopper's ``HGMMA`` or the older ``HMMA``. A loop is the address range from a
+matrices use Hopper's ``HGMMA`` or the older ``HMMA``, and the TMA copies (``UTMALDG`` loads,
+``UTMASTG`` stores) of kernels that use tensor descriptors. A loop is the address range from a
 backward branch's target to the branch; local memory in it is traffic paid every iteration,
 which is what the AOT check refuses.
 """
@@ -46,6 +47,9 @@ class SassReport:
     loops: List[Tuple[int, int]] = field(default_factory=list)
     mma_loops: int = 0  # loops with a matrix instruction
     hgmma_loops: int = 0  # ... of which use HGMMA (sm_90 warpgroup MMA)
+    tma_loads: int = 0  # UTMALDG: tensor-memory-accelerator copies global -> shared (sm_90)
+    tma_loads_in_loops: int = 0
+    tma_stores: int = 0  # UTMASTG
 
 
 def parse_sass(sass: str):
@@ -93,6 +97,9 @@ def analyse(sass: str, usage: str) -> SassReport:
             ldl += op.startswith("LDL")
             stl += op.startswith("STL")
             in_loops += in_loop(addr)
+    tma = [(addr, _opcode(text)) for addr, text in insns if _opcode(text).startswith("UTMA")]
+    tma_ld = [a for a, op in tma if op.startswith("UTMALDG")]
+    tma_st = sum(op.startswith("UTMASTG") for _, op in tma)
     mma = hg = 0
     for a, b in loops:
         ops = [t for addr, t in insns if a <= addr <= b]
@@ -100,7 +107,8 @@ def analyse(sass: str, usage: str) -> SassReport:
         has_mma = has_hg or any(re.search(r"\bHMMA\b|\bHMMA\.", t) for t in ops)
         mma += has_mma
         hg += has_hg
-    return SassReport(regs, stack, shared, ldl, stl, in_loops, loops, mma, hg)
+    return SassReport(regs, stack, shared, ldl, stl, in_loops, loops, mma, hg, len(tma_ld),
+                      sum(in_loop(a) for a in tma_ld), tma_st)
 
 
 def inspect_cubin(cubin: bytes) -> SassReport:

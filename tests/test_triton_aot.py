@@ -3,15 +3,17 @@ tiles the heuristics give that architecture, and fits the chip (no GPU needed: t
 with a GPUTarget, then the SASS read back with the cuobjdump Triton ships):
 
 * no register spills in a loop, and at most aot.STACK_SLACK bytes of stack (kernels/sass.py);
-  without the JIT's alignment specialisation (head dims that are not multiples of 16), no
+  for head dims that are not multiples of 16 (strides the JIT cannot mark divisible), no
   spills in a loop;
 * on sm_90, every loop that multiplies matrices uses the warpgroup MMA (HGMMA), except the
-  variants heuristics.MMA_SYNC_ON_SM90 names with the reason;
+  variants heuristics.MMA_SYNC_ON_SM90 names with the reason, and the tensor-descriptor forward
+  loads its keys and values with TMA (UTMALDG in its loops);
 * shared memory within the chip's limit.
 
 The heuristics pick one tile configuration per (arch, dtype width, head-dim bucket: <= 64,
-<= 128, <= 256); registers and shared memory grow with the head dim inside a bucket, so the
-largest dim of each bucket is the variant to check. bf16 tiles have fp16's byte sizes and
+<= 128, <= 256, and whether the head dims are multiples of 16); registers and shared memory
+grow with the head dim inside a bucket, so the largest dim of each bucket is the variant to
+check (40 and 200 here for the unaligned rows; ``--dims 40 100 200`` in the full run). bf16 tiles have fp16's byte sizes and
 compile to the same register allocation give or take a few. fp32 variants multiply in full fp32
 (no tensor cores): their unrolled FMA code takes minutes per variant to compile on two cores,
 too long for CI; ``python -m mhakern.kernels.aot`` builds every variant (fp32 included).
@@ -21,40 +23,43 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from mhakern.kernels import sass
 
 pytest.importorskip("triton", reason="triton is not installed")
 
 
-def test_kernels_compile_for_sm80_and_sm90_without_spills_within_shared_memory():
+def _aot(*args, arches=("80", "90")):
+    """Run ``python -m mhakern.kernels.aot ARGS --arch A`` for each arch, in parallel (one
+    process per target: the two compile side by side on a two-core machine); their reports."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, stated to silence its warning
-    cmd = [sys.executable, "-m", "mhakern.kernels.aot", "--dtypes", "fp16", "--dims", "64", "128", "256"]
-    # One process per target: the two compile in parallel on a two-core machine.
-    procs = [
-        subprocess.Popen(cmd + ["--arch", arch], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for arch in ("80", "90")
-    ]
+    cmd = [sys.executable, "-m", "mhakern.kernels.aot", *args]
+    procs = [subprocess.Popen(cmd + ["--arch", arch], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for arch in arches]
     outs = [p.communicate(timeout=1200)[0] for p in procs]
-    report = "\n".join(outs)
-    print(report)
+    print("\n".join(outs))
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out
-    assert report.count(" ok (") == 2 * 3 * 4, report
+    return "\n".join(outs)
 
 
-def test_unaligned_variants_keep_local_memory_out_of_their_loops():
-    # Strides that are not multiples of 16 (head dim 40, say) get no alignment specialisation:
-    # loads go element by element and the prologue may spill, never the key loop.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    cmd = [sys.executable, "-m", "mhakern.kernels.aot", "--dtypes", "fp16", "--dims", "64", "--only", "fwd", "dq",
-           "--unaligned"]
-    out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200)
-    print(out.stdout)
-    assert out.returncode == 0, out.stdout
-    assert out.stdout.count(" ok (") == 2 * 2, out.stdout
+def test_kernels_compile_for_sm80_and_sm90_without_spills_within_shared_memory():
+    report = _aot("--dtypes", "fp16", "--dims", "64", "128", "256")
+    # fwd, delta, dK/dV, dQ per dim and arch, and the descriptor forward on sm_90
+    assert report.count(" ok (") == 2 * 3 * 4 + 3, report
+    assert report.count("desc/fp16/") == 3, report
+
+
+def test_head_dims_not_multiple_of_16_keep_local_memory_out_of_their_loops():
+    # Head dims 40 and 200: strides the JIT cannot mark divisible by 16 (the worst case of the
+    # layouts the dispatcher allocates), so loads go element by element with the tiles of
+    # heuristics.UNALIGNED_TILES; a prologue may spill, never a loop, and sm_90 keeps HGMMA
+    # except where heuristics.MMA_SYNC_ON_SM90 says why not. D = 40 (80-byte rows) also takes
+    # the descriptor forward on sm_90; 200 (400-byte rows) too.
+    report = _aot("--dtypes", "fp16", "--dims", "40", "200", "--only", "fwd", "desc", "dq", "dkdv")
+    assert report.count(" ok (") == 2 * 2 * 3 + 2, report
 
 
 # The SASS reading itself, on hand-written listings in cuobjdump's format.
@@ -98,6 +103,118 @@ def test_sass_sees_hgmma_loops_and_ignores_forward_branches():
     assert sass.loops_of(sass.parse_sass(_listing((0x10, "LDL R2, [R1]"), (0x20, "@!P0 BRA.U !UP0, 0x10")))) == [(0x10, 0x20)]
 
 
+def test_sass_counts_tma_copies_and_those_in_loops():
+    text = _listing(
+        (0x00, "UTMALDG.4D [UR8], [UR4]"),  # Q, once
+        (0x10, "SYNCS.ARRIVE.TRANS64.RED.A1T0 RZ, [UR5], RZ"),
+        (0x20, "@!UP0 UTMALDG.4D [UR16], [UR10]"),  # K, per key block
+        (0x30, "HGMMA.64x64x16.F32 R24, gdesc[UR28], RZ, !UPT"),
+        (0x40, "@P0 BRA 0x10"),
+        (0x50, "UTMASTG.4D [UR4], [UR6]"),
+        (0x60, "EXIT"),
+    )
+    rep = sass.analyse(text, _USAGE)
+    assert (rep.tma_loads, rep.tma_loads_in_loops, rep.tma_stores) == (2, 1, 1)
+
+
 def test_sass_refuses_a_listing_without_resource_usage():
     with pytest.raises(ValueError, match="REG/STACK"):
         sass.analyse(_listing((0, "EXIT")), "nothing useful")
+
+
+# --- The tensor-descriptor forward (kernels/attention_fwd_desc.py), through the interpreter ----
+# On CPU the predicate is forced (heuristics.DESC_MODE = "1"): the calls then take the
+# descriptor kernel, which the interpreter runs like the GPU (rows past L and columns past the
+# head dim read as zeros, stores clipped to the tensor).
+
+def _desc_attention(monkeypatch):
+    import mhakern
+    from mhakern.kernels import INTERPRET, attention_fwd_desc, heuristics
+
+    if not INTERPRET and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 or a GPU")
+    if not heuristics._descriptors_available():
+        pytest.skip("this triton has no tensor descriptors")
+    monkeypatch.setattr(heuristics, "DESC_MODE", "1")
+    calls = []
+    real = attention_fwd_desc.desc_forward
+
+    def spy(*a, **kw):
+        calls.append(a[0].shape)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(attention_fwd_desc, "desc_forward", spy)
+
+    def fn(*a, **kw):
+        return mhakern.attention(*a, backend="triton", **kw)
+
+    return fn, calls
+
+
+_DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize(
+    "B, H, Hkv, Lq, Lk, D, Dv, causal, kl, layout",
+    [
+        # GQA, Lq < Lk, key lengths with an empty batch element (rows that see no key), D = 40
+        # (a box wider than the rows: columns past D read as zeros)
+        (2, 4, 2, 37, 53, 40, 40, True, [50, 0], "bhld"),
+        # Lq > Lk under causal: the first rows see no key; row tiles past Lq clipped
+        (1, 2, 1, 70, 20, 32, 32, True, None, "blhd"),
+        # decode: the query heads of a KV head packed into one tile (pointer Q/O, descriptor K/V)
+        (2, 8, 2, 3, 45, 16, 16, True, [1, 45], "bhld"),
+        # D != Dv, no causal, key lengths cutting a key block
+        (1, 2, 2, 20, 30, 16, 32, False, [17], "bhld"),
+    ],
+)
+def test_descriptor_forward_matches_the_reference(monkeypatch, B, H, Hkv, Lq, Lk, D, Dv, causal, kl, layout):
+    from attn_testing import check_against_reference, make_inputs
+
+    fn, calls = _desc_attention(monkeypatch)
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype=torch.float16, device=_DEV, layout=layout,
+                          requires_grad=False)
+    key_lengths = None if kl is None else torch.tensor(kl, dtype=torch.int32, device=_DEV)
+    check_against_reference(fn, q, k, v, causal, key_lengths, grads=False)
+    assert calls, "the descriptor kernel did not run"
+
+
+def test_descriptor_forward_gradients_and_nan_past_key_lengths(monkeypatch):
+    # The backward (pointer kernels) reads the descriptor forward's lse; values past the key
+    # length are real memory to a descriptor and must not reach out, even as NaN.
+    from attn_testing import check_against_reference, make_inputs
+
+    fn, calls = _desc_attention(monkeypatch)
+    q, k, v = make_inputs(2, 2, 1, 19, 40, 16, dtype=torch.float16, device=_DEV)
+    kl = torch.tensor([21, 40], dtype=torch.int32, device=_DEV)
+    check_against_reference(fn, q, k, v, True, kl)
+    with torch.no_grad():
+        k[0, :, 21:] = float("nan")
+        v[0, :, 21:] = float("nan")
+    out = fn(q.detach(), k.detach(), v.detach(), causal=True, key_lengths=kl)
+    assert torch.isfinite(out).all()
+    assert len(calls) >= 2
+
+
+def test_descriptor_predicate_refuses_what_tma_cannot_address(monkeypatch):
+    from mhakern.kernels import heuristics
+
+    monkeypatch.setattr(heuristics, "DESC_MODE", "1")
+    x = torch.zeros(1, 2, 8, 40, dtype=torch.float16)
+    assert heuristics.desc_eligible(x, x, x, x)
+    assert not heuristics.desc_eligible(x.float(), x.float(), x.float(), x.float())  # fp32: pointer path
+    odd = torch.zeros(1, 2, 8, 36, dtype=torch.float16)  # 72-byte rows: not a multiple of 16 bytes
+    assert not heuristics.desc_eligible(odd, odd, odd, odd)
+    shifted = torch.zeros(2 * 8 * 40 + 1, dtype=torch.float16)[1:].view(1, 2, 8, 40)  # base off by 2 bytes
+    assert not heuristics.desc_eligible(shifted, x, x, x)
+    empty = torch.zeros(1, 2, 0, 40, dtype=torch.float16)  # no keys: the pointer path serves it
+    assert not heuristics.desc_eligible(x, empty, empty, x)
+    # one size-1 dim with a stride TMA would refuse is never stepped over
+    assert heuristics.desc_eligible(torch.zeros(1, 1, 8, 40, dtype=torch.float16).as_strided((1, 1, 8, 40), (1, 3, 40, 1)),
+                                    x, x, x)
+    assert not heuristics.desc_eligible(x, x, x, x, attn_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool))
+    assert not heuristics.desc_eligible(x, x, x, x, dropout_p=0.1)
+    assert not heuristics.desc_eligible(x, x, x, x, window_left=3)
+    assert not heuristics.desc_eligible(x, x, x, x, top_left=True)
+    monkeypatch.setattr(heuristics, "DESC_MODE", "auto")
+    assert not heuristics.desc_eligible(x, x, x, x)  # CPU tensors: only when forced
