@@ -571,7 +571,9 @@ def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths
     stride 0 on broadcast dims is read as such), dropout_p in [0, 1) with the 64-bit seed,
     top_left alignment, window_left / window_right (-1 unbounded).
     """
-    if desc_eligible(q, k, v, out):  # sm_90 without modes: TMA through tensor descriptors
+    # sm_90 without modes: TMA through tensor descriptors (the predicate refuses any mode).
+    if desc_eligible(q, k, v, out, attn_mask=attn_mask, dropout_p=dropout_p, top_left=top_left,
+                     window_left=window_left, window_right=window_right):
         from .attention_fwd_desc import desc_forward
         return desc_forward(q, k, v, out, lse, scale, causal, key_lengths)
     B, H, Lq, D = q.shape

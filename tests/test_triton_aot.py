@@ -196,6 +196,29 @@ def test_descriptor_forward_gradients_and_nan_past_key_lengths(monkeypatch):
     assert len(calls) >= 2
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [{"window": (3, 0)}, {"causal_align": "top_left"}, {"dropout_p": 0.25}, {"attn_mask": "bool"}],
+    ids=["window", "top_left", "dropout", "mask"],
+)
+def test_calls_with_modes_never_take_the_descriptor_kernel(monkeypatch, kw):
+    # The descriptor kernel has no modes: even forced, a call with one takes the pointer kernel
+    # and gets the mode's result (the hand-off in attention_forward passes the modes on).
+    import mhakern
+
+    fn, calls = _desc_attention(monkeypatch)
+    q, k, v = (torch.randn(1, 2, 12, 16, dtype=torch.float16, device=_DEV) for _ in range(3))
+    kw = dict(kw)
+    if kw.get("attn_mask") == "bool":
+        kw["attn_mask"] = torch.rand(12, 12, device=_DEV) > 0.3
+    gen = torch.Generator(device=_DEV).manual_seed(3) if "dropout_p" in kw else None
+    got = fn(q, k, v, causal=True, generator=gen, **kw)
+    gen = torch.Generator(device=_DEV).manual_seed(3) if "dropout_p" in kw else None
+    want = mhakern.attention(q.double(), k.double(), v.double(), causal=True, generator=gen, backend="reference", **kw)
+    assert not calls, "a call with a mode went through the descriptor kernel"
+    torch.testing.assert_close(got.double(), want, atol=2e-3, rtol=2e-3)
+
+
 def test_descriptor_predicate_refuses_what_tma_cannot_address(monkeypatch):
     from mhakern.kernels import heuristics
 
