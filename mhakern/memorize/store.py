@@ -303,7 +303,8 @@ class ResultStore:
     def add_capacity(self, key: str, experiment: str, cfg: RunConfig, target: float, seeds, per_seed, probes: int, wall_s: float) -> None:
         vals = [float(c) for c in per_seed]
         row = dict(
-            key=key, experiment=experiment, config=json.dumps(cfg.as_dict(), sort_keys=True),
+            # One search may belong to several experiments (its probes are shared runs): a row each.
+            key=f"{key}@{experiment}", experiment=experiment, config=json.dumps(cfg.as_dict(), sort_keys=True),
             heads=cfg.heads, context=cfg.context, d_model=cfg.d_model, d_head=cfg.dh, data=cfg.data,
             task=cfg.task, target_acc=target, seeds=json.dumps(list(seeds)), per_seed=json.dumps(vals),
             capacity_mean=sum(vals) / len(vals), capacity_min=min(vals), capacity_max=max(vals),
