@@ -168,6 +168,18 @@ def test_without_ray_the_flags_say_how_to_get_it(tmp_path, monkeypatch, capsys, 
     assert not (tmp_path / "r.sqlite").exists()  # nothing started
 
 
+def test_an_unreachable_cluster_is_one_line(tmp_path, capsys):
+    pytest.importorskip("ray")
+    import socket
+
+    with socket.socket() as s:  # a port that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = cli.main(["sweep", "--ray", f"127.0.0.1:{port}", "--db", str(tmp_path / "r.sqlite"), "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("mhakern-memorize: error: --ray: cannot reach a Ray cluster at 127.0.0.1:")
+
+
 def test_ray_flags_are_checked_before_anything_runs(tmp_path, capsys):
     code = cli.main(["sweep", "--ray", "auto", "--workers", "2", "--db", str(tmp_path / "r.sqlite")])
     assert code == 2 and "--workers" in capsys.readouterr().err

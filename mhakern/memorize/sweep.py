@@ -291,6 +291,20 @@ def _stack_task(configs: List[RunConfig], device: str, layout: str, threads: int
         raise failed[0]
 
 
+def _check_reachable(address: str, timeout: float = 10.0) -> None:
+    """A HOST:PORT address must accept a TCP connection within ``timeout`` seconds: Ray itself
+    keeps retrying an unreachable cluster for minutes before it gives up."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return  # "auto", or a ray:// client address: Ray reports those itself
+    import socket
+
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise RayUnavailable(f"cannot reach a Ray cluster at {address}: {e.strerror or e}") from None
+
+
 class RayPool:
     """Stacks trained as Ray tasks on a cluster (``address``) or on a local Ray started here.
 
@@ -317,6 +331,8 @@ class RayPool:
         self._owns = False
         if not ray.is_initialized():
             kw = dict(include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+            if address:
+                _check_reachable(address)
             try:
                 if address:
                     ray.init(address=address, **kw)
