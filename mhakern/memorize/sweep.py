@@ -329,10 +329,10 @@ class RayPool:
 
         self.ray = ray
         self._owns = False
-        if not ray.is_initialized():
+        if address:
+            _check_reachable(address)
+        if not ray.is_initialized():  # else: this process is already connected (tests, notebooks)
             kw = dict(include_dashboard=False, log_to_driver=False, logging_level="WARNING")
-            if address:
-                _check_reachable(address)
             try:
                 if address:
                     ray.init(address=address, **kw)
@@ -421,8 +421,10 @@ def _drive_pool(pool: RayPool, todo, by_key, store: ResultStore, owner: str, lea
                     waiting_said = True
                 time.sleep(poll)
     finally:
+        # Stop this sweep's tasks still running (an error or Ctrl-C here): their runs are lost
+        # anyway, and their claims are released by run_sweep.
         for gen in pending:
             try:
-                ray.cancel(gen, force=True)
+                ray.cancel(gen)
             except Exception:  # already finished or its worker gone: nothing left to stop
                 pass
