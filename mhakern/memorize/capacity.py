@@ -6,6 +6,10 @@ narrower than ``resolution`` (relative) or one example. Every probe is an ordina
 store, so an interrupted search resumes from its stored probes, and the seeds' probes of a
 round are trained together as one stack (their T differ, their shape does not).
 
+Several configurations are searched in lockstep by :func:`find_capacities`: each round, the
+next probe of every unfinished search is trained in one sweep, which packs them into stacks (and
+on a :class:`~mhakern.memorize.sweep.RayPool` trains those stacks at once).
+
 This assumes memorization is monotone in T for a seed: the first T examples of a larger task
 are exactly the smaller task (see :mod:`mhakern.memorize.data`), so a model that memorizes T'
 examples would also fit any T < T' of them; the search reports the largest T it saw
@@ -22,7 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from .config import ConfigError, RunConfig
 from .store import ResultStore
-from .sweep import run_sweep
+from .sweep import RayPool, run_sweep
 
 
 @dataclass
@@ -104,6 +108,7 @@ def find_capacity(
     progress: bool = True,
     log: Optional[Callable[[str], None]] = None,
     train_fn: Optional[Callable[[List[RunConfig]], Dict[str, float]]] = None,
+    pool: Optional[RayPool] = None,
 ) -> CapacityResult:
     """Capacity of ``cfg`` (its T and seed ignored) for each of ``seeds``.
 
@@ -115,60 +120,95 @@ def find_capacity(
         resolution: stop when the bracket's width is at most this fraction of its lower end.
         train_fn: for tests, maps a round's configurations to {key: mem_acc} instead of
             training and storing them.
+        pool: train each round's stacks as Ray tasks (see :class:`~mhakern.memorize.sweep.RayPool`).
     """
     if not 0 < target <= 1:
         raise ConfigError("--target-acc", f"must lie in (0, 1], got {target!r}")
+    return find_capacities(
+        [dataclasses.replace(cfg, target_acc=target)], seeds, store, experiment, t_start=t_start, t_max=t_max,
+        resolution=resolution, device=device, progress=progress, log=log, train_fn=train_fn, pool=pool,
+    )[0]
+
+
+def find_capacities(
+    cfgs: Sequence[RunConfig],
+    seeds: Sequence[int],
+    store: ResultStore,
+    experiment: str,
+    t_start: Optional[int] = None,
+    t_max: int = 1 << 22,
+    resolution: float = 0.05,
+    device="cpu",
+    progress: bool = True,
+    log: Optional[Callable[[str], None]] = None,
+    train_fn: Optional[Callable[[List[RunConfig]], Dict[str, float]]] = None,
+    pool: Optional[RayPool] = None,
+) -> List[CapacityResult]:
+    """Capacity searches of several configurations (each at its own ``target_acc``), in lockstep.
+
+    Each search probes exactly the T values it would probe alone (:func:`find_capacity`), so
+    its probes are the same stored runs; a round trains the probes of all unfinished searches
+    as one sweep. Results come back in the order of ``cfgs``.
+    """
     if not 0 < resolution < 1:
         raise ConfigError("--resolution", f"must lie in (0, 1), got {resolution!r}")
-    check_searchable(cfg)
-    start = t_start if t_start is not None else max(2, cfg.heads * min(cfg.context, cfg.dh))
-    if start < 1:
-        raise ConfigError("--t-start", f"must be a positive integer, got {start!r}")
-    if t_max < start:
-        raise ConfigError("--t-max", f"must be at least the start T ({start}), got {t_max}")
     seeds = [int(s) for s in seeds]
     if not seeds:
         raise ConfigError("--seeds", "give at least one seed")
-    base = dataclasses.replace(cfg, target_acc=target)
+    bases, starts = [], []
+    for cfg in cfgs:
+        if not 0 < cfg.target_acc <= 1:
+            raise ConfigError("--target-acc", f"must lie in (0, 1], got {cfg.target_acc!r}")
+        check_searchable(cfg)
+        start = t_start if t_start is not None else max(2, cfg.heads * min(cfg.context, cfg.dh))
+        if start < 1:
+            raise ConfigError("--t-start", f"must be a positive integer, got {start!r}")
+        if t_max < start:
+            raise ConfigError("--t-max", f"must be at least the start T ({start}), got {t_max}")
+        bases.append(cfg)
+        starts.append(start)
     t0 = time.perf_counter()
-    searches = [_Search(seed=s, next_T=start) for s in seeds]
+    searches = [[_Search(seed=s, next_T=st) for s in seeds] for st in starts]
     say = log or (lambda s: None)
-    n_probes = 0
+    n_probes = [0] * len(bases)
     rnd = 0
-    while not all(s.done for s in searches):
+    while not all(s.done for ss in searches for s in ss):
         rnd += 1
-        live = [s for s in searches if not s.done]
-        cfgs = [dataclasses.replace(base, T=s.next_T, seed=s.seed).validate() for s in live]
+        live = [(j, s) for j, ss in enumerate(searches) for s in ss if not s.done]
+        round_cfgs = [dataclasses.replace(bases[j], T=s.next_T, seed=s.seed).validate() for j, s in live]
         if train_fn is not None:
-            accs = train_fn(cfgs)
+            accs = train_fn(round_cfgs)
         else:
-            run_sweep(cfgs, store, experiment, device=device, progress=progress, log=None)
-            accs = {}
-            for c in cfgs:
-                row = store.run_by_key(c.key())
-                accs[c.key()] = row["mem_acc"]
-        n_probes += len(cfgs)
-        for s, c in zip(live, cfgs):
-            ok = accs[c.key()] >= target
-            _advance(s, c.T, ok, t_max, resolution)
-        say(
-            f"  round {rnd}: "
-            + ", ".join(
-                f"seed {s.seed}: T={c.T} {'memorized' if accs[c.key()] >= target else 'not'} "
-                f"({accs[c.key()]:.3f})"
-                for s, c in zip(live, cfgs)
+            run_sweep(round_cfgs, store, experiment, device=device, progress=progress, log=None, pool=pool)
+            accs = {c.key(): store.run_by_key(c.key())["mem_acc"] for c in round_cfgs}
+        for (j, s), c in zip(live, round_cfgs):
+            n_probes[j] += 1
+            _advance(s, c.T, accs[c.key()] >= c.target_acc, t_max, resolution)
+        for j in sorted({j for j, _ in live}):
+            probed = [(s, c) for (jj, s), c in zip(live, round_cfgs) if jj == j]
+            say(
+                f"  round {rnd}{'' if len(bases) == 1 else ' ' + bases[j].label()}: "
+                + ", ".join(
+                    f"seed {s.seed}: T={c.T} {'memorized' if accs[c.key()] >= c.target_acc else 'not'} "
+                    f"({accs[c.key()]:.3f})"
+                    for s, c in probed
+                )
             )
+    wall = time.perf_counter() - t0
+    out = []
+    for j, base in enumerate(bases):
+        ss = searches[j]
+        res = CapacityResult(
+            config=base,
+            target=base.target_acc,
+            seeds=seeds,
+            per_seed=[s.lo for s in ss],
+            capped=[s.capped for s in ss],
+            probes=n_probes[j],
+            wall_s=wall,
         )
-    res = CapacityResult(
-        config=base,
-        target=target,
-        seeds=seeds,
-        per_seed=[s.lo for s in searches],
-        capped=[s.capped for s in searches],
-        probes=n_probes,
-        wall_s=time.perf_counter() - t0,
-    )
-    if train_fn is None:
-        key = capacity_key(cfg, target, seeds, start, t_max, resolution)
-        store.add_capacity(key, experiment, base, target, seeds, res.per_seed, n_probes, res.wall_s)
-    return res
+        if train_fn is None:
+            key = capacity_key(base, base.target_acc, seeds, starts[j], t_max, resolution)
+            store.add_capacity(key, experiment, base, base.target_acc, seeds, res.per_seed, n_probes[j], res.wall_s)
+        out.append(res)
+    return out

@@ -150,6 +150,17 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experiment", default=None, help="tag stored with the results (default: the subcommand or preset)")
 
 
+def _add_ray(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Ray (optional extra: pip install \"mhakern[ray]\")")
+    g.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="train the stacks as tasks on the Ray cluster at ADDRESS ('auto', HOST:PORT or ray://HOST:PORT): "
+                        "a GPU each on a cluster with GPUs, a CPU slot each otherwise; this process stores the results")
+    g.add_argument("--workers", default=None, metavar="N",
+                   help="start a local Ray on this machine with N CPU slots and train the stacks as its tasks")
+    g.add_argument("--max-retries", default="3", metavar="N",
+                   help="with --ray/--workers: how often a stack whose worker died is run again (default 3)")
+
+
 def _add_model(p: argparse.ArgumentParser, listy: bool) -> None:
     g = p.add_argument_group("configuration" + (" (comma lists and start:stop:step ranges make a grid)" if listy else ""))
     for field, flag, short, _, hlp in _MODEL_FLAGS:
@@ -171,13 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sweep", help="train a grid of configurations; re-running skips stored runs", epilog=_DEFAULTS_HELP)
     _add_model(s, listy=True)
     _add_common(s)
-    c = sub.add_parser("capacity", help="largest T memorized at a target accuracy, per seed (bracketing and bisection)",
-                       epilog=_DEFAULTS_HELP)
-    _add_model(c, listy=False)
+    _add_ray(s)
+    c = sub.add_parser("capacity", help="largest T memorized at a target accuracy, per seed (bracketing and bisection); "
+                       "comma lists search several configurations in lockstep", epilog=_DEFAULTS_HELP)
+    _add_model(c, listy=True)
     c.add_argument("--t-start", default=None, help="first T probed (default H * min(n, d_h))")
     c.add_argument("--t-max", default=str(1 << 22), help="largest T probed (default 2^22)")
     c.add_argument("--resolution", default="0.05", help="stop when the bracket is this fraction of T wide (default 0.05)")
     _add_common(c)
+    _add_ray(c)
     st = sub.add_parser("stores", help="interference and capacity of linear, MLP and attention memory stores")
     st.add_argument("--d-k", default="64", help="key dim (default 64)")
     st.add_argument("--d-v", default=None, help="value dim (default: d_k)")
@@ -204,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--layout", default="rows", choices=("rows", "heads"), help=argparse.SUPPRESS)
     pr.add_argument("--backend", default=None, help="mhakern backend (default: the preset's, auto)")
     _add_common(pr)
+    _add_ray(pr)
     return p
 
 
@@ -267,6 +281,35 @@ def _device(args):
     return dev
 
 
+def _open_pool(args):
+    """The RayPool that --ray / --workers ask for, or None (raises UsageError, one line)."""
+    address, workers = getattr(args, "ray", None), getattr(args, "workers", None)
+    if address is None and workers is None:
+        return None
+    flag = "--ray" if address is not None else "--workers"
+    if address is not None and workers is not None:
+        raise UsageError("--workers: starts a local Ray; with --ray ADDRESS the cluster's own slots are used")
+    if address is not None and not address.strip():
+        raise UsageError("--ray: expected a cluster address ('auto', HOST:PORT or ray://HOST:PORT)")
+    n = None if workers is None else _one_int("--workers", workers)
+    retries = _one_int("--max-retries", args.max_retries, lo=0)
+    from .sweep import RayPool, RayUnavailable
+
+    try:
+        return RayPool(address=address, workers=n, device=args.device, max_retries=retries)
+    except RayUnavailable as e:
+        raise UsageError(f"{flag}: {e}") from None
+
+
+def _pool_device(pool):
+    """The device the pool's tasks train on, as a torch.device this process can validate on."""
+    import torch
+
+    if pool.device == "cuda" and not torch.cuda.is_available():
+        return None  # the driver has no GPU: configurations are validated, backends resolve on the workers
+    return torch.device(pool.device)
+
+
 def _setup_threads(args) -> None:
     import torch
 
@@ -303,7 +346,7 @@ def _check_configs(cfgs, device) -> None:
     for c in cfgs:
         c.validate()
         k = (c.impl, c.backend, c.dtype, c.data, c.heads, c.context, c.d_model)
-        if k not in seen:
+        if device is not None and k not in seen:
             seen.add(k)
             resolve_backend(c, device)
 
@@ -365,7 +408,7 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _do_sweep(cfgs, args, exp: str, dev, log, out_dir: Optional[str]) -> None:
+def _do_sweep(cfgs, args, exp: str, dev, log, out_dir: Optional[str], pool=None) -> None:
     from .report import write_report
     from .sweep import run_sweep
 
@@ -373,11 +416,12 @@ def _do_sweep(cfgs, args, exp: str, dev, log, out_dir: Optional[str]) -> None:
     t0 = time.perf_counter()
     summary = run_sweep(
         cfgs, store, exp, device=dev, progress=not args.no_progress,
-        max_stack=_one_int("--stack", args.stack), layout=args.layout, log=log,
+        max_stack=_one_int("--stack", args.stack), layout=args.layout, log=log, pool=pool,
     )
+    where = "" if pool is None else f" on Ray ({pool.slots} {'GPU' if pool.device == 'cuda' else 'CPU'} slots)"
     log(
         f"{exp}: {summary.total} runs ({summary.skipped} already stored, {summary.trained} trained) "
-        f"in {time.perf_counter() - t0:.1f} s; database {store.path}"
+        f"in {time.perf_counter() - t0:.1f} s{where}; database {store.path}"
     )
     if out_dir:
         for p in write_report(store, out_dir, exp):
@@ -390,41 +434,56 @@ def cmd_sweep(args) -> int:
     grid = _grid_from_args(args, listy=True)
     base, multi = _base_from_grid(grid, cli_defaults())
     cfgs = expand_grid(base, multi, _seeds(args))
-    dev = _device(args)
-    _check_configs(cfgs, dev)
     exp = args.experiment or "sweep"
-    _do_sweep(cfgs, args, exp, dev, _log(args), os.path.join(args.out, exp))
+    pool = _open_pool(args)
+    try:
+        dev = _device(args) if pool is None else _pool_device(pool)
+        _check_configs(cfgs, dev)
+        _do_sweep(cfgs, args, exp, dev, _log(args), os.path.join(args.out, exp), pool=pool)
+    finally:
+        if pool is not None:
+            pool.close()
     return 0
 
 
 def cmd_capacity(args) -> int:
-    from .capacity import check_searchable, find_capacity
+    from .capacity import check_searchable, find_capacities
     from .report import write_report
+    from .sweep import expand_grid
 
-    grid = _grid_from_args(args, listy=False)
+    grid = _grid_from_args(args, listy=True)
     grid.pop("T", None)
-    base, _ = _base_from_grid(grid, cli_defaults())
+    base, multi = _base_from_grid(grid, cli_defaults())
+    bases = expand_grid(base, multi, [0])
     seeds = _seeds(args)
-    dev = _device(args)
-    _check_configs([base], dev)
-    check_searchable(base)
     t_start = None if args.t_start is None else _one_int("--t-start", args.t_start)
     t_max = _one_int("--t-max", args.t_max)
     resolution = _one_float("--resolution", args.resolution)
     if not 0 < resolution < 1:
         raise UsageError(f"--resolution: must lie in (0, 1), got {resolution}")
-    start = t_start if t_start is not None else max(2, base.heads * min(base.context, base.dh))
-    if t_max < start:
-        raise UsageError(f"--t-max: must be at least the first T probed ({start}), got {t_max}")
-    store = _open_store(args)
-    exp = args.experiment or "capacity"
-    log = _log(args)
-    res = find_capacity(
-        base, seeds, store, exp, target=base.target_acc, t_start=t_start, t_max=t_max,
-        resolution=resolution, device=dev, progress=not args.no_progress, log=log,
-    )
-    caps = ", ".join(f"seed {s}: {c}{'+' if k else ''}" for s, c, k in zip(res.seeds, res.per_seed, res.capped))
-    log(f"capacity of {base.label()} at target {res.target:g}: {caps}; mean {res.mean:.1f} ({res.probes} probes, {res.wall_s:.1f} s)")
+    for b in bases:
+        check_searchable(b)
+        start = t_start if t_start is not None else max(2, b.heads * min(b.context, b.dh))
+        if t_max < start:
+            raise UsageError(f"--t-max: must be at least the first T probed ({start}), got {t_max}")
+    pool = _open_pool(args)
+    try:
+        dev = _device(args) if pool is None else _pool_device(pool)
+        _check_configs(bases, dev)
+        store = _open_store(args)
+        exp = args.experiment or "capacity"
+        log = _log(args)
+        results = find_capacities(
+            bases, seeds, store, exp, t_start=t_start, t_max=t_max,
+            resolution=resolution, device=dev, progress=not args.no_progress, log=log, pool=pool,
+        )
+    finally:
+        if pool is not None:
+            pool.close()
+    for res in results:
+        caps = ", ".join(f"seed {s}: {c}{'+' if k else ''}" for s, c, k in zip(res.seeds, res.per_seed, res.capped))
+        log(f"capacity of {res.config.label()} at target {res.target:g}: {caps}; mean {res.mean:.1f} "
+            f"({res.probes} probes, {res.wall_s:.1f} s)")
     for p in write_report(store, os.path.join(args.out, exp), exp):
         log(f"  wrote {p}")
     return 0
@@ -506,45 +565,63 @@ def cmd_report(args) -> int:
 
 def cmd_preset(args) -> int:
     from . import presets
-    from .capacity import find_capacity
-    from .report import write_report
-    from .sweep import expand_grid, plan_stacks
 
     pre = presets.get(args.name)
     seeds = _seeds(args, pre.seeds)
-    dev = _device(args)
+    pool = None if args.dry_run else _open_pool(args)
+    try:
+        return _run_preset(args, pre, seeds, pool)
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def _run_preset(args, pre, seeds, pool) -> int:
+    from .capacity import find_capacities
+    from .report import write_report
+    from .sweep import expand_grid, plan_stacks
+
+    dev = _device(args) if pool is None else _pool_device(pool)
     log = _log(args)
     exp = args.experiment or pre.name
-    if pre.needs_gpu and dev.type != "cuda":
-        log(f"note: preset {pre.name!r} is sized for a GPU ({pre.est}); running on {dev} anyway")
+    run_dev = pool.device if pool is not None else dev.type
+    if pre.needs_gpu and run_dev != "cuda" and not args.dry_run:
+        log(f"note: preset {pre.name!r} is sized for a GPU ({pre.est}); running on {run_dev} anyway")
     sweeps, caps = [], []
     for part in pre.parts:
         base = part.base if args.backend is None else dataclasses.replace(part.base, backend=args.backend)
         if part.kind == "sweep":
             sweeps.extend(expand_grid(base, part.grid, seeds))
         else:
-            for c in expand_grid(dataclasses.replace(base, T=1), part.grid, [0]):
-                caps.append((c, part.target))
+            for c in expand_grid(dataclasses.replace(base, T=1, target_acc=part.target), part.grid, [0]):
+                caps.append((c, part))
     _check_configs(sweeps + [c for c, _ in caps], dev)
     if args.dry_run:
         from .sweep import STACK_MACS
         from .train import stack_label
 
-        stacks = plan_stacks(sweeps, max_stack=_one_int("--stack", args.stack), max_macs=STACK_MACS[dev.type])
+        stacks = plan_stacks(sweeps, max_stack=_one_int("--stack", args.stack), max_macs=STACK_MACS[run_dev])
         log(f"{pre.name}: {pre.description}")
         log(f"  {len(sweeps)} runs in {len(stacks)} stacks, {len(caps)} capacity searches; {pre.est}")
         for st in stacks:
             log(f"  stack: {stack_label(st)}")
-        for c, t in caps:
-            log(f"  capacity at {t:g}: {c.label()}")
+        for c, part in caps:
+            log(f"  capacity at {part.target:g}: {c.label()}")
         return 0
     log(f"{pre.name}: {pre.description}")
     out_dir = os.path.join(args.out, exp)
     if sweeps:
-        _do_sweep(sweeps, args, exp, dev, log, None)
+        _do_sweep(sweeps, args, exp, dev, log, None, pool=pool)
     store = _open_store(args)
-    for c, t in caps:
-        find_capacity(c, seeds, store, exp, target=t, device=dev, progress=not args.no_progress, log=log)
+    # Searches of one part (same resolution and T range) run in lockstep: on Ray, in parallel.
+    by_part: Dict[int, list] = {}
+    for c, part in caps:
+        by_part.setdefault(id(part), [part, []])[1].append(c)
+    for part, cfgs in by_part.values():
+        for res in find_capacities(cfgs, seeds, store, exp, t_start=part.t_start, resolution=part.resolution,
+                                   device=dev, progress=not args.no_progress, log=log, pool=pool):
+            caps_txt = ", ".join(f"seed {s}: {v}{'+' if k else ''}" for s, v, k in zip(res.seeds, res.per_seed, res.capped))
+            log(f"capacity of {res.config.label()} at target {res.target:g}: {caps_txt}; mean {res.mean:.1f}")
     for p in write_report(store, out_dir, exp):
         log(f"  wrote {p}")
     return 0

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from .config import RunConfig
 
@@ -32,6 +32,8 @@ class Part:
     base: RunConfig
     grid: Dict[str, Sequence]
     target: float = 1.0
+    resolution: float = 0.05  # capacity searches: bracket width at which they stop (fraction of T)
+    t_start: Optional[int] = None  # capacity searches: first T (default H min(n, d_h))
 
 
 @dataclass
@@ -49,6 +51,12 @@ def _k(*xs):
 
 
 _PAPER = RunConfig(heads=20, context=32, d_model=64, d_in=64, d_head=64, d_value=1, classes=100, batch=256, lr=1e-3)
+
+# The trend presets' scale (docs/results.md, "The paper's trends"): d = d_in = d_h = 16, d_v = 1,
+# 100 classes, random contexts, batch 256, Adam 1e-3, the paper's initialisation and checkpoint
+# rule, and its step rule max(floor(500 T / 256), floor) with the floor lowered from 50,000 to
+# 4,000 so that the three trends fit about an hour of one CPU core; capacity at 100%.
+_TREND = RunConfig(d_model=16, context=8, steps=None, min_steps=4000)
 
 PRESETS: Dict[str, Preset] = {
     "quick": Preset(
@@ -143,6 +151,32 @@ PRESETS: Dict[str, Preset] = {
         ],
         needs_gpu=True,
         est="9 capacity searches of ~10 probes of 100k steps each: GPU days",
+    ),
+    "trend-heads": Preset(
+        "trend-heads",
+        "the paper's heads trend at a reduced scale (docs/results.md): capacity at 100% for H = 1, 2, 4, ..., 256 "
+        "at d = d_h = 16, n = 8, the paper's step rule with its 50,000-step floor lowered to 4,000, 3 seeds",
+        [Part("capacity", _TREND, {"heads": [1, 2, 4, 8, 16, 32, 64, 128, 256]}, resolution=0.1)],
+        seeds=(0, 1, 2),
+        est="H <= 32: about 15 CPU-minutes; H = 64, 128, 256: CPU hours (a GPU, or Ray)",
+    ),
+    "trend-context": Preset(
+        "trend-context",
+        "the paper's context trend at a reduced scale (docs/results.md): capacity at 100% for n = 1, 2, 4, ..., 256 "
+        "at H = 4, d = d_h = 16, the paper's step rule with a 4,000-step floor, 3 seeds",
+        [Part("capacity", dataclasses.replace(_TREND, heads=4), {"context": [1, 2, 4, 8, 16, 32, 64, 128, 256]},
+              resolution=0.1)],
+        seeds=(0, 1, 2),
+        est="n <= 64: about 15 CPU-minutes; n = 128, 256: CPU hours",
+    ),
+    "trend-dhead": Preset(
+        "trend-dhead",
+        "the paper's head-dim trend at a reduced scale (docs/results.md): capacity at 100% for d_h = 2, 4, 8, 16 "
+        "at H = 4, n = 16, d = 16, the paper's step rule with a 4,000-step floor, 3 seeds",
+        [Part("capacity", dataclasses.replace(_TREND, heads=4, context=16), {"d_head": [2, 4, 8, 16]},
+              resolution=0.1)],
+        seeds=(0, 1, 2),
+        est="about 10 CPU-minutes",
     ),
 }
 

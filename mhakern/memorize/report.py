@@ -9,7 +9,9 @@
 * ``capacity_vs_heads.png`` / ``capacity_vs_context.png`` / ``capacity_vs_dhead.png`` -- the
   capacity (from capacity searches when stored, else the most examples memorized over the
   T grid) against H, n or d_h, with the theory's line c * H * min(n, d_h), c fitted by least
-  squares (one constant for the whole plot).
+  squares (one constant for the whole plot), and per series a free fit with its R^2: a line
+  a + b x against H and d_h, and a line that stops growing at a knee k, a + b min(n, k),
+  against n (the paper's growth up to n ~ d_h, then a plateau); ``table.md`` lists the fits.
 * ``stores.md`` and ``stores_isr.png`` -- memory stores: measured ISR against M with the
   predictions, and the capacities.
 * ``runs.csv`` (and ``capacities.csv``, ``store_curves.csv``, ``store_capacities.csv``).
@@ -69,6 +71,78 @@ def theory_fit(xs: Sequence[float], ys: Sequence[float]) -> float:
     return sum(x * y for x, y in zip(xs, ys)) / sxx if sxx > 0 else float("nan")
 
 
+def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> Tuple[float, float, float]:
+    """Least-squares line y = a + b x; returns (a, b, R^2)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    a = my - b * mx
+    return a, b, _r2(ys, [a + b * x for x in xs])
+
+
+def _r2(ys: Sequence[float], fit: Sequence[float]) -> float:
+    my = sum(ys) / len(ys)
+    tot = sum((y - my) ** 2 for y in ys)
+    res = sum((y - f) ** 2 for y, f in zip(ys, fit))
+    return 1.0 - res / tot if tot > 0 else float("nan")
+
+
+def knee_fit(xs: Sequence[float], ys: Sequence[float]) -> Tuple[float, float, float, float]:
+    """Least-squares y = a + b min(x, k) over a, b and the knee k (growth up to k, then a
+    plateau); returns (a, b, k, R^2). k is searched on a fine log grid between the smallest and
+    the largest x (k at the largest x is a plain line: no plateau seen)."""
+    lo, hi = min(xs), max(xs)
+    best = None
+    steps = 400
+    for i in range(steps + 1):
+        k = lo * (hi / lo) ** (i / steps) if lo > 0 else lo + (hi - lo) * i / steps
+        a, b, r2 = linear_fit([min(x, k) for x in xs], ys)
+        sse = sum((y - a - b * min(x, k)) ** 2 for x, y in zip(xs, ys))
+        if best is None or sse < best[0] - 1e-12:
+            best = (sse, a, b, k, r2)
+    return best[1], best[2], best[3], best[4]
+
+
+def trend_fits(points: List[Dict], var: str) -> List[Dict]:
+    """Per series of ``points`` in which ``var`` varies (the other variables fixed): the free
+    fit of the capacity against ``var`` -- a line (H, d_h) or a line with a knee (n).
+
+    Each entry: ``series`` (a label), ``xs``, ``ys``, ``kind`` ("line" or "knee"), ``a``, ``b``,
+    ``k`` (knee; None for a line), ``r2``, ``text`` (one line for a table)."""
+    out = []
+    for key, s in _series(points, var).items():
+        s = sorted(s, key=lambda p: p[var])
+        xs = [float(p[var]) for p in s]
+        ys = [float(p["capacity"]) for p in s]
+        if len(xs) < 3:
+            continue
+        label = ", ".join(f"{f}={v}" for f, v in zip(_others(var), key[2:])) + f", {key[0]}"
+        if var == "context":
+            a, b, k, r2 = knee_fit(xs, ys)
+            text = (f"capacity against n ({label}): {a:.1f} + {b:.2f}·min(n, {k:.1f}), R² = {r2:.3f} "
+                    f"(knee at n = {k:.1f}; d_h = {s[0]['d_head']})")
+        else:
+            a, b, r2 = linear_fit(xs, ys)
+            k = None
+            name = "H" if var == "heads" else "d_h"
+            text = f"capacity against {name} ({label}): {a:.1f} + {b:.2f}·{name}, R² = {r2:.4f}"
+        out.append(dict(series=label, xs=xs, ys=ys, kind="knee" if k is not None else "line", a=a, b=b, k=k,
+                        r2=r2, text=text, var=var))
+    return out
+
+
+def _others(var: str) -> List[str]:
+    return [f for f in ("heads", "context", "d_head") if f != var]
+
+
+def _series(points: List[Dict], var: str) -> "OrderedDict[tuple, List[Dict]]":
+    series: "OrderedDict[tuple, List[Dict]]" = OrderedDict()
+    for p in points:
+        series.setdefault((p["data"], p["task"]) + tuple(p[f] for f in _others(var)), []).append(p)
+    return OrderedDict((k, s) for k, s in series.items() if len({p[var] for p in s}) > 1)
+
+
 def _theory_x(a: Dict) -> float:
     return a["heads"] * min(a["context"], a["d_head"])
 
@@ -77,10 +151,11 @@ def capacity_points(aggs: List[Dict], caps: List[Dict]) -> List[Dict]:
     """Per configuration apart from T: the capacity and its seed spread.
 
     From capacity searches when stored (mean, min, max over seeds); otherwise the largest
-    mean examples-memorized over the T grid, with that T's seed min and max.
+    mean examples-memorized over the T grid, with that T's seed min and max. When ``caps`` holds
+    any search, only searches are points: the probes of an unfinished search are not a capacity.
     """
     pts: "OrderedDict[tuple, Dict]" = OrderedDict()
-    for a in aggs:
+    for a in aggs if not caps else []:
         k = tuple(a[f] for f in _CFG if f not in ("T", "steps"))
         cur = pts.get(k)
         if cur is None or a["examples"] > cur["capacity"]:
@@ -157,11 +232,8 @@ def plot_capacity(points: List[Dict], var: str, path: str, label: str) -> Option
 
     Returns the fitted constant, or None when ``var`` takes fewer than two values.
     """
-    others = [f for f in ("heads", "context", "d_head") if f != var]
-    series: "OrderedDict[tuple, List[Dict]]" = OrderedDict()
-    for p in points:
-        series.setdefault((p["data"], p["task"]) + tuple(p[f] for f in others), []).append(p)
-    series = OrderedDict((k, s) for k, s in series.items() if len({p[var] for p in s}) > 1)
+    others = _others(var)
+    series = _series(points, var)
     if not series:
         return None
     xs = [_theory_x(p) for s in series.values() for p in s]
@@ -178,6 +250,16 @@ def plot_capacity(points: List[Dict], var: str, path: str, label: str) -> Option
         line = ax.errorbar(v, y, yerr=err, marker="o", capsize=3, label=f"measured ({k[0]}, {desc})")
         ax.plot(v, [c * _theory_x(p) for p in s], "--", color=line[0].get_color(), alpha=0.7,
                 label=f"theory c·H·min(n, d_h), c = {c:.3g}")
+    for fit in trend_fits(points, var):
+        lo, hi = min(fit["xs"]), max(fit["xs"])
+        grid = [lo + (hi - lo) * i / 200 for i in range(201)]
+        if fit["kind"] == "knee":
+            fy = [fit["a"] + fit["b"] * min(x, fit["k"]) for x in grid]
+            lab = f"fit {fit['a']:.0f} + {fit['b']:.1f}·min(n, {fit['k']:.1f}), R² = {fit['r2']:.3f}"
+        else:
+            fy = [fit["a"] + fit["b"] * x for x in grid]
+            lab = f"fit {fit['a']:.0f} + {fit['b']:.1f}·x, R² = {fit['r2']:.4f}"
+        ax.plot(grid, fy, ":", color="k", lw=1.2, label=lab)
     ax.set_xlabel(label)
     srcs = {p["source"] for s in series.values() for p in s}
     if srcs == {"grid"}:
@@ -273,6 +355,7 @@ def write_report(store: ResultStore, out_dir: str, experiment: Optional[str] = N
                 written.append(path)
                 what = "capacity" if any(q["source"] != "grid" for q in pts) else "examples fitted (not capacity)"
                 fits.append(f"{what} against {var}: theory c·H·min(n, d_h) fitted with c = {c:.3g}")
+                fits.extend(f["text"] for f in trend_fits(pts, var))
         if plot_acc_vs_T(aggs, os.path.join(out_dir, "acc_vs_T.png")):
             written.append(os.path.join(out_dir, "acc_vs_T.png"))
         with open(p, "w") as f:

@@ -10,7 +10,9 @@ Several sweeps may share one database (on one machine or on a shared file system
 locks correctly): before training runs, a sweep *claims* them in the ``claims`` table, each
 claim a lease that its owner's heartbeat (:class:`Heartbeat`, a thread) renews every few
 seconds. A run stored, or claimed by a live owner, is not trained by another sweep; a claim
-whose heartbeat is older than the lease belongs to a dead process and is taken over.
+whose heartbeat is older than the lease belongs to a dead process and is taken over, and so is
+at once a claim of a process of this host that no longer exists (a killed sweep restarted on
+the same machine does not wait for its own old lease).
 
 Tables: ``runs`` (trainer runs), ``capacities`` (capacity searches), ``store_curves`` and
 ``store_capacities`` (memory-store experiments), ``claims`` (runs being trained).
@@ -81,6 +83,27 @@ class StoreError(ValueError):
 def new_owner() -> str:
     """A claimant id unique across machines and processes: host, pid and a random tag."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def owner_is_dead_here(owner: str) -> bool:
+    """True when ``owner`` (a :func:`new_owner` id) names a process of this host that no longer
+    exists. Its claims need not wait for their lease to run out: a sweep killed and started
+    again on the same machine resumes at once. Owners on other hosts, and ids of another form,
+    are never judged here (their lease decides)."""
+    host, _, rest = owner.partition(":")
+    pid_text = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid_text.isdigit():
+        return False
+    pid = int(pid_text)
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # exists, owned by another user
+        return False
+    return False
 
 
 def _check_path(path: str) -> None:
@@ -222,7 +245,7 @@ class ResultStore:
                 if k in stored:
                     continue
                 r = self.conn.execute("SELECT owner, heartbeat FROM claims WHERE key = ?", (k,)).fetchone()
-                if r is None or r[0] == owner or now - r[1] > lease_s:
+                if r is None or r[0] == owner or now - r[1] > lease_s or owner_is_dead_here(r[0]):
                     self.conn.execute(
                         "INSERT OR REPLACE INTO claims (key, owner, heartbeat, claimed_at) VALUES (?, ?, ?, ?)",
                         (k, owner, now, now),
@@ -239,7 +262,7 @@ class ResultStore:
             part = keys[i : i + 500]
             q = f"SELECT key, owner, heartbeat FROM claims WHERE key IN ({','.join('?' * len(part))})"
             for k, o, hb in self.conn.execute(q, part):
-                if o != owner and now - hb <= lease_s:
+                if o != owner and now - hb <= lease_s and not owner_is_dead_here(o):
                     out[k] = o
         return out
 
@@ -280,7 +303,8 @@ class ResultStore:
     def add_capacity(self, key: str, experiment: str, cfg: RunConfig, target: float, seeds, per_seed, probes: int, wall_s: float) -> None:
         vals = [float(c) for c in per_seed]
         row = dict(
-            key=key, experiment=experiment, config=json.dumps(cfg.as_dict(), sort_keys=True),
+            # One search may belong to several experiments (its probes are shared runs): a row each.
+            key=f"{key}@{experiment}", experiment=experiment, config=json.dumps(cfg.as_dict(), sort_keys=True),
             heads=cfg.heads, context=cfg.context, d_model=cfg.d_model, d_head=cfg.dh, data=cfg.data,
             task=cfg.task, target_acc=target, seeds=json.dumps(list(seeds)), per_seed=json.dumps(vals),
             capacity_mean=sum(vals) / len(vals), capacity_min=min(vals), capacity_max=max(vals),

@@ -7,11 +7,23 @@ storing each run the moment it finishes. Re-running the same sweep trains only w
 and sweeps running at once on one database share the work: each claims a stack's runs before
 training them (a lease renewed by a heartbeat, see :mod:`.store`), so that no run is trained
 twice and the runs of a sweep that died are taken over once its lease runs out.
+
+With a :class:`RayPool` (``run_sweep(..., pool=RayPool(...))``, the ``--ray ADDRESS`` and
+``--workers N`` flags), the same stacks become Ray tasks, one GPU each on a cluster with GPUs and
+one CPU slot each otherwise. The driver stays the only writer of the database: each task
+streams its runs back as they finish and the driver stores each one as it arrives, so a killed
+driver loses only the runs in flight and resumes like any sweep. A task whose worker dies is
+run again (``max_retries``); training is deterministic, so the retry gives the results the lost
+attempt would have given. The stacks are planned exactly as without Ray, so the results are
+identical.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import queue
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
@@ -129,6 +141,7 @@ def run_sweep(
     log: Optional[Callable[[str], None]] = None,
     lease_s: float = DEFAULT_LEASE_S,
     poll_s: Optional[float] = None,
+    pool: Optional["RayPool"] = None,
 ) -> SweepSummary:
     """Train every configuration not yet in ``store``; store each as it finishes.
 
@@ -141,6 +154,9 @@ def run_sweep(
     ``on_stored(result)`` is called after a run's row is committed. An exception (Ctrl-C
     included) propagates after the finished runs are safely stored and this sweep's claims are
     released; the runs in flight are lost and retrained by the next call.
+
+    ``pool``: train the stacks as tasks of this :class:`RayPool` (several at once) instead of
+    here; ``device`` is then ignored for the pool's own (``RayPool.device``).
     """
     t0 = time.perf_counter()
     configs = list(configs)
@@ -153,6 +169,8 @@ def run_sweep(
         say(f"{skipped} of {len(configs)} runs already stored in {store.path}; training the other {len(todo)}")
     vers = versions()
     trained = 0
+    if pool is not None:
+        device = pool.device
     dev_type = "cuda" if str(device).startswith("cuda") else "cpu"
     poll = min(5.0, lease_s / 4) if poll_s is None else poll_s
     owner = new_owner()
@@ -177,6 +195,16 @@ def run_sweep(
             on_stored(res)
 
     waiting_said = False
+    if pool is not None:
+        try:
+            with Heartbeat(store.path, owner, interval=lease_s / 4, timeout=store.timeout):
+                _drive_pool(pool, todo, by_key, store, owner, lease_s, poll, max_stack, layout, STACK_MACS[dev_type],
+                            stored, say)
+        finally:
+            if outer is not None:
+                outer.close()
+            store.release(owner)
+        return SweepSummary(len(configs), skipped, trained, time.perf_counter() - t0, len(todo) - trained)
     try:
         with Heartbeat(store.path, owner, interval=lease_s / 4, timeout=store.timeout):
             remaining = [c.key() for c in todo]
@@ -205,3 +233,198 @@ def run_sweep(
         store.release(owner)
     by_others = len(todo) - trained
     return SweepSummary(len(configs), skipped, trained, time.perf_counter() - t0, by_others)
+
+
+# ---------------------------------------------------------------------------- Ray
+RAY_MISSING = 'Ray is not installed; install the optional extra: pip install "mhakern[ray]" (in a checkout: pip install -e ".[ray]")'
+
+
+class RayUnavailable(RuntimeError):
+    """Ray cannot be imported or the cluster cannot be reached; the message is one line."""
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise RayUnavailable(RAY_MISSING) from None
+    return ray
+
+
+def _stack_task(configs: List[RunConfig], device: str, layout: str, threads: int, crash_once: Optional[str]):
+    """Body of a Ray task: train one stack on this worker and yield each run's result as it
+    finishes (a streaming generator, so that the driver stores runs one by one).
+
+    ``crash_once`` (tests only): a file path; when the file does not exist yet the worker creates
+    it and dies at once (``os._exit``), as a worker lost with its machine would, so that Ray's
+    retry is exercised deterministically.
+    """
+    if crash_once is not None and not os.path.exists(crash_once):
+        with open(crash_once, "w") as f:
+            f.write(str(os.getpid()))
+        os._exit(1)
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    out: "queue.Queue" = queue.Queue()
+    failed: List[BaseException] = []
+
+    def work():
+        try:
+            train_stack(configs, device=device, progress=False, on_result=out.put, layout=layout)
+        except BaseException as e:  # handed to the generator, which raises it in the task
+            failed.append(e)
+        finally:
+            out.put(None)
+
+    # train_stack reports runs through a callback; a thread turns the callbacks into yields.
+    t = threading.Thread(target=work, name="mhakern-stack", daemon=True)
+    t.start()
+    while True:
+        res = out.get()
+        if res is None:
+            break
+        yield res
+    t.join()
+    if failed:
+        raise failed[0]
+
+
+def _check_reachable(address: str, timeout: float = 10.0) -> None:
+    """A HOST:PORT address must accept a TCP connection within ``timeout`` seconds: Ray itself
+    keeps retrying an unreachable cluster for minutes before it gives up."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return  # "auto", or a ray:// client address: Ray reports those itself
+    import socket
+
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise RayUnavailable(f"cannot reach a Ray cluster at {address}: {e.strerror or e}") from None
+
+
+class RayPool:
+    """Stacks trained as Ray tasks on a cluster (``address``) or on a local Ray started here.
+
+    Args:
+        address: a running cluster's address ("auto", "HOST:PORT" or "ray://HOST:PORT"); None
+            starts a local Ray on this machine with ``workers`` CPU slots (default: its cores).
+        workers: CPU slots of the local Ray (only without ``address``).
+        device: "cuda" or "cpu" for every task; None: "cuda" when the cluster has GPUs (one
+            GPU per task), else "cpu" (one CPU slot per task).
+        threads: torch threads in each task (default: this process's ``torch.get_num_threads()``,
+            so that a run gives the same numbers with and without Ray).
+        max_retries: how often a task whose worker died is run again.
+        crash_once: tests only, see :func:`_stack_task`.
+
+    Use as a context manager, or call :meth:`close`: a local Ray is shut down there.
+    """
+
+    def __init__(self, address: Optional[str] = None, workers: Optional[int] = None, device: Optional[str] = None,
+                 threads: Optional[int] = None, max_retries: int = 3, crash_once: Optional[str] = None):
+        ray = _import_ray()
+        import torch
+
+        self.ray = ray
+        self._owns = False
+        if address:
+            _check_reachable(address)
+        if not ray.is_initialized():  # else: this process is already connected (tests, notebooks)
+            kw = dict(include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+            try:
+                if address:
+                    ray.init(address=address, **kw)
+                else:
+                    ray.init(num_cpus=workers or os.cpu_count() or 1, **kw)
+                    self._owns = True
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise RayUnavailable(f"cannot connect to Ray at {address or 'a local start'}: {first}") from None
+        res = ray.cluster_resources()
+        self.gpus = int(res.get("GPU", 0))
+        self.cpus = int(res.get("CPU", 0))
+        if device is None:
+            device = "cuda" if self.gpus > 0 else "cpu"
+        if str(device).startswith("cuda") and self.gpus == 0:
+            raise RayUnavailable(f"device {device} asked but the Ray cluster has no GPU (resources: {res})")
+        self.device = "cuda" if str(device).startswith("cuda") else "cpu"
+        self.threads = torch.get_num_threads() if threads is None else int(threads)
+        self.max_retries = int(max_retries)
+        self.crash_once = crash_once
+        opts = dict(max_retries=self.max_retries, retry_exceptions=False)
+        if self.device == "cuda":
+            opts.update(num_gpus=1, num_cpus=1)
+        else:
+            opts.update(num_cpus=1)
+        self._task = ray.remote(**opts)(_stack_task)
+
+    @property
+    def slots(self) -> int:
+        """Tasks that can run at once."""
+        return max(1, self.gpus if self.device == "cuda" else self.cpus)
+
+    def submit(self, stack: List[RunConfig], layout: str = "rows"):
+        """Start one stack; returns the task's stream of results (an ObjectRefGenerator)."""
+        return self._task.remote(list(stack), self.device, layout, self.threads, self.crash_once)
+
+    def close(self) -> None:
+        if self._owns and self.ray.is_initialized():
+            self.ray.shutdown()
+        self._owns = False
+
+    def __enter__(self) -> "RayPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _drive_pool(pool: RayPool, todo, by_key, store: ResultStore, owner: str, lease_s: float, poll: float,
+                max_stack: int, layout: str, max_macs: float, stored, say) -> None:
+    """run_sweep's loop on a pool: claim and submit every free stack, store runs as they stream
+    back, wait for runs that other sweeps hold (taking over those of dead claimants)."""
+    ray = pool.ray
+    pending: Dict[object, List[str]] = {}  # task stream -> keys of its stack
+    remaining = [c.key() for c in todo]
+    waiting_said = False
+    try:
+        while remaining or pending:
+            if remaining:
+                done = store.stored_keys(remaining)
+                remaining = [k for k in remaining if k not in done]
+            inflight = {k for ks in pending.values() for k in ks}
+            busy = store.claimed_by_others([k for k in remaining if k not in inflight], owner, lease_s)
+            free = [by_key[k] for k in remaining if k not in inflight and k not in busy]
+            if free:
+                # The same stacks, in the same order, as the loop without a pool plans them.
+                for stack in plan_stacks(free, max_stack=max_stack, max_macs=max_macs):
+                    mine = set(store.claim([c.key() for c in stack], owner, lease_s))
+                    stack = [c for c in stack if c.key() in mine]
+                    if stack:
+                        pending[pool.submit(stack, layout)] = [c.key() for c in stack]
+                        waiting_said = False
+            if pending:
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=poll)
+                for gen in ready:
+                    try:
+                        ref = next(gen)
+                    except StopIteration:
+                        del pending[gen]
+                        continue
+                    # A task that failed for good raises here (after its retries).
+                    stored(ray.get(ref))
+            elif remaining:
+                if not waiting_said:
+                    say(f"waiting for {len(remaining)} runs that another sweep is training (claims in {store.path})")
+                    waiting_said = True
+                time.sleep(poll)
+    finally:
+        # Stop this sweep's tasks still running (an error or Ctrl-C here): their runs are lost
+        # anyway, and their claims are released by run_sweep.
+        for gen in pending:
+            try:
+                ray.cancel(gen)
+            except Exception:  # already finished or its worker gone: nothing left to stop
+                pass
