@@ -195,14 +195,16 @@ gpu_tests() {
 rc1=0
 # Each GPU backend: its own GPU file, then the conformance suite (hard cases in every dtype,
 # modes, NaN/inf contract; tests/test_conformance.py) restricted to it, on CUDA tensors.
-gpu_tests "cuda backend (tests/test_cuda.py, conformance -k cuda)" 55 150 tests/test_cuda.py tests/test_conformance.py -k "cuda or not conformance" || rc1=1
-# The Triton backend's GPU file and its device-generic suite, compiled (not interpreted; not the
-# ahead-of-time compile tests, which are for machines without a GPU).
+# The sm_90a family's own GPU file (its layouts are the emulator's reading of the PTX ISA until
+# this runs on a 9.0 device; it skips elsewhere).
+gpu_tests "cuda backend (tests/test_cuda.py, tests/test_cuda_sm90_gpu.py, conformance -k cuda)" 55 150 tests/test_cuda.py tests/test_cuda_sm90_gpu.py tests/test_conformance.py -k "cuda or not conformance" || rc1=1
+# The Triton backend's GPU file and its device-generic suite, compiled (not interpreted; of the
+# ahead-of-time compile file only the tensor-descriptor tests, which run on CUDA tensors here).
 TRITON_TESTS=$(ls tests/test_triton*.py 2>/dev/null | grep -v -e _aot || true)
 # shellcheck disable=SC2086
-gpu_tests "triton backend ($(echo $TRITON_TESTS | tr '\n' ' '), conformance -k triton)" 55 100 $TRITON_TESTS tests/test_conformance.py -k "triton or not conformance" || rc1=1
+gpu_tests "triton backend ($(echo $TRITON_TESTS | tr '\n' ' '), descriptor tests, conformance -k triton)" 55 100 $TRITON_TESTS tests/test_triton_aot.py tests/test_conformance.py -k "(triton or not conformance) and (not aot or descriptor or modes_never)" || rc1=1
 OTHER_IGNORE=(--ignore tests/test_conformance.py)
-for f in tests/test_cuda.py $TRITON_TESTS; do OTHER_IGNORE+=(--ignore "$f"); done
+for f in tests/test_cuda.py tests/test_cuda_sm90_gpu.py tests/test_triton_aot.py $TRITON_TESTS; do OTHER_IGNORE+=(--ignore "$f"); done
 gpu_tests "everything else marked gpu" 20 90 tests -m gpu "${OTHER_IGNORE[@]}"
 rc=$?
 # pytest's 5: nothing else is marked gpu.
