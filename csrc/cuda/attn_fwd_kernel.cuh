@@ -20,7 +20,8 @@
 namespace mhakern {
 namespace cuda {
 
-template <int D>
+// kModes: the tiles of attn_fwd_modes_kernel (attn_mask / dropout), see kBlockN.
+template <int D, bool kModes = false>
 struct FwdConfig {
   static_assert(D % 16 == 0 && D >= 16 && D <= 128, "head dim: multiple of 16 up to 128");
   static constexpr int kWarps = 4;
@@ -35,7 +36,16 @@ struct FwdConfig {
   // accumulator rescales per key) or giving up the second strip.
   static constexpr int kMTiles = 2;
   static constexpr int kBlockM = 16 * kMTiles * kWarps;  // packed query rows per CTA
-  static constexpr int kBlockN = caps::cuda_tiles(D).fwd_n;  // keys per step
+  // The modes kernel takes half the keys per step at D = 64 and D = 128: its per-element mask
+  // read (a global load with its 64-bit address) and dropout hash keep more values live than
+  // the plain step, and at the full block ptxas parked loop-invariant values in local memory and
+  // reloaded them on every step (sm_80: 5 local-memory instructions in the loop at D = 64, 7 at
+  // D = 128; sm_90: 10 and 6). Half the score tile (32 registers fewer at D = 64, 16 at D = 128)
+  // keeps the loop free of them (203 / 244 registers on sm_80); the per-key mask and dropout
+  // work, which dominates its steps, is unchanged. D = 32 and D = 96 fit at the full block (235
+  // and 245 registers). tools/check_cuda_build.py fails on a spill in the loop of either kernel.
+  static constexpr bool kHalfKeys = kModes && (D == 64 || D == 128);
+  static constexpr int kBlockN = caps::cuda_tiles(D).fwd_n / (kHalfKeys ? 2 : 1);  // keys per step
   static_assert(kBlockM == caps::cuda_tiles(D).fwd_m, "capabilities.h: forward tile rows = 16 x strips x warps");
   static constexpr int kPitch = TilePitch<D>::kPitch;
   static constexpr int kQTile = kBlockM * kPitch;   // elements
@@ -47,6 +57,8 @@ struct FwdConfig {
   // The kernel with attn_mask / dropout (kModes) also stages each row's mask-row offset and
   // dropout hash.
   static constexpr int kModeSmemBytes = kBlockM * (8 + 4);
+  // What the launcher requests (tools/check_cuda_build.py reads it too).
+  static constexpr int kLaunchSmemBytes = kSmemBytes + (kModes ? kModeSmemBytes : 0);
 };
 
 
@@ -140,7 +152,7 @@ MHK_DEVICE void fwd_step(const Elem* sQ, int q_row0, const Elem* sK, const Elem*
 // kernel (attn_fwd_modes_kernel), so that the plain one is exactly the kernel without them.
 template <typename Elem, int D, bool kModes>
 MHK_DEVICE void attn_fwd_body(const FwdParams& p) {
-  using Cfg = FwdConfig<D>;
+  using Cfg = FwdConfig<D, kModes>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kThreads = Cfg::kThreads, MT = Cfg::kMTiles;
   MHK_DYNAMIC_SMEM(smem);
   Elem* sQ = reinterpret_cast<Elem*>(smem);
@@ -379,8 +391,8 @@ __global__ void MHK_LAUNCH_BOUNDS(128, 1) attn_fwd_combine_kernel(const FwdParam
 
 template <typename Elem, int D, bool kModes>
 cudaError_t launch_attn_fwd_main(const FwdParams& p, int64_t grid, cudaStream_t stream) {
-  using Cfg = FwdConfig<D>;
-  constexpr int kBytes = Cfg::kSmemBytes + (kModes ? Cfg::kModeSmemBytes : 0);
+  using Cfg = FwdConfig<D, kModes>;
+  constexpr int kBytes = Cfg::kLaunchSmemBytes;
   auto kernel = kModes ? attn_fwd_modes_kernel<Elem, D> : attn_fwd_kernel<Elem, D>;
   cudaError_t err = opt_in_dynamic_smem<kTagFwd + (kModes ? kTagModes : 0), Elem, D>(kernel, kBytes);
   if (err != cudaSuccess) return err;
