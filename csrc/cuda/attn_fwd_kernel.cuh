@@ -36,16 +36,17 @@ struct FwdConfig {
   // accumulator rescales per key) or giving up the second strip.
   static constexpr int kMTiles = 2;
   static constexpr int kBlockM = 16 * kMTiles * kWarps;  // packed query rows per CTA
-  // The modes kernel takes half the keys per step at D = 64 and D = 128: its per-element mask
-  // read (a global load with its 64-bit address) and dropout hash keep more values live than
-  // the plain step, and at the full block ptxas parked loop-invariant values in local memory and
-  // reloaded them on every step (sm_80: 5 local-memory instructions in the loop at D = 64, 7 at
-  // D = 128; sm_90: 10 and 6). Half the score tile (32 registers fewer at D = 64, 16 at D = 128)
-  // keeps the loop free of them (203 / 244 registers on sm_80); the per-key mask and dropout
-  // work, which dominates its steps, is unchanged. D = 32 and D = 96 fit at the full block (235
-  // and 245 registers). tools/check_cuda_build.py fails on a spill in the loop of either kernel.
-  static constexpr bool kHalfKeys = kModes && (D == 64 || D == 128);
-  static constexpr int kBlockN = caps::cuda_tiles(D).fwd_n / (kHalfKeys ? 2 : 1);  // keys per step
+  // The modes kernel takes half the keys per step. Its per-element attn_mask read issues the
+  // loads of a strip together (see fwd_step: one round trip per strip instead of one per
+  // element), which holds up to 32 more values per thread, and its dropout hash more. At the
+  // full block ptxas parked loop-invariant values in local memory and reloaded them on every
+  // step (even with one load at a time: sm_80 5 local-memory instructions in the loop at
+  // D = 64, 7 at D = 128; sm_90 10 and 6); with the loads batched D = 32 and 96 spilled too.
+  // Half the score tile keeps every head dim's loop free of local memory (209 / 245 / 220 / 249
+  // registers at D = 32 / 64 / 96 / 128 on sm_80); the per-key mask and dropout work, which
+  // dominates these steps, does not change with the block. tools/check_cuda_build.py fails on a
+  // spill in the loop of either kernel.
+  static constexpr int kBlockN = caps::cuda_tiles(D).fwd_n / (kModes ? 2 : 1);  // keys per step
   static_assert(kBlockM == caps::cuda_tiles(D).fwd_m, "capabilities.h: forward tile rows = 16 x strips x warps");
   static constexpr int kPitch = TilePitch<D>::kPitch;
   static constexpr int kQTile = kBlockM * kPitch;   // elements
@@ -92,22 +93,31 @@ MHK_DEVICE void fwd_step(const Elem* sQ, int q_row0, const Elem* sK, const Elem*
       lo[0] = sLo[q_row0 + 16 * mt + g];
       lo[1] = sLo[q_row0 + 16 * mt + g + 8];
     }
+    // Structurally hidden keys (they may lie past Lk) are -inf.
+    auto hidden_at = [&](int col, int hh) {
+      return (kMask != kMaskNone && col >= limit[hh]) || (kMask == kMaskLoHi && col < lo[hh]);
+    };
     MHK_UNROLL
     for (int nt = 0; nt < NT; ++nt) {
       MHK_UNROLL
       for (int e = 0; e < 4; ++e) {
-        float x = s[mt][nt][e] * scale_log2;
-        const int col = n0 + nt * 8 + 2 * t + (e & 1);
-        bool hidden = false;
-        if (kMask != kMaskNone) {
-          if (col >= limit[e >> 1]) hidden = true;
-          if (kMask == kMaskLoHi && col < lo[e >> 1]) hidden = true;
-          if (hidden) x = -INFINITY;
+        const float x = s[mt][nt][e] * scale_log2;
+        s[mt][nt][e] = hidden_at(n0 + nt * 8 + 2 * t + (e & 1), e >> 1) ? -INFINITY : x;
+      }
+    }
+    // attn_mask in a pass of its own behind one branch: without a branch around each element
+    // the loads of the strip issue together (one round trip, not one per element). A hidden key
+    // reads the row's key 0 instead, which exists here (Lk > 0), and drops it (a NaN stays out).
+    if (kModes && em->mask_kind != 0) {
+      MHK_UNROLL
+      for (int nt = 0; nt < NT; ++nt) {
+        MHK_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int col = n0 + nt * 8 + 2 * t + (e & 1);
+          const bool hidden = hidden_at(col, e >> 1);
+          const float bias = mask_bias_log2(*em, rows.mask_row[q_row0 + 16 * mt + g + 8 * (e >> 1)], hidden ? 0 : col);
+          if (!hidden) s[mt][nt][e] += bias;
         }
-        // The mask is read only where the key is structurally visible (never past Lk).
-        if (kModes && em->mask_kind != 0 && !hidden)
-          x += mask_bias_log2(*em, rows.mask_row[q_row0 + 16 * mt + g + 8 * (e >> 1)], col);
-        s[mt][nt][e] = x;
       }
     }
 
