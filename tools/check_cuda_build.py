@@ -60,8 +60,10 @@ SM90_SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on sm_90
 SM90_MAX_REGS = 255
 SMEM_LIMIT = 99 * 1024  # opt-in shared memory per block on sm_86 / sm_89 (sm_80: 163 KB, sm_90: 227 KB)
 # Kernels whose inner loop is the product: a spill there is a defect. The small helper kernels
-# (delta, combine, dq reduce) are memory-bound one-pass loops.
-MAIN_KERNELS = ("attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
+# (delta, combine, dq reduce) are memory-bound one-pass loops. The *_modes_kernel twins (attn_mask,
+# dropout) are built from the same bodies and held to the same rule.
+MAIN_KERNELS = ("attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel", "attn_fwd_modes_kernel",
+                "attn_bwd_dkdv_modes_kernel", "attn_bwd_dq_modes_kernel")
 # Reviewed exceptions: (kernel, head dim) -> (most local-memory instructions allowed inside its
 # loops, most spill bytes per thread when no SASS can be read, why). Beyond that, it fails.
 ALLOWED_LOOP_LOCAL = {
@@ -220,7 +222,10 @@ _CONFIG_PROGRAM = r"""
 #include "attn_bwd_kernel.cuh"
 using namespace mhakern::cuda;
 template <int D> void row() {
-  std::printf("%d %d %d %d\n", D, FwdConfig<D>::kSmemBytes, BwdConfig<D>::kDkvSmemBytes, BwdConfig<D>::kDqSmemBytes);
+  using B = BwdConfig<D>;
+  std::printf("%d %d %d %d %d %d %d\n", D, FwdConfig<D>::kLaunchSmemBytes, B::kDkvSmemBytes, B::kDqSmemBytes,
+              FwdConfig<D, true>::kLaunchSmemBytes, B::kDkvSmemBytes + B::kDkvModeSmemBytes,
+              B::kDqSmemBytes + B::kDqModeSmemBytes);
 }
 #define MHK_ROW_(tag, D) row<D>();
 int main() { MHK_CUDA_FOR_EACH_HEAD_DIM(MHK_ROW_, _) }
@@ -228,7 +233,9 @@ int main() { MHK_CUDA_FOR_EACH_HEAD_DIM(MHK_ROW_, _) }
 
 
 def dynamic_smem(include: Path) -> dict[tuple[str, int], int] | None:
-    """Dynamic shared memory each main kernel's launcher requests, read off the tile configs."""
+    """Dynamic shared memory each main kernel's launcher requests, read off the tile configs
+    (the modes twins: their own tiles plus the per-row mode data, as launch_attn_fwd_main and
+    launch_attn_bwd_main add them)."""
     if shutil.which("g++") is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
@@ -240,10 +247,13 @@ def dynamic_smem(include: Path) -> dict[tuple[str, int], int] | None:
         res = subprocess.run([str(exe)], capture_output=True, text=True)
     table = {}
     for line in res.stdout.splitlines():
-        D, fwd, dkdv, dq = map(int, line.split())
+        D, fwd, dkdv, dq, fwd_m, dkdv_m, dq_m = map(int, line.split())
         table[("attn_fwd_kernel", D)] = fwd
         table[("attn_bwd_dkdv_kernel", D)] = dkdv
         table[("attn_bwd_dq_kernel", D)] = dq
+        table[("attn_fwd_modes_kernel", D)] = fwd_m
+        table[("attn_bwd_dkdv_modes_kernel", D)] = dkdv_m
+        table[("attn_bwd_dq_modes_kernel", D)] = dq_m
     return table
 
 

@@ -20,7 +20,8 @@
 namespace mhakern {
 namespace cuda {
 
-template <int D>
+// kModes: the tiles of attn_fwd_modes_kernel (attn_mask / dropout), see kBlockN.
+template <int D, bool kModes = false>
 struct FwdConfig {
   static_assert(D % 16 == 0 && D >= 16 && D <= 128, "head dim: multiple of 16 up to 128");
   static constexpr int kWarps = 4;
@@ -35,7 +36,17 @@ struct FwdConfig {
   // accumulator rescales per key) or giving up the second strip.
   static constexpr int kMTiles = 2;
   static constexpr int kBlockM = 16 * kMTiles * kWarps;  // packed query rows per CTA
-  static constexpr int kBlockN = caps::cuda_tiles(D).fwd_n;  // keys per step
+  // The modes kernel takes half the keys per step. Its per-element attn_mask read issues the
+  // loads of a strip together (see fwd_step: one round trip per strip instead of one per
+  // element), which holds up to 32 more values per thread, and its dropout hash more. At the
+  // full block ptxas parked loop-invariant values in local memory and reloaded them on every
+  // step (even with one load at a time: sm_80 5 local-memory instructions in the loop at
+  // D = 64, 7 at D = 128; sm_90 10 and 6); with the loads batched D = 32 and 96 spilled too.
+  // Half the score tile keeps every head dim's loop free of local memory (209 / 245 / 220 / 249
+  // registers at D = 32 / 64 / 96 / 128 on sm_80); the per-key mask and dropout work, which
+  // dominates these steps, does not change with the block. tools/check_cuda_build.py fails on a
+  // spill in the loop of either kernel.
+  static constexpr int kBlockN = caps::cuda_tiles(D).fwd_n / (kModes ? 2 : 1);  // keys per step
   static_assert(kBlockM == caps::cuda_tiles(D).fwd_m, "capabilities.h: forward tile rows = 16 x strips x warps");
   static constexpr int kPitch = TilePitch<D>::kPitch;
   static constexpr int kQTile = kBlockM * kPitch;   // elements
@@ -47,6 +58,8 @@ struct FwdConfig {
   // The kernel with attn_mask / dropout (kModes) also stages each row's mask-row offset and
   // dropout hash.
   static constexpr int kModeSmemBytes = kBlockM * (8 + 4);
+  // What the launcher requests (tools/check_cuda_build.py reads it too).
+  static constexpr int kLaunchSmemBytes = kSmemBytes + (kModes ? kModeSmemBytes : 0);
 };
 
 
@@ -80,22 +93,31 @@ MHK_DEVICE void fwd_step(const Elem* sQ, int q_row0, const Elem* sK, const Elem*
       lo[0] = sLo[q_row0 + 16 * mt + g];
       lo[1] = sLo[q_row0 + 16 * mt + g + 8];
     }
+    // Structurally hidden keys (they may lie past Lk) are -inf.
+    auto hidden_at = [&](int col, int hh) {
+      return (kMask != kMaskNone && col >= limit[hh]) || (kMask == kMaskLoHi && col < lo[hh]);
+    };
     MHK_UNROLL
     for (int nt = 0; nt < NT; ++nt) {
       MHK_UNROLL
       for (int e = 0; e < 4; ++e) {
-        float x = s[mt][nt][e] * scale_log2;
-        const int col = n0 + nt * 8 + 2 * t + (e & 1);
-        bool hidden = false;
-        if (kMask != kMaskNone) {
-          if (col >= limit[e >> 1]) hidden = true;
-          if (kMask == kMaskLoHi && col < lo[e >> 1]) hidden = true;
-          if (hidden) x = -INFINITY;
+        const float x = s[mt][nt][e] * scale_log2;
+        s[mt][nt][e] = hidden_at(n0 + nt * 8 + 2 * t + (e & 1), e >> 1) ? -INFINITY : x;
+      }
+    }
+    // attn_mask in a pass of its own behind one branch: without a branch around each element
+    // the loads of the strip issue together (one round trip, not one per element). A hidden key
+    // reads the row's key 0 instead, which exists here (Lk > 0), and drops it (a NaN stays out).
+    if (kModes && em->mask_kind != 0) {
+      MHK_UNROLL
+      for (int nt = 0; nt < NT; ++nt) {
+        MHK_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int col = n0 + nt * 8 + 2 * t + (e & 1);
+          const bool hidden = hidden_at(col, e >> 1);
+          const float bias = mask_bias_log2(*em, rows.mask_row[q_row0 + 16 * mt + g + 8 * (e >> 1)], hidden ? 0 : col);
+          if (!hidden) s[mt][nt][e] += bias;
         }
-        // The mask is read only where the key is structurally visible (never past Lk).
-        if (kModes && em->mask_kind != 0 && !hidden)
-          x += mask_bias_log2(*em, rows.mask_row[q_row0 + 16 * mt + g + 8 * (e >> 1)], col);
-        s[mt][nt][e] = x;
       }
     }
 
@@ -140,7 +162,7 @@ MHK_DEVICE void fwd_step(const Elem* sQ, int q_row0, const Elem* sK, const Elem*
 // kernel (attn_fwd_modes_kernel), so that the plain one is exactly the kernel without them.
 template <typename Elem, int D, bool kModes>
 MHK_DEVICE void attn_fwd_body(const FwdParams& p) {
-  using Cfg = FwdConfig<D>;
+  using Cfg = FwdConfig<D, kModes>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kThreads = Cfg::kThreads, MT = Cfg::kMTiles;
   MHK_DYNAMIC_SMEM(smem);
   Elem* sQ = reinterpret_cast<Elem*>(smem);
@@ -379,8 +401,8 @@ __global__ void MHK_LAUNCH_BOUNDS(128, 1) attn_fwd_combine_kernel(const FwdParam
 
 template <typename Elem, int D, bool kModes>
 cudaError_t launch_attn_fwd_main(const FwdParams& p, int64_t grid, cudaStream_t stream) {
-  using Cfg = FwdConfig<D>;
-  constexpr int kBytes = Cfg::kSmemBytes + (kModes ? Cfg::kModeSmemBytes : 0);
+  using Cfg = FwdConfig<D, kModes>;
+  constexpr int kBytes = Cfg::kLaunchSmemBytes;
   auto kernel = kModes ? attn_fwd_modes_kernel<Elem, D> : attn_fwd_kernel<Elem, D>;
   cudaError_t err = opt_in_dynamic_smem<kTagFwd + (kModes ? kTagModes : 0), Elem, D>(kernel, kBytes);
   if (err != cudaSuccess) return err;
