@@ -65,7 +65,8 @@ std::string capabilities() {
   for (int i = 0; i < caps::kCudaNumHeadDims; ++i) {
     const caps::CudaTiles t = caps::cuda_tiles(caps::kCudaHeadDims[i]);
     js << (i ? ", " : "") << '"' << caps::kCudaHeadDims[i] << "\": {\"fwd\": [" << t.fwd_m << ", " << t.fwd_n
-       << "], \"dq\": [" << t.dq_m << ", " << t.dq_n << "], \"dkv\": [" << t.dkv_m << ", " << t.dkv_n << "]}";
+       << "], \"dq\": [" << t.dq_m << ", " << t.dq_n << "], \"dkv\": [" << t.dkv_m << ", " << t.dkv_n << "], \"fwd_modes\": [" << t.fwd_m << ", "
+       << t.fwd_modes_n << "]}";
   }
   // The sm_90a family (forward only; capabilities.h's sm90 block): compiled when 9.0 was in the
   // arch list of this build.

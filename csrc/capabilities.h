@@ -85,9 +85,12 @@ struct CudaTiles {
   int fwd_m, fwd_n;  // forward
   int dq_m, dq_n;    // backward, dQ kernel
   int dkv_n, dkv_m;  // backward, dK/dV kernel: keys per CTA, query rows per step
+  // The forward with attn_mask / dropout (attn_fwd_modes_kernel): half the keys per step, so
+  // that a strip's mask loads issue together without spilling (FwdConfig<D, true>).
+  int fwd_modes_n;
 };
 constexpr CudaTiles cuda_tiles(int d) {
-  return CudaTiles{128, d <= 64 ? 64 : 32, 64, d <= 64 ? 64 : 32, 64, d <= 64 ? 64 : 32};
+  return CudaTiles{128, d <= 64 ? 64 : 32, 64, d <= 64 ? 64 : 32, 64, d <= 64 ? 64 : 32, d <= 64 ? 32 : 16};
 }
 
 // ---- cuda sm90 family (csrc/cuda/sm90/): Hopper, wgmma + TMA + mbarrier pipeline ----------

@@ -767,12 +767,13 @@ def test_plan_splits_caps_the_workspace(split_table):
 def test_planner_tiles_match_the_compiled_configs(emu, D):
     # The kernels' FwdConfig / BwdConfig take their tiles from the table; the emulator build
     # reports what the compiled configs hold, the extension what the table says.
-    out = (ctypes.c_int * 6)()
+    out = (ctypes.c_int * 7)()
     assert emu.lib.mhk_emu_tiles(D, out) == 0
     tiles = _real_table()["cuda"]["tiles"][str(D)]
     assert tuple(tiles["fwd"]) == (out[0], out[1])
     assert tuple(tiles["dq"]) == (out[2], out[3])
     assert tuple(tiles["dkv"]) == (out[5], out[4])
+    assert tuple(tiles["fwd_modes"]) == (out[0], out[6])
 
 
 def test_plan_splits_uses_the_pass_tiles(split_table):

@@ -46,7 +46,7 @@ struct FwdConfig {
   // registers at D = 32 / 64 / 96 / 128 on sm_80); the per-key mask and dropout work, which
   // dominates these steps, does not change with the block. tools/check_cuda_build.py fails on a
   // spill in the loop of either kernel.
-  static constexpr int kBlockN = caps::cuda_tiles(D).fwd_n / (kModes ? 2 : 1);  // keys per step
+  static constexpr int kBlockN = kModes ? caps::cuda_tiles(D).fwd_modes_n : caps::cuda_tiles(D).fwd_n;  // keys per step
   static_assert(kBlockM == caps::cuda_tiles(D).fwd_m, "capabilities.h: forward tile rows = 16 x strips x warps");
   static constexpr int kPitch = TilePitch<D>::kPitch;
   static constexpr int kQTile = kBlockM * kPitch;   // elements

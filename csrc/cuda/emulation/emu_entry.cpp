@@ -97,11 +97,12 @@ const char* mhk_emu_last_error() { return mhk_emu::state().error.c_str(); }
 int mhk_emu_head_dim_supported(int d) { return mhakern::caps::cuda_head_dim_supported(d) ? 1 : 0; }
 
 // Tile sizes of the compiled configs (FwdConfig / BwdConfig), for tests to compare with
-// capabilities.h's table: out = {fwd rows, fwd keys, dq rows, dq keys, dkdv keys, dkdv rows}.
+// capabilities.h's table: out = {fwd rows, fwd keys, dq rows, dq keys, dkdv keys, dkdv rows,
+// keys of the forward with attn_mask / dropout}.
 // Returns 1 for a head dim without an instance.
 int mhk_emu_tiles(int d, int* out) {
   using namespace mhakern::cuda;
-  auto fill = [out](auto fwd, auto bwd) {
+  auto fill = [out](auto fwd, auto bwd, auto fwd_modes) {
     using F = decltype(fwd);
     using Bw = decltype(bwd);
     out[0] = F::kBlockM;
@@ -110,10 +111,11 @@ int mhk_emu_tiles(int d, int* out) {
     out[3] = Bw::kDqBlockN;
     out[4] = Bw::kDkvBlockN;
     out[5] = Bw::kDkvBlockM;
+    out[6] = decltype(fwd_modes)::kBlockN;
   };
 #define MHK_TILES_CASE_(tag, D) \
   if (d == D) {                 \
-    fill(FwdConfig<D>{}, BwdConfig<D>{}); \
+    fill(FwdConfig<D>{}, BwdConfig<D>{}, FwdConfig<D, true>{}); \
     return 0;                   \
   }
   MHK_CUDA_FOR_EACH_HEAD_DIM(MHK_TILES_CASE_, _)
