@@ -181,26 +181,9 @@ struct BlockRanges {
 // 2^32 and h the query head: a pure function of the position, so the backward regenerates the
 // forward's mask and any decomposition of the work gives the same one.
 
-inline uint32_t mix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x21F0AAADu;
-  x ^= x >> 15;
-  x *= 0x735A2D97u;
-  x ^= x >> 15;
-  return x;
-}
-
+// mix32, dropout_row_hash and dropout_threshold: csrc/mode_params.h (shared with the cuda family).
 inline uint32_t dropout_row_seed(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
-  const uint32_t lo = static_cast<uint32_t>(p.seed), hi = static_cast<uint32_t>(p.seed >> 32);
-  const uint32_t sbh = mix32(lo ^ mix32(hi ^ static_cast<uint32_t>(b * p.H + h)));
-  return mix32(sbh ^ static_cast<uint32_t>(i));
-}
-
-// keep iff the hash is >= threshold = min(floor(p * 2^32), 2^32 - 1), computed in double as the
-// Python side does.
-inline uint32_t dropout_threshold(const AttnParams& p) {
-  const double t = p.dropout_p * 4294967296.0;
-  return t >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(t);
+  return dropout_row_hash(p.seed, static_cast<uint32_t>(b * p.H + h), static_cast<uint32_t>(i));
 }
 
 // kv[r] = keep(row r, key j) ? kept : 0 for the Rp rows of a tile (rseed: their r_i). A plain
@@ -624,7 +607,7 @@ void forward_rows(const AttnParams& p, int64_t b, const RowBlock& rb, int64_t kb
   const int64_t kstop = std::min(kend, br.stop);
   const int64_t jstart = br.first_block(kbeg, kKeyBlock);
   const bool dropout = p.dropout_p > 0.f;
-  const uint32_t threshold = dropout ? dropout_threshold(p) : 0;
+  const uint32_t threshold = dropout ? dropout_threshold(p.dropout_p) : 0;
   if (dropout) {
     for (int64_t r = 0; r < Rp; ++r) s.rseed[r] = r < R ? dropout_row_seed(p, b, rb.h0 + r / rb.nq, row_i(r)) : 0u;
   }
@@ -894,7 +877,7 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
   const int64_t nblk = rp.blocks();
   const float qmul = p.scale * kLog2e;
   const bool dropout = p.dropout_p > 0.f;
-  const uint32_t threshold = dropout ? dropout_threshold(p) : 0;
+  const uint32_t threshold = dropout ? dropout_threshold(p.dropout_p) : 0;
   const float keep_scale = dropout ? static_cast<float>(1.0 / (1.0 - static_cast<double>(p.dropout_p))) : 1.f;
   float* orow_tmp = buf.take(Dvp);
 

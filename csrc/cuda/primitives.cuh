@@ -309,15 +309,6 @@ struct ModeRows {
 // Added to a kernel's opt_in_dynamic_smem tag (smem_opt_in.cuh) for its kModes instantiation.
 constexpr int kTagModes = 16;
 
-// The contract's lowbias32 finaliser.
-MHK_HD uint32_t mix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x21F0AAADu;
-  x ^= x >> 15;
-  x *= 0x735A2D97u;
-  x ^= x >> 15;
-  return x;
-}
 
 struct ExtraModes {
   const void* mask;     // (B, H, Lq, Lk) view; nullptr: none
@@ -337,9 +328,7 @@ MHK_HD ExtraModes extra_modes_of(const Params& p) {
   m.mask_kind = p.mask != nullptr ? p.mask_kind : 0;
   m.mask_sk = p.mask_sk;
   m.dropout = p.dropout_p > 0.0;
-  // floor(p * 2^32) in double, exactly the reference's threshold (p < 1: below 2^32).
-  const double t = p.dropout_p * 4294967296.0;
-  m.threshold = t >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(t);
+  m.threshold = dropout_threshold(p.dropout_p);  // mode_params.h
   m.keep_scale = m.dropout ? static_cast<float>(1.0 / (1.0 - p.dropout_p)) : 1.f;
   m.dmask = p.dmask;
   m.Lk = p.Lk;
@@ -356,10 +345,8 @@ MHK_HD int64_t mask_row_offset(const Params& p, int b, int h, int i) {
 // mix32(r_i + j) >= threshold.
 template <typename Params>
 MHK_HD uint32_t dropout_row_hash(const Params& p, int b, int h, int i) {
-  const uint32_t lo = static_cast<uint32_t>(p.seed), hi = static_cast<uint32_t>(p.seed >> 32);
-  const uint32_t bh = static_cast<uint32_t>(static_cast<int64_t>(b) * p.H + h);
-  const uint32_t s_bh = mix32(lo ^ mix32(hi ^ bh));
-  return mix32(s_bh ^ static_cast<uint32_t>(i));
+  return ::mhakern::dropout_row_hash(p.seed, static_cast<uint32_t>(static_cast<int64_t>(b) * p.H + h),
+                                     static_cast<uint32_t>(i));
 }
 
 // The mask's contribution to a base-2 score: a float bias times log2(e), or -inf where a bool
