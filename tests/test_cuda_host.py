@@ -105,8 +105,7 @@ def missing_toolchain() -> Optional[str]:
 
 def _sources_digest(extra: Iterable[str]) -> str:
     h = hashlib.sha256()
-    for p in sorted(CUDA_SRC.rglob("*")) + [ROOT / "csrc" / "mode_params.h", ROOT / "csrc" / "capabilities.h",
-                                            *TEST_UNITS]:
+    for p in sorted(CUDA_SRC.rglob("*")) + [ROOT / "csrc" / "mode_params.h", ROOT / "csrc" / "capabilities.h"]:
         if p.suffix in (".h", ".cuh", ".cu", ".cpp") and p.is_file():
             h.update(p.name.encode())
             h.update(p.read_bytes())
@@ -121,9 +120,6 @@ def _sources_digest(extra: Iterable[str]) -> str:
 FLAGS = ["-std=c++17", "-O1", "-fPIC", "-fno-omit-frame-pointer", "-fno-thread-jumps", "-DMHAKERN_CUDA_EMULATE", "-w"]
 # The emulator's runtime entry points (schedule, read guard) and its self-test kernels.
 RUNTIME_UNITS = ("emu_entry.cpp", "emu_schedule.cpp", "emu_selftest.cpp")
-# Test-only entry points: the kernels with the optional modes (docs/contract.md), parameters
-# filled as csrc/cuda_host.cpp fills them.
-TEST_UNITS = (ROOT / "tests" / "emu_modes_entry.cpp",)
 
 
 def build(cache_dir: Path, instances: Sequence[str], jobs: Optional[int] = None) -> Path:
@@ -138,7 +134,7 @@ def build(cache_dir: Path, instances: Sequence[str], jobs: Optional[int] = None)
     digest = _sources_digest(FLAGS + [str(inc)])
     out = cache_dir / digest
     out.mkdir(parents=True, exist_ok=True)
-    units = [CUDA_SRC / "emulation" / u for u in RUNTIME_UNITS] + list(TEST_UNITS)
+    units = [CUDA_SRC / "emulation" / u for u in RUNTIME_UNITS]
     for inst in instances:
         units += [CUDA_SRC / f"attn_fwd_{inst}.cu", CUDA_SRC / f"attn_bwd_{inst}.cu"]
 
@@ -248,7 +244,7 @@ def _st(x: torch.Tensor):
 
 
 def _mode_args(modes, dmask=None, backward=False) -> tuple:
-    """The trailing mode arguments of mhk_emu_fwd_modes / mhk_emu_bwd_modes (tests/emu_modes_entry.cpp);
+    """The trailing mode arguments of mhk_emu_fwd_modes / mhk_emu_bwd_modes (csrc/cuda/emulation/emu_entry.cpp);
     the backward's also carry dmask (None: no mask gradient)."""
     m = modes.attn_mask
     kind = 0 if m is None else (1 if m.dtype == torch.bool else 2)
