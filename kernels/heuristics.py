@@ -195,31 +195,45 @@ def tile_config(kernel: str, d: int, dv: int, dtype: torch.dtype, arch: int = 80
 #   forward: mask 16 (8 with band or dropout too), band or dropout alone 32; with a mask at
 #            most 64 rows (sm_80 d128 spilled at 128 x 32 within the budget) and 2 stages;
 #   dK/dV with a mask: at most 16 rows x 64 keys; dQ with a mask: at most 32 keys.
-# MODE_CAPS then caps a narrowed tile where it still spilled on one architecture.
+# MODE_CAPS then caps a narrowed tile where it still spilled on one architecture or triton.
 #
-# (kernel, arch family, dtype width, head-dim bucket, "mask" | "mask+") -> a cap on the tile:
-# block_m, block_n and num_stages each at most the cap's (num_warps is the cap's). "mask+" is
-# a mask with a band or dropout too; it falls back to the "mask" row when it has none.
-# dK/dV d128 on sm_90 (16 x 64, 8 warps, wgmma, 2 stages; triton 3.9): a bool or float mask kept
-# 40 B of stack with an LDL in the key loop; one stage frees the second buffer and fits (245
-# registers). With band and dropout too, one stage still left 40 B and an LDL in the loop; 4
-# warps 56 B (11 in loops), 16 warps 312 B, 32 rows 272 B: no wgmma tile fits (wgmma's M is 64
-# keys here and 16 rows is tl.dot's minimum), so 32 keys with mma.sync (158 registers, no
-# stack), as the unaligned d128 row does; MMA_SYNC_MODES_ON_SM90 names it for the AOT check.
+# (kernel, arch family, dtype width, head-dim bucket, mode class) -> a cap on the tile:
+# block_m, block_n and num_stages each at most the cap's (num_warps is the cap's). Classes
+# (mode_class): "mask" a bool or float mask alone, "mask+" a mask with a band or dropout (it
+# falls back to the "mask" row when it has none), "nomask" a band or dropout without a mask.
+# Each row says what the tile it replaces cost (stack B / local accesses in loops), fp16/bf16.
 MODE_CAPS: Dict[Tuple[str, int, str, int, str], TileConfig] = {
-    ("dkdv", 90, "16", 128, "mask"): _T(16, 64, 8, 1),
-    ("dkdv", 90, "16", 128, "mask+"): _T(16, 32, 8, 1),
+    # 64x64 2 stages: 24 B outside the loop with a float mask (triton 3.6)
+    ("fwd", 80, "16", 64, "mask"): _T(64, 32, 8, 2),
+    # 64x64 2 stages: 56 B outside the loop with a bool mask (triton 3.9)
+    ("fwd", 90, "16", 128, "mask"): _T(64, 32, 8, 2),
+    # 64x32 2 stages: 24 B outside the loop with every mode (3.6); 1 stage still 8 B
+    ("dq", 80, "16", 128, "mask+"): _T(32, 32, 8, 2),
+    # 32x128 1 stage: 24 B outside the loop with dropout (3.6); 32x64 leaves 16 B, within slack
+    ("dkdv", 80, "16", 64, "nomask"): _T(32, 64, 8, 1),
+    # 32x128 2 stages: 24 B, 3 local accesses in the loop with a band or dropout (3.6)
+    ("dkdv", 90, "16", 64, "nomask"): _T(32, 128, 8, 1),
+    # 16x64 2 stages: 32-56 B, 1-7 in the loop with every mode (3.6)
+    ("dkdv", 80, "16", 128, "mask+"): _T(16, 64, 8, 1),
+    # sm_90 16x64 8 warps wgmma, 2 stages (triton 3.9): a bool or float mask kept 40 B with an
+    # LDL in the key loop; one stage fits a bool mask (245 registers) but a float one still keeps
+    # 24 B, and with a band or dropout too 40 B and an LDL in the loop; with every mode, 4 warps
+    # 56 B (11 in loops), 16 warps 312 B, 32 rows 272 B: no wgmma tile fits (wgmma's M is 64
+    # keys here and 16 rows is tl.dot's minimum), so 32 keys with mma.sync (158 registers, no
+    # stack), as the unaligned d128 row does; MMA_SYNC_MODES_ON_SM90 names it for the AOT check.
+    ("dkdv", 90, "16", 128, "mask"): _T(16, 32, 8, 1),
 }
 
-# Mode variants allowed mma.sync on sm_90, as (kernel, dtype width, head-dim bucket, "mask+"):
-# those whose MODE_CAPS row takes fewer keys than wgmma's 64 (see there why).
-MMA_SYNC_MODES_ON_SM90 = frozenset({("dkdv", "16", 128, "mask+")})
+# Mode variants allowed mma.sync on sm_90, as (kernel, dtype width, head-dim bucket, mode
+# class): those whose MODE_CAPS row takes fewer keys than wgmma's 64 (see there why).
+MMA_SYNC_MODES_ON_SM90 = frozenset({("dkdv", "16", 128, "mask"), ("dkdv", "16", 128, "mask+")})
 
 
 def mode_class(band: bool = False, mask_kind: int = 0, dropout: bool = False) -> str:
-    """Which MODE_CAPS rows apply: "mask+" (a mask and a band or dropout), "mask", or ""."""
+    """Which MODE_CAPS rows apply: "mask+" (a mask and a band or dropout), "mask", "nomask"
+    (a band or dropout without a mask), or "" (no mode: the plain kernel)."""
     if not mask_kind:
-        return ""
+        return "nomask" if (band or dropout) else ""
     return "mask+" if (band or dropout) else "mask"
 
 
@@ -241,15 +255,13 @@ def mode_tiles(kernel: str, cfg: TileConfig, *, arch: int = 80, width: str = "16
         while bm * bn > budget * 32 * cfg.num_warps and bn > 32:
             bn //= 2
         cfg = TileConfig(bm, bn, cfg.num_warps, min(cfg.num_stages, 2) if mask_kind else cfg.num_stages)
-    elif not mask_kind:
-        return cfg
-    elif kernel == "dkdv":
+    elif mask_kind and kernel == "dkdv":
         cfg = TileConfig(min(cfg.block_m, 16), min(cfg.block_n, 64), cfg.num_warps, cfg.num_stages)
-    else:
+    elif mask_kind:
         cfg = TileConfig(cfg.block_m, min(cfg.block_n, 32), cfg.num_warps, cfg.num_stages)
     cls = mode_class(band, mask_kind, dropout)
     key = (kernel, 90 if arch >= 90 else 80, width, bucket)
-    cap = MODE_CAPS.get(key + (cls,)) or (MODE_CAPS.get(key + ("mask",)) if cls else None)
+    cap = MODE_CAPS.get(key + (cls,)) or (MODE_CAPS.get(key + ("mask",)) if cls == "mask+" else None)
     if cap is not None:
         cfg = TileConfig(min(cfg.block_m, cap.block_m), min(cfg.block_n, cap.block_n), cap.num_warps,
                          min(cfg.num_stages, cap.num_stages))
