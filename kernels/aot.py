@@ -8,8 +8,8 @@ divisible by 16 when the head dims are multiples of 16 (see ``divisible_args``; 
 drops it all). kernels/sass.py then reads the cubin back with Triton's cuobjdump. A variant
 fails when a local-memory load or store (a register spill) sits inside a loop, when it keeps
 more stack than ``STACK_SLACK`` bytes (head dims multiples of 16), when on sm_90 a loop
-multiplies matrices without HGMMA (unless heuristics.MMA_SYNC_ON_SM90 names it, with the
-reason), when the tensor-descriptor forward has no TMA load in a loop, or when its shared
+multiplies matrices without HGMMA (unless heuristics.MMA_SYNC_ON_SM90, or for a mode variant
+MMA_SYNC_MODES_ON_SM90, names it, with the reason), when the tensor-descriptor forward has no TMA load in a loop, or when its shared
 memory exceeds the chip's limit. A kernel that would not build or fit on a GPU therefore fails
 here, in CI.
 
