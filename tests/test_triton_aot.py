@@ -21,6 +21,7 @@ The mode variants (``--modes``: band, masks, dropout, the mask's gradient) are c
 their heaviest, all modes on per kernel; ``--modes`` alone builds every mode set.
 """
 import os
+import re
 import subprocess
 import sys
 
@@ -32,14 +33,15 @@ from mhakern.kernels import sass
 pytest.importorskip("triton", reason="triton is not installed")
 
 
-def _aot(*args, arches=("80", "90")):
+def _aot(*args, arches=("80", "90"), per_arch=None):
     """Run ``python -m mhakern.kernels.aot ARGS --arch A`` for each arch, in parallel (one
-    process per target: the two compile side by side on a two-core machine); their reports."""
+    process per target: the two compile side by side on a two-core machine); their reports.
+    ``per_arch``: {arch: [more args]} for that arch's process only."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, stated to silence its warning
     cmd = [sys.executable, "-m", "mhakern.kernels.aot", *args]
-    procs = [subprocess.Popen(cmd + ["--arch", arch], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for arch in arches]
+    procs = [subprocess.Popen(cmd + ["--arch", arch, *(per_arch or {}).get(arch, [])], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for arch in arches]
     outs = [p.communicate(timeout=1200)[0] for p in procs]
     print("\n".join(outs))
     for p, out in zip(procs, outs):
@@ -67,10 +69,14 @@ def test_head_dims_not_multiple_of_16_keep_local_memory_out_of_their_loops():
 def test_mode_variants_with_all_modes_on_compile_without_spills():
     # The modes kernels (band + top-left, float mask, dropout, and dQ's mask gradient all at once:
     # the variant with the most code of each kernel) at the tiles heuristics.tile_config gives
-    # those modes per arch. The other mode sets (``--modes`` alone) take minutes: run by hand.
-    report = _aot("--dtypes", "fp16", "--dims", "64", "128", "--modes", "all", "--no-plain")
-    assert report.count("+all ") == 2 * 2 * 3, report
-    assert report.count(" ok (") == 2 * 2 * 3, report
+    # those modes per arch: sm_80 fp16 d64 and sm_90 bf16 d128 (where dK/dV takes mma.sync,
+    # heuristics.MODE_CAPS), about 15 s a variant here, the two arches side by side. Every mode
+    # set at both head dims, dtypes and arches takes ~30 min here: ``--modes`` alone, by hand.
+    report = _aot("--modes", "all", "--no-plain", per_arch={"80": ["--dtypes", "fp16", "--dims", "64"],
+                                                              "90": ["--dtypes", "bf16", "--dims", "128"]})
+    assert report.count("+all ") == 2 * 3, report
+    assert report.count(" ok (") == 2 * 3, report
+    assert re.search(r"dkdv/bf16/d128\+all\s+90\s+16x32 ", report), report
 
 
 def test_mode_variants_take_the_tables_tiles_and_leave_mask_strides_unmarked():
