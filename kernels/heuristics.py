@@ -19,6 +19,10 @@ Head dims that are not multiples of 16 have their own rows (UNALIGNED_TILES, wit
 the sm_90 forward of calls without modes goes through tensor descriptors (TMA) when
 ``desc_eligible`` says the tensors allow it (its tiles: the "fwd_desc" rows).
 
+Launches with modes (a mask, a band or window, dropout) take the modes kernels at a tile the
+same functions give for those modes: the plain row narrowed by ``mode_tiles``, capped per arch
+by MODE_CAPS (``python -m mhakern.kernels.aot --modes`` checks them).
+
 Both supported triton versions must pass (3.9 here, 3.6 on the GPU machine): their register
 allocations differ by up to ~20 registers, so a tile at the edge in one spills in the other
 (dK/dV at head dim 64 on sm_80 spills 48 B with triton 3.6 at 2 stages, none at 1 stage).
