@@ -219,15 +219,23 @@ MODE_CAPS: Dict[Tuple[str, int, str, int, str], TileConfig] = {
     ("dkdv", 90, "16", 64, "nomask"): _T(32, 128, 8, 1),
     # 16x64 2 stages: 32-56 B, 1-7 in the loop with every mode (3.6)
     ("dkdv", 80, "16", 128, "mask+"): _T(16, 64, 8, 1),
-    # Head dims 129-256 with a mask and a band or dropout (triton 3.9, fp16; d256 and the
-    # unaligned d200): fwd 64x32 left 48 B (sm_80) / 96 B (sm_90) outside the loop and 92 local
-    # accesses in the loop at d200 on sm_80; dQ 64x32 one stage 69 / 155 in the loop on sm_80
-    # (32x32: still 31), 64x16 on sm_90 27 in the loop (one stage 99): dQ takes 16 rows there,
-    # below wgmma's 64, so mma.sync (MMA_SYNC_MODES_ON_SM90).
+    # Head dims 129-256 (triton 3.9, fp16; d256 and the unaligned d200). With every mode: fwd
+    # 64x32 left 48 B (sm_80) / 96 B (sm_90) outside the loop and 92 local accesses in the loop
+    # at d200 on sm_80; dQ 64x32 one stage 69 / 155 in the loop on sm_80 (32x32: still 31),
+    # 64x16 on sm_90 27 in the loop (one stage 99). A mask alone, or a band alone: fwd d200
+    # sm_80 3-135 in the loop, dQ d200 sm_80 4-49, dQ d256 48-216 B outside the loop on both
+    # arches (1 in the loop with the mask's gradient on sm_90). dQ takes 16 rows there, below
+    # wgmma's 64, so mma.sync on sm_90 (MMA_SYNC_MODES_ON_SM90).
     ("fwd", 80, "16", 256, "mask+"): _T(32, 32, 8, 2),
+    ("fwd", 80, "16", 256, "mask"): _T(32, 32, 8, 2),
+    ("fwd", 80, "16", 256, "nomask"): _T(32, 32, 8, 2),
     ("fwd", 90, "16", 256, "mask+"): _T(64, 16, 8, 2),
     ("dq", 80, "16", 256, "mask+"): _T(16, 32, 8, 1),
+    ("dq", 80, "16", 256, "mask"): _T(16, 32, 8, 1),
+    ("dq", 80, "16", 256, "nomask"): _T(16, 32, 8, 1),
     ("dq", 90, "16", 256, "mask+"): _T(16, 32, 8, 1),
+    ("dq", 90, "16", 256, "mask"): _T(16, 32, 8, 1),
+    ("dq", 90, "16", 256, "nomask"): _T(16, 32, 8, 1),
     # sm_90 16x64 8 warps wgmma, 2 stages (triton 3.9): a bool or float mask kept 40 B with an
     # LDL in the key loop; one stage fits a bool mask (245 registers) but a float one still keeps
     # 24 B, and with a band or dropout too 40 B and an LDL in the loop; with every mode, 4 warps
@@ -239,7 +247,10 @@ MODE_CAPS: Dict[Tuple[str, int, str, int, str], TileConfig] = {
 
 # Mode variants allowed mma.sync on sm_90, as (kernel, dtype width, head-dim bucket, mode
 # class): those whose MODE_CAPS row takes fewer keys than wgmma's 64 (see there why).
-MMA_SYNC_MODES_ON_SM90 = frozenset({("dkdv", "16", 128, "mask"), ("dkdv", "16", 128, "mask+"), ("dq", "16", 256, "mask+")})
+MMA_SYNC_MODES_ON_SM90 = frozenset({
+    ("dkdv", "16", 128, "mask"), ("dkdv", "16", 128, "mask+"),
+    ("dq", "16", 256, "mask"), ("dq", "16", 256, "mask+"), ("dq", "16", 256, "nomask"),
+})
 
 
 def mode_class(band: bool = False, mask_kind: int = 0, dropout: bool = False) -> str:
