@@ -228,7 +228,7 @@ MODE_CAPS: Dict[Tuple[str, int, str, int, str], TileConfig] = {
     # wgmma's 64, so mma.sync on sm_90 (MMA_SYNC_MODES_ON_SM90).
     ("fwd", 80, "16", 256, "mask+"): _T(32, 32, 8, 2),
     ("fwd", 80, "16", 256, "mask"): _T(32, 32, 8, 2),
-    ("fwd", 80, "16", 256, "nomask"): _T(32, 32, 8, 2),
+    ("fwd", 80, "16", 256, "nomask"): _T(16, 32, 8, 2),  # 32x32: d200 band 2 in the loop (3.6)
     ("fwd", 90, "16", 256, "mask+"): _T(64, 16, 8, 2),
     ("dq", 80, "16", 256, "mask+"): _T(16, 32, 8, 1),
     ("dq", 80, "16", 256, "mask"): _T(16, 32, 8, 1),
