@@ -8,13 +8,18 @@ divisible by 16 when the head dims are multiples of 16 (see ``divisible_args``; 
 drops it all). kernels/sass.py then reads the cubin back with Triton's cuobjdump. A variant
 fails when a local-memory load or store (a register spill) sits inside a loop, when it keeps
 more stack than ``STACK_SLACK`` bytes (head dims multiples of 16), when on sm_90 a loop
-multiplies matrices without HGMMA (unless heuristics.MMA_SYNC_ON_SM90 names it, with the
-reason), when the tensor-descriptor forward has no TMA load in a loop, or when its shared
+multiplies matrices without HGMMA (unless heuristics.MMA_SYNC_ON_SM90, or for a mode variant
+MMA_SYNC_MODES_ON_SM90, names it, with the reason), when the tensor-descriptor forward has no TMA load in a loop, or when its shared
 memory exceeds the chip's limit. A kernel that would not build or fit on a GPU therefore fails
 here, in CI.
 
     python -m mhakern.kernels.aot [--arch 80 90] [--dtypes fp16 bf16 fp32] [--dims 16 32 40 64 ...]
                                   [--all-flags] [--only fwd desc delta dkdv dq] [--tile M N WARPS STAGES]
+                                  [--modes [band mask1 mask2 mask2grad dropout all]] [--no-plain]
+
+``--modes`` also builds the mode variants (``_attn_fwd_modes_kernel`` and the two backward
+ones) with the tiles heuristics.tile_config gives those modes on each arch (``--modes`` alone:
+every set in MODE_SETS); ``--no-plain`` leaves out the plain kernels.
 
 Prints one row per variant: tile, warps/stages, shared memory, registers, stack bytes, LDL
 count, LDL/STL inside loops, loops with HGMMA / loops with a matrix instruction, TMA loads.
@@ -57,7 +62,7 @@ ALL_DIMS = (16, 32, 40, 64, 80, 100, 128, 200, 256)
 
 @dataclass(frozen=True)
 class Variant:
-    name: str
+    name: str  # "kernel/dtype/dD[/flags][+modes]": the kernel's key is the first field
     kernel: object
     signature: dict
     constexprs: dict
@@ -69,6 +74,22 @@ class Variant:
 _FP32_PTRS = {"LSE", "DELTA"}
 _DATA_PTRS = {"Q", "K", "V", "O", "DO", "DK", "DV_", "DQ"}
 _OTHER_PTRS = {"KL": "*i32", "MASK": "*u8", "DMASK": "*fp32"}
+# The mask pointer's type per MASK_KIND: without a mask the launchers pass an fp32 buffer
+# (lse or delta) in its place, a bool mask travels as its uint8 view, a float mask is fp32.
+_MASK_PTR = {0: "*fp32", 1: "*u8", 2: "*fp32"}
+
+# Mode sets compiled by ``--modes``: name -> the modes kernels' constexprs (the rest off).
+# "mask2grad" is the dQ kernel's (it writes the float mask's gradient); "all" turns on every
+# mode at once (float mask, and its gradient in dQ), the variant with the most code.
+MODE_SETS = {
+    "band": dict(BAND=True, TOP_LEFT=True),
+    "mask1": dict(MASK_KIND=1),
+    "mask2": dict(MASK_KIND=2),
+    "mask2grad": dict(MASK_KIND=2, MASK_GRAD=True),
+    "dropout": dict(DROPOUT=True),
+    "all": dict(BAND=True, TOP_LEFT=True, MASK_KIND=2, DROPOUT=True, MASK_GRAD=True),
+}
+
 _SIZES = {"H"}  # upper-case names that are not pointers
 
 
@@ -105,21 +126,24 @@ def constexpr_defaults(kernel) -> dict:
             if "constexpr" in str(p.annotation) and p.default is not inspect.Parameter.empty}
 
 
-def variants(arch: int, dtypes=("fp16", "bf16", "fp32"), dims=ALL_DIMS, flags=((True, True),), tile=None):
+def variants(arch: int, dtypes=("fp16", "bf16", "fp32"), dims=ALL_DIMS, flags=((True, True),), tile=None,
+             modes=(), plain=True):
     """Each kernel variant to build for ``arch``, with the tiles the heuristics give that arch.
 
     Covers every (kernel, dtype, head dim) asked for, with the largest row tile each uses (the
     decode tiles are smaller), for each (CAUSAL, HAS_KL) in ``flags`` (default: both on, the
     variant with the most code), optional modes off. On sm_90 the tensor-descriptor forward
     too ("desc", fp16/bf16, the head dims TMA can address). ``tile``: a TileConfig to try
-    instead of the table's.
+    instead of the table's. ``modes``: names of MODE_SETS to build as mode variants too (the
+    "+name" ones), each with its own tiles; ``plain``: whether to build the plain kernels.
     """
-    from .attention_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _bwd_delta_kernel
-    from .attention_fwd import _attn_fwd_kernel, precision
+    from .attention_bwd import (_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_modes_kernel, _attn_bwd_dq_kernel,
+                                _attn_bwd_dq_modes_kernel, _bwd_delta_kernel)
+    from .attention_fwd import _attn_fwd_kernel, _attn_fwd_modes_kernel, precision
     from .attention_fwd_desc import _attn_fwd_desc_kernel
     from .heuristics import desc_config, dkdv_config, dq_config, fwd_config, head_block
 
-    pick = (lambda f: lambda *a: tile or f(*a))  # noqa: E731
+    pick = (lambda f: lambda *a, **kw: tile or f(*a, **kw))  # noqa: E731
     dkdv_config, dq_config, fwd_config, desc_config = map(pick, (dkdv_config, dq_config, fwd_config, desc_config))
 
     by_name = {v: k for k, v in _TY.items()}
@@ -132,7 +156,25 @@ def variants(arch: int, dtypes=("fp16", "bf16", "fp32"), dims=ALL_DIMS, flags=((
 
         def make(name, kernel, cfg, ce, descs=None):
             ce = dict(constexpr_defaults(kernel), **ce)
-            return Variant(name, kernel, signature_of(kernel, dtype, descs), ce, cfg.num_warps, cfg.num_stages)
+            sig = signature_of(kernel, dtype, descs)
+            if "MASK" in sig:
+                sig["MASK"] = _MASK_PTR[ce.get("MASK_KIND", 0)]
+            return Variant(name, kernel, sig, ce, cfg.num_warps, cfg.num_stages)
+
+        for mode in modes:
+            ms = MODE_SETS[mode]
+            kw = dict(band=ms.get("BAND", False), mask_kind=ms.get("MASK_KIND", 0), dropout=ms.get("DROPOUT", False))
+            for name, kernel, config in (("fwd", _attn_fwd_modes_kernel, fwd_config),
+                                         ("dkdv", _attn_bwd_dkdv_modes_kernel, dkdv_config),
+                                         ("dq", _attn_bwd_dq_modes_kernel, dq_config)):
+                ce = {n: val for n, val in ms.items() if n in constexpr_defaults(kernel)}
+                if mode == "mask2grad" and "MASK_GRAD" not in ce:
+                    continue  # the mask's gradient is the dQ kernel's alone: no other variant
+                cfg = tile or config(d, d, dtype, arch, **kw)
+                yield make(f"{name}/{ty}/d{d}{tag}+{mode}", kernel, cfg,
+                           dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **ce))
+        if not plain:
+            continue
 
         cfg = fwd_config(d, d, dtype, arch)
         yield make(f"fwd/{ty}/d{d}{tag}", _attn_fwd_kernel, cfg, dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n))
@@ -163,8 +205,13 @@ def divisible_args(signature, strides_too: bool = True) -> list:
     every stride a multiple of the head dim, so all are marked when the head dims are multiples
     of 16. A head dim such as 40 has 80-byte rows, 16-byte aligned, yet a row stride of 40
     elements, which the JIT leaves unmarked (and ``H * 40`` only when H is even): the worst case,
-    compiled here, is no stride marked. Sizes (H, Lq, Lk, ...) are left arbitrary."""
-    return [n for n, ty in signature.items() if ty.startswith("*") or (strides_too and n.startswith("stride_"))]
+    compiled here, is no stride marked. Sizes (H, Lq, Lk, ...) are left arbitrary.
+
+    The mask's strides (``stride_m*``) are never marked: a mask broadcast over batch, heads or
+    rows has stride 0 there and its last stride is 1, so no launch can be assumed to give
+    multiples of 16."""
+    return [n for n, ty in signature.items()
+            if ty.startswith("*") or (strides_too and n.startswith("stride_") and not n.startswith("stride_m"))]
 
 
 def strides_aligned(constexprs) -> bool:
@@ -214,11 +261,13 @@ def check(v: Variant, arch: int, compiled, aligned: bool = True) -> Tuple[List[s
     if rep.local_in_loops or (strict and rep.stack > STACK_SLACK):
         problems.append(f"{rep.stack} B of stack (register spills: {rep.ldl} LDL, {rep.local_in_loops} in loops)")
     # fp32 multiplies exactly (ieee, FMA): no matrix unit to ask for.
-    from .heuristics import MMA_SYNC_ON_SM90, head_bucket
+    from .heuristics import allows_mma_sync, head_bucket, mode_class
 
     key = (v.name.split("/")[0], "32" if v.constexprs.get("PREC") == "ieee" else "16",
            head_bucket(v.constexprs.get("D", 0), v.constexprs.get("DV", 0)), strides_aligned(v.constexprs))
-    wants_hgmma = v.constexprs.get("PREC") != "ieee" and key not in MMA_SYNC_ON_SM90
+    modes = mode_class(v.constexprs.get("BAND", False), v.constexprs.get("MASK_KIND", 0),
+                       v.constexprs.get("DROPOUT", False))
+    wants_hgmma = v.constexprs.get("PREC") != "ieee" and not allows_mma_sync(*key, modes)
     if arch >= 90 and wants_hgmma and rep.mma_loops > rep.hgmma_loops:
         problems.append(f"{rep.mma_loops - rep.hgmma_loops} matrix loop(s) without HGMMA")
     # The descriptor forward exists for TMA: its key loops must load through it (a triton that
@@ -238,6 +287,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", default=None, help="kernels to build (fwd desc delta dkdv dq; default: all)")
     ap.add_argument("--unaligned", action="store_true",
                     help="compile without the JIT's divisibility specialisation (strides not multiples of 16)")
+    ap.add_argument("--modes", nargs="*", default=None, choices=list(MODE_SETS),
+                    help="also build the mode variants of these sets (alone: all of them)")
+    ap.add_argument("--no-plain", action="store_true", help="leave out the plain kernels (with --modes)")
     ap.add_argument("--tile", type=int, nargs=4, metavar=("M", "N", "WARPS", "STAGES"),
                     help="try this tile for every variant instead of the table's (to tune the table)")
     args = ap.parse_args(argv)
@@ -248,11 +300,12 @@ def main(argv=None) -> int:
         return 2
     flags = list(itertools.product((True, False), repeat=2)) if args.all_flags else [(True, True)]
     failures = 0
-    print(f"{'variant':<24} {'arch':>4} {'tile':>9} {'w/s':>4} {'smem KiB':>8} {'regs':>4} {'stack':>5} {'LDL':>4} "
+    print(f"{'variant':<30} {'arch':>4} {'tile':>9} {'w/s':>4} {'smem KiB':>8} {'regs':>4} {'stack':>5} {'LDL':>4} "
           f"{'inloop':>6} {'HGMMA':>5} {'TMA':>3}  status")
     for arch in args.arch:
         trial = TileConfig(*args.tile) if args.tile else None
-        for v in variants(arch, args.dtypes, args.dims, flags, trial):
+        modes = list(MODE_SETS) if args.modes == [] else (args.modes or [])
+        for v in variants(arch, args.dtypes, args.dims, flags, trial, modes, plain=not args.no_plain):
             if args.only and v.name.split("/")[0] not in args.only:
                 continue
             t0 = time.time()
@@ -270,7 +323,7 @@ def main(argv=None) -> int:
                 figures = f"{'':>8} {'':>4} {'':>5} {'':>4} {'':>6} {'':>5} {'':>3}"
                 status = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
             failures += bool(problems)
-            print(f"{v.name:<24} {arch:>4} {tile:>9} {v.num_warps:>2}/{v.num_stages} {figures}  {status}", flush=True)
+            print(f"{v.name:<30} {arch:>4} {tile:>9} {v.num_warps:>2}/{v.num_stages} {figures}  {status}", flush=True)
     print(f"aot: {failures} failing variant(s)")
     return 1 if failures else 0
 

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .attention_fwd import (
     ModeArgs,
-    mode_tiles,
+    tile_modes,
     _band,
     _band_key_range,
     _diag,
@@ -513,7 +513,7 @@ def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal
         kl = key_lengths if has_kl else delta  # unused pointer when HAS_KL is False
         mask = modes.mask if modes.mask is not None else delta  # unused pointer when MASK_KIND is 0
 
-        cfg = mode_tiles("dkdv", dkdv_config(D, Dv, q.dtype, arch), modes)
+        cfg = dkdv_config(D, Dv, q.dtype, arch, **tile_modes(modes))
         hpp = packed_rows(Lq, n_rep, cfg.block_m)
         args = (
             q.stride(0), q.stride(1), q.stride(2),
@@ -536,7 +536,7 @@ def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal
                 H, Lq, Lk, n_rep, hpp, scale, *modes.runtime(), **modes.constexprs(), **common,
             )
 
-        cfg = mode_tiles("dq", dq_config(D, Dv, q.dtype, arch), modes)
+        cfg = dq_config(D, Dv, q.dtype, arch, **tile_modes(modes))
         hpp, bm, grid = launch_geometry(B, H, Hkv, Lq, cfg.block_m)
         args = (
             q.stride(0), q.stride(1), q.stride(2),

@@ -36,7 +36,6 @@ to the code above and nothing more:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import torch
 import triton
@@ -526,33 +525,10 @@ class ModeArgs:
         return dict(BAND=self.band, TOP_LEFT=self.top_left, MASK_KIND=self.mask_kind, DROPOUT=self.dropout)
 
 
-def mode_tiles(kernel: str, cfg, modes: "ModeArgs"):
-    """The tile of ``kernel`` ("fwd", "dkdv", "dq") for a launch with ``modes``: heuristics.py's
-    tile for the plain variant, narrowed where the modes add (rows x keys) tiles that would not
-    fit in registers beside it (mask values, the column test that zeroes the values of keys no
-    row sees, band bounds, keep bits). Budgets are elements of one (rows x keys) tile per
-    thread, measured with the AOT check on sm_80 and sm_90 (fp16/bf16, head dims 64 and 128),
-    where the variants spilled at the plain tiles. The plain variant keeps its tile."""
-    if kernel == "fwd":
-        if modes.mask_kind:
-            budget = 8 if (modes.band or modes.dropout) else 16
-        elif modes.band or modes.dropout:
-            budget = 32
-        else:
-            return cfg
-        # With a mask, also at most 64 rows: sm_80 d128 spilled at 128 x 32 within the budget.
-        bm, bn = (min(cfg.block_m, 64) if modes.mask_kind else cfg.block_m), cfg.block_n
-        while bm * bn > budget * 32 * cfg.num_warps and bm > 64:
-            bm //= 2
-        while bm * bn > budget * 32 * cfg.num_warps and bn > 32:
-            bn //= 2
-        return dataclasses.replace(cfg, block_m=bm, block_n=bn,
-                                   num_stages=min(cfg.num_stages, 2) if modes.mask_kind else cfg.num_stages)
-    if not modes.mask_kind:
-        return cfg
-    if kernel == "dkdv":
-        return dataclasses.replace(cfg, block_m=min(cfg.block_m, 16), block_n=min(cfg.block_n, 64))
-    return dataclasses.replace(cfg, block_n=min(cfg.block_n, 32))
+def tile_modes(modes: "ModeArgs") -> dict:
+    """The modes that choose a launch's tile (heuristics.tile_config's keywords): the table in
+    heuristics.py narrows the plain tile for them, per architecture."""
+    return dict(band=modes.band, mask_kind=modes.mask_kind, dropout=modes.dropout)
 
 
 def _as_i32(x: int) -> int:
@@ -581,7 +557,7 @@ def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths
     check_buffer("out", out, (B, H, Lq, Dv), q.dtype, q)
     check_buffer("lse", lse, (B, H, Lq), torch.float32, q, contiguous=True)
     modes = ModeArgs(Lq, Lk, causal, attn_mask, dropout_p, seed, top_left, window_left, window_right)
-    cfg = mode_tiles("fwd", fwd_config(D, Dv, q.dtype, arch_of(q)), modes)
+    cfg = fwd_config(D, Dv, q.dtype, arch_of(q), **tile_modes(modes))
     hpp, bm, grid = launch_geometry(B, H, Hkv, Lq, cfg.block_m)
     kl = key_lengths if key_lengths is not None else lse  # unused pointer when HAS_KL is False
     mask = modes.mask if modes.mask is not None else lse  # unused pointer when MASK_KIND is 0
@@ -615,5 +591,5 @@ def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths
     return out, lse
 
 
-__all__ = ["attention_forward", "ModeArgs", "mode_tiles", "launch_geometry", "precision", "on_device", "check_buffer", "MAX_PROGRAMS",
+__all__ = ["attention_forward", "ModeArgs", "tile_modes", "launch_geometry", "precision", "on_device", "check_buffer", "MAX_PROGRAMS",
            "needs_64bit_offsets", "arch_of"]

@@ -19,6 +19,10 @@ Head dims that are not multiples of 16 have their own rows (UNALIGNED_TILES, wit
 the sm_90 forward of calls without modes goes through tensor descriptors (TMA) when
 ``desc_eligible`` says the tensors allow it (its tiles: the "fwd_desc" rows).
 
+Launches with modes (a mask, a band or window, dropout) take the modes kernels at a tile the
+same functions give for those modes: the plain row narrowed by ``mode_tiles``, capped per arch
+by MODE_CAPS (``python -m mhakern.kernels.aot --modes`` checks them).
+
 Both supported triton versions must pass (3.9 here, 3.6 on the GPU machine): their register
 allocations differ by up to ~20 registers, so a tile at the edge in one spills in the other
 (dK/dV at head dim 64 on sm_80 spills 48 B with triton 3.6 at 2 stages, none at 1 stage).
@@ -155,24 +159,141 @@ MMA_SYNC_ON_SM90 = frozenset({
 })
 
 
+def allows_mma_sync(kernel: str, width: str, bucket: int, aligned: bool, modes: str = "") -> bool:
+    """Whether a variant may multiply with mma.sync on sm_90 (the AOT check's exception):
+    MMA_SYNC_ON_SM90 for its tile row, or MMA_SYNC_MODES_ON_SM90 for its ``modes`` (mode_class)."""
+    return ((kernel, width, bucket, aligned) in MMA_SYNC_ON_SM90
+            or (kernel, width, bucket, modes) in MMA_SYNC_MODES_ON_SM90)
+
+
 def strides_aligned(d: int, dv: int) -> bool:
     """Whether the layouts the dispatcher allocates give strides the JIT marks divisible by 16:
     every stride is a multiple of the head dim, so head dims that are multiples of 16."""
     return d % 16 == 0 and dv % 16 == 0
 
 
-def tile_config(kernel: str, d: int, dv: int, dtype: torch.dtype, arch: int = 80) -> TileConfig:
+def tile_config(kernel: str, d: int, dv: int, dtype: torch.dtype, arch: int = 80, *, band: bool = False,
+                mask_kind: int = 0, dropout: bool = False) -> TileConfig:
     """Tiles of ``kernel`` ("fwd", "dq", "dkdv" or "fwd_desc") for head dims (d, dv), dtype and
-    arch family."""
+    arch family; with modes (``band``: a window or top-left alignment, ``mask_kind`` 0 none /
+    1 bool / 2 float, ``dropout``), the mode variant's tile (``mode_tiles``)."""
     width = "32" if dtype == torch.float32 else "16"
-    key = (kernel, 90 if arch >= 90 else 80, width, head_bucket(d, dv))
+    family = 90 if arch >= 90 else 80
+    key = (kernel, family, width, head_bucket(d, dv))
+    cfg = TILES[key]
     if not strides_aligned(d, dv) and key in UNALIGNED_TILES:
-        return UNALIGNED_TILES[key]
-    return TILES[key]
+        cfg = UNALIGNED_TILES[key]
+    if kernel == "fwd_desc":
+        return cfg
+    return mode_tiles(kernel, cfg, arch=family, width=width, bucket=key[3], band=band, mask_kind=mask_kind,
+                      dropout=dropout)
 
 
-def fwd_config(d: int, dv: int, dtype: torch.dtype, arch: int = 80) -> TileConfig:
-    return tile_config("fwd", d, dv, dtype, arch)
+# --- Tiles of the mode variants (the ``*_modes_kernel`` entry points) --------------------------
+# The optional modes add (rows x keys) tiles beside the plain kernel's: the mask's values (bool
+# read as bytes, or float32), the column test that zeroes the values of keys no row sees, the
+# band's bounds, the dropout keep bits. The plain tile of each row above is narrowed until
+# those fit: budgets are elements of one (rows x keys) tile per thread, found with the AOT
+# check (``python -m mhakern.kernels.aot --modes``) on sm_80 and sm_90, fp16/bf16, head dims 64
+# and 128, where the variants spilled at the plain tiles. The plain variant keeps its tile.
+#   forward: mask 16 (8 with band or dropout too), band or dropout alone 32; with a mask at
+#            most 64 rows (sm_80 d128 spilled at 128 x 32 within the budget) and 2 stages;
+#   dK/dV with a mask: at most 16 rows x 64 keys; dQ with a mask: at most 32 keys.
+# MODE_CAPS then caps a narrowed tile where it still spilled on one architecture or triton.
+#
+# (kernel, arch family, dtype width, head-dim bucket, mode class) -> a cap on the tile:
+# block_m, block_n and num_stages each at most the cap's (num_warps is the cap's). Classes
+# (mode_class): "mask" a bool or float mask alone, "mask+" a mask with a band or dropout (it
+# falls back to the "mask" row when it has none), "nomask" a band or dropout without a mask.
+# Each row says what the tile it replaces cost (stack B / local accesses in loops), fp16/bf16.
+MODE_CAPS: Dict[Tuple[str, int, str, int, str], TileConfig] = {
+    # 64x64 2 stages: 24 B outside the loop with a float mask (triton 3.6)
+    ("fwd", 80, "16", 64, "mask"): _T(64, 32, 8, 2),
+    # 64x64 2 stages: 56 B outside the loop with a bool mask (triton 3.9)
+    ("fwd", 90, "16", 128, "mask"): _T(64, 32, 8, 2),
+    # 64x32 2 stages: 24 B outside the loop with every mode (3.6); 1 stage still 8 B
+    ("dq", 80, "16", 128, "mask+"): _T(32, 32, 8, 2),
+    # 32x128 1 stage: 24 B outside the loop with dropout (3.6); 32x64 leaves 16 B, within slack
+    ("dkdv", 80, "16", 64, "nomask"): _T(32, 64, 8, 1),
+    # 32x128 2 stages: 24 B, 3 local accesses in the loop with a band or dropout (3.6)
+    ("dkdv", 90, "16", 64, "nomask"): _T(32, 128, 8, 1),
+    # 16x64 2 stages: 32-56 B, 1-7 in the loop with every mode (3.6)
+    ("dkdv", 80, "16", 128, "mask+"): _T(16, 64, 8, 1),
+    # Head dims 129-256 (triton 3.9, fp16; d256 and the unaligned d200). With every mode: fwd
+    # 64x32 left 48 B (sm_80) / 96 B (sm_90) outside the loop and 92 local accesses in the loop
+    # at d200 on sm_80; dQ 64x32 one stage 69 / 155 in the loop on sm_80 (32x32: still 31),
+    # 64x16 on sm_90 27 in the loop (one stage 99). A mask alone, or a band alone: fwd d200
+    # sm_80 3-135 in the loop, dQ d200 sm_80 4-49, dQ d256 48-216 B outside the loop on both
+    # arches (1 in the loop with the mask's gradient on sm_90). dQ takes 16 rows there, below
+    # wgmma's 64, so mma.sync on sm_90 (MMA_SYNC_MODES_ON_SM90).
+    ("fwd", 80, "16", 256, "mask+"): _T(32, 32, 8, 2),
+    ("fwd", 80, "16", 256, "mask"): _T(32, 32, 8, 2),
+    ("fwd", 80, "16", 256, "nomask"): _T(16, 32, 8, 2),  # 32x32: d200 band 2 in the loop (3.6)
+    ("fwd", 90, "16", 256, "mask+"): _T(64, 16, 8, 2),
+    ("dq", 80, "16", 256, "mask+"): _T(16, 32, 8, 1),
+    ("dq", 80, "16", 256, "mask"): _T(16, 32, 8, 1),
+    ("dq", 80, "16", 256, "nomask"): _T(16, 32, 8, 1),
+    ("dq", 90, "16", 256, "mask+"): _T(16, 32, 8, 1),
+    ("dq", 90, "16", 256, "mask"): _T(16, 32, 8, 1),
+    ("dq", 90, "16", 256, "nomask"): _T(16, 32, 8, 1),
+    # sm_90 16x64 8 warps wgmma, 2 stages (triton 3.9): a bool or float mask kept 40 B with an
+    # LDL in the key loop; one stage fits a bool mask (245 registers) but a float one still keeps
+    # 24 B, and with a band or dropout too 40 B and an LDL in the loop; with every mode, 4 warps
+    # 56 B (11 in loops), 16 warps 312 B, 32 rows 272 B: no wgmma tile fits (wgmma's M is 64
+    # keys here and 16 rows is tl.dot's minimum), so 32 keys with mma.sync (158 registers, no
+    # stack), as the unaligned d128 row does; MMA_SYNC_MODES_ON_SM90 names it for the AOT check.
+    ("dkdv", 90, "16", 128, "mask"): _T(16, 32, 8, 1),
+}
+
+# Mode variants allowed mma.sync on sm_90, as (kernel, dtype width, head-dim bucket, mode
+# class): those whose MODE_CAPS row takes fewer keys than wgmma's 64 (see there why).
+MMA_SYNC_MODES_ON_SM90 = frozenset({
+    ("dkdv", "16", 128, "mask"), ("dkdv", "16", 128, "mask+"),
+    ("dq", "16", 256, "mask"), ("dq", "16", 256, "mask+"), ("dq", "16", 256, "nomask"),
+})
+
+
+def mode_class(band: bool = False, mask_kind: int = 0, dropout: bool = False) -> str:
+    """Which MODE_CAPS rows apply: "mask+" (a mask and a band or dropout), "mask", "nomask"
+    (a band or dropout without a mask), or "" (no mode: the plain kernel)."""
+    if not mask_kind:
+        return "nomask" if (band or dropout) else ""
+    return "mask+" if (band or dropout) else "mask"
+
+
+def mode_tiles(kernel: str, cfg: TileConfig, *, arch: int = 80, width: str = "16", bucket: int = 64,
+               band: bool = False, mask_kind: int = 0, dropout: bool = False) -> TileConfig:
+    """The tile of ``kernel`` ("fwd", "dkdv", "dq") for a launch with modes, from ``cfg``, the
+    plain variant's tile for the same (arch, dtype width, head-dim bucket); see the comment
+    above for the rule. With no mode the plain tile comes back unchanged."""
+    if kernel == "fwd":
+        if mask_kind:
+            budget = 8 if (band or dropout) else 16
+        elif band or dropout:
+            budget = 32
+        else:
+            return cfg
+        bm, bn = (min(cfg.block_m, 64) if mask_kind else cfg.block_m), cfg.block_n
+        while bm * bn > budget * 32 * cfg.num_warps and bm > 64:
+            bm //= 2
+        while bm * bn > budget * 32 * cfg.num_warps and bn > 32:
+            bn //= 2
+        cfg = TileConfig(bm, bn, cfg.num_warps, min(cfg.num_stages, 2) if mask_kind else cfg.num_stages)
+    elif mask_kind and kernel == "dkdv":
+        cfg = TileConfig(min(cfg.block_m, 16), min(cfg.block_n, 64), cfg.num_warps, cfg.num_stages)
+    elif mask_kind:
+        cfg = TileConfig(cfg.block_m, min(cfg.block_n, 32), cfg.num_warps, cfg.num_stages)
+    cls = mode_class(band, mask_kind, dropout)
+    key = (kernel, 90 if arch >= 90 else 80, width, bucket)
+    cap = MODE_CAPS.get(key + (cls,)) or (MODE_CAPS.get(key + ("mask",)) if cls == "mask+" else None)
+    if cap is not None:
+        cfg = TileConfig(min(cfg.block_m, cap.block_m), min(cfg.block_n, cap.block_n), cap.num_warps,
+                         min(cfg.num_stages, cap.num_stages))
+    return cfg
+
+
+def fwd_config(d: int, dv: int, dtype: torch.dtype, arch: int = 80, **modes) -> TileConfig:
+    return tile_config("fwd", d, dv, dtype, arch, **modes)
 
 
 def desc_config(d: int, dv: int, dtype: torch.dtype, arch: int = 90) -> TileConfig:
@@ -181,12 +302,12 @@ def desc_config(d: int, dv: int, dtype: torch.dtype, arch: int = 90) -> TileConf
     return tile_config("fwd_desc", d, dv, dtype, 90)
 
 
-def dq_config(d: int, dv: int, dtype: torch.dtype, arch: int = 80) -> TileConfig:
-    return tile_config("dq", d, dv, dtype, arch)
+def dq_config(d: int, dv: int, dtype: torch.dtype, arch: int = 80, **modes) -> TileConfig:
+    return tile_config("dq", d, dv, dtype, arch, **modes)
 
 
-def dkdv_config(d: int, dv: int, dtype: torch.dtype, arch: int = 80) -> TileConfig:
-    return tile_config("dkdv", d, dv, dtype, arch)
+def dkdv_config(d: int, dv: int, dtype: torch.dtype, arch: int = 80, **modes) -> TileConfig:
+    return tile_config("dkdv", d, dv, dtype, arch, **modes)
 
 
 def packed_rows(lq: int, n_rep: int, block_m: int) -> int:

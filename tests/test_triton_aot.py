@@ -6,7 +6,7 @@ with a GPUTarget, then the SASS read back with the cuobjdump Triton ships):
   for head dims that are not multiples of 16 (strides the JIT cannot mark divisible), no
   spills in a loop;
 * on sm_90, every loop that multiplies matrices uses the warpgroup MMA (HGMMA), except the
-  variants heuristics.MMA_SYNC_ON_SM90 names with the reason, and the tensor-descriptor forward
+  variants heuristics.MMA_SYNC_ON_SM90 (or MMA_SYNC_MODES_ON_SM90) names with the reason, and the tensor-descriptor forward
   loads its keys and values with TMA (UTMALDG in its loops);
 * shared memory within the chip's limit.
 
@@ -17,8 +17,11 @@ check (40 and 200 here for the unaligned rows; ``--dims 40 100 200`` in the full
 compile to the same register allocation give or take a few. fp32 variants multiply in full fp32
 (no tensor cores): their unrolled FMA code takes minutes per variant to compile on two cores,
 too long for CI; ``python -m mhakern.kernels.aot`` builds every variant (fp32 included).
+The mode variants (``--modes``: band, masks, dropout, the mask's gradient) are checked here at
+their heaviest, all modes on per kernel; ``--modes`` alone builds every mode set.
 """
 import os
+import re
 import subprocess
 import sys
 
@@ -30,14 +33,15 @@ from mhakern.kernels import sass
 pytest.importorskip("triton", reason="triton is not installed")
 
 
-def _aot(*args, arches=("80", "90")):
+def _aot(*args, arches=("80", "90"), per_arch=None):
     """Run ``python -m mhakern.kernels.aot ARGS --arch A`` for each arch, in parallel (one
-    process per target: the two compile side by side on a two-core machine); their reports."""
+    process per target: the two compile side by side on a two-core machine); their reports.
+    ``per_arch``: {arch: [more args]} for that arch's process only."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, stated to silence its warning
     cmd = [sys.executable, "-m", "mhakern.kernels.aot", *args]
-    procs = [subprocess.Popen(cmd + ["--arch", arch], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for arch in arches]
+    procs = [subprocess.Popen(cmd + ["--arch", arch, *(per_arch or {}).get(arch, [])], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for arch in arches]
     outs = [p.communicate(timeout=1200)[0] for p in procs]
     print("\n".join(outs))
     for p, out in zip(procs, outs):
@@ -60,6 +64,72 @@ def test_head_dims_not_multiple_of_16_keep_local_memory_out_of_their_loops():
     # the descriptor forward on sm_90; 200 (400-byte rows) too.
     report = _aot("--dtypes", "fp16", "--dims", "40", "200", "--only", "fwd", "desc", "dq", "dkdv")
     assert report.count(" ok (") == 2 * 2 * 3 + 2, report
+
+
+def test_mode_variants_with_all_modes_on_compile_without_spills():
+    # The modes kernels (band + top-left, float mask, dropout, and dQ's mask gradient all at once:
+    # the variant with the most code of each kernel) at the tiles heuristics.tile_config gives
+    # those modes per arch: sm_80 fp16 d64 and sm_90 bf16 d128 (where dK/dV takes mma.sync,
+    # heuristics.MODE_CAPS), about 15 s a variant here, the two arches side by side. Every mode
+    # set at both head dims, dtypes and arches takes ~30 min here: ``--modes`` alone, by hand.
+    report = _aot("--modes", "all", "--no-plain", per_arch={"80": ["--dtypes", "fp16", "--dims", "64"],
+                                                              "90": ["--dtypes", "bf16", "--dims", "128"]})
+    assert report.count("+all ") == 2 * 3, report
+    assert report.count(" ok (") == 2 * 3, report
+    assert re.search(r"dkdv/bf16/d128\+all\s+90\s+16x32 ", report), report
+
+
+def test_mode_variants_take_the_tables_tiles_and_leave_mask_strides_unmarked():
+    from mhakern.kernels import aot, heuristics
+
+    built = {v.name: v for v in aot.variants(90, ("fp16",), (128,), modes=list(aot.MODE_SETS), plain=False)}
+    want = {f"{k}/fp16/d128+{m}" for k in ("fwd", "dkdv", "dq") for m in aot.MODE_SETS if k == "dq" or m != "mask2grad"}
+    assert set(built) == want
+    for name, v in built.items():
+        kernel, mode = name.split("/")[0], name.split("+")[1]
+        ms = aot.MODE_SETS[mode]
+        cfg = heuristics.tile_config(kernel, 128, 128, torch.float16, 90, band=ms.get("BAND", False),
+                                     mask_kind=ms.get("MASK_KIND", 0), dropout=ms.get("DROPOUT", False))
+        assert (v.constexprs["BLOCK_M"], v.constexprs["BLOCK_N"], v.num_warps, v.num_stages) == \
+            (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages), name
+        assert v.signature["MASK"] == ("*u8" if ms.get("MASK_KIND") == 1 else "*fp32"), name
+        marked = aot.divisible_args(v.signature)
+        assert "stride_qm" in marked and not any(n.startswith("stride_m") for n in marked), name
+    assert built["dq/fp16/d128+all"].constexprs["MASK_GRAD"] and "MASK_GRAD" not in built["fwd/fp16/d128+all"].constexprs
+    # sm_90 dK/dV d128 with a mask: mma.sync over 32 keys at one stage (MODE_CAPS), allowed by the check
+    assert all(built[f"dkdv/fp16/d128+{m}"].constexprs["BLOCK_N"] == 32 for m in ("mask1", "mask2", "all"))
+    assert built["dkdv/fp16/d128+band"].constexprs["BLOCK_N"] == 64
+    assert heuristics.allows_mma_sync("dkdv", "16", 128, True, "mask+")
+    assert not heuristics.allows_mma_sync("dkdv", "16", 128, True, "nomask")
+    # no mode: the plain tile, on either arch
+    for arch in (80, 90):
+        assert heuristics.dkdv_config(128, 128, torch.float16, arch, mask_kind=0) == \
+            heuristics.TILES[("dkdv", arch, "16", 128)]
+
+
+def test_launchers_choose_tiles_from_the_table_with_the_calls_modes(monkeypatch):
+    # The forward and backward launchers ask heuristics for the tile of the call's modes.
+    import mhakern
+    from mhakern.kernels import INTERPRET, attention_bwd, attention_fwd
+
+    if not INTERPRET and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 or a GPU")
+    asked = []
+
+    def spy(name, real):
+        def f(*a, **kw):
+            asked.append((name, kw))
+            return real(*a, **kw)
+        return f
+
+    monkeypatch.setattr(attention_fwd, "fwd_config", spy("fwd", attention_fwd.fwd_config))
+    monkeypatch.setattr(attention_bwd, "dkdv_config", spy("dkdv", attention_bwd.dkdv_config))
+    monkeypatch.setattr(attention_bwd, "dq_config", spy("dq", attention_bwd.dq_config))
+    q, k, v = (torch.randn(1, 1, 8, 16, device=_DEV, requires_grad=True) for _ in range(3))
+    mask = torch.rand(8, 8, device=_DEV) > 0.3
+    mhakern.attention(q, k, v, attn_mask=mask, window=(2, 1), backend="triton").sum().backward()
+    want = dict(band=True, mask_kind=1, dropout=False)
+    assert [n for n, _ in asked] == ["fwd", "dkdv", "dq"] and all(kw == want for _, kw in asked), asked
 
 
 # The SASS reading itself, on hand-written listings in cuobjdump's format.
