@@ -31,18 +31,16 @@ from .attention_fwd import (
     ModeArgs,
     tile_modes,
     _band,
-    _band_key_range,
     _diag,
     _drop_rows,
     _keep,
     _mask_scores,
     _key_length,
-    _key_range,
-    _last_visible_key,
     _load_rows,
     _idx,
     _load_tile,
     _row_tile,
+    _row_tile_modes,
     _store_tile,
     _unfold_rows_grid,
     arch_of,
@@ -386,25 +384,9 @@ def _attn_bwd_dq_body(
     row_idx = (b * H + hh) * Lq + i
     lse = _load_lse(LSE, row_idx, row_ok)
     delta = tl.load(DELTA + row_idx, mask=row_ok, other=0.0)
-    if BAND:
-        kmin, kmax = _band(i, lk_b, Lq, win_l, win_r, TOP_LEFT)
-        start, full_lo, full, hi = _band_key_range(i_lo, i_hi, lk_b, Lq, win_l, win_r, TOP_LEFT, BLOCK_N)
-    else:
-        kmax = _last_visible_key(i, lk_b, Lq, CAUSAL)
-        kmin = kmax
-        full, hi = _key_range(i_lo, i_hi, lk_b, Lq, CAUSAL, BLOCK_N)
-        start = 0
-        full_lo = 0
-    # The mask's address splits into a scalar base and per-element offsets (int32 unless IDX64),
-    # so that no (rows x keys) tile of 64-bit pointers stays live across the loop.
-    m_base = MASK
-    m_off = i
-    if MASK_KIND != 0:
-        m_base = MASK + b * stride_mb
-        m_off = _idx(hh, IDX64) * stride_mh + _idx(i, IDX64) * stride_mm
-    r_drop = i
-    if DROPOUT:
-        r_drop = _drop_rows(seed_lo, seed_hi, b, H, hh, i)
+    kmin, kmax, start, full_lo, full, hi, m_base, m_off, r_drop = _row_tile_modes(
+        i, i_lo, i_hi, hh, b, lk_b, H, Lq, win_l, win_r, seed_lo, seed_hi, MASK, stride_mb, stride_mh, stride_mm,
+        BLOCK_N, CAUSAL, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT)
     dm_row = DMASK
     if MASK_GRAD:
         dm_row = DMASK + row_idx.to(tl.int64) * Lk  # contiguous float32 (B, H, Lq, Lk)

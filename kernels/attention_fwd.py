@@ -234,6 +234,39 @@ def _drop_rows(seed_lo, seed_hi, b, H, hh, i):
 
 
 @triton.jit
+def _row_tile_modes(
+    i, i_lo, i_hi, hh, b, lk_b, H, Lq, win_l, win_r, seed_lo, seed_hi, MASK, stride_mb, stride_mh, stride_mm,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IDX64: tl.constexpr, BAND: tl.constexpr,
+    TOP_LEFT: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+):
+    """What a row tile of the forward and the dQ pass needs of the call's modes, per row and for
+    the tile: (kmin, kmax) each row's first and last visible key (kmin = kmax without BAND,
+    unused then), (start, full_lo, full_hi, stop) the tile's key range (_band_key_range's
+    meaning; start = full_lo = 0 without BAND), the mask's scalar base and per-row offsets, and
+    the rows' dropout hashes r_i (``i`` and ``MASK`` pass through where the mode is off)."""
+    if BAND:
+        kmin, kmax = _band(i, lk_b, Lq, win_l, win_r, TOP_LEFT)
+        start, full_lo, full, hi = _band_key_range(i_lo, i_hi, lk_b, Lq, win_l, win_r, TOP_LEFT, BLOCK_N)
+    else:
+        kmax = _last_visible_key(i, lk_b, Lq, CAUSAL)
+        kmin = kmax
+        full, hi = _key_range(i_lo, i_hi, lk_b, Lq, CAUSAL, BLOCK_N)
+        start = 0
+        full_lo = 0
+    # The mask's address splits into a scalar base and per-element offsets (int32 unless IDX64),
+    # so that no (rows x keys) tile of 64-bit pointers stays live across the loop.
+    m_base = MASK
+    m_off = i
+    if MASK_KIND != 0:
+        m_base = MASK + b * stride_mb
+        m_off = _idx(hh, IDX64) * stride_mh + _idx(i, IDX64) * stride_mm
+    r_drop = i
+    if DROPOUT:
+        r_drop = _drop_rows(seed_lo, seed_hi, b, H, hh, i)
+    return kmin, kmax, start, full_lo, full, hi, m_base, m_off, r_drop
+
+
+@triton.jit
 def _keep(r_i, j, drop_thr):
     """Keep bits of the (rows, keys) tile given per-row ``r_i`` and per-key ``j`` laid out for
     broadcasting (``r_i[:, None]`` and ``j[None, :]`` or transposed)."""
@@ -315,25 +348,9 @@ def _attn_fwd_body(
     q = _load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
     k_base = K + b * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = V + b * stride_vb + kvh.to(tl.int64) * stride_vh
-    if BAND:
-        kmin, kmax = _band(i, lk_b, Lq, win_l, win_r, TOP_LEFT)
-        start, full_lo, full, hi = _band_key_range(i_lo, i_hi, lk_b, Lq, win_l, win_r, TOP_LEFT, BLOCK_N)
-    else:
-        kmax = _last_visible_key(i, lk_b, Lq, CAUSAL)
-        kmin = kmax
-        full, hi = _key_range(i_lo, i_hi, lk_b, Lq, CAUSAL, BLOCK_N)
-        start = 0
-        full_lo = 0
-    # The mask's address splits into a scalar base and per-element offsets (int32 unless IDX64),
-    # so that no (rows x keys) tile of 64-bit pointers stays live across the loop.
-    m_base = MASK
-    m_off = i
-    if MASK_KIND != 0:
-        m_base = MASK + b * stride_mb
-        m_off = _idx(hh, IDX64) * stride_mh + _idx(i, IDX64) * stride_mm
-    r_drop = i
-    if DROPOUT:
-        r_drop = _drop_rows(seed_lo, seed_hi, b, H, hh, i)
+    kmin, kmax, start, full_lo, full, hi, m_base, m_off, r_drop = _row_tile_modes(
+        i, i_lo, i_hi, hh, b, lk_b, H, Lq, win_l, win_r, seed_lo, seed_hi, MASK, stride_mb, stride_mh, stride_mm,
+        BLOCK_N, CAUSAL, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
