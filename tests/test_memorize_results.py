@@ -378,3 +378,21 @@ def test_a_database_from_before_new_columns_is_upgraded_in_place(tmp_path):
     res = train_stack([TINY], progress=False)[0]
     assert store.add_run(res, "exp", versions())
     assert store.run_by_key("old")["mem_acc"] == 0.5 and store.run_by_key(TINY.key())["init"] == "paper"
+
+
+def test_fits_of_a_fixed_budget_grid_say_examples_fitted_not_capacity(tmp_path):
+    # The quick preset's table fits examples fitted in a fixed budget; its free fit must not be
+    # labelled capacity (the paper's largest T memorized at 100%).
+    from mhakern.memorize.report import trend_fits
+
+    pts = [dict(heads=h, context=8, d_head=16, data="random", task="classify", capacity=20.0 * h, source="grid")
+           for h in (1, 2, 4, 8)]
+    (fit,) = trend_fits(pts, "heads", "examples fitted (not capacity)")
+    assert fit["text"].startswith("examples fitted (not capacity) against H") and fit["r2"] > 0.999
+    (fit,) = trend_fits(pts, "heads")
+    assert fit["text"].startswith("capacity against H")
+    store = ResultStore(str(tmp_path / "r.sqlite"))
+    run_sweep(expand_grid(TINY, {"heads": [1, 2, 3], "T": [12]}, seeds=[0]), store, "grid", progress=False)
+    write_report(store, str(tmp_path / "out"), "grid")
+    table = (tmp_path / "out" / "table.md").read_text()
+    assert "capacity against" not in table and "examples fitted (not capacity) against H" in table, table

@@ -104,9 +104,10 @@ def knee_fit(xs: Sequence[float], ys: Sequence[float]) -> Tuple[float, float, fl
     return best[1], best[2], best[3], best[4]
 
 
-def trend_fits(points: List[Dict], var: str) -> List[Dict]:
+def trend_fits(points: List[Dict], var: str, what: str = "capacity") -> List[Dict]:
     """Per series of ``points`` in which ``var`` varies (the other variables fixed): the free
-    fit of the capacity against ``var`` -- a line (H, d_h) or a line with a knee (n).
+    fit of the capacity against ``var`` -- a line (H, d_h) or a line with a knee (n). ``what``
+    names the measure in the text ("examples fitted (not capacity)" for a fixed-budget grid).
 
     Each entry: ``series`` (a label), ``xs``, ``ys``, ``kind`` ("line" or "knee"), ``a``, ``b``,
     ``k`` (knee; None for a line), ``r2``, ``text`` (one line for a table)."""
@@ -120,13 +121,13 @@ def trend_fits(points: List[Dict], var: str) -> List[Dict]:
         label = ", ".join(f"{f}={v}" for f, v in zip(_others(var), key[2:])) + f", {key[0]}"
         if var == "context":
             a, b, k, r2 = knee_fit(xs, ys)
-            text = (f"capacity against n ({label}): {a:.1f} + {b:.2f}·min(n, {k:.1f}), R² = {r2:.3f} "
+            text = (f"{what} against n ({label}): {a:.1f} + {b:.2f}·min(n, {k:.1f}), R² = {r2:.3f} "
                     f"(knee at n = {k:.1f}; d_h = {s[0]['d_head']})")
         else:
             a, b, r2 = linear_fit(xs, ys)
             k = None
             name = "H" if var == "heads" else "d_h"
-            text = f"capacity against {name} ({label}): {a:.1f} + {b:.2f}·{name}, R² = {r2:.4f}"
+            text = f"{what} against {name} ({label}): {a:.1f} + {b:.2f}·{name}, R² = {r2:.4f}"
         out.append(dict(series=label, xs=xs, ys=ys, kind="knee" if k is not None else "line", a=a, b=b, k=k,
                         r2=r2, text=text, var=var))
     return out
@@ -355,7 +356,7 @@ def write_report(store: ResultStore, out_dir: str, experiment: Optional[str] = N
                 written.append(path)
                 what = "capacity" if any(q["source"] != "grid" for q in pts) else "examples fitted (not capacity)"
                 fits.append(f"{what} against {var}: theory c·H·min(n, d_h) fitted with c = {c:.3g}")
-                fits.extend(f["text"] for f in trend_fits(pts, var))
+                fits.extend(f["text"] for f in trend_fits(pts, var, what))
         if plot_acc_vs_T(aggs, os.path.join(out_dir, "acc_vs_T.png")):
             written.append(os.path.join(out_dir, "acc_vs_T.png"))
         with open(p, "w") as f:
