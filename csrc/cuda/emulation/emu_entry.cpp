@@ -9,6 +9,7 @@
 #include "../attn_dispatch.h"
 #include "../attn_fwd_kernel.cuh"
 #include "cuda_emu.h"
+#include "emu_entry_util.h"
 
 // An emulator build may compile only some of the instantiation files (compiling all of them
 // takes a while); the others resolve to these weak definitions, which report that they are
@@ -61,18 +62,10 @@ mhk_emu_switch:
 using mhakern::cuda::CallSizes;
 using mhakern::cuda::ElemType;
 using mhakern::cuda::HeadStrides;
-using mhakern::cuda::Operand;
+using mhk_emu::finish;
+using mhk_emu::operand;
 
 namespace {
-
-Operand operand(const void* ptr, const int64_t* s) {
-  Operand o;
-  o.ptr = ptr;
-  o.stride.batch = s[0];
-  o.stride.head = s[1];
-  o.stride.row = s[2];
-  return o;
-}
 
 // mask_strides: the (B, H, Lq, Lk) view's element strides; mask_kind 0 none, 1 bool, 2 float32.
 void fill_modes(mhakern::ModeParams& p, int top_left, long long window_left, long long window_right, const void* mask,
@@ -91,11 +84,6 @@ void fill_modes(mhakern::ModeParams& p, int top_left, long long window_left, lon
     p.mask_sk = mask_strides[3];
   }
   p.dmask = dmask;
-}
-
-int finish(cudaError_t err) {
-  if (err != cudaSuccess && mhk_emu::state().error.empty()) mhk_emu::fail("launcher returned error " + std::to_string(static_cast<int>(err)));
-  return mhk_emu::state().error.empty() ? 0 : 1;
 }
 
 }  // namespace

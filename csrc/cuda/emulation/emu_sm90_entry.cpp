@@ -9,6 +9,7 @@
 #include "../attn_dispatch.h"
 #include "../sm90/primitives_sm90.cuh"
 #include "cuda_emu_sm90.h"
+#include "emu_entry_util.h"
 
 #define MHK_WEAK_SM90_INSTANCE_(tag, D)                                                          \
   namespace mhakern {                                                                            \
@@ -25,24 +26,8 @@ MHK_SM90_FOR_EACH_INSTANCE(MHK_WEAK_SM90_INSTANCE_)
 using mhakern::cuda::CallSizes;
 using mhakern::cuda::ElemType;
 using mhakern::cuda::FwdParams;
-using mhakern::cuda::Operand;
 
 namespace {
-
-Operand op3(const void* ptr, const int64_t* s) {
-  Operand o;
-  o.ptr = ptr;
-  o.stride.batch = s[0];
-  o.stride.head = s[1];
-  o.stride.row = s[2];
-  return o;
-}
-
-int done(cudaError_t err) {
-  if (err != cudaSuccess && mhk_emu::state().error.empty())
-    mhk_emu::fail("launcher returned error " + std::to_string(static_cast<int>(err)));
-  return mhk_emu::state().error.empty() ? 0 : 1;
-}
 
 namespace sm = mhakern::cuda::sm90;
 using mhk_emu::sm90::TensorMap;
@@ -129,10 +114,10 @@ int mhk_emu_sm90_fwd(int elem, int D, const void* q, const int64_t* q_st, const 
                      const int32_t* key_lengths, int B, int H, int Hkv, int Lq, int Lk, float scale, int causal,
                      int num_splits, float* o_partial, float* lse_partial) {
   const CallSizes s{B, H, Hkv, Lq, Lk, D};
-  const FwdParams p = mhakern::cuda::make_fwd_params(s, op3(q, q_st), op3(k, k_st), op3(v, v_st), op3(o, o_st), lse,
+  const FwdParams p = mhakern::cuda::make_fwd_params(s, mhk_emu::operand(q, q_st), mhk_emu::operand(k, k_st), mhk_emu::operand(v, v_st), mhk_emu::operand(o, o_st), lse,
                                                      key_lengths, scale, causal != 0, num_splits, o_partial,
                                                      lse_partial);
-  return done(mhakern::cuda::dispatch_attn_fwd_sm90(static_cast<ElemType>(elem), D, p, nullptr));
+  return mhk_emu::finish(mhakern::cuda::dispatch_attn_fwd_sm90(static_cast<ElemType>(elem), D, p, nullptr));
 }
 
 // The family the host would pick (0 mma.sync, 1 sm90) for a device of capability major.minor,
