@@ -101,13 +101,22 @@ constexpr CudaTiles cuda_tiles(int d) {
 // csrc/cuda/attn_dispatch.h) gives it the forward calls it serves on a 9.0 device (these head
 // dims and dtypes, no mode of kCudaFeatures) and everything else, the backward included, to the
 // mma.sync family above, which is built for sm_90a too. Instances: F(tag, D).
-#define MHK_SM90_FOR_EACH_HEAD_DIM(F, tag) F(tag, 64) F(tag, 128)
+#define MHK_SM90_FOR_EACH_HEAD_DIM(F, tag) F(tag, 64) F(tag, 128) F(tag, 256)
 #define MHK_SM90_FOR_EACH_INSTANCE(F) MHK_CUDA_FOR_EACH_ELEM(MHK_SM90_FOR_EACH_HEAD_DIM_, F)
 #define MHK_SM90_FOR_EACH_HEAD_DIM_(F, tag) MHK_SM90_FOR_EACH_HEAD_DIM(F, tag)
 constexpr int kSm90CapabilityMajor = 9, kSm90CapabilityMinor = 0;
 // Forward tiles: packed query rows per CTA (2 consumer warpgroups x 64), keys per pipeline
-// stage, stages of the K/V ring (csrc/cuda/sm90/attn_fwd_sm90_kernel.cuh: FwdConfigSm90).
+// stage, stages of the K/V ring (csrc/cuda/sm90/attn_fwd_sm90_kernel.cuh: FwdConfigSm90, which
+// argues them). kSm90FwdBlockN / kSm90FwdStages are those of D 64 and 128; D 256 keeps 128 rows
+// and 2 stages with 80 keys per stage (Q 64 KB + 2 x (K + V) 160 KB = 224 KB of the 227 KB).
 constexpr int kSm90FwdBlockM = 128, kSm90FwdBlockN = 128, kSm90FwdStages = 2;
+constexpr int kSm90FwdBlockND256 = 80;
+struct Sm90FwdTiles {
+  int m, n, stages;  // packed query rows per CTA, keys per stage, stages of the K/V ring
+};
+constexpr Sm90FwdTiles sm90_fwd_tiles(int d) {
+  return Sm90FwdTiles{kSm90FwdBlockM, d <= 128 ? kSm90FwdBlockN : kSm90FwdBlockND256, kSm90FwdStages};
+}
 #define MHK_SM90_HEAD_DIM_ITEM_(tag, D) D,
 constexpr int kSm90HeadDims[] = {MHK_SM90_FOR_EACH_HEAD_DIM(MHK_SM90_HEAD_DIM_ITEM_, _)};
 #undef MHK_SM90_HEAD_DIM_ITEM_

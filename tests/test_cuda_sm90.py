@@ -237,6 +237,18 @@ def test_sm90_forward_hard_cases(rnd, case):
     _run(rnd, case, DTYPE_FOR_D[case[5]])
 
 
+# Head dim 256 (80 keys per stage, capabilities.h sm90_fwd_tiles) on the hard cases' shapes:
+# length 1, 17 and 113, Lq != Lk both ways, causal with leading rows that see no key, key
+# lengths with 0, MQA and GQA decode. The dtypes alternate so that both instances run.
+SM90_HARD_D256 = [c[:5] + (256, 256) + c[7:] for c in HARD_CASES
+                  if c[3] in (1, 17, 19, 37, 113) and c[5] == c[6]]
+
+
+@pytest.mark.parametrize("case", SM90_HARD_D256, ids=case_id)
+def test_sm90_forward_d256_hard_cases(rnd, case):
+    _run(rnd, case, (torch.bfloat16, torch.float16)[SM90_HARD_D256.index(case) % 2])
+
+
 @pytest.mark.parametrize(
     "case,layout,scale_inputs",
     [
@@ -249,8 +261,14 @@ def test_sm90_forward_hard_cases(rnd, case):
         ((1, 2, 1, 200, 70, 64, 64, True, (70,)), "bhld", 1.0),
         # large logits: the online softmax must not overflow
         ((1, 2, 2, 70, 260, 128, 128, False, None), "blhd", 30.0),
+        # D 256 (80 keys per stage): 3 query tiles across the causal diagonal, 6 key tiles with
+        # a partial last one (420 = 5 x 80 + 20), the ring wrapping thrice, strided operands
+        ((1, 1, 1, 300, 420, 256, 256, True, None), "blhd", 1.0),
+        # D 256, GQA rows straddling a tile edge with large logits
+        ((1, 6, 2, 45, 170, 256, 256, False, (170,)), "bhld", 30.0),
     ],
-    ids=["ring-wraps-causal-blhd", "gqa-straddle-kl", "rows-without-keys", "large-logits"],
+    ids=["ring-wraps-causal-blhd", "gqa-straddle-kl", "rows-without-keys", "large-logits", "d256-ring-wraps-causal-blhd",
+         "d256-gqa-large-logits"],
 )
 def test_sm90_forward_shapes(rnd, case, layout, scale_inputs):
     _run(rnd, case, OTHER_DTYPE[case[5]], layout=layout, scale_inputs=scale_inputs)
@@ -268,6 +286,9 @@ def test_sm90_split_k_combines_through_lse(rnd, splits):
     # visible key (lse -inf partials), key length 0 leaves every split empty.
     _run(rnd, (2, 4, 2, 5, 600, 64, 64, True, (600, 70)), torch.bfloat16, splits=splits)
     _run(rnd, (1, 4, 4, 3, 560, 128, 128, False, (0,)), torch.float16, splits=splits)
+    # D 256: 7 key tiles of 80; the combine kernel of the mma.sync family at a head dim that
+    # family does not compile otherwise
+    _run(rnd, (1, 4, 2, 3, 540, 256, 256, True, (540,)), torch.bfloat16, splits=splits)
 
 
 def test_sm90_decode_packs_query_heads(rnd):

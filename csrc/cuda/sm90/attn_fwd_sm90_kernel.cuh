@@ -2,12 +2,13 @@
 //
 // One CTA per (batch b, kv head hkv, tile of kBlockM = 128 packed query rows), 3 warpgroups:
 //   warpgroup 0, the producer: gives up registers (setmaxnreg.dec 24); one thread streams the
-//     K and V tiles of kBlockN = 128 keys through a kStages = 2 ring of shared-memory stages with
+//     K and V tiles of kBlockN keys (128; 80 at D 256, see FwdConfigSm90) through a ring of
+//     kStages shared-memory stages with
 //     cp.async.bulk.tensor (4-D tensor maps over (D, Lk, Hkv, B), 128-byte swizzle, one box per
 //     64 columns of D), each stage guarded by a "full" mbarrier (transaction bytes) and an
 //     "empty" one (the consumers' arrivals);
 //   warpgroups 1 and 2, the consumers (setmaxnreg.inc 240): 64 query rows each. Per key tile:
-//     S = Q K^T by wgmma m64n128k16 (Q and K from shared memory), the online softmax in fp32
+//     S = Q K^T by wgmma m64n{kBlockN}k16 (Q and K from shared memory), the online softmax in fp32
 //     registers (base 2, masked only on tiles that cross a row's visible limit), P converted
 //     in registers into wgmma's A fragment, O += P V by wgmma m64nDk16 (V N-major from shared
 //     memory), then the stage is released. The softmax of one tile runs while the previous
@@ -27,9 +28,10 @@
 // The two consumer warpgroups take turns issuing their products (ping-pong, named barriers).
 //
 // Not done here: the modes of docs/contract.md and the backward (the mma.sync family serves
-// those), head dim 256, more than 2 stages. The host uses this family only where it serves the call.
+// those). The host uses this family only where it serves the call.
 #pragma once
 
+#include "../../capabilities.h"
 #include "../attn_params.h"
 #include "primitives_sm90.cuh"
 
@@ -37,13 +39,27 @@ namespace mhakern {
 namespace cuda {
 namespace sm90 {
 
+// Tiles (capabilities.h: sm90_fwd_tiles, read here and by the split-K planner).
+//   D 64 and 128: 128 query rows x 128 keys per stage, 2 stages (80 / 160 KB of shared memory).
+//   D 256: Q alone is 128 x 256 x 2 B = 64 KB, and one stage of K and V is 2 x kBlockN x 512 B,
+//     so 2 stages hold at most (227 KB - 64 KB - 1 KB of alignment) / 2 KB = 81 keys: 80 keys
+//     (a multiple of 16, the k of O += P V), 224 KB in all. 96 keys would need 256 KB; 64 keys
+//     with 2 stages wastes 32 KB, and 3 stages of 64 keys (256 KB) do not fit. 64 query rows
+//     per CTA (one consumer warpgroup) would halve Q but also halve the reuse of every K/V byte
+//     and leave no warpgroup to ping-pong with. This is FlashAttention-3's D 256 tile too.
+//   Registers per consumer thread (the setmaxnreg plan gives 240): O 64 x D / 128 fp32 = 128 at
+//     D 256, S 64 x kBlockN / 128 = 40, and the previous tile's P in wgmma's A fragment,
+//     kBlockN / 16 x 4 = 20 (the intra-warpgroup overlap keeps S and P live together): 188 and
+//     the row state, where 128 keys would need 128 + 64 + 32 = 224 before any address.
 template <int D>
 struct FwdConfigSm90 {
-  static_assert(D == 64 || D == 128, "the sm90 forward is instantiated for head dims 64 and 128");
-  static constexpr int kBlockM = 128;  // packed query rows per CTA (2 consumer warpgroups x 64)
-  static constexpr int kBlockN = 128;  // keys per pipeline stage
-  static constexpr int kStages = 2;
+  static_assert(D == 64 || D == 128 || D == 256, "the sm90 forward is instantiated for head dims 64, 128 and 256");
+  static constexpr int kBlockM = caps::sm90_fwd_tiles(D).m;  // packed query rows per CTA (2 consumer warpgroups x 64)
+  static constexpr int kBlockN = caps::sm90_fwd_tiles(D).n;  // keys per pipeline stage
+  static constexpr int kStages = caps::sm90_fwd_tiles(D).stages;
   static constexpr int kConsumers = 2;
+  static_assert(kBlockM == 64 * kConsumers, "one 64-row wgmma strip per consumer warpgroup");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "keys per stage: a multiple of the k of P V, at most wgmma's N");
   static constexpr int kThreads = 128 * (1 + kConsumers);
   // Register plan (setmaxnreg): 128 x 24 + 256 x 240 = 64512 <= 65536, one CTA per SM.
   static constexpr int kProducerRegs = 24;
@@ -173,6 +189,7 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   // This thread's two rows (accumulator rows g and g + 8 of its warp's 16).
   int lim[2];
   int rows[2];
+  MHK_UNROLL
   for (int h = 0; h < 2; ++h) {
     rows[h] = r0 + cw * 64 + warp * 16 + g + 8 * h;
     lim[h] = rows[h] < group_rows ? visible_limit(rows[h] % p.Lq, Lk_b, p.Lq, p.causal) : 0;
@@ -227,6 +244,7 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
       }
     }
     float m_use[2];
+    MHK_UNROLL
     for (int h = 0; h < 2; ++h) {
       float mx = -INFINITY;
       MHK_UNROLL
@@ -245,6 +263,7 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
       sc[i] = fast_exp2(sc[i] - m_use[h]);
       rs[h] += sc[i];
     }
+    MHK_UNROLL
     for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + rs[h];
   };
   auto pack_p = [&](const float (&sc)[BN / 2]) {
@@ -316,6 +335,7 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   // ---- epilogue: normalise, store O and lse (or this split's fp32 partials) ----
   Elem* out = static_cast<Elem*>(p.o);
   const int64_t n_rows = static_cast<int64_t>(p.B) * p.H * p.Lq;
+  MHK_UNROLL
   for (int h = 0; h < 2; ++h) {
     const float lsum = quad_sum(l[h]);
     const int r = rows[h];

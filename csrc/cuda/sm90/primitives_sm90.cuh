@@ -156,25 +156,29 @@ MHK_DEVICE void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
-// The wgmma forms the kernels use (generated text: one asm per shape, dtype and A source).
+// The wgmma forms the kernels use (tools/generate_kernels.py: one asm per shape, dtype and A source).
 #include "wgmma_asm.inc"
 
 template <int N, typename Elem>
 MHK_DEVICE void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  static_assert(N == 64 || N == 128, "wgmma_ss: N 64 or 128");
+  static_assert(N == 64 || N == 80 || N == 128, "wgmma_ss: N 64, 80 or 128 (tools/generate_kernels.py: WGMMA_FORMS)");
   if constexpr (N == 64 && ElemTraits<Elem>::kIsBf16) MHK_WGMMA_SS_N64_BF16;
   if constexpr (N == 64 && !ElemTraits<Elem>::kIsBf16) MHK_WGMMA_SS_N64_F16;
+  if constexpr (N == 80 && ElemTraits<Elem>::kIsBf16) MHK_WGMMA_SS_N80_BF16;
+  if constexpr (N == 80 && !ElemTraits<Elem>::kIsBf16) MHK_WGMMA_SS_N80_F16;
   if constexpr (N == 128 && ElemTraits<Elem>::kIsBf16) MHK_WGMMA_SS_N128_BF16;
   if constexpr (N == 128 && !ElemTraits<Elem>::kIsBf16) MHK_WGMMA_SS_N128_F16;
 }
 template <int N, typename Elem>
 MHK_DEVICE void wgmma_rs_tb(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b) {
-  static_assert(N == 64 || N == 128, "wgmma_rs_tb: N 64 or 128");
+  static_assert(N == 64 || N == 128 || N == 256, "wgmma_rs_tb: N 64, 128 or 256 (tools/generate_kernels.py: WGMMA_FORMS)");
   const int scale_d = 1;
   if constexpr (N == 64 && ElemTraits<Elem>::kIsBf16) MHK_WGMMA_RS_N64_BF16;
   if constexpr (N == 64 && !ElemTraits<Elem>::kIsBf16) MHK_WGMMA_RS_N64_F16;
   if constexpr (N == 128 && ElemTraits<Elem>::kIsBf16) MHK_WGMMA_RS_N128_BF16;
   if constexpr (N == 128 && !ElemTraits<Elem>::kIsBf16) MHK_WGMMA_RS_N128_F16;
+  if constexpr (N == 256 && ElemTraits<Elem>::kIsBf16) MHK_WGMMA_RS_N256_BF16;
+  if constexpr (N == 256 && !ElemTraits<Elem>::kIsBf16) MHK_WGMMA_RS_N256_F16;
 }
 #endif  // MHK_SM90_ENABLED
 
