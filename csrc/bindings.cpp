@@ -74,7 +74,13 @@ std::string capabilities() {
   for (int i = 0; i < caps::kSm90NumHeadDims; ++i) js << (i ? ", " : "") << caps::kSm90HeadDims[i];
   js << "], \"capability\": [" << caps::kSm90CapabilityMajor << ", " << caps::kSm90CapabilityMinor
      << "], \"fwd_tile\": [" << caps::kSm90FwdBlockM << ", " << caps::kSm90FwdBlockN << "], \"stages\": "
-     << caps::kSm90FwdStages;
+     << caps::kSm90FwdStages << ", \"fwd_tiles\": {";
+  // Per head dim: [packed query rows, keys per stage, stages] (fwd_tile / stages: D 64 and 128).
+  for (int i = 0; i < caps::kSm90NumHeadDims; ++i) {
+    const caps::Sm90FwdTiles t = caps::sm90_fwd_tiles(caps::kSm90HeadDims[i]);
+    js << (i ? ", " : "") << '"' << caps::kSm90HeadDims[i] << "\": [" << t.m << ", " << t.n << ", " << t.stages << "]";
+  }
+  js << "}";
   js << "}, \"split\": {\"min_blocks_per_split\": " << caps::kMinBlocksPerSplit
      << ", \"max_splits\": " << caps::kMaxSplits << ", \"max_workspace_bytes\": " << caps::kMaxSplitWorkspaceBytes
      << "}, \"features\": ";
@@ -84,17 +90,25 @@ std::string capabilities() {
 }
 
 // The split-K planner the CUDA host code runs (capabilities.h), for tests and tools.
+// sm90: plan a forward that the sm90 family runs (its tiles, capabilities.h fwd_plan_tiles).
 int64_t cuda_plan_splits(int64_t batch, int64_t kv_heads, int64_t group, int64_t q_len, int64_t k_len,
-                         int64_t head_dim, int64_t num_sms, bool backward) {
+                         int64_t head_dim, int64_t num_sms, bool backward, bool sm90) {
   const std::pair<const char*, int64_t> args[] = {{"batch", batch}, {"kv_heads", kv_heads}, {"group", group},
                                                   {"q_len", q_len}, {"k_len", k_len},       {"num_sms", num_sms}};
   for (const auto& a : args)
     TORCH_CHECK_VALUE(a.second >= 0, "cuda_plan_splits: ", a.first, " must be non-negative, got ", a.second);
-  TORCH_CHECK_VALUE(caps::cuda_head_dim_supported(head_dim), "cuda_plan_splits: head_dim ", head_dim,
-                    " has no compiled cuda kernel");
+  if (sm90) {
+    TORCH_CHECK_VALUE(!backward, "cuda_plan_splits: sm90=True plans the forward only (backward must be False)");
+    TORCH_CHECK_VALUE(caps::sm90_head_dim_supported(head_dim), "cuda_plan_splits: head_dim ", head_dim,
+                      " has no compiled sm90 kernel");
+  } else {
+    TORCH_CHECK_VALUE(caps::cuda_head_dim_supported(head_dim), "cuda_plan_splits: head_dim ", head_dim,
+                      " has no compiled cuda kernel");
+  }
   const caps::CudaTiles t = caps::cuda_tiles(static_cast<int>(head_dim));
-  return caps::plan_splits(batch, kv_heads, group, q_len, k_len, head_dim, num_sms, backward ? t.dq_m : t.fwd_m,
-                           backward ? t.dq_n : t.fwd_n);
+  const caps::FwdPlanTiles f = caps::fwd_plan_tiles(sm90, static_cast<int>(head_dim));
+  return caps::plan_splits(batch, kv_heads, group, q_len, k_len, head_dim, num_sms, backward ? t.dq_m : f.m,
+                           backward ? t.dq_n : f.n);
 }
 
 // Sets the CUDA host code's split-K count (0: its planner decides); returns the previous value.
@@ -153,7 +167,7 @@ TORCH_LIBRARY(mhakern_C, m) {
   m.def("cpu_parallel_threads_probe(int tasks) -> int", &mhakern::cpu::parallel_threads_probe);
   m.def(
       "cuda_plan_splits(int batch, int kv_heads, int group, int q_len, int k_len, int head_dim, int num_sms, "
-      "bool backward=False) -> int",
+      "bool backward=False, bool sm90=False) -> int",
       &mhakern::cuda_plan_splits);
   m.def("cuda_force_splits(int num_splits) -> int", &mhakern::cuda_force_splits);
 }

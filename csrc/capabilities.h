@@ -117,6 +117,18 @@ struct Sm90FwdTiles {
 constexpr Sm90FwdTiles sm90_fwd_tiles(int d) {
   return Sm90FwdTiles{kSm90FwdBlockM, d <= 128 ? kSm90FwdBlockN : kSm90FwdBlockND256, kSm90FwdStages};
 }
+// The forward tiles split-K planning (plan_splits below) divides: (packed query rows per CTA,
+// keys per step) of the family that runs the call, sm90 or mma.sync (cuda_tiles). A sm90 stage
+// holds 2 to 4 times the keys of a mma.sync step: planned with the mma.sync tiles, a sm90 split
+// got that much fewer key tiles than kMinBlocksPerSplit asks, and the kernel's ceil-divided
+// shares left trailing splits empty (their CTAs launched for nothing).
+struct FwdPlanTiles {
+  int m, n;
+};
+constexpr FwdPlanTiles fwd_plan_tiles(bool sm90_family, int d) {
+  return sm90_family ? FwdPlanTiles{sm90_fwd_tiles(d).m, sm90_fwd_tiles(d).n}
+                     : FwdPlanTiles{cuda_tiles(d).fwd_m, cuda_tiles(d).fwd_n};
+}
 #define MHK_SM90_HEAD_DIM_ITEM_(tag, D) D,
 constexpr int kSm90HeadDims[] = {MHK_SM90_FOR_EACH_HEAD_DIM(MHK_SM90_HEAD_DIM_ITEM_, _)};
 #undef MHK_SM90_HEAD_DIM_ITEM_

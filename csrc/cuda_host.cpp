@@ -200,24 +200,29 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tenso
     lse.fill_(-std::numeric_limits<float>::infinity());
     return {out, lse};
   }
-  const caps::CudaTiles t = caps::cuda_tiles(static_cast<int>(s.D));
+  const CallSizes cs{s.B, s.H, s.Hkv, s.Lq, s.Lk, s.D};
+  FwdParams p = make_fwd_params(cs, operand(q), operand(k), operand(v), operand(out), lse.data_ptr<float>(), kl_ptr,
+                                static_cast<float>(scale), causal, 1, nullptr, nullptr);
+  op::fill_mode_params(p, modes);
+  // Split-K is planned with the tiles of the family that will run the call (its choice does not
+  // depend on the split count).
+  const std::pair<int, int> cc = compute_capability(q.device().index());
+  const caps::FwdPlanTiles t = caps::fwd_plan_tiles(
+      choose_fwd_family(cc.first, cc.second, kSm90Compiled, p) == FwdFamily::sm90, static_cast<int>(s.D));
   const int64_t forced = op::cuda_forced_splits().load();
   const int64_t splits = forced > 0 ? forced
                                     : caps::plan_splits(s.B, s.Hkv, s.H / s.Hkv, s.Lq,
-                                                        planned_keys(modes, causal, s, t.fwd_m, t.fwd_n), s.D,
-                                                        num_sms(q.device().index()), t.fwd_m, t.fwd_n);
+                                                        planned_keys(modes, causal, s, t.m, t.n), s.D,
+                                                        num_sms(q.device().index()), t.m, t.n);
   at::Tensor o_partial, lse_partial;  // kept alive until the kernels are queued (caching allocator)
   if (splits > 1) {
     const auto f32 = q.options().dtype(at::kFloat);
     o_partial = at::empty({splits, s.B, s.H, s.Lq, s.D}, f32);
     lse_partial = at::empty({splits, s.B, s.H, s.Lq}, f32);
+    p.num_splits = static_cast<int>(splits);
+    p.o_partial = o_partial.data_ptr<float>();
+    p.lse_partial = lse_partial.data_ptr<float>();
   }
-  const CallSizes cs{s.B, s.H, s.Hkv, s.Lq, s.Lk, s.D};
-  FwdParams p = make_fwd_params(cs, operand(q), operand(k), operand(v), operand(out), lse.data_ptr<float>(), kl_ptr,
-                                static_cast<float>(scale), causal, static_cast<int>(splits),
-                                splits > 1 ? o_partial.data_ptr<float>() : nullptr,
-                                splits > 1 ? lse_partial.data_ptr<float>() : nullptr);
-  op::fill_mode_params(p, modes);
   check_no_pending_error("mhakern_C::fwd");
   check_launch(launch_fwd(elem_type_of(q), p, q.device().index(), stream), "mhakern_C::fwd");
   return {out, lse};

@@ -91,6 +91,14 @@ class Sm90Emulator:
         lib.mhk_emu_guard_reads.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         lib.mhk_sm90_selftest_wgmma.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 3
         lib.mhk_emu_fwd_family.argtypes = [ctypes.c_int] * 7 + [ctypes.c_longlong]
+        lib.mhk_emu_fwd_plan_splits.argtypes = [ctypes.c_int] * 10
+        lib.mhk_emu_sm90_config.argtypes = [ctypes.c_int, ctypes.c_void_p]
+
+    def config(self, D: int) -> tuple:
+        """(query rows, keys per stage, stages, dynamic smem) of the compiled FwdConfigSm90<D>."""
+        out = (ctypes.c_int * 4)()
+        assert self.lib.mhk_emu_sm90_config(D, out) == 0
+        return tuple(out)
 
     def error(self) -> str:
         return self.lib.mhk_emu_last_error().decode()
@@ -98,7 +106,9 @@ class Sm90Emulator:
     def schedule(self, seed) -> None:
         self.lib.mhk_emu_schedule(0 if seed is None else 1, 0 if seed is None else seed)
 
-    def forward(self, q, k, v, scale, causal, key_lengths, splits=1):
+    def forward(self, q, k, v, scale, causal, key_lengths, splits=1, partials=None):
+        """out, lse of the emulated forward; with `partials` (a list), the split-K fp32 partials
+        (o_part, lse_part) are appended to it."""
         B, H, Lq, D = q.shape
         Hkv, Lk = k.shape[1], k.shape[2]
         out, guard = padded_empty(q)
@@ -119,6 +129,8 @@ class Sm90Emulator:
         if rc != 0:
             raise RuntimeError(f"emulated sm90 forward: {self.error()}")
         guard.check("out")
+        if partials is not None:
+            partials.append((o_part, l_part))
         return out, lse
 
 
@@ -289,6 +301,73 @@ def test_sm90_split_k_combines_through_lse(rnd, splits):
     # D 256: 7 key tiles of 80; the combine kernel of the mma.sync family at a head dim that
     # family does not compile otherwise
     _run(rnd, (1, 4, 2, 3, 540, 256, 256, True, (540,)), torch.bfloat16, splits=splits)
+
+
+# (D, Lk): one CTA (8 query heads x 1 row over one KV head) on 132 SMs, keys long enough to split.
+# D 128 at 17 key stages: the mma.sync tiles (32 keys per step) planned 8 splits, and the sm90
+# kernel's ceil-divided shares (3 stages each) left the last two empty.
+PLAN_SHAPES = [(64, 128 * 17), (128, 128 * 17), (256, 80 * 17 + 30)]
+
+
+@pytest.mark.parametrize("D,Lk", PLAN_SHAPES, ids=[f"d{d}" for d, _ in PLAN_SHAPES])
+def test_sm90_split_plan_uses_the_family_tiles(rnd, D, Lk):
+    bm, bn, stages, _ = rnd.config(D)
+    B, H, Hkv, Lq, sms = 1, 8, 1, 1, 132
+    splits = rnd.lib.mhk_emu_fwd_plan_splits(9, 0, 1, D, B, Hkv, H // Hkv, Lq, Lk, sms)
+    # what capabilities.h's planner gives with the compiled config's tiles
+    n_all = -(-Lk // bn)
+    assert splits == max(1, min(-(-2 * sms // 1), n_all // 8)), (splits, n_all)
+    assert splits >= 2
+    per = -(-n_all // splits)
+    assert (splits - 1) * per < n_all, "a split with no key tile"
+    # The planned splits, run: every split saw keys (no causal, no key length: a finite lse in
+    # every row of every split), and the combined result is right.
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, D, dtype=torch.bfloat16)
+    parts = []
+
+    def fn(q, k, v, *, causal=False, key_lengths=None, scale=None, return_lse=False):
+        out, lse = rnd.forward(padded(q), padded(k), padded(v), 1.0 / D**0.5 if scale is None else float(scale),
+                               causal, None, splits, parts)
+        return (out.clone(), lse) if return_lse else out.clone()
+
+    check_against_reference(fn, q, k, v, False, None, grads=False)
+    assert parts and all(torch.isfinite(lp).all() for _, lp in parts)
+    if D == 128:
+        # the mma.sync family's plan for the same call (an 8.0 device), had the sm90 kernel run it
+        old = rnd.lib.mhk_emu_fwd_plan_splits(8, 0, 1, D, B, Hkv, H // Hkv, Lq, Lk, sms)
+        assert (old - 1) * -(-n_all // old) >= n_all
+
+
+def test_sm90_config_is_the_capability_table(emu):
+    # FwdConfigSm90 takes its tiles from capabilities.h (sm90_fwd_tiles); the extension's
+    # table reports the same numbers, and the split planner op plans with them.
+    caps = _extension_caps()
+    for D in SM90_DIMS:
+        bm, bn, stages, smem = emu.config(D)
+        assert smem <= SMEM_LIMIT_SM90
+        if caps is not None:
+            assert caps["cuda"]["sm90"]["fwd_tiles"][str(D)] == [bm, bn, stages]
+    if caps is not None:
+        plan = torch.ops.mhakern_C.cuda_plan_splits
+        for D, Lk in PLAN_SHAPES:
+            want = emu.lib.mhk_emu_fwd_plan_splits(9, 0, 1, D, 1, 1, 8, 1, Lk, 132)
+            assert plan(1, 1, 8, 1, Lk, D, 132, sm90=True) == want
+        with pytest.raises(ValueError, match="forward only"):
+            plan(1, 1, 8, 1, 4096, 128, 132, True, True)
+        with pytest.raises(ValueError, match="no compiled sm90 kernel"):
+            plan(1, 1, 8, 1, 4096, 96, 132, sm90=True)
+
+
+def _extension_caps():
+    """The capability table of the built extension, or None without one."""
+    try:
+        import json
+
+        import mhakern._C  # noqa: F401
+
+        return json.loads(torch.ops.mhakern_C.capabilities())
+    except (ImportError, OSError, AttributeError, RuntimeError):
+        return None
 
 
 def test_sm90_decode_packs_query_heads(rnd):

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "../attn_dispatch.h"
+#include "../sm90/attn_fwd_sm90_kernel.cuh"
 #include "../sm90/primitives_sm90.cuh"
 #include "cuda_emu_sm90.h"
 #include "emu_entry_util.h"
@@ -138,6 +139,41 @@ int mhk_emu_fwd_family(int major, int minor, int sm90_compiled, int D, int num_s
   if (mode == 3) p.window_left = 4;
   if (mode == 4) p.top_left = true;
   return static_cast<int>(mhakern::cuda::choose_fwd_family(major, minor, sm90_compiled != 0, p));
+}
+
+// The split-K count the host plans for a forward without modes on dense (B, H, L, D) operands,
+// on a device of capability major.minor with num_sms multiprocessors: csrc/cuda_host.cpp's
+// sequence (the family choice, then capabilities.h fwd_plan_tiles of that family, then
+// plan_splits).
+int mhk_emu_fwd_plan_splits(int major, int minor, int sm90_compiled, int D, int B, int Hkv, int group, int Lq, int Lk,
+                            int num_sms) {
+  FwdParams p;
+  p.D = D;
+  p.B = B;
+  p.Hkv = Hkv;
+  p.Lk = Lk;
+  p.k_stride = p.v_stride = {static_cast<int64_t>(Hkv) * Lk * D, static_cast<int64_t>(Lk) * D, D};
+  const bool sm90 = mhakern::cuda::choose_fwd_family(major, minor, sm90_compiled != 0, p) == mhakern::cuda::FwdFamily::sm90;
+  const mhakern::caps::FwdPlanTiles t = mhakern::caps::fwd_plan_tiles(sm90, D);
+  return static_cast<int>(mhakern::caps::plan_splits(B, Hkv, group, Lq, Lk, D, num_sms, t.m, t.n));
+}
+
+// What the compiled sm90 forward config (FwdConfigSm90<D>) holds, for tests to compare with
+// capabilities.h: out = {query rows, keys per stage, stages, dynamic shared memory asked}.
+// Returns 1 for a head dim without an instance.
+int mhk_emu_sm90_config(int d, int* out) {
+#define MHK_SM90_CONFIG_CASE_(tag, D)                          \
+  if (d == D) {                                                \
+    using C = mhakern::cuda::sm90::FwdConfigSm90<D>;           \
+    out[0] = C::kBlockM;                                       \
+    out[1] = C::kBlockN;                                       \
+    out[2] = C::kStages;                                       \
+    out[3] = C::kSmemAlloc;                                    \
+    return 0;                                                  \
+  }
+  MHK_SM90_FOR_EACH_HEAD_DIM(MHK_SM90_CONFIG_CASE_, _)
+#undef MHK_SM90_CONFIG_CASE_
+  return 1;
 }
 
 // The toy above: elem 0 fp16 / 1 bf16, N 64 or 128, `warpgroups` in the block (only the first
