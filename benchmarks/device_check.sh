@@ -145,7 +145,7 @@ echo "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-} MAX_JOBS=$MAX_JOBS" >>"$SET
 # them: the first-use build, ahead of time (python -m mhakern.build), for this GPU's arch only. A
 # CUDA part that fails to build fails here instead of falling back to the CPU kernels unnoticed.
 export MHAKERN_REQUIRE_CUDA=1
-run_step "install" "$SETUP" 180 240 bash -c "MHAKERN_NO_EXTENSION=1 \"$PY\" -m pip install --no-index --no-deps --no-build-isolation -e . && \"$PY\" -m mhakern.build"
+run_step "install" "$SETUP" 180 220 bash -c "MHAKERN_NO_EXTENSION=1 \"$PY\" -m pip install --no-index --no-deps --no-build-isolation -e . && \"$PY\" -m mhakern.build"
 rc=$?
 if [ $rc -ne 0 ]; then
     say "install: FAILED (exit $rc, see setup.log)"
@@ -201,7 +201,7 @@ fi
 SMOKE_DEV=$([ "$HAVE_GPU" = "1" ] && echo cuda || echo cpu)
 if stage smoke; then
     : >"$OUT/.smoke.log"
-    run_step "smoke: each GPU backend once (child processes), C++ errors raise" "$OUT/.smoke.log" 80 240 "$PY" -m benchmarks.device_smoke --device "$SMOKE_DEV" --budget-s 70
+    run_step "smoke: each GPU backend once (child processes), C++ errors raise" "$OUT/.smoke.log" 80 200 "$PY" -m benchmarks.device_smoke --device "$SMOKE_DEV" --budget-s 70
     rc0=$?
     cat "$OUT/.smoke.log" >>"$SETUP"
     while IFS= read -r line; do say "$line"; done < <(grep '^smoke: ' "$OUT/.smoke.log")
@@ -239,12 +239,12 @@ rc1=0
 # layouts are the emulator's reading of the PTX ISA until this runs on a 9.0 device; it skips
 # elsewhere): a hang there costs this step only.
 if stage sm90; then
-    MHAKERN_CUDA_FWD_FAMILY=auto gpu_tests "sm_90a family (tests/test_cuda_sm90_gpu.py)" 45 300 tests/test_cuda_sm90_gpu.py || rc1=1
+    MHAKERN_CUDA_FWD_FAMILY=auto gpu_tests "sm_90a family (tests/test_cuda_sm90_gpu.py)" 45 190 tests/test_cuda_sm90_gpu.py || rc1=1
 fi
 # The cuda backend: its GPU file (the hard cases under both forward families on a 9.0 device),
 # then the conformance suite (hard cases in every dtype, modes, NaN/inf contract) restricted to it.
 if stage cuda; then
-    gpu_tests "cuda backend (tests/test_cuda.py, conformance -k cuda)" 60 220 tests/test_cuda.py tests/test_conformance.py -k "cuda or not conformance" || rc1=1
+    gpu_tests "cuda backend (tests/test_cuda.py, conformance -k cuda)" 60 150 tests/test_cuda.py tests/test_conformance.py -k "cuda or not conformance" || rc1=1
 fi
 
 # ------------------------------------------------------------------ 5. headline benchmarks
@@ -258,7 +258,7 @@ if stage bench; then
     PROVIDERS=(--bench-provider mhakern:cuda --bench-provider mhakern:triton --bench-provider mhakern:auto
                --bench-provider sdpa:flash --bench-provider sdpa:cudnn --bench-provider sdpa:efficient
                --bench-provider flash-attn --bench-provider xformers)
-    run_step "headline benchmarks" "$BENCH" 100 130 "$PY" -m pytest "${BENCH_FILES[@]}" --benchmark-only --bench-set headline \
+    run_step "headline benchmarks" "$BENCH" 100 80 "$PY" -m pytest "${BENCH_FILES[@]}" --benchmark-only --bench-set headline \
         "${PROVIDERS[@]}" --benchmark-json "$OUT/bench.json" --benchmark-columns=median,iqr,rounds -q -p no:cacheprovider ${BENCH_ARGS:-}
     rc=$?
     say "benchmarks (${BENCH_FILES[*]}, headline set): $(pytest_counts "$BENCH") [exit $rc]"
@@ -269,12 +269,12 @@ fi
 TRITON_TESTS=$(ls tests/test_triton*.py 2>/dev/null | grep -v -e _aot || true)
 if stage triton; then
     # shellcheck disable=SC2086
-    gpu_tests "triton backend ($(echo $TRITON_TESTS | tr '\n' ' '), descriptor tests, conformance -k triton)" 70 45 $TRITON_TESTS tests/test_triton_aot.py tests/test_conformance.py -k "(triton or not conformance) and (not aot or descriptor or modes_never)" || rc1=1
+    gpu_tests "triton backend ($(echo $TRITON_TESTS | tr '\n' ' '), descriptor tests, conformance -k triton)" 70 30 $TRITON_TESTS tests/test_triton_aot.py tests/test_conformance.py -k "(triton or not conformance) and (not aot or descriptor or modes_never)" || rc1=1
 fi
 if stage other; then
     OTHER_IGNORE=(--ignore tests/test_conformance.py)
     for f in tests/test_cuda.py tests/test_cuda_sm90_gpu.py tests/test_triton_aot.py $TRITON_TESTS; do OTHER_IGNORE+=(--ignore "$f"); done
-    gpu_tests "everything else marked gpu" 25 20 tests -m gpu "${OTHER_IGNORE[@]}"
+    gpu_tests "everything else marked gpu" 25 15 tests -m gpu "${OTHER_IGNORE[@]}"
     rc=$?
     # pytest's 5: nothing else is marked gpu.
     [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ] && rc1=1
