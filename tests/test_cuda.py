@@ -260,8 +260,9 @@ def test_extension_checks_name_the_argument(cuda_ready):
         fwd(q, k, v, 0.125, False, torch.tensor([17], dtype=torch.int32, device="cuda"), *_NOMODES)
     with pytest.raises(ValueError, match="key_lengths: expected a tensor on cuda"):
         fwd(q, k, v, 0.125, False, torch.tensor([16], dtype=torch.int32), *_NOMODES)
-    with pytest.raises(NotImplementedError, match="the cuda kernels do not implement dropout"):
-        fwd(q, k, v, 0.125, False, None, None, 0.5, 0, False, -1, -1)
+    # Every mode is implemented now (docs/contract.md); a mode's argument out of range still raises.
+    with pytest.raises(ValueError, match=r"dropout_p: expected a number in \[0, 1\), got 1.5"):
+        fwd(q, k, v, 0.125, False, None, None, 1.5, 0, False, -1, -1)
     with pytest.raises(ValueError, match="cuda_force_splits: num_splits must lie in"):
         torch.ops.mhakern_C.cuda_force_splits(-1)
     out, lse = fwd(q, k, v, 0.125, False, None, *_NOMODES)
