@@ -81,6 +81,16 @@ std::string capabilities() {
     js << (i ? ", " : "") << '"' << caps::kSm90HeadDims[i] << "\": [" << t.m << ", " << t.n << ", " << t.stages << "]";
   }
   js << "}";
+  // The decode configuration of the mma.sync forward (capabilities.h cuda_decode_tiles): per head
+  // dim [packed query rows, keys per tile, stages]; served when group * Lq <= max_rows and the
+  // call has no attn_mask and no dropout.
+  js << "}, \"decode\": {\"max_rows\": " << caps::kCudaDecodeMaxRows << ", \"warps\": " << caps::kCudaDecodeWarps
+     << ", \"tiles\": {";
+  for (int i = 0; i < caps::kCudaNumHeadDims; ++i) {
+    const caps::CudaDecodeTiles t = caps::cuda_decode_tiles(caps::kCudaHeadDims[i]);
+    js << (i ? ", " : "") << '"' << caps::kCudaHeadDims[i] << "\": [" << t.m << ", " << t.n << ", " << t.stages << "]";
+  }
+  js << "}";
   js << "}, \"split\": {\"min_blocks_per_split\": " << caps::kMinBlocksPerSplit
      << ", \"max_splits\": " << caps::kMaxSplits << ", \"max_workspace_bytes\": " << caps::kMaxSplitWorkspaceBytes
      << "}, \"features\": ";
@@ -106,7 +116,9 @@ int64_t cuda_plan_splits(int64_t batch, int64_t kv_heads, int64_t group, int64_t
                       " has no compiled cuda kernel");
   }
   const caps::CudaTiles t = caps::cuda_tiles(static_cast<int>(head_dim));
-  const caps::FwdPlanTiles f = caps::fwd_plan_tiles(sm90, static_cast<int>(head_dim));
+  // A mma.sync forward of few packed rows runs the decode kernel (a call without attn_mask and
+  // dropout: what the planner is asked about here).
+  const caps::FwdPlanTiles f = caps::fwd_plan_tiles(sm90, static_cast<int>(head_dim), group * q_len, false);
   return caps::plan_splits(batch, kv_heads, group, q_len, k_len, head_dim, num_sms, backward ? t.dq_m : f.m,
                            backward ? t.dq_n : f.n);
 }

@@ -93,6 +93,41 @@ constexpr CudaTiles cuda_tiles(int d) {
   return CudaTiles{128, d <= 64 ? 64 : 32, 64, d <= 64 ? 64 : 32, 64, d <= 64 ? 64 : 32, d <= 64 ? 32 : 16};
 }
 
+// The decode configuration of the mma.sync forward (attn_fwd_decode_kernel, FwdDecodeConfig in
+// csrc/cuda/attn_fwd_kernel.cuh). A decode call packs only group * Lq rows per (batch, KV head)
+// (GQA 32 / 8 at Lq = 1: 4 rows), so the 128-row tile of cuda_tiles() spends 2 x 128 x D x N
+// tensor-core work per N keys on 4 useful rows: measured on an H200 at 41% of the copy
+// bandwidth, compute-bound by the padding. This kernel takes one m16 row block per CTA and
+// gives each of its 4 warps a quarter of the key tile instead of a quarter of the rows (each
+// warp runs its own online softmax; the warps' (max, sum, output) merge in shared memory at the
+// end, in warp order: deterministic), with `stages` K/V tiles of 16-byte cp.async in flight:
+// 8x less mma work per K/V byte than the 128-row tile.
+// Served: forward calls without attn_mask and dropout (key_lengths, causal, window, top-left
+// are in the kernel's Visibility masking) whose group * Lq <= kCudaDecodeMaxRows. Up to 32
+// rows the CTAs of the 2 row blocks of a (batch, KV head, split) run next to each other and
+// read the same K/V tiles, the second from L2 (2x the L2 traffic of one read, still 4x less
+// mma work per HBM byte than the 128-row tile); at 64 rows the 4 L2 reads per HBM byte would
+// compete with the 128-row tile, which then wastes only half its rows.
+// Tiles per head dim: (rows, keys per tile = 4 warps x 16 or 32 keys, stages). Shared memory
+// (pitch D + 8) stays within ~80 KB so that the smallest sm_80+ part (99 KB) holds it and a
+// 9.0 device (227 KB) three CTAs: D 32: 128 keys x 4 stages (82 KB); D 64: 64 x 4 (76 KB);
+// D 96: 64 x 3 (82 KB); D 128: 64 x 2 (74 KB; a third stage, 108 KB, passes 99 KB). The
+// bytes in flight per CTA ((stages - 1) tiles: 61 / 55 / 53 / 35 KB) times 2-3 CTAs per SM
+// cover the HBM latency at full bandwidth (~4.8 TB/s x ~1 us / 132 SMs = 36 KB per SM).
+struct CudaDecodeTiles {
+  int m, n, stages;  // packed query rows per CTA, keys per tile (all warps), tiles in flight + 1
+};
+constexpr int kCudaDecodeWarps = 4;
+constexpr int64_t kCudaDecodeMaxRows = 32;
+constexpr CudaDecodeTiles cuda_decode_tiles(int d) {
+  return CudaDecodeTiles{16, d <= 32 ? 128 : 64, d <= 64 ? 4 : (d <= 96 ? 3 : 2)};
+}
+// Whether a mma.sync forward call runs the decode kernel: group_rows = H / Hkv * Lq;
+// mask_or_dropout: the call has attn_mask or dropout (the modes kernel serves those).
+constexpr bool use_cuda_decode_fwd(int64_t group_rows, bool mask_or_dropout) {
+  return !mask_or_dropout && group_rows <= kCudaDecodeMaxRows;
+}
+
 // ---- cuda sm90 family (csrc/cuda/sm90/): Hopper, wgmma + TMA + mbarrier pipeline ----------
 // A second family of CUDA kernels, compiled only in the sm_90a pass of nvcc
 // (-gencode=arch=compute_90a,code=sm_90a: wgmma and setmaxnreg exist only on the "a" target,
@@ -128,6 +163,13 @@ struct FwdPlanTiles {
 constexpr FwdPlanTiles fwd_plan_tiles(bool sm90_family, int d) {
   return sm90_family ? FwdPlanTiles{sm90_fwd_tiles(d).m, sm90_fwd_tiles(d).n}
                      : FwdPlanTiles{cuda_tiles(d).fwd_m, cuda_tiles(d).fwd_n};
+}
+// The tiles of one forward call: those of the family, and for a mma.sync call the decode
+// kernel serves (use_cuda_decode_fwd) the decode tiles (the host plans its splits with these).
+constexpr FwdPlanTiles fwd_plan_tiles(bool sm90_family, int d, int64_t group_rows, bool mask_or_dropout) {
+  return !sm90_family && use_cuda_decode_fwd(group_rows, mask_or_dropout)
+             ? FwdPlanTiles{cuda_decode_tiles(d).m, cuda_decode_tiles(d).n}
+             : fwd_plan_tiles(sm90_family, d);
 }
 #define MHK_SM90_HEAD_DIM_ITEM_(tag, D) D,
 constexpr int kSm90HeadDims[] = {MHK_SM90_FOR_EACH_HEAD_DIM(MHK_SM90_HEAD_DIM_ITEM_, _)};

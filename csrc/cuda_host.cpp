@@ -208,8 +208,9 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tenso
   // Split-K is planned with the tiles of the family that will run the call (its choice does not
   // depend on the split count).
   const std::pair<int, int> cc = compute_capability(q.device().index());
-  const caps::FwdPlanTiles t = caps::fwd_plan_tiles(
-      choose_fwd_family(cc.first, cc.second, kSm90Compiled, p) == FwdFamily::sm90, static_cast<int>(s.D));
+  const bool sm90 = op::forced_fwd_family() == 0 && choose_fwd_family(cc.first, cc.second, kSm90Compiled, p) == FwdFamily::sm90;
+  const caps::FwdPlanTiles t = caps::fwd_plan_tiles(sm90, static_cast<int>(s.D), s.H / s.Hkv * s.Lq,
+                                                    p.mask != nullptr || p.dropout_p > 0.0);
   const int64_t forced = op::cuda_forced_splits().load();
   const int64_t splits = forced > 0 ? forced
                                     : caps::plan_splits(s.B, s.Hkv, s.H / s.Hkv, s.Lq,

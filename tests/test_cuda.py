@@ -208,6 +208,81 @@ def test_backward_is_deterministic(cuda_ready, splits):
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
+# ---- the decode kernel of the mma.sync forward (capabilities.h: group * Lq <= decode max_rows,
+# no attn_mask / dropout): forced onto the mma.sync family, which serves calls with key_lengths
+# on every device and every call below sm_90a.
+
+
+@pytest.fixture
+def mma_sync(cuda_ready):
+    prev = torch.ops.mhakern_C.cuda_force_fwd_family("mma_sync")
+    try:
+        yield
+    finally:
+        torch.ops.mhakern_C.cuda_force_fwd_family(prev)
+
+
+def _decode_rows():
+    caps = cuda_backend.capabilities() or {}
+    return caps.get("cuda", {}).get("decode", {}).get("max_rows", 0)
+
+
+# (B, H, Hkv, Lq, Lk, key_lengths): GQA 32 / 8 with a length 0 and one inside a tile, MQA group
+# 8, group 32 (two row blocks of 16), 3 queries x group 8 with a length below Lq (dead rows).
+DECODE_GPU_CASES = [
+    (3, 32, 8, 1, 5000, (5000, 0, 1237)),
+    (4, 8, 1, 1, 3001, (1, 3001, 2048, 17)),
+    (2, 32, 1, 1, 2500, None),
+    (2, 16, 2, 3, 900, (900, 2)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("D", _head_dims() or (128,))
+@pytest.mark.parametrize("case", DECODE_GPU_CASES, ids=lambda c: f"B{c[0]}H{c[1]}kv{c[2]}q{c[3]}k{c[4]}")
+def test_decode_kernel_against_the_reference(mma_sync, case, D, dtype):
+    B, H, Hkv, Lq, Lk, kl = case
+    assert H // Hkv * Lq <= _decode_rows(), "the case must take the decode kernel"
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, dtype=dtype, device="cuda")
+    check_against_reference(_cuda_fn(), q, k, v, True, _kl(kl))
+    check_against_reference(_cuda_fn(), q.detach(), k.detach(), v.detach(), False, _kl(kl), grads=False)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 64])
+def test_decode_forced_splits_and_determinism(mma_sync, splits):
+    B, H, Hkv, Lq, Lk, D = 2, 32, 8, 1, 20000, 128
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, dtype=torch.bfloat16, device="cuda", requires_grad=False)
+    kl = torch.tensor([20000, 77], dtype=torch.int32, device="cuda")  # 77: most splits see no key
+    scale = D**-0.5
+    out, lse = _raw_fwd(q, k, v, scale, False, kl, splits)
+    ref, ref_lse = reference.attention_forward(q.double(), k.double(), v.double(), scale, False, kl, upcast=True)
+    math_out, _ = reference.attention_forward(q, k, v, scale, False, kl)
+    rule_check("out", out, ref, math_out, torch.bfloat16, 2.0)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-2, atol=0)
+    for _ in range(2):
+        again, again_lse = _raw_fwd(q, k, v, scale, False, kl, splits)
+        assert torch.equal(out, again) and torch.equal(lse, again_lse)
+
+
+def test_decode_planned_splits_and_garbage_past_lengths(mma_sync):
+    # The measured decode shape, planned (several splits of the decode tiles), with NaN keys and
+    # inf values past a length: the same result as with clean padding.
+    B, H, Hkv, Lq, Lk, D = 2, 32, 8, 1, 2**17, 128
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert cuda_backend.plan_splits(B, Hkv, H // Hkv, Lq, Lk, D, sms) > 1
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, dtype=torch.bfloat16, device="cuda", requires_grad=False)
+    kl = torch.tensor([Lk, 70001], dtype=torch.int32, device="cuda")
+    clean, clean_lse = mhakern.attention(q, k, v, key_lengths=kl, backend="cuda", return_lse=True)
+    k[1, :, 70001:] = float("nan")
+    v[1, :, 70001:] = float("inf")
+    out, lse = mhakern.attention(q, k, v, key_lengths=kl, backend="cuda", return_lse=True)
+    assert torch.equal(out, clean) and torch.equal(lse, clean_lse)
+    ref, ref_lse = reference.attention_forward(q.double(), k.double().nan_to_num(0, 0, 0),
+                                               v.double().nan_to_num(0, 0, 0), D**-0.5, False, kl, upcast=True)
+    math_out, _ = reference.attention_forward(q, k.nan_to_num(0, 0, 0), v.nan_to_num(0, 0, 0), D**-0.5, False, kl)
+    rule_check("out", out, ref, math_out, torch.bfloat16, 2.0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_fully_masked_rows_give_zero_and_no_nan(cuda_ready, dtype):
     # causal with Lq > Lk: rows 0 .. Lq - Lk - 1 see no key; key_lengths 0 hides all keys.

@@ -548,6 +548,134 @@ def test_emulated_negative_and_zero_scale(deferred, scale):
 
 
 # ---------------------------------------------------------------------------------------------
+# Decode: the mma.sync forward's decode kernel (group * Lq <= the table's max_rows, no attn_mask
+# or dropout): one 16-row block per CTA, the warps split each key tile, merge at the end
+# ---------------------------------------------------------------------------------------------
+
+
+def _decode_tiles(emu, D):
+    out = (ctypes.c_int * 7)()
+    assert emu.lib.mhk_emu_decode_tiles(D, out) == 0
+    return dict(m=out[0], n=out[1], stages=out[2], warp_n=out[3], warps=out[4], smem=out[5], max_rows=out[6])
+
+
+def _plan_mma(emu, D, B, Hkv, group, Lq, Lk, sms, mask_or_dropout=False):
+    decode = ctypes.c_int(-1)
+    s = emu.lib.mhk_emu_fwd_plan_mma(D, B, Hkv, group, Lq, Lk, sms, int(mask_or_dropout), ctypes.byref(decode))
+    return s, bool(decode.value)
+
+
+# (B, H, Hkv, Lq, Lk, D, Dv, causal, key_lengths), forced splits: every case runs the decode kernel
+# (group * Lq <= 32). Key lengths of 0 and 1, lengths that end inside a warp's slice of a tile,
+# MQA, group 8 and 32 (two row blocks), Lq > 1 with bottom-right causal (rows that see no key
+# when a length is below Lq), every head dim.
+DECODE_CASES = [
+    ((3, 32, 8, 1, 300, 128, 128, False, (300, 0, 77)), torch.bfloat16, 1),
+    ((3, 32, 8, 1, 300, 128, 128, False, (300, 0, 77)), torch.bfloat16, 3),
+    ((2, 8, 1, 1, 200, 64, 64, True, (200, 1)), torch.float16, 2),          # MQA, group 8
+    ((1, 32, 1, 1, 260, 32, 32, False, (259,)), torch.bfloat16, 1),          # group 32: 2 row blocks
+    ((2, 16, 2, 3, 150, 96, 96, True, (150, 2)), torch.float16, 4),          # 24 rows, dead rows
+    ((1, 4, 4, 1, 700, 128, 128, True, None), torch.float16, 5),             # MHA decode, 5 splits
+]
+
+
+@pytest.mark.parametrize("case,dtype,splits", DECODE_CASES,
+                         ids=[f"{case_id(c)}-{str(d)[6:]}-s{s}" for c, d, s in DECODE_CASES])
+def test_emulated_decode_kernel_against_reference(deferred, case, dtype, splits):
+    B, H, Hkv, Lq, Lk, D, Dv, causal, kl = case
+    assert _plan_mma(deferred, D, B, Hkv, H // Hkv, Lq, Lk, 132)[1], "the case must run the decode kernel"
+    _run(deferred, case, dtype, splits=splits)
+
+
+def test_emulated_decode_large_logits_and_window(deferred):
+    # Logits in the hundreds (exact softmax across the warps' merge), then a window and top-left
+    # alignment, which the decode kernel masks itself (only attn_mask / dropout leave it).
+    _run(deferred, (2, 8, 2, 1, 333, 64, 64, False, (333, 100)), torch.bfloat16, splits=2, scale_inputs=30.0)
+    q, k, v = make_inputs(2, 8, 2, 2, 260, 32, dtype=torch.float16, requires_grad=False)
+    kl = torch.tensor([260, 90], dtype=torch.int32)
+    for window, align in (((40, 0), "bottom_right"), ((7, 70), "top_left")):
+        check_against_reference(emulated_attention(deferred, 3), q, k, v, False, kl, grads=False, window=window,
+                                causal_align=align)
+
+
+def test_emulated_decode_hidden_keys_hold_garbage(deferred):
+    # NaN keys and inf values past a length, in a tile a split and a warp's slice straddle.
+    B, H, Hkv, Lq, Lk, D = 2, 8, 2, 1, 200, 128
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, dtype=torch.bfloat16, requires_grad=False)
+    kl = torch.tensor([75, 200], dtype=torch.int32)
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[0, :, 75:] = float("nan")
+    v_bad[0, :, 75:] = float("inf")
+    for splits in (1, 2):
+        fn = emulated_attention(deferred, splits)
+        out, lse = fn(q, k_bad, v_bad, key_lengths=kl, return_lse=True)
+        ref, ref_lse = fn(q, k, v, key_lengths=kl, return_lse=True)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+
+
+def test_emulated_decode_dead_rows_and_determinism(emu):
+    # Key length 0 (every row dead: 0 and -inf), and the same call under the fixed schedule and
+    # two random ones (copies landing at random moments, warps interleaved): bit-identical.
+    q, k, v = make_inputs(3, 16, 2, 1, 400, 64, dtype=torch.bfloat16, requires_grad=False)
+    kl = torch.tensor([0, 400, 131], dtype=torch.int32)
+    results = []
+    try:
+        for seed in (None, 11, 12345):
+            emu.schedule(seed)
+            for splits in (1, 4):
+                out, lse = emulated_attention(emu, splits)(q, k, v, key_lengths=kl, return_lse=True)
+                results.append((splits, out.clone(), lse.clone()))
+    finally:
+        emu.schedule(None)
+    for splits, out, lse in results:
+        assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
+        assert torch.isfinite(out[1:]).all() and torch.isfinite(lse[1:]).all()
+        first = next(r for r in results if r[0] == splits)
+        assert torch.equal(out, first[1]) and torch.equal(lse, first[2])
+    check_against_reference(emulated_attention(emu, 4), q, k, v, False, kl, grads=False)
+
+
+def test_emulated_decode_feeds_the_backward(deferred):
+    # out and lse of the decode kernel are what the backward reads: gradients through it.
+    _run(deferred, (2, 8, 2, 1, 140, 64, 64, True, (140, 33)), torch.float16, splits=2, bwd_splits=2)
+
+
+@pytest.mark.parametrize("D", HEAD_DIMS)
+def test_decode_config_is_the_capability_table(emu, D):
+    t = _decode_tiles(emu, D)
+    assert t["m"] == 16 and t["warps"] * t["warp_n"] == t["n"] and t["warp_n"] % 16 == 0
+    assert t["smem"] <= SMEM_LIMIT and t["stages"] >= 2
+    caps = cuda_backend.capabilities()
+    if caps is not None:
+        dec = caps["cuda"]["decode"]
+        assert dec["tiles"][str(D)] == [t["m"], t["n"], t["stages"]]
+        assert dec["max_rows"] == t["max_rows"] and dec["warps"] == t["warps"]
+
+
+def test_decode_switch_and_plan(emu):
+    # The switch: group * Lq up to max_rows, never with attn_mask or dropout.
+    max_rows = _decode_tiles(emu, 128)["max_rows"]
+    assert _plan_mma(emu, 128, 1, 8, 4, 1, 2**17, 132)[1]
+    assert _plan_mma(emu, 128, 1, 1, max_rows, 1, 2**17, 132)[1]
+    assert not _plan_mma(emu, 128, 1, 1, max_rows + 1, 1, 2**17, 132)[1]
+    assert not _plan_mma(emu, 128, 1, 8, 4, 1, 2**17, 132, mask_or_dropout=True)[1]
+    # The measured decode shapes, planned with the decode tiles (16 rows, 64 keys at D 128):
+    # about two CTAs per SM, each split holding whole tiles and none empty.
+    for B, Hkv, group, Lk in ((1, 8, 4, 2**17), (4, 4, 8, 2**16), (4, 4, 8, 2**20)):
+        s, dec = _plan_mma(emu, 128, B, Hkv, group, 1, Lk, 132)
+        tiles = -(-Lk // 64)
+        ctas = B * Hkv * -(-group // 16)
+        assert dec and s == min(-(-2 * 132 // ctas), tiles // 8, 128)
+        assert (s - 1) * -(-tiles // s) < tiles
+    caps = cuda_backend.capabilities()
+    if caps is not None and caps["cuda"]["compiled"] is not None:
+        plan = torch.ops.mhakern_C.cuda_plan_splits
+        for args in ((1, 8, 4, 1, 2**17, 128, 132), (2, 1, 32, 1, 5000, 32, 80), (1, 2, 8, 8, 9000, 64, 132)):
+            assert plan(*args) == _plan_mma(emu, args[5], *args[:5], args[6])[0]
+
+
+# ---------------------------------------------------------------------------------------------
 # Availability reasons
 # ---------------------------------------------------------------------------------------------
 
@@ -802,11 +930,16 @@ def test_compile_check_tool_on_one_file(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = __import__("json").loads(out.read_text())
     kernels = {k["kernel"]: k for k in report["kernels"]}
-    # the plain forward, its twin for calls with attn_mask / dropout, and the split-K combine
-    assert report["passed"] and set(kernels) == {"attn_fwd_kernel", "attn_fwd_modes_kernel", "attn_fwd_combine_kernel"}
+    # the plain forward, its twin for calls with attn_mask / dropout, the decode kernel (few
+    # packed rows) and the split-K combine
+    assert report["passed"] and set(kernels) == {"attn_fwd_kernel", "attn_fwd_modes_kernel", "attn_fwd_decode_kernel",
+                                                 "attn_fwd_combine_kernel"}
     fwd = kernels["attn_fwd_kernel"]
     assert fwd["arch"] == 80 and 0 < fwd["regs"] <= 255 and fwd["spill_st"] == 0
     assert fwd["smem_dynamic"] > 0 and "attn_fwd_kernel" in res.stdout
+    dec = kernels["attn_fwd_decode_kernel"]
+    assert dec["spill_st"] == dec["spill_ld"] == dec["stack"] == 0 and dec["local_ins"] in (0, None)
+    assert 0 < dec["smem_dynamic"] <= 99 * 1024
 
 
 def test_views_the_kernels_cannot_read_in_place_are_copied():

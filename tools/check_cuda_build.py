@@ -63,7 +63,11 @@ SMEM_LIMIT = 99 * 1024  # opt-in shared memory per block on sm_86 / sm_89 (sm_80
 # (delta, combine, dq reduce) are memory-bound one-pass loops. The *_modes_kernel twins (attn_mask,
 # dropout) are built from the same bodies and held to the same rule.
 MAIN_KERNELS = ("attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel", "attn_fwd_modes_kernel",
-                "attn_bwd_dkdv_modes_kernel", "attn_bwd_dq_modes_kernel")
+                "attn_bwd_dkdv_modes_kernel", "attn_bwd_dq_modes_kernel", "attn_fwd_decode_kernel")
+# Kernels held to no local memory at all (no spill, no stack frame, no LDL/STL anywhere): the
+# decode forward keeps one 16-row strip per warp (half the main forward's registers), so
+# anything in local memory there is a regression, not a trade-off.
+NO_LOCAL_KERNELS = ("attn_fwd_decode_kernel",)
 # Reviewed exceptions: (kernel, head dim) -> (most local-memory instructions allowed inside its
 # loops, most spill bytes per thread when no SASS can be read, why). Beyond that, it fails.
 ALLOWED_LOOP_LOCAL = {
@@ -223,9 +227,9 @@ _CONFIG_PROGRAM = r"""
 using namespace mhakern::cuda;
 template <int D> void row() {
   using B = BwdConfig<D>;
-  std::printf("%d %d %d %d %d %d %d\n", D, FwdConfig<D>::kLaunchSmemBytes, B::kDkvSmemBytes, B::kDqSmemBytes,
+  std::printf("%d %d %d %d %d %d %d %d\n", D, FwdConfig<D>::kLaunchSmemBytes, B::kDkvSmemBytes, B::kDqSmemBytes,
               FwdConfig<D, true>::kLaunchSmemBytes, B::kDkvSmemBytes + B::kDkvModeSmemBytes,
-              B::kDqSmemBytes + B::kDqModeSmemBytes);
+              B::kDqSmemBytes + B::kDqModeSmemBytes, FwdDecodeConfig<D>::kLaunchSmemBytes);
 }
 #define MHK_ROW_(tag, D) row<D>();
 int main() { MHK_CUDA_FOR_EACH_HEAD_DIM(MHK_ROW_, _) }
@@ -247,13 +251,14 @@ def dynamic_smem(include: Path) -> dict[tuple[str, int], int] | None:
         res = subprocess.run([str(exe)], capture_output=True, text=True)
     table = {}
     for line in res.stdout.splitlines():
-        D, fwd, dkdv, dq, fwd_m, dkdv_m, dq_m = map(int, line.split())
+        D, fwd, dkdv, dq, fwd_m, dkdv_m, dq_m, fwd_dec = map(int, line.split())
         table[("attn_fwd_kernel", D)] = fwd
         table[("attn_bwd_dkdv_kernel", D)] = dkdv
         table[("attn_bwd_dq_kernel", D)] = dq
         table[("attn_fwd_modes_kernel", D)] = fwd_m
         table[("attn_bwd_dkdv_modes_kernel", D)] = dkdv_m
         table[("attn_bwd_dq_modes_kernel", D)] = dq_m
+        table[("attn_fwd_decode_kernel", D)] = fwd_dec
     return table
 
 
@@ -542,6 +547,10 @@ def main(argv=None) -> int:
                                 "(no SASS to tell whether inside its loop)")
         elif spills:
             flags.append("spill outside loops")
+        if kern in NO_LOCAL_KERNELS and (spills or e["local_ins"]):
+            flags.append("LOCAL-MEM")
+            problems.append(f"{kern}<{dtype}, {D}> sm_{e['arch']}: local memory (spill {e['spill_st']} B / "
+                            f"{e['spill_ld']} B, stack {e['stack']} B, LDL/STL {e['local_ins']}); this kernel may use none")
         if dyn + e["smem_static"] > SMEM_LIMIT:
             flags.append("SMEM>99KB")
             problems.append(f"{kern}<{dtype}, {D}> needs {dyn + e['smem_static']} B of shared memory (> {SMEM_LIMIT})")

@@ -399,6 +399,222 @@ __global__ void MHK_LAUNCH_BOUNDS(128, 1) attn_fwd_combine_kernel(const FwdParam
   if (lane == 0) p.lse[row] = lse;
 }
 
+// ---- decode: few packed rows per (batch, KV head) -------------------------------------------
+// capabilities.h (cuda_decode_tiles, use_cuda_decode_fwd) argues the configuration: one m16 row
+// block per CTA, each warp takes kWarpN keys of every K/V tile (not a strip of rows), kStages
+// tiles in a cp.async ring, and the warps' partial softmax states merge at the end.
+template <int D>
+struct FwdDecodeConfig {
+  static_assert(D % 16 == 0 && D >= 16 && D <= 128, "head dim: multiple of 16 up to 128");
+  static constexpr int kWarps = caps::kCudaDecodeWarps;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kBlockM = caps::cuda_decode_tiles(D).m;  // packed query rows per CTA
+  static constexpr int kBlockN = caps::cuda_decode_tiles(D).n;  // keys per tile (all warps)
+  static constexpr int kStages = caps::cuda_decode_tiles(D).stages;
+  static constexpr int kWarpN = kBlockN / kWarps;  // keys of a tile per warp
+  static_assert(kBlockM == 16, "one m16 row block per CTA: every warp multiplies all its rows");
+  static_assert(kWarpN % 16 == 0 && kWarpN * kWarps == kBlockN, "a warp's keys: whole k16 steps of P V");
+  static_assert(kStages >= 2, "at least one tile in flight while one is used");
+  static constexpr int kPitch = TilePitch<D>::kPitch;
+  static constexpr int kQTile = kBlockM * kPitch;   // elements
+  static constexpr int kKVTile = kBlockN * kPitch;  // elements; stage s: K at 2s, V at 2s + 1
+  static constexpr int kRingBytes = kStages * 2 * kKVTile * 2;
+  // The merge after the loop overlays the ring: per warp its 16 x D fp32 partial output, then
+  // per warp and row its running max (base 2) and sum.
+  static constexpr int kMergeBytes = kWarps * kBlockM * (D + 2) * 4;
+  static_assert(kMergeBytes <= kRingBytes, "the merge area fits in the K/V ring");
+  // Q, the ring, the first and one past the last visible key of each row.
+  static constexpr int kSmemBytes = kQTile * 2 + kRingBytes + 2 * kBlockM * 4;
+  static constexpr int kLaunchSmemBytes = kSmemBytes;
+};
+
+template <typename Elem, int D>
+MHK_DEVICE void attn_fwd_decode_body(const FwdParams& p) {
+  using Cfg = FwdDecodeConfig<D>;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kThreads = Cfg::kThreads;
+  constexpr int kStages = Cfg::kStages, kWarpN = Cfg::kWarpN, kWarps = Cfg::kWarps;
+  MHK_DYNAMIC_SMEM(smem);
+  Elem* sQ = reinterpret_cast<Elem*>(smem);
+  Elem* sRing = sQ + Cfg::kQTile;
+  int* sLimit = reinterpret_cast<int*>(sRing + 2 * kStages * Cfg::kKVTile);
+  int* sLo = sLimit + kBlockM;
+  float* sAcc = reinterpret_cast<float*>(sRing);  // after the loop: [warp][row][D]
+  float* sMax = sAcc + kWarps * kBlockM * D;      // [warp][row]
+  float* sSum = sMax + kWarps * kBlockM;          // [warp][row]
+
+  const int tid = thread_index();
+  const int warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+
+  // Block index as in attn_fwd_body: row block fastest (the CTAs of one (b, kv head, split)
+  // read the same tiles and run together), then (b, kv head), then split.
+  const int rows_total = p.group * p.Lq;
+  const int n_mblocks = ceil_div(rows_total, kBlockM);
+  int64_t bid = block_index();
+  const int mb = static_cast<int>(bid % n_mblocks);
+  bid /= n_mblocks;
+  const int hkv = static_cast<int>(bid % p.Hkv);
+  bid /= p.Hkv;
+  const int b = static_cast<int>(bid % p.B);
+  const int split = static_cast<int>(bid / p.B);
+  const int r0 = mb * kBlockM;
+  const int nrows = imin(kBlockM, rows_total - r0);
+  const int Lk_b = key_length_of(p, b);  // clamped into [0, Lk]
+  const Visibility vis = visibility_of(p, Lk_b);
+  int i_lo, i_hi;
+  tile_query_range(r0, nrows, p.Lq, i_lo, i_hi);
+  int kv_first, kv_any, kv_all_lo, kv_all;
+  tile_key_range<kBlockN>(vis, i_lo, i_hi, kv_first, kv_any, kv_all_lo, kv_all);
+  // Split-K in whole tiles of this row block's key range, as attn_fwd_body.
+  const int per_split = ceil_div(ceil_div(kv_any - kv_first, kBlockN), p.num_splits) * kBlockN;
+  const int kv_begin = kv_first + split * per_split;
+  const int kv_end = imin(kv_any, kv_begin + per_split);
+  const bool lo_masks = vis.left >= 0;
+
+  // Published to the other warps by the first block_sync of the loop (or the one before the merge).
+  for (int rr = tid; rr < kBlockM; rr += kThreads) {
+    const int r = r0 + rr;
+    sLimit[rr] = r < rows_total ? key_hi(vis, r % p.Lq) : 0;
+    sLo[rr] = r < rows_total ? key_lo(vis, r % p.Lq) : 0;
+  }
+
+  const Elem* q = static_cast<const Elem*>(p.q);
+  const Elem* k_head = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hkv * p.k_stride.head;
+  const Elem* v_head = static_cast<const Elem*>(p.v) + b * p.v_stride.batch + hkv * p.v_stride.head;
+  // Keys at or past Lk_b are never read (zero-filled): hidden padding may hold anything.
+  auto load_kv = [&](int n0, int slot) {
+    Elem* sK = sRing + 2 * slot * Cfg::kKVTile;
+    load_tile_async<Elem, kBlockN, D, kThreads>(sK, p.k, [&](int rr) -> const Elem* {
+      const int j = n0 + rr;
+      return j < Lk_b ? k_head + static_cast<int64_t>(j) * p.k_stride.row : nullptr;
+    });
+    load_tile_async<Elem, kBlockN, D, kThreads>(sK + Cfg::kKVTile, p.v, [&](int rr) -> const Elem* {
+      const int j = n0 + rr;
+      return j < Lk_b ? v_head + static_cast<int64_t>(j) * p.v_stride.row : nullptr;
+    });
+  };
+
+  float acc[1][D / 8][4];
+  float m_run[1][2] = {{-INFINITY, -INFINITY}}, l_run[1][2] = {{0.f, 0.f}};
+  MHK_UNROLL
+  for (int dt = 0; dt < D / 8; ++dt) acc[0][dt][0] = acc[0][dt][1] = acc[0][dt][2] = acc[0][dt][3] = 0.f;
+
+  const int n_steps = kv_begin < kv_end ? ceil_div(kv_end - kv_begin, kBlockN) : 0;
+  if (n_steps > 0) {
+    // Q joins the first tile's group; tiles 0 .. kStages - 2 go out before the loop.
+    load_tile_async<Elem, kBlockM, D, kThreads>(sQ, p.q, [&](int rr) -> const Elem* {
+      const int r = r0 + rr;
+      return r < rows_total ? q + packed_row_offset(p.q_stride, b, hkv, p.group, p.Lq, r) : nullptr;
+    });
+    MHK_UNROLL
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < n_steps) load_kv(kv_begin + s * kBlockN, s);
+      cp_async_commit();  // an empty group keeps the count of the wait below
+    }
+    for (int j = 0; j < n_steps; ++j) {
+      // This thread's copies of tile j have landed (groups after it: kStages - 2); the barrier
+      // makes every thread's visible, and every warp is done with tile j - 1, whose slot the
+      // load below refills.
+      cp_async_wait<kStages - 2>();
+      block_sync();
+      const int jn = j + kStages - 1;
+      if (jn < n_steps) load_kv(kv_begin + jn * kBlockN, jn % kStages);
+      cp_async_commit();
+      const int slot = j % kStages;
+      const int n0 = kv_begin + j * kBlockN + warp * kWarpN;  // this warp's first key
+      const Elem* sKs = sRing + 2 * slot * Cfg::kKVTile + warp * kWarpN * Cfg::kPitch;
+      const Elem* sVs = sKs + Cfg::kKVTile;
+      if (n0 < kv_end) {
+        if (n0 + kWarpN <= kv_all && n0 >= kv_all_lo)
+          fwd_step<Elem, D, kWarpN, 1, kMaskNone>(sQ, 0, sKs, sVs, n0, sLo, sLimit, p.scale_log2, acc, m_run, l_run, lane);
+        else if (!lo_masks)
+          fwd_step<Elem, D, kWarpN, 1, kMaskHi>(sQ, 0, sKs, sVs, n0, sLo, sLimit, p.scale_log2, acc, m_run, l_run, lane);
+        else
+          fwd_step<Elem, D, kWarpN, 1, kMaskLoHi>(sQ, 0, sKs, sVs, n0, sLo, sLimit, p.scale_log2, acc, m_run, l_run, lane);
+      }
+    }
+  }
+  cp_async_wait<0>();
+  block_sync();  // every warp is done with the ring, which the merge area overlays
+
+  // Each warp's partial state: row max, row sum (its four lanes added), unnormalised output.
+  MHK_UNROLL
+  for (int hh = 0; hh < 2; ++hh) {
+    const float l = quad_sum(l_run[0][hh]);
+    const int rr = g + 8 * hh;
+    if (t == 0) {
+      sMax[warp * kBlockM + rr] = m_run[0][hh];
+      sSum[warp * kBlockM + rr] = l;
+    }
+    float* dst = sAcc + (warp * kBlockM + rr) * D;
+    MHK_UNROLL
+    for (int dt = 0; dt < D / 8; ++dt) {
+      dst[dt * 8 + 2 * t] = acc[0][dt][2 * hh];
+      dst[dt * 8 + 2 * t + 1] = acc[0][dt][2 * hh + 1];
+    }
+  }
+  block_sync();
+
+  // Merge, kThreads / kBlockM threads per row, each a contiguous run of kCols columns; the
+  // warps are added in order 0..3 whatever the schedule (deterministic). A warp that saw no
+  // visible key of the row (max -inf) adds nothing, not even 0 * its (zero) output.
+  constexpr int kPerRow = kThreads / kBlockM;
+  constexpr int kCols = D / kPerRow;
+  static_assert(kCols % 2 == 0 && kCols * kPerRow == D, "columns per merging thread");
+  const int rr = tid / kPerRow;
+  const int c0 = (tid % kPerRow) * kCols;
+  const int r = r0 + rr;
+  float mx = -INFINITY;
+  MHK_UNROLL
+  for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sMax[w * kBlockM + rr]);
+  float wgt[kWarps];
+  float l = 0.f;
+  MHK_UNROLL
+  for (int w = 0; w < kWarps; ++w) {
+    const float mw = sMax[w * kBlockM + rr];
+    wgt[w] = mw == -INFINITY ? 0.f : fast_exp2(mw - mx);
+    l += wgt[w] * sSum[w * kBlockM + rr];
+  }
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  const float lse = l > 0.f ? (mx + log2f(l)) * kLn2 : -INFINITY;
+  float out[kCols];
+  MHK_UNROLL
+  for (int c = 0; c < kCols; ++c) out[c] = 0.f;
+  MHK_UNROLL
+  for (int w = 0; w < kWarps; ++w) {
+    if (sMax[w * kBlockM + rr] == -INFINITY) continue;
+    const float* src = sAcc + (w * kBlockM + rr) * D + c0;
+    MHK_UNROLL
+    for (int c = 0; c < kCols; ++c) out[c] += wgt[w] * src[c];
+  }
+  if (r >= rows_total) return;  // no barrier follows
+  if (p.num_splits == 1) {
+    Elem* o = static_cast<Elem*>(p.o) + packed_row_offset(p.o_stride, b, hkv, p.group, p.Lq, r) + c0;
+    MHK_UNROLL
+    for (int c = 0; c < kCols; c += 2) {
+      const uint32_t packed = ElemTraits<Elem>::pack2(out[c] * inv, out[c + 1] * inv);
+      *reinterpret_cast<uint32_t*>(o + c) = packed;
+    }
+    if (c0 == 0) p.lse[packed_row_linear(b, p.H, hkv, p.group, p.Lq, r)] = lse;
+  } else {
+    const int64_t row = static_cast<int64_t>(split) * p.B * p.H * p.Lq + packed_row_linear(b, p.H, hkv, p.group, p.Lq, r);
+    float* dst = p.o_partial + row * D + c0;
+    MHK_UNROLL
+    for (int c = 0; c < kCols; c += 2) {
+      float2 val;
+      val.x = out[c] * inv;
+      val.y = out[c + 1] * inv;
+      *reinterpret_cast<float2*>(dst + c) = val;
+    }
+    if (c0 == 0) p.lse_partial[row] = lse;
+  }
+}
+
+template <typename Elem, int D>
+__global__ void MHK_LAUNCH_BOUNDS(FwdDecodeConfig<D>::kThreads, 2) attn_fwd_decode_kernel(const FwdParams p) {
+  attn_fwd_decode_body<Elem, D>(p);
+}
+
 template <typename Elem, int D, bool kModes>
 cudaError_t launch_attn_fwd_main(const FwdParams& p, int64_t grid, cudaStream_t stream) {
   using Cfg = FwdConfig<D, kModes>;
@@ -418,8 +634,19 @@ cudaError_t run_attn_fwd(const FwdParams& p, cudaStream_t stream) {
   if (grid == 0) return cudaSuccess;
   if (grid > 0x7fffffff) return cudaErrorInvalidConfiguration;
   const bool modes = p.mask != nullptr || p.dropout_p > 0.0;
-  cudaError_t err = modes ? launch_attn_fwd_main<Elem, D, true>(p, grid, stream)
-                          : launch_attn_fwd_main<Elem, D, false>(p, grid, stream);
+  cudaError_t err;
+  if (caps::use_cuda_decode_fwd(static_cast<int64_t>(p.group) * p.Lq, modes)) {
+    using Dc = FwdDecodeConfig<D>;
+    const int64_t dgrid = ceil_div(p.group * p.Lq, Dc::kBlockM) * static_cast<int64_t>(p.Hkv) * p.B * p.num_splits;
+    if (dgrid > 0x7fffffff) return cudaErrorInvalidConfiguration;
+    err = opt_in_dynamic_smem<kTagFwdDecode, Elem, D>(attn_fwd_decode_kernel<Elem, D>, Dc::kLaunchSmemBytes);
+    if (err == cudaSuccess) {
+      launch_kernel(attn_fwd_decode_kernel<Elem, D>, dgrid, Dc::kThreads, Dc::kLaunchSmemBytes, stream, p);
+      err = cudaGetLastError();
+    }
+  } else {
+    err = modes ? launch_attn_fwd_main<Elem, D, true>(p, grid, stream) : launch_attn_fwd_main<Elem, D, false>(p, grid, stream);
+  }
   if (err != cudaSuccess || p.num_splits == 1) return err;
   const int64_t rows = static_cast<int64_t>(p.B) * p.H * p.Lq;
   launch_kernel(attn_fwd_combine_kernel<Elem, D>, (rows + 3) / 4, 128, 0, stream, p);

@@ -35,7 +35,7 @@ inline cudaError_t opt_in_dynamic_smem(void (*kernel)(Params), int bytes) {
 #endif
 }
 
-enum KernelTag : int { kTagFwd = 0, kTagBwdDkdv = 1, kTagBwdDq = 2 };
+enum KernelTag : int { kTagFwd = 0, kTagBwdDkdv = 1, kTagBwdDq = 2, kTagFwdDecode = 3 };
 
 }  // namespace cuda
 }  // namespace mhakern

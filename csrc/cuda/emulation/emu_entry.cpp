@@ -130,6 +130,43 @@ int mhk_emu_tiles(int d, int* out) {
   return 1;
 }
 
+// The decode configuration of the mma.sync forward as compiled (FwdDecodeConfig): out = {rows,
+// keys per tile, stages, keys per warp, warps, shared memory the launcher asks for, the
+// largest group * Lq it serves}, for tests to compare with capabilities.h's table. Returns 1 for
+// a head dim without an instance.
+int mhk_emu_decode_tiles(int d, int* out) {
+  using namespace mhakern::cuda;
+  auto fill = [out](auto cfg) {
+    using C = decltype(cfg);
+    out[0] = C::kBlockM;
+    out[1] = C::kBlockN;
+    out[2] = C::kStages;
+    out[3] = C::kWarpN;
+    out[4] = C::kWarps;
+    out[5] = C::kLaunchSmemBytes;
+    out[6] = static_cast<int>(mhakern::caps::kCudaDecodeMaxRows);
+  };
+#define MHK_DECODE_CASE_(tag, D) \
+  if (d == D) {                  \
+    fill(FwdDecodeConfig<D>{});  \
+    return 0;                    \
+  }
+  MHK_CUDA_FOR_EACH_HEAD_DIM(MHK_DECODE_CASE_, _)
+#undef MHK_DECODE_CASE_
+  return 1;
+}
+
+// Split count the host plans for a forward on the mma.sync family (cuda_host.cpp attn_fwd: the
+// call's tiles from capabilities.h fwd_plan_tiles, then plan_splits), and whether run_attn_fwd
+// launches the decode kernel for it (*decode).
+int mhk_emu_fwd_plan_mma(int D, int B, int Hkv, int group, int Lq, int Lk, int num_sms, int mask_or_dropout,
+                         int* decode) {
+  const int64_t rows = static_cast<int64_t>(group) * Lq;
+  *decode = mhakern::caps::use_cuda_decode_fwd(rows, mask_or_dropout != 0) ? 1 : 0;
+  const mhakern::caps::FwdPlanTiles t = mhakern::caps::fwd_plan_tiles(false, D, rows, mask_or_dropout != 0);
+  return static_cast<int>(mhakern::caps::plan_splits(B, Hkv, group, Lq, Lk, D, num_sms, t.m, t.n));
+}
+
 // Strides are (batch, head, row) in elements. Returns 0 on success, 1 with mhk_emu_last_error().
 // Parameters are filled by the helpers the host code uses (attn_params.h).
 int mhk_emu_fwd(int elem, int D, const void* q, const int64_t* q_st, const void* k, const int64_t* k_st, const void* v,
