@@ -109,11 +109,13 @@ constexpr CudaTiles cuda_tiles(int d) {
 // mma work per HBM byte than the 128-row tile); at 64 rows the 4 L2 reads per HBM byte would
 // compete with the 128-row tile, which then wastes only half its rows.
 // Tiles per head dim: (rows, keys per tile = 4 warps x 16 or 32 keys, stages). Shared memory
-// (pitch D + 8) stays within ~80 KB so that the smallest sm_80+ part (99 KB) holds it and a
-// 9.0 device (227 KB) three CTAs: D 32: 128 keys x 4 stages (82 KB); D 64: 64 x 4 (76 KB);
-// D 96: 64 x 3 (82 KB); D 128: 64 x 2 (74 KB; a third stage, 108 KB, passes 99 KB). The
-// bytes in flight per CTA ((stages - 1) tiles: 61 / 55 / 53 / 35 KB) times 2-3 CTAs per SM
-// cover the HBM latency at full bandwidth (~4.8 TB/s x ~1 us / 132 SMs = 36 KB per SM).
+// (pitch D + 8) stays within 82 KB, so that the smallest sm_80+ part (99 KB per block) runs it:
+// D 32: 128 keys x 4 stages (81.4 KB); D 64: 64 x 4 (74.4 KB); D 96: 64 x 3 (81.4 KB); D 128:
+// 64 x 2 (72.4 KB; a third stage, 106 KB, passes 99 KB). Bytes in flight per CTA while it
+// works on one tile ((stages - 1) tiles): 60 / 54 / 52 / 34 KB. The split planner gives about
+// two CTAs per SM (plan_splits), so 68-120 KB per SM are in flight: what ~4.8 TB/s of HBM
+// needs over 132 SMs at 2 us of loaded latency (~70 KB per SM) and more. A 9.0 device would
+// hold 3 CTAs of D 64 / 128 (smem 3 x 75 KB, registers <= 160 per thread).
 struct CudaDecodeTiles {
   int m, n, stages;  // packed query rows per CTA, keys per tile (all warps), tiles in flight + 1
 };

@@ -615,19 +615,23 @@ def test_emulated_decode_hidden_keys_hold_garbage(deferred):
 
 
 def test_emulated_decode_dead_rows_and_determinism(emu):
-    # Key length 0 (every row dead: 0 and -inf), and the same call under the fixed schedule and
-    # two random ones (copies landing at random moments, warps interleaved): bit-identical.
+    # Key length 0 (every row dead: 0 and -inf), and the same call under the fixed schedule with
+    # copies landing at once (a slot of the ring refilled before every warp is done with it would
+    # show) and at the wait, and two random schedules (copies landing at random moments, warps
+    # interleaved): bit-identical.
     q, k, v = make_inputs(3, 16, 2, 1, 400, 64, dtype=torch.bfloat16, requires_grad=False)
     kl = torch.tensor([0, 400, 131], dtype=torch.int32)
     results = []
     try:
-        for seed in (None, 11, 12345):
+        for seed, defer in ((None, False), (None, True), (11, True), (12345, True)):
             emu.schedule(seed)
+            emu.defer_async = defer
             for splits in (1, 4):
                 out, lse = emulated_attention(emu, splits)(q, k, v, key_lengths=kl, return_lse=True)
                 results.append((splits, out.clone(), lse.clone()))
     finally:
         emu.schedule(None)
+        emu.defer_async = True
     for splits, out, lse in results:
         assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
         assert torch.isfinite(out[1:]).all() and torch.isfinite(lse[1:]).all()

@@ -484,14 +484,8 @@ MHK_DEVICE void attn_fwd_decode_body(const FwdParams& p) {
   // Keys at or past Lk_b are never read (zero-filled): hidden padding may hold anything.
   auto load_kv = [&](int n0, int slot) {
     Elem* sK = sRing + 2 * slot * Cfg::kKVTile;
-    load_tile_async<Elem, kBlockN, D, kThreads>(sK, p.k, [&](int rr) -> const Elem* {
-      const int j = n0 + rr;
-      return j < Lk_b ? k_head + static_cast<int64_t>(j) * p.k_stride.row : nullptr;
-    });
-    load_tile_async<Elem, kBlockN, D, kThreads>(sK + Cfg::kKVTile, p.v, [&](int rr) -> const Elem* {
-      const int j = n0 + rr;
-      return j < Lk_b ? v_head + static_cast<int64_t>(j) * p.v_stride.row : nullptr;
-    });
+    load_rows_async<Elem, kBlockN, D, kThreads>(sK, k_head, p.k_stride.row, n0, Lk_b);
+    load_rows_async<Elem, kBlockN, D, kThreads>(sK + Cfg::kKVTile, v_head, p.v_stride.row, n0, Lk_b);
   };
 
   float acc[1][D / 8][4];

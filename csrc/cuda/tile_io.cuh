@@ -50,6 +50,40 @@ MHK_DEVICE void load_tile_async(Elem* tile, const void* any_valid, RowSrc row_sr
   }
 }
 
+// Copies rows [n0, n0 + ROWS) of a matrix whose rows lie `stride` elements apart (D contiguous)
+// into a shared tile (pitch D + 8) with 16-byte cp.async; rows at or past `limit` are zero-filled
+// and never read. Each thread keeps one 16-byte column chunk and walks down the rows with one
+// pointer increment per copy: load_tile_async recomputes every row's address through its
+// row_src callback (a 64-bit multiply and a branch per 16 bytes), which took ~28 instructions
+// per copy, the bulk of the decode kernel's loop, where nothing else is left to hide them.
+// When THREADS is not a multiple of the chunks of a row (D = 96) the last few threads idle.
+template <typename Elem, int ROWS, int D, int THREADS>
+MHK_DEVICE void load_rows_async(Elem* tile, const Elem* base, int64_t stride, int n0, int limit) {
+  constexpr int kPitch = TilePitch<D>::kPitch;
+  constexpr int kChunksPerRow = D / 8;
+  constexpr int kRowsPerPass = THREADS / kChunksPerRow;
+  static_assert(kRowsPerPass >= 1, "a pass covers at least one row");
+  constexpr int kPasses = ceil_div(ROWS, kRowsPerPass);
+  const int tid = thread_index();
+  const int r = tid / kChunksPerRow;
+  const int cc = (tid % kChunksPerRow) * 8;
+  if (THREADS % kChunksPerRow != 0 && r >= kRowsPerPass) return;
+  // Addresses as byte offsets from base: a row past the tensor is never formed as a pointer.
+  const char* src0 = reinterpret_cast<const char*>(base + cc);
+  int64_t off = (static_cast<int64_t>(n0) + r) * stride * static_cast<int64_t>(sizeof(Elem));
+  const int64_t step = static_cast<int64_t>(kRowsPerPass) * stride * static_cast<int64_t>(sizeof(Elem));
+  Elem* dst = tile + r * kPitch + cc;
+  MHK_UNROLL
+  for (int it = 0; it < kPasses; ++it) {
+    const int row = r + it * kRowsPerPass;
+    if (ROWS % kRowsPerPass == 0 || row < ROWS) {
+      const bool valid = n0 + row < limit;
+      cp_async_16(dst + it * kRowsPerPass * kPitch, valid ? static_cast<const void*>(src0 + off) : base, valid);
+    }
+    off += step;
+  }
+}
+
 // Writes ROWS rows staged in a shared tile (pitch D + 8) to global memory, 16 bytes per store;
 // row_dst(rr) gives the destination row or nullptr to skip it. Needs a block_sync() between
 // the staging writes and this call.
