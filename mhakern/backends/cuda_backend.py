@@ -11,7 +11,11 @@ Kernels (FlashAttention-2 scheme on mma.sync, fp32 accumulation and online softm
 forward keeps the log-sum-exp; the backward recomputes P from it and is deterministic (no
 atomics: dK/dV per key block summed over the query heads of the group, dQ in its own kernel).
 Query rows of the heads that share a KV head are packed into one tile, so decode (Lq = 1 with
-many query heads per KV head) reads each key block once per group. When the query tiles alone
+many query heads per KV head) reads each key block once per group. Where those packed rows are
+few (H / Hkv * Lq up to the table's ``decode.max_rows``, no attn_mask or dropout) the mma.sync
+forward runs its decode kernel: 16-row CTAs whose warps split each key tile instead of the
+rows, so that the tensor cores no longer multiply 128-row tiles for a handful of rows and the
+call is bound by reading K and V. When the query tiles alone
 would leave most multiprocessors idle and the keys are long, the keys are split across CTAs
 (split-K) and the partial results combined through their lse; the op plans it
 (:func:`plan_splits` asks the same planner).
@@ -49,7 +53,9 @@ def plan_splits(batch: int, kv_heads: int, group: int, q_len: int, k_len: int, h
                 backward: bool = False) -> int:
     """The number of key splits the kernels' host code chooses for a forward (or the backward's
     dQ pass) on a device with ``num_sms`` multiprocessors: csrc/capabilities.h's planner, called
-    through ``torch.ops.mhakern_C.cuda_plan_splits`` (it needs the extension, CUDA or not)."""
+    through ``torch.ops.mhakern_C.cuda_plan_splits`` (it needs the extension, CUDA or not). A
+    mma.sync forward of few packed rows is planned with the decode kernel's tiles (a call
+    without attn_mask and dropout)."""
     return torch.ops.mhakern_C.cuda_plan_splits(batch, kv_heads, group, q_len, k_len, head_dim, num_sms, backward)
 
 
