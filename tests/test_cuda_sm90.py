@@ -88,6 +88,7 @@ class Sm90Emulator:
         lib.mhk_emu_last_error.restype = ctypes.c_char_p
         lib.mhk_emu_configure.argtypes = [ctypes.c_int, ctypes.c_longlong]
         lib.mhk_emu_schedule.argtypes = [ctypes.c_int, ctypes.c_ulonglong]
+        lib.mhk_emu_schedule_knobs.argtypes = [ctypes.c_void_p]
         lib.mhk_emu_guard_reads.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         lib.mhk_sm90_selftest_wgmma.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 3
         lib.mhk_emu_fwd_family.argtypes = [ctypes.c_int] * 7 + [ctypes.c_longlong]
@@ -183,13 +184,28 @@ def test_wgmma_without_fence_is_an_error(emu):
     assert "without a wgmma.fence" in emu.error()
 
 
-@pytest.mark.parametrize("seed", [None, 7])
+def _seed_preempting(emu, p_preempt: int) -> int:
+    """A random-schedule seed whose switch-point probability is p_preempt (units of 2^-32)."""
+    knobs = (ctypes.c_uint * 3)()
+    for seed in range(1, 200):
+        emu.schedule(seed)
+        emu.lib.mhk_emu_schedule_knobs(knobs)
+        if knobs[0] == p_preempt:
+            return seed
+    raise AssertionError(f"no seed with p_preempt {p_preempt} in 1..199")
+
+
+@pytest.mark.parametrize("seed", [None, 7, "busiest"])
 def test_mbarrier_waits_for_every_transaction_byte(emu, seed):
     # The barrier is told 16 bytes fewer than the copies bring: its count goes negative, the
-    # phase never completes, and the waiters are a deadlock, not a pass.
+    # phase never completes, and the waiters are a deadlock, not a pass. "busiest": the seed
+    # whose threads switch at a quarter of their switch points: 128 spinning waiters each
+    # round must still not count as progress (they once did, and the launch never returned).
     A = torch.zeros(64, 64, dtype=torch.float16)
     B = torch.zeros(64, 64, dtype=torch.float16)
     out = torch.zeros(64, 64)
+    if seed == "busiest":
+        seed = _seed_preempting(emu, 1 << 30)
     emu.schedule(seed)
     assert emu.lib.mhk_sm90_selftest_wgmma(3, 0, 64, _ptr(A), _ptr(B), _ptr(out)) == 1
     assert "deadlock" in emu.error()
