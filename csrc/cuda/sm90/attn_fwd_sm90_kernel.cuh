@@ -40,13 +40,28 @@ namespace cuda {
 namespace sm90 {
 
 // Tiles (capabilities.h: sm90_fwd_tiles, read here and by the split-K planner).
-//   D 64 and 128: 128 query rows x 128 keys per stage, 2 stages (80 / 160 KB of shared memory).
+//   D 64 and 128: 128 query rows x 128 keys per stage, 3 stages. Why 3 (FlashAttention-3's
+//     pipelining argument: a load must be issued a whole step of math before its tile is needed,
+//     or the copy's latency adds to every step): with the intra-warpgroup overlap below, each
+//     consumer holds TWO stages during a step (K of tile `it` for S, V of tile it - 1 for P V,
+//     released only once that P V lands). A ring of 2 then leaves no stage to prefetch into: the
+//     producer may refill tile it - 1's stage only after both consumers' P V of it - 1, half a
+//     step before the leading consumer waits for tile it + 1, so the TMA latency (of the order
+//     of 1 us from L2 or HBM, against 0.6 us of tensor-core time per 128-key step at D 64 and
+//     1.1 us at D 128) is paid on every step. A third stage gives each copy a whole step.
+//     Shared memory: Q 16 / 32 KB + 3 x (K + V) 96 / 192 KB = 112 / 224 KB (+ barriers and the
+//     1 KB alignment slack) of the 227 KB. One CTA per SM either way (the register plan takes
+//     the whole register file), so the stage costs no occupancy. A fourth (D 64, 144 KB) would
+//     only pay for a latency above two steps.
 //   D 256: Q alone is 128 x 256 x 2 B = 64 KB, and one stage of K and V is 2 x kBlockN x 512 B,
 //     so 2 stages hold at most (227 KB - 64 KB - 1 KB of alignment) / 2 KB = 81 keys: 80 keys
 //     (a multiple of 16, the k of O += P V), 224 KB in all. 96 keys would need 256 KB; 64 keys
 //     with 2 stages wastes 32 KB, and 3 stages of 64 keys (256 KB) do not fit. 64 query rows
 //     per CTA (one consumer warpgroup) would halve Q but also halve the reuse of every K/V byte
-//     and leave no warpgroup to ping-pong with. This is FlashAttention-3's D 256 tile too.
+//     and leave no warpgroup to ping-pong with. This is FlashAttention-3's D 256 tile too. No
+//     third stage: 3 x 80 keys need 304 KB, and 3 x 48 keys (208 KB) would add 5/3 of the
+//     fixed per-step costs (barriers, row maxima, rescales) per key; D 256 keeps the latency
+//     that the third stage hides above, against a longer step (1.4 us of math for 80 keys).
 //   Registers per consumer thread (the setmaxnreg plan gives 240): O 64 x D / 128 fp32 = 128 at
 //     D 256, S 64 x kBlockN / 128 = 40, and the previous tile's P in wgmma's A fragment,
 //     kBlockN / 16 x 4 = 20 (the intra-warpgroup overlap keeps S and P live together): 188 and
