@@ -175,10 +175,12 @@ std::pair<int, int> compute_capability(int device) {
 // Runs the forward on the family choose_fwd_family (cuda/attn_dispatch.h) picks for the device:
 // the sm90 family (wgmma + TMA) where it serves the call on a 9.0 device, else mma.sync (always
 // mma.sync when forced through cuda_force_fwd_family / MHAKERN_CUDA_FWD_FAMILY).
-cudaError_t launch_fwd(ElemType t, const FwdParams& p, int device, cudaStream_t stream) {
+bool fwd_runs_sm90(const FwdParams& p, int device) {
   const std::pair<int, int> cc = compute_capability(device);
-  if (op::forced_fwd_family() == 0 && choose_fwd_family(cc.first, cc.second, kSm90Compiled, p) == FwdFamily::sm90)
-    return dispatch_attn_fwd_sm90(t, p.D, p, stream);
+  return op::forced_fwd_family() == 0 && choose_fwd_family(cc.first, cc.second, kSm90Compiled, p) == FwdFamily::sm90;
+}
+cudaError_t launch_fwd(ElemType t, const FwdParams& p, int device, cudaStream_t stream) {
+  if (fwd_runs_sm90(p, device)) return dispatch_attn_fwd_sm90(t, p.D, p, stream);
   return dispatch_attn_fwd(t, p.D, p, stream);
 }
 
@@ -207,9 +209,7 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tenso
   op::fill_mode_params(p, modes);
   // Split-K is planned with the tiles of the family that will run the call (its choice does not
   // depend on the split count).
-  const std::pair<int, int> cc = compute_capability(q.device().index());
-  const caps::FwdPlanTiles t = caps::fwd_plan_tiles(
-      choose_fwd_family(cc.first, cc.second, kSm90Compiled, p) == FwdFamily::sm90, static_cast<int>(s.D));
+  const caps::FwdPlanTiles t = caps::fwd_plan_tiles(fwd_runs_sm90(p, q.device().index()), static_cast<int>(s.D));
   const int64_t forced = op::cuda_forced_splits().load();
   const int64_t splits = forced > 0 ? forced
                                     : caps::plan_splits(s.B, s.Hkv, s.H / s.Hkv, s.Lq,

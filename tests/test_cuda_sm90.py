@@ -386,6 +386,37 @@ def _extension_caps():
         return None
 
 
+@pytest.mark.parametrize(
+    "D,Lk,kl,causal,splits",
+    [
+        (64, 80, (50, 80), False, 1),           # the H200's failing call (tests/test_cuda.py)
+        (128, 300, (170, 128, 0, 299), True, 2),  # mid-split straddle, a length on a tile edge, 0
+        (256, 200, (90, 200), False, 1),        # 80-key tiles: the length inside the second
+    ],
+    ids=["d64", "d128-split", "d256"],
+)
+def test_sm90_keys_past_a_length_may_hold_garbage(rnd, D, Lk, kl, causal, splits):
+    # docs/contract.md: keys past key_lengths may hold anything, NaN and inf included, and never
+    # influence a result. The tensor map zero-fills only past Lk, so the tile that straddles a
+    # length brings them in; NaN K and inf V there must not reach out or lse (0 * inf in P V).
+    B = len(kl)
+    q, k, v = make_inputs(B, 4, 2, 9, Lk, D, D, dtype=torch.bfloat16, requires_grad=False)
+    klt = torch.tensor(kl, dtype=torch.int32)
+    check_against_reference(sm90_attention(rnd, splits), q, k, v, causal, klt, grads=False)
+
+    def run(k, v):
+        out, lse = rnd.forward(padded(q), padded(k), padded(v), 0.3, causal, klt, splits)
+        return out.clone(), lse.clone()
+
+    clean = run(k, v)
+    for b, n in enumerate(kl):
+        k[b, :, n:] = float("nan")
+        v[b, :, n:] = float("inf")
+    dirty = run(k, v)
+    assert torch.isfinite(dirty[0]).all()
+    assert torch.equal(dirty[0], clean[0]) and torch.equal(dirty[1], clean[1])
+
+
 def test_sm90_decode_packs_query_heads(rnd):
     # Lq = 1, 16 query heads over 2 KV heads: each group's 8 rows share one tile.
     _run(rnd, (3, 16, 2, 1, 150, 64, 64, False, (150, 1, 77)), torch.bfloat16)
@@ -422,7 +453,7 @@ def test_sm90_forward_is_deterministic_across_schedules(emu):
         ((9, 0), 1, 64, 1, 2, 2, 6400, 0),    # dropout
         ((9, 0), 1, 64, 1, 3, 2, 6400, 0),    # window
         ((9, 0), 1, 64, 1, 4, 2, 6400, 0),    # top-left causal
-        ((9, 0), 1, 64, 1, 5, 2, 6400, 0),    # key_lengths: NaN/inf past a length leaked on an H200
+        ((9, 0), 1, 64, 1, 5, 2, 6400, 1),    # key_lengths (the keys past a length are zeroed)
         ((9, 0), 1, 64, 1, 0, 2, 0, 0),       # K broadcast over heads (stride 0): no tensor map
     ],
 )
