@@ -80,7 +80,12 @@ std::string capabilities() {
     const caps::Sm90FwdTiles t = caps::sm90_fwd_tiles(caps::kSm90HeadDims[i]);
     js << (i ? ", " : "") << '"' << caps::kSm90HeadDims[i] << "\": [" << t.m << ", " << t.n << ", " << t.stages << "]";
   }
-  js << "}";
+  // Head dims only this family has: the forward serves them (on 9.0, without modes), no
+  // backward kernel exists for them (the mma.sync family lacks them).
+  js << "}, \"fwd_only_head_dims\": [";
+  for (int i = 0, n = 0; i < caps::kSm90NumHeadDims; ++i)
+    if (!caps::cuda_head_dim_supported(caps::kSm90HeadDims[i])) js << (n++ ? ", " : "") << caps::kSm90HeadDims[i];
+  js << "]";
   js << "}, \"split\": {\"min_blocks_per_split\": " << caps::kMinBlocksPerSplit
      << ", \"max_splits\": " << caps::kMaxSplits << ", \"max_workspace_bytes\": " << caps::kMaxSplitWorkspaceBytes
      << "}, \"features\": ";

@@ -75,8 +75,11 @@ op::Sizes check_common(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   elem_type_of(q);
   TORCH_CHECK_VALUE(s.Dv == s.D, "v: head dim ", s.Dv, " differs from q's (", s.D,
                     "); the cuda kernels need them equal");
-  TORCH_CHECK_VALUE(caps::cuda_head_dim_supported(s.D), "q: head dim ", s.D,
-                    " has no compiled cuda kernel (supported: ", head_dim_list(), ")");
+  // A head dim only the sm90 forward has (capabilities.h) passes here for the forward; attn_fwd
+  // refuses it once it knows the family (fwd_runs_sm90).
+  TORCH_CHECK_VALUE(caps::cuda_head_dim_supported(s.D) || (!backward && caps::sm90_head_dim_supported(s.D)),
+                    "q: head dim ", s.D, " has no compiled cuda kernel", backward ? " for the backward" : "",
+                    " (supported: ", head_dim_list(), ")");
   check_aligned(q, "q");
   check_aligned(k, "k");
   check_aligned(v, "v");
@@ -209,7 +212,12 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tenso
   op::fill_mode_params(p, modes);
   // Split-K is planned with the tiles of the family that will run the call (its choice does not
   // depend on the split count).
-  const caps::FwdPlanTiles t = caps::fwd_plan_tiles(fwd_runs_sm90(p, q.device().index()), static_cast<int>(s.D));
+  const bool sm90 = fwd_runs_sm90(p, q.device().index());
+  TORCH_CHECK_VALUE(sm90 || caps::cuda_head_dim_supported(s.D), "q: head dim ", s.D,
+                    " is served only by the sm_90a forward (a compute capability 9.0 device, a build with the "
+                    "sm_90a pass, no attn_mask, dropout, window or top_left, K/V without a stride-0 dim, the "
+                    "family not forced to mma_sync); the cuda kernels otherwise take ", head_dim_list());
+  const caps::FwdPlanTiles t = caps::fwd_plan_tiles(sm90, static_cast<int>(s.D));
   const int64_t forced = op::cuda_forced_splits().load();
   const int64_t splits = forced > 0 ? forced
                                     : caps::plan_splits(s.B, s.Hkv, s.H / s.Hkv, s.Lq,

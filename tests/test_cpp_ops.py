@@ -91,10 +91,13 @@ def test_capabilities_is_json_with_both_families():
     for fam in caps.values():
         assert set(fam["features"]) <= {"attn_mask", "mask_grad", "dropout", "top_left", "window"}
     # The sm_90a forward family sits inside the cuda block: compiled only with CUDA and 9.0 in
-    # the arch list (never in a CPU-only build), its head dims a subset of the cuda family's.
+    # the arch list (never in a CPU-only build). Its head dims are the cuda family's plus those
+    # only its forward serves (fwd_only_head_dims: D 256, no backward kernel on either family).
     sm90 = caps["cuda"]["sm90"]
     assert sm90["passes"] == ["fwd"] and sm90["capability"] == [9, 0]
-    assert set(sm90["head_dims"]) <= set(caps["cuda"]["head_dims"]) and sm90["head_dims"]
+    fwd_only = set(sm90["fwd_only_head_dims"])
+    assert fwd_only == set(sm90["head_dims"]) - set(caps["cuda"]["head_dims"]) and sm90["head_dims"]
+    assert 256 in fwd_only and set(sm90["fwd_tiles"]) == {str(d) for d in sm90["head_dims"]}
     assert not sm90["compiled"] or caps["cuda"]["compiled"]
 
 

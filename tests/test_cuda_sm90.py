@@ -461,6 +461,34 @@ def test_family_choice_by_compute_capability(emu, cc, compiled, D, splits, mode,
     assert emu.lib.mhk_emu_fwd_family(cc[0], cc[1], compiled, D, splits, mode, Hkv, head_stride) == want
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_cuda_backend_serves_d256_forward_only_on_hopper(monkeypatch, grad):
+    # D 256 has the sm_90a forward only (capabilities: sm90.fwd_only_head_dims): the cuda backend
+    # takes it on a 9.0 device of a build with the sm_90a pass when no gradient is needed, and
+    # says why not otherwise (so that auto falls back). Faked device and table.
+    from test_cuda_host import _compiled_table, _FakeCudaTensor, _fresh_backend
+
+    class Fake(_FakeCudaTensor):
+        requires_grad = grad
+
+    table = _compiled_table()
+    table["cuda"]["sm90"]["compiled"] = True
+    be = _fresh_backend(monkeypatch, "13.0", table)
+    assert be.unavailable() is None
+    be._caps = {0: (9, 0)}
+    qkv = lambda D: (Fake((1, 4, 64, D)), Fake((1, 2, 64, D)), Fake((1, 2, 64, D)))  # noqa: E731
+    why = be.supports(*qkv(256), False, None)
+    assert (why is None) if not grad else "no backward" in why
+    with torch.no_grad():
+        assert be.supports(*qkv(256), True, None) is None
+        assert "no compiled cuda kernel" in be.supports(*qkv(80), False, None)
+        be._caps = {0: (8, 0)}
+        assert "served only by the sm_90a forward" in be.supports(*qkv(256), False, None)
+        be._caps = {0: (9, 0)}
+        table["cuda"]["sm90"]["compiled"] = False
+        assert "served only by the sm_90a forward" in be.supports(*qkv(256), False, None)
+
+
 # ---------------------------------------------------------------------------------------------
 # The SASS check of tools/check_cuda_build.py can fail (synthetic SASS; the real compile runs in
 # tests/test_cuda_build.py)
