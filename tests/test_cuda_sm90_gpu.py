@@ -17,7 +17,7 @@ from attn_testing import HARD_CASES, case_id, check_against_reference, make_inpu
 
 pytestmark = pytest.mark.gpu
 
-SM90_DIMS = (64, 128)  # csrc/capabilities.h: MHK_SM90_FOR_EACH_HEAD_DIM
+SM90_DIMS = (64, 128)  # csrc/capabilities.h: MHK_SM90_FOR_EACH_HEAD_DIM with a backward (D 256: forward only, below)
 
 
 @pytest.fixture
@@ -63,6 +63,32 @@ def test_sm90_hard_cases_on_hopper(hopper, case, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_sm90_pipeline_shapes_on_hopper(hopper, case, layout, scale_inputs, dtype):
     _run(case, dtype, layout=layout, scale_inputs=scale_inputs)
+
+
+# Head dim 256: the sm90 forward only (no backward kernel on either family), so no gradient.
+D256_CASES = [c[:5] + (256, 256) + c[7:] for c in HARD_CASES if c[3] in (1, 17, 19, 37, 113) and c[5] == c[6]]
+D256_CASES += [(1, 1, 1, 300, 1000, 256, 256, True, None), (4, 16, 2, 1, 3000, 256, 256, False, (3000, 5, 0, 1777))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", D256_CASES, ids=case_id)
+def test_sm90_d256_forward_on_hopper(hopper, case, dtype):
+    B, H, Hkv, Lq, Lk, D, Dv, causal, kl = case
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype=dtype, device="cuda", requires_grad=False)
+    kl_t = None if kl is None else torch.tensor(kl, device="cuda", dtype=torch.int32)
+    check_against_reference(_fn, q, k, v, causal, kl_t, grads=False)
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_sm90_keys_past_a_length_may_hold_garbage_on_hopper(hopper, D):
+    # The tile that straddles a key length brings in the keys past it; the kernel zeroes their
+    # values (a NaN/inf there leaked through 0 * inf before).
+    q, k, v = make_inputs(2, 4, 2, 9, 300, D, dtype=torch.bfloat16, device="cuda", requires_grad=False)
+    kl = torch.tensor([170, 300], device="cuda")
+    clean = mhakern.attention(q, k, v, key_lengths=kl, backend="cuda")
+    k[0, :, 170:] = float("nan")
+    v[0, :, 170:] = float("inf")
+    assert torch.equal(mhakern.attention(q, k, v, key_lengths=kl, backend="cuda"), clean)
 
 
 @pytest.mark.parametrize("splits", [2, 7])
