@@ -93,7 +93,9 @@ def test_capabilities_is_json_with_both_families():
     # The sm_90a forward family sits inside the cuda block: compiled only with CUDA and 9.0 in
     # the arch list (never in a CPU-only build), its head dims a subset of the cuda family's.
     sm90 = caps["cuda"]["sm90"]
-    assert sm90["passes"] == ["fwd"] and sm90["capability"] == [9, 0]
+    assert sm90["passes"] == ["fwd", "bwd"] and sm90["capability"] == [9, 0]
+    assert sm90["bwd_head_dims"] and set(sm90["bwd_head_dims"]) == {int(d) for d in sm90["bwd_dq_tile"]}
+    assert set(sm90["bwd_head_dims"]) <= set(caps["cuda"]["head_dims"])
     assert set(sm90["head_dims"]) <= set(caps["cuda"]["head_dims"]) and sm90["head_dims"]
     assert not sm90["compiled"] or caps["cuda"]["compiled"]
 
