@@ -47,11 +47,14 @@ struct BwdConfigSm90 {
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kStages = caps::kSm90BwdStages;
-  // Register plan (setmaxnreg): 128 x 40 + 256 x 232 = 64512 <= 65536, one CTA per SM. The
-  // producer's plain loads (packed rows, a key tile that crosses key_lengths) need more than the
-  // forward's 24.
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
+  // Register plans (setmaxnreg), one CTA per SM: 128 x 24 + 256 x 240 = 64512 <= 65536 for the
+  // dK/dV kernel, whose consumers hold dK, dV, S^T, dP^T and two A fragments (ptxas spills at D
+  // 128 under 240); 128 x 40 + 256 x 232 = 64512 for the dQ kernel, whose producer's plain loads
+  // of a key tile that crosses key_lengths spill under 40.
+  static constexpr int kDkvProducerRegs = 24;
+  static constexpr int kDkvConsumerRegs = 240;
+  static constexpr int kDqProducerRegs = 40;
+  static constexpr int kDqConsumerRegs = 232;
   static constexpr int kPanels = D / 64;  // 128-byte (64-element) column panels of D
 
   // dK/dV kernel: keys per CTA (2 consumers x 64), packed query rows per stage.
@@ -236,7 +239,7 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfigSm90<D>::kThreads, 1)
   const int wg = tid / 128;
   if (wg == 0) {
     // ---- producer ----
-    setmaxnreg_dec<Cfg::kProducerRegs>();
+    setmaxnreg_dec<Cfg::kDkvProducerRegs>();
     if (tid == 0 && first_tile < n_mtiles) {
       // K and V of the CTA's keys, once (rows past Lk zero-filled; rows in [Lk_b, Lk) are read
       // but their gradients are written as zeros).
@@ -302,7 +305,7 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfigSm90<D>::kThreads, 1)
   }
 
   // ---- consumers ----
-  setmaxnreg_inc<Cfg::kConsumerRegs>();
+  setmaxnreg_inc<Cfg::kDkvConsumerRegs>();
   const int cw = wg - 1;
   const int t128 = tid % 128, warp = t128 / 32, lane = t128 % 32, g = lane / 4, t = lane % 4;
   // This thread's two keys (accumulator rows g and g + 8 of its warp's 16).
@@ -344,15 +347,19 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfigSm90<D>::kThreads, 1)
       if (masked && key[(i % 4) / 2] >= limit[col]) x = -INFINITY;
       st[i] = fast_exp2(x);
     }
-    wgmma_wait<0>();
+    // dV's product runs while dS^T is formed: it needs only P^T.
+    uint32_t pa[BM / 16][4];
+    acc_to_a<Elem, BM>(pa, st);
+    wgmma_fence();  // dv and the A registers were written since the last wait
+    issue_ab<Elem, BM, D>(dv, pa, do_s, Cfg::kDkvPanelQ);  // dV += P^T dO
+    wgmma_commit();
+    wgmma_wait<1>();  // dP^T is in; dV may still run
     MHK_UNROLL
     for (int i = 0; i < BM / 2; ++i) dpt[i] = st[i] * (dpt[i] - delta[8 * (i / 4) + 2 * t + (i % 2)]);
-    uint32_t pa[BM / 16][4], dsa[BM / 16][4];
-    acc_to_a<Elem, BM>(pa, st);
+    uint32_t dsa[BM / 16][4];
     acc_to_a<Elem, BM>(dsa, dpt);
-    wgmma_fence();  // dv, dk and the A registers were written since the last wait
-    issue_ab<Elem, BM, D>(dv, pa, do_s, Cfg::kDkvPanelQ);   // dV += P^T dO
-    issue_ab<Elem, BM, D>(dk, dsa, q_s, Cfg::kDkvPanelQ);   // dK += dS^T Q (scaled at the end)
+    wgmma_fence();
+    issue_ab<Elem, BM, D>(dk, dsa, q_s, Cfg::kDkvPanelQ);  // dK += dS^T Q (scaled at the end)
     wgmma_commit();
     wgmma_wait<0>();
     mbar_arrive(&empty[s]);  // the stage's operands are read: the producer may refill it
@@ -450,7 +457,7 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfigSm90<D>::kThreads, 1)
   const int wg = tid / 128;
   if (wg == 0) {
     // ---- producer ----
-    setmaxnreg_dec<Cfg::kProducerRegs>();
+    setmaxnreg_dec<Cfg::kDqProducerRegs>();
     const Elem* k_head = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hkv * p.k_stride.head;
     const Elem* v_head = static_cast<const Elem*>(p.v) + b * p.v_stride.batch + hkv * p.v_stride.head;
     for (int it = 0; it < n_tiles; ++it) {
@@ -488,7 +495,7 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfigSm90<D>::kThreads, 1)
   }
 
   // ---- consumers ----
-  setmaxnreg_inc<Cfg::kConsumerRegs>();
+  setmaxnreg_inc<Cfg::kDqConsumerRegs>();
   const int cw = wg - 1;
   const int t128 = tid % 128, warp = t128 / 32, lane = t128 % 32, g = lane / 4, t = lane % 4;
   int rows[2], lim[2];
@@ -512,38 +519,55 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfigSm90<D>::kThreads, 1)
   const unsigned char* sQ_cw = sQ + cw * 64 * 128;
   const unsigned char* sdO_cw = sdO + cw * 64 * 128;
 
-  for (int it = 0; it < n_tiles; ++it) {
+  // Overlap across key tiles (as the forward's): each step issues S and dP of tile `it` and
+  // dQ += dS K of tile it - 1 (three commit groups), forms P while dP and the previous dQ product
+  // run, and dS once dP has landed; the previous tile's stage is released once its dQ product has.
+  // The first tile's step issues no dQ product and the last tile's follows the loop, so that the
+  // loop body has no branch around its wgmma.
+  uint32_t dsa[BN / 16][4];  // dS of the previous tile in wgmma's A fragment
+  // S and dP of the tile in stage s: P formed in sc, dS in dp, then dsa. `prev`: issue the
+  // previous tile's dQ product (stage s_prev) after S and dP.
+  auto step = [&](int it, bool prev) {
     const int s = it % kStages;
+    const int s_prev = (it + kStages - 1) % kStages;
     const int n0 = (t0 + it) * BN;
     const bool masked = n0 + BN > lim_min;
     const unsigned char* k_s = sK + s * Cfg::kDqTileKV;
     const unsigned char* v_s = sV + s * Cfg::kDqTileKV;
     mbar_wait(&full[s], (it / kStages) & 1);
-
     float sc[BN / 2], dp[BN / 2];  // S, dP: rows = this warpgroup's query rows, columns = keys
     wgmma_fence();
     issue_abt<Elem, BN, D>(sc, sQ_cw, Cfg::kDqPanelQ, k_s, Cfg::kDqPanelKV);
     wgmma_commit();
     issue_abt<Elem, BN, D>(dp, sdO_cw, Cfg::kDqPanelQ, v_s, Cfg::kDqPanelKV);
     wgmma_commit();
-    wgmma_wait<1>();
+    if (prev) issue_ab<Elem, BN, D>(dq, dsa, sK + s_prev * Cfg::kDqTileKV, Cfg::kDqPanelKV);
+    wgmma_commit();  // (an empty group when !prev: the waits below count the same either way)
+    wgmma_wait<2>();  // S is in
     MHK_UNROLL
     for (int i = 0; i < BN / 2; ++i) {
       const int h = (i % 4) / 2;
+      // Scaled first, masked after: a hidden position is 0 whatever the sign of the scale.
       float x = sc[i] * sl2 - lse2[h];
       if (masked && n0 + 8 * (i / 4) + 2 * t + (i % 2) >= lim[h]) x = -INFINITY;
       sc[i] = fast_exp2(x);
     }
-    wgmma_wait<0>();
+    wgmma_wait<1>();  // dP is in
     MHK_UNROLL
     for (int i = 0; i < BN / 2; ++i) dp[i] = sc[i] * (dp[i] - delta[(i % 4) / 2]);
-    uint32_t dsa[BN / 16][4];
+    wgmma_wait<0>();  // the previous dQ product has read dsa and its K stage
+    if (prev) mbar_arrive(&empty[s_prev]);
     acc_to_a<Elem, BN>(dsa, dp);
+  };
+  if (n_tiles > 0) step(0, false);
+  for (int it = 1; it < n_tiles; ++it) step(it, true);
+  if (n_tiles > 0) {
+    const int s_last = (n_tiles - 1) % kStages;
     wgmma_fence();
-    issue_ab<Elem, BN, D>(dq, dsa, k_s, Cfg::kDqPanelKV);  // dQ += dS K (scaled at the end)
+    issue_ab<Elem, BN, D>(dq, dsa, sK + s_last * Cfg::kDqTileKV, Cfg::kDqPanelKV);  // dQ += dS K
     wgmma_commit();
     wgmma_wait<0>();
-    mbar_arrive(&empty[s]);
+    mbar_arrive(&empty[s_last]);
   }
 
   // ---- epilogue: dQ (scaled), or this split's fp32 partial ----
