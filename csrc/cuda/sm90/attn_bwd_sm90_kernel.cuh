@@ -339,13 +339,19 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfigSm90<D>::kThreads, 1)
     issue_abt<Elem, BM, D>(dpt, sV_cw, Cfg::kDkvPanelKV, do_s, Cfg::kDkvPanelQ);
     wgmma_commit();
     wgmma_wait<1>();  // S^T is in; dP^T may still run while P^T is formed
+    // The thread's columns come in pairs (8 c + 2 t, + 1): one 8-byte shared load per pair.
     MHK_UNROLL
-    for (int i = 0; i < BM / 2; ++i) {
-      const int col = 8 * (i / 4) + 2 * t + (i % 2);
-      // Scaled first, masked after: a hidden position is 0 whatever the sign of the scale.
-      float x = st[i] * sl2 - lse2[col];
-      if (masked && key[(i % 4) / 2] >= limit[col]) x = -INFINITY;
-      st[i] = fast_exp2(x);
+    for (int c = 0; c < BM / 8; ++c) {
+      const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * c + 2 * t);
+      const int2 lim2 = *reinterpret_cast<const int2*>(limit + 8 * c + 2 * t);
+      MHK_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int i = 4 * c + e;
+        // Scaled first, masked after: a hidden position is 0 whatever the sign of the scale.
+        float x = st[i] * sl2 - (e % 2 ? l2.y : l2.x);
+        if (masked && key[e / 2] >= (e % 2 ? lim2.y : lim2.x)) x = -INFINITY;
+        st[i] = fast_exp2(x);
+      }
     }
     // dV's product runs while dS^T is formed: it needs only P^T.
     uint32_t pa[BM / 16][4];
@@ -355,7 +361,11 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfigSm90<D>::kThreads, 1)
     wgmma_commit();
     wgmma_wait<1>();  // dP^T is in; dV may still run
     MHK_UNROLL
-    for (int i = 0; i < BM / 2; ++i) dpt[i] = st[i] * (dpt[i] - delta[8 * (i / 4) + 2 * t + (i % 2)]);
+    for (int c = 0; c < BM / 8; ++c) {
+      const float2 d2 = *reinterpret_cast<const float2*>(delta + 8 * c + 2 * t);
+      MHK_UNROLL
+      for (int e = 0; e < 4; ++e) dpt[4 * c + e] = st[4 * c + e] * (dpt[4 * c + e] - (e % 2 ? d2.y : d2.x));
+    }
     uint32_t dsa[BM / 16][4];
     acc_to_a<Elem, BM>(dsa, dpt);
     wgmma_fence();
