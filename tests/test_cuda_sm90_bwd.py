@@ -290,3 +290,54 @@ def test_bwd_family_choice_by_compute_capability(emu, cc, compiled, D, splits, m
                                                   q_head_stride, want):
     got = emu.lib.mhk_emu_bwd_family(cc[0], cc[1], compiled, D, splits, mode, Hkv, k_head_stride, q_head_stride)
     assert got == want
+
+
+# ---------------------------------------------------------------------------------------------
+# The SASS check of tools/check_cuda_build.py guards the backward kernels too (synthetic SASS;
+# the real compile runs in tests/test_cuda_build.py)
+# ---------------------------------------------------------------------------------------------
+
+_DKDV = "_ZN7mhakern4cuda4sm9025attn_bwd_dkdv_sm90_kernelI6__halfLi64EEEvNS1_16BwdDkvParamsSm90E"
+
+
+def _check_tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_cuda_build", ROOT / "tools" / "check_cuda_build.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize(
+    "body,smem,needle",
+    [
+        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24, gsb0", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "@!P0 BRA 0x00", "EXIT"],
+         {("attn_bwd_dkdv_sm90_kernel", 64): 68136, 64: 240 * 1024}, None),
+        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24", "FADD R1, R2, R3", "@!P0 BRA 0x10", "EXIT"],
+         {("attn_bwd_dkdv_sm90_kernel", 64): 68136}, "no HGMMA inside any loop"),
+        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24", "LDL R2, [R1]", "@!P0 BRA 0x00", "EXIT"],
+         {("attn_bwd_dkdv_sm90_kernel", 64): 68136}, "local-memory instructions"),
+        # its own row, not the forward's (keyed by head dim alone), decides
+        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24", "@!P0 BRA 0x00", "EXIT"],
+         {("attn_bwd_dkdv_sm90_kernel", 64): 240 * 1024, 64: 1024}, "of shared memory"),
+        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24", "@!P0 BRA 0x00", "EXIT"], {64: 1024},
+         "dynamic shared memory unknown"),
+    ],
+    ids=["good", "hgmma-outside-loop", "local-memory", "smem-over-227KB", "smem-row-missing"],
+)
+def test_sass_check_guards_the_backward_kernels(body, smem, needle):
+    tool = _check_tool()
+    sass = "\n".join(["\tcode for sm_90a", f"\t\tFunction : {_DKDV}"]
+                     + [f"        /*{16 * i:04x}*/                   {ins} ;" for i, ins in enumerate(body)])
+    log = (f"ptxas info    : Compiling entry function '{_DKDV}' for 'sm_90a'\n"
+           f"ptxas info    : Function properties for {_DKDV}\n"
+           "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+           "ptxas info    : Used 168 registers, used 1 barriers\n")
+    result = {"src": "attn_bwd_sm90_fp16_d64.cu", "rc": 0, "log": log, "facts": tool.sass_facts_text(sass)}
+    rows, problems, _ = tool.check_sm90([result], smem)
+    assert len(rows) == 1 and rows[0]["kernel"] == "attn_bwd_dkdv_sm90_kernel" and rows[0]["D"] == 64
+    if needle is None:
+        assert problems == [], problems
+    else:
+        assert any(needle in p for p in problems), problems
