@@ -189,22 +189,32 @@ def test_sm90_backward_hard_cases(rnd, i_case):
     [
         # GQA: 4 query heads x 45 rows packed, stages straddling heads (plain loads), key
         # lengths incl. 0 and one inside a dQ key tile (its plain-load path), causal
-        ((2, 8, 2, 45, 150, 128, 128, True, (150, 0)), torch.bfloat16, "bhld"),
+        ((2, 8, 2, 45, 150, 128, 128, True, (100, 0)), torch.bfloat16, "bhld"),
         ((2, 8, 2, 45, 150, 64, 64, True, (97, 0)), torch.float16, "blhd"),
         # more queries than keys, causal: the leading rows see no key (zero gradients), 4
         # query stages of one head (TMA path) over one key tile
         ((1, 2, 1, 200, 70, 64, 64, True, (70,)), torch.bfloat16, "bhld"),
         ((1, 2, 1, 200, 70, 128, 128, True, None), torch.float16, "blhd"),
+        # GQA with whole query stages per head: the dK/dV kernel's TMA boxes at head offsets
+        ((1, 4, 2, 128, 150, 64, 64, True, None), torch.bfloat16, "blhd"),
         # fewer queries than keys, causal: 3 key tiles per dK/dV pass, the dQ ring wraps, the
         # query stages before the diagonal skipped
         ((1, 1, 1, 150, 300, 64, 64, True, None), torch.float16, "bhld"),
         ((1, 1, 1, 150, 300, 128, 128, True, None), torch.bfloat16, "blhd"),
     ],
     ids=["gqa-straddle-kl-d128", "gqa-straddle-kl-d64", "rows-without-keys-d64", "rows-without-keys-d128",
-         "causal-qlt-k-d64", "causal-qlt-k-d128"],
+         "gqa-whole-stages", "causal-qlt-k-d64", "causal-qlt-k-d128"],
 )
 def test_sm90_backward_shapes(rnd, case, dtype, layout):
     _run(rnd, case, dtype, layout=layout)
+
+
+@pytest.mark.parametrize("scale", [-0.3, 0.0])
+def test_sm90_backward_any_finite_scale(rnd, scale):
+    # A negative or zero scale must still hide masked keys (scaled first, masked after).
+    B, H, Hkv, Lq, Lk, D = 1, 2, 1, 40, 150, 64
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, D, dtype=torch.bfloat16)
+    check_against_reference(sm90_attention(rnd), q, k, v, True, torch.tensor([150], dtype=torch.int32), scale=scale)
 
 
 def test_sm90_backward_large_logits(rnd):
