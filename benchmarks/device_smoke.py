@@ -2,8 +2,9 @@
 
     python -m benchmarks.device_smoke [--device cuda] [--budget-s 60]
 
-For each GPU backend (``cuda``, ``triton``) and dtype (bf16, fp16): one small causal GQA case
-with key lengths, forward and backward, against the float64 reference with the tolerance rule
+For each GPU backend (``cuda``, ``triton``; on a 9.0 device the cuda backend under both forward
+families), in bf16, each in its own child process: one small causal GQA case with key lengths,
+forward and backward, against the float64 reference with the tolerance rule
 of the tests (tests/attn_testing.py). Then, in child processes, one bad call at the C++
 boundary: it must raise a Python exception (a crash -- the process killed by a signal -- is the
 failure the first GPU contact met: TORCH_CHECK aborting instead of raising).
@@ -98,16 +99,68 @@ def _check_raises(dtype_name: str, device: str, call: str, timeout: float) -> Tu
     return True, last
 
 
+def _one_check(backend: str, dname: str, device: str, family: str) -> int:
+    """The child's side of a numerics check (``--one``): prints ``result: ok|FAILED: msg``."""
+    import torch
+
+    if family != "auto":
+        import mhakern
+
+        mhakern.available_backends()  # loads mhakern._C (the op below lives there)
+        torch.ops.mhakern_C.cuda_force_fwd_family(family)
+    ok, msg = _check_numerics(backend, getattr(torch, dname), device)
+    print(f"result: {'ok' if ok else 'FAILED'}: {msg}", flush=True)
+    return 0
+
+
+def _run_child_check(backend: str, dname: str, device: str, family: str, timeout: float) -> Tuple[bool, str, bool]:
+    """One numerics check in a child process, so that a kernel that hangs or kills the process
+    (an illegal address poisons the whole CUDA context) costs this check only. Returns
+    ``(ok, message, broke)``: broke is a hang or a crash, not a wrong answer."""
+    cmd = [sys.executable, "-m", "benchmarks.device_smoke", "--device", device, "--one", backend, dname,
+           "--family", family]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return False, f"HUNG: no answer within {timeout:.0f} s (killed)", True
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("result: ")]
+    if r.returncode != 0 or not lines:
+        sig = f"killed by signal {signal.Signals(-r.returncode).name}" if r.returncode < 0 else f"exit {r.returncode}"
+        err = r.stderr.strip().splitlines()
+        return False, f"CRASHED: {sig}; {err[-1][:240] if err else 'no stderr'}", True
+    ok = lines[-1].startswith("result: ok")
+    return ok, lines[-1].split(": ", 2)[-1], False
+
+
+def _sm90_family_here(device: str) -> bool:
+    """Whether the cuda backend's plain forward runs on the sm90 family on this device."""
+    if device != "cuda":
+        return False
+    import torch
+
+    import mhakern
+    from mhakern.backends import cuda_backend
+
+    if mhakern.available_backends().get("cuda", "x") is not None:
+        return False
+    sm90 = ((cuda_backend.capabilities() or {}).get("cuda") or {}).get("sm90") or {}
+    return bool(sm90.get("compiled")) and torch.cuda.get_device_capability() == tuple(sm90.get("capability", ()))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--budget-s", type=float, default=60.0, help="stop starting new checks after this many seconds")
+    ap.add_argument("--one", nargs=2, metavar=("BACKEND", "DTYPE"), help=argparse.SUPPRESS)  # a child's check
+    ap.add_argument("--family", default="auto", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.device == "cpu":
         # The CPU rehearsal runs the Triton kernels through the interpreter, which must be on
         # before mhakern.kernels is first imported.
         os.environ.setdefault("TRITON_INTERPRET", "1")
     sys.path.insert(0, os.path.join(ROOT, "tests"))
+    if args.one:
+        return _one_check(args.one[0], args.one[1], args.device, args.family)
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -115,22 +168,32 @@ def main(argv=None) -> int:
         return 1
     t0 = time.perf_counter()
     failed = 0
-    dtypes = [("bfloat16", torch.bfloat16), ("float16", torch.float16)]
-    if args.device == "cpu":
-        dtypes = [("float32", torch.float32)]
-    for backend in _gpu_backends(args.device):
-        for dname, dt in dtypes:
-            if time.perf_counter() - t0 > args.budget_s:
-                print(f"smoke: {backend} {dname}: NOT RUN (stage budget of {args.budget_s:.0f} s spent)", flush=True)
-                failed += 1
-                continue
-            ok, msg = _check_numerics(backend, dt, args.device)
-            failed += not ok
-            print(f"smoke: {backend} {dname}: {'ok' if ok else 'FAILED'}: {msg}", flush=True)
+    # One dtype per backend: each check is a child process (about 5 s of torch import and CUDA
+    # start before any kernel runs), and the GPU tests cover fp16 next.
+    dnames = ["bfloat16"] if args.device == "cuda" else ["float32"]
+    checks = [(b, d, "auto") for b in _gpu_backends(args.device) for d in dnames]
+    if _sm90_family_here(args.device):
+        # On a 9.0 device the plain forward runs on the sm90 family: check the mma.sync family
+        # (what sm_80-89 devices run) too, forced.
+        checks[1:1] = [("cuda", d, "mma_sync") for d in dnames]
+    for backend, dname, family in checks:
+        what = f"{backend} {dname}" + ("" if family == "auto" else f" ({family} forward forced)")
+        left = args.budget_s - (time.perf_counter() - t0)
+        if left <= 0:
+            print(f"smoke: {what}: NOT RUN (stage budget of {args.budget_s:.0f} s spent)", flush=True)
+            failed += 1
+            continue
+        ok, msg, broke = _run_child_check(backend, dname, args.device, family, timeout=max(30.0, left))
+        failed += not ok
+        print(f"smoke: {what}: {'ok' if ok else 'FAILED'}: {msg}", flush=True)
+        if broke and backend == "cuda" and family == "auto" and _sm90_family_here(args.device):
+            # The later stages would hang or crash on every plain call: they run with the
+            # mma.sync family forced (the device check reads this line), the sm90 file alone not.
+            print("smoke-decision: MHAKERN_CUDA_FWD_FAMILY=mma_sync", flush=True)
     # The C++ boundary on this device's kernels.
     for what, call in _BAD_CALLS.items():
         left = args.budget_s - (time.perf_counter() - t0)
-        ok, msg = _check_raises(dtypes[0][0], args.device, call, timeout=max(20.0, left))
+        ok, msg = _check_raises(dnames[0], args.device, call, timeout=max(20.0, left))
         failed += not ok
         print(f"smoke: mhakern_C on {args.device} raises on {what}: {'ok' if ok else 'FAILED'}: {msg}", flush=True)
     print(f"smoke: {'all ok' if not failed else f'{failed} FAILED'} in {time.perf_counter() - t0:.1f} s", flush=True)

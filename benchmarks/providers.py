@@ -157,6 +157,45 @@ class MhakernProvider(Provider):
         return backends.select("auto", q, k, v, case.causal, None).name
 
 
+class MhakernFamilyProvider(MhakernProvider):
+    """The cuda backend with its forward family forced (``torch.ops.mhakern_C.cuda_force_fwd_family``):
+    ``mhakern:cuda[mma_sync]``, measured only where the host would pick another family (a 9.0
+    device with the sm_90a pass), so that a Hopper run shows both families side by side. The
+    switch is set and restored around each timed call (a few microseconds of host work)."""
+
+    def __init__(self, family: str):
+        super().__init__("cuda")
+        self.family = family
+        self.name = f"mhakern:cuda[{family}]"
+
+    def unavailable(self, device):
+        why = super().unavailable(device)
+        if why is not None:
+            return why
+        from mhakern.backends import cuda_backend
+
+        sm90 = ((cuda_backend.capabilities() or {}).get("cuda") or {}).get("sm90") or {}
+        if device != "cuda" or not sm90.get("compiled") or torch.cuda.get_device_capability() != tuple(sm90["capability"]):
+            return f"the cuda backend runs the {self.family} family here anyway (no sm_90a family on this device)"
+        return None
+
+    def prepare(self, case, q, k, v, grad):
+        inner, args = super().prepare(case, q, k, v, grad)
+        force, family = torch.ops.mhakern_C.cuda_force_fwd_family, self.family
+
+        def fn(q, k, v):
+            prev = force(family)
+            try:
+                return inner(q, k, v)
+            finally:
+                force(prev)
+
+        return fn, args
+
+    def resolved(self, case, q, k, v):
+        return f"cuda, {self.family} forward"
+
+
 _SDPA_KERNELS = {
     "math": "MATH",
     "flash": "FLASH_ATTENTION",
@@ -303,6 +342,7 @@ def all_providers() -> List[Provider]:
 
     provs: List[Provider] = [MhakernProvider(n) for n in backends.names()]
     provs.append(MhakernProvider("auto"))
+    provs.append(MhakernFamilyProvider("mma_sync"))
     provs += [SdpaProvider(k) for k in _SDPA_KERNELS]
     provs += [FlashAttnProvider(2), FlashAttnProvider(3), XformersProvider()]
     return provs

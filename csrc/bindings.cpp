@@ -112,6 +112,16 @@ int64_t cuda_force_splits(int64_t num_splits) {
   return op::cuda_forced_splits().exchange(num_splits);
 }
 
+// Sets which CUDA forward family serves calls ("auto": the host's choice; "mma_sync": that
+// family always); returns the previous setting. Test and benchmark hook (op_common.h).
+std::string cuda_force_fwd_family(const std::string& family) {
+  const int i = op::fwd_family_index(family);
+  TORCH_CHECK_VALUE(i >= 0, "cuda_force_fwd_family: family must be ", op::fwd_family_choices(), ", got '", family,
+                    "'");
+  const int prev = op::cuda_forced_fwd_family().exchange(i);
+  return prev >= 0 ? op::kFwdFamilyNames[prev] : "auto";
+}
+
 // Meta kernels: the same argument checks as every device (op_common.h), then outputs of the
 // right shape, dtype and layout. Which modes a family implements is checked by the real kernel.
 constexpr unsigned kAllFeatures = ~0u;
@@ -163,6 +173,7 @@ TORCH_LIBRARY(mhakern_C, m) {
       "bool backward=False) -> int",
       &mhakern::cuda_plan_splits);
   m.def("cuda_force_splits(int num_splits) -> int", &mhakern::cuda_force_splits);
+  m.def("cuda_force_fwd_family(str family) -> str", &mhakern::cuda_force_fwd_family);
 }
 
 TORCH_LIBRARY_IMPL(mhakern_C, Meta, m) {

@@ -173,10 +173,11 @@ std::pair<int, int> compute_capability(int device) {
 }
 
 // Runs the forward on the family choose_fwd_family (cuda/attn_dispatch.h) picks for the device:
-// the sm90 family (wgmma + TMA) where it serves the call on a 9.0 device, else mma.sync.
+// the sm90 family (wgmma + TMA) where it serves the call on a 9.0 device, else mma.sync (always
+// mma.sync when forced through cuda_force_fwd_family / MHAKERN_CUDA_FWD_FAMILY).
 cudaError_t launch_fwd(ElemType t, const FwdParams& p, int device, cudaStream_t stream) {
   const std::pair<int, int> cc = compute_capability(device);
-  if (choose_fwd_family(cc.first, cc.second, kSm90Compiled, p) == FwdFamily::sm90)
+  if (op::forced_fwd_family() == 0 && choose_fwd_family(cc.first, cc.second, kSm90Compiled, p) == FwdFamily::sm90)
     return dispatch_attn_fwd_sm90(t, p.D, p, stream);
   return dispatch_attn_fwd(t, p.D, p, stream);
 }

@@ -18,6 +18,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <vector>
@@ -217,6 +218,41 @@ inline std::atomic<int64_t>& cuda_forced_splits() {
   return n;
 }
 constexpr int64_t kMaxForcedSplits = 1024;
+
+// Which CUDA forward family serves calls (the host's choice, or the mma.sync family always): a
+// hook for GPU tests and benchmarks on a 9.0 device, where the sm90 family would otherwise take
+// every plain call and the mma.sync family (what sm_80-89 devices run) would go unmeasured there.
+// Set through torch.ops.mhakern_C.cuda_force_fwd_family, or at load from the environment
+// variable MHAKERN_CUDA_FWD_FAMILY (the same names); a bad value raises at the first call.
+constexpr const char* kFwdFamilyNames[] = {"auto", "mma_sync"};
+constexpr int kNumFwdFamilyNames = 2;
+inline int fwd_family_index(const std::string& name) {  // -1: not a name
+  for (int i = 0; i < kNumFwdFamilyNames; ++i)
+    if (name == kFwdFamilyNames[i]) return i;
+  return -1;
+}
+inline std::string fwd_family_choices() {
+  std::string s;
+  for (int i = 0; i < kNumFwdFamilyNames; ++i) s += std::string(i ? " or '" : "'") + kFwdFamilyNames[i] + "'";
+  return s;
+}
+inline std::atomic<int>& cuda_forced_fwd_family() {
+  // -2: the environment variable held a bad value (reported by check_forced_fwd_family).
+  static std::atomic<int> f{[] {
+    const char* env = std::getenv("MHAKERN_CUDA_FWD_FAMILY");
+    if (env == nullptr || *env == '\0') return 0;
+    const int i = fwd_family_index(env);
+    return i >= 0 ? i : -2;
+  }()};
+  return f;
+}
+// The forced family (0 auto, 1 mma_sync); raises when the environment variable was bad.
+inline int forced_fwd_family() {
+  const int f = cuda_forced_fwd_family().load(std::memory_order_relaxed);
+  TORCH_CHECK_VALUE(f >= 0, "MHAKERN_CUDA_FWD_FAMILY: expected ", fwd_family_choices(), ", got '",
+                    std::getenv("MHAKERN_CUDA_FWD_FAMILY") ? std::getenv("MHAKERN_CUDA_FWD_FAMILY") : "", "'");
+  return f;
+}
 
 }  // namespace op
 }  // namespace mhakern

@@ -106,6 +106,50 @@ def nvcc_version(nvcc: Optional[str]) -> Optional[str]:
     return m.group(1) if m else None
 
 
+def _printed_file(cxx: str, name: str) -> Optional[str]:
+    """The path the C++ compiler's driver finds for library file ``name``, or None."""
+    try:
+        out = subprocess.run([cxx, f"-print-file-name={name}"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    path = out.strip()
+    return path if os.path.isabs(path) and os.path.exists(path) else None
+
+
+def cxx_runtime_to_link(cxx: Optional[str] = None) -> Optional[str]:
+    """The shared C++ runtime (libstdc++.so.6) to name on the link line (Linux), or None.
+
+    Named explicitly, before the driver's own ``-lstdc++``, it resolves every C++ runtime
+    symbol of the module, so that no part of the static ``libstdc++.a`` can be pulled in. One
+    GPU image (GCC 13.3, torch 2.11) linked ``libstdc++.a`` into every extension built there,
+    ours and a minimal one alike: the module then carried a second C++ runtime beside torch's,
+    and every ``std::string`` or exception crossing between them crashed the process
+    (TORCH_CHECK aborting instead of raising; a string-returning op segfaulting inside
+    ostream's locale code, seen with cuda-gdb). Where the driver links the shared runtime
+    anyway (every usual toolchain) this names the same library and changes nothing.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    cxx = cxx or os.environ.get("CXX", "c++")
+    found = _printed_file(cxx, "libstdc++.so.6")
+    if found is not None:
+        return os.path.realpath(found)
+    try:  # the one this process already runs on (torch loaded it)
+        with open("/proc/self/maps") as fh:
+            for line in fh:
+                path = line.split()[-1] if line.strip() else ""
+                if os.path.basename(path).startswith("libstdc++.so.6") and os.path.exists(path):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def cxx_runtime_is_static_only(cxx: Optional[str] = None) -> bool:
+    """Whether the driver finds no ``libstdc++.so`` to link (only the static archive)."""
+    return sys.platform.startswith("linux") and _printed_file(cxx or os.environ.get("CXX", "c++"), "libstdc++.so") is None
+
+
 def torch_info() -> Optional[dict]:
     """Facts about the torch importable here (the input of :func:`plan`), or None without one."""
     try:
@@ -130,6 +174,8 @@ def torch_info() -> Optional[dict]:
         "nvcc": nvcc,
         "nvcc_version": nvcc_version(nvcc) if cuda and nvcc else None,
         "openmp": openmp,
+        "cxx_runtime": cxx_runtime_to_link(),
+        "cxx_runtime_static_only": cxx_runtime_is_static_only(),
         "machine": platform.machine().lower(),
         "platform": sys.platform,
     }
@@ -267,6 +313,14 @@ def plan(env: Mapping[str, str], info: Optional[dict], root: str, gpu_archs: Opt
     variants = ", ".join(["DEFAULT"] + [os.path.basename(s)[8:-4].upper() for s, _ in isa_sources])
 
     notes = []
+    if info.get("cxx_runtime"):
+        link.append(info["cxx_runtime"])  # the shared C++ runtime, by name (cxx_runtime_to_link)
+        if info.get("cxx_runtime_static_only"):
+            notes.append(
+                f"the C++ compiler finds no shared libstdc++ to link (only the static one, which would put a "
+                f"second C++ runtime into the module: strings and exceptions crossing into torch crash); "
+                f"linking {info['cxx_runtime']} by name"
+            )
     cuda_why = None
     archs: List[str] = []
     torch_major = (info.get("cuda") or "").split(".")[0]

@@ -697,3 +697,44 @@ def test_plain_pip_install_builds_at_first_use(tmp_path):
     ahead = subprocess.run([str(py), "-m", "mhakern.build"], cwd=str(tmp_path), env=env, capture_output=True,
                            text=True, timeout=600)
     assert ahead.returncode == 0 and ahead.stdout.startswith("mhakern._C: " + str(tmp_path / "cache")), ahead
+
+
+def _fake_cxx(tmp_path, dev_link: bool):
+    """A compiler driver that answers -print-file-name like GCC: the path when it has the file,
+    the bare name when not (a slimmed image without libstdc++'s development link)."""
+    runtime = tmp_path / "lib" / "libstdc++.so.6"
+    runtime.parent.mkdir(parents=True, exist_ok=True)
+    runtime.write_bytes(b"")
+    dev = tmp_path / "lib" / "libstdc++.so"
+    if dev_link:
+        dev.symlink_to(runtime)
+    script = tmp_path / "fakecxx"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'case "$1" in\n'
+        f'  -print-file-name=libstdc++.so) [ -e "{dev}" ] && echo "{dev}" || echo libstdc++.so ;;\n'
+        f'  -print-file-name=libstdc++.so.6) echo "{runtime}" ;;\n'
+        f'  *) echo "$1" ;;\n'
+        "esac\n"
+    )
+    script.chmod(0o755)
+    return str(script), str(runtime)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the probe runs on Linux only")
+def test_the_shared_cxx_runtime_is_linked_by_name(B, tmp_path):
+    # A toolchain that would link libstdc++.a into the module puts a second C++ runtime beside
+    # torch's: the first string or exception across the two crashes. Naming the shared runtime
+    # on the link line resolves every runtime symbol there; the note says when the driver had
+    # no shared one of its own.
+    for dev_link in (False, True):
+        d = tmp_path / str(dev_link)
+        cxx, runtime = _fake_cxx(d, dev_link=dev_link)
+        assert B.cxx_runtime_to_link(cxx) == os.path.realpath(runtime)
+        assert B.cxx_runtime_is_static_only(cxx) is (not dev_link)
+        info = dict(_fake_torch(), cxx_runtime=os.path.realpath(runtime), cxx_runtime_static_only=not dev_link)
+        p = B.plan({}, info, ROOT)
+        assert p["link_flags"][-1] == os.path.realpath(runtime)
+        assert any("no shared libstdc++" in n for n in p["notes"]) is (not dev_link)
+    # This machine's own compiler has the shared runtime (the module built here imports).
+    assert B.cxx_runtime_to_link() is not None and not B.cxx_runtime_is_static_only()

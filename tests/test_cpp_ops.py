@@ -116,3 +116,16 @@ def test_the_module_links_no_pybind11():
     assert res.returncode == 0, res.stderr
     assert "PyInit__C" in res.stdout
     assert "pybind11" not in res.stdout
+
+
+def test_forward_family_hook_round_trips_and_names_its_choices():
+    # The GPU tests' and benchmarks' switch between the CUDA forward families (op_common.h); it
+    # exists in every build, so its argument check is tested here.
+    prev = torch.ops.mhakern_C.cuda_force_fwd_family("mma_sync")
+    try:
+        assert torch.ops.mhakern_C.cuda_force_fwd_family("mma_sync") == "mma_sync"
+        with pytest.raises(ValueError, match=r"family must be 'auto' or 'mma_sync', got 'sm90'"):
+            torch.ops.mhakern_C.cuda_force_fwd_family("sm90")
+        assert torch.ops.mhakern_C.cuda_force_fwd_family("auto") == "mma_sync"  # a refused call changes nothing
+    finally:
+        torch.ops.mhakern_C.cuda_force_fwd_family(prev)

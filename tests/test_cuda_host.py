@@ -807,3 +807,22 @@ def test_compile_check_tool_on_one_file(tmp_path):
     fwd = kernels["attn_fwd_kernel"]
     assert fwd["arch"] == 80 and 0 < fwd["regs"] <= 255 and fwd["spill_st"] == 0
     assert fwd["smem_dynamic"] > 0 and "attn_fwd_kernel" in res.stdout
+
+
+def test_views_the_kernels_cannot_read_in_place_are_copied():
+    # The cuda backend hands the op 16-byte aligned rows: a contiguous view at an odd offset is
+    # copied (contiguous() would return it as is; the first GPU run met that), aligned and
+    # strided-but-aligned views pass through untouched. Pure tensor logic: checked on CPU tensors.
+    from mhakern.backends.cuda_backend import _aligned
+
+    base = torch.zeros(1, 2, 33, 64, dtype=torch.float16)
+    odd = base.view(-1)[2 : 2 + 2 * 32 * 64].view(1, 2, 32, 64)
+    assert odd.is_contiguous() and odd.data_ptr() % 16 != 0
+    fixed = _aligned(odd)
+    assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, odd) and fixed.data_ptr() != odd.data_ptr()
+    aligned = torch.zeros(1, 2, 32, 64, dtype=torch.float16)
+    assert _aligned(aligned) is aligned
+    blhd = torch.zeros(1, 32, 2, 64, dtype=torch.float16).transpose(1, 2)  # (B, H, L, D) view
+    assert _aligned(blhd) is blhd
+    narrow = torch.zeros(1, 2, 32, 68, dtype=torch.float16)[..., 2:66]  # rows start 4 bytes in
+    assert _aligned(narrow).data_ptr() % 16 == 0 and _aligned(narrow).is_contiguous()

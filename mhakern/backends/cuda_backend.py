@@ -36,10 +36,13 @@ _BUILD_HINT = "pip install -e . --no-build-isolation"
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:
-    """``x`` if the kernels can read it in place (16-byte aligned rows), else a contiguous copy."""
+    """``x`` if the kernels can read it in place (16-byte aligned rows), else a contiguous copy.
+
+    A copy, not ``contiguous()``: a contiguous view that starts at an odd offset into its
+    storage is returned as is by ``contiguous()`` (the first GPU run met exactly that)."""
     ok = x.stride(-1) == 1 and x.data_ptr() % 16 == 0
     ok = ok and all(n <= 1 or s % 8 == 0 for n, s in zip(x.shape[:3], x.stride()[:3]))
-    return x if ok else x.contiguous()
+    return x if ok else x.clone(memory_format=torch.contiguous_format)
 
 
 def plan_splits(batch: int, kv_heads: int, group: int, q_len: int, k_len: int, head_dim: int, num_sms: int,

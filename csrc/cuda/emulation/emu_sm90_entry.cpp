@@ -121,7 +121,8 @@ int mhk_emu_sm90_fwd(int elem, int D, const void* q, const int64_t* q_st, const 
 }
 
 // The family the host would pick (0 mma.sync, 1 sm90) for a device of capability major.minor,
-// with faked call properties: mode 0 none, 1 attn_mask, 2 dropout, 3 window, 4 top_left.
+// with faked call properties: mode 0 none, 1 attn_mask, 2 dropout, 3 window, 4 top_left,
+// 5 key_lengths.
 int mhk_emu_fwd_family(int major, int minor, int sm90_compiled, int D, int num_splits, int mode, int Hkv,
                        long long k_head_stride) {
   FwdParams p;
@@ -137,6 +138,8 @@ int mhk_emu_fwd_family(int major, int minor, int sm90_compiled, int D, int num_s
   if (mode == 2) p.dropout_p = 0.1;
   if (mode == 3) p.window_left = 4;
   if (mode == 4) p.top_left = true;
+  static const int32_t lengths[1] = {50};
+  if (mode == 5) p.key_lengths = lengths;
   return static_cast<int>(mhakern::cuda::choose_fwd_family(major, minor, sm90_compiled != 0, p));
 }
 
