@@ -122,6 +122,15 @@ std::string cuda_force_fwd_family(const std::string& family) {
   return prev >= 0 ? op::kFwdFamilyNames[prev] : "auto";
 }
 
+// The backward's twin of cuda_force_fwd_family ("auto" or "mma_sync"); returns the previous setting.
+std::string cuda_force_bwd_family(const std::string& family) {
+  const int i = op::fwd_family_index(family);
+  TORCH_CHECK_VALUE(i >= 0, "cuda_force_bwd_family: family must be ", op::fwd_family_choices(), ", got '", family,
+                    "'");
+  const int prev = op::cuda_forced_bwd_family().exchange(i);
+  return prev >= 0 ? op::kFwdFamilyNames[prev] : "auto";
+}
+
 // Meta kernels: the same argument checks as every device (op_common.h), then outputs of the
 // right shape, dtype and layout. Which modes a family implements is checked by the real kernel.
 constexpr unsigned kAllFeatures = ~0u;
@@ -174,6 +183,7 @@ TORCH_LIBRARY(mhakern_C, m) {
       &mhakern::cuda_plan_splits);
   m.def("cuda_force_splits(int num_splits) -> int", &mhakern::cuda_force_splits);
   m.def("cuda_force_fwd_family(str family) -> str", &mhakern::cuda_force_fwd_family);
+  m.def("cuda_force_bwd_family(str family) -> str", &mhakern::cuda_force_bwd_family);
 }
 
 TORCH_LIBRARY_IMPL(mhakern_C, Meta, m) {

@@ -261,7 +261,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
   // The family first (it does not depend on the split count), then the dQ splits planned for the
   // dQ tiles of that family.
   const std::pair<int, int> cc = compute_capability(q.device().index());
-  const bool on_sm90 = choose_bwd_family(cc.first, cc.second, kSm90Compiled, p) == BwdFamily::sm90;
+  const bool on_sm90 =
+      op::forced_bwd_family() == 0 && choose_bwd_family(cc.first, cc.second, kSm90Compiled, p) == BwdFamily::sm90;
   const caps::CudaTiles t = caps::cuda_tiles(static_cast<int>(s.D));
   const int64_t dq_m = on_sm90 ? caps::kSm90BwdDqBlockM : t.dq_m;
   const int64_t dq_n = on_sm90 ? caps::sm90_bwd_dq_n(static_cast<int>(s.D)) : t.dq_n;
@@ -278,7 +279,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
   }
   check_no_pending_error("mhakern_C::bwd");
   // The sm90 family's dK/dV and dQ kernels (wgmma + TMA) for the plain calls it serves on a 9.0
-  // device (choose_bwd_family, cuda/attn_dispatch.h), else mma.sync.
+  // device (choose_bwd_family, cuda/attn_dispatch.h), else mma.sync (always mma.sync when forced
+  // through cuda_force_bwd_family / MHAKERN_CUDA_BWD_FAMILY).
   check_launch(on_sm90 ? dispatch_attn_bwd_sm90(elem_type_of(q), p.D, p, stream)
                        : dispatch_attn_bwd(elem_type_of(q), p.D, p, stream),
                "mhakern_C::bwd");

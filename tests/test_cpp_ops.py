@@ -129,3 +129,15 @@ def test_forward_family_hook_round_trips_and_names_its_choices():
         assert torch.ops.mhakern_C.cuda_force_fwd_family("auto") == "mma_sync"  # a refused call changes nothing
     finally:
         torch.ops.mhakern_C.cuda_force_fwd_family(prev)
+
+
+def test_backward_family_hook_round_trips_and_names_its_choices():
+    # The backward's twin (op_common.h: cuda_forced_bwd_family).
+    prev = torch.ops.mhakern_C.cuda_force_bwd_family("mma_sync")
+    try:
+        assert torch.ops.mhakern_C.cuda_force_bwd_family("mma_sync") == "mma_sync"
+        with pytest.raises(ValueError, match=r"family must be 'auto' or 'mma_sync', got 'sm90'"):
+            torch.ops.mhakern_C.cuda_force_bwd_family("sm90")
+        assert torch.ops.mhakern_C.cuda_force_bwd_family("auto") == "mma_sync"  # a refused call changes nothing
+    finally:
+        torch.ops.mhakern_C.cuda_force_bwd_family(prev)

@@ -94,8 +94,15 @@ SM90_BWD_DIMS = (64, 128)  # csrc/capabilities.h: MHK_SM90_BWD_FOR_EACH_HEAD_DIM
     ids=["gqa-straddle-kl0", "kl-in-tile-blhd", "rows-without-keys", "long"],
 )
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_sm90_backward_shapes_on_hopper(hopper, case, layout, dtype):
-    _run(case, dtype, layout=layout)
+@pytest.mark.parametrize("bwd_family", ["auto", "mma_sync"])
+def test_sm90_backward_shapes_on_hopper(hopper, case, layout, dtype, bwd_family):
+    # "auto": the sm90 backward (these are plain calls); "mma_sync": that family forced
+    # (cuda_force_bwd_family), what sm_80-89 devices run, on the same shapes.
+    prev = torch.ops.mhakern_C.cuda_force_bwd_family(bwd_family)
+    try:
+        _run(case, dtype, layout=layout)
+    finally:
+        torch.ops.mhakern_C.cuda_force_bwd_family(prev)
 
 
 def _bwd_op(dout, q, k, v, out, lse, scale, causal, kl):
@@ -123,7 +130,7 @@ def test_sm90_backward_forced_split_dq_on_hopper(hopper, splits):
 
 
 def test_sm90_backward_hidden_keys_never_leak_on_hopper(hopper):
-    # K and V hold NaN past key_lengths; out and lse come from the reference on the visible keys,
+    # K holds NaN and V inf past key_lengths; out and lse come from the reference on the visible keys,
     # so that only the backward is under test. Hidden keys get zero gradients, the rest stay finite.
     from mhakern import reference
 
@@ -133,7 +140,7 @@ def test_sm90_backward_hidden_keys_never_leak_on_hopper(hopper):
     kc, vc = k.clone(), v.clone()
     for bb, n in enumerate(kl.tolist()):
         k[bb, :, n:] = float("nan")
-        v[bb, :, n:] = float("nan")
+        v[bb, :, n:] = float("inf")
         kc[bb, :, n:] = 0
         vc[bb, :, n:] = 0
     o64, lse = reference.attention_forward(q.double(), kc.double(), vc.double(), D**-0.5, True, kl, upcast=True)
