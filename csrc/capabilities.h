@@ -112,8 +112,11 @@ constexpr int kSm90FwdBlockM = 128, kSm90FwdBlockN = 128, kSm90FwdStages = 2;
 // (no mode; choose_bwd_family in csrc/cuda/attn_dispatch.h): the dK/dV kernel's keys per CTA
 // (2 consumer warpgroups x 64) and packed query rows per pipeline stage; the dQ kernel's packed
 // query rows per CTA (2 x 64) and keys per stage (sm90_bwd_dq_n: 64 at D 128, where the dQ
-// accumulator, S and dP share a consumer's registers); stages of both rings.
-constexpr int kSm90BwdDkvBlockN = 128, kSm90BwdDkvBlockM = 64, kSm90BwdDqBlockM = 128, kSm90BwdStages = 2;
+// accumulator, S and dP share a consumer's registers); stages of both rings: 3 (unmeasured
+// estimate: a 32 KB stage at D 128 takes about as long to arrive at one SM's share of the
+// bandwidth as its products take there; one CTA per SM, the register plan, leaves the shared
+// memory for a third stage: at most 167 KB at D 128).
+constexpr int kSm90BwdDkvBlockN = 128, kSm90BwdDkvBlockM = 64, kSm90BwdDqBlockM = 128, kSm90BwdStages = 3;
 constexpr int sm90_bwd_dq_n(int d) { return d <= 64 ? 128 : 64; }
 // Backward instances (their own list: the forward's head dims may grow past the backward's).
 #define MHK_SM90_BWD_FOR_EACH_HEAD_DIM(F, tag) F(tag, 64) F(tag, 128)

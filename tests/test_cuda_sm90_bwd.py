@@ -2,7 +2,7 @@
 
 * The backward kernels of csrc/cuda/sm90/attn_bwd_sm90_kernel.cuh (dK/dV and dQ, every
   instantiation) under the CPU emulator's seeded random schedule, after the sm90 forward, on the
-  hard cases and on shapes that wrap the two-stage rings, skip and mask causal tiles, straddle
+  hard cases and on shapes that wrap the stage rings, skip and mask causal tiles, straddle
   query heads with packed GQA rows (the dK/dV kernel's plain-load path) or not (its TMA path),
   cut key tiles at key_lengths (the dQ kernel's plain-load path), split the dQ keys, against the
   float64 reference by the project's tolerance rule (dq, dk, dv). Tensors sit in NaN-padded

@@ -4,7 +4,7 @@
 // dS = P o (dP - delta):  dV = P^T dO,  dK = scale dS^T Q,  dQ = scale dS K  (as the mma.sync
 // family's ../attn_bwd_kernel.cuh, whose delta kernel and split-K dQ reduction this family reuses).
 // Two kernels, each one CTA of 3 warpgroups: warpgroup 0 the producer (setmaxnreg.dec), filling
-// a 2-stage ring of shared-memory stages guarded by "full" / "empty" mbarriers; warpgroups 1 and 2
+// a ring of kSm90BwdStages shared-memory stages guarded by "full" / "empty" mbarriers; warpgroups 1 and 2
 // the consumers (setmaxnreg.inc), 64 accumulator rows each, issuing wgmma. No atomics: every sum
 // is made in one thread's registers in one fixed order, so two runs are bit-identical.
 //
