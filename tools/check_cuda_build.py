@@ -531,6 +531,10 @@ def main(argv=None) -> int:
     names = demangle(sorted({e["mangled"] for e in entries}))
     smem_dyn = dynamic_smem(include) if include is not None else None
     problems = []
+    if include is not None and smem_dyn is None and entries:
+        # Without the launchers' dynamic sizes the shared-memory limit below would be checked
+        # against the static part alone, and pass blindly.
+        problems.append("dynamic shared memory of the mma.sync kernels not read (the config printer did not build)")
     notes: set[str] = set()
     rows = []
     for e in entries:
