@@ -131,6 +131,29 @@ constexpr FwdPlanTiles fwd_plan_tiles(bool sm90_family, int d) {
   return sm90_family ? FwdPlanTiles{sm90_fwd_tiles(d).m, sm90_fwd_tiles(d).n}
                      : FwdPlanTiles{cuda_tiles(d).fwd_m, cuda_tiles(d).fwd_n};
 }
+// Backward tiles (csrc/cuda/sm90/attn_bwd_sm90_kernel.cuh: BwdConfigSm90), plain calls only
+// (no mode; choose_bwd_family in csrc/cuda/attn_dispatch.h): the dK/dV kernel's keys per CTA
+// (2 consumer warpgroups x 64) and packed query rows per pipeline stage; the dQ kernel's packed
+// query rows per CTA (2 x 64) and keys per stage (sm90_bwd_dq_n: 64 at D 128, where the dQ
+// accumulator, S and dP share a consumer's registers); stages of both rings: 3 (unmeasured
+// estimate: a 32 KB stage at D 128 takes about as long to arrive at one SM's share of the
+// bandwidth as its products take there; one CTA per SM, the register plan, leaves the shared
+// memory for a third stage: at most 167 KB at D 128).
+constexpr int kSm90BwdDkvBlockN = 128, kSm90BwdDkvBlockM = 64, kSm90BwdDqBlockM = 128, kSm90BwdStages = 3;
+constexpr int sm90_bwd_dq_n(int d) { return d <= 64 ? 128 : 64; }
+// Backward instances (their own list: the forward's head dims may grow past the backward's).
+#define MHK_SM90_BWD_FOR_EACH_HEAD_DIM(F, tag) F(tag, 64) F(tag, 128)
+#define MHK_SM90_BWD_FOR_EACH_INSTANCE(F) MHK_CUDA_FOR_EACH_ELEM(MHK_SM90_BWD_FOR_EACH_HEAD_DIM_, F)
+#define MHK_SM90_BWD_FOR_EACH_HEAD_DIM_(F, tag) MHK_SM90_BWD_FOR_EACH_HEAD_DIM(F, tag)
+#define MHK_SM90_BWD_HEAD_DIM_ITEM_(tag, D) D,
+constexpr int kSm90BwdHeadDims[] = {MHK_SM90_BWD_FOR_EACH_HEAD_DIM(MHK_SM90_BWD_HEAD_DIM_ITEM_, _)};
+#undef MHK_SM90_BWD_HEAD_DIM_ITEM_
+constexpr int kSm90BwdNumHeadDims = sizeof(kSm90BwdHeadDims) / sizeof(kSm90BwdHeadDims[0]);
+constexpr bool sm90_bwd_head_dim_supported(int64_t d) {
+  for (int i = 0; i < kSm90BwdNumHeadDims; ++i)
+    if (kSm90BwdHeadDims[i] == d) return true;
+  return false;
+}
 #define MHK_SM90_HEAD_DIM_ITEM_(tag, D) D,
 constexpr int kSm90HeadDims[] = {MHK_SM90_FOR_EACH_HEAD_DIM(MHK_SM90_HEAD_DIM_ITEM_, _)};
 #undef MHK_SM90_HEAD_DIM_ITEM_

@@ -83,5 +83,44 @@ inline FwdFamily choose_fwd_family(int major, int minor, bool sm90_compiled, con
   return FwdFamily::sm90;
 }
 
+// ---- the sm90 backward (csrc/cuda/sm90/attn_bwd_sm90_*, capabilities.h) ---------------------
+#define MHK_DECLARE_SM90_BWD_INSTANCE_(tag, D) \
+  cudaError_t run_attn_bwd_sm90_##tag##_d##D(const BwdParams& p, cudaStream_t s);
+MHK_SM90_BWD_FOR_EACH_INSTANCE(MHK_DECLARE_SM90_BWD_INSTANCE_)
+#undef MHK_DECLARE_SM90_BWD_INSTANCE_
+
+// Runs delta, dK/dV and dQ of the sm90 family (and, for split-K, the dQ reduction) on `stream`.
+inline cudaError_t dispatch_attn_bwd_sm90(ElemType t, int D, const BwdParams& p, cudaStream_t s) {
+#define MHK_BWD_SM90_CASE_(tag, DD) \
+  if (t == ElemType::tag && D == DD) return run_attn_bwd_sm90_##tag##_d##DD(p, s);
+  MHK_SM90_BWD_FOR_EACH_INSTANCE(MHK_BWD_SM90_CASE_)
+#undef MHK_BWD_SM90_CASE_
+  return cudaErrorInvalidValue;
+}
+
+using BwdFamily = FwdFamily;
+
+// Which family runs a backward call (params filled, splits planned), by the forward's rule: a
+// 9.0 device with the sm_90a pass built, the backward's head dims, no mode (mask, its gradient,
+// dropout, window, top-left), and q, k, v, dout strides a tensor map can describe (no stride 0
+// on a dim longer than 1: q and dout are read by TMA too).
+inline BwdFamily choose_bwd_family(int major, int minor, bool sm90_compiled, const BwdParams& p) {
+  if (!sm90_compiled || major != caps::kSm90CapabilityMajor || minor != caps::kSm90CapabilityMinor)
+    return BwdFamily::mma_sync;
+  if (!caps::sm90_bwd_head_dim_supported(p.D) || p.num_splits < 1) return BwdFamily::mma_sync;
+  if (p.mask != nullptr || p.dmask != nullptr || p.dropout_p > 0.0 || p.top_left || p.window_left >= 0 ||
+      p.window_right >= 0)
+    return BwdFamily::mma_sync;
+  const struct {
+    const HeadStrides* st;
+    int rows, heads;
+  } ops[4] = {{&p.k_stride, p.Lk, p.Hkv}, {&p.v_stride, p.Lk, p.Hkv}, {&p.q_stride, p.Lq, p.H}, {&p.do_stride, p.Lq, p.H}};
+  for (const auto& o : ops) {
+    if ((o.rows > 1 && o.st->row == 0) || (o.heads > 1 && o.st->head == 0) || (p.B > 1 && o.st->batch == 0))
+      return BwdFamily::mma_sync;
+  }
+  return BwdFamily::sm90;
+}
+
 }  // namespace cuda
 }  // namespace mhakern
