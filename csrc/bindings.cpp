@@ -68,9 +68,16 @@ std::string capabilities() {
        << "], \"dq\": [" << t.dq_m << ", " << t.dq_n << "], \"dkv\": [" << t.dkv_m << ", " << t.dkv_n << "], \"fwd_modes\": [" << t.fwd_m << ", "
        << t.fwd_modes_n << "]}";
   }
-  // The sm_90a family (forward only; capabilities.h's sm90 block): compiled when 9.0 was in the
-  // arch list of this build.
-  js << "}, \"sm90\": {\"compiled\": " << (kWithSm90a ? "true" : "false") << ", \"passes\": [\"fwd\"], \"head_dims\": [";
+  // The sm_90a family (capabilities.h's sm90 block): compiled when 9.0 was in the arch list of
+  // this build. The backward's head dims and tiles are its own (plain calls; bwd_dq_tile per
+  // head dim: packed query rows, keys per stage).
+  js << "}, \"sm90\": {\"compiled\": " << (kWithSm90a ? "true" : "false") << ", \"passes\": [\"fwd\", \"bwd\"], \"bwd_head_dims\": [";
+  for (int i = 0; i < caps::kSm90BwdNumHeadDims; ++i) js << (i ? ", " : "") << caps::kSm90BwdHeadDims[i];
+  js << "], \"bwd_dkv_tile\": [" << caps::kSm90BwdDkvBlockN << ", " << caps::kSm90BwdDkvBlockM << "], \"bwd_dq_tile\": {";
+  for (int i = 0; i < caps::kSm90BwdNumHeadDims; ++i)
+    js << (i ? ", " : "") << '"' << caps::kSm90BwdHeadDims[i] << "\": [" << caps::kSm90BwdDqBlockM << ", "
+       << caps::sm90_bwd_dq_n(caps::kSm90BwdHeadDims[i]) << "]";
+  js << "}, \"bwd_stages\": " << caps::kSm90BwdStages << ", \"head_dims\": [";
   for (int i = 0; i < caps::kSm90NumHeadDims; ++i) js << (i ? ", " : "") << caps::kSm90HeadDims[i];
   js << "], \"capability\": [" << caps::kSm90CapabilityMajor << ", " << caps::kSm90CapabilityMinor
      << "], \"fwd_tile\": [" << caps::kSm90FwdBlockM << ", " << caps::kSm90FwdBlockN << "], \"stages\": "
@@ -80,7 +87,12 @@ std::string capabilities() {
     const caps::Sm90FwdTiles t = caps::sm90_fwd_tiles(caps::kSm90HeadDims[i]);
     js << (i ? ", " : "") << '"' << caps::kSm90HeadDims[i] << "\": [" << t.m << ", " << t.n << ", " << t.stages << "]";
   }
-  js << "}";
+  // Head dims only this family has: the forward serves them (on 9.0, without modes), no
+  // backward kernel exists for them (the mma.sync family lacks them).
+  js << "}, \"fwd_only_head_dims\": [";
+  for (int i = 0, n = 0; i < caps::kSm90NumHeadDims; ++i)
+    if (!caps::cuda_head_dim_supported(caps::kSm90HeadDims[i])) js << (n++ ? ", " : "") << caps::kSm90HeadDims[i];
+  js << "]";
   // The decode configuration of the mma.sync forward (capabilities.h cuda_decode_tiles): per head
   // dim [packed query rows, keys per tile, stages]; served when group * Lq <= max_rows and the
   // call has no attn_mask and no dropout.
@@ -141,6 +153,15 @@ std::string cuda_force_fwd_family(const std::string& family) {
   return prev >= 0 ? op::kFwdFamilyNames[prev] : "auto";
 }
 
+// The backward's twin of cuda_force_fwd_family ("auto" or "mma_sync"); returns the previous setting.
+std::string cuda_force_bwd_family(const std::string& family) {
+  const int i = op::fwd_family_index(family);
+  TORCH_CHECK_VALUE(i >= 0, "cuda_force_bwd_family: family must be ", op::fwd_family_choices(), ", got '", family,
+                    "'");
+  const int prev = op::cuda_forced_bwd_family().exchange(i);
+  return prev >= 0 ? op::kFwdFamilyNames[prev] : "auto";
+}
+
 // Meta kernels: the same argument checks as every device (op_common.h), then outputs of the
 // right shape, dtype and layout. Which modes a family implements is checked by the real kernel.
 constexpr unsigned kAllFeatures = ~0u;
@@ -193,6 +214,7 @@ TORCH_LIBRARY(mhakern_C, m) {
       &mhakern::cuda_plan_splits);
   m.def("cuda_force_splits(int num_splits) -> int", &mhakern::cuda_force_splits);
   m.def("cuda_force_fwd_family(str family) -> str", &mhakern::cuda_force_fwd_family);
+  m.def("cuda_force_bwd_family(str family) -> str", &mhakern::cuda_force_bwd_family);
 }
 
 TORCH_LIBRARY_IMPL(mhakern_C, Meta, m) {

@@ -144,15 +144,17 @@ constexpr bool use_cuda_decode_fwd(int64_t group_rows, bool mask_or_dropout) {
 constexpr int kSm90CapabilityMajor = 9, kSm90CapabilityMinor = 0;
 // Forward tiles: packed query rows per CTA (2 consumer warpgroups x 64), keys per pipeline
 // stage, stages of the K/V ring (csrc/cuda/sm90/attn_fwd_sm90_kernel.cuh: FwdConfigSm90, which
-// argues them). kSm90FwdBlockN / kSm90FwdStages are those of D 64 and 128; D 256 keeps 128 rows
-// and 2 stages with 80 keys per stage (Q 64 KB + 2 x (K + V) 160 KB = 224 KB of the 227 KB).
-constexpr int kSm90FwdBlockM = 128, kSm90FwdBlockN = 128, kSm90FwdStages = 2;
-constexpr int kSm90FwdBlockND256 = 80;
+// argues them). kSm90FwdBlockN / kSm90FwdStages are those of D 64 and 128 (3 stages: 112 and
+// 224 KB); D 256 keeps 128 rows with 80 keys per stage and 2 stages (Q 64 KB + 2 x (K + V)
+// 160 KB = 224 KB of the 227 KB).
+constexpr int kSm90FwdBlockM = 128, kSm90FwdBlockN = 128, kSm90FwdStages = 3;
+constexpr int kSm90FwdBlockND256 = 80, kSm90FwdStagesD256 = 2;
 struct Sm90FwdTiles {
   int m, n, stages;  // packed query rows per CTA, keys per stage, stages of the K/V ring
 };
 constexpr Sm90FwdTiles sm90_fwd_tiles(int d) {
-  return Sm90FwdTiles{kSm90FwdBlockM, d <= 128 ? kSm90FwdBlockN : kSm90FwdBlockND256, kSm90FwdStages};
+  return d <= 128 ? Sm90FwdTiles{kSm90FwdBlockM, kSm90FwdBlockN, kSm90FwdStages}
+                  : Sm90FwdTiles{kSm90FwdBlockM, kSm90FwdBlockND256, kSm90FwdStagesD256};
 }
 // The forward tiles split-K planning (plan_splits below) divides: (packed query rows per CTA,
 // keys per step) of the family that runs the call, sm90 or mma.sync (cuda_tiles). A sm90 stage
@@ -172,6 +174,29 @@ constexpr FwdPlanTiles fwd_plan_tiles(bool sm90_family, int d, int64_t group_row
   return !sm90_family && use_cuda_decode_fwd(group_rows, mask_or_dropout)
              ? FwdPlanTiles{cuda_decode_tiles(d).m, cuda_decode_tiles(d).n}
              : fwd_plan_tiles(sm90_family, d);
+}
+// Backward tiles (csrc/cuda/sm90/attn_bwd_sm90_kernel.cuh: BwdConfigSm90), plain calls only
+// (no mode; choose_bwd_family in csrc/cuda/attn_dispatch.h): the dK/dV kernel's keys per CTA
+// (2 consumer warpgroups x 64) and packed query rows per pipeline stage; the dQ kernel's packed
+// query rows per CTA (2 x 64) and keys per stage (sm90_bwd_dq_n: 64 at D 128, where the dQ
+// accumulator, S and dP share a consumer's registers); stages of both rings: 3 (unmeasured
+// estimate: a 32 KB stage at D 128 takes about as long to arrive at one SM's share of the
+// bandwidth as its products take there; one CTA per SM, the register plan, leaves the shared
+// memory for a third stage: at most 167 KB at D 128).
+constexpr int kSm90BwdDkvBlockN = 128, kSm90BwdDkvBlockM = 64, kSm90BwdDqBlockM = 128, kSm90BwdStages = 3;
+constexpr int sm90_bwd_dq_n(int d) { return d <= 64 ? 128 : 64; }
+// Backward instances (their own list: the forward's head dims may grow past the backward's).
+#define MHK_SM90_BWD_FOR_EACH_HEAD_DIM(F, tag) F(tag, 64) F(tag, 128)
+#define MHK_SM90_BWD_FOR_EACH_INSTANCE(F) MHK_CUDA_FOR_EACH_ELEM(MHK_SM90_BWD_FOR_EACH_HEAD_DIM_, F)
+#define MHK_SM90_BWD_FOR_EACH_HEAD_DIM_(F, tag) MHK_SM90_BWD_FOR_EACH_HEAD_DIM(F, tag)
+#define MHK_SM90_BWD_HEAD_DIM_ITEM_(tag, D) D,
+constexpr int kSm90BwdHeadDims[] = {MHK_SM90_BWD_FOR_EACH_HEAD_DIM(MHK_SM90_BWD_HEAD_DIM_ITEM_, _)};
+#undef MHK_SM90_BWD_HEAD_DIM_ITEM_
+constexpr int kSm90BwdNumHeadDims = sizeof(kSm90BwdHeadDims) / sizeof(kSm90BwdHeadDims[0]);
+constexpr bool sm90_bwd_head_dim_supported(int64_t d) {
+  for (int i = 0; i < kSm90BwdNumHeadDims; ++i)
+    if (kSm90BwdHeadDims[i] == d) return true;
+  return false;
 }
 #define MHK_SM90_HEAD_DIM_ITEM_(tag, D) D,
 constexpr int kSm90HeadDims[] = {MHK_SM90_FOR_EACH_HEAD_DIM(MHK_SM90_HEAD_DIM_ITEM_, _)};

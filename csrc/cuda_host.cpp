@@ -75,8 +75,11 @@ op::Sizes check_common(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   elem_type_of(q);
   TORCH_CHECK_VALUE(s.Dv == s.D, "v: head dim ", s.Dv, " differs from q's (", s.D,
                     "); the cuda kernels need them equal");
-  TORCH_CHECK_VALUE(caps::cuda_head_dim_supported(s.D), "q: head dim ", s.D,
-                    " has no compiled cuda kernel (supported: ", head_dim_list(), ")");
+  // A head dim only the sm90 forward has (capabilities.h) passes here for the forward; attn_fwd
+  // refuses it once it knows the family (fwd_runs_sm90).
+  TORCH_CHECK_VALUE(caps::cuda_head_dim_supported(s.D) || (!backward && caps::sm90_head_dim_supported(s.D)),
+                    "q: head dim ", s.D, " has no compiled cuda kernel", backward ? " for the backward" : "",
+                    " (supported: ", head_dim_list(), ")");
   check_aligned(q, "q");
   check_aligned(k, "k");
   check_aligned(v, "v");
@@ -175,10 +178,12 @@ std::pair<int, int> compute_capability(int device) {
 // Runs the forward on the family choose_fwd_family (cuda/attn_dispatch.h) picks for the device:
 // the sm90 family (wgmma + TMA) where it serves the call on a 9.0 device, else mma.sync (always
 // mma.sync when forced through cuda_force_fwd_family / MHAKERN_CUDA_FWD_FAMILY).
-cudaError_t launch_fwd(ElemType t, const FwdParams& p, int device, cudaStream_t stream) {
+bool fwd_runs_sm90(const FwdParams& p, int device) {
   const std::pair<int, int> cc = compute_capability(device);
-  if (op::forced_fwd_family() == 0 && choose_fwd_family(cc.first, cc.second, kSm90Compiled, p) == FwdFamily::sm90)
-    return dispatch_attn_fwd_sm90(t, p.D, p, stream);
+  return op::forced_fwd_family() == 0 && choose_fwd_family(cc.first, cc.second, kSm90Compiled, p) == FwdFamily::sm90;
+}
+cudaError_t launch_fwd(ElemType t, const FwdParams& p, int device, cudaStream_t stream) {
+  if (fwd_runs_sm90(p, device)) return dispatch_attn_fwd_sm90(t, p.D, p, stream);
   return dispatch_attn_fwd(t, p.D, p, stream);
 }
 
@@ -207,8 +212,11 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tenso
   op::fill_mode_params(p, modes);
   // Split-K is planned with the tiles of the family that will run the call (its choice does not
   // depend on the split count).
-  const std::pair<int, int> cc = compute_capability(q.device().index());
-  const bool sm90 = op::forced_fwd_family() == 0 && choose_fwd_family(cc.first, cc.second, kSm90Compiled, p) == FwdFamily::sm90;
+  const bool sm90 = fwd_runs_sm90(p, q.device().index());
+  TORCH_CHECK_VALUE(sm90 || caps::cuda_head_dim_supported(s.D), "q: head dim ", s.D,
+                    " is served only by the sm_90a forward (a compute capability 9.0 device, a build with the "
+                    "sm_90a pass, no attn_mask, dropout, window or top_left, K/V without a stride-0 dim, the "
+                    "family not forced to mma_sync); the cuda kernels otherwise take ", head_dim_list());
   const caps::FwdPlanTiles t = caps::fwd_plan_tiles(sm90, static_cast<int>(s.D), s.H / s.Hkv * s.Lq,
                                                     p.mask != nullptr || p.dropout_p > 0.0);
   const int64_t forced = op::cuda_forced_splits().load();
@@ -256,25 +264,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
   at::Tensor kl;
   const int32_t* kl_ptr = key_lengths_ptr(key_lengths, s, stream, kl);
   const at::Tensor lse_c = lse.contiguous();
-  const caps::CudaTiles t = caps::cuda_tiles(static_cast<int>(s.D));
-  const int64_t forced = op::cuda_forced_splits().load();
-  const int64_t splits = forced > 0 ? forced
-                                    : caps::plan_splits(s.B, s.Hkv, s.H / s.Hkv, s.Lq,
-                                                        planned_keys(modes, causal, s, t.dq_m, t.dq_n), s.D,
-                                                        num_sms(q.device().index()), t.dq_m, t.dq_n);
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor delta = at::empty({s.B, s.H, s.Lq}, f32);
-  at::Tensor dq_partial;
-  if (splits > 1) dq_partial = at::empty({splits, s.B, s.H, s.Lq, s.D}, f32);
   const CallSizes cs{s.B, s.H, s.Hkv, s.Lq, s.Lk, s.D};
   BwdParams p = make_bwd_params(cs, operand(dout), operand(q), operand(k), operand(v), operand(out),
                                 lse_c.const_data_ptr<float>(), operand(dq), operand(dk), operand(dv),
-                                delta.data_ptr<float>(), kl_ptr, static_cast<float>(scale), causal,
-                                static_cast<int>(splits), splits > 1 ? dq_partial.data_ptr<float>() : nullptr);
+                                delta.data_ptr<float>(), kl_ptr, static_cast<float>(scale), causal, 1, nullptr);
   op::fill_mode_params(p, modes);
   if (mask_grad) p.dmask = dmask.data_ptr<float>();  // zeros; the dQ kernel writes the visible entries
+  // The family first (it does not depend on the split count), then the dQ splits planned for the
+  // dQ tiles of that family.
+  const std::pair<int, int> cc = compute_capability(q.device().index());
+  const bool on_sm90 =
+      op::forced_bwd_family() == 0 && choose_bwd_family(cc.first, cc.second, kSm90Compiled, p) == BwdFamily::sm90;
+  const caps::CudaTiles t = caps::cuda_tiles(static_cast<int>(s.D));
+  const int64_t dq_m = on_sm90 ? caps::kSm90BwdDqBlockM : t.dq_m;
+  const int64_t dq_n = on_sm90 ? caps::sm90_bwd_dq_n(static_cast<int>(s.D)) : t.dq_n;
+  const int64_t forced = op::cuda_forced_splits().load();
+  const int64_t splits = forced > 0 ? forced
+                                    : caps::plan_splits(s.B, s.Hkv, s.H / s.Hkv, s.Lq,
+                                                        planned_keys(modes, causal, s, dq_m, dq_n), s.D,
+                                                        num_sms(q.device().index()), dq_m, dq_n);
+  at::Tensor dq_partial;  // kept alive until the kernels are queued (caching allocator)
+  if (splits > 1) {
+    dq_partial = at::empty({splits, s.B, s.H, s.Lq, s.D}, f32);
+    p.num_splits = static_cast<int>(splits);
+    p.dq_partial = dq_partial.data_ptr<float>();
+  }
   check_no_pending_error("mhakern_C::bwd");
-  check_launch(dispatch_attn_bwd(elem_type_of(q), p.D, p, stream), "mhakern_C::bwd");
+  // The sm90 family's dK/dV and dQ kernels (wgmma + TMA) for the plain calls it serves on a 9.0
+  // device (choose_bwd_family, cuda/attn_dispatch.h), else mma.sync (always mma.sync when forced
+  // through cuda_force_bwd_family / MHAKERN_CUDA_BWD_FAMILY).
+  check_launch(on_sm90 ? dispatch_attn_bwd_sm90(elem_type_of(q), p.D, p, stream)
+                       : dispatch_attn_bwd(elem_type_of(q), p.D, p, stream),
+               "mhakern_C::bwd");
   return {dq, dk, dv, dmask};
 }
 

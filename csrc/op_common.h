@@ -253,6 +253,23 @@ inline int forced_fwd_family() {
                     std::getenv("MHAKERN_CUDA_FWD_FAMILY") ? std::getenv("MHAKERN_CUDA_FWD_FAMILY") : "", "'");
   return f;
 }
+// The backward's twin: which CUDA backward family serves calls (the same names), through
+// torch.ops.mhakern_C.cuda_force_bwd_family or the environment variable MHAKERN_CUDA_BWD_FAMILY.
+inline std::atomic<int>& cuda_forced_bwd_family() {
+  static std::atomic<int> f{[] {
+    const char* env = std::getenv("MHAKERN_CUDA_BWD_FAMILY");
+    if (env == nullptr || *env == '\0') return 0;
+    const int i = fwd_family_index(env);
+    return i >= 0 ? i : -2;
+  }()};
+  return f;
+}
+inline int forced_bwd_family() {
+  const int f = cuda_forced_bwd_family().load(std::memory_order_relaxed);
+  TORCH_CHECK_VALUE(f >= 0, "MHAKERN_CUDA_BWD_FAMILY: expected ", fwd_family_choices(), ", got '",
+                    std::getenv("MHAKERN_CUDA_BWD_FAMILY") ? std::getenv("MHAKERN_CUDA_BWD_FAMILY") : "", "'");
+  return f;
+}
 
 }  // namespace op
 }  // namespace mhakern

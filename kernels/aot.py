@@ -14,7 +14,7 @@ memory exceeds the chip's limit. A kernel that would not build or fit on a GPU t
 here, in CI.
 
     python -m mhakern.kernels.aot [--arch 80 90] [--dtypes fp16 bf16 fp32] [--dims 16 32 40 64 ...]
-                                  [--all-flags] [--only fwd desc delta dkdv dq] [--tile M N WARPS STAGES]
+                                  [--all-flags] [--only fwd fwdsplit desc delta dkdv dq] [--tile M N WARPS STAGES]
                                   [--modes [band mask1 mask2 mask2grad dropout all]] [--no-plain]
 
 ``--modes`` also builds the mode variants (``_attn_fwd_modes_kernel`` and the two backward
@@ -71,7 +71,7 @@ class Variant:
 
 
 # Pointer arguments of the kernels by name (the rest are i32 sizes and strides, or fp32 scales).
-_FP32_PTRS = {"LSE", "DELTA"}
+_FP32_PTRS = {"LSE", "DELTA", "OP", "LSEP"}
 _DATA_PTRS = {"Q", "K", "V", "O", "DO", "DK", "DV_", "DQ"}
 _OTHER_PTRS = {"KL": "*i32", "MASK": "*u8", "DMASK": "*fp32"}
 # The mask pointer's type per MASK_KIND: without a mask the launchers pass an fp32 buffer
@@ -139,7 +139,7 @@ def variants(arch: int, dtypes=("fp16", "bf16", "fp32"), dims=ALL_DIMS, flags=((
     """
     from .attention_bwd import (_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_modes_kernel, _attn_bwd_dq_kernel,
                                 _attn_bwd_dq_modes_kernel, _bwd_delta_kernel)
-    from .attention_fwd import _attn_fwd_kernel, _attn_fwd_modes_kernel, precision
+    from .attention_fwd import _attn_fwd_kernel, _attn_fwd_modes_kernel, _attn_fwd_split_kernel, precision
     from .attention_fwd_desc import _attn_fwd_desc_kernel
     from .heuristics import desc_config, dkdv_config, dq_config, fwd_config, head_block
 
@@ -178,6 +178,9 @@ def variants(arch: int, dtypes=("fp16", "bf16", "fp32"), dims=ALL_DIMS, flags=((
 
         cfg = fwd_config(d, d, dtype, arch)
         yield make(f"fwd/{ty}/d{d}{tag}", _attn_fwd_kernel, cfg, dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n))
+        # The same forward split over the keys (decode: few row tiles, long keys).
+        yield make(f"fwdsplit/{ty}/d{d}{tag}", _attn_fwd_split_kernel, cfg,
+                   dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n))
         # TMA: rows of a multiple of 16 bytes (the launcher's predicate, heuristics.desc_eligible)
         if arch >= 90 and ty != "fp32" and (d * dtype.itemsize) % 16 == 0:
             cfg = desc_config(d, d, dtype, arch)
@@ -284,7 +287,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", type=int, nargs="+", default=list(ALL_DIMS), help="head dims (default: %(default)s)")
     ap.add_argument("--all-flags", action="store_true",
                     help="every (causal, key lengths) combination, not only both on")
-    ap.add_argument("--only", nargs="+", default=None, help="kernels to build (fwd desc delta dkdv dq; default: all)")
+    ap.add_argument("--only", nargs="+", default=None, help="kernels to build (fwd fwdsplit desc delta dkdv dq; default: all)")
     ap.add_argument("--unaligned", action="store_true",
                     help="compile without the JIT's divisibility specialisation (strides not multiples of 16)")
     ap.add_argument("--modes", nargs="*", default=None, choices=list(MODE_SETS),

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .heuristics import desc_eligible, fwd_config, head_block, packed_rows, row_block
+from .heuristics import MAX_SPLITS, desc_eligible, fwd_config, head_block, packed_rows, plan_fwd_splits, row_block
 
 
 @triton.jit
@@ -339,7 +339,7 @@ def _attn_fwd_body(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
     BAND: tl.constexpr = False, TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
-    DROPOUT: tl.constexpr = False,
+    DROPOUT: tl.constexpr = False, split=0, num_splits=1, SPLIT: tl.constexpr = False,
 ):
     pid_m, pid_h, b = _unfold_rows_grid(H, Lq, heads_per_prog, BLOCK_M)
     b = b.to(tl.int64)
@@ -351,6 +351,14 @@ def _attn_fwd_body(
     kmin, kmax, start, full_lo, full, hi, m_base, m_off, r_drop = _row_tile_modes(
         i, i_lo, i_hi, hh, b, lk_b, H, Lq, win_l, win_r, seed_lo, seed_hi, MASK, stride_mb, stride_mh, stride_mm,
         BLOCK_N, CAUSAL, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT)
+    if SPLIT:
+        # Split-K (plain calls only, so start = full_lo = 0 here): this program takes the split-th
+        # of num_splits equal shares of the tile's key blocks [0, hi), unmasked up to `full` as
+        # before. A share past the tile's last key is empty: l stays 0 and its lse -inf.
+        per = tl.cdiv(tl.cdiv(hi, BLOCK_N), num_splits) * BLOCK_N
+        full_lo = split * per
+        hi = tl.minimum(hi, full_lo + per)
+        full = tl.maximum(tl.minimum(full, hi), full_lo)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -404,6 +412,28 @@ def _attn_fwd_kernel(
     )
 
 
+@triton.jit
+def _attn_fwd_split_kernel(
+    Q, K, V, OP, LSEP, KL, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_os, stride_ob, stride_oh, stride_om, stride_ls, H, Lq, Lk,
+    n_rep, heads_per_prog, sm_scale, num_splits, D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
+):
+    """The plain forward split over the keys (grid axis 1: the split): each program writes its
+    share's normalised fp32 output and lse into OP (S, B, H, Lq, DV) and LSEP (S, B, H, Lq),
+    which the launcher merges through their lse."""
+    split = tl.program_id(1)
+    _attn_fwd_body(
+        Q, K, V, OP + split.to(tl.int64) * stride_os, LSEP + split.to(tl.int64) * stride_ls, KL, LSEP,
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, 0, 0, 0, 0, H, Lq, Lk, n_rep,
+        heads_per_prog, sm_scale, 0, 0, 0, 0, 0, 1.0, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL,
+        HAS_KL, PREC, IDX64, BAND=False, TOP_LEFT=False, MASK_KIND=0, DROPOUT=False,
+        split=split, num_splits=num_splits, SPLIT=True,
+    )
+
+
 @triton.jit(do_not_specialize=["win_l", "win_r", "seed_lo", "seed_hi", "drop_thr"])
 def _attn_fwd_modes_kernel(
     Q, K, V, O, LSE, KL, MASK, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
@@ -443,6 +473,36 @@ def needs_64bit_offsets(*tensors) -> bool:
 
 
 _ARCH = {}
+_SMS = {}
+_FORCED_SPLITS = 0
+
+
+def force_splits(n: int) -> int:
+    """Test hook: split every plain forward into ``n`` key splits (0: planned); returns the
+    previous setting. Under the interpreter the planner never splits (no multiprocessors to fill)."""
+    global _FORCED_SPLITS
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_SPLITS:
+        raise ValueError(f"force_splits: n must be an int in [0, {MAX_SPLITS}] (0: planned), got {n!r}")
+    prev, _FORCED_SPLITS = _FORCED_SPLITS, n
+    return prev
+
+
+def num_sms_of(t: torch.Tensor) -> int:
+    """Multiprocessors of ``t``'s device, cached; 0 off CUDA (nothing to fill)."""
+    if t.device.type != "cuda":
+        return 0
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def fwd_splits(q: torch.Tensor, Lk: int, Dv: int, programs: int, block_n: int) -> int:
+    """Key splits of a plain forward (the hook's count when forced, else heuristics' plan)."""
+    if _FORCED_SPLITS:
+        return _FORCED_SPLITS
+    B, H, Lq = q.shape[0], q.shape[1], q.shape[2]
+    return plan_fwd_splits(programs, triton.cdiv(Lk, block_n), B * H * Lq, Dv, num_sms_of(q))
 
 
 def arch_of(t: torch.Tensor) -> int:
@@ -564,18 +624,21 @@ def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths
     stride 0 on broadcast dims is read as such), dropout_p in [0, 1) with the 64-bit seed,
     top_left alignment, window_left / window_right (-1 unbounded).
     """
-    # sm_90 without modes: TMA through tensor descriptors (the predicate refuses any mode).
-    if desc_eligible(q, k, v, out, attn_mask=attn_mask, dropout_p=dropout_p, top_left=top_left,
-                     window_left=window_left, window_right=window_right):
-        from .attention_fwd_desc import desc_forward
-        return desc_forward(q, k, v, out, lse, scale, causal, key_lengths)
     B, H, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    check_buffer("out", out, (B, H, Lq, Dv), q.dtype, q)
-    check_buffer("lse", lse, (B, H, Lq), torch.float32, q, contiguous=True)
     modes = ModeArgs(Lq, Lk, causal, attn_mask, dropout_p, seed, top_left, window_left, window_right)
     cfg = fwd_config(D, Dv, q.dtype, arch_of(q), **tile_modes(modes))
     hpp, bm, grid = launch_geometry(B, H, Hkv, Lq, cfg.block_m)
+    # Few row tiles over long keys (decode): split the keys across programs (plain calls only).
+    splits = 1 if modes.any() else fwd_splits(q, Lk, Dv, grid[0], cfg.block_n)
+    # sm_90 without modes: TMA through tensor descriptors (the predicate refuses any mode), unless
+    # the call is split (one program per row tile would leave most multiprocessors idle).
+    if splits == 1 and desc_eligible(q, k, v, out, attn_mask=attn_mask, dropout_p=dropout_p, top_left=top_left,
+                                     window_left=window_left, window_right=window_right):
+        from .attention_fwd_desc import desc_forward
+        return desc_forward(q, k, v, out, lse, scale, causal, key_lengths)
+    check_buffer("out", out, (B, H, Lq, Dv), q.dtype, q)
+    check_buffer("lse", lse, (B, H, Lq), torch.float32, q, contiguous=True)
     kl = key_lengths if key_lengths is not None else lse  # unused pointer when HAS_KL is False
     mask = modes.mask if modes.mask is not None else lse  # unused pointer when MASK_KIND is 0
     common = dict(
@@ -585,7 +648,9 @@ def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     with on_device(q):
-        if not modes.any():
+        if splits > 1:
+            _split_forward(q, k, v, out, lse, kl, scale, splits, hpp, grid, common)
+        elif not modes.any():
             _attn_fwd_kernel[grid](
                 q, k, v, out, lse, kl,
                 q.stride(0), q.stride(1), q.stride(2),
@@ -608,5 +673,28 @@ def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths
     return out, lse
 
 
-__all__ = ["attention_forward", "ModeArgs", "tile_modes", "launch_geometry", "precision", "on_device", "check_buffer", "MAX_PROGRAMS",
+def _split_forward(q, k, v, out, lse, kl, scale, splits, hpp, grid, common):
+    """The plain forward over ``splits`` key shares (grid axis 1), then their merge: with
+    lse_s and o_s the shares' (normalised) results, lse = log sum_s exp(lse_s) and
+    out = sum_s exp(lse_s - lse) o_s; a share that saw no key (lse_s = -inf) weighs 0, a row
+    that saw none gets 0 and -inf, and a NaN lse_s stays NaN in both."""
+    B, H, Lq = q.shape[0], q.shape[1], q.shape[2]
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    op = torch.empty((splits, B, H, Lq, Dv), device=q.device, dtype=torch.float32)
+    lsep = torch.empty((splits, B, H, Lq), device=q.device, dtype=torch.float32)
+    _attn_fwd_split_kernel[(grid[0], splits)](
+        q, k, v, op, lsep, kl,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        op.stride(0), op.stride(1), op.stride(2), op.stride(3), lsep.stride(0),
+        H, Lq, Lk, H // Hkv, hpp, scale, splits, **common,
+    )
+    total = torch.logsumexp(lsep, dim=0)
+    w = torch.where(torch.isneginf(lsep), 0.0, torch.exp(lsep - total))
+    out.copy_((w.unsqueeze(-1) * op).sum(0))
+    lse.copy_(total)
+
+
+__all__ = ["attention_forward", "force_splits", "fwd_splits", "ModeArgs", "tile_modes", "launch_geometry", "precision", "on_device", "check_buffer", "MAX_PROGRAMS",
            "needs_64bit_offsets", "arch_of"]

@@ -355,6 +355,28 @@ def tma_compatible(t: torch.Tensor) -> bool:
     return all(n <= 1 or (st * size) % 16 == 0 for n, st in zip(t.shape[:-1], t.stride()[:-1]))
 
 
+# Split-K of the forward (long keys, few row tiles: decode). The CUDA host plans its kernels' splits
+# by the same rule (csrc/capabilities.h, plan_splits) with its own tiles: at least
+# MIN_BLOCKS_PER_SPLIT key blocks per split, at most MAX_SPLITS, fp32 partials under
+# MAX_SPLIT_WORKSPACE_BYTES, and about two programs per multiprocessor.
+MIN_BLOCKS_PER_SPLIT = 8
+MAX_SPLITS = 128
+MAX_SPLIT_WORKSPACE_BYTES = 1 << 30
+
+
+def plan_fwd_splits(programs: int, key_blocks: int, rows: int, dv: int, num_sms: int) -> int:
+    """Key splits for a forward of ``programs`` row-tile programs over ``key_blocks`` blocks of
+    keys, ``rows`` = B * H * Lq output rows of ``dv`` values, on ``num_sms`` multiprocessors:
+    1 when the row tiles fill the GPU or the keys are short, else enough splits for about two
+    programs per multiprocessor within the limits above."""
+    if programs <= 0 or num_sms <= 0 or programs >= num_sms:
+        return 1
+    by_occupancy = -(-2 * num_sms // programs)
+    by_keys = key_blocks // MIN_BLOCKS_PER_SPLIT
+    by_memory = MAX_SPLIT_WORKSPACE_BYTES // max(1, rows * dv * 4)
+    return max(1, min(by_occupancy, by_keys, by_memory, MAX_SPLITS))
+
+
 def desc_eligible(q, k, v, out, *, attn_mask=None, dropout_p: float = 0.0, top_left: bool = False,
                   window_left: int = -1, window_right: int = -1) -> bool:
     """Whether the forward goes through tensor descriptors (kernels/attention_fwd_desc.py).

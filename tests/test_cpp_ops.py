@@ -91,10 +91,16 @@ def test_capabilities_is_json_with_both_families():
     for fam in caps.values():
         assert set(fam["features"]) <= {"attn_mask", "mask_grad", "dropout", "top_left", "window"}
     # The sm_90a forward family sits inside the cuda block: compiled only with CUDA and 9.0 in
-    # the arch list (never in a CPU-only build), its head dims a subset of the cuda family's.
+    # the arch list (never in a CPU-only build). Its head dims are the cuda family's plus those
+    # only its forward serves (fwd_only_head_dims: D 256, no backward kernel on either family).
     sm90 = caps["cuda"]["sm90"]
-    assert sm90["passes"] == ["fwd"] and sm90["capability"] == [9, 0]
-    assert set(sm90["head_dims"]) <= set(caps["cuda"]["head_dims"]) and sm90["head_dims"]
+    assert sm90["passes"] == ["fwd", "bwd"] and sm90["capability"] == [9, 0]
+    assert sm90["bwd_head_dims"] and set(sm90["bwd_head_dims"]) == {int(d) for d in sm90["bwd_dq_tile"]}
+    assert set(sm90["bwd_head_dims"]) <= set(caps["cuda"]["head_dims"])
+    fwd_only = set(sm90["fwd_only_head_dims"])
+    assert fwd_only == set(sm90["head_dims"]) - set(caps["cuda"]["head_dims"]) and sm90["head_dims"]
+    assert not fwd_only & set(sm90["bwd_head_dims"])
+    assert 256 in fwd_only and set(sm90["fwd_tiles"]) == {str(d) for d in sm90["head_dims"]}
     assert not sm90["compiled"] or caps["cuda"]["compiled"]
 
 
@@ -127,3 +133,15 @@ def test_forward_family_hook_round_trips_and_names_its_choices():
         assert torch.ops.mhakern_C.cuda_force_fwd_family("auto") == "mma_sync"  # a refused call changes nothing
     finally:
         torch.ops.mhakern_C.cuda_force_fwd_family(prev)
+
+
+def test_backward_family_hook_round_trips_and_names_its_choices():
+    # The backward's twin (op_common.h: cuda_forced_bwd_family).
+    prev = torch.ops.mhakern_C.cuda_force_bwd_family("mma_sync")
+    try:
+        assert torch.ops.mhakern_C.cuda_force_bwd_family("mma_sync") == "mma_sync"
+        with pytest.raises(ValueError, match=r"family must be 'auto' or 'mma_sync', got 'sm90'"):
+            torch.ops.mhakern_C.cuda_force_bwd_family("sm90")
+        assert torch.ops.mhakern_C.cuda_force_bwd_family("auto") == "mma_sync"  # a refused call changes nothing
+    finally:
+        torch.ops.mhakern_C.cuda_force_bwd_family(prev)

@@ -88,6 +88,7 @@ class Sm90Emulator:
         lib.mhk_emu_last_error.restype = ctypes.c_char_p
         lib.mhk_emu_configure.argtypes = [ctypes.c_int, ctypes.c_longlong]
         lib.mhk_emu_schedule.argtypes = [ctypes.c_int, ctypes.c_ulonglong]
+        lib.mhk_emu_schedule_knobs.argtypes = [ctypes.c_void_p]
         lib.mhk_emu_guard_reads.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         lib.mhk_sm90_selftest_wgmma.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 3
         lib.mhk_emu_fwd_family.argtypes = [ctypes.c_int] * 7 + [ctypes.c_longlong]
@@ -183,13 +184,28 @@ def test_wgmma_without_fence_is_an_error(emu):
     assert "without a wgmma.fence" in emu.error()
 
 
-@pytest.mark.parametrize("seed", [None, 7])
+def _seed_preempting(emu, p_preempt: int) -> int:
+    """A random-schedule seed whose switch-point probability is p_preempt (units of 2^-32)."""
+    knobs = (ctypes.c_uint * 3)()
+    for seed in range(1, 200):
+        emu.schedule(seed)
+        emu.lib.mhk_emu_schedule_knobs(knobs)
+        if knobs[0] == p_preempt:
+            return seed
+    raise AssertionError(f"no seed with p_preempt {p_preempt} in 1..199")
+
+
+@pytest.mark.parametrize("seed", [None, 7, "busiest"])
 def test_mbarrier_waits_for_every_transaction_byte(emu, seed):
     # The barrier is told 16 bytes fewer than the copies bring: its count goes negative, the
-    # phase never completes, and the waiters are a deadlock, not a pass.
+    # phase never completes, and the waiters are a deadlock, not a pass. "busiest": the seed
+    # whose threads switch at a quarter of their switch points: 128 spinning waiters each
+    # round must still not count as progress (they once did, and the launch never returned).
     A = torch.zeros(64, 64, dtype=torch.float16)
     B = torch.zeros(64, 64, dtype=torch.float16)
     out = torch.zeros(64, 64)
+    if seed == "busiest":
+        seed = _seed_preempting(emu, 1 << 30)
     emu.schedule(seed)
     assert emu.lib.mhk_sm90_selftest_wgmma(3, 0, 64, _ptr(A), _ptr(B), _ptr(out)) == 1
     assert "deadlock" in emu.error()
@@ -370,6 +386,37 @@ def _extension_caps():
         return None
 
 
+@pytest.mark.parametrize(
+    "D,Lk,kl,causal,splits",
+    [
+        (64, 80, (50, 80), False, 1),           # the H200's failing call (tests/test_cuda.py)
+        (128, 300, (170, 128, 0, 299), True, 2),  # mid-split straddle, a length on a tile edge, 0
+        (256, 200, (90, 200), False, 1),        # 80-key tiles: the length inside the second
+    ],
+    ids=["d64", "d128-split", "d256"],
+)
+def test_sm90_keys_past_a_length_may_hold_garbage(rnd, D, Lk, kl, causal, splits):
+    # docs/contract.md: keys past key_lengths may hold anything, NaN and inf included, and never
+    # influence a result. The tensor map zero-fills only past Lk, so the tile that straddles a
+    # length brings them in; NaN K and inf V there must not reach out or lse (0 * inf in P V).
+    B = len(kl)
+    q, k, v = make_inputs(B, 4, 2, 9, Lk, D, D, dtype=torch.bfloat16, requires_grad=False)
+    klt = torch.tensor(kl, dtype=torch.int32)
+    check_against_reference(sm90_attention(rnd, splits), q, k, v, causal, klt, grads=False)
+
+    def run(k, v):
+        out, lse = rnd.forward(padded(q), padded(k), padded(v), 0.3, causal, klt, splits)
+        return out.clone(), lse.clone()
+
+    clean = run(k, v)
+    for b, n in enumerate(kl):
+        k[b, :, n:] = float("nan")
+        v[b, :, n:] = float("inf")
+    dirty = run(k, v)
+    assert torch.isfinite(dirty[0]).all()
+    assert torch.equal(dirty[0], clean[0]) and torch.equal(dirty[1], clean[1])
+
+
 def test_sm90_decode_packs_query_heads(rnd):
     # Lq = 1, 16 query heads over 2 KV heads: each group's 8 rows share one tile.
     _run(rnd, (3, 16, 2, 1, 150, 64, 64, False, (150, 1, 77)), torch.bfloat16)
@@ -406,12 +453,40 @@ def test_sm90_forward_is_deterministic_across_schedules(emu):
         ((9, 0), 1, 64, 1, 2, 2, 6400, 0),    # dropout
         ((9, 0), 1, 64, 1, 3, 2, 6400, 0),    # window
         ((9, 0), 1, 64, 1, 4, 2, 6400, 0),    # top-left causal
-        ((9, 0), 1, 64, 1, 5, 2, 6400, 0),    # key_lengths: NaN/inf past a length leaked on an H200
+        ((9, 0), 1, 64, 1, 5, 2, 6400, 1),    # key_lengths (the keys past a length are zeroed)
         ((9, 0), 1, 64, 1, 0, 2, 0, 0),       # K broadcast over heads (stride 0): no tensor map
     ],
 )
 def test_family_choice_by_compute_capability(emu, cc, compiled, D, splits, mode, Hkv, head_stride, want):
     assert emu.lib.mhk_emu_fwd_family(cc[0], cc[1], compiled, D, splits, mode, Hkv, head_stride) == want
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_cuda_backend_serves_d256_forward_only_on_hopper(monkeypatch, grad):
+    # D 256 has the sm_90a forward only (capabilities: sm90.fwd_only_head_dims): the cuda backend
+    # takes it on a 9.0 device of a build with the sm_90a pass when no gradient is needed, and
+    # says why not otherwise (so that auto falls back). Faked device and table.
+    from test_cuda_host import _compiled_table, _FakeCudaTensor, _fresh_backend
+
+    class Fake(_FakeCudaTensor):
+        requires_grad = grad
+
+    table = _compiled_table()
+    table["cuda"]["sm90"]["compiled"] = True
+    be = _fresh_backend(monkeypatch, "13.0", table)
+    assert be.unavailable() is None
+    be._caps = {0: (9, 0)}
+    qkv = lambda D: (Fake((1, 4, 64, D)), Fake((1, 2, 64, D)), Fake((1, 2, 64, D)))  # noqa: E731
+    why = be.supports(*qkv(256), False, None)
+    assert (why is None) if not grad else "no backward" in why
+    with torch.no_grad():
+        assert be.supports(*qkv(256), True, None) is None
+        assert "no compiled cuda kernel" in be.supports(*qkv(80), False, None)
+        be._caps = {0: (8, 0)}
+        assert "served only by the sm_90a forward" in be.supports(*qkv(256), False, None)
+        be._caps = {0: (9, 0)}
+        table["cuda"]["sm90"]["compiled"] = False
+        assert "served only by the sm_90a forward" in be.supports(*qkv(256), False, None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -405,3 +405,78 @@ def test_launchers_refuse_bad_mode_arguments():
         attention_forward(q, k, v, out, lse, 0.25, False, attn_mask=torch.zeros(1, 2, 5, 6, dtype=torch.int32))
     with pytest.raises(ValueError, match="attn_mask: expected a 4-D"):
         attention_forward(q, k, v, out, lse, 0.25, False, attn_mask=torch.zeros(5, 6))
+
+
+# ---------------------------------------------------------------------------------------------
+# Split-K forward (decode: few row tiles over long keys; kernels/attention_fwd.py _split_forward)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def forced_splits(request):
+    from mhakern.kernels import attention_fwd
+
+    prev = attention_fwd.force_splits(request.param)
+    yield request.param
+    attention_fwd.force_splits(prev)
+
+
+# (B, H, Hkv, Lq, Lk, D, causal, key_lengths): decode with an empty batch element, MQA with
+# long keys, causal rows whose tiles reach different key counts (so some splits see nothing),
+# a row tile spanning two heads.
+SPLIT_CASES = [
+    (2, 8, 2, 1, 700, 64, False, [700, 0]),
+    (1, 16, 1, 1, 1000, 32, False, None),
+    (1, 4, 4, 37, 300, 32, True, None),
+    (2, 4, 1, 3, 513, 64, True, [513, 40]),
+]
+
+
+@pytest.mark.parametrize("forced_splits", [2, 7], indirect=True)
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"B{c[0]}H{c[1]}kv{c[2]}q{c[3]}k{c[4]}d{c[5]}")
+def test_split_forward_against_the_reference(forced_splits, case):
+    B, H, Hkv, Lq, Lk, D, causal, kl = case
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, device=DEVICE)
+    klt = None if kl is None else torch.tensor(kl, device=DEVICE, dtype=torch.int32)
+    check_against_reference(triton_attention, q, k, v, causal, klt)
+
+
+@pytest.mark.parametrize("forced_splits", [4], indirect=True)
+def test_split_forward_dead_rows_nan_scores_and_hidden_garbage(forced_splits):
+    # A row that sees no key: 0 and -inf; keys past a length may hold NaN (never read into a
+    # share); a NaN among the visible scores stays NaN in out and lse, as unsplit.
+    q, k, v = make_inputs(2, 4, 2, 1, 400, 64, device=DEVICE, requires_grad=False)
+    kl = torch.tensor([0, 250], device=DEVICE, dtype=torch.int32)
+    k[1, :, 250:] = float("nan")
+    v[1, :, 250:] = float("inf")
+    out, lse = mhakern.attention(q, k, v, key_lengths=kl, backend="triton", return_lse=True)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
+    assert torch.isfinite(out[1]).all() and torch.isfinite(lse[1]).all()
+    k2 = k.clone()
+    k2[1, 0, 10] = float("nan")
+    out2, lse2 = mhakern.attention(q, k2, v, key_lengths=kl, backend="triton", return_lse=True)
+    assert torch.isnan(out2[1, :2]).all() and torch.isnan(lse2[1, :2]).all()  # the KV head's query heads
+    assert torch.equal(out2[1, 2:], out[1, 2:])  # the other KV head's rows are untouched
+
+
+def test_split_plan_fills_the_multiprocessors_within_its_limits():
+    from mhakern.kernels.heuristics import MAX_SPLITS, MIN_BLOCKS_PER_SPLIT, plan_fwd_splits
+
+    # decode, 32 programs (B 4 x 8 KV heads) on 132 SMs, 128k keys in blocks of 64: about two
+    # programs per SM.
+    assert plan_fwd_splits(32, 2048, 4 * 32, 128, 132) == 9
+    assert plan_fwd_splits(200, 2048, 10**4, 128, 132) == 1  # the row tiles fill the GPU
+    assert plan_fwd_splits(4, 3 * MIN_BLOCKS_PER_SPLIT, 4, 128, 132) == 3  # short keys cap it
+    assert plan_fwd_splits(1, 10**6, 1, 128, 10**4) == MAX_SPLITS
+    assert plan_fwd_splits(1, 10**6, 2**22, 128, 132) == 1  # 2**22 rows x 128 fp32: one share fills the workspace cap
+    assert plan_fwd_splits(1, 10**6, 2**18, 128, 132) == 8  # 2**30 / (2**18 x 512 B)
+    assert plan_fwd_splits(8, 10**4, 8, 64, 0) == 1  # no multiprocessors to fill (the interpreter)
+
+
+def test_split_forward_is_refused_a_bad_forced_count():
+    from mhakern.kernels import attention_fwd
+
+    with pytest.raises(ValueError, match=r"force_splits: n must be an int in \[0, 128\]"):
+        attention_fwd.force_splits(-1)
+    with pytest.raises(ValueError, match="force_splits"):
+        attention_fwd.force_splits(2.0)

@@ -51,8 +51,9 @@ def _aot(*args, arches=("80", "90"), per_arch=None):
 
 def test_kernels_compile_for_sm80_and_sm90_without_spills_within_shared_memory():
     report = _aot("--dtypes", "fp16", "--dims", "64", "128", "256")
-    # fwd, delta, dK/dV, dQ per dim and arch, and the descriptor forward on sm_90
-    assert report.count(" ok (") == 2 * 3 * 4 + 3, report
+    # fwd, split fwd, delta, dK/dV, dQ per dim and arch, and the descriptor forward on sm_90
+    assert report.count(" ok (") == 2 * 3 * 5 + 3, report
+    assert report.count("fwdsplit/fp16/") == 2 * 3, report
     assert report.count("desc/fp16/") == 3, report
 
 

@@ -296,13 +296,18 @@ _SM90_CONFIG_PROGRAM = r"""
 #include "../capabilities.h"
 #include "sm90/attn_fwd_sm90_kernel.cuh"
 using namespace mhakern::cuda::sm90;
+#include "sm90/attn_bwd_sm90_kernel.cuh"
 #define MHK_ROW_(tag, D) std::printf("%d %d\n", D, FwdConfigSm90<D>::kSmemAlloc);
-int main() { MHK_SM90_FOR_EACH_HEAD_DIM(MHK_ROW_, _) }
+#define MHK_BWD_ROW_(tag, D) \
+  std::printf("attn_bwd_dkdv_sm90_kernel %d %d\nattn_bwd_dq_sm90_kernel %d %d\n", D, \
+              BwdConfigSm90<D>::kDkvSmemAlloc, D, BwdConfigSm90<D>::kDqSmemAlloc);
+int main() { MHK_SM90_FOR_EACH_HEAD_DIM(MHK_ROW_, _) MHK_SM90_BWD_FOR_EACH_HEAD_DIM(MHK_BWD_ROW_, _) }
 """
 
 
-def sm90_dynamic_smem(include: Path) -> dict[int, int] | None:
-    """{head dim: dynamic shared memory} the sm90 forward's launcher requests."""
+def sm90_dynamic_smem(include: Path) -> dict | None:
+    """{head dim: dynamic shared memory} the sm90 forward's launcher requests, and
+    {(kernel, head dim): ...} for the backward's kernels."""
     if shutil.which("g++") is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
@@ -313,7 +318,14 @@ def sm90_dynamic_smem(include: Path) -> dict[int, int] | None:
         if subprocess.run(cmd, capture_output=True).returncode != 0:
             return None
         res = subprocess.run([str(exe)], capture_output=True, text=True)
-    return {int(a): int(b) for a, b in (ln.split() for ln in res.stdout.splitlines())}
+    out: dict = {}
+    for ln in res.stdout.splitlines():
+        f = ln.split()
+        if len(f) == 2:
+            out[int(f[0])] = int(f[1])
+        else:
+            out[(f[0], int(f[1]))] = int(f[2])
+    return out
 
 
 _SETMAXNREG = re.compile(r"USETMAXREG\.\S+\s+(?:\w+,\s*)?(0x[0-9a-f]+)")
@@ -410,7 +422,8 @@ def check_sm90(results: list[dict], smem: dict[int, int] | None) -> tuple[list[d
             continue
         kern, dtype, D = m.group(1), {"__half": "fp16", "__nv_bfloat16": "bf16"}.get(m.group(2)), int(m.group(3))
         f = (r["facts"] or {}).get(e["mangled"])
-        dyn = (smem or {}).get(D, 0)
+        # The forward's row is keyed by head dim, the backward kernels' by (kernel, head dim).
+        dyn = (smem or {}).get((kern, D), (smem or {}).get(D, 0) if kern == "attn_fwd_sm90_kernel" else 0)
         label = f"{kern}<{dtype}, {D}> sm_90a"
         if f is None:
             problems.append(f"{label}: no SASS read (cuobjdump missing): HGMMA and local memory unchecked")
@@ -427,6 +440,8 @@ def check_sm90(results: list[dict], smem: dict[int, int] | None) -> tuple[list[d
             problems.append(f"{label}: {e['regs']} registers per thread at launch (> {SM90_MAX_REGS})")
         if smem is None:
             problems.append(f"{label}: dynamic shared memory not read (the config printer did not build)")
+        elif kern != "attn_fwd_sm90_kernel" and (kern, D) not in smem:
+            problems.append(f"{label}: dynamic shared memory unknown (no row in the config printer)")
         elif dyn + e["smem_static"] > SM90_SMEM_LIMIT:
             problems.append(f"{label}: {dyn + e['smem_static']} B of shared memory (> {SM90_SMEM_LIMIT})")
         e.update(kernel=kern, dtype=dtype, D=D, smem_dynamic=dyn, sass=f, src=r["src"])
@@ -521,6 +536,10 @@ def main(argv=None) -> int:
     names = demangle(sorted({e["mangled"] for e in entries}))
     smem_dyn = dynamic_smem(include) if include is not None else None
     problems = []
+    if include is not None and smem_dyn is None and entries:
+        # Without the launchers' dynamic sizes the shared-memory limit below would be checked
+        # against the static part alone, and pass blindly.
+        problems.append("dynamic shared memory of the mma.sync kernels not read (the config printer did not build)")
     notes: set[str] = set()
     rows = []
     for e in entries:

@@ -17,9 +17,10 @@ A backend implements the raw contract of docs/contract.md on tensors in logical
 
 ``key_lengths`` reaches a backend already validated: int32, on the tensors' device, shape (B,),
 values in [0, Lk]. ``scale`` is a float. The tensors reaching ``supports`` are real or fake
-(meta) tensors, so ``supports`` looks only at shapes, strides, dtypes and devices: dispatch
-caches its answers per (backend, device, dtypes, shapes, strides, causal, key_lengths given,
-modes needed), and a backend whose answer depends on anything else must not be registered.
+(meta) tensors, so ``supports`` looks only at shapes, strides, dtypes, devices and whether a
+gradient is needed (grad mode on and an input requiring grad): dispatch caches its answers per
+(backend, device, dtypes, shapes, strides, causal, key_lengths given, modes needed, gradient
+needed), and a backend whose answer depends on anything else must not be registered.
 ``unavailable()`` is asked on every selection that misses the cache; :func:`register` and
 :func:`clear_dispatch_cache` empty it.
 
@@ -213,6 +214,9 @@ def _signature(name, q, k, v, causal, key_lengths, needed) -> tuple:
     return (
         name, q.device, q.dtype, k.dtype, v.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape),
         q.stride(), k.stride(), v.stride(), bool(causal), key_lengths is None, needed,
+        # whether a gradient is needed: the cuda backend serves its forward-only head dims
+        # (sm_90a, D 256) only without one
+        torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v)),
     )
 
 

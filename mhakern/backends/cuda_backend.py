@@ -135,7 +135,9 @@ class CudaBackend(Backend):
         if Dv != D:
             return f"head dims of q/k ({D}) and v ({Dv}) differ; the cuda kernels need them equal"
         if D not in self._head_dims:
-            return f"head dim {D} has no compiled cuda kernel (supported: {', '.join(map(str, self._head_dims))})"
+            why = self._fwd_only_head_dim(q, k, v, D)
+            if why is not None:
+                return why
         B, H, Lq, _ = q.shape
         Hkv, Lk = k.shape[1], k.shape[2]
         max_rows, max_keys = self.table["max_group_rows"], self.table["max_keys"]
@@ -150,6 +152,25 @@ class CudaBackend(Backend):
             need = self._min_capability
             return (f"device {q.device} has compute capability {cap[0]}.{cap[1]}; the cuda kernels need "
                     f"{need[0]}.{need[1]} or newer")
+        return None
+
+    def _fwd_only_head_dim(self, q, k, v, D: int) -> Optional[str]:
+        """None when the sm_90a forward serves head dim ``D``, which no mma.sync kernel has (the
+        table's ``sm90.fwd_only_head_dims``): a 9.0 device of a build with the sm_90a pass, and
+        no gradient needed (no backward kernel exists for it). Else the reason, so that ``auto``
+        falls back. Modes are refused by the op (supports() does not see them)."""
+        supported = ", ".join(map(str, self._head_dims))
+        sm90 = self.table.get("sm90", {})
+        if D not in sm90.get("fwd_only_head_dims", ()):
+            return f"head dim {D} has no compiled cuda kernel (supported: {supported})"
+        need = tuple(sm90["capability"])
+        cap = (self._caps or {}).get(q.device.index if q.device.index is not None else 0)
+        if not sm90["compiled"] or cap is None or tuple(cap) != need:
+            return (f"head dim {D} is served only by the sm_90a forward (a compute capability {need[0]}.{need[1]} "
+                    f"device and a build with the sm_90a pass); the cuda kernels otherwise take {supported}")
+        if torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v)):
+            return (f"head dim {D} has a forward kernel only (sm_90a), no backward: call under torch.no_grad() or "
+                    "with tensors that do not require grad")
         return None
 
     # -- compute -------------------------------------------------------------------------------

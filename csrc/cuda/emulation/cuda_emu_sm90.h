@@ -262,9 +262,14 @@ inline void land_for_barrier(uint32_t bar, bool all) {
 
 // try_wait.parity: true once the phase with the given parity has completed, i.e. the current
 // phase's parity differs from it (a fresh barrier is in phase 0, so waiting on parity 1 passes).
-inline bool mbar_try_wait_parity(void* p, uint32_t parity) {
+// first: the thread's first look at this wait, a switch point that counts as progress (the
+// thread reached a new program point). The spinning looks after a failed one are not:
+// preempt_point() there counted an event at random on every look, so that a block whose
+// threads all wait on mbarriers that never complete ran forever instead of failing as a
+// deadlock under the random schedule.
+inline bool mbar_try_wait_parity(void* p, uint32_t parity, bool first) {
   State& s = state();
-  preempt_point();
+  if (first) preempt_point();
   const uint32_t a = shared_address(p);
   MBarrier* b = find_bar(a, "mbarrier.try_wait.parity");
   if (!b) return true;
@@ -280,7 +285,7 @@ inline bool mbar_try_wait_parity(void* p, uint32_t parity) {
 }
 
 inline void mbar_wait_parity(void* p, uint32_t parity) {
-  while (!mbar_try_wait_parity(p, parity)) {
+  for (bool first = true; !mbar_try_wait_parity(p, parity, first); first = false) {
   }
 }
 

@@ -6,7 +6,8 @@
 //     kStages shared-memory stages with
 //     cp.async.bulk.tensor (4-D tensor maps over (D, Lk, Hkv, B), 128-byte swizzle, one box per
 //     64 columns of D), each stage guarded by a "full" mbarrier (transaction bytes) and an
-//     "empty" one (the consumers' arrivals);
+//     "empty" one (the consumers' arrivals); its warp zeroes the values of the keys past a
+//     batch element's key length that a tile brings in (see the producer);
 //   warpgroups 1 and 2, the consumers (setmaxnreg.inc 240): 64 query rows each. Per key tile:
 //     S = Q K^T by wgmma m64n{kBlockN}k16 (Q and K from shared memory), the online softmax in fp32
 //     registers (base 2, masked only on tiles that cross a row's visible limit), P converted
@@ -40,13 +41,28 @@ namespace cuda {
 namespace sm90 {
 
 // Tiles (capabilities.h: sm90_fwd_tiles, read here and by the split-K planner).
-//   D 64 and 128: 128 query rows x 128 keys per stage, 2 stages (80 / 160 KB of shared memory).
+//   D 64 and 128: 128 query rows x 128 keys per stage, 3 stages. Why 3 (FlashAttention-3's
+//     pipelining argument: a load must be issued a whole step of math before its tile is needed,
+//     or the copy's latency adds to every step): with the intra-warpgroup overlap below, each
+//     consumer holds TWO stages during a step (K of tile `it` for S, V of tile it - 1 for P V,
+//     released only once that P V lands). A ring of 2 then leaves no stage to prefetch into: the
+//     producer may refill tile it - 1's stage only after both consumers' P V of it - 1, half a
+//     step before the leading consumer waits for tile it + 1, so the TMA latency (of the order
+//     of 1 us from L2 or HBM, against 0.6 us of tensor-core time per 128-key step at D 64 and
+//     1.1 us at D 128) is paid on every step. A third stage gives each copy a whole step.
+//     Shared memory: Q 16 / 32 KB + 3 x (K + V) 96 / 192 KB = 112 / 224 KB (+ barriers and the
+//     1 KB alignment slack) of the 227 KB. One CTA per SM either way (the register plan takes
+//     the whole register file), so the stage costs no occupancy. A fourth (D 64, 144 KB) would
+//     only pay for a latency above two steps.
 //   D 256: Q alone is 128 x 256 x 2 B = 64 KB, and one stage of K and V is 2 x kBlockN x 512 B,
 //     so 2 stages hold at most (227 KB - 64 KB - 1 KB of alignment) / 2 KB = 81 keys: 80 keys
 //     (a multiple of 16, the k of O += P V), 224 KB in all. 96 keys would need 256 KB; 64 keys
 //     with 2 stages wastes 32 KB, and 3 stages of 64 keys (256 KB) do not fit. 64 query rows
 //     per CTA (one consumer warpgroup) would halve Q but also halve the reuse of every K/V byte
-//     and leave no warpgroup to ping-pong with. This is FlashAttention-3's D 256 tile too.
+//     and leave no warpgroup to ping-pong with. This is FlashAttention-3's D 256 tile too. No
+//     third stage: 3 x 80 keys need 304 KB, and 3 x 48 keys (208 KB) would add 5/3 of the
+//     fixed per-step costs (barriers, row maxima, rescales) per key; D 256 keeps the latency
+//     that the third stage hides above, against a longer step (1.4 us of math for 80 keys).
 //   Registers per consumer thread (the setmaxnreg plan gives 240): O 64 x D / 128 fp32 = 128 at
 //     D 256, S 64 x kBlockN / 128 = 40, and the previous tile's P in wgmma's A fragment,
 //     kBlockN / 16 x 4 = 20 (the intra-warpgroup overlap keeps S and P live together): 188 and
@@ -72,7 +88,7 @@ struct FwdConfigSm90 {
   static constexpr int kOffK = kQBytes;
   static constexpr int kOffV = kOffK + kStages * kTileBytes;
   static constexpr int kOffBar = kOffV + kStages * kTileBytes;
-  static constexpr int kSmemBytes = kOffBar + 2 * kStages * 8;
+  static constexpr int kSmemBytes = kOffBar + (2 * kStages + 1) * 8;  // full, empty, fix
   // What the launch asks for: room to round the base up to 1024 bytes, the period of the 128B
   // swizzle that TMA writes and wgmma reads (the declared alignment of dynamic shared memory
   // is not a guarantee of it).
@@ -133,12 +149,14 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   unsigned char* sV = smem + Cfg::kOffV;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kOffBar);
   uint64_t* empty = full + Cfg::kStages;
+  uint64_t* fix = empty + Cfg::kStages;  // the straddling tile's copies (see the producer)
 
   if (tid == 0) {
     for (int s = 0; s < Cfg::kStages; ++s) {
       mbar_init(&full[s], 1);                        // the producer's arrive.expect_tx
       mbar_init(&empty[s], Cfg::kConsumers * 128);   // every consumer thread
     }
+    mbar_init(fix, 1);
     fence_barrier_init();
   }
 
@@ -166,17 +184,45 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   if (wg == 0) {
     // ---- producer ----
     setmaxnreg_dec<Cfg::kProducerRegs>();
-    if (tid == 0) {
+    if (tid < 32) {  // warp 0: lane 0 issues the copies, the whole warp clears a straddling tile
+      // The tile that holds this batch element's key length Lk_b < Lk: the tensor map
+      // zero-fills only past Lk, so its keys [Lk_b, Lk) arrive as they are in memory, which
+      // docs/contract.md lets hold anything. The consumers mask their scores by selecting -inf
+      // (a NaN K there never reaches P), but O += P V multiplies P's zeros by V: an inf or NaN
+      // V row would make 0 * inf = NaN in every row of the tile (seen on an H200). So this
+      // tile's copies complete on `fix` instead of full[s], the warp zeroes those V rows, and
+      // lane 0 then arrives on full[s] (a plain arrival: no bytes left in flight). At most one
+      // tile per CTA (none past Lk_b is loaded); -1 or out of [0, n_tiles) when none.
+      const int it_clear = Lk_b < p.Lk ? Lk_b / BN - t0 : -1;
       for (int it = 0; it < n_tiles; ++it) {  // `it` counts this CTA's tiles from t0
         const int s = it % Cfg::kStages;
-        // Wait until the consumers released this stage's previous use (passes at once on the
-        // first round: a fresh barrier's phase of parity 1 counts as complete).
-        mbar_wait(&empty[s], ((it / Cfg::kStages) & 1) ^ 1);
-        mbar_arrive_expect_tx(&full[s], 2 * Cfg::kTileBytes);
-        for (int pn = 0; pn < Cfg::kPanels; ++pn) {
-          tma_load_4d(sK + s * Cfg::kTileBytes + pn * Cfg::kPanelBytesKV, &P.tma_k, pn * 64, (t0 + it) * BN, hkv, b, &full[s]);
-          tma_load_4d(sV + s * Cfg::kTileBytes + pn * Cfg::kPanelBytesKV, &P.tma_v, pn * 64, (t0 + it) * BN, hkv, b, &full[s]);
+        uint64_t* bar = it == it_clear ? fix : &full[s];
+        if (tid == 0) {
+          // Wait until the consumers released this stage's previous use (passes at once on the
+          // first round: a fresh barrier's phase of parity 1 counts as complete).
+          mbar_wait(&empty[s], ((it / Cfg::kStages) & 1) ^ 1);
+          mbar_arrive_expect_tx(bar, 2 * Cfg::kTileBytes);
+          for (int pn = 0; pn < Cfg::kPanels; ++pn) {
+            tma_load_4d(sK + s * Cfg::kTileBytes + pn * Cfg::kPanelBytesKV, &P.tma_k, pn * 64, (t0 + it) * BN, hkv, b, bar);
+            tma_load_4d(sV + s * Cfg::kTileBytes + pn * Cfg::kPanelBytesKV, &P.tma_v, pn * 64, (t0 + it) * BN, hkv, b, bar);
+          }
         }
+      }
+      if (it_clear >= 0 && it_clear < n_tiles) {
+        // After the loop: the copies of later tiles (none: it is the last tile loaded) do not
+        // wait for this, and the consumers wait on full[s] for it.
+        const int s = it_clear % Cfg::kStages;
+        mbar_wait(fix, 0);  // the copies have landed (the only phase `fix` ever completes)
+        // Whole 128-byte rows [Lk_b - n0, BN) of each panel (contiguous: the 128B swizzle
+        // permutes 16-byte chunks only within a row).
+        const int lo = (Lk_b - (t0 + it_clear) * BN) * 128;
+        unsigned char* sv = sV + s * Cfg::kTileBytes;
+        for (int pn = 0; pn < Cfg::kPanels; ++pn)
+          for (int off = lo + tid * 16; off < Cfg::kPanelBytesKV; off += 32 * 16)
+            *reinterpret_cast<uint4*>(sv + pn * Cfg::kPanelBytesKV + off) = make_uint4(0, 0, 0, 0);
+        fence_proxy_async();  // the generic-proxy zeros, before wgmma (async proxy) reads them
+        warp_sync_all();
+        if (tid == 0) mbar_arrive(&full[s]);
       }
     }
     return;

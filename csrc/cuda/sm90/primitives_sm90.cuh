@@ -71,6 +71,7 @@ inline void tma_load_4d(void* dst, const TensorMap* map, int c0, int c1, int c2,
   const int c[4] = {c0, c1, c2, c3};
   ::mhk_emu::sm90::tma_load(dst, map, c, bar);
 }
+inline void warp_sync_all() { ::mhk_emu::syncwarp(); }
 inline void named_bar_sync(int id, int count) { ::mhk_emu::sm90::named_barrier(id, count, true); }
 inline void named_bar_arrive(int id, int count) { ::mhk_emu::sm90::named_barrier(id, count, false); }
 inline void wgmma_fence() { ::mhk_emu::sm90::wgmma_fence(); }
@@ -134,6 +135,8 @@ MHK_DEVICE void tma_load_4d(void* dst, const TensorMap* map, int c0, int c1, int
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(shared_u32(bar))
       : "memory");
 }
+// __syncwarp over the whole warp (memory ordering among its lanes included).
+MHK_DEVICE void warp_sync_all() { __syncwarp(); }
 // Named barriers (ids 1..15; 0 is __syncthreads): `count` threads, whole warps.
 MHK_DEVICE void named_bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");

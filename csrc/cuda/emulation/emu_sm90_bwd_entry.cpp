@@ -1,0 +1,62 @@
+// C entry points of the emulated sm90 backward (tests/test_cuda_sm90_bwd.py builds this with g++
+// next to emu_entry.cpp, emu_schedule.cpp, emu_sm90_entry.cpp and csrc/cuda/sm90/*.cu compiled
+// as C++ with -DMHAKERN_CUDA_EMULATE): the backward through the family's own dispatch switch, and
+// the backward's family choice by compute capability.
+#include <string>
+
+#include "../attn_dispatch.h"
+#include "emu_entry_util.h"
+
+using mhakern::cuda::BwdParams;
+using mhakern::cuda::CallSizes;
+using mhakern::cuda::ElemType;
+
+extern "C" {
+
+// Strides are (batch, head, row) in elements. Returns 0, or 1 with mhk_emu_last_error().
+int mhk_emu_sm90_bwd(int elem, int D, const void* dout, const int64_t* do_st, const void* q, const int64_t* q_st,
+                     const void* k, const int64_t* k_st, const void* v, const int64_t* v_st, const void* o,
+                     const int64_t* o_st, const float* lse, void* dq, const int64_t* dq_st, void* dk,
+                     const int64_t* dk_st, void* dv, const int64_t* dv_st, float* delta, const int32_t* key_lengths,
+                     int B, int H, int Hkv, int Lq, int Lk, float scale, int causal, int num_splits,
+                     float* dq_partial) {
+  using mhk_emu::operand;
+  const CallSizes s{B, H, Hkv, Lq, Lk, D};
+  const BwdParams p = mhakern::cuda::make_bwd_params(s, operand(dout, do_st), operand(q, q_st), operand(k, k_st),
+                                                     operand(v, v_st), operand(o, o_st), lse, operand(dq, dq_st),
+                                                     operand(dk, dk_st), operand(dv, dv_st), delta, key_lengths,
+                                                     scale, causal != 0, num_splits, dq_partial);
+  return mhk_emu::finish(mhakern::cuda::dispatch_attn_bwd_sm90(static_cast<ElemType>(elem), D, p, nullptr));
+}
+
+// The family the host would pick for a backward (0 mma.sync, 1 sm90) on a device of capability
+// major.minor, with faked call properties: mode 0 none, 1 attn_mask, 2 dropout, 3 window,
+// 4 top_left, 5 the mask's gradient; the K head stride and the query head stride as given.
+int mhk_emu_bwd_family(int major, int minor, int sm90_compiled, int D, int num_splits, int mode, int Hkv,
+                       long long k_head_stride, long long q_head_stride) {
+  BwdParams p;
+  p.D = D;
+  p.num_splits = num_splits;
+  p.B = 1;
+  p.Hkv = Hkv;
+  p.H = 2 * Hkv;
+  p.Lk = 100;
+  p.Lq = 50;
+  p.k_stride = {Hkv * 100LL * D, k_head_stride, D};
+  p.v_stride = {Hkv * 100LL * D, 100LL * D, D};
+  p.q_stride = {p.H * 50LL * D, q_head_stride, D};
+  p.do_stride = {p.H * 50LL * D, 50LL * D, D};
+  static const char dummy = 0;
+  static float dmask = 0.f;
+  if (mode == 1) p.mask = &dummy;
+  if (mode == 2) p.dropout_p = 0.1;
+  if (mode == 3) p.window_left = 4;
+  if (mode == 4) p.top_left = true;
+  if (mode == 5) {
+    p.mask = &dummy;
+    p.dmask = &dmask;
+  }
+  return static_cast<int>(mhakern::cuda::choose_bwd_family(major, minor, sm90_compiled != 0, p));
+}
+
+}  // extern "C"

@@ -1,0 +1,354 @@
+"""The sm_90a (Hopper) backward, checked without a GPU (issue 13).
+
+* The backward kernels of csrc/cuda/sm90/attn_bwd_sm90_kernel.cuh (dK/dV and dQ, every
+  instantiation) under the CPU emulator's seeded random schedule, after the sm90 forward, on the
+  hard cases and on shapes that wrap the stage rings, skip and mask causal tiles, straddle
+  query heads with packed GQA rows (the dK/dV kernel's plain-load path) or not (its TMA path),
+  cut key tiles at key_lengths (the dQ kernel's plain-load path), split the dQ keys, against the
+  float64 reference by the project's tolerance rule (dq, dk, dv). Tensors sit in NaN-padded
+  buffers: a read outside them poisons the result, a write outside them is detected.
+* Keys past key_lengths hold garbage (NaN in K, inf in V): nothing there may reach a gradient,
+  and theirs are 0.
+* Determinism: two random schedules give bit-identical gradients.
+* The backward's family choice by compute capability (faked capabilities).
+
+What emulation cannot show (speed, register allocation, whether the hardware matches the
+documented layouts) is for tools/check_cuda_build.py (SASS) and tests/test_cuda_sm90_gpu.py.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from mhakern import reference
+
+from attn_testing import HARD_CASES, case_id, check_against_reference, make_inputs
+from test_cuda_host import (
+    CUDA_SRC,
+    ELEM,
+    FLAGS,
+    _generator,
+    _ptr,
+    _sources_digest,
+    _st,
+    cuda_include_dir,
+    missing_toolchain,
+    padded,
+    padded_empty,
+    use_random_schedule,
+)
+from test_cuda_sm90 import SMEM_LIMIT_SM90, Sm90Emulator
+
+ROOT = Path(__file__).resolve().parent.parent
+_CAPS = (ROOT / "csrc" / "capabilities.h").read_text()
+FWD_INSTANCES = _generator().sm90_instances(_CAPS)
+BWD_INSTANCES = _generator().sm90_bwd_instances(_CAPS)
+BWD_DIMS = tuple(sorted({d for _, d in BWD_INSTANCES}))
+UNITS = ("emu_entry.cpp", "emu_schedule.cpp", "emu_sm90_entry.cpp", "emu_sm90_bwd_entry.cpp")
+
+
+def build_sm90_bwd(cache_dir: Path) -> Path:
+    """The emulator with the sm90 forward and backward instances (objects shared with the other
+    emulator builds of the same sources)."""
+    inc = cuda_include_dir()
+    out = cache_dir / _sources_digest(FLAGS + [str(inc)])
+    out.mkdir(parents=True, exist_ok=True)
+    units = [CUDA_SRC / "emulation" / u for u in UNITS]
+    units += [CUDA_SRC / "sm90" / f"attn_fwd_sm90_{t}_d{d}.cu" for t, d in FWD_INSTANCES]
+    units += [CUDA_SRC / "sm90" / f"attn_bwd_sm90_{t}_d{d}.cu" for t, d in BWD_INSTANCES]
+
+    def compile_one(src: Path) -> Path:
+        obj = out / (src.name + ".o")
+        if not obj.exists():
+            tmp = obj.with_suffix(f".{os.getpid()}.tmp")
+            res = subprocess.run(["g++", *FLAGS, f"-I{inc}", "-x", "c++", "-c", str(src), "-o", str(tmp)],
+                                 capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"emulator build failed for {src.name}:\n{res.stderr[-4000:]}")
+            os.replace(tmp, obj)
+        return obj
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        objs = list(pool.map(compile_one, units))
+    lib = out / "libmhk_emu_sm90_bwd.so"
+    if not lib.exists():
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        res = subprocess.run(["g++", "-shared", "-o", str(tmp), *map(str, objs), "-ldl"], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"emulator link failed:\n{res.stderr[-4000:]}")
+        os.replace(tmp, lib)
+    return lib
+
+
+class Sm90BwdEmulator(Sm90Emulator):
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.lib.mhk_emu_bwd_family.argtypes = [ctypes.c_int] * 7 + [ctypes.c_longlong] * 2
+
+    def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, splits=1):
+        B, H, Lq, D = q.shape
+        Hkv, Lk = k.shape[1], k.shape[2]
+        dq, gq = padded_empty(q)
+        dk, gk = padded_empty(k)
+        dv, gv = padded_empty(v)
+        delta = torch.full((B, H, Lq), float("nan"))
+        dq_part = torch.full((splits, B, H, Lq, D), float("nan")) if splits > 1 else None
+        # TMA may read only these buffers (their padding included: a box may cover it).
+        bufs = [k, v, q, dout]
+        begin = (ctypes.c_ulonglong * 4)(*[x.untyped_storage().data_ptr() for x in bufs])
+        end = (ctypes.c_ulonglong * 4)(*[x.untyped_storage().data_ptr() + x.untyped_storage().nbytes() for x in bufs])
+        self.lib.mhk_emu_guard_reads(4, begin, end)
+        self.lib.mhk_emu_configure(1, SMEM_LIMIT_SM90)
+        rc = self.lib.mhk_emu_sm90_bwd(
+            ELEM[q.dtype], D, _ptr(dout), _st(dout), _ptr(q), _st(q), _ptr(k), _st(k), _ptr(v), _st(v), _ptr(out),
+            _st(out), _ptr(lse), _ptr(dq), _st(dq), _ptr(dk), _st(dk), _ptr(dv), _st(dv), _ptr(delta),
+            _ptr(key_lengths), B, H, Hkv, Lq, Lk, ctypes.c_float(scale), int(causal), splits, _ptr(dq_part))
+        self.lib.mhk_emu_guard_reads(0, None, None)
+        if rc != 0:
+            raise RuntimeError(f"emulated sm90 backward: {self.error()}")
+        for name, g in (("dq", gq), ("dk", gk), ("dv", gv)):
+            g.check(name)
+        return dq, dk, dv
+
+
+@pytest.fixture(scope="module")
+def emu(request):
+    why = missing_toolchain()
+    if why:
+        pytest.skip(why)
+    e = Sm90BwdEmulator(build_sm90_bwd(Path(request.config.cache.mkdir("mhakern_cuda_emu"))))
+    yield e
+    e.schedule(None)
+
+
+@pytest.fixture
+def rnd(emu, request):
+    use_random_schedule(emu, request.node.nodeid)
+    yield emu
+    emu.schedule(None)
+
+
+class _Sm90Attention(torch.autograd.Function):
+    """The emulated sm90 forward and backward as one autograd op (CPU tensors)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, key_lengths, emu, splits):
+        qp, kp, vp = padded(q), padded(k), padded(v)
+        out, lse = emu.forward(qp, kp, vp, scale, causal, key_lengths)
+        ctx.save_for_backward(qp, kp, vp, out, lse)
+        ctx.cfg = (scale, causal, key_lengths, emu, splits)
+        ctx.mark_non_differentiable(lse)
+        return out.clone(), lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        qp, kp, vp, out, lse = ctx.saved_tensors
+        scale, causal, key_lengths, emu, splits = ctx.cfg
+        dq, dk, dv = emu.backward(padded(dout), qp, kp, vp, out, lse, scale, causal, key_lengths, splits)
+        return dq.clone(), dk.clone(), dv.clone(), None, None, None, None, None
+
+
+def sm90_attention(emu, splits=1):
+    def fn(q, k, v, *, causal=False, key_lengths=None, scale=None, return_lse=False):
+        scale = 1.0 / q.shape[-1] ** 0.5 if scale is None else float(scale)
+        kl = None if key_lengths is None else key_lengths.to(torch.int32).contiguous()
+        out, lse = _Sm90Attention.apply(q, k, v, scale, causal, kl, emu, splits)
+        return (out, lse) if return_lse else out
+
+    return fn
+
+
+def _run(emu, case, dtype, layout="bhld", scale_inputs=1.0, splits=1, large_logits=False):
+    B, H, Hkv, Lq, Lk, D, Dv, causal, kl = case
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype=dtype, layout=layout, scale_inputs=scale_inputs)
+    kl_t = None if kl is None else torch.tensor(kl, dtype=torch.int32)
+    check_against_reference(sm90_attention(emu, splits), q, k, v, causal, kl_t, large_logits=large_logits)
+
+
+# ---------------------------------------------------------------------------------------------
+# The backward against the float64 reference
+# ---------------------------------------------------------------------------------------------
+
+SM90_HARD = [c for c in HARD_CASES if c[5] == c[6] and c[5] in BWD_DIMS]
+# Each hard case in one dtype, alternating; the shape tests below cover both per head dim.
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+@pytest.mark.parametrize("i_case", range(len(SM90_HARD)), ids=[case_id(c) for c in SM90_HARD])
+def test_sm90_backward_hard_cases(rnd, i_case):
+    _run(rnd, SM90_HARD[i_case], DTYPES[i_case % 2])
+
+
+@pytest.mark.parametrize(
+    "case,dtype,layout",
+    [
+        # GQA: 4 query heads x 45 rows packed, stages straddling heads (plain loads), key
+        # lengths incl. 0 and one inside a dQ key tile (its plain-load path), causal
+        ((2, 8, 2, 45, 150, 128, 128, True, (100, 0)), torch.bfloat16, "bhld"),
+        ((2, 8, 2, 45, 150, 64, 64, True, (97, 0)), torch.float16, "blhd"),
+        # more queries than keys, causal: the leading rows see no key (zero gradients), 4
+        # query stages of one head (TMA path) over one key tile
+        ((1, 2, 1, 200, 70, 64, 64, True, (70,)), torch.bfloat16, "bhld"),
+        ((1, 2, 1, 200, 70, 128, 128, True, None), torch.float16, "blhd"),
+        # GQA with whole query stages per head: the dK/dV kernel's TMA boxes at head offsets
+        ((1, 4, 2, 128, 150, 64, 64, True, None), torch.bfloat16, "blhd"),
+        # fewer queries than keys, causal: 3 key tiles per dK/dV pass, the dQ ring wraps, the
+        # query stages before the diagonal skipped
+        ((1, 1, 1, 150, 300, 64, 64, True, None), torch.float16, "bhld"),
+        ((1, 1, 1, 150, 300, 128, 128, True, None), torch.bfloat16, "blhd"),
+    ],
+    ids=["gqa-straddle-kl-d128", "gqa-straddle-kl-d64", "rows-without-keys-d64", "rows-without-keys-d128",
+         "gqa-whole-stages", "causal-qlt-k-d64", "causal-qlt-k-d128"],
+)
+def test_sm90_backward_shapes(rnd, case, dtype, layout):
+    _run(rnd, case, dtype, layout=layout)
+
+
+@pytest.mark.parametrize("scale", [-0.3, 0.0])
+def test_sm90_backward_any_finite_scale(rnd, scale):
+    # A negative or zero scale must still hide masked keys (scaled first, masked after).
+    B, H, Hkv, Lq, Lk, D = 1, 2, 1, 40, 150, 64
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, D, dtype=torch.bfloat16)
+    check_against_reference(sm90_attention(rnd), q, k, v, True, torch.tensor([150], dtype=torch.int32), scale=scale)
+
+
+def test_sm90_backward_large_logits(rnd):
+    _run(rnd, (1, 2, 2, 70, 150, 64, 64, False, None), torch.bfloat16, layout="blhd", scale_inputs=30.0,
+         large_logits=True)
+
+
+@pytest.mark.parametrize("splits", [3])
+def test_sm90_backward_split_dq(rnd, splits):
+    # 5 dQ key tiles over 3 splits (one empty for the causal rows of the short key length), added
+    # by the ordered reduction.
+    _run(rnd, (2, 4, 2, 5, 600, 64, 64, True, (600, 70)), torch.bfloat16, splits=splits)
+
+
+def test_sm90_backward_hidden_keys_never_leak(emu):
+    # Keys past key_lengths hold garbage (NaN in K, inf in V): no gradient may see them, theirs are 0.
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 40, 200, 64
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, D, dtype=torch.float16, requires_grad=False)
+    kl = torch.tensor([150, 37], dtype=torch.int32)
+    for bb, n in enumerate(kl.tolist()):
+        k[bb, :, n:] = float("nan")
+        v[bb, :, n:] = float("inf")
+    qp, kp, vp = padded(q), padded(k), padded(v)
+    # out and lse from the reference (on the visible keys only), so that this checks the backward
+    # alone: the sm90 forward is not the subject here.
+    kc, vc = k.clone(), v.clone()
+    for bb, n in enumerate(kl.tolist()):
+        kc[bb, :, n:] = 0
+        vc[bb, :, n:] = 0
+    o64, lse = reference.attention_forward(q.double(), kc.double(), vc.double(), 0.125, True, kl, upcast=True)
+    out, lse = padded(o64.to(q.dtype)), lse.float().contiguous()
+    emu.schedule(3)
+    dout = padded(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(q.dtype))
+    dq, dk, dv = emu.backward(dout, qp, kp, vp, out, lse, 0.125, True, kl)
+    emu.schedule(None)
+    assert torch.isfinite(dq).all()
+    for bb, n in enumerate(kl.tolist()):
+        assert torch.isfinite(dk[bb, :, :n]).all() and torch.isfinite(dv[bb, :, :n]).all()
+        assert (dk[bb, :, n:] == 0).all() and (dv[bb, :, n:] == 0).all()
+
+
+def test_sm90_backward_is_deterministic_across_schedules(emu):
+    q, k, v = make_inputs(1, 4, 2, 70, 200, 64, 64, dtype=torch.float16, requires_grad=False)
+    qp, kp, vp = padded(q), padded(k), padded(v)
+    emu.schedule(None)
+    out, lse = emu.forward(qp, kp, vp, 0.125, True, None)
+    dout = padded(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(q.dtype))
+    grads = []
+    for seed in (11, 12):
+        emu.schedule(seed)
+        grads.append([g.clone() for g in emu.backward(dout, qp, kp, vp, out, lse, 0.125, True, None)])
+    emu.schedule(None)
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which family serves a backward call
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cc,compiled,D,splits,mode,Hkv,k_head_stride,q_head_stride,want",
+    [
+        ((9, 0), 1, 128, 1, 0, 2, 12800, 6400, 1),  # Hopper, a call the family serves
+        ((9, 0), 1, 64, 3, 0, 2, 6400, 3200, 1),    # split dQ keys
+        ((9, 0), 1, 64, 1, 0, 1, 0, 3200, 1),       # a single KV head: its stride does not matter
+        ((8, 0), 1, 128, 1, 0, 2, 12800, 6400, 0),  # A100: mma.sync
+        ((8, 9), 1, 64, 1, 0, 2, 6400, 3200, 0),    # Ada: mma.sync
+        ((10, 0), 1, 64, 1, 0, 2, 6400, 3200, 0),   # sm_90a code does not run on 10.0
+        ((9, 0), 0, 64, 1, 0, 2, 6400, 3200, 0),    # built without the sm_90a pass
+        ((9, 0), 1, 96, 1, 0, 2, 9600, 4800, 0),    # a head dim the backward lacks
+        ((9, 0), 1, 64, 1, 1, 2, 6400, 3200, 0),    # attn_mask
+        ((9, 0), 1, 64, 1, 2, 2, 6400, 3200, 0),    # dropout
+        ((9, 0), 1, 64, 1, 3, 2, 6400, 3200, 0),    # window
+        ((9, 0), 1, 64, 1, 4, 2, 6400, 3200, 0),    # top-left causal
+        ((9, 0), 1, 64, 1, 5, 2, 6400, 3200, 0),    # the mask's gradient
+        ((9, 0), 1, 64, 1, 0, 2, 0, 3200, 0),       # K broadcast over heads: no tensor map
+        ((9, 0), 1, 64, 1, 0, 2, 6400, 0, 0),       # q broadcast over heads: no tensor map
+    ],
+)
+def test_bwd_family_choice_by_compute_capability(emu, cc, compiled, D, splits, mode, Hkv, k_head_stride,
+                                                  q_head_stride, want):
+    got = emu.lib.mhk_emu_bwd_family(cc[0], cc[1], compiled, D, splits, mode, Hkv, k_head_stride, q_head_stride)
+    assert got == want
+
+
+# ---------------------------------------------------------------------------------------------
+# The SASS check of tools/check_cuda_build.py guards the backward kernels too (synthetic SASS;
+# the real compile runs in tests/test_cuda_build.py)
+# ---------------------------------------------------------------------------------------------
+
+_DKDV = "_ZN7mhakern4cuda4sm9025attn_bwd_dkdv_sm90_kernelI6__halfLi64EEEvNS1_16BwdDkvParamsSm90E"
+
+
+def _check_tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_cuda_build", ROOT / "tools" / "check_cuda_build.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize(
+    "body,smem,needle",
+    [
+        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24, gsb0", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "@!P0 BRA 0x00", "EXIT"],
+         {("attn_bwd_dkdv_sm90_kernel", 64): 68136, 64: 240 * 1024}, None),
+        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24", "FADD R1, R2, R3", "@!P0 BRA 0x10", "EXIT"],
+         {("attn_bwd_dkdv_sm90_kernel", 64): 68136}, "no HGMMA inside any loop"),
+        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24", "LDL R2, [R1]", "@!P0 BRA 0x00", "EXIT"],
+         {("attn_bwd_dkdv_sm90_kernel", 64): 68136}, "local-memory instructions"),
+        # its own row, not the forward's (keyed by head dim alone), decides
+        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24", "@!P0 BRA 0x00", "EXIT"],
+         {("attn_bwd_dkdv_sm90_kernel", 64): 240 * 1024, 64: 1024}, "of shared memory"),
+        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24", "@!P0 BRA 0x00", "EXIT"], {64: 1024},
+         "dynamic shared memory unknown"),
+    ],
+    ids=["good", "hgmma-outside-loop", "local-memory", "smem-over-227KB", "smem-row-missing"],
+)
+def test_sass_check_guards_the_backward_kernels(body, smem, needle):
+    tool = _check_tool()
+    sass = "\n".join(["\tcode for sm_90a", f"\t\tFunction : {_DKDV}"]
+                     + [f"        /*{16 * i:04x}*/                   {ins} ;" for i, ins in enumerate(body)])
+    log = (f"ptxas info    : Compiling entry function '{_DKDV}' for 'sm_90a'\n"
+           f"ptxas info    : Function properties for {_DKDV}\n"
+           "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+           "ptxas info    : Used 168 registers, used 1 barriers\n")
+    result = {"src": "attn_bwd_sm90_fp16_d64.cu", "rc": 0, "log": log, "facts": tool.sass_facts_text(sass)}
+    rows, problems, _ = tool.check_sm90([result], smem)
+    assert len(rows) == 1 and rows[0]["kernel"] == "attn_bwd_dkdv_sm90_kernel" and rows[0]["D"] == 64
+    if needle is None:
+        assert problems == [], problems
+    else:
+        assert any(needle in p for p in problems), problems
