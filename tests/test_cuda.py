@@ -217,11 +217,12 @@ def test_backward_is_deterministic(cuda_ready, splits):
 
 @pytest.fixture
 def mma_sync(cuda_ready):
-    prev = torch.ops.mhakern_C.cuda_force_fwd_family("mma_sync")
+    prev = (torch.ops.mhakern_C.cuda_force_fwd_family("mma_sync"), torch.ops.mhakern_C.cuda_force_bwd_family("mma_sync"))
     try:
         yield
     finally:
-        torch.ops.mhakern_C.cuda_force_fwd_family(prev)
+        torch.ops.mhakern_C.cuda_force_fwd_family(prev[0])
+        torch.ops.mhakern_C.cuda_force_bwd_family(prev[1])
 
 
 def _decode_rows():
