@@ -614,6 +614,33 @@ def test_emulated_decode_hidden_keys_hold_garbage(deferred):
         assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("Lq", [1, 10], ids=["decode-kernel", "main-kernel"])
+def test_emulated_nan_and_inf_follow_the_contract(deferred, splits, Lq):
+    # docs/contract.md "NaN and inf" through the decode kernel's warp merge, the main kernel's
+    # epilogue (4 x 10 packed rows) and the split combine: a NaN query row or a NaN visible key
+    # makes out and lse NaN (a NaN score leaves the running max alone, so neither may read a
+    # max of -inf or a sum that is not > 0 as "saw nothing"); a NaN query of a row with no
+    # visible key stays 0 / -inf; an inf value makes its output column non-finite only.
+    B, H, Hkv, Lk, D = 2, 8, 2, 300, 64
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, dtype=torch.float16, requires_grad=False)
+    kl = torch.tensor([0, 300], dtype=torch.int32)
+    fn = emulated_attention(deferred, splits)
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    q2[0, 1] = float("nan")      # batch 0 sees no key
+    q2[1, 2] = float("nan")      # query head 2 of batch 1: kv head 0
+    k2[1, 1, 211, 5] = float("nan")  # kv head 1 (query heads 4..7), key 211: warp 1's slice of tile 3
+    v2[1, 0, 37, 9] = float("inf")   # kv head 0 (query heads 0..3), column 9
+    out, lse = fn(q2, k2, v2, key_lengths=kl, return_lse=True)
+    assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
+    assert torch.isnan(out[1, 2]).all() and torch.isnan(lse[1, 2]).all()
+    assert torch.isnan(out[1, 4:]).all() and torch.isnan(lse[1, 4:]).all()
+    rest = out[1, [0, 1, 3]]
+    assert not torch.isfinite(rest[..., 9]).any()
+    assert torch.isfinite(rest[..., :9]).all() and torch.isfinite(rest[..., 10:]).all()
+    assert torch.isfinite(lse[1, [0, 1, 3]]).all()
+
+
 def test_emulated_decode_dead_rows_and_determinism(emu):
     # Key length 0 (every row dead: 0 and -inf), and the same call under the fixed schedule with
     # copies landing at once (a slot of the ring refilled before every warp is done with it would

@@ -290,9 +290,11 @@ MHK_DEVICE void attn_fwd_body(const FwdParams& p) {
   for (int mt = 0; mt < MT; ++mt) {
     MHK_UNROLL
     for (int hh = 0; hh < 2; ++hh) {
+      // Only a sum of exactly 0 is a row without a visible key (0, -inf); a NaN sum (a NaN
+      // score, which fmaxf kept out of the max) gives a NaN lse, as docs/contract.md asks.
       const float l = quad_sum(l_run[mt][hh]);
-      inv[mt][hh] = l > 0.f ? 1.f / l : 0.f;
-      lse[mt][hh] = l > 0.f ? (m_run[mt][hh] + log2f(l)) * kLn2 : -INFINITY;
+      inv[mt][hh] = l == 0.f ? 0.f : 1.f / l;
+      lse[mt][hh] = l == 0.f ? -INFINITY : (m_run[mt][hh] + log2f(l)) * kLn2;
     }
   }
 
@@ -361,16 +363,26 @@ __global__ void MHK_LAUNCH_BOUNDS(128, 1) attn_fwd_combine_kernel(const FwdParam
   if (row >= n_rows) return;  // whole warps leave; no block barrier follows
   const int S = p.num_splits;
 
-  float mx = -INFINITY;
-  for (int s = lane; s < S; s += 32) mx = fmaxf(mx, p.lse_partial[s * n_rows + row]);
+  // A NaN partial lse (a NaN score in that split: docs/contract.md "NaN and inf") makes the row
+  // NaN; fmaxf would skip it and, when every split is NaN, read the row as dead (0, -inf).
+  // `bad` is 0, or a NaN that the warp's sum spreads to every lane.
+  float mx = -INFINITY, bad = 0.f;
+  for (int s = lane; s < S; s += 32) {
+    const float x = p.lse_partial[s * n_rows + row];
+    mx = fmaxf(mx, x);
+    if (x != x) bad = x;
+  }
   MHK_UNROLL
-  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, shfl_xor(mx, off));
+  for (int off = 16; off > 0; off >>= 1) {
+    mx = fmaxf(mx, shfl_xor(mx, off));
+    bad += shfl_xor(bad, off);
+  }
   float sum = 0.f;
   if (mx > -INFINITY)
     for (int s = lane; s < S; s += 32) sum += expf(p.lse_partial[s * n_rows + row] - mx);
   MHK_UNROLL
   for (int off = 16; off > 0; off >>= 1) sum += shfl_xor(sum, off);
-  const float lse = mx > -INFINITY ? mx + logf(sum) : -INFINITY;
+  const float lse = bad != bad ? bad : (mx > -INFINITY ? mx + logf(sum) : -INFINITY);
 
   const int i = static_cast<int>(row % p.Lq);
   const int h = static_cast<int>((row / p.Lq) % p.H);
@@ -394,7 +406,7 @@ __global__ void MHK_LAUNCH_BOUNDS(128, 1) attn_fwd_combine_kernel(const FwdParam
   MHK_UNROLL
   for (int e = 0; e < kPerLane; ++e) {
     const int d = lane + 32 * e;
-    if (d < D) o[d] = ElemTraits<Elem>::from_float(out[e]);
+    if (d < D) o[d] = ElemTraits<Elem>::from_float(bad != bad ? bad : out[e]);
   }
   if (lane == 0) p.lse[row] = lse;
 }
@@ -551,7 +563,10 @@ MHK_DEVICE void attn_fwd_decode_body(const FwdParams& p) {
 
   // Merge, kThreads / kBlockM threads per row, each a contiguous run of kCols columns; the
   // warps are added in order 0..3 whatever the schedule (deterministic). A warp that saw no
-  // visible key of the row (max -inf) adds nothing, not even 0 * its (zero) output.
+  // visible key of the row (sum 0) adds nothing, not even 0 * its output (which 0 * NaN in P V
+  // may have made NaN). A NaN score leaves its warp's max alone (fmaxf) and makes its sum NaN:
+  // that warp is kept, so the row's sum, output and lse turn NaN (docs/contract.md "NaN and
+  // inf"), and only a sum of exactly 0 makes a dead row (0 and -inf).
   constexpr int kPerRow = kThreads / kBlockM;
   constexpr int kCols = D / kPerRow;
   static_assert(kCols % 2 == 0 && kCols * kPerRow == D, "columns per merging thread");
@@ -565,18 +580,18 @@ MHK_DEVICE void attn_fwd_decode_body(const FwdParams& p) {
   float l = 0.f;
   MHK_UNROLL
   for (int w = 0; w < kWarps; ++w) {
-    const float mw = sMax[w * kBlockM + rr];
-    wgt[w] = mw == -INFINITY ? 0.f : fast_exp2(mw - mx);
-    l += wgt[w] * sSum[w * kBlockM + rr];
+    const float lw = sSum[w * kBlockM + rr];
+    wgt[w] = lw == 0.f ? 0.f : fast_exp2(sMax[w * kBlockM + rr] - mx);
+    l += lw == 0.f ? 0.f : wgt[w] * lw;
   }
-  const float inv = l > 0.f ? 1.f / l : 0.f;
-  const float lse = l > 0.f ? (mx + log2f(l)) * kLn2 : -INFINITY;
+  const float inv = l == 0.f ? 0.f : 1.f / l;
+  const float lse = l == 0.f ? -INFINITY : (mx + log2f(l)) * kLn2;
   float out[kCols];
   MHK_UNROLL
   for (int c = 0; c < kCols; ++c) out[c] = 0.f;
   MHK_UNROLL
   for (int w = 0; w < kWarps; ++w) {
-    if (sMax[w * kBlockM + rr] == -INFINITY) continue;
+    if (sSum[w * kBlockM + rr] == 0.f) continue;
     const float* src = sAcc + (w * kBlockM + rr) * D + c0;
     MHK_UNROLL
     for (int c = 0; c < kCols; ++c) out[c] += wgt[w] * src[c];
