@@ -267,6 +267,26 @@ def test_decode_forced_splits_and_determinism(mma_sync, splits):
         assert torch.equal(out, again) and torch.equal(lse, again_lse)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("Lq", [1, 10], ids=["decode-kernel", "main-kernel"])
+def test_nan_rows_stay_nan_through_the_epilogues(mma_sync, splits, Lq):
+    # docs/contract.md "NaN and inf": a NaN query row or visible key makes out and lse NaN, through
+    # the decode kernel's warp merge, the main kernel's epilogue and the split combine.
+    q, k, v = make_inputs(2, 8, 2, Lq, 300, 64, dtype=torch.float16, device="cuda", requires_grad=False)
+    kl = torch.tensor([0, 300], dtype=torch.int32, device="cuda")
+    q[0, 1] = float("nan")
+    q[1, 2] = float("nan")
+    k[1, 1, 211, 5] = float("nan")
+    v[1, 0, 37, 9] = float("inf")
+    out, lse = _raw_fwd(q, k, v, 0.125, False, kl, splits)
+    assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
+    assert torch.isnan(out[1, 2]).all() and torch.isnan(lse[1, 2]).all()
+    assert torch.isnan(out[1, 4:]).all() and torch.isnan(lse[1, 4:]).all()
+    rest = out[1, [0, 1, 3]]
+    assert not torch.isfinite(rest[..., 9]).any() and torch.isfinite(lse[1, [0, 1, 3]]).all()
+    assert torch.isfinite(rest[..., :9]).all() and torch.isfinite(rest[..., 10:]).all()
+
+
 def test_decode_planned_splits_and_garbage_past_lengths(mma_sync):
     # The measured decode shape, planned (several splits of the decode tiles), with NaN keys and
     # inf values past a length: the same result as with clean padding.
