@@ -4,7 +4,8 @@
   and the CPU extension's targets, are named bench_*).
 * ``--bench-set`` chooses the attention rows: ``auto`` (default: the ``gpu`` set when CUDA is
   present, else the ``cpu`` set), ``cpu``, ``gpu``, or ``headline`` (the device set's few
-  headline rows). ``--bench-provider SUBSTR`` (repeatable) keeps only matching providers.
+  headline rows). ``--bench-provider SUBSTR`` (repeatable) keeps only matching providers,
+  ``--bench-skip SUBSTR`` (repeatable) leaves matching ones out.
 * Adds the machine (CPU model and cores or GPU name, torch, triton, CUDA, the measured copy
   bandwidth, mhakern's backends) and the skipped providers with their reasons to the JSON's
   ``machine_info["mhakern"]``, and prints every figure next to its peer's at the end.
@@ -35,6 +36,13 @@ def pytest_addoption(parser):
         default="auto",
         choices=("auto", "cpu", "gpu", "headline"),
         help="attention rows to run: auto (gpu with CUDA, else cpu), cpu, gpu, headline",
+    )
+    group.addoption(
+        "--bench-skip",
+        action="append",
+        default=[],
+        metavar="SUBSTR",
+        help="leave out providers whose name contains SUBSTR (repeatable; after --bench-provider)",
     )
     group.addoption(
         "--bench-provider",

@@ -199,6 +199,7 @@ EOF
     nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv >>"$SETUP" 2>&1
 fi
 SMOKE_DEV=$([ "$HAVE_GPU" = "1" ] && echo cuda || echo cpu)
+BENCH_SKIP=()
 if stage smoke; then
     : >"$OUT/.smoke.log"
     run_step "smoke: each GPU backend once (child processes), C++ errors raise" "$OUT/.smoke.log" 80 200 "$PY" -m benchmarks.device_smoke --device "$SMOKE_DEV" --budget-s 70
@@ -211,6 +212,10 @@ if stage smoke; then
         # family, so that one broken family does not cost the rest of the run.
         export MHAKERN_CUDA_FWD_FAMILY=mma_sync
         say "the sm90 forward hung or crashed in the smoke stage: later stages (not tests/test_cuda_sm90_gpu.py) run with MHAKERN_CUDA_FWD_FAMILY=mma_sync"
+    fi
+    if grep -q '^smoke-decision: skip the sm90 backward' "$OUT/.smoke.log"; then
+        BENCH_SKIP=(--bench-skip "sm90 bwd")
+        say "the opt-in sm90 backward hung or crashed in the smoke stage: the benchmarks leave it out"
     fi
     rm -f "$OUT/.smoke.log"
 fi
@@ -253,13 +258,14 @@ BENCH=$OUT/bench.log
 if stage bench; then
     BENCH_FILES=(benchmarks/test_bench_attention.py)
     [ -f benchmarks/bench_trainer.py ] && BENCH_FILES+=(benchmarks/bench_trainer.py)
-    # mhakern's GPU providers (the cuda backend under each forward family, triton, auto) and the
+    # mhakern's GPU providers (the cuda backend as it runs by default, with both passes on
+    # mma.sync, and with the opt-in sm90 backward; triton; auto) and the
     # field's fused kernels; the materialising ones (the reference, SDPA's math) add minutes, not facts.
     PROVIDERS=(--bench-provider mhakern:cuda --bench-provider mhakern:triton --bench-provider mhakern:auto
                --bench-provider sdpa:flash --bench-provider sdpa:cudnn --bench-provider sdpa:efficient
                --bench-provider flash-attn --bench-provider xformers)
     run_step "headline benchmarks" "$BENCH" 100 80 "$PY" -m pytest "${BENCH_FILES[@]}" --benchmark-only --bench-set headline \
-        "${PROVIDERS[@]}" --benchmark-json "$OUT/bench.json" --benchmark-columns=median,iqr,rounds -q -p no:cacheprovider ${BENCH_ARGS:-}
+        "${PROVIDERS[@]}" "${BENCH_SKIP[@]}" --benchmark-json "$OUT/bench.json" --benchmark-columns=median,iqr,rounds -q -p no:cacheprovider ${BENCH_ARGS:-}
     rc=$?
     say "benchmarks (${BENCH_FILES[*]}, headline set): $(pytest_counts "$BENCH") [exit $rc]"
 fi

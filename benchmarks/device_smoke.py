@@ -100,14 +100,18 @@ def _check_raises(dtype_name: str, device: str, call: str, timeout: float) -> Tu
 
 
 def _one_check(backend: str, dname: str, device: str, family: str) -> int:
-    """The child's side of a numerics check (``--one``): prints ``result: ok|FAILED: msg``."""
+    """The child's side of a numerics check (``--one``): prints ``result: ok|FAILED: msg``.
+    ``family``: FWD or FWD/BWD, the cuda families of the two passes (``auto``, ``mma_sync``)."""
     import torch
 
     if family != "auto":
         import mhakern
 
-        mhakern.available_backends()  # loads mhakern._C (the op below lives there)
-        torch.ops.mhakern_C.cuda_force_fwd_family(family)
+        mhakern.available_backends()  # loads mhakern._C (the ops below live there)
+        fwd, _, bwd = family.partition("/")
+        torch.ops.mhakern_C.cuda_force_fwd_family(fwd)
+        if bwd:
+            torch.ops.mhakern_C.cuda_force_bwd_family(bwd)
     ok, msg = _check_numerics(backend, getattr(torch, dname), device)
     print(f"result: {'ok' if ok else 'FAILED'}: {msg}", flush=True)
     return 0
@@ -174,10 +178,12 @@ def main(argv=None) -> int:
     checks = [(b, d, "auto") for b in _gpu_backends(args.device) for d in dnames]
     if _sm90_family_here(args.device):
         # On a 9.0 device the plain forward runs on the sm90 family: check the mma.sync family
-        # (what sm_80-89 devices run) too, forced.
-        checks[1:1] = [("cuda", d, "mma_sync") for d in dnames]
+        # (what sm_80-89 devices run) too, forced, and the opt-in sm90 backward
+        # (csrc/capabilities.h: kSm90BwdByDefault).
+        checks[1:1] = [("cuda", d, "mma_sync/mma_sync") for d in dnames] + [("cuda", d, "auto/auto") for d in dnames]
     for backend, dname, family in checks:
-        what = f"{backend} {dname}" + ("" if family == "auto" else f" ({family} forward forced)")
+        what = f"{backend} {dname}" + {"auto": "", "mma_sync/mma_sync": " (mma_sync family forced)",
+                                        "auto/auto": " (the opt-in sm90 backward)"}[family]
         left = args.budget_s - (time.perf_counter() - t0)
         if left <= 0:
             print(f"smoke: {what}: NOT RUN (stage budget of {args.budget_s:.0f} s spent)", flush=True)
@@ -190,6 +196,9 @@ def main(argv=None) -> int:
             # The later stages would hang or crash on every plain call: they run with the
             # mma.sync family forced (the device check reads this line), the sm90 file alone not.
             print("smoke-decision: MHAKERN_CUDA_FWD_FAMILY=mma_sync", flush=True)
+        if broke and family == "auto/auto":
+            # The opt-in backward hung or crashed: the benchmarks leave its provider out.
+            print("smoke-decision: skip the sm90 backward", flush=True)
     # The C++ boundary on this device's kernels.
     for what, call in _BAD_CALLS.items():
         left = args.budget_s - (time.perf_counter() - t0)

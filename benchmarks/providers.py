@@ -22,6 +22,7 @@ the benchmark.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Callable, List, Optional, Tuple
 
@@ -82,6 +83,11 @@ class Provider:
     def resolved(self, case: Case, q, k, v) -> Optional[str]:
         """For dispatching providers, what they picked for this row."""
         return None
+
+    def scope(self):
+        """A context held around the whole measurement of a row (warm-up and timing): process
+        settings a provider needs (by default none)."""
+        return contextlib.nullcontext()
 
 
 def _torch_version() -> Tuple[int, int]:
@@ -158,15 +164,17 @@ class MhakernProvider(Provider):
 
 
 class MhakernFamilyProvider(MhakernProvider):
-    """The cuda backend with its forward family forced (``torch.ops.mhakern_C.cuda_force_fwd_family``):
-    ``mhakern:cuda[mma_sync]``, measured only where the host would pick another family (a 9.0
-    device with the sm_90a pass), so that a Hopper run shows both families side by side. The
-    switch is set and restored around each timed call (a few microseconds of host work)."""
+    """The cuda backend with its kernel families set (``torch.ops.mhakern_C.cuda_force_fwd_family``
+    and ``cuda_force_bwd_family``) for the whole measurement (:meth:`scope`):
+    ``mhakern:cuda[mma_sync]`` (both passes on mma.sync, what sm_80-89 devices run) and
+    ``mhakern:cuda[sm90 bwd]`` (the host's choice for both passes, the opt-in sm90 backward
+    included), measured only where the host has another family to pick (a 9.0 device with the
+    sm_90a pass), so that a Hopper run shows the families side by side."""
 
-    def __init__(self, family: str):
+    def __init__(self, label: str, fwd: str, bwd: str):
         super().__init__("cuda")
-        self.family = family
-        self.name = f"mhakern:cuda[{family}]"
+        self.fwd, self.bwd = fwd, bwd
+        self.name = f"mhakern:cuda[{label}]"
 
     def unavailable(self, device):
         why = super().unavailable(device)
@@ -176,24 +184,21 @@ class MhakernFamilyProvider(MhakernProvider):
 
         sm90 = ((cuda_backend.capabilities() or {}).get("cuda") or {}).get("sm90") or {}
         if device != "cuda" or not sm90.get("compiled") or torch.cuda.get_device_capability() != tuple(sm90["capability"]):
-            return f"the cuda backend runs the {self.family} family here anyway (no sm_90a family on this device)"
+            return "the cuda backend has one kernel family here (no sm_90a family on this device)"
         return None
 
-    def prepare(self, case, q, k, v, grad):
-        inner, args = super().prepare(case, q, k, v, grad)
-        force, family = torch.ops.mhakern_C.cuda_force_fwd_family, self.family
-
-        def fn(q, k, v):
-            prev = force(family)
-            try:
-                return inner(q, k, v)
-            finally:
-                force(prev)
-
-        return fn, args
+    @contextlib.contextmanager
+    def scope(self):
+        ops = torch.ops.mhakern_C
+        prev = (ops.cuda_force_fwd_family(self.fwd), ops.cuda_force_bwd_family(self.bwd))
+        try:
+            yield
+        finally:
+            ops.cuda_force_fwd_family(prev[0])
+            ops.cuda_force_bwd_family(prev[1])
 
     def resolved(self, case, q, k, v):
-        return f"cuda, {self.family} forward"
+        return f"cuda, forward {self.fwd}, backward {self.bwd}"
 
 
 _SDPA_KERNELS = {
@@ -342,7 +347,8 @@ def all_providers() -> List[Provider]:
 
     provs: List[Provider] = [MhakernProvider(n) for n in backends.names()]
     provs.append(MhakernProvider("auto"))
-    provs.append(MhakernFamilyProvider("mma_sync"))
+    provs.append(MhakernFamilyProvider("mma_sync", "mma_sync", "mma_sync"))
+    provs.append(MhakernFamilyProvider("sm90 bwd", "auto", "auto"))
     provs += [SdpaProvider(k) for k in _SDPA_KERNELS]
     provs += [FlashAttnProvider(2), FlashAttnProvider(3), XformersProvider()]
     return provs

@@ -39,6 +39,8 @@ def pytest_generate_tests(metafunc):
     wanted = metafunc.config.getoption("--bench-provider")
     if wanted:
         provs = [p for p in provs if any(w in p.name for w in wanted)]
+    unwanted = metafunc.config.getoption("--bench-skip")
+    provs = [p for p in provs if not any(w in p.name for w in unwanted)]
     # Row-major order: the providers of a row run one after another on the cached inputs.
     params = [pytest.param(c, p, id=f"{c.id}-{p.name}") for c in rows for p in provs]
     metafunc.parametrize("case,provider", params)
@@ -72,6 +74,11 @@ def test_attention(benchmark, case, provider):
     why = provider.supports(case, DEVICE, q, k, v)
     if why is not None:
         _skip(provider, why)
+    with provider.scope():
+        _measure(benchmark, case, provider, q, k, v, dout)
+
+
+def _measure(benchmark, case, provider, q, k, v, dout):
     try:
         run = make_runner(provider, case, q, k, v, dout, DEVICE)
         for _ in range(WARMUP_CALLS[DEVICE] - 1):

@@ -71,7 +71,8 @@ std::string capabilities() {
   // The sm_90a family (capabilities.h's sm90 block): compiled when 9.0 was in the arch list of
   // this build. The backward's head dims and tiles are its own (plain calls; bwd_dq_tile per
   // head dim: packed query rows, keys per stage).
-  js << "}, \"sm90\": {\"compiled\": " << (kWithSm90a ? "true" : "false") << ", \"passes\": [\"fwd\", \"bwd\"], \"bwd_head_dims\": [";
+  js << "}, \"sm90\": {\"compiled\": " << (kWithSm90a ? "true" : "false") << ", \"passes\": [\"fwd\", \"bwd\"], \"bwd_default\": "
+     << (caps::kSm90BwdByDefault ? "true" : "false") << ", \"bwd_head_dims\": [";
   for (int i = 0; i < caps::kSm90BwdNumHeadDims; ++i) js << (i ? ", " : "") << caps::kSm90BwdHeadDims[i];
   js << "], \"bwd_dkv_tile\": [" << caps::kSm90BwdDkvBlockN << ", " << caps::kSm90BwdDkvBlockM << "], \"bwd_dq_tile\": {";
   for (int i = 0; i < caps::kSm90BwdNumHeadDims; ++i)
@@ -131,23 +132,19 @@ int64_t cuda_force_splits(int64_t num_splits) {
   return op::cuda_forced_splits().exchange(num_splits);
 }
 
-// Sets which CUDA forward family serves calls ("auto": the host's choice; "mma_sync": that
-// family always); returns the previous setting. Test and benchmark hook (op_common.h).
-std::string cuda_force_fwd_family(const std::string& family) {
-  const int i = op::fwd_family_index(family);
-  TORCH_CHECK_VALUE(i >= 0, "cuda_force_fwd_family: family must be ", op::fwd_family_choices(), ", got '", family,
-                    "'");
-  const int prev = op::cuda_forced_fwd_family().exchange(i);
-  return prev >= 0 ? op::kFwdFamilyNames[prev] : "auto";
+// Sets which CUDA kernel family serves a pass ("auto": the host's choice; "mma_sync": that family
+// always); returns the previous setting. Test and benchmark hooks (op_common.h).
+std::string force_family(op::FamilySetting& setting, const char* op_name, const std::string& family) {
+  const int i = op::family_index(family);
+  TORCH_CHECK_VALUE(i >= 0, op_name, ": family must be ", op::family_choices(), ", got '", family, "'");
+  const int prev = setting.value.exchange(i);
+  return prev >= 0 ? op::kFamilyNames[prev] : "auto";
 }
-
-// The backward's twin of cuda_force_fwd_family ("auto" or "mma_sync"); returns the previous setting.
+std::string cuda_force_fwd_family(const std::string& family) {
+  return force_family(op::cuda_fwd_family(), "cuda_force_fwd_family", family);
+}
 std::string cuda_force_bwd_family(const std::string& family) {
-  const int i = op::fwd_family_index(family);
-  TORCH_CHECK_VALUE(i >= 0, "cuda_force_bwd_family: family must be ", op::fwd_family_choices(), ", got '", family,
-                    "'");
-  const int prev = op::cuda_forced_bwd_family().exchange(i);
-  return prev >= 0 ? op::kFwdFamilyNames[prev] : "auto";
+  return force_family(op::cuda_bwd_family(), "cuda_force_bwd_family", family);
 }
 
 // Meta kernels: the same argument checks as every device (op_common.h), then outputs of the

@@ -140,6 +140,12 @@ constexpr FwdPlanTiles fwd_plan_tiles(bool sm90_family, int d) {
 // bandwidth as its products take there; one CTA per SM, the register plan, leaves the shared
 // memory for a third stage: at most 167 KB at D 128).
 constexpr int kSm90BwdDkvBlockN = 128, kSm90BwdDkvBlockM = 64, kSm90BwdDqBlockM = 128, kSm90BwdStages = 3;
+// Whether the host gives the sm90 backward the calls it serves by default. Not yet: unlike the
+// sm90 forward (confirmed on an H200, tests/test_cuda_sm90_gpu.py), these kernels have run only
+// in the CPU emulator, and a layout the emulator reads wrongly would be a silent wrong gradient.
+// Until a 9.0 GPU passes the backward section of that file, MHAKERN_CUDA_BWD_FAMILY=auto (or
+// torch.ops.mhakern_C.cuda_force_bwd_family("auto")) opts in; unset, the backward is mma.sync.
+constexpr bool kSm90BwdByDefault = false;
 constexpr int sm90_bwd_dq_n(int d) { return d <= 64 ? 128 : 64; }
 // Backward instances (their own list: the forward's head dims may grow past the backward's).
 #define MHK_SM90_BWD_FOR_EACH_HEAD_DIM(F, tag) F(tag, 64) F(tag, 128)

@@ -219,57 +219,52 @@ inline std::atomic<int64_t>& cuda_forced_splits() {
 }
 constexpr int64_t kMaxForcedSplits = 1024;
 
-// Which CUDA forward family serves calls (the host's choice, or the mma.sync family always): a
-// hook for GPU tests and benchmarks on a 9.0 device, where the sm90 family would otherwise take
-// every plain call and the mma.sync family (what sm_80-89 devices run) would go unmeasured there.
-// Set through torch.ops.mhakern_C.cuda_force_fwd_family, or at load from the environment
-// variable MHAKERN_CUDA_FWD_FAMILY (the same names); a bad value raises at the first call.
-constexpr const char* kFwdFamilyNames[] = {"auto", "mma_sync"};
-constexpr int kNumFwdFamilyNames = 2;
-inline int fwd_family_index(const std::string& name) {  // -1: not a name
-  for (int i = 0; i < kNumFwdFamilyNames; ++i)
-    if (name == kFwdFamilyNames[i]) return i;
+// Which CUDA kernel family serves a pass: "auto" (the host's choice: on a 9.0 device the sm90
+// family where it serves the call) or "mma_sync" (that family always, what sm_80-89 devices
+// run). One setting per pass, set through torch.ops.mhakern_C.cuda_force_fwd_family /
+// cuda_force_bwd_family (tests and benchmarks measure both families on Hopper), or at load from
+// MHAKERN_CUDA_FWD_FAMILY / MHAKERN_CUDA_BWD_FAMILY (the same names); a bad value raises at the
+// first call. Unset, the forward is "auto" and the backward caps::kSm90BwdByDefault's choice.
+constexpr const char* kFamilyNames[] = {"auto", "mma_sync"};
+constexpr int kNumFamilyNames = 2;
+inline int family_index(const std::string& name) {  // -1: not a name
+  for (int i = 0; i < kNumFamilyNames; ++i)
+    if (name == kFamilyNames[i]) return i;
   return -1;
 }
-inline std::string fwd_family_choices() {
+inline std::string family_choices() {
   std::string s;
-  for (int i = 0; i < kNumFwdFamilyNames; ++i) s += std::string(i ? " or '" : "'") + kFwdFamilyNames[i] + "'";
+  for (int i = 0; i < kNumFamilyNames; ++i) s += std::string(i ? " or '" : "'") + kFamilyNames[i] + "'";
   return s;
 }
-inline std::atomic<int>& cuda_forced_fwd_family() {
-  // -2: the environment variable held a bad value (reported by check_forced_fwd_family).
-  static std::atomic<int> f{[] {
-    const char* env = std::getenv("MHAKERN_CUDA_FWD_FAMILY");
-    if (env == nullptr || *env == '\0') return 0;
-    const int i = fwd_family_index(env);
-    return i >= 0 ? i : -2;
-  }()};
+struct FamilySetting {
+  const char* env;      // the environment variable read at load
+  std::atomic<int> value;  // an index of kFamilyNames; -2: the variable held a bad value
+  FamilySetting(const char* env_name, int unset) : env(env_name), value(unset) {
+    const char* e = std::getenv(env_name);
+    if (e != nullptr && *e != '\0') {
+      const int i = family_index(e);
+      value.store(i >= 0 ? i : -2);
+    }
+  }
+  // The setting (0 auto, 1 mma_sync); raises when the environment variable was bad.
+  int get() const {
+    const int f = value.load(std::memory_order_relaxed);
+    TORCH_CHECK_VALUE(f >= 0, env, ": expected ", family_choices(), ", got '", std::getenv(env) ? std::getenv(env) : "",
+                      "'");
+    return f;
+  }
+};
+inline FamilySetting& cuda_fwd_family() {
+  static FamilySetting f("MHAKERN_CUDA_FWD_FAMILY", 0);
   return f;
 }
-// The forced family (0 auto, 1 mma_sync); raises when the environment variable was bad.
-inline int forced_fwd_family() {
-  const int f = cuda_forced_fwd_family().load(std::memory_order_relaxed);
-  TORCH_CHECK_VALUE(f >= 0, "MHAKERN_CUDA_FWD_FAMILY: expected ", fwd_family_choices(), ", got '",
-                    std::getenv("MHAKERN_CUDA_FWD_FAMILY") ? std::getenv("MHAKERN_CUDA_FWD_FAMILY") : "", "'");
+inline FamilySetting& cuda_bwd_family() {
+  static FamilySetting f("MHAKERN_CUDA_BWD_FAMILY", caps::kSm90BwdByDefault ? 0 : 1);
   return f;
 }
-// The backward's twin: which CUDA backward family serves calls (the same names), through
-// torch.ops.mhakern_C.cuda_force_bwd_family or the environment variable MHAKERN_CUDA_BWD_FAMILY.
-inline std::atomic<int>& cuda_forced_bwd_family() {
-  static std::atomic<int> f{[] {
-    const char* env = std::getenv("MHAKERN_CUDA_BWD_FAMILY");
-    if (env == nullptr || *env == '\0') return 0;
-    const int i = fwd_family_index(env);
-    return i >= 0 ? i : -2;
-  }()};
-  return f;
-}
-inline int forced_bwd_family() {
-  const int f = cuda_forced_bwd_family().load(std::memory_order_relaxed);
-  TORCH_CHECK_VALUE(f >= 0, "MHAKERN_CUDA_BWD_FAMILY: expected ", fwd_family_choices(), ", got '",
-                    std::getenv("MHAKERN_CUDA_BWD_FAMILY") ? std::getenv("MHAKERN_CUDA_BWD_FAMILY") : "", "'");
-  return f;
-}
+inline int forced_fwd_family() { return cuda_fwd_family().get(); }
+inline int forced_bwd_family() { return cuda_bwd_family().get(); }
 
 }  // namespace op
 }  // namespace mhakern

@@ -136,7 +136,7 @@ def test_forward_family_hook_round_trips_and_names_its_choices():
 
 
 def test_backward_family_hook_round_trips_and_names_its_choices():
-    # The backward's twin (op_common.h: cuda_forced_bwd_family).
+    # The backward's twin (op_common.h: cuda_bwd_family).
     prev = torch.ops.mhakern_C.cuda_force_bwd_family("mma_sync")
     try:
         assert torch.ops.mhakern_C.cuda_force_bwd_family("mma_sync") == "mma_sync"
@@ -145,3 +145,24 @@ def test_backward_family_hook_round_trips_and_names_its_choices():
         assert torch.ops.mhakern_C.cuda_force_bwd_family("auto") == "mma_sync"  # a refused call changes nothing
     finally:
         torch.ops.mhakern_C.cuda_force_bwd_family(prev)
+
+
+def test_the_sm90_backward_is_opt_in_until_a_gpu_has_verified_it():
+    # Unset, MHAKERN_CUDA_BWD_FAMILY leaves the backward on mma.sync (capabilities.h:
+    # kSm90BwdByDefault, reported as sm90.bwd_default); "auto" opts in; a bad value raises at
+    # the first backward on CUDA, and the hook reports it as "auto" meanwhile. Fresh processes:
+    # the variable is read once, at load.
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, torch, mhakern; mhakern.available_backends(); "
+            "print(torch.ops.mhakern_C.cuda_force_bwd_family('mma_sync'), torch.ops.mhakern_C.cuda_force_fwd_family('auto'), "
+            "json.loads(torch.ops.mhakern_C.capabilities())['cuda']['sm90']['bwd_default'])")
+    for value, want in ((None, "mma_sync auto False"), ("auto", "auto auto False"), ("mma_sync", "mma_sync auto False")):
+        env = {k: v for k, v in os.environ.items() if k not in ("MHAKERN_CUDA_BWD_FAMILY", "MHAKERN_CUDA_FWD_FAMILY")}
+        if value is not None:
+            env["MHAKERN_CUDA_BWD_FAMILY"] = value
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.split("\n")[-2] == want, (value, r.stdout)

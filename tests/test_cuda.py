@@ -39,20 +39,22 @@ def cuda_ready():
 
 
 @pytest.fixture(params=["auto", "mma_sync"])
-def fwd_family(request, cuda_ready):
-    """The forward family: the host's choice, then (on a 9.0 device with the sm_90a pass, where
-    the choice is the sm90 family for plain calls) the mma.sync family forced, which is what
-    sm_80-89 devices run: both families meet the hard cases on a Hopper GPU."""
+def family(request, cuda_ready):
+    """The kernel family of both passes: the host's choice with the sm90 backward opted in, then
+    (on a 9.0 device with the sm_90a pass, where that choice is the sm90 family for plain calls)
+    the mma.sync family forced, which is what sm_80-89 devices run: both families meet the hard
+    cases on a Hopper GPU."""
     family = request.param
     if family != "auto":
         sm90 = (cuda_backend.capabilities() or {}).get("cuda", {}).get("sm90", {})
         if torch.cuda.get_device_capability() != (9, 0) or not sm90.get("compiled", False):
             pytest.skip("the host already picks the mma.sync family on this device (no sm_90a family here)")
-    prev = torch.ops.mhakern_C.cuda_force_fwd_family(family)
+    prev = (torch.ops.mhakern_C.cuda_force_fwd_family(family), torch.ops.mhakern_C.cuda_force_bwd_family(family))
     try:
         yield family
     finally:
-        torch.ops.mhakern_C.cuda_force_fwd_family(prev)
+        torch.ops.mhakern_C.cuda_force_fwd_family(prev[0])
+        torch.ops.mhakern_C.cuda_force_bwd_family(prev[1])
 
 
 def _kl(kl):
@@ -77,7 +79,7 @@ def test_cuda_backend_is_available_on_a_gpu():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("case", [c for c in HARD_CASES if _supported(c)], ids=case_id)
-def test_hard_cases(fwd_family, case, dtype):
+def test_hard_cases(family, case, dtype):
     B, H, Hkv, Lq, Lk, D, Dv, causal, kl = case
     q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype=dtype, device="cuda")
     check_against_reference(_cuda_fn(), q, k, v, causal, _kl(kl))
@@ -95,7 +97,7 @@ def test_hard_cases_outside_the_kernels_fall_back(cuda_ready, case):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("D", _head_dims() or (64,))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_every_dtype_and_head_dim(fwd_family, dtype, D, causal):
+def test_every_dtype_and_head_dim(family, dtype, D, causal):
     q, k, v = make_inputs(2, 4, 2, 97, 203, D, dtype=dtype, device="cuda")
     check_against_reference(_cuda_fn(), q, k, v, causal, torch.tensor([203, 120], device="cuda"))
 

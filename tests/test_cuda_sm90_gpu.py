@@ -1,11 +1,12 @@
 """GPU tests of the sm_90a family (csrc/cuda/sm90/), on a compute capability 9.0 device only.
 
 On such a device the cuda backend's forward runs on the sm90 family (wgmma + TMA) wherever it
-serves the call (csrc/cuda/attn_dispatch.h: choose_fwd_family) and the backward on the mma.sync
-family, which then starts from the sm90 forward's out and lse. So the hard cases here check, on
-the hardware, the layouts the CPU emulator could only take from the PTX ISA
-(tests/test_cuda_sm90.py), and that the two families agree on lse. Skipped without such a
-device (conftest.py skips the gpu mark without any device).
+serves the call (csrc/cuda/attn_dispatch.h: choose_fwd_family). The sm90 backward is opt-in
+until this file has passed on a 9.0 GPU (csrc/capabilities.h: kSm90BwdByDefault): every test
+here opts in (the ``hopper`` fixture), so the hard cases check, on the hardware, the layouts the
+CPU emulator could only take from the PTX ISA (tests/test_cuda_sm90.py, test_cuda_sm90_bwd.py)
+for both passes. Skipped without such a device (conftest.py skips the gpu mark without any
+device).
 """
 from __future__ import annotations
 
@@ -27,6 +28,12 @@ def hopper():
     why = mhakern.available_backends().get("cuda", "backend 'cuda' is not registered")
     if why is not None:
         pytest.skip(f"backend 'cuda' unavailable: {why}")
+    # The sm90 backward is opt-in until verified here (capabilities.h: kSm90BwdByDefault).
+    prev = torch.ops.mhakern_C.cuda_force_bwd_family("auto")
+    try:
+        yield
+    finally:
+        torch.ops.mhakern_C.cuda_force_bwd_family(prev)
 
 
 def _fn(q, k, v, **kw):
@@ -101,8 +108,8 @@ def test_sm90_forced_split_k_on_hopper(hopper, splits):
 
 
 # ---------------------------------------------------------------------------------------------
-# The sm90 backward (csrc/cuda/sm90/attn_bwd_sm90_kernel.cuh): on a 9.0 device the plain
-# backward calls of the hard cases above already run on it (choose_bwd_family); here the shapes
+# The sm90 backward (csrc/cuda/sm90/attn_bwd_sm90_kernel.cuh): with the opt-in of the ``hopper``
+# fixture the plain backward calls of the hard cases above run on it; here the shapes
 # that exercise its pipelines, determinism, split dQ keys, and hidden keys that hold NaN.
 # ---------------------------------------------------------------------------------------------
 
