@@ -990,3 +990,26 @@ def test_views_the_kernels_cannot_read_in_place_are_copied():
     assert _aligned(blhd) is blhd
     narrow = torch.zeros(1, 2, 32, 68, dtype=torch.float16)[..., 2:66]  # rows start 4 bytes in
     assert _aligned(narrow).data_ptr() % 16 == 0 and _aligned(narrow).is_contiguous()
+
+
+def test_forward_only_head_dim_is_served_without_gradient_or_modes_on_hopper_only(monkeypatch):
+    # D 256 has only the sm_90a forward (capabilities()["cuda"]["sm90"]["fwd_only_head_dims"]):
+    # served on a 9.0 device of a build with the sm_90a pass, for calls that need neither a
+    # gradient nor a mode; refused with the reason otherwise, so that auto falls back.
+    table = _compiled_table()
+    table["cuda"]["sm90"]["compiled"] = True
+    be = _fresh_backend(monkeypatch, "13.0", table)
+    assert be.unavailable() is None
+    be._caps = {0: (9, 0)}
+    assert 256 in table["cuda"]["sm90"]["fwd_only_head_dims"]
+    assert be.supports(*_qkv(D=256), True, None) is None
+    why = backends.missing_features(be, frozenset({"attn_mask"}), *_qkv(D=256))
+    assert why is not None and "takes no mode (asked: attn_mask)" in why
+    assert backends.missing_features(be, frozenset({"attn_mask"}), *_qkv(D=128)) is None  # mma.sync has them
+    q, k, v = _qkv(D=256)
+    q.requires_grad = True  # a call that will need the backward, which D 256 does not have
+    assert "forward kernel only" in be.supports(q, k, v, True, None)
+    with torch.no_grad():
+        assert be.supports(q, k, v, True, None) is None
+    be._caps = {0: (8, 0)}
+    assert "served only by the sm_90a forward" in be.supports(*_qkv(D=256), True, None)

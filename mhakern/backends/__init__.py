@@ -96,6 +96,11 @@ class Backend:
     def supports(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_lengths: Optional[Tensor]) -> Optional[str]:
         return None
 
+    def mode_limits(self, q: Tensor, k: Tensor, v: Tensor, needed: FrozenSet[str]) -> Optional[str]:
+        """The reason this backend cannot give these tensors the modes ``needed`` although its
+        ``features`` list them (a kernel that serves some shapes without modes only), or None."""
+        return None
+
     def auto_supports(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_lengths: Optional[Tensor]) -> Optional[str]:
         """Like :meth:`supports`, with the extra reasons for which ``auto`` should not pick it."""
         return self.supports(q, k, v, causal, key_lengths)
@@ -109,12 +114,15 @@ class Backend:
         raise NotImplementedError
 
 
-def missing_features(be: Backend, needed: FrozenSet[str]) -> Optional[str]:
-    """The reason ``be`` cannot serve a call needing ``needed`` modes, or None."""
+def missing_features(be: Backend, needed: FrozenSet[str], q=None, k=None, v=None) -> Optional[str]:
+    """The reason ``be`` cannot serve a call needing ``needed`` modes, or None: modes outside its
+    ``features``, then (given the tensors) its :meth:`Backend.mode_limits`."""
     missing = sorted(needed - be.features)
-    if not missing:
-        return None
-    return "does not implement " + ", ".join(missing)
+    if missing:
+        return "does not implement " + ", ".join(missing)
+    if needed and q is not None:
+        return be.mode_limits(q, k, v, needed)
+    return None
 
 
 _REGISTRY: Dict[str, Backend] = {}
@@ -270,14 +278,14 @@ def _select(name, q, k, v, causal, key_lengths, needed) -> Backend:
     usable = available_backends()
     if name != "auto":
         be = get(name)
-        why = usable[name] or missing_features(be, needed) or be.supports(q, k, v, causal, key_lengths)
+        why = usable[name] or missing_features(be, needed, q, k, v) or be.supports(q, k, v, causal, key_lengths)
         if why is not None:
             raise ValueError(f"backend={name!r} cannot serve these inputs: {name}: {why}")
         return be
     reasons = []
     for n in names():
         be = _REGISTRY[n]
-        why = usable[n] or missing_features(be, needed) or be.auto_supports(q, k, v, causal, key_lengths)
+        why = usable[n] or missing_features(be, needed, q, k, v) or be.auto_supports(q, k, v, causal, key_lengths)
         if why is None:
             return be
         reasons.append(f"{n}: {why}")

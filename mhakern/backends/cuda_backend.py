@@ -154,11 +154,21 @@ class CudaBackend(Backend):
                     f"{need[0]}.{need[1]} or newer")
         return None
 
+    def mode_limits(self, q, k, v, needed) -> Optional[str]:
+        """The forward-only head dims (sm_90a, D 256) take no mode: the sm90 family implements
+        none, and no mma.sync kernel has them."""
+        sm90 = self.table.get("sm90", {})
+        D = q.shape[-1]
+        if needed and D in sm90.get("fwd_only_head_dims", ()):
+            return (f"head dim {D} is served only by the sm_90a forward, which takes no mode "
+                    f"(asked: {', '.join(sorted(needed))})")
+        return None
+
     def _fwd_only_head_dim(self, q, k, v, D: int) -> Optional[str]:
         """None when the sm_90a forward serves head dim ``D``, which no mma.sync kernel has (the
         table's ``sm90.fwd_only_head_dims``): a 9.0 device of a build with the sm_90a pass, and
         no gradient needed (no backward kernel exists for it). Else the reason, so that ``auto``
-        falls back. Modes are refused by the op (supports() does not see them)."""
+        falls back. Modes: :meth:`mode_limits`."""
         supported = ", ".join(map(str, self._head_dims))
         sm90 = self.table.get("sm90", {})
         if D not in sm90.get("fwd_only_head_dims", ()):
