@@ -50,13 +50,14 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
 
 
 def plan_splits(batch: int, kv_heads: int, group: int, q_len: int, k_len: int, head_dim: int, num_sms: int,
-                backward: bool = False) -> int:
+                backward: bool = False, sm90: bool = False) -> int:
     """The number of key splits the kernels' host code chooses for a forward (or the backward's
-    dQ pass) on a device with ``num_sms`` multiprocessors: csrc/capabilities.h's planner, called
-    through ``torch.ops.mhakern_C.cuda_plan_splits`` (it needs the extension, CUDA or not). A
-    mma.sync forward of few packed rows is planned with the decode kernel's tiles (a call
-    without attn_mask and dropout)."""
-    return torch.ops.mhakern_C.cuda_plan_splits(batch, kv_heads, group, q_len, k_len, head_dim, num_sms, backward)
+    dQ pass) on a device with ``num_sms`` multiprocessors, with the tiles of the family that runs
+    it (``sm90``: the sm_90a forward; else mma.sync, whose decode kernel takes calls of few packed
+    rows): csrc/capabilities.h's planner, called through ``torch.ops.mhakern_C.cuda_plan_splits``
+    (it needs the extension, CUDA or not)."""
+    return torch.ops.mhakern_C.cuda_plan_splits(batch, kv_heads, group, q_len, k_len, head_dim, num_sms, backward,
+                                                sm90)
 
 
 class CudaBackend(Backend):
