@@ -128,15 +128,21 @@ def build(cache_dir: Path, instances: Sequence[str], jobs: Optional[int] = None)
     Objects are cached in ``cache_dir`` under a digest of the sources and flags, so a rerun with
     unchanged sources links only.
     """
-    inc = cuda_include_dir()
-    if inc is None:
-        raise RuntimeError(missing_toolchain())
-    digest = _sources_digest(FLAGS + [str(inc)])
-    out = cache_dir / digest
-    out.mkdir(parents=True, exist_ok=True)
     units = [CUDA_SRC / "emulation" / u for u in RUNTIME_UNITS]
     for inst in instances:
         units += [CUDA_SRC / f"attn_fwd_{inst}.cu", CUDA_SRC / f"attn_bwd_{inst}.cu"]
+    return build_units(cache_dir, units, "libmhk_emu_" + ("_".join(sorted(instances)) or "runtime") + ".so", jobs)
+
+
+def build_units(cache_dir: Path, units: Sequence[Path], lib_name: str, jobs: Optional[int] = None) -> Path:
+    """Compile ``units`` (g++, FLAGS, in parallel) into cache_dir/<sources digest>/ and link them
+    into ``lib_name`` there; objects already built are reused (every emulator library of the
+    same sources shares them: the sm90 files' builds too). Returns the library's path."""
+    inc = cuda_include_dir()
+    if inc is None:
+        raise RuntimeError(missing_toolchain())
+    out = cache_dir / _sources_digest(FLAGS + [str(inc)])
+    out.mkdir(parents=True, exist_ok=True)
 
     def compile_one(src: Path) -> Path:
         obj = out / (src.name + ".o")
@@ -152,7 +158,7 @@ def build(cache_dir: Path, instances: Sequence[str], jobs: Optional[int] = None)
 
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 2) as pool:
         objs = list(pool.map(compile_one, units))
-    lib = out / ("libmhk_emu_" + ("_".join(sorted(instances)) or "runtime") + ".so")
+    lib = out / lib_name
     if not lib.exists():
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
         res = subprocess.run(["g++", "-shared", "-o", str(tmp), *map(str, objs), "-ldl"], capture_output=True, text=True)

@@ -19,9 +19,6 @@ documented layouts) is for tools/check_cuda_build.py (SASS) and a GPU.
 from __future__ import annotations
 
 import ctypes
-import os
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -31,12 +28,10 @@ from attn_testing import HARD_CASES, case_id, check_against_reference, make_inpu
 from test_cuda_host import (
     CUDA_SRC,
     ELEM,
-    FLAGS,
     _generator,
     _ptr,
-    _sources_digest,
     _st,
-    cuda_include_dir,
+    build_units,
     missing_toolchain,
     padded,
     padded_empty,
@@ -52,34 +47,10 @@ UNITS = ("emu_entry.cpp", "emu_schedule.cpp", "emu_sm90_entry.cpp")
 
 
 def build_sm90(cache_dir: Path) -> Path:
-    inc = cuda_include_dir()
-    # The directory tests/test_cuda_host.py builds in: the runtime objects are shared.
-    out = cache_dir / _sources_digest(FLAGS + [str(inc)])
-    out.mkdir(parents=True, exist_ok=True)
     units = [CUDA_SRC / "emulation" / u for u in UNITS]
     units += [CUDA_SRC / "sm90" / f"attn_fwd_sm90_{t}_d{d}.cu" for t, d in SM90_INSTANCES]
-
-    def compile_one(src: Path) -> Path:
-        obj = out / (src.name + ".o")
-        if not obj.exists():
-            tmp = obj.with_suffix(f".{os.getpid()}.tmp")
-            res = subprocess.run(["g++", *FLAGS, f"-I{inc}", "-x", "c++", "-c", str(src), "-o", str(tmp)],
-                                 capture_output=True, text=True)
-            if res.returncode != 0:
-                raise RuntimeError(f"emulator build failed for {src.name}:\n{res.stderr[-4000:]}")
-            os.replace(tmp, obj)
-        return obj
-
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        objs = list(pool.map(compile_one, units))
-    lib = out / "libmhk_emu_sm90.so"
-    if not lib.exists():
-        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        res = subprocess.run(["g++", "-shared", "-o", str(tmp), *map(str, objs), "-ldl"], capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"emulator link failed:\n{res.stderr[-4000:]}")
-        os.replace(tmp, lib)
-    return lib
+    # The directory tests/test_cuda_host.py builds in: the runtime objects are shared.
+    return build_units(cache_dir, units, "libmhk_emu_sm90.so")
 
 
 class Sm90Emulator:
