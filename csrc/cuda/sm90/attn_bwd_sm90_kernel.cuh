@@ -410,28 +410,10 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfigSm90<D>::kThreads, 1)
   unsigned char* smem = smem_raw + (1024 - shared_u32(smem_raw) % 1024) % 1024;
   const int tid = thread_index();
 
-  const int group_rows = p.group * p.Lq;
-  const int n_mtiles = ceil_div(group_rows, BM);
-  int64_t bid = block_index();
-  const int split = static_cast<int>(bid % p.num_splits);
-  bid /= p.num_splits;
-  const int mt = static_cast<int>(bid % n_mtiles);
-  bid /= n_mtiles;
-  const int hkv = static_cast<int>(bid % p.Hkv);
-  const int b = static_cast<int>(bid / p.Hkv);
-  const int r0 = mt * BM;
-  const int Lk_b = key_length_of(p, b);
-
-  // Key tiles [0, n_all) reach the largest visible limit of the tile's rows; tiles that end at
-  // or before the smallest limit need no mask. Split-K: this CTA's equal share [t0, t0 + n_tiles).
-  int i_lo, i_hi;
-  tile_query_range(r0, imin(BM, group_rows - r0), p.Lq, i_lo, i_hi);
-  const int lim_max = visible_limit(i_hi, Lk_b, p.Lq, p.causal);
-  const int lim_min = visible_limit(i_lo, Lk_b, p.Lq, p.causal);
-  const int n_all = lim_max > 0 ? ceil_div(lim_max, BN) : 0;
-  const int per_split = ceil_div(n_all, p.num_splits);
-  const int t0 = imin(n_all, split * per_split);
-  const int n_tiles = imin(n_all, t0 + per_split) - t0;
+  // This CTA's rows and key tiles (primitives_sm90.cuh: row_tile_work).
+  const RowTileWork w = row_tile_work<BM, BN>(p, block_index());
+  const int split = w.split, hkv = w.hkv, b = w.b, group_rows = w.group_rows, r0 = w.r0, Lk_b = w.Lk_b;
+  const int lim_min = w.lim_min, t0 = w.t0, n_tiles = w.n_tiles;
 
   unsigned char* sQ = smem;
   unsigned char* sdO = smem + Cfg::kDqOffDo;

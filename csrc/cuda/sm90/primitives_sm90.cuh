@@ -187,6 +187,39 @@ MHK_DEVICE void wgmma_rs_tb(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t 
 
 #endif
 
+// The work of one CTA of a forward-shaped grid (the forward, the backward's dQ pass): its key
+// split, tile of BM packed query rows (r = (h - hkv * group) * Lq + i), KV head and batch element
+// (fastest first), and the key tiles of BN keys it takes, [t0, t0 + n_tiles) of the tiles
+// [0, n_all) that reach the largest visible limit of its rows (possibly none: a split's partial
+// is then 0 with lse -inf, which the combine weighs away). Tiles that end at or before lim_min,
+// the smallest limit of its rows, need no mask.
+struct RowTileWork {
+  int split, hkv, b, group_rows, r0, Lk_b, lim_min, t0, n_tiles;
+};
+template <int BM, int BN, typename Params>
+MHK_DEVICE RowTileWork row_tile_work(const Params& p, int64_t bid) {
+  RowTileWork w;
+  w.group_rows = p.group * p.Lq;
+  const int n_mtiles = ceil_div(w.group_rows, BM);
+  w.split = static_cast<int>(bid % p.num_splits);
+  bid /= p.num_splits;
+  const int mt = static_cast<int>(bid % n_mtiles);
+  bid /= n_mtiles;
+  w.hkv = static_cast<int>(bid % p.Hkv);
+  w.b = static_cast<int>(bid / p.Hkv);
+  w.r0 = mt * BM;
+  w.Lk_b = key_length_of(p, w.b);
+  int i_lo, i_hi;
+  tile_query_range(w.r0, imin(BM, w.group_rows - w.r0), p.Lq, i_lo, i_hi);
+  const int lim_max = visible_limit(i_hi, w.Lk_b, p.Lq, p.causal);
+  w.lim_min = visible_limit(i_lo, w.Lk_b, p.Lq, p.causal);
+  const int n_all = lim_max > 0 ? ceil_div(lim_max, BN) : 0;
+  const int per_split = ceil_div(n_all, p.num_splits);
+  w.t0 = imin(n_all, w.split * per_split);
+  w.n_tiles = imin(n_all, w.t0 + per_split) - w.t0;
+  return w;
+}
+
 }  // namespace sm90
 }  // namespace cuda
 }  // namespace mhakern
