@@ -423,17 +423,10 @@ MHK_DEVICE void attn_bwd_dq_body(const BwdParams& p) {
   const int nrows = imin(kBlockM, rows_total - r0);
   const int Lk_b = key_length_of(p, b);  // clamped into [0, Lk]
 
-  const Visibility vis = visibility_of(p, Lk_b);
-
-  int i_lo, i_hi;
-  tile_query_range(r0, nrows, p.Lq, i_lo, i_hi);
-  int kv_first, kv_any, kv_all_lo, kv_all;
-  tile_key_range<kBlockN>(vis, i_lo, i_hi, kv_first, kv_any, kv_all_lo, kv_all);
-  // Split-K cuts this tile's own key range [kv_first, kv_any) into whole blocks.
-  const int per_split = ceil_div(ceil_div(kv_any - kv_first, kBlockN), p.num_splits) * kBlockN;
-  const int kv_begin = kv_first + split * per_split;
-  const int kv_end = imin(kv_any, kv_begin + per_split);
-  const bool lo_masks = vis.left >= 0;
+  const RowBlockKeys rk = row_block_keys<kBlockN>(p, Lk_b, r0, nrows, split);
+  const Visibility vis = rk.vis;
+  const int kv_begin = rk.kv_begin, kv_end = rk.kv_end, kv_all_lo = rk.kv_all_lo, kv_all = rk.kv_all;
+  const bool lo_masks = rk.lo_masks;
 
   int limit[2], lo[2];
   float lse2[2], delta[2];

@@ -194,17 +194,10 @@ MHK_DEVICE void attn_fwd_body(const FwdParams& p) {
   const int nrows = imin(kBlockM, rows_total - r0);
   const int Lk_b = key_length_of(p, b);  // clamped into [0, Lk]
 
-  const Visibility vis = visibility_of(p, Lk_b);
-
-  int i_lo, i_hi;
-  tile_query_range(r0, nrows, p.Lq, i_lo, i_hi);
-  int kv_first, kv_any, kv_all_lo, kv_all;
-  tile_key_range<kBlockN>(vis, i_lo, i_hi, kv_first, kv_any, kv_all_lo, kv_all);
-  // Split-K cuts this tile's own key range [kv_first, kv_any) into whole blocks.
-  const int per_split = ceil_div(ceil_div(kv_any - kv_first, kBlockN), p.num_splits) * kBlockN;
-  const int kv_begin = kv_first + split * per_split;
-  const int kv_end = imin(kv_any, kv_begin + per_split);
-  const bool lo_masks = vis.left >= 0;
+  const RowBlockKeys rk = row_block_keys<kBlockN>(p, Lk_b, r0, nrows, split);
+  const Visibility vis = rk.vis;
+  const int kv_begin = rk.kv_begin, kv_end = rk.kv_end, kv_all_lo = rk.kv_all_lo, kv_all = rk.kv_all;
+  const bool lo_masks = rk.lo_masks;
 
   // Published to the other warps by the first block_sync of the loop.
   for (int rr = tid; rr < kBlockM; rr += kThreads) {
@@ -472,16 +465,10 @@ MHK_DEVICE void attn_fwd_decode_body(const FwdParams& p) {
   const int r0 = mb * kBlockM;
   const int nrows = imin(kBlockM, rows_total - r0);
   const int Lk_b = key_length_of(p, b);  // clamped into [0, Lk]
-  const Visibility vis = visibility_of(p, Lk_b);
-  int i_lo, i_hi;
-  tile_query_range(r0, nrows, p.Lq, i_lo, i_hi);
-  int kv_first, kv_any, kv_all_lo, kv_all;
-  tile_key_range<kBlockN>(vis, i_lo, i_hi, kv_first, kv_any, kv_all_lo, kv_all);
-  // Split-K in whole tiles of this row block's key range, as attn_fwd_body.
-  const int per_split = ceil_div(ceil_div(kv_any - kv_first, kBlockN), p.num_splits) * kBlockN;
-  const int kv_begin = kv_first + split * per_split;
-  const int kv_end = imin(kv_any, kv_begin + per_split);
-  const bool lo_masks = vis.left >= 0;
+  const RowBlockKeys rk = row_block_keys<kBlockN>(p, Lk_b, r0, nrows, split);
+  const Visibility vis = rk.vis;
+  const int kv_begin = rk.kv_begin, kv_end = rk.kv_end, kv_all_lo = rk.kv_all_lo, kv_all = rk.kv_all;
+  const bool lo_masks = rk.lo_masks;
 
   // Published to the other warps by the first block_sync of the loop (or the one before the merge).
   for (int rr = tid; rr < kBlockM; rr += kThreads) {

@@ -294,6 +294,7 @@ MHK_DEVICE void tile_key_range(const Visibility& v, int i_lo, int i_hi, int& fir
   all_hi = imax(0, key_hi(v, i_lo));
 }
 
+
 // ---- attn_mask and dropout (docs/contract.md "Visibility", "Dropout") ----------------------
 // The kernels built with kModes read these once per CTA; per query row they stage the offset of
 // the row's mask row and the row's dropout hash in shared memory.
@@ -371,6 +372,29 @@ MHK_DEVICE void tile_query_range(int r0, int nrows, int Lq, int& i_lo, int& i_hi
     i_lo = 0;
     i_hi = Lq - 1;
   }
+}
+
+// What a CTA of one split needs of its row block [r0, r0 + nrows) of packed rows: the
+// visibility, the keys [kv_begin, kv_end) it walks (split-K cuts the block's own key range
+// [first, any) into whole blocks of kBlockN), the keys [kv_all_lo, kv_all) every row sees (no
+// per-element mask inside), and whether a left window masks too.
+struct RowBlockKeys {
+  Visibility vis;
+  int kv_begin, kv_end, kv_all_lo, kv_all;
+  bool lo_masks;
+};
+template <int kBlockN, typename Params>
+MHK_DEVICE RowBlockKeys row_block_keys(const Params& p, int Lk_b, int r0, int nrows, int split) {
+  RowBlockKeys k;
+  k.vis = visibility_of(p, Lk_b);
+  int i_lo, i_hi, kv_first, kv_any;
+  tile_query_range(r0, nrows, p.Lq, i_lo, i_hi);
+  tile_key_range<kBlockN>(k.vis, i_lo, i_hi, kv_first, kv_any, k.kv_all_lo, k.kv_all);
+  const int per_split = ceil_div(ceil_div(kv_any - kv_first, kBlockN), p.num_splits) * kBlockN;
+  k.kv_begin = kv_first + split * per_split;
+  k.kv_end = imin(kv_any, k.kv_begin + per_split);
+  k.lo_masks = k.vis.left >= 0;
+  return k;
 }
 
 }  // namespace cuda
