@@ -1,5 +1,5 @@
 """The cpu kernels' modes (attn_mask, float-mask gradient, dropout, top-left causal, sliding
-windows, key lengths) and the NaN/inf contract, against a float64 oracle by GUIDE.md's rule.
+windows, key lengths) and the NaN/inf contract, against a float64 oracle by the contract's tolerance rule (docs/contract.md).
 
 The oracle here is self-contained (the package's reference gains the same modes separately): it
 materialises the visibility of every (query, key) pair, the dropout keep mask from the counter

@@ -5,7 +5,7 @@ device, ``test_cuda_backend_is_available_on_a_gpu`` fails when the backend is un
 extension built without its CUDA kernels is a broken build, not a missing device); the other
 tests then skip with the backend's reason instead of failing a hundred times over.
 
-Everything is checked against the float64 reference with the tolerance rule of GUIDE.md
+Everything is checked against the float64 reference with the contract's tolerance rule (docs/contract.md)
 (tests/attn_testing.py): forward, lse, and the gradients dq, dk, dv.
 """
 from __future__ import annotations

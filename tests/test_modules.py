@@ -1,6 +1,6 @@
 """FusedMHA against torch.nn.MultiheadAttention, and its argument checks.
 
-Equivalence is judged by GUIDE.md's tolerance rule: nn.MultiheadAttention in float64 is the
+Equivalence is judged by the contract's tolerance rule (docs/contract.md): nn.MultiheadAttention in float64 is the
 oracle, nn.MultiheadAttention in float32 the "torch math in T"; FusedMHA (float32, weights
 loaded from the same state dict) must stay within 2x (outputs and attention weights) / 3x
 (gradients of inputs, float masks and parameters) of torch's own error plus atol.
