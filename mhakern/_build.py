@@ -21,11 +21,11 @@ torch at hand, tested with faked ones):
   ``csrc/cpu/kernels_<isa>.cpp`` on x86-64 each with its own -m flags (:data:`ISA_FLAGS`, never
   -march=native: the module must run on other CPUs), the rest with the baseline flags.
 * CUDA, when torch has CUDA, nvcc is found with torch's CUDA major version, and some arch of at
-  least 8.0 is asked for: ``csrc/cuda_*.cpp`` and ``csrc/cuda/**/*.{cu,cpp}`` (not
-  ``csrc/cuda/emulation/``, which the emulator tests compile on their own), -DMHAKERN_WITH_CUDA.
-  Archs: ``TORCH_CUDA_ARCH_LIST`` with those below 8.0 dropped (the kernels use cp.async and
-  need sm_80; one line says what was dropped), else the visible GPUs' archs in a first-use
-  build, else 8.0 and 9.0 + PTX.
+  least the kernels' minimum (:func:`min_arch`, read from csrc/capabilities.h) is asked for:
+  ``csrc/cuda_*.cpp`` and ``csrc/cuda/**/*.{cu,cpp}`` (not ``csrc/cuda/emulation/``, which the
+  emulator tests compile on their own), -DMHAKERN_WITH_CUDA. Archs: ``TORCH_CUDA_ARCH_LIST``
+  with those below that minimum dropped (one line says what was dropped), else the visible
+  GPUs' archs in a first-use build, else 8.0 and 9.0 + PTX.
 * A CUDA part that fails (torch's CUDA version check or compiler bounds, nvcc, ptxas) never
   costs the CPU kernels: the module is rebuilt CPU-only, with one line saying why, unless
   ``MHAKERN_REQUIRE_CUDA=1``.
@@ -41,6 +41,7 @@ torch may be missing, and the first-use build runs it as a script in a child pro
 """
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import importlib
@@ -65,7 +66,6 @@ ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
 }
 DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
-MIN_ARCH = (8, 0)  # cp.async, ldmatrix and bf16 mma.sync need sm_80
 # torch's named archs (torch.utils.cpp_extension), expanded before filtering.
 NAMED_ARCHES = {
     "Kepler+Tesla": "3.7", "Kepler": "3.5+PTX", "Maxwell+Tegra": "5.3", "Maxwell": "5.0;5.2+PTX",
@@ -200,9 +200,23 @@ def visible_gpu_archs() -> List[str]:
         return []
 
 
+@functools.lru_cache(maxsize=None)
+def min_arch() -> Tuple[int, int]:
+    """The oldest GPU arch the CUDA kernels run on, as (major, minor): read from the capability
+    table (csrc/capabilities.h: kCudaMinCapabilityMajor/Minor), where the kernels state it, so
+    that the build and the run-time check cannot disagree."""
+    root = source_root()
+    path = os.path.join(root, "csrc", "capabilities.h") if root else None
+    text = open(path).read() if path and os.path.isfile(path) else ""
+    m = re.search(r"kCudaMinCapabilityMajor\s*=\s*(\d+)\s*,\s*kCudaMinCapabilityMinor\s*=\s*(\d+)", text)
+    if not m:
+        raise RuntimeError(f"mhakern: the CUDA kernels' minimum arch is not in {path or 'csrc/capabilities.h'}")
+    return int(m.group(1)), int(m.group(2))
+
+
 def filter_arch_list(text: str) -> Tuple[List[str], List[str]]:
     """(kept, dropped) entries of a TORCH_CUDA_ARCH_LIST-style string ('8.6;7.5+PTX', names
-    like 'Ampere', ' ' or ';' separated): kept are those of at least :data:`MIN_ARCH`; dropped
+    like 'Ampere', ' ' or ';' separated): kept are those of at least :func:`min_arch`; dropped
     are the older ones and anything unrecognised."""
     text = text.replace(" ", ";").replace(",", ";")
     for name, archs in NAMED_ARCHES.items():  # combined names first, as torch does
@@ -212,7 +226,7 @@ def filter_arch_list(text: str) -> Tuple[List[str], List[str]]:
         if not entry:
             continue
         m = _ARCH_RE.match(entry)
-        if m and (int(m.group(1)), int(m.group(2))) >= MIN_ARCH:
+        if m and (int(m.group(1)), int(m.group(2))) >= min_arch():
             if entry not in kept:
                 kept.append(entry)
         else:
@@ -352,11 +366,11 @@ def plan(env: Mapping[str, str], info: Optional[dict], root: str, gpu_archs: Opt
             archs[-1] += "+PTX"
         if dropped:
             notes.append(
-                f"{arch_src} ({arch_text}): dropped {', '.join(dropped)} (the CUDA kernels need sm_80 or newer)"
+                f"{arch_src} ({arch_text}): dropped {', '.join(dropped)} (the CUDA kernels need sm_{'%d%d' % min_arch()} or newer)"
                 + (f"; building for {';'.join(archs)}" if archs else "")
             )
         if not archs:
-            cuda_why = f"{arch_src} ({arch_text or 'none'}) names no GPU arch of 8.0 or newer"
+            cuda_why = f"{arch_src} ({arch_text or 'none'}) names no GPU arch of {'%d.%d' % min_arch()} or newer"
 
     p = {
         "build": True,

@@ -249,6 +249,19 @@ def test_arch_list_without_sm80_builds_cpu_only(B, arch_list):
     assert plan["notes"][0].startswith(f"TORCH_CUDA_ARCH_LIST ({arch_list}): dropped ")
 
 
+def test_the_builds_minimum_arch_is_the_capability_tables(B):
+    # One fact in one place: the build drops archs below the minimum the kernels state in
+    # csrc/capabilities.h, which the run-time check reads too.
+    import json
+
+    import torch
+    C = pytest.importorskip("mhakern._C", reason="mhakern._C is not built")
+    assert list(B.min_arch()) == json.loads(torch.ops.mhakern_C.capabilities())["cuda"]["min_capability"]
+    below = "%d.%d" % (B.min_arch()[0] - 1, 5)
+    assert B.filter_arch_list(below + ";" + "%d.%d" % B.min_arch()) == (["%d.%d" % B.min_arch()], [below])
+    del C
+
+
 def test_first_use_build_targets_the_visible_gpus(B):
     plan = B.plan({}, _fake_torch(**CUDA_TORCH), ROOT, gpu_archs=["8.6", "9.0"])
     assert plan["arch_list"] == "8.6;9.0+PTX"
