@@ -7,7 +7,7 @@ computation carried out in T and ``ref64`` the same in float64.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -258,8 +258,22 @@ def check_against_reference(
         rule_check(name, x.grad, x64.grad, xT.grad, dtype, 3.0, extra * top + floor(x64.grad) + delta_extra[name])
 
 
-# Hard cases every backend's suite runs: (B, H, Hkv, Lq, Lk, D, Dv, causal, key_lengths).
-HARD_CASES: Sequence[tuple] = (
+class HardCase(NamedTuple):
+    """One hard case: q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), causal or not,
+    and the per-element key lengths (None: all Lk keys). A tuple, so it unpacks in that order."""
+    B: int
+    H: int
+    Hkv: int
+    Lq: int
+    Lk: int
+    D: int
+    Dv: int
+    causal: bool
+    key_lengths: Optional[Tuple[int, ...]]
+
+
+# Hard cases every backend's suite runs.
+HARD_CASES: Sequence[HardCase] = tuple(HardCase(*c) for c in (
     (1, 2, 2, 1, 1, 16, 16, False, None),
     (2, 2, 2, 17, 17, 64, 64, True, None),
     (1, 2, 1, 113, 37, 32, 32, False, None),
@@ -272,7 +286,7 @@ HARD_CASES: Sequence[tuple] = (
     (1, 4, 2, 33, 50, 80, 80, True, None),
     (1, 2, 2, 20, 40, 128, 128, False, None),
     (1, 2, 2, 20, 24, 24, 24, True, None),
-)
+))
 
 
 def case_id(c) -> str:

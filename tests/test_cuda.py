@@ -68,7 +68,7 @@ def _head_dims():
 
 
 def _supported(case) -> bool:
-    D, Dv = case[5], case[6]
+    D, Dv = case.D, case.Dv
     return D == Dv and D in _head_dims()
 
 

@@ -48,7 +48,7 @@ def _run(case, dtype, layout="bhld", scale_inputs=1.0, grads=True):
     check_against_reference(_fn, q, k, v, causal, kl_t, grads=grads)
 
 
-SM90_HARD = [c for c in HARD_CASES if c[5] == c[6] and c[5] in SM90_DIMS]
+SM90_HARD = [c for c in HARD_CASES if c.D == c.Dv and c.D in SM90_DIMS]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -73,7 +73,7 @@ def test_sm90_pipeline_shapes_on_hopper(hopper, case, layout, scale_inputs, dtyp
 
 
 # Head dim 256: the sm90 forward only (no backward kernel on either family), so no gradient.
-D256_CASES = [c[:5] + (256, 256) + c[7:] for c in HARD_CASES if c[3] in (1, 17, 19, 37, 113) and c[5] == c[6]]
+D256_CASES = [c._replace(D=256, Dv=256) for c in HARD_CASES if c.Lq in (1, 17, 19, 37, 113) and c.D == c.Dv]
 D256_CASES += [(1, 1, 1, 300, 1000, 256, 256, True, None), (4, 16, 2, 1, 3000, 256, 256, False, (3000, 5, 0, 1777))]
 
 
