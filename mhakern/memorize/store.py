@@ -376,17 +376,21 @@ class ResultStore:
                 where = f"{verb} kept in {self.kept_in} where it could; the others {where}"
         else:
             where = f"{verb} kept in {self.kept_in}"
+        side = side_path(self.path)
+        later = "added to the database at this path when it is next opened healthy"
+        if self.kept_in and self.kept_in != side:  # the folder of the database took no file
+            later = f"move the file to {side} to have it {later}"
         if self.damaged is not None:
             return StoreDamaged(f"--db: {self.path} is damaged ({self.damaged}); nothing more is written to it, and "
-                                f"{what} {where} instead (added to the database at this path when it is next opened "
-                                f"healthy); {recover_hint(self.path)}")
-        return StoreError(f"{self._failure}; {what} {where}: run the same command again to store "
+                                f"{what} {where} instead ({later}); {recover_hint(self.path)}")
+        return StoreError(f"{self._failure}; {what} {where} ({later}): run the same command again to store "
                           f"{'them' if plural else 'it'} and go on")
 
     def _keep(self, writes) -> Tuple[Optional[str], str]:
         """Append ``writes`` as one record to the side file (else to one in the temporary
         folder); returns (the file, "") or (None, why not)."""
-        line = json.dumps({"id": uuid.uuid4().hex, "at": _now(), "writes": [list(w) for w in writes]}, default=str) + "\n"
+        rec = {"id": uuid.uuid4().hex, "at": _now(), "db": os.path.abspath(self.path), "writes": [list(w) for w in writes]}
+        line = json.dumps(rec, default=str) + "\n"
         why = ""
         for path in (side_path(self.path), os.path.join(tempfile.gettempdir(), os.path.basename(side_path(self.path)))):
             try:
