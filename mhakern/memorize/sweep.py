@@ -23,6 +23,7 @@ import dataclasses
 import itertools
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -232,6 +233,9 @@ def run_sweep(
     todo = [c for c in configs if c.key() not in have]
     skipped = len(configs) - len(todo)
     say = log or (lambda s: None)
+    # A lost claim and a failing database are said even without a log (capacity searches run
+    # their probes' sweeps silently).
+    warn = log or (lambda s: print(s, file=sys.stderr, flush=True))
     if skipped:
         say(f"{skipped} of {len(configs)} runs already stored in {store.path}; training the other {len(todo)}")
     vers = versions()
@@ -241,7 +245,7 @@ def run_sweep(
     dev_type = "cuda" if str(device).startswith("cuda") else "cpu"
     poll = min(5.0, lease_s / 4) if poll_s is None else poll_s
     owner = new_owner()
-    claims = _Claims(store, owner, lease_s, by_key, say)
+    claims = _Claims(store, owner, lease_s, by_key, warn)
     outer = None
     if progress and len(todo) > 1:
         from tqdm.auto import tqdm
@@ -254,8 +258,9 @@ def run_sweep(
         if not failure:
             failure.append(e)
             n = len(claims.inflight)
-            say(f"{e}" + (f" -- finishing the {n} run{'s' if n > 1 else ''} in flight first (their results are kept "
-                          "the same way), then stopping" if n else ""))
+            if n:  # said now: the stack in flight may train for a while yet (the error ends the sweep)
+                warn(f"{e} -- finishing the {n} run{'s' if n > 1 else ''} in flight first (their results are kept "
+                     "the same way), then stopping")
 
     def stored(res: RunResult) -> set:
         """Store a finished run; returns the groups found wholly taken over (see _Claims.check)."""
