@@ -542,6 +542,8 @@ def _drive_pool(pool: RayPool, todo, by_key, store: ResultStore, owner: str, lea
             if pending:
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=poll)
                 for gen in ready:
+                    if gen not in pending:  # cancelled just now: its runs were taken over
+                        continue
                     try:
                         ref = next(gen)
                     except StopIteration:
