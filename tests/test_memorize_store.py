@@ -245,3 +245,59 @@ def test_a_run_taken_over_but_not_stored_yet_is_stored_once(tmp_path, monkeypatc
     assert summary.trained == 3 and summary.dropped == 0 and len(mine) == 3
     assert other.add_run(results[keys[0]], "other", {}) is False
     assert [r["experiment"] for r in other.runs()] == ["mine"] * 3
+
+
+class _FakeRay:
+    """What the sweep's Ray driver calls of Ray, in this process: a task's stream yields its
+    stack's results one by one (trained when submitted)."""
+
+    def __init__(self):
+        self.cancelled = []
+
+    def wait(self, gens, num_returns, timeout):
+        return gens[:num_returns], gens[num_returns:]
+
+    def get(self, ref):
+        return ref
+
+    def cancel(self, gen):
+        self.cancelled.append(gen)
+
+
+class _FakePool:
+    device = "cpu"
+
+    def __init__(self, before_training):
+        self.ray = _FakeRay()
+        self.before_training = before_training
+
+    def submit(self, stack, layout="rows"):
+        self.before_training(stack)
+        return iter(train_stack(stack, progress=False, layout=layout))
+
+
+def test_a_ray_driver_paused_past_its_lease_cancels_the_task_taken_over(tmp_path):
+    db = str(tmp_path / "r.sqlite")
+    clock = _Clock()
+    cfgs = [dataclasses.replace(TINY, T=8 + i, steps=2) for i in range(3)]
+    keys = [c.key() for c in cfgs]
+    theirs = {r.config.key(): r for r in train_stack(cfgs, progress=False)}
+    other = ResultStore(db, clock=clock)
+
+    def paused(stack):
+        clock.t += 10 * DEFAULT_LEASE_S
+        assert other.claim(keys, "elsewhere:1:x") == keys
+        other.add_run(theirs[keys[0]], "other", {})
+
+    def log(msg):
+        said.append(msg)
+        if "another sweep is training" in msg:
+            for k in keys:
+                other.add_run(theirs[k], "other", {})
+
+    said, pool = [], _FakePool(paused)
+    summary = run_sweep(cfgs, ResultStore(db, clock=clock), "mine", progress=False, max_stack=3, log=log,
+                        poll_s=0.0, pool=pool)
+    assert len(pool.ray.cancelled) == 1 and sum(s.startswith("claim lost") for s in said) == 1, said
+    assert (summary.trained, summary.by_others, summary.dropped) == (0, 3, 1)
+    assert {r["experiment"] for r in other.runs()} == {"other"}
