@@ -331,8 +331,9 @@ def _open_store(args):
     except OSError as e:
         raise UsageError(f"--db: cannot open {path}: {e}") from None
     if store.imported:
-        print(f"--db: added {store.imported} result{'s' if store.imported > 1 else ''} that an earlier command could "
-              f"not store to {path} (from {side_path(path)})", file=sys.stderr, flush=True)
+        n = store.imported
+        print(f"--db: {path}: added {n} result{'s' if n > 1 else ''} that an earlier command could not store there "
+              f"and kept in {side_path(path)}", file=sys.stderr, flush=True)
     return store
 
 
