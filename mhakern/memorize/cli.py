@@ -7,7 +7,9 @@ experiments), ``report`` (tables and plots from the database) and ``preset NAME`
 paper-regress-context, paper-saturation, large).
 
 Bad input ends with one line ``mhakern-memorize: error: FLAG: what is wrong`` on stderr and
-exit status 2; an interrupted job exits with 130 after saying what was kept.
+exit status 2, and so does a database that is damaged or fails during the job (``--db: ...``,
+saying where the results it could not take are kept); an interrupted job exits with 130 after
+saying what was kept.
 """
 from __future__ import annotations
 
@@ -319,15 +321,20 @@ def _setup_threads(args) -> None:
 
 
 def _open_store(args):
-    from .store import ResultStore
+    from .store import ResultStore, side_path
 
     path = args.db or os.path.join(args.out, "memorize.sqlite")
     try:
-        return ResultStore(path)
-    except ValueError as e:
+        store = ResultStore(path)
+    except ValueError as e:  # StoreError, StoreDamaged: one line naming the file and what to do
         raise UsageError(str(e)) from None
     except OSError as e:
         raise UsageError(f"--db: cannot open {path}: {e}") from None
+    if store.imported:
+        n = store.imported
+        print(f"--db: {path}: added {n} result{'s' if n > 1 else ''} that an earlier command could not store there "
+              f"and kept in {side_path(path)}", file=sys.stderr, flush=True)
+    return store
 
 
 def _log(args):
@@ -419,8 +426,11 @@ def _do_sweep(cfgs, args, exp: str, dev, log, out_dir: Optional[str], pool=None)
         max_stack=_one_int("--stack", args.stack), layout=args.layout, log=log, pool=pool,
     )
     where = "" if pool is None else f" on Ray ({pool.slots} {'GPU' if pool.device == 'cuda' else 'CPU'} slots)"
+    others = f", {summary.by_others} stored by other sweeps" if summary.by_others else ""
+    if summary.dropped:
+        others += f" ({summary.dropped} of them finished here too, not stored: claims lost)"
     log(
-        f"{exp}: {summary.total} runs ({summary.skipped} already stored, {summary.trained} trained) "
+        f"{exp}: {summary.total} runs ({summary.skipped} already stored, {summary.trained} trained{others}) "
         f"in {time.perf_counter() - t0:.1f} s{where}; database {store.path}"
     )
     if out_dir:
@@ -634,6 +644,7 @@ _COMMANDS = {"run": cmd_run, "sweep": cmd_sweep, "capacity": cmd_capacity, "stor
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
     from .config import ConfigError
+    from .store import StoreError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _preset_names():
@@ -642,7 +653,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = build_parser().parse_args(argv)
         _setup_threads(args)
         return _COMMANDS[args.cmd](args)
-    except (UsageError, ConfigError) as e:
+    except (UsageError, ConfigError, StoreError) as e:
+        # StoreError here: the database failed during the job (damaged, locked too long); the
+        # message says where the results it could not take are kept.
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -23,13 +23,14 @@ import dataclasses
 import itertools
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .config import RunConfig
-from .store import DEFAULT_LEASE_S, Heartbeat, ResultStore, new_owner
+from .store import DEFAULT_LEASE_S, Heartbeat, ResultStore, StoreError, new_owner
 from .train import RunResult, train_stack, versions
 
 # A stack may pad its runs to the largest (heads, d_head, d_value) when the padded work is at
@@ -127,6 +128,63 @@ class SweepSummary:
     trained: int  # finished and stored by this call
     wall_s: float
     by_others: int = 0  # stored meanwhile by other sweeps sharing the database
+    dropped: int = 0  # of those, runs this call finished too but another sweep had stored first (a lost claim)
+
+
+class _StackLost(Exception):
+    """Raised from a stack's result callback to stop training it: every run still training in
+    it was taken over by another sweep (see _Claims.check)."""
+
+
+def _runs_text(cfgs: Sequence[RunConfig], most: int = 3) -> str:
+    txt = ", ".join(f"{c.label()} T={c.T} seed={c.seed}" for c in cfgs[:most])
+    return txt + (f" and {len(cfgs) - most} more" if len(cfgs) > most else "")
+
+
+class _Claims:
+    """The runs a sweep has claimed and is training (in groups: a stack, a Ray task), checked
+    against the database before each run is stored, so that a sweep whose claims were taken
+    over (it went longer than the lease without renewing it: paused, suspended, starved)
+    notices it, says so once, and stops training a group none of whose runs is its own."""
+
+    def __init__(self, store: ResultStore, owner: str, lease_s: float, by_key: Dict[str, RunConfig], say):
+        self.store, self.owner, self.lease_s, self.by_key, self.say = store, owner, lease_s, by_key, say
+        self.inflight: Dict[str, object] = {}  # key -> its group, while training and not yet stored
+        self.announced: set = set()
+
+    def add(self, keys: Sequence[str], group: object) -> None:
+        for k in keys:
+            self.inflight[k] = group
+
+    def drop_group(self, group: object) -> None:
+        for k in [k for k, g in self.inflight.items() if g is group]:
+            del self.inflight[k]
+
+    def check(self, key: str) -> set:
+        """Before storing the run ``key``: renew this sweep's claims, say which runs in flight
+        were lost (once each), and return the groups whose other runs are all lost. ``key``
+        leaves the runs in flight."""
+        lost = self.store.renew(list(self.inflight), self.owner, self.lease_s)
+        new = {k: v for k, v in lost.items() if k not in self.announced}
+        if new:
+            self.announced.update(new)
+            takers = sorted({v for v in new.values() if v != "stored"})
+            n_stored = sum(v == "stored" for v in new.values())
+            who = f"another sweep ({', '.join(takers)})" if takers else "another sweep"
+            done = f"; {n_stored} of them stored already" if n_stored and takers else ""
+            self.say(
+                f"claim lost: {who} took over {len(new)} run{'s' if len(new) > 1 else ''} this sweep was training "
+                f"({_runs_text([self.by_key[k] for k in new])}) after this sweep went more than {self.lease_s:g} s "
+                f"without renewing its lease (paused?){done}; this sweep stops training them where it can and "
+                "stores none of them that another sweep stored first"
+            )
+        group = self.inflight.pop(key, None)
+        lost_groups = set()
+        if group is not None:
+            rest = [k for k, g in self.inflight.items() if g is group]
+            if rest and all(k in lost for k in rest):
+                lost_groups.add(group)
+        return lost_groups
 
 
 def run_sweep(
@@ -149,11 +207,21 @@ def run_sweep(
     sweep, the first planned stack is claimed and trained, until none is left. Runs that other
     live sweeps hold are then waited for (polling every ``poll_s`` seconds, default
     ``min(5, lease_s / 4)``), and taken over if their claimant stops renewing its lease
-    (``lease_s`` seconds without a heartbeat); so when this returns, every configuration is stored.
+    (``lease_s`` seconds without a heartbeat, measured by ``store.clock``); so when this
+    returns, every configuration is stored.
+
+    Before each run is stored, the sweep renews its claims and checks them (:meth:`ResultStore.renew`):
+    a sweep that went longer than the lease without renewing them (paused, suspended) may find
+    them taken over. It then says so in one line, stops training a stack none of whose
+    remaining runs is its own (another sweep trains them), and never stores, prints as
+    finished or counts as trained a run another sweep stored first (``SweepSummary.dropped``);
+    a finished run nobody stored yet is stored, whoever holds its claim now.
 
     ``on_stored(result)`` is called after a run's row is committed. An exception (Ctrl-C
     included) propagates after the finished runs are safely stored and this sweep's claims are
-    released; the runs in flight are lost and retrained by the next call.
+    released; the runs in flight are lost and retrained by the next call. A run the database
+    cannot take (damaged, locked past its timeout) is kept in the store's side file and ends
+    the sweep with a :class:`~mhakern.memorize.store.StoreError` that says where.
 
     ``pool``: train the stacks as tasks of this :class:`RayPool` (several at once) instead of
     here; ``device`` is then ignored for the pool's own (``RayPool.device``).
@@ -165,74 +233,134 @@ def run_sweep(
     todo = [c for c in configs if c.key() not in have]
     skipped = len(configs) - len(todo)
     say = log or (lambda s: None)
+    # A lost claim and a failing database are said even without a log (capacity searches run
+    # their probes' sweeps silently).
+    warn = log or (lambda s: print(s, file=sys.stderr, flush=True))
     if skipped:
         say(f"{skipped} of {len(configs)} runs already stored in {store.path}; training the other {len(todo)}")
     vers = versions()
-    trained = 0
+    trained = dropped = 0
     if pool is not None:
         device = pool.device
     dev_type = "cuda" if str(device).startswith("cuda") else "cpu"
     poll = min(5.0, lease_s / 4) if poll_s is None else poll_s
     owner = new_owner()
+    claims = _Claims(store, owner, lease_s, by_key, warn)
     outer = None
     if progress and len(todo) > 1:
         from tqdm.auto import tqdm
 
         outer = tqdm(total=len(todo), desc=f"{experiment}: runs", unit="run", position=0, dynamic_ncols=True)
 
-    def stored(res: RunResult) -> None:
-        nonlocal trained
-        if store.add_run(res, experiment, vers):
+    failure: List[StoreError] = []  # the first error of the database, once met
+
+    def failed(e: StoreError) -> None:
+        if not failure:
+            failure.append(e)
+            n = len(claims.inflight)
+            if n:  # said now: the stack in flight may train for a while yet (the error ends the sweep)
+                warn(f"{e} -- finishing the {n} run{'s' if n > 1 else ''} in flight first (their results are kept "
+                     "the same way), then stopping")
+
+    def stored(res: RunResult) -> set:
+        """Store a finished run; returns the groups found wholly taken over (see _Claims.check)."""
+        nonlocal trained, dropped
+        c = res.config
+        lost_groups: set = set()
+        if not failure:
+            try:
+                lost_groups = claims.check(c.key())
+            except StoreError as e:
+                failed(e)
+        claims.inflight.pop(c.key(), None)
+        try:
+            ok = store.add_run(res, experiment, vers)
+        except StoreError as e:  # the run is in the side file (the error says where)
+            failed(e)
+            ok = None
+        if ok:
             trained += 1
+            say(
+                f"  {c.label()} T={c.T} seed={c.seed}: mem_acc {res.mem_acc:.3f} "
+                f"({res.examples:.0f} examples), loss {res.loss:.4g}, in {res.steps_done} steps, {res.steps_per_s:.0f} steps/s"
+                f"{', stopped early' if res.stopped_early else ''}"
+            )
+            if on_stored is not None:
+                on_stored(res)
+        elif ok is not None:
+            dropped += 1
+            say(f"  {c.label()} T={c.T} seed={c.seed}: finished here but not stored: another sweep stored it first "
+                "(its stored result is kept)")
         if outer is not None:
             outer.update(1)
-        say(
-            f"  {res.config.label()} T={res.config.T} seed={res.config.seed}: mem_acc {res.mem_acc:.3f} "
-            f"({res.examples:.0f} examples), loss {res.loss:.4g}, in {res.steps_done} steps, {res.steps_per_s:.0f} steps/s"
-            f"{', stopped early' if res.stopped_early else ''}"
-        )
-        if on_stored is not None:
-            on_stored(res)
+        return lost_groups
 
-    waiting_said = False
-    if pool is not None:
-        try:
-            with Heartbeat(store.path, owner, interval=lease_s / 4, timeout=store.timeout):
-                _drive_pool(pool, todo, by_key, store, owner, lease_s, poll, max_stack, layout, STACK_MACS[dev_type],
-                            stored, say)
-        finally:
-            if outer is not None:
-                outer.close()
-            store.release(owner)
-        return SweepSummary(len(configs), skipped, trained, time.perf_counter() - t0, len(todo) - trained)
+    stop = lambda: bool(failure)  # noqa: E731
+    crashed = False
     try:
-        with Heartbeat(store.path, owner, interval=lease_s / 4, timeout=store.timeout):
-            remaining = [c.key() for c in todo]
-            while remaining:
-                done = store.stored_keys(remaining)
-                remaining = [k for k in remaining if k not in done]
-                if not remaining:
-                    break
-                busy = store.claimed_by_others(remaining, owner, lease_s)
-                free = [by_key[k] for k in remaining if k not in busy]
-                if free:
-                    stack = plan_stacks(free, max_stack=max_stack, max_macs=STACK_MACS[dev_type])[0]
-                    mine = set(store.claim([c.key() for c in stack], owner, lease_s))
-                    stack = [c for c in stack if c.key() in mine]
-                    if stack:  # else another sweep claimed them first: look again
-                        waiting_said = False
-                        train_stack(stack, device=device, progress=progress, on_result=stored, layout=layout)
-                    continue
-                if not waiting_said:
-                    say(f"waiting for {len(remaining)} runs that another sweep is training (claims in {store.path})")
-                    waiting_said = True
-                time.sleep(poll)
+        with Heartbeat(store.path, owner, interval=lease_s / 4, timeout=store.timeout, clock=store.clock, store=store):
+            if pool is not None:
+                _drive_pool(pool, todo, by_key, store, owner, lease_s, poll, max_stack, layout, STACK_MACS[dev_type],
+                            stored, say, claims, stop)
+            else:
+                _drive_here(todo, by_key, store, owner, lease_s, poll, max_stack, STACK_MACS[dev_type], device,
+                            progress, layout, stored, say, claims, stop)
+    except BaseException:
+        crashed = True
+        raise
     finally:
         if outer is not None:
             outer.close()
-        store.release(owner)
+        try:
+            store.release(owner)
+        except StoreError:
+            if not (crashed or failure):  # else the error on its way out says more (and the claims run out)
+                raise
+    if failure:
+        # One line for all that the database could not take (the first error's when only one).
+        raise store.kept_error() if store.kept > 1 else failure[0]
     by_others = len(todo) - trained
-    return SweepSummary(len(configs), skipped, trained, time.perf_counter() - t0, by_others)
+    return SweepSummary(len(configs), skipped, trained, time.perf_counter() - t0, by_others, dropped)
+
+
+def _drive_here(todo, by_key, store: ResultStore, owner: str, lease_s: float, poll: float, max_stack: int,
+                max_macs: float, device, progress: bool, layout: str, stored, say, claims: _Claims, stop) -> None:
+    """run_sweep's loop in this process: claim the first free stack and train it, until no run
+    is free; then wait for the runs other sweeps hold (taking over those of dead claimants).
+    Ends after the stack in flight once ``stop()`` (the database failed)."""
+    remaining = [c.key() for c in todo]
+    waiting_said = False
+    while remaining and not stop():
+        done = store.stored_keys(remaining)
+        remaining = [k for k in remaining if k not in done]
+        if not remaining:
+            break
+        busy = store.claimed_by_others(remaining, owner, lease_s)
+        free = [by_key[k] for k in remaining if k not in busy]
+        if free:
+            stack = plan_stacks(free, max_stack=max_stack, max_macs=max_macs)[0]
+            mine = set(store.claim([c.key() for c in stack], owner, lease_s))
+            stack = [c for c in stack if c.key() in mine]
+            if stack:  # else another sweep claimed them first: look again
+                waiting_said = False
+                group = object()
+                claims.add([c.key() for c in stack], group)
+
+                def on_result(res: RunResult) -> None:
+                    if group in stored(res):
+                        raise _StackLost()
+
+                try:
+                    train_stack(stack, device=device, progress=progress, on_result=on_result, layout=layout)
+                except _StackLost:
+                    pass
+                finally:
+                    claims.drop_group(group)
+            continue
+        if not waiting_said:
+            say(f"waiting for {len(remaining)} runs that another sweep is training (claims in {store.path})")
+            waiting_said = True
+        time.sleep(poll)
 
 
 # ---------------------------------------------------------------------------- Ray
@@ -382,15 +510,19 @@ class RayPool:
 
 
 def _drive_pool(pool: RayPool, todo, by_key, store: ResultStore, owner: str, lease_s: float, poll: float,
-                max_stack: int, layout: str, max_macs: float, stored, say) -> None:
+                max_stack: int, layout: str, max_macs: float, stored, say, claims: _Claims, stop) -> None:
     """run_sweep's loop on a pool: claim and submit every free stack, store runs as they stream
-    back, wait for runs that other sweeps hold (taking over those of dead claimants)."""
+    back, wait for runs that other sweeps hold (taking over those of dead claimants); a task
+    whose remaining runs were all taken over by another sweep is cancelled. Once ``stop()`` (the
+    database failed), no stack is submitted and the tasks in flight are drained."""
     ray = pool.ray
     pending: Dict[object, List[str]] = {}  # task stream -> keys of its stack
     remaining = [c.key() for c in todo]
     waiting_said = False
     try:
         while remaining or pending:
+            if stop():  # the database failed: no new stack; the tasks in flight finish, kept aside
+                remaining = []
             if remaining:
                 done = store.stored_keys(remaining)
                 remaining = [k for k in remaining if k not in done]
@@ -403,18 +535,29 @@ def _drive_pool(pool: RayPool, todo, by_key, store: ResultStore, owner: str, lea
                     mine = set(store.claim([c.key() for c in stack], owner, lease_s))
                     stack = [c for c in stack if c.key() in mine]
                     if stack:
-                        pending[pool.submit(stack, layout)] = [c.key() for c in stack]
+                        gen = pool.submit(stack, layout)
+                        pending[gen] = [c.key() for c in stack]
+                        claims.add(pending[gen], gen)
                         waiting_said = False
             if pending:
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=poll)
                 for gen in ready:
+                    if gen not in pending:  # cancelled just now: its runs were taken over
+                        continue
                     try:
                         ref = next(gen)
                     except StopIteration:
                         del pending[gen]
+                        claims.drop_group(gen)
                         continue
                     # A task that failed for good raises here (after its retries).
-                    stored(ray.get(ref))
+                    for lost in stored(ray.get(ref)):
+                        try:
+                            ray.cancel(lost)
+                        except Exception:  # finished meanwhile: its last results are not needed
+                            pass
+                        pending.pop(lost, None)
+                        claims.drop_group(lost)
             elif remaining:
                 if not waiting_said:
                     say(f"waiting for {len(remaining)} runs that another sweep is training (claims in {store.path})")
