@@ -461,16 +461,20 @@ def _check_inputs(query, key, value, embed_dim: int, kdim: int, vdim: int, batch
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    # The messages carry nn.MultiheadAttention's own wording (after the argument's name), so
+    # that code matching torch's text matches ours.
     if query.dim() not in (2, 3):
         raise ShapeAssertionError(
-            f"query: expected 3 dims (batched) or 2 dims (unbatched), got shape {tuple(query.shape)}"
+            f"query: expected 3 dims (batched) or 2 dims (unbatched), got shape {tuple(query.shape)} "
+            f"(query should be unbatched 2D or batched 3D tensor but received {query.dim()}-D query tensor)"
         )
-    for name, x in (("key", key), ("value", value)):
-        if x.dim() != query.dim():
-            raise ShapeAssertionError(
-                f"{name}: expected {query.dim()} dims like query (shape {tuple(query.shape)}), "
-                f"got shape {tuple(x.shape)}"
-            )
+    if key.dim() != query.dim() or value.dim() != query.dim():
+        d = query.dim()
+        raise ShapeAssertionError(
+            f"key, value: expected {d} dims like query (shape {tuple(query.shape)}), got shapes {tuple(key.shape)} "
+            f"and {tuple(value.shape)} (expected `key` and `value` to be {d}-D but found {key.dim()}-D and "
+            f"{value.dim()}-D tensors respectively)"
+        )
     for name, x, want, what in (
         ("query", query, embed_dim, "embed_dim"),
         ("key", key, kdim, "kdim"),
@@ -518,6 +522,11 @@ def _padding_mask(mask, N: int, S: int, batched: bool, device) -> Optional[Tenso
         return None
     _check_mask_dtype("key_padding_mask", mask)
     want = (N, S) if batched else (S,)
+    if mask.dim() != len(want):
+        raise ShapeAssertionError(
+            f"key_padding_mask: expected shape {want} (batch, source length), got {tuple(mask.shape)} (expected "
+            f"`key_padding_mask` to be `None` or {len(want)}-D but found {mask.dim()}-D tensor instead)"
+        )
     if tuple(mask.shape) != want:
         raise ShapeAssertionError(f"key_padding_mask: expected shape {want} (batch, source length), got {tuple(mask.shape)}")
     mask = mask.to(device).reshape(N, S)
@@ -530,6 +539,17 @@ def _attn_mask_4d(mask, N: int, H: int, L: int, S: int, batched: bool, device) -
         return None
     _check_mask_dtype("attn_mask", mask)
     per_head = (N * H, L, S) if batched else (H, L, S)
+    if mask.dim() not in (2, 3):
+        raise ShapeAssertionError(
+            f"attn_mask: expected shape {(L, S)} or {per_head}, got {tuple(mask.shape)} (expected `attn_mask` to "
+            f"be `None`, 2-D or 3-D but found {mask.dim()}-D tensor instead)"
+        )
+    if not batched and mask.dim() == 3 and tuple(mask.shape) != per_head:
+        # nn.MultiheadAttention asserts here (unbatched); for batched inputs it raises RuntimeError.
+        raise ShapeAssertionError(
+            f"attn_mask: expected shape {per_head} (heads, target length, source length), got "
+            f"{tuple(mask.shape)} (Expected `attn_mask` shape to be {per_head} but got {tuple(mask.shape)})"
+        )
     if mask.dim() == 2 and tuple(mask.shape) == (L, S):
         mask = mask[None, None]
     elif mask.dim() == 3 and tuple(mask.shape) == per_head:
