@@ -132,7 +132,7 @@ def _causal_from_bias(bias, causal, causal_align, window, key_lengths, Lq, Lk):
     """(attn_mask, causal, causal_align) standing for a CausalBias ``attn_mask`` (ops.resolve_causal_bias)."""
     if causal:
         raise ArgumentError("attn_mask, causal: a CausalBias is already causal masking; give causal=False "
-                            "(torch's SDPA refuses a CausalBias with is_causal=True too)")
+                            "(as torch's SDPA: CausalBias should not be used with causal=True)")
     mask, top_left = resolve_causal_bias(bias, Lq, Lk, exact_bottom_right=key_lengths is None)
     align = "top_left" if top_left else "bottom_right"
     if window is not None and align != causal_align:

@@ -65,11 +65,12 @@ def scaled_dot_product_attention(
         # torch's SDPA reads it (its storage holds no mask).
         if is_causal:
             raise ArgumentError("attn_mask, is_causal: a CausalBias is already causal masking; give is_causal=False "
-                                "(torch's SDPA refuses both too)")
+                                "(torch's SDPA refuses both too: CausalBias should not be used with causal=True)")
         attn_mask, top_left = resolve_causal_bias(attn_mask, query.shape[-2], key.shape[-2], exact_bottom_right=True)
         is_causal, causal_align = True, ("top_left" if top_left else "bottom_right")
     if attn_mask is not None and is_causal:
-        raise ArgumentError("attn_mask, is_causal: give at most one (torch's SDPA refuses both too)")
+        raise ArgumentError("attn_mask, is_causal: give at most one (as torch's SDPA: Explicit attn_mask should not "
+                            "be set when is_causal=True)")
     if attn_mask is not None and isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point():
         if attn_mask.dtype not in (torch.float32, query.dtype):
             raise ArgumentTypeError(
