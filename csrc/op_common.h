@@ -61,7 +61,7 @@ inline const char* op_name(bool backward) { return backward ? "mhakern_C::bwd" :
 
 // A (batch, heads, length, head_dim) operand: defined, 4 dims, unit stride on the last dim.
 inline void check_rank4(const at::Tensor& x, const char* name) {
-  TORCH_CHECK_VALUE(x.defined(), name, ": expected a tensor, got an undefined one");
+  TORCH_CHECK_VALUE(x.defined(), name, ": expected a tensor, got None (an undefined tensor)");
   TORCH_CHECK_VALUE(x.dim() == 4, name, ": expected 4 dims (batch, heads, length, head_dim), got shape ", x.sizes());
   TORCH_CHECK_VALUE(x.size(3) <= 1 || x.stride(3) == 1, name,
                     ": expected unit stride on the last dim (head_dim), got strides ", x.strides());
@@ -204,7 +204,7 @@ inline void check_bwd_operands(const at::Tensor& dout, const at::Tensor& q, cons
   check_same_device(out, "out", q);
   check_same_dtype(out, "out", q);
   check_shape(out, "out", o_shape, "(the forward's output)");
-  TORCH_CHECK_VALUE(lse.defined(), "lse: expected a tensor, got an undefined one");
+  TORCH_CHECK_VALUE(lse.defined(), "lse: expected a tensor, got None (an undefined tensor)");
   check_same_device(lse, "lse", q);
   TORCH_CHECK_TYPE(lse.scalar_type() == at::kFloat, "lse: expected dtype float32, got ", lse.scalar_type());
   TORCH_CHECK_VALUE(lse.sizes() == at::IntArrayRef({s.B, s.H, s.Lq}), "lse: expected shape ",

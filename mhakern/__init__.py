@@ -7,17 +7,24 @@ Public API:
 * :func:`scaled_dot_product_attention` -- torch's SDPA signature and semantics on mhakern.
 * :class:`FusedMHA` -- a module mirroring ``torch.nn.MultiheadAttention``.
 * :func:`available_backends` -- each backend with None (usable) or the reason it is not.
+* :func:`last_backend` -- the backend that served this thread's last call;
+  :func:`set_strict` -- refuse, rather than fall back to the plain-PyTorch reference.
 
 Importing mhakern touches no device and compiles nothing. Semantics and the backend contract:
 docs/contract.md.
 """
+from ._errors import ArgumentError, ArgumentTypeError, FallbackError, ShapeAssertionError
 from .attention import FusedAttentionFunction, attention
-from .backends import available_backends
+from .backends import available_backends, last_backend, set_strict
 from .sdpa import scaled_dot_product_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "scaled_dot_product_attention", "available_backends", "FusedAttentionFunction", "FusedMHA", "__version__"]
+__all__ = [
+    "attention", "scaled_dot_product_attention", "available_backends", "last_backend", "set_strict",
+    "FusedAttentionFunction", "FusedMHA", "ArgumentError", "ArgumentTypeError", "ShapeAssertionError",
+    "FallbackError", "__version__",
+]
 
 
 def __getattr__(name):

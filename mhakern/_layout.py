@@ -41,6 +41,8 @@ def same_layout(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     # Exact match first (the common case, one tuple comparison), then modulo size-1 dims.
     if have == want or all(n <= 1 or a == b for n, a, b in zip(t.shape, have, want)):
         return t
-    out = empty_like_heads(like, t.shape[-1], t.dtype)
-    out.copy_(t)
-    return out
+    # Out of place (no empty + copy_): under vmap (``autograd.grad(is_grads_batched=True)``)
+    # ``t`` is a batched tensor, which cannot be copied into an unbatched one.
+    if heads_inner(like):
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    return t.contiguous()

@@ -10,6 +10,7 @@ import torch
 
 from . import backends
 from .backends import DEFAULT_MODES
+from ._errors import ArgumentError
 from .ops import (
     CAUSAL_ALIGNS,
     backward_impl,
@@ -21,12 +22,15 @@ from .ops import (
     draw_seed,
     expand_mask,
     forward_impl,
+    is_causal_bias,
     make_modes,
     mask_dtype,
     prepare_key_lengths,
     reduce_mask_grad,
+    resolve_causal_bias,
     _unit_last_stride,
 )
+from .reference import attention as _math_attention
 
 Tensor = torch.Tensor
 
@@ -67,6 +71,11 @@ class FusedAttentionFunction(torch.autograd.Function):
         if dout is None:  # only lse was used downstream: nothing flows back
             return (None,) * 14
         scale, causal, backend, dropout_p, seed, top_left, wl, wr, mask_grad = ctx.args
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # create_graph=True: the gradients must themselves be differentiable, which no
+            # kernel's backward is. They come from the math formula instead (docs/contract.md,
+            # "Second derivatives").
+            return _differentiable_backward(ctx, dout, q, k, v, attn_mask, key_lengths)
         if torch.compiler.is_compiling():
             dq, dk, dv, dmask = torch.ops.mhakern.attn_bwd(
                 dout, q, k, v, out, lse, scale, causal, key_lengths, backend, attn_mask, dropout_p, seed,
@@ -84,6 +93,26 @@ class FusedAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, gmask, None, None, None, None, None, None, None, None, None, None
 
 
+def _differentiable_backward(ctx, dout, q, k, v, attn_mask, key_lengths):
+    """The backward of :class:`FusedAttentionFunction` as a graph of differentiable torch ops:
+    the gradients of the math formula (:func:`mhakern.reference.attention`, with the same
+    visibility, mask and dropout keep mask), so that second derivatives are exact. Costs the
+    (Lq x Lk) score matrix; used only under ``create_graph=True``."""
+    scale, causal, _backend, dropout_p, seed, top_left, wl, wr, mask_grad = ctx.args
+    wanted = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2], mask_grad]
+    modes = make_modes(attn_mask, dropout_p, seed, top_left, wl, wr, mask_grad)
+    # fp32 work for half inputs, as every backend accumulates; the casts are part of the graph.
+    wdt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    inputs = [x for x, w in zip((q, k, v, attn_mask), wanted) if w]
+    with torch.enable_grad():
+        out = _math_attention(q.to(wdt), k.to(wdt), v.to(wdt), scale, causal, key_lengths, upcast=False, modes=modes)
+        grads = torch.autograd.grad(out, inputs, dout.to(wdt), create_graph=True, allow_unused=True)
+    it = iter(grads)
+    res = [next(it) if w else None for w in wanted]
+    res = [torch.zeros_like(x) if w and g is None else g for x, g, w in zip((q, k, v, attn_mask), res, wanted)]
+    return (res[0], res[1], res[2], res[3]) + (None,) * 10
+
+
 def _window(window, causal: bool) -> Tuple[int, int]:
     if window is None:
         return -1, -1
@@ -92,11 +121,26 @@ def _window(window, causal: bool) -> Tuple[int, int]:
         or len(window) != 2
         or any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window)
     ):
-        raise ValueError(f"window: expected None or (left, right), two ints >= -1 (-1 = unbounded), got {window!r}")
+        raise ArgumentError(f"window: expected None or (left, right), two ints >= -1 (-1 = unbounded), got {window!r}")
     left, right = window
     if causal and (left >= 0 or right >= 0):
         right = 0  # causal with a window is the window with right = min(right, 0)
     return left, right
+
+
+def _causal_from_bias(bias, causal, causal_align, window, key_lengths, Lq, Lk):
+    """(attn_mask, causal, causal_align) standing for a CausalBias ``attn_mask`` (ops.resolve_causal_bias)."""
+    if causal:
+        raise ArgumentError("attn_mask, causal: a CausalBias is already causal masking; give causal=False "
+                            "(as torch's SDPA: CausalBias should not be used with causal=True)")
+    mask, top_left = resolve_causal_bias(bias, Lq, Lk, exact_bottom_right=key_lengths is None)
+    align = "top_left" if top_left else "bottom_right"
+    if window is not None and align != causal_align:
+        raise ArgumentError(f"attn_mask, causal_align: this CausalBias is {align} causal masking, but the window "
+                            f"is aligned {causal_align!r}; pass causal_align={align!r}")
+    if mask is not None:
+        return mask.to(bias.device), False, causal_align
+    return None, True, align
 
 
 def attention(
@@ -125,9 +169,12 @@ def attention(
         attn_mask: bool (True = may attend, as SDPA) or floating (added to the scaled scores;
             -inf hides the key), any shape broadcastable to (B, H, Lq, Lk) (1-D to 4-D, aligned
             from the right). Never expanded in memory. A floating mask that requires grad
-            gets its gradient.
-        dropout_p: probability in [0, 1) of dropping each attention probability (the rest are
-            scaled by 1 / (1 - p)); the keep mask is the contract's counter-based hash of a
+            gets its gradient. A ``torch.nn.attention.bias.CausalBias`` is causal masking, read
+            as SDPA reads it: ``causal_upper_left`` top-left, ``causal_lower_right``
+            bottom-right (with ``causal=False``).
+        dropout_p: probability in [0, 1] of dropping each attention probability (the rest are
+            scaled by 1 / (1 - p); p = 1 gives output 0 and zero gradients, as torch's
+            dropout); the keep mask is the contract's counter-based hash of a
             64-bit seed drawn once per call from ``generator`` (default: torch's default CPU
             generator), identical on every backend; lse stays that of the undropped softmax.
         causal: key ``j`` is visible to query ``i`` iff ``j <= i + off``.
@@ -156,6 +203,20 @@ def attention(
     Lk = k.shape[2]
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p: expected a float in [0, 1], got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ArgumentError(f"dropout_p: expected a number in [0, 1], got {dropout_p!r}")
+    if dropout_p == 1.0:
+        # Every probability dropped, as torch's dropout does it: the output times 0 (zeros,
+        # NaN stays NaN), zero gradients; lse stays that of the undropped softmax.
+        res = attention(q, k, v, attn_mask=attn_mask, causal=causal, causal_align=causal_align, window=window,
+                        scale=scale, key_lengths=key_lengths, backend=backend, return_lse=True)
+        return (res[0] * 0.0, res[1]) if return_lse else res[0] * 0.0
+    if attn_mask is not None and is_causal_bias(attn_mask):
+        attn_mask, causal, causal_align = _causal_from_bias(attn_mask, causal, causal_align, window, key_lengths, Lq, Lk)
     scale = check_scale(scale, D)
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
@@ -171,7 +232,7 @@ def attention(
         modes = DEFAULT_MODES
     else:
         if causal_align not in CAUSAL_ALIGNS:
-            raise ValueError(f"causal_align: expected one of {CAUSAL_ALIGNS}, got {causal_align!r}")
+            raise ArgumentError(f"causal_align: expected one of {CAUSAL_ALIGNS}, got {causal_align!r}")
         wl, wr = _window(window, causal)
         top_left = causal_align == "top_left" and (causal or wl >= 0 or wr >= 0)
         check_modes(dropout_p, top_left, wl, wr)

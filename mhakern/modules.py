@@ -17,8 +17,9 @@ from torch.nn import functional as F
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from . import backends, reference
+from ._errors import ArgumentError, ShapeAssertionError
 from .attention import attention
-from .ops import draw_seed
+from .ops import draw_seed, is_causal_bias, resolve_causal_bias
 
 Tensor = torch.Tensor
 
@@ -109,7 +110,7 @@ class FusedMHA(nn.Module):
             )
         if head_dim is None:
             if embed_dim % num_heads != 0:
-                raise ValueError(
+                raise ShapeAssertionError(
                     f"embed_dim: must be divisible by num_heads ({num_heads}) when head_dim is not given, "
                     f"got {embed_dim}"
                 )
@@ -157,6 +158,12 @@ class FusedMHA(nn.Module):
             self.bias_k = self.bias_v = None
         self.add_zero_attn = add_zero_attn
         self._reset_parameters()
+        # torch's TransformerEncoderLayer takes its inference fast path (one fused aten op fed
+        # with self_attn's weights, which would bypass mhakern) when self_attn looks like an
+        # nn.MultiheadAttention, and declines it when any submodule has forward hooks. This
+        # no-op hook is that sign: inside torch's layers FusedMHA runs its own kernels in every
+        # mode. (TransformerEncoder may still hand the layers nested tensors: see forward.)
+        self.register_forward_pre_hook(_decline_torch_fast_path)
 
     def _reset_parameters(self) -> None:
         if self._qkv_same_embed_dim:
@@ -262,6 +269,9 @@ class FusedMHA(nn.Module):
             _check_flag(name, val)
         if key_padding_mask is not None and key_lengths is not None:
             raise ValueError("key_padding_mask, key_lengths: give at most one of the two")
+        if any(isinstance(x, Tensor) and x.is_nested for x in (query, key, value)):
+            return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal,
+                                        key_lengths)
 
         batched = _check_inputs(query, key, value, self.embed_dim, self.kdim, self.vdim, self.batch_first)
         H, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
@@ -271,6 +281,17 @@ class FusedMHA(nn.Module):
         else:
             N, L, S = 1, query.shape[0], key.shape[0]
         dev = query.device
+        bias_causal = None  # (top_left,) of a CausalBias attn_mask read as causal masking
+        if attn_mask is not None and is_causal_bias(attn_mask):
+            appended = self.bias_k is not None or self.add_zero_attn
+            exact = key_padding_mask is None and key_lengths is None and not appended
+            mask, tl = resolve_causal_bias(attn_mask, L, S, exact_bottom_right=exact)
+            if mask is None and appended:  # the appended keys stay visible, as with any attn_mask
+                mask = torch.ones(L, S, dtype=torch.bool, device=dev).tril()
+            if mask is not None:
+                attn_mask = ~mask.view(L, S)  # nn.MultiheadAttention's convention: True = hidden
+            else:
+                attn_mask, bias_causal = None, (tl,)
         # Both masks in SDPA's convention (True or a finite value: may attend).
         pad = _padding_mask(key_padding_mask, N, S, batched, dev)
         amask = _attn_mask_4d(attn_mask, N, H, L, S, batched, dev)
@@ -282,7 +303,9 @@ class FusedMHA(nn.Module):
         # that replaces the mask by SDPA's top-left causal rule only without key_padding_mask
         # and without weights; otherwise the mask speaks.
         causal = top_left = False
-        if is_causal:
+        if bias_causal is not None:
+            causal, top_left = True, bias_causal[0]
+        elif is_causal:
             if amask is None:
                 causal = True
             elif key_padding_mask is None and not need_weights:
@@ -364,6 +387,37 @@ class FusedMHA(nn.Module):
             return out.transpose(0, 1), weights
         return out, weights
 
+    def _forward_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal, key_lengths):
+        """Nested (ragged batch) inputs, as torch's TransformerEncoder hands its layers in
+        inference with a ``src_key_padding_mask``: padded, run with per-element key lengths,
+        and returned nested like ``query`` (weights None)."""
+        if not all(isinstance(x, Tensor) and x.is_nested for x in (query, key, value)):
+            raise ArgumentError("query, key, value: nested tensors are accepted for all three together only")
+        if not self.batch_first:
+            raise ArgumentError("query: nested tensors need batch_first=True (their first dim is the batch)")
+        if need_weights or key_padding_mask is not None or attn_mask is not None or key_lengths is not None:
+            raise ArgumentError(
+                "query: with nested tensors give need_weights=False and no key_padding_mask, attn_mask or "
+                "key_lengths (the nesting already says which keys exist)"
+            )
+        lq = [t.shape[0] for t in query.unbind()]
+        ls = [t.shape[0] for t in key.unbind()]
+        if ls != [t.shape[0] for t in value.unbind()]:
+            raise ArgumentError("key, value: nested lengths must match")
+        if len(lq) != len(ls):
+            raise ShapeAssertionError(f"key: batch size {len(ls)} does not match query's {len(lq)}")
+        if is_causal and lq != ls:
+            raise ArgumentError("is_causal: with nested tensors each query sequence must be as long as its keys")
+        qp, kp, vp = (x.to_padded_tensor(0.0) for x in (query, key, value))
+        lengths = torch.tensor(ls, device=query.device)
+        mask = None
+        if is_causal:  # per element j <= i: top-left on the padded rows
+            from torch.nn.attention.bias import causal_upper_left
+
+            mask = causal_upper_left(qp.shape[1], kp.shape[1])
+        out, _ = self.forward(qp, kp, vp, need_weights=False, attn_mask=mask, key_lengths=lengths)
+        return torch.nested.as_nested_tensor([out[b, :n] for b, n in enumerate(lq)], layout=query.layout), None
+
     def _in_projection(
         self, query: Tensor, key: Tensor, value: Tensor, same_qkv: bool, same_kv: bool
     ) -> Tuple[Tensor, Tensor, Tensor]:
@@ -371,6 +425,10 @@ class FusedMHA(nn.Module):
         q_out = self.num_heads * self.head_dim
         kv_out = self.num_kv_heads * self.head_dim
         b = self.in_proj_bias
+        if b is not None and b.dtype != query.dtype and b.is_floating_point() and query.is_floating_point():
+            # A bias in another precision (a float64 module with a half bias): added in the
+            # inputs' dtype, where nn.MultiheadAttention's matmul-then-add promotes it.
+            b = b.to(query.dtype)
         bq, bk, bv = (None, None, None) if b is None else b.split((q_out, kv_out, kv_out))
         if self._qkv_same_embed_dim:
             w = self.in_proj_weight
@@ -387,6 +445,12 @@ class FusedMHA(nn.Module):
         return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
 
 
+def _decline_torch_fast_path(module, args):
+    """Forward pre-hook of every FusedMHA: does nothing; its presence makes torch's
+    TransformerEncoderLayer decline its fused inference path (see FusedMHA.__init__)."""
+    return None
+
+
 def _check_positive_int(name: str, val) -> None:
     if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
         raise ValueError(f"{name}: expected a positive int, got {val!r}")
@@ -397,32 +461,36 @@ def _check_inputs(query, key, value, embed_dim: int, kdim: int, vdim: int, batch
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    # The messages carry nn.MultiheadAttention's own wording (after the argument's name), so
+    # that code matching torch's text matches ours.
     if query.dim() not in (2, 3):
-        raise ValueError(
-            f"query: expected 3 dims (batched) or 2 dims (unbatched), got shape {tuple(query.shape)}"
+        raise ShapeAssertionError(
+            f"query: expected 3 dims (batched) or 2 dims (unbatched), got shape {tuple(query.shape)} "
+            f"(query should be unbatched 2D or batched 3D tensor but received {query.dim()}-D query tensor)"
         )
-    for name, x in (("key", key), ("value", value)):
-        if x.dim() != query.dim():
-            raise ValueError(
-                f"{name}: expected {query.dim()} dims like query (shape {tuple(query.shape)}), "
-                f"got shape {tuple(x.shape)}"
-            )
+    if key.dim() != query.dim() or value.dim() != query.dim():
+        d = query.dim()
+        raise ShapeAssertionError(
+            f"key, value: expected {d} dims like query (shape {tuple(query.shape)}), got shapes {tuple(key.shape)} "
+            f"and {tuple(value.shape)} (expected `key` and `value` to be {d}-D but found {key.dim()}-D and "
+            f"{value.dim()}-D tensors respectively)"
+        )
     for name, x, want, what in (
         ("query", query, embed_dim, "embed_dim"),
         ("key", key, kdim, "kdim"),
         ("value", value, vdim, "vdim"),
     ):
         if x.shape[-1] != want:
-            raise ValueError(f"{name}: last dim must be {what}={want}, got shape {tuple(x.shape)}")
+            raise ShapeAssertionError(f"{name}: last dim must be {what}={want}, got shape {tuple(x.shape)}")
     if key.shape[:-1] != value.shape[:-1]:
-        raise ValueError(
+        raise ShapeAssertionError(
             f"key, value: leading dims (length and batch) must match, got key {tuple(key.shape)} "
             f"and value {tuple(value.shape)}"
         )
     if query.dim() == 3:
         bd = 0 if batch_first else 1
         if key.shape[bd] != query.shape[bd]:
-            raise ValueError(
+            raise ShapeAssertionError(
                 f"key: batch size {key.shape[bd]} (dim {bd}, batch_first={batch_first}) does not match "
                 f"query's {query.shape[bd]}"
             )
@@ -454,8 +522,13 @@ def _padding_mask(mask, N: int, S: int, batched: bool, device) -> Optional[Tenso
         return None
     _check_mask_dtype("key_padding_mask", mask)
     want = (N, S) if batched else (S,)
+    if mask.dim() != len(want):
+        raise ShapeAssertionError(
+            f"key_padding_mask: expected shape {want} (batch, source length), got {tuple(mask.shape)} (expected "
+            f"`key_padding_mask` to be `None` or {len(want)}-D but found {mask.dim()}-D tensor instead)"
+        )
     if tuple(mask.shape) != want:
-        raise ValueError(f"key_padding_mask: expected shape {want} (batch, source length), got {tuple(mask.shape)}")
+        raise ShapeAssertionError(f"key_padding_mask: expected shape {want} (batch, source length), got {tuple(mask.shape)}")
     mask = mask.to(device).reshape(N, S)
     return ~mask if mask.dtype == torch.bool else mask
 
@@ -466,13 +539,24 @@ def _attn_mask_4d(mask, N: int, H: int, L: int, S: int, batched: bool, device) -
         return None
     _check_mask_dtype("attn_mask", mask)
     per_head = (N * H, L, S) if batched else (H, L, S)
+    if mask.dim() not in (2, 3):
+        raise ShapeAssertionError(
+            f"attn_mask: expected shape {(L, S)} or {per_head}, got {tuple(mask.shape)} (expected `attn_mask` to "
+            f"be `None`, 2-D or 3-D but found {mask.dim()}-D tensor instead)"
+        )
+    if not batched and mask.dim() == 3 and tuple(mask.shape) != per_head:
+        # nn.MultiheadAttention asserts here (unbatched); for batched inputs it raises RuntimeError.
+        raise ShapeAssertionError(
+            f"attn_mask: expected shape {per_head} (heads, target length, source length), got "
+            f"{tuple(mask.shape)} (Expected `attn_mask` shape to be {per_head} but got {tuple(mask.shape)})"
+        )
     if mask.dim() == 2 and tuple(mask.shape) == (L, S):
         mask = mask[None, None]
     elif mask.dim() == 3 and tuple(mask.shape) == per_head:
         # Row b * H + h is (batch element b, head h), as in nn.MultiheadAttention.
         mask = mask.unflatten(0, (N, H))
     else:
-        raise ValueError(
+        raise ArgumentError(
             f"attn_mask: expected shape {(L, S)} or {per_head} ((target length, source length), or with "
             f"{'batch * heads' if batched else 'heads'} first), got {tuple(mask.shape)}"
         )

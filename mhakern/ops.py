@@ -19,6 +19,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import backends
+from ._errors import ArgumentError, ArgumentTypeError
 from ._layout import empty_like_heads, same_layout
 from .backends import DEFAULT_MODES, Modes
 
@@ -38,39 +39,40 @@ def check_qkv(q, k, v) -> None:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 4:
-            raise ValueError(f"{name}: expected 4 dims (batch, heads, length, head_dim), got shape {tuple(x.shape)}")
+            raise ArgumentError(f"{name}: expected 4 dims (batch, heads, length, head_dim), got shape {tuple(x.shape)}")
         if not x.is_floating_point():
-            raise TypeError(f"{name}: expected a floating-point dtype, got {x.dtype}")
+            raise ArgumentTypeError(f"{name}: expected a floating-point dtype, got {x.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v: dtypes must match, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+        raise ArgumentTypeError(f"q, k, v: dtypes must match, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v: must be on one device, got q on {q.device}, k on {k.device}, v on {v.device}")
+        raise ArgumentError(f"q, k, v: must be on one device, got q on {q.device}, k on {k.device}, v on {v.device}")
     B, H, Lq, D = q.shape
     Bk, Hkv, Lk, Dk = k.shape
     if Bk != B:
-        raise ValueError(f"k: batch size {Bk} does not match q's batch size {B}")
+        raise ArgumentError(f"k: batch size {Bk} does not match q's batch size {B}")
     if k.shape[:3] != v.shape[:3]:
-        raise ValueError(
+        raise ArgumentError(
             f"k, v: (batch, kv heads, length) must match, got k {tuple(k.shape)} and v {tuple(v.shape)}"
         )
-    if D == 0:
-        raise ValueError("q: head dim must be positive, got 0")
     if Dk != D:
-        raise ValueError(f"k: head dim {Dk} does not match q's head dim {D}")
-    if Hkv == 0 or H % Hkv != 0:
-        raise ValueError(
+        raise ArgumentError(f"k: head dim {Dk} does not match q's head dim {D}")
+    # Zero heads on both sides is an empty problem (SDPA returns an empty result); otherwise
+    # the kv heads must divide the query heads.
+    if (Hkv == 0 and H != 0) or (Hkv != 0 and H % Hkv != 0):
+        raise ArgumentError(
             f"k, v: number of kv heads ({Hkv}) must be positive and divide q's number of heads ({H})"
         )
 
 
 def check_scale(scale, D: int) -> float:
-    """None -> 1/sqrt(D); a finite int or float -> float; else raise naming ``scale``."""
+    """None -> 1/sqrt(D) (1 for D = 0, whose scores are all 0 whatever the scale); a finite int
+    or float -> float; else raise naming ``scale``."""
     if scale is None:
-        return 1.0 / math.sqrt(D)
+        return 1.0 / math.sqrt(D) if D > 0 else 1.0
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
         scale = float(scale)
         if not math.isfinite(scale):
-            raise ValueError(f"scale: must be a finite number, got {scale}")
+            raise ArgumentError(f"scale: must be a finite number, got {scale}")
         return scale
     raise TypeError(f"scale: expected None or a float, got {type(scale).__name__}")
 
@@ -84,9 +86,9 @@ def check_key_lengths_meta(key_lengths, B: int, device) -> None:
     if key_lengths.dtype not in INT_DTYPES:
         raise TypeError(f"key_lengths: expected an integer dtype, got {key_lengths.dtype}")
     if tuple(key_lengths.shape) != (B,):
-        raise ValueError(f"key_lengths: expected shape ({B},) (one length per batch element), got {tuple(key_lengths.shape)}")
+        raise ArgumentError(f"key_lengths: expected shape ({B},) (one length per batch element), got {tuple(key_lengths.shape)}")
     if key_lengths.device != device and key_lengths.device.type != "cpu":
-        raise ValueError(f"key_lengths: must be on q's device ({device}) or the CPU, got {key_lengths.device}")
+        raise ArgumentError(f"key_lengths: must be on q's device ({device}) or the CPU, got {key_lengths.device}")
 
 
 def prepare_key_lengths(key_lengths: Optional[Tensor], Lk: int, device) -> Optional[Tensor]:
@@ -105,7 +107,7 @@ def prepare_key_lengths(key_lengths: Optional[Tensor], Lk: int, device) -> Optio
         else:
             lo, hi = (int(x) for x in torch.stack(torch.aminmax(key_lengths)).tolist())
             if lo < 0 or hi > Lk:
-                raise ValueError(f"key_lengths: values must lie in [0, Lk={Lk}], got min {lo} and max {hi}")
+                raise ArgumentError(f"key_lengths: values must lie in [0, Lk={Lk}], got min {lo} and max {hi}")
     if key_lengths.dtype != torch.int32 or key_lengths.device != device:
         key_lengths = key_lengths.to(device=device, dtype=torch.int32)
     return key_lengths.contiguous()
@@ -118,27 +120,72 @@ def check_mask(attn_mask, B: int, H: int, Lq: int, Lk: int, device) -> None:
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask: expected None or a tensor, got {type(attn_mask).__name__}")
     if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-        raise TypeError(f"attn_mask: expected a bool (True = may attend) or floating (additive) dtype, got {attn_mask.dtype}")
+        raise ArgumentTypeError(f"attn_mask: expected a bool (True = may attend) or floating (additive) dtype, got {attn_mask.dtype}")
     target = (B, H, Lq, Lk)
+    # ``s == t`` before ``s == 1``: with a data-dependent (unbacked) batch size under
+    # torch.export, u0 == u0 is known without a guard, u0 == 1 is not.
     if not 1 <= attn_mask.dim() <= 4 or any(
-        s not in (1, t) for s, t in zip(reversed(attn_mask.shape), reversed(target))
+        not (s == t or s == 1) for s, t in zip(reversed(attn_mask.shape), reversed(target))
     ):
-        raise ValueError(
+        raise ArgumentError(
             f"attn_mask: shape {tuple(attn_mask.shape)} is not broadcastable to (B, H, Lq, Lk) = {target} "
             "(1 to 4 dims, aligned from the right, each of size 1 or the full size)"
         )
     if attn_mask.device != device:
-        raise ValueError(f"attn_mask: must be on q's device ({device}), got {attn_mask.device}")
+        raise ArgumentError(f"attn_mask: must be on q's device ({device}), got {attn_mask.device}")
+
+
+def _causal_bias_class():
+    try:
+        from torch.nn.attention.bias import CausalBias
+    except ImportError:  # a torch without it cannot hand us one
+        return None
+    return CausalBias
+
+
+_CAUSAL_BIAS = _causal_bias_class()
+
+
+def is_causal_bias(attn_mask) -> bool:
+    """Whether ``attn_mask`` is a ``torch.nn.attention.bias.CausalBias`` (causal_upper_left /
+    causal_lower_right): a tensor subclass whose storage holds no mask, to be read as causal
+    masking, never as data."""
+    return _CAUSAL_BIAS is not None and isinstance(attn_mask, _CAUSAL_BIAS)
+
+
+def resolve_causal_bias(bias, Lq: int, Lk: int, exact_bottom_right: bool) -> Tuple[Optional[Tensor], bool]:
+    """SDPA's reading of a CausalBias ``bias`` for queries of length Lq and keys of length Lk.
+
+    Returns ``(mask, top_left)``: ``mask`` None means causal masking with that alignment (key
+    ``j`` visible to query ``i`` iff ``j <= i`` top-left, ``j <= i + Lk - Lq`` bottom-right);
+    otherwise ``mask`` is the bias materialised as a bool (Lq, Lk) mask, used when bottom-right
+    causal masking would not be exactly the bias (``exact_bottom_right`` False: per-element key
+    lengths move mhakern's bottom-right diagonal, not the bias'). As torch does: an upper-left
+    bias, or one with equal lengths, is top-left causal whatever its sizes; a lower-right one of
+    unequal lengths must have the sizes (Lq, Lk).
+    """
+    from torch.nn.attention.bias import CausalVariant
+
+    if bias.variant == CausalVariant.UPPER_LEFT or bias.seq_len_q == bias.seq_len_kv:
+        return None, True
+    if (bias.seq_len_q, bias.seq_len_kv) != (Lq, Lk):
+        raise ArgumentError(
+            f"attn_mask: a lower-right CausalBias of sizes ({bias.seq_len_q}, {bias.seq_len_kv}) does not fit "
+            f"queries of length {Lq} and keys of length {Lk}"
+        )
+    if exact_bottom_right:
+        return None, False
+    return bias._materialize(bias.device).view(1, 1, Lq, Lk), False
 
 
 def check_modes(dropout_p, top_left, window_left, window_right) -> None:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
+        raise ArgumentError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
     if not isinstance(top_left, bool):
         raise TypeError(f"top_left: expected a bool, got {type(top_left).__name__}")
     for name, w in (("window_left", window_left), ("window_right", window_right)):
         if isinstance(w, bool) or not isinstance(w, int) or w < -1:
-            raise ValueError(f"{name}: expected an int >= -1 (-1 = unbounded), got {w!r}")
+            raise ArgumentError(f"{name}: expected an int >= -1 (-1 = unbounded), got {w!r}")
 
 
 def mask_dtype(q_dtype: torch.dtype) -> torch.dtype:
@@ -183,9 +230,17 @@ def _empty(B, H, Lq, Lk, Dv) -> bool:
 # Implementations (tensors already checked; key_lengths int32 and in range; mask 4-D expanded)
 
 
+def _head_dim_zero(q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
+    """q, k with D = 0 as one zero column each: every score is exactly 0 (as SDPA has them, an
+    empty dot product), so the softmax sees only the mask; the kernels need D >= 1."""
+    return q.new_zeros(q.shape[:3] + (1,)), k.new_zeros(k.shape[:3] + (1,))
+
+
 def forward_impl(be, q, k, v, scale, causal, key_lengths, modes: Modes) -> Tuple[Tensor, Tensor]:
-    B, H, Lq, _ = q.shape
+    B, H, Lq, D = q.shape
     Lk, Dv = k.shape[2], v.shape[3]
+    if D == 0:
+        q, k = _head_dim_zero(q, k)
     if _empty(B, H, Lq, Lk, Dv):
         out = empty_like_heads(q, Dv).zero_()
         lse = torch.full((B, H, Lq), -math.inf, dtype=torch.float32, device=q.device)
@@ -205,6 +260,11 @@ def backward_impl(be, dout, q, k, v, out, lse, scale, causal, key_lengths, modes
         return empty_like_heads(q, D).zero_(), empty_like_heads(k, D).zero_(), empty_like_heads(v, Dv).zero_(), dmask
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
+    if D == 0:  # the scores do not depend on q and k: their (empty) gradients are zeros
+        q0, k0 = q, k
+        q, k = _head_dim_zero(q, k)
+        _, _, dv, dmask = be.backward(dout, q, k, v, out, lse, scale, causal, key_lengths, modes)
+        return empty_like_heads(q0, 0), empty_like_heads(k0, 0), same_layout(dv, v), dmask
     dq, dk, dv, dmask = be.backward(dout, q, k, v, out, lse, scale, causal, key_lengths, modes)
     return same_layout(dq, q), same_layout(dk, k), same_layout(dv, v), dmask
 
@@ -224,7 +284,7 @@ def _op_prologue(q, k, v, scale, causal, key_lengths, backend, attn_mask, dropou
     check_mask(attn_mask, B, H, Lq, Lk, q.device)
     check_modes(dropout_p, top_left, wl, wr)
     if mask_grad and (attn_mask is None or not attn_mask.is_floating_point()):
-        raise ValueError("mask_grad: True needs a floating attn_mask (a bool mask has no gradient)")
+        raise ArgumentError("mask_grad: True needs a floating attn_mask (a bool mask has no gradient)")
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     kl = prepare_key_lengths(key_lengths, Lk, q.device)
     if attn_mask is not None and attn_mask.is_floating_point():
@@ -307,11 +367,11 @@ def attn_bwd(
     B, H, Lq, _ = q.shape
     Dv = v.shape[3]
     if tuple(out.shape) != (B, H, Lq, Dv) or out.device != q.device:
-        raise ValueError(f"out: expected shape {(B, H, Lq, Dv)} on {q.device}, got {tuple(out.shape)} on {out.device}")
+        raise ArgumentError(f"out: expected shape {(B, H, Lq, Dv)} on {q.device}, got {tuple(out.shape)} on {out.device}")
     if tuple(dout.shape) != (B, H, Lq, Dv) or dout.device != q.device or not dout.is_floating_point():
-        raise ValueError(f"dout: expected a floating tensor of shape {(B, H, Lq, Dv)} on {q.device}, got {tuple(dout.shape)} {dout.dtype} on {dout.device}")
+        raise ArgumentError(f"dout: expected a floating tensor of shape {(B, H, Lq, Dv)} on {q.device}, got {tuple(dout.shape)} {dout.dtype} on {dout.device}")
     if tuple(lse.shape) != (B, H, Lq) or lse.dtype != torch.float32 or lse.device != q.device:
-        raise ValueError(f"lse: expected float32 of shape {(B, H, Lq)} on {q.device}, got {lse.dtype} {tuple(lse.shape)} on {lse.device}")
+        raise ArgumentError(f"lse: expected float32 of shape {(B, H, Lq)} on {q.device}, got {lse.dtype} {tuple(lse.shape)} on {lse.device}")
     modes = make_modes(mask4, dropout_p, seed, top_left, window_left, window_right, mask_grad)
     dq, dk, dv, dmask = backward_impl(be, dout.to(q.dtype), q, k, v, out, lse, float(scale), causal, kl, modes)
     if mask_grad:

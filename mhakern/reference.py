@@ -197,7 +197,13 @@ def _support_matmul(a: Tensor, b: Tensor, present: Optional[Tensor]) -> Tensor:
         return torch.matmul(a, b)
     a0 = a.masked_fill(~present, 0.0)
     fin_b = torch.isfinite(b)
-    if bool(fin_b.all()):
+    try:
+        finite = bool(fin_b.all())
+    except RuntimeError:
+        # Under vmap (autograd.grad(is_grads_batched=True)) ``b`` is batched and its values
+        # cannot steer Python; the general path below is exact anyway.
+        finite = False
+    if finite:
         return torch.matmul(a0, b)
     out = torch.matmul(a0, b.masked_fill(~fin_b, 0.0))
     f = a.dtype

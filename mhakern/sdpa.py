@@ -16,7 +16,9 @@ from typing import Optional
 
 import torch
 
+from ._errors import ArgumentError, ArgumentTypeError
 from .attention import attention
+from .ops import is_causal_bias, resolve_causal_bias
 
 Tensor = torch.Tensor
 
@@ -41,7 +43,8 @@ def scaled_dot_product_attention(
     broadcast as in torch. Without ``enable_gqa`` the head dims broadcast like the others
     (H = 1 serves every query head); with it Hq must be a multiple of H (query head ``h`` reads
     KV head ``h // (Hq // H)``). ``attn_mask``: bool (True = attend) or floating, broadcastable
-    to (..., Hq, L, S). ``is_causal``: top-left causal (key ``j`` visible to query ``i`` iff
+    to (..., Hq, L, S), or a ``torch.nn.attention.bias.CausalBias`` (causal masking, upper-left
+    or lower-right, as torch maps it). ``is_causal``: top-left causal (key ``j`` visible to query ``i`` iff
     ``j <= i``); at most one of ``is_causal`` and ``attn_mask``, as in torch. ``scale`` default
     ``1 / sqrt(E)``. Returns (..., Hq, L, Ev) in query's dtype.
     """
@@ -49,16 +52,28 @@ def scaled_dot_product_attention(
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
         if x.dim() < 2:
-            raise ValueError(f"{name}: expected at least 2 dims (..., length, head_dim), got shape {tuple(x.shape)}")
+            raise ArgumentError(f"{name}: expected at least 2 dims (..., length, head_dim), got shape {tuple(x.shape)}")
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__}")
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa: expected a bool, got {type(enable_gqa).__name__}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p: expected a float, got {type(dropout_p).__name__}")
+    causal_align = "top_left"
+    if attn_mask is not None and is_causal_bias(attn_mask):
+        # torch.nn.attention.bias.causal_upper_left / causal_lower_right: causal masking, read as
+        # torch's SDPA reads it (its storage holds no mask).
+        if is_causal:
+            raise ArgumentError("attn_mask, is_causal: a CausalBias is already causal masking; give is_causal=False "
+                                "(torch's SDPA refuses both too: CausalBias should not be used with causal=True)")
+        attn_mask, top_left = resolve_causal_bias(attn_mask, query.shape[-2], key.shape[-2], exact_bottom_right=True)
+        is_causal, causal_align = True, ("top_left" if top_left else "bottom_right")
     if attn_mask is not None and is_causal:
-        raise ValueError("attn_mask, is_causal: give at most one (torch's SDPA refuses both too)")
+        raise ArgumentError("attn_mask, is_causal: give at most one (as torch's SDPA: Explicit attn_mask should not "
+                            "be set when is_causal=True)")
     if attn_mask is not None and isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point():
         if attn_mask.dtype not in (torch.float32, query.dtype):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"attn_mask: a floating mask must be float32 or query's dtype ({query.dtype}), got {attn_mask.dtype}"
             )
     L, E = query.shape[-2:]
@@ -68,9 +83,9 @@ def scaled_dot_product_attention(
     try:
         if enable_gqa:
             if Hk != Hv:
-                raise ValueError(f"key, value: head counts must match with enable_gqa, got {Hk} and {Hv}")
+                raise ArgumentError(f"key, value: head counts must match with enable_gqa, got {Hk} and {Hv}")
             if Hk == 0 or Hq % Hk != 0:
-                raise ValueError(f"key: with enable_gqa the number of key heads ({Hk}) must divide query's ({Hq})")
+                raise ArgumentError(f"key: with enable_gqa the number of key heads ({Hk}) must divide query's ({Hq})")
             batch = torch.broadcast_shapes(lead(query), lead(key), lead(value))
             H, Hkv = Hq, Hk
         else:
@@ -78,11 +93,11 @@ def scaled_dot_product_attention(
             batch, H = (full[:-1], full[-1]) if full else ((), 1)
             Hkv = 1 if Hk == 1 and Hv == 1 else H
     except RuntimeError as e:
-        raise ValueError(f"query, key, value: batch dims do not broadcast ({e})") from None
+        raise ArgumentError(f"query, key, value: batch dims do not broadcast ({e})") from None
     if key.shape[-2] != S:
-        raise ValueError(f"key, value: lengths must match, got {key.shape[-2]} and {S}")
+        raise ArgumentError(f"key, value: lengths must match, got {key.shape[-2]} and {S}")
     if key.shape[-1] != E:
-        raise ValueError(f"key: head dim {key.shape[-1]} does not match query's {E}")
+        raise ArgumentError(f"key: head dim {key.shape[-1]} does not match query's {E}")
     B = math.prod(batch)
 
     def to4(x, h, length, d):
@@ -97,7 +112,7 @@ def scaled_dot_product_attention(
     if isinstance(mask, torch.Tensor) and mask.dim() > 4 or (isinstance(mask, torch.Tensor) and len(batch) > 1):
         mask = mask.expand(*batch, H, L, S).reshape(B, H, L, S)
     out = attention(
-        q4, k4, v4, attn_mask=mask, dropout_p=dropout_p, causal=is_causal, causal_align="top_left", scale=scale,
+        q4, k4, v4, attn_mask=mask, dropout_p=dropout_p, causal=is_causal, causal_align=causal_align, scale=scale,
     )
     out_shape = tuple(batch) + (H, L, Ev)
     out_dim = max(query.dim(), key.dim(), value.dim())

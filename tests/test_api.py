@@ -47,7 +47,7 @@ def _bad(**over):
         (lambda: _bad(q=torch.randn(2, 4, 5, 16, dtype=torch.float64)), TypeError, ["dtypes must match", "float64"]),
         (lambda: _bad(q=torch.randn(2, 4, 5, 16, device="meta")), ValueError, ["one device", "meta"]),
         (lambda: _bad(q=torch.randn(4, 5, 16)), ValueError, ["q:", "4 dims"]),
-        (lambda: _bad(q=torch.randn(2, 4, 5, 0), k=torch.randn(2, 2, 6, 0)), ValueError, ["q:", "head dim", "positive"]),
+        (lambda: _bad(k=torch.randn(2, 0, 6, 16), v=torch.randn(2, 0, 6, 16)), ValueError, ["kv heads (0)", "(4)"]),
         (lambda: _bad(q=torch.ones(2, 4, 5, 16, dtype=torch.int32)), TypeError, ["q:", "floating"]),
         (lambda: _bad(key_lengths=torch.tensor([1, 2, 3])), ValueError, ["key_lengths", "(2,)"]),
         (lambda: _bad(key_lengths=torch.tensor([1.0, 2.0])), TypeError, ["key_lengths", "integer"]),
@@ -147,7 +147,7 @@ def test_the_ops_accept_auto_and_match_the_api():
         (dict(attn_mask=torch.ones(2, 4, 5, 6, 1, dtype=torch.bool)), ValueError, ["attn_mask", "1 to 4 dims"]),
         (dict(attn_mask=torch.ones(5, 6, dtype=torch.int32)), TypeError, ["attn_mask", "bool", "int32"]),
         (dict(attn_mask=[[True]]), TypeError, ["attn_mask", "list"]),
-        (dict(dropout_p=1.0), ValueError, ["dropout_p", "[0, 1)", "1.0"]),
+        (dict(dropout_p=1.5), ValueError, ["dropout_p", "1.5"]),
         (dict(dropout_p=-0.1), ValueError, ["dropout_p"]),
         (dict(dropout_p=0.1, generator=3), TypeError, ["generator", "int"]),
         (dict(causal_align="bottom"), ValueError, ["causal_align", "top_left", "'bottom'"]),
@@ -578,3 +578,220 @@ def test_first_registry_lookup_from_two_threads_waits_for_every_builtin():
 
     r = subprocess.run([sys.executable, "-c", _REGISTRY_RACE_CHILD], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Drop-in fidelity (issue 23): each of these failed before its fix
+
+from torch.nn.attention.bias import causal_lower_right, causal_upper_left  # noqa: E402
+
+
+def _f64(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64).requires_grad_()
+
+
+@pytest.mark.parametrize("make", [causal_upper_left, causal_lower_right], ids=["upper_left", "lower_right"])
+@pytest.mark.parametrize("L,S", [(4, 6), (6, 4), (5, 5)], ids=["wide", "tall", "square"])
+@pytest.mark.parametrize("entry", ["sdpa", "attention"])
+def test_causal_bias_is_causal_masking_with_its_alignment(make, L, S, entry):
+    # Before: the bias' uninitialised storage was read as a mask (outputs off by 0.7-2.6).
+    q, k, v = _f64(1, 2, L, 8), _f64(1, 2, S, 8, seed=1), _f64(1, 2, S, 8, seed=2)
+    bias = make(L, S)
+    call = mhakern.scaled_dot_product_attention if entry == "sdpa" else mhakern.attention
+    ours = call(q, k, v, attn_mask=bias)
+    theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=bias._materialize())
+    dout = torch.randn(ours.shape, dtype=torch.float64)
+    got = torch.autograd.grad(ours, (q, k, v), dout)
+    want = torch.autograd.grad(theirs, (q, k, v), dout)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_causal_bias_with_key_lengths_and_refusals():
+    q, k, v = _f64(2, 2, 3, 8), _f64(2, 2, 5, 8, seed=1), _f64(2, 2, 5, 8, seed=2)
+    kl = torch.tensor([5, 2])
+    # lower-right is the bias' diagonal (offset S - L), not mhakern's per-element one
+    ours = mhakern.attention(q, k, v, attn_mask=causal_lower_right(3, 5), key_lengths=kl)
+    hide = torch.arange(5).view(1, 1, 1, 5) >= kl.view(2, 1, 1, 1)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(3, 5)._materialize() & ~hide)
+    torch.testing.assert_close(ours, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="attn_mask, is_causal"):
+        mhakern.scaled_dot_product_attention(q, k, v, attn_mask=causal_upper_left(3, 5), is_causal=True)
+    with pytest.raises(RuntimeError, match="attn_mask: a lower-right CausalBias of sizes \\(4, 5\\)"):
+        mhakern.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(4, 5))
+
+
+def _ggc(fn, *inputs):
+    # fast_mode: the second-order check along random directions (one pass per input, not one
+    # per element); small shapes keep it under a second.
+    return torch.autograd.gradgradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-4, fast_mode=True)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(causal=True), dict(causal=True, causal_align="top_left"), dict(window=(1, 0)),
+     dict(key_lengths=torch.tensor([2, 4]))],
+    ids=["plain", "causal", "causal-top-left", "window", "key-lengths"],
+)
+def test_second_derivatives_are_exact_on_the_reference(kw):
+    # Before: gradgradcheck failed (d/dq off by 0.08, d/dk by 0.16): the backward's graph
+    # treated out and lse as constants.
+    q, k, v = _f64(2, 2, 3, 4), _f64(2, 1, 4, 4, seed=1), _f64(2, 1, 4, 4, seed=2)
+    assert _ggc(lambda q, k, v: mhakern.attention(q, k, v, backend="reference", **kw), q, k, v)
+
+
+def test_second_derivatives_with_a_float_mask_and_dropout():
+    q, k, v, m = _f64(1, 2, 3, 4), _f64(1, 2, 4, 4, seed=1), _f64(1, 2, 4, 4, seed=2), _f64(3, 4, seed=3)
+    assert _ggc(lambda q, k, v, m: mhakern.attention(q, k, v, attn_mask=m, backend="reference"), q, k, v, m)
+
+    def dropped(q, k, v):
+        return mhakern.attention(q, k, v, dropout_p=0.3, generator=torch.Generator().manual_seed(1), backend="reference")
+
+    assert _ggc(dropped, q, k, v)
+
+
+def test_second_derivatives_through_the_cpu_backend():
+    # Before: create_graph=True left q.grad None (a UserWarning only): the compiled backward has no
+    # derivative of its own.
+    if mhakern.available_backends().get("cpu") is not None:
+        pytest.skip("mhakern._C (the cpu backend) is not built")
+    q64, k64, v64 = _f64(1, 2, 5, 8), _f64(1, 2, 6, 8, seed=1), _f64(1, 2, 6, 8, seed=2)
+    q, k, v = (x.detach().float().requires_grad_() for x in (q64, k64, v64))
+    out = mhakern.attention(q, k, v, causal=True, backend="cpu")
+    (gq,) = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+    gq.pow(2).sum().backward()
+    ref = mhakern.reference.attention(q64, k64, v64, causal=True)
+    (gq64,) = torch.autograd.grad(ref.pow(2).sum(), q64, create_graph=True)
+    gq64.pow(2).sum().backward()
+    torch.testing.assert_close(gq.double(), gq64, rtol=1e-4, atol=1e-5)
+    for a, b in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert a is not None
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [((1, 2, 4, 0), (1, 2, 6, 0), (1, 2, 6, 8)), ((1, 0, 4, 8), (1, 0, 6, 8), (1, 0, 6, 8)),
+     ((0, 2, 4, 8), (0, 2, 6, 8), (0, 2, 6, 8)), ((1, 2, 0, 8), (1, 2, 6, 8), (1, 2, 6, 8)),
+     ((1, 2, 4, 8), (1, 2, 0, 8), (1, 2, 0, 8)), ((1, 2, 4, 8), (1, 2, 6, 8), (1, 2, 6, 0))],
+    ids=["head-dim-0", "heads-0", "batch-0", "queries-0", "keys-0", "value-dim-0"],
+)
+@pytest.mark.parametrize("masked", [False, True])
+def test_zero_sizes_return_what_sdpa_returns(shapes, masked):
+    # Before: head dim 0 and 0 heads raised ValueError; SDPA returns a result.
+    q, k, v = (_f64(*s, seed=i) for i, s in enumerate(shapes))
+    L, S = shapes[0][2], shapes[1][2]
+    m = torch.randn(L, S, dtype=torch.float64) if masked else None
+    ours = mhakern.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    assert ours.shape == theirs.shape
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    if ours.numel():
+        dout = torch.randn(ours.shape, dtype=torch.float64)
+        for a, b in zip(torch.autograd.grad(ours, (q, k, v), dout), torch.autograd.grad(theirs, (q, k, v), dout)):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_one_drops_everything_as_torch():
+    q, k, v = _f64(1, 2, 4, 8), _f64(1, 2, 6, 8, seed=1), _f64(1, 2, 6, 8, seed=2)
+    ours = mhakern.scaled_dot_product_attention(q, k, v, dropout_p=1.0)
+    theirs = F.scaled_dot_product_attention(q, k, v, dropout_p=1.0)
+    assert torch.equal(ours, theirs)
+    g = torch.autograd.grad(ours.sum(), (q, k, v))
+    assert all(torch.equal(x, torch.zeros_like(x)) for x in g)
+
+
+@pytest.mark.parametrize("backend", [b for b in ("reference", "cpu") if mhakern.available_backends().get(b) is None])
+def test_batched_grads_on_non_contiguous_inputs(backend):
+    # Before: aten::copy_ into an unbatched buffer inside the backward refused the vmap.
+    q, k, v = (torch.randn(2, L, 3, 8).transpose(1, 2).requires_grad_() for L in (5, 6, 6))
+    out = mhakern.attention(q, k, v, causal=True, backend=backend)
+    douts = torch.randn(3, *out.shape)
+    batched = torch.autograd.grad(out, (q, k, v), douts, is_grads_batched=True, retain_graph=True)
+    for i, d in enumerate(douts):
+        one = torch.autograd.grad(out, (q, k, v), d, retain_graph=True)
+        for a, b in zip(batched, one):
+            torch.testing.assert_close(a[i], b)
+
+
+@pytest.mark.parametrize(
+    "call,exc,words",
+    [
+        (lambda q: mhakern.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(6, 6, dtype=torch.bool), is_causal=True), ValueError, ["attn_mask, is_causal"]),
+        (lambda q: mhakern.scaled_dot_product_attention(q[0, 0, 0], q[0, 0, 0], q[0, 0, 0]), ValueError, ["query", "2 dims"]),
+        (lambda q: mhakern.scaled_dot_product_attention(q.double(), q, q), TypeError, ["dtypes must match"]),
+        (lambda q: mhakern.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(6, 6, dtype=torch.int32)), TypeError, ["attn_mask", "int32"]),
+        (lambda q: mhakern.scaled_dot_product_attention(q, q, q, attn_mask=torch.zeros(6, 6, dtype=torch.float64)), TypeError, ["attn_mask"]),
+        (lambda q: mhakern.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(5, 6, dtype=torch.bool)), ValueError, ["attn_mask", "broadcastable"]),
+        (lambda q: mhakern.scaled_dot_product_attention(q, q[..., :8], q), ValueError, ["key: head dim 8"]),
+        (lambda q: mhakern.scaled_dot_product_attention(q, q, q, dropout_p=1.5), ValueError, ["dropout_p", "1.5"]),
+        (lambda q: mhakern.attention(q, q, q, backend="cpu", dropout_p=0.0, scale=1.0, key_lengths=torch.tensor([9, 9])), ValueError, ["key_lengths"]),
+    ],
+)
+def test_errors_are_instances_of_what_torch_raises(call, exc, words):
+    # Before: ValueError / TypeError only; code catching torch's RuntimeError missed them.
+    q = torch.randn(2, 4, 6, 16)
+    with pytest.raises(RuntimeError) as info:
+        call(q)
+    assert isinstance(info.value, exc)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_last_backend_and_strict_mode():
+    # Before: float64 and head dims above the kernels' ran on the reference without a sign.
+    q, k, v = make_inputs(1, 2, 2, 3, 4, 16, dtype=torch.float64, requires_grad=False)
+    mhakern.attention(q, k, v)
+    assert mhakern.last_backend() == "reference"
+    fast = [n for n, why in mhakern.available_backends().items() if why is None and n != "reference"]
+    q32, k32, v32 = (x.float() for x in (q, k, v))
+    if "cpu" in fast:
+        mhakern.attention(q32, k32, v32)
+        assert mhakern.last_backend() == "cpu"
+    assert mhakern.set_strict(True) is False
+    try:
+        for _ in range(2):  # the second call takes the cached selection
+            with pytest.raises(mhakern.FallbackError, match="strict dispatch .* refuses to fall back to 'reference'") as info:
+                mhakern.attention(q, k, v)
+            assert isinstance(info.value, RuntimeError) and isinstance(info.value, ValueError)
+        mhakern.attention(q, k, v, backend="reference")  # asked for by name: served
+        assert mhakern.last_backend() == "reference"
+        if "cpu" in fast:
+            mhakern.attention(q32, k32, v32)
+            with pytest.raises(mhakern.FallbackError, match="cpu: head dims up to"):
+                mhakern.attention(torch.randn(1, 1, 2, 300), torch.randn(1, 1, 2, 300), torch.randn(1, 1, 2, 300))
+    finally:
+        assert mhakern.set_strict(False) is True
+    with pytest.raises(TypeError, match="enabled: expected a bool"):
+        mhakern.set_strict("yes")
+
+
+@pytest.mark.parametrize(
+    "call,exc,words",
+    [
+        (lambda q: mhakern.scaled_dot_product_attention(q, q, q, dropout_p=torch.tensor([0.1, 0.2])), TypeError, ["dropout_p", "Tensor"]),
+        (lambda q: mhakern.attention(q, q, q, dropout_p=torch.tensor([0.1, 0.2])), TypeError, ["dropout_p", "Tensor"]),
+        (lambda q: mhakern.attention(q, q, q, return_lse="no"), TypeError, ["return_lse", "bool", "str"]),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_named(call, exc, words):
+    # Before: "Boolean value of Tensor ... is ambiguous"; return_lse='no' was taken as true.
+    q = torch.randn(2, 4, 6, 16)
+    with pytest.raises(exc) as info:
+        call(q)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_compiled_op_names_an_undefined_operand():
+    # Before: "tensor does not have a device" (the device was read before q was checked).
+    if mhakern.available_backends().get("cpu") is not None:
+        pytest.skip("mhakern._C (the cpu backend) is not built")
+    k = torch.randn(1, 2, 6, 8)
+    with pytest.raises(ValueError, match="q: expected a tensor, got None"):
+        torch.ops.mhakern_C.fwd(None, k, k, 0.3, False, None, None, 0.0, 0, False, -1, -1)
+    with pytest.raises(ValueError, match="dout: expected a tensor, got None"):
+        torch.ops.mhakern_C.bwd(None, k, k, k, k, k[..., 0], 0.3, False, None, None, 0.0, 0, False, -1, -1, False)

@@ -199,3 +199,65 @@ def test_compile_before_the_backend_registry_is_loaded():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("entry", ["sdpa", "fusedmha"])
+def test_causal_bias_compiles_as_causal_masking(entry):
+    # Before: a TypeError under torch.compile (and wrong numbers in eager).
+    from torch.nn.attention.bias import causal_lower_right
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    if entry == "sdpa":
+        q, k, v = (torch.randn(1, 2, L, 16, generator=g).requires_grad_() for L in (4, 6, 6))
+        bias = causal_lower_right(4, 6)
+        fn = lambda q, k, v: mhakern.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # noqa: E731
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias._materialize())
+        leaves = [q, k, v]
+    else:
+        mha = mhakern.FusedMHA(16, 4, batch_first=True)
+        x, kv = torch.randn(2, 4, 16, generator=g, requires_grad=True), torch.randn(2, 6, 16, generator=g)
+        bias = causal_lower_right(4, 6)
+        fn = lambda x: mha(x, kv, kv, attn_mask=bias, need_weights=False)[0]  # noqa: E731
+        want = mha(x, kv, kv, attn_mask=~bias._materialize(), need_weights=False)[0]
+        leaves = [x]
+    got = torch.compile(fn, backend="aot_eager", fullgraph=True)(*leaves)
+    torch.testing.assert_close(got, want)
+    dout = torch.randn(got.shape, generator=g)
+    for a, b in zip(torch.autograd.grad(got, leaves, dout), torch.autograd.grad(want, leaves, dout)):
+        torch.testing.assert_close(a, b)
+    torch._dynamo.reset()
+
+
+class _DataDependentBatch(torch.nn.Module):
+    """Attention over the first ``sel.sum()`` sequences: a batch size known only from data."""
+
+    def __init__(self, entry):
+        super().__init__()
+        self.entry = entry
+        self.mha = mhakern.FusedMHA(16, 4, batch_first=True)
+
+    def forward(self, q, mask, sel):
+        n = sel.sum().item()
+        torch._check(n >= 1)
+        torch._check(n <= q.shape[0])
+        q, mask = q[:n], mask[:n]
+        if self.entry == "sdpa":
+            return mhakern.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        if self.entry == "attention":
+            return mhakern.attention(q, q, q, attn_mask=mask, causal=True)
+        x = q.flatten(1, 2)[..., :16]
+        return self.mha(x, x, x, need_weights=False, is_causal=True)[0]
+
+
+@pytest.mark.parametrize("entry", ["sdpa", "attention", "fusedmha"])
+def test_export_with_a_data_dependent_batch_size(entry):
+    # Before: GuardOnDataDependentSymNode in the mask's shape check (Eq(u0, 1)).
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 2, 5, 16, generator=g)
+    mask = torch.rand(3, 1, 5, 5, generator=g) > 0.2
+    sel = torch.tensor([1, 1, 0])
+    mod = _DataDependentBatch(entry)
+    ep = torch.export.export(mod, (q, mask, sel))
+    for s in (sel, torch.tensor([1, 1, 1])):
+        torch.testing.assert_close(ep.module()(q, mask, s), mod(q, mask, s))

@@ -976,3 +976,167 @@ def test_constructor_defaults_are_torchs():
     fused = mhakern.FusedMHA(8, 2, backend="reference")
     x = torch.randn(5, 3, 8)  # (L, N, E): torch's default layout
     torch.testing.assert_close(fused(x, x, x)[0], ref(x, x, x)[0], atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Drop-in fidelity (issue 23): each of these failed before its fix
+
+import contextlib  # noqa: E402
+
+from torch.nn.attention.bias import causal_lower_right, causal_upper_left  # noqa: E402
+
+
+def _swap_in_fused(model, E, H):
+    """Replace every nn.MultiheadAttention of ``model`` by a FusedMHA with its weights; returns them."""
+    fused = []
+    for mod in list(model.modules()):
+        for attr in ("self_attn", "multihead_attn"):
+            a = getattr(mod, attr, None)
+            if isinstance(a, nn.MultiheadAttention):
+                f = mhakern.FusedMHA(E, H, batch_first=True, dtype=torch.float64)
+                f.load_state_dict(a.state_dict())
+                setattr(mod, attr, f)
+                fused.append(f)
+    return fused
+
+
+def _transformer(kind, E=16, H=4):
+    torch.manual_seed(1)
+    layer = dict(d_model=E, nhead=H, dim_feedforward=32, dropout=0.0, batch_first=True)
+    if kind == "encoder_layer":
+        return nn.TransformerEncoderLayer(**layer).double()
+    if kind == "encoder":
+        return nn.TransformerEncoder(nn.TransformerEncoderLayer(**layer), 2).double()
+    return nn.TransformerDecoderLayer(**layer).double()
+
+
+@pytest.mark.parametrize("mode", ["train", "eval", "no_grad", "inference_mode"])
+@pytest.mark.parametrize("kind", ["encoder_layer", "encoder", "decoder_layer"])
+def test_fusedmha_runs_its_kernels_inside_torch_transformer_layers(kind, mode):
+    # Before: eval() under no_grad / inference_mode raised AttributeError 'merge_masks' (torch's
+    # fast path read FusedMHA's attributes and took its fused op, which would bypass mhakern).
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 16, generator=g, dtype=torch.float64)
+    mem = torch.randn(3, 7, 16, generator=g, dtype=torch.float64)
+    pad = torch.tensor([[0, 0, 0, 0, 0], [0, 0, 0, 1, 1], [0, 0, 0, 0, 1]], dtype=torch.bool)
+    torch_model, ours = _transformer(kind), _transformer(kind)
+    fused = _swap_in_fused(ours, 16, 4)
+    calls = []
+    for f in fused:
+        # Counted by wrapping forward, not by a hook: a hook of the test's own would itself
+        # make torch decline its fast path.
+        f.forward = (lambda f, fwd: lambda *a, **kw: calls.append(f) or fwd(*a, **kw))(f, f.forward)
+    for use_pad in (None, pad):
+        outs = []
+        for model in (torch_model, ours):
+            model.train(mode == "train")
+            ctx = {"no_grad": torch.no_grad(), "inference_mode": torch.inference_mode()}.get(mode, contextlib.nullcontext())
+            with ctx:
+                if kind == "decoder_layer":
+                    o = model(x, mem, tgt_key_padding_mask=use_pad, tgt_is_causal=False)
+                else:
+                    o = model(x, src_key_padding_mask=use_pad)
+            # torch's encoder returns zeros at padded rows on its nested path: compare real rows
+            outs.append(o.to_padded_tensor(0.0, x.shape) if o.is_nested else o)
+        keep = torch.ones(3, 5, 1, dtype=torch.bool) if use_pad is None else ~use_pad[..., None]
+        torch.testing.assert_close(outs[1] * keep, outs[0] * keep, rtol=1e-7, atol=1e-7)
+    assert len(calls) >= 2 * len(fused) and {id(f) for f in calls} == {id(f) for f in fused}, "FusedMHA was bypassed"
+
+
+def test_fusedmha_takes_nested_inputs_as_torch_encoder_hands_them():
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randn(n, 16, generator=g, dtype=torch.float64) for n in (5, 3, 4)]
+    nt = torch.nested.nested_tensor(seqs)
+    m = torch.nn.MultiheadAttention(16, 4, batch_first=True, dtype=torch.float64)
+    f = mhakern.FusedMHA(16, 4, batch_first=True, dtype=torch.float64)
+    f.load_state_dict(m.state_dict())
+    for causal in (False, True):
+        out, w = f(nt, nt, nt, need_weights=False, is_causal=causal)
+        assert out.is_nested and w is None
+        for s, o in zip(seqs, out.unbind()):
+            mask = torch.ones(len(s), len(s), dtype=torch.bool).triu(1) if causal else None
+            want, _ = m(s[None], s[None], s[None], attn_mask=mask, need_weights=False)
+            torch.testing.assert_close(o, want[0], rtol=1e-7, atol=1e-7)
+    with pytest.raises(ValueError, match="need_weights=False"):
+        f(nt, nt, nt)
+
+
+@pytest.mark.parametrize("make", [causal_upper_left, causal_lower_right], ids=["upper_left", "lower_right"])
+@pytest.mark.parametrize("L,S", [(4, 6), (5, 5)], ids=["wide", "square"])
+@pytest.mark.parametrize("extra", [dict(), dict(need_weights=True), dict(padding=True), dict(add_bias_kv=True)],
+                         ids=["plain", "weights", "padding", "bias_kv"])
+def test_causal_bias_attn_mask_is_the_causal_mask(make, L, S, extra):
+    # Before: the bias' uninitialised storage was read as a mask.
+    extra = dict(extra)
+    bias_kv = extra.pop("add_bias_kv", False)
+    torch.manual_seed(0)
+    m = torch.nn.MultiheadAttention(16, 4, batch_first=True, dtype=torch.float64, add_bias_kv=bias_kv)
+    f = mhakern.FusedMHA(16, 4, batch_first=True, dtype=torch.float64, add_bias_kv=bias_kv)
+    f.load_state_dict(m.state_dict())
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, L, 16, generator=g, dtype=torch.float64)
+    kv = torch.randn(2, S, 16, generator=g, dtype=torch.float64)
+    kw = {"need_weights": extra.get("need_weights", False)}
+    if extra.get("padding"):
+        kw["key_padding_mask"] = torch.arange(S).view(1, S) >= torch.tensor([[S], [S - 2]])
+    bias = make(L, S)
+    got, gw = f(q, kv, kv, attn_mask=bias, **kw)
+    want, ww = m(q, kv, kv, attn_mask=~bias._materialize(), **kw)  # nn.MHA: True = hidden
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    if kw["need_weights"]:
+        torch.testing.assert_close(gw, ww, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda f: f(torch.randn(2, 5, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 8)),
+        lambda f: f(torch.randn(2, 5, 16), torch.randn(2, 6, 16), torch.randn(2, 5, 16)),
+        lambda f: f(torch.randn(5, 2, 3, 16), torch.randn(5, 2, 3, 16), torch.randn(5, 2, 3, 16)),
+        lambda f: f(torch.randn(2, 5, 16), torch.randn(2, 5, 16), torch.randn(2, 5, 16), key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)),
+        lambda f: mhakern.FusedMHA(10, 4),
+    ],
+    ids=["embed-dim", "key-value-length", "rank", "padding-shape", "divisible"],
+)
+def test_bad_shapes_are_assertion_errors_as_in_torch(call):
+    # Before: ValueError only, where nn.MultiheadAttention raises AssertionError.
+    f = mhakern.FusedMHA(16, 4, batch_first=True)
+    with pytest.raises(AssertionError) as info:
+        call(f)
+    assert isinstance(info.value, ValueError)
+
+
+def test_attn_mask_shape_error_is_a_runtime_error_as_in_torch():
+    f = mhakern.FusedMHA(16, 4, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    with pytest.raises(RuntimeError, match="attn_mask: expected shape"):
+        f(x, x, x, attn_mask=torch.zeros(4, 5, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["self", "cross"])
+def test_float64_module_with_a_half_in_proj_bias_runs_as_torch(same):
+    # Before: "self and mat2 must have the same dtype"; nn.MultiheadAttention promotes the bias.
+    torch.manual_seed(0)
+    m = torch.nn.MultiheadAttention(16, 4, batch_first=True, dtype=torch.float64)
+    f = mhakern.FusedMHA(16, 4, batch_first=True, dtype=torch.float64)
+    f.load_state_dict(m.state_dict())
+    half_bias = torch.randn(48).half()
+    for mod in (m, f):
+        mod.in_proj_bias.data = half_bias.clone()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    kv = x if same else torch.randn(2, 6, 16, dtype=torch.float64)
+    got, gw = f(x, kv, kv)
+    want, ww = m(x, kv, kv)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gw, ww, rtol=1e-6, atol=1e-6)
+
+
+def test_second_derivatives_through_fusedmha():
+    f = mhakern.FusedMHA(8, 2, batch_first=True, dtype=torch.float64, backend="reference")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 3, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    # The output only: the weights are exp(s - lse) with the contract's float32 lse, whose
+    # rounding (~1e-7) finite differences cannot see through.
+    fn = lambda x: f(x, x, x, is_causal=True, need_weights=False)[0]  # noqa: E731
+    assert torch.autograd.gradgradcheck(fn, (x,), eps=1e-6, atol=1e-5, rtol=1e-4, fast_mode=True)

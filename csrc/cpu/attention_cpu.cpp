@@ -87,8 +87,9 @@ MutView mut_view_of(const at::Tensor& x) {
 at::Tensor check_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                         bool causal, const std::optional<at::Tensor>& key_lengths, const op::ModeArgs& modes,
                         bool backward) {
-  check_cpu(q, "q");
+  // check_qkv first: it names an undefined operand (None from Python) before anything reads its device.
   const op::Sizes s = op::check_qkv(q, k, v, scale);
+  check_cpu(q, "q");
   p.dtype = dtype_of(q);
   TORCH_CHECK_VALUE(s.D <= caps::kCpuMaxHeadDim, "q: head dim ", s.D, " exceeds the cpu kernels' maximum of ",
                     caps::kCpuMaxHeadDim);

@@ -36,6 +36,8 @@ from typing import Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from .._errors import ArgumentError, FallbackError
+
 Tensor = torch.Tensor
 
 #: Every optional mode a backend may implement (the names used in ``Backend.features``).
@@ -87,6 +89,8 @@ class Backend:
     name: str = ""
     #: ``auto`` prefers higher numbers.
     priority: int = 0
+    #: A fallback (the plain-PyTorch reference): strict dispatch refuses to let ``auto`` pick it.
+    fallback: bool = False
     #: The optional modes it implements (a subset of ALL_FEATURES).
     features: FrozenSet[str] = frozenset()
 
@@ -162,6 +166,47 @@ def register(backend: Backend) -> Backend:
     _ORDER = None
     _SELECTED.clear()
     return backend
+
+
+# Which backend served the last call of this thread, and the strict switch (set_strict).
+_LAST = threading.local()
+_STRICT = False
+
+
+def last_backend() -> Optional[str]:
+    """The name of the backend that :func:`select` resolved last in this thread (the last
+    ``mhakern.attention`` / SDPA drop-in / FusedMHA call, or op), None before any call. Under
+    torch.compile it is set when the compiled graph runs its ops."""
+    return getattr(_LAST, "name", None)
+
+
+def set_strict(enabled: bool) -> bool:
+    """Strict dispatch: while on, ``backend="auto"`` raises :class:`mhakern.FallbackError` (a
+    ValueError and a RuntimeError) with every fast backend's reason instead of falling back to a
+    ``fallback`` backend (the plain-PyTorch reference: float64, head dims beyond the kernels',
+    a device no kernel serves). Naming ``backend="reference"`` still works. Process-wide;
+    returns the previous setting."""
+    global _STRICT
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled: expected a bool, got {type(enabled).__name__}")
+    prev, _STRICT = _STRICT, enabled
+    return prev
+
+
+def _refuse_fallback(be: "Backend", q, k, v, causal, key_lengths, needed) -> None:
+    reasons = []
+    for n in names():
+        other = _REGISTRY[n]
+        if other.fallback:
+            continue
+        why = available_backends()[n] or missing_features(other, needed, q, k, v) or other.auto_supports(
+            q, k, v, causal, key_lengths
+        )
+        reasons.append(f"{n}: {why}")
+    raise FallbackError(
+        f"backend='auto': strict dispatch (mhakern.set_strict) refuses to fall back to {be.name!r} "
+        "(" + "; ".join(reasons) + ")"
+    )
 
 
 def clear_dispatch_cache() -> None:
@@ -255,8 +300,11 @@ def select(
         hit = _SELECTED.get(key)
         if hit is not None:
             if isinstance(hit, Backend):
+                if _STRICT and hit.fallback and name == "auto":
+                    _refuse_fallback(hit, q, k, v, causal, key_lengths, frozenset(needed))
+                _LAST.name = hit.name
                 return hit
-            raise ValueError(hit)
+            raise ArgumentError(hit)
     try:
         be = _select(name, q, k, v, causal, key_lengths, frozenset(needed))
     except ValueError as e:
@@ -265,6 +313,9 @@ def select(
         raise
     if key is not None:
         _remember(key, be)
+    if _STRICT and be.fallback and name == "auto":
+        _refuse_fallback(be, q, k, v, causal, key_lengths, frozenset(needed))
+    _LAST.name = be.name
     return be
 
 
@@ -280,7 +331,7 @@ def _select(name, q, k, v, causal, key_lengths, needed) -> Backend:
         be = get(name)
         why = usable[name] or missing_features(be, needed, q, k, v) or be.supports(q, k, v, causal, key_lengths)
         if why is not None:
-            raise ValueError(f"backend={name!r} cannot serve these inputs: {name}: {why}")
+            raise ArgumentError(f"backend={name!r} cannot serve these inputs: {name}: {why}")
         return be
     reasons = []
     for n in names():
@@ -289,4 +340,4 @@ def _select(name, q, k, v, causal, key_lengths, needed) -> Backend:
         if why is None:
             return be
         reasons.append(f"{n}: {why}")
-    raise ValueError("backend='auto': no backend can serve these inputs (" + "; ".join(reasons) + ")")
+    raise ArgumentError("backend='auto': no backend can serve these inputs (" + "; ".join(reasons) + ")")

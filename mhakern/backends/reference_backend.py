@@ -16,6 +16,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 class ReferenceBackend(Backend):
     name = "reference"
     priority = 0
+    fallback = True
     features = ALL_FEATURES
 
     def supports(self, q, k, v, causal, key_lengths):
