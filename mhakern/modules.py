@@ -195,6 +195,17 @@ class FusedMHA(nn.Module):
             s += ", add_zero_attn=True"
         return s + f", batch_first={self.batch_first}, backend={self.backend!r}"
 
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this on every submodule before compiling it. FusedMHA's forward
+        # runs Python (dispatch, the autograd op, nested inputs) that TorchScript cannot
+        # compile; say so in one line instead of TorchScript's frontend error, and never swap
+        # in a scriptable module that would bypass mhakern's kernels without a sign.
+        raise RuntimeError(
+            "mhakern.FusedMHA cannot be compiled by TorchScript (torch.jit.script): use "
+            "torch.compile or torch.export, which run its kernels, or script a model built with "
+            "torch.nn.MultiheadAttention"
+        )
+
     def forward(
         self,
         query: Tensor,

@@ -1140,3 +1140,14 @@ def test_second_derivatives_through_fusedmha():
     # rounding (~1e-7) finite differences cannot see through.
     fn = lambda x: f(x, x, x, is_causal=True, need_weights=False)[0]  # noqa: E731
     assert torch.autograd.gradgradcheck(fn, (x,), eps=1e-6, atol=1e-5, rtol=1e-4, fast_mode=True)
+
+
+def test_torchscript_is_refused_in_one_line():
+    # torch.jit.script cannot compile FusedMHA's forward; the refusal names the module and the
+    # ways that do work, also for a FusedMHA inside a torch layer.
+    with pytest.raises(RuntimeError, match="FusedMHA cannot be compiled by TorchScript"):
+        torch.jit.script(mhakern.FusedMHA(16, 2))
+    layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32)
+    layer.self_attn = mhakern.FusedMHA(16, 2)
+    with pytest.raises(RuntimeError, match="FusedMHA cannot be compiled by TorchScript"):
+        torch.jit.script(layer)
