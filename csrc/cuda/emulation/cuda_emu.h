@@ -169,6 +169,10 @@ struct State {
   std::vector<GlobalOp> global_pending;
   uint64_t launch_rng = 0;
   int slot = 0;  // resident slot of the block being run
+  // A deliberate defect a kernel compiled for emulation injects on request (0: none), so that a
+  // test can show the emulator catching it in the real kernel (the fused backward's dQ order:
+  // attn_bwd_fused_kernel.cuh). Never compiled into GPU code.
+  int defect = 0;
 };
 
 inline State& state() {
