@@ -62,8 +62,9 @@ struct FusedBwdConfig {
   static constexpr int kDqCols = D / kDqWarpsPerStrip;
   static_assert(kDqCols % 16 == 0, "dQ: column slices of whole n16 pairs");
   // Columns per red.add round (the accumulator of one round: kDqChunk / 2 registers; each round
-  // reads the dS fragments again).
-  static constexpr int kDqChunk = kDqCols % 32 == 0 ? 32 : 16;
+  // reads the dS fragments again). 16: with 32 the D 128 kernels (dK, dV: 128 registers) spilled
+  // 16-28 bytes.
+  static constexpr int kDqChunk = 16;
   // Shared memory: K, V; Q and dO with two stages; dS; the D halves' partial S^T and dP^T
   // (kDSplit 2 only: per warp 2 x 16 x kBlockM fp32); per row of each stage lse2, delta, first
   // and limit key, and with kModes the mask-row and dmask-row offsets and the dropout hash.
@@ -200,7 +201,9 @@ MHK_DEVICE void attn_bwd_fused_body(const BwdParams& p) {
   const Visibility vis = visibility_of(p, Lk_b);
   const int rows_total = p.group * p.Lq;
   const int n_qblocks = ceil_div(rows_total, kBlockM);
-  uint32_t* counters = p.dq_counters + (static_cast<int64_t>(b) * p.Hkv + hkv) * n_qblocks;
+  // The row blocks' counters of this (batch, KV head) start at counter_base (read from the
+  // parameters at each use: nothing kept in registers across the loop for it).
+  const int64_t counter_base = (static_cast<int64_t>(b) * p.Hkv + hkv) * n_qblocks;
 
   // As in the split dK/dV kernel: a query block matters when one of its rows may see a key of
   // this block; it needs per-element masks when one of its rows does not see all of them.
@@ -281,7 +284,6 @@ MHK_DEVICE void attn_bwd_fused_body(const BwdParams& p) {
   // [dq_col0, dq_col0 + kDqCols).
   const int dq_strip = warp / Cfg::kDqWarpsPerStrip;
   const int dq_col0 = (warp % Cfg::kDqWarpsPerStrip) * Cfg::kDqCols;
-  float* dq_accum = p.dq_accum;
 
   const bool lo_masks = vis.left >= 0;
   if (mq < n_qblocks) load_qblock(mq, 0);
@@ -385,15 +387,15 @@ MHK_DEVICE void attn_bwd_fused_body(const BwdParams& p) {
     const int defect = ::mhk_emu::state().defect;
     if (kOrdered && defect == 1) {
       if (tid == 0)
-        while (ld_acquire_gpu(counters + mq) + 1 < turn) spin_pause();
+        while (ld_acquire_gpu(p.dq_counters + counter_base + mq) + 1 < turn) spin_pause();
       block_sync();
     } else if (kOrdered && defect == 2) {
-      dq_wait_turn(counters + mq, turn);
-      dq_pass_turn(counters + mq);
+      dq_wait_turn(p.dq_counters + counter_base + mq, turn);
+      dq_pass_turn(p.dq_counters + counter_base + mq);
     } else
 #endif
     if constexpr (kOrdered)
-      dq_wait_turn(counters + mq, turn);
+      dq_wait_turn(p.dq_counters + counter_base + mq, turn);
     int64_t row_off[2];
     MHK_UNROLL
     for (int hh = 0; hh < 2; ++hh) {
@@ -411,7 +413,7 @@ MHK_DEVICE void attn_bwd_fused_body(const BwdParams& p) {
         MHK_UNROLL
         for (int e = 0; e < 4; ++e) {
           const int64_t off = row_off[e >> 1];
-          if (off >= 0) red_add_f32(dq_accum + off + dq_col0 + c + dt * 8 + 2 * t + (e & 1), acc[dt][e]);
+          if (off >= 0) red_add_f32(p.dq_accum + off + dq_col0 + c + dt * 8 + 2 * t + (e & 1), acc[dt][e]);
         }
       }
     }
@@ -422,7 +424,7 @@ MHK_DEVICE void attn_bwd_fused_body(const BwdParams& p) {
     else
 #endif
     if constexpr (kOrdered)
-      dq_pass_turn(counters + mq);
+      dq_pass_turn(p.dq_counters + counter_base + mq);
     else
       block_sync();
     mq = nxt;
