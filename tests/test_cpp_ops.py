@@ -145,6 +145,22 @@ def test_forward_family_hook_round_trips_and_names_its_choices():
         torch.ops.mhakern_C.cuda_force_fwd_family(prev)
 
 
+def test_mma_backward_kernel_hook_round_trips_and_names_its_choices():
+    # Which backward the mma.sync family runs (op_common.h MmaBwdKernelSetting; the names are
+    # capabilities()["cuda"]["bwd"]["kernels"]): the GPU tests' and benchmarks' switch.
+    kernels = json.loads(torch.ops.mhakern_C.capabilities())["cuda"]["bwd"]["kernels"]
+    prev = torch.ops.mhakern_C.cuda_force_mma_bwd_kernel("fused")
+    try:
+        for name in kernels:
+            torch.ops.mhakern_C.cuda_force_mma_bwd_kernel(name)
+            assert torch.ops.mhakern_C.cuda_force_mma_bwd_kernel(name) == name
+        with pytest.raises(ValueError, match=r"kernel must be 'default' or 'split' or 'fused' or 'fused_atomic', got 'x'"):
+            torch.ops.mhakern_C.cuda_force_mma_bwd_kernel("x")
+        assert torch.ops.mhakern_C.cuda_force_mma_bwd_kernel("default") == name  # a refused call changes nothing
+    finally:
+        torch.ops.mhakern_C.cuda_force_mma_bwd_kernel(prev)
+
+
 def test_backward_family_hook_round_trips_and_names_its_choices():
     # The backward's twin (op_common.h: cuda_bwd_family).
     prev = torch.ops.mhakern_C.cuda_force_bwd_family("mma_sync")
