@@ -68,6 +68,32 @@ std::string capabilities() {
        << "], \"dq\": [" << t.dq_m << ", " << t.dq_n << "], \"dkv\": [" << t.dkv_m << ", " << t.dkv_n << "], \"fwd_modes\": [" << t.fwd_m << ", "
        << t.fwd_modes_n << "]}";
   }
+  // The mma.sync family's backward (capabilities.h CudaBwdKernel): which kernel runs by default,
+  // the kernels and whether each is bit-identical run to run, the head dims with a backward
+  // (bwd_only_head_dims: only the fused kernel, no forward on this family) and the fused tiles
+  // per head dim: [keys per CTA, packed query rows per step, warps per 16-key strip].
+  js << "}, \"bwd\": {\"default\": \"" << caps::kCudaBwdKernelNames[caps::kCudaMmaBwdDefault]
+     << "\", \"kernels\": {\"split\": {\"deterministic\": true, \"products_per_tile\": 7}, \"fused\": "
+        "{\"deterministic\": true, \"products_per_tile\": 5}, \"fused_atomic\": {\"deterministic\": false, "
+        "\"products_per_tile\": 5}}, \"head_dims\": [";
+  {
+    int n = 0;
+    for (int i = 0; i < caps::kCudaNumHeadDims; ++i) js << (n++ ? ", " : "") << caps::kCudaHeadDims[i];
+    for (int i = 0; i < caps::kCudaNumBwdOnlyHeadDims; ++i) js << (n++ ? ", " : "") << caps::kCudaBwdOnlyHeadDims[i];
+  }
+  js << "], \"bwd_only_head_dims\": [";
+  for (int i = 0; i < caps::kCudaNumBwdOnlyHeadDims; ++i) js << (i ? ", " : "") << caps::kCudaBwdOnlyHeadDims[i];
+  js << "], \"fused_tiles\": {";
+  {
+    int n = 0;
+    auto tile = [&](int d) {
+      const caps::CudaFusedBwdTiles t = caps::cuda_fused_bwd_tiles(d);
+      js << (n++ ? ", " : "") << '"' << d << "\": [" << t.n << ", " << t.m << ", " << t.d_split << "]";
+    };
+    for (int i = 0; i < caps::kCudaNumHeadDims; ++i) tile(caps::kCudaHeadDims[i]);
+    for (int i = 0; i < caps::kCudaNumBwdOnlyHeadDims; ++i) tile(caps::kCudaBwdOnlyHeadDims[i]);
+  }
+  js << "}";
   // The sm_90a family (capabilities.h's sm90 block): compiled when 9.0 was in the arch list of
   // this build. The backward's head dims and tiles are its own (plain calls; bwd_dq_tile per
   // head dim: packed query rows, keys per stage).
@@ -88,8 +114,8 @@ std::string capabilities() {
     const caps::Sm90FwdTiles t = caps::sm90_fwd_tiles(caps::kSm90HeadDims[i]);
     js << (i ? ", " : "") << '"' << caps::kSm90HeadDims[i] << "\": [" << t.m << ", " << t.n << ", " << t.stages << "]";
   }
-  // Head dims only this family has: the forward serves them (on 9.0, without modes), no
-  // backward kernel exists for them (the mma.sync family lacks them).
+  // Head dims whose forward only this family has (on 9.0, without modes); their backward, if
+  // any, is the mma.sync family's (cuda.bwd.bwd_only_head_dims).
   js << "}, \"fwd_only_head_dims\": [";
   for (int i = 0, n = 0; i < caps::kSm90NumHeadDims; ++i)
     if (!caps::cuda_head_dim_supported(caps::kSm90HeadDims[i])) js << (n++ ? ", " : "") << caps::kSm90HeadDims[i];
@@ -158,6 +184,15 @@ std::string cuda_force_fwd_family(const std::string& family) {
 std::string cuda_force_bwd_family(const std::string& family) {
   return force_family(op::cuda_bwd_family(), "cuda_force_bwd_family", family);
 }
+// Sets which backward the mma.sync family runs ("default", "split", "fused", "fused_atomic";
+// op_common.h MmaBwdKernelSetting); returns the previous setting.
+std::string cuda_force_mma_bwd_kernel(const std::string& kernel) {
+  const int i = op::mma_bwd_kernel_index(kernel);
+  TORCH_CHECK_VALUE(i >= -1, "cuda_force_mma_bwd_kernel: kernel must be ", op::mma_bwd_kernel_choices(), ", got '",
+                    kernel, "'");
+  const int prev = op::mma_bwd_kernel().value.exchange(i);
+  return prev >= 0 ? caps::kCudaBwdKernelNames[prev] : "default";
+}
 
 // Meta kernels: the same argument checks as every device (op_common.h), then outputs of the
 // right shape, dtype and layout. Which modes a family implements is checked by the real kernel.
@@ -212,6 +247,7 @@ TORCH_LIBRARY(mhakern_C, m) {
   m.def("cuda_force_splits(int num_splits) -> int", &mhakern::cuda_force_splits);
   m.def("cuda_force_fwd_family(str family) -> str", &mhakern::cuda_force_fwd_family);
   m.def("cuda_force_bwd_family(str family) -> str", &mhakern::cuda_force_bwd_family);
+  m.def("cuda_force_mma_bwd_kernel(str kernel) -> str", &mhakern::cuda_force_mma_bwd_kernel);
 }
 
 TORCH_LIBRARY_IMPL(mhakern_C, Meta, m) {

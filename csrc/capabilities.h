@@ -93,6 +93,67 @@ constexpr CudaTiles cuda_tiles(int d) {
   return CudaTiles{128, d <= 64 ? 64 : 32, 64, d <= 64 ? 64 : 32, 64, d <= 64 ? 64 : 32, d <= 64 ? 32 : 16};
 }
 
+// ---- mma.sync backward: split kernels or the fused kernel (csrc/cuda/attn_bwd_fused_kernel.cuh)
+// The split backward (attn_bwd_kernel.cuh: a dK/dV kernel and a dQ kernel, 7 matrix products per
+// tile, no atomics, bit-identical by construction) or the fused one (FlashAttention-2's design: a
+// CTA per key block, 5 products per tile, dQ added in fp32 into a zeroed workspace by
+// red.global.add.f32 and converted by a small kernel). The fused kernel's dQ adds are ordered by
+// default (kBwdFusedOrdered: each row block's key blocks add in key order through a counter per
+// row block, csrc/cuda/dq_accum.cuh: bit-identical across runs and schedules); kBwdFusedAtomic
+// drops the order (faster, the last bits of dQ vary run to run).
+enum CudaBwdKernel : int { kBwdSplit = 0, kBwdFusedOrdered = 1, kBwdFusedAtomic = 2 };
+constexpr const char* kCudaBwdKernelNames[] = {"split", "fused", "fused_atomic"};
+constexpr int kCudaNumBwdKernels = 3;
+// Which one runs by default where both exist. The split kernels: the fused kernel has run only in
+// the CPU emulator (tests/test_cuda_host.py, test_cuda_emulator.py), never on a GPU; a fragment
+// layout the emulator reads wrongly would be a silent wrong gradient. MHAKERN_CUDA_MMA_BWD (or
+// torch.ops.mhakern_C.cuda_force_mma_bwd_kernel) = "fused" / "fused_atomic" opts in.
+constexpr CudaBwdKernel kCudaMmaBwdDefault = kBwdSplit;
+// Head dims that have only the fused backward (no forward on this family, no split backward:
+// the split dK/dV kernel keeps 16 keys x D of dK and dV per warp, 256 registers at D 256). The
+// sm_90a forward serves D 256 on 9.0 devices; this backward is compiled for every arch.
+#define MHK_CUDA_BWD_ONLY_HEAD_DIM(F, tag) F(tag, 256)
+#define MHK_CUDA_BWD_ONLY_INSTANCE(F) MHK_CUDA_FOR_EACH_ELEM(MHK_CUDA_BWD_ONLY_HEAD_DIM_, F)
+#define MHK_CUDA_BWD_ONLY_HEAD_DIM_(F, tag) MHK_CUDA_BWD_ONLY_HEAD_DIM(F, tag)
+#define MHK_CUDA_BWD_ONLY_ITEM_(tag, D) D,
+constexpr int kCudaBwdOnlyHeadDims[] = {MHK_CUDA_BWD_ONLY_HEAD_DIM(MHK_CUDA_BWD_ONLY_ITEM_, _)};
+#undef MHK_CUDA_BWD_ONLY_ITEM_
+constexpr int kCudaNumBwdOnlyHeadDims = sizeof(kCudaBwdOnlyHeadDims) / sizeof(kCudaBwdOnlyHeadDims[0]);
+constexpr bool cuda_bwd_only_head_dim(int64_t d) {
+  for (int i = 0; i < kCudaNumBwdOnlyHeadDims; ++i)
+    if (kCudaBwdOnlyHeadDims[i] == d) return true;
+  return false;
+}
+// Whether the mma.sync family has a backward for head dim d.
+constexpr bool cuda_bwd_head_dim_supported(int64_t d) { return cuda_head_dim_supported(d) || cuda_bwd_only_head_dim(d); }
+// The backward that runs for head dim d: `requested` (a CudaBwdKernel, or -1 for the default)
+// where both exist; the fused kernel (ordered unless fused_atomic is requested) where only it does.
+constexpr CudaBwdKernel cuda_bwd_kernel(int64_t d, int requested) {
+  const CudaBwdKernel want = requested >= 0 ? static_cast<CudaBwdKernel>(requested) : kCudaMmaBwdDefault;
+  if (cuda_bwd_only_head_dim(d)) return want == kBwdFusedAtomic ? kBwdFusedAtomic : kBwdFusedOrdered;
+  return want;
+}
+// Tiles of the fused kernel (FusedBwdConfig): keys per CTA (16 per strip of warps), packed query
+// rows per step, warps per 16-key strip (each owning a slice of D). 4 warps. Up to D 128 each
+// warp owns a 16-key strip and all of D; the rows per step are what fits 255 registers without
+// local memory (tools/check_cuda_build.py gates it): 64 up to D 32, 32 at D 64 and 96, 16 at
+// D 128 (dK and dV alone hold 128 fp32 registers there; with 32 rows, S^T and dP^T another 32,
+// and the kernels spilled 8-56 bytes; at D 64, 64 rows spilled in the modes kernels). At D 256
+// two warps share a strip, each half of D (dK, dV: 128 registers), 32 keys and 16 rows per
+// step, so that K, V and two stages of Q, dO (pitch 264) stay within 99 KB: 77 KB.
+struct CudaFusedBwdTiles {
+  int n, m, d_split;
+};
+constexpr int kCudaFusedBwdWarps = 4;
+constexpr CudaFusedBwdTiles cuda_fused_bwd_tiles(int d) {
+  return d <= 128 ? CudaFusedBwdTiles{64, d <= 32 ? 64 : (d <= 96 ? 32 : 16), 1} : CudaFusedBwdTiles{32, 16, 2};
+}
+// The fused kernel's workspace: dq_accum (B * H * Lq * D fp32) and one 32-bit counter per
+// (batch, KV head, row block of the group's packed rows), both zeroed before the launch.
+constexpr int64_t cuda_fused_bwd_counters(int64_t batch, int64_t kv_heads, int64_t group_rows, int d) {
+  return batch * kv_heads * ((group_rows + cuda_fused_bwd_tiles(d).m - 1) / cuda_fused_bwd_tiles(d).m);
+}
+
 // The decode configuration of the mma.sync forward (attn_fwd_decode_kernel, FwdDecodeConfig in
 // csrc/cuda/attn_fwd_kernel.cuh). A decode call packs only group * Lq rows per (batch, KV head)
 // (GQA 32 / 8 at Lq = 1: 4 rows), so the 128-row tile of cuda_tiles() spends 2 x 128 x D x N

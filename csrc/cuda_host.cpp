@@ -47,6 +47,14 @@ std::string head_dim_list() {
   return s;
 }
 
+// ", and for the backward also D" for the head dims with only a backward.
+std::string bwd_only_list() {
+  std::string s;
+  for (int i = 0; i < caps::kCudaNumBwdOnlyHeadDims; ++i)
+    s += (i ? ", " : "; for the backward also ") + std::to_string(caps::kCudaBwdOnlyHeadDims[i]);
+  return s;
+}
+
 Operand operand(const at::Tensor& x) {
   Operand o;
   o.ptr = x.data_ptr();
@@ -77,10 +85,12 @@ op::Sizes check_common(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   TORCH_CHECK_VALUE(s.Dv == s.D, "v: head dim ", s.Dv, " differs from q's (", s.D,
                     "); the cuda kernels need them equal");
   // A head dim only the sm90 forward has (capabilities.h) passes here for the forward; attn_fwd
-  // refuses it once it knows the family (fwd_runs_sm90).
-  TORCH_CHECK_VALUE(caps::cuda_head_dim_supported(s.D) || (!backward && caps::sm90_head_dim_supported(s.D)),
+  // refuses it once it knows the family (fwd_runs_sm90). The backward also takes the head dims
+  // with only the fused mma.sync backward (D 256).
+  TORCH_CHECK_VALUE(caps::cuda_head_dim_supported(s.D) || (!backward && caps::sm90_head_dim_supported(s.D)) ||
+                        (backward && caps::cuda_bwd_only_head_dim(s.D)),
                     "q: head dim ", s.D, " has no compiled cuda kernel", backward ? " for the backward" : "",
-                    " (supported: ", head_dim_list(), ")");
+                    " (supported: ", head_dim_list(), backward ? bwd_only_list() : "", ")");
   check_aligned(q, "q");
   check_aligned(k, "k");
   check_aligned(v, "v");
@@ -278,14 +288,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
   const std::pair<int, int> cc = compute_capability(q.device().index());
   const bool on_sm90 =
       op::forced_bwd_family() == 0 && choose_bwd_family(cc.first, cc.second, kSm90Compiled, p) == BwdFamily::sm90;
+  // The mma.sync family's backward: the split kernels or the fused one (capabilities.h
+  // cuda_bwd_kernel; head dims with only the fused kernel run it). The fused kernel has no
+  // split-K (a CTA per key block); its workspace is zeroed here.
+  p.bwd_kernel = on_sm90 ? caps::kBwdSplit : caps::cuda_bwd_kernel(s.D, op::mma_bwd_kernel().get());
+  const bool fused = p.bwd_kernel != caps::kBwdSplit;
+  at::Tensor dq_accum, dq_counters;  // kept alive until the kernels are queued (caching allocator)
+  if (fused) {
+    dq_accum = at::zeros({s.B, s.H, s.Lq, s.D}, f32);
+    dq_counters = at::zeros({caps::cuda_fused_bwd_counters(s.B, s.Hkv, s.H / s.Hkv * s.Lq, static_cast<int>(s.D))},
+                            q.options().dtype(at::kInt));
+    p.dq_accum = dq_accum.data_ptr<float>();
+    p.dq_counters = reinterpret_cast<uint32_t*>(dq_counters.data_ptr<int32_t>());
+  }
   const caps::CudaTiles t = caps::cuda_tiles(static_cast<int>(s.D));
   const int64_t dq_m = on_sm90 ? caps::kSm90BwdDqBlockM : t.dq_m;
   const int64_t dq_n = on_sm90 ? caps::sm90_bwd_dq_n(static_cast<int>(s.D)) : t.dq_n;
   const int64_t forced = op::cuda_forced_splits().load();
-  const int64_t splits = forced > 0 ? forced
-                                    : caps::plan_splits(s.B, s.Hkv, s.H / s.Hkv, s.Lq,
-                                                        planned_keys(modes, causal, s, dq_m, dq_n), s.D,
-                                                        num_sms(q.device().index()), dq_m, dq_n);
+  const int64_t splits = fused       ? 1
+                         : forced > 0 ? forced
+                                      : caps::plan_splits(s.B, s.Hkv, s.H / s.Hkv, s.Lq,
+                                                          planned_keys(modes, causal, s, dq_m, dq_n), s.D,
+                                                          num_sms(q.device().index()), dq_m, dq_n);
   at::Tensor dq_partial;  // kept alive until the kernels are queued (caching allocator)
   if (splits > 1) {
     dq_partial = at::empty({splits, s.B, s.H, s.Lq, s.D}, f32);

@@ -266,5 +266,41 @@ inline FamilySetting& cuda_bwd_family() {
 inline int forced_fwd_family() { return cuda_fwd_family().get(); }
 inline int forced_bwd_family() { return cuda_bwd_family().get(); }
 
+// Which backward the mma.sync family runs (capabilities.h CudaBwdKernel: "split", "fused",
+// "fused_atomic"), set by torch.ops.mhakern_C.cuda_force_mma_bwd_kernel (tests, benchmarks) or
+// at load from MHAKERN_CUDA_MMA_BWD; "default" (or unset) is caps::kCudaMmaBwdDefault. Head dims
+// with only the fused kernel run it whatever is set (ordered unless "fused_atomic").
+inline int mma_bwd_kernel_index(const std::string& name) {  // -1: default, -2: not a name
+  if (name == "default") return -1;
+  for (int i = 0; i < caps::kCudaNumBwdKernels; ++i)
+    if (name == caps::kCudaBwdKernelNames[i]) return i;
+  return -2;
+}
+inline std::string mma_bwd_kernel_choices() {
+  std::string s = "'default'";
+  for (int i = 0; i < caps::kCudaNumBwdKernels; ++i) s += std::string(" or '") + caps::kCudaBwdKernelNames[i] + "'";
+  return s;
+}
+struct MmaBwdKernelSetting {
+  std::atomic<int> value{-1};  // a CudaBwdKernel, -1 the default, -3 a bad environment value
+  MmaBwdKernelSetting() {
+    const char* e = std::getenv("MHAKERN_CUDA_MMA_BWD");
+    if (e != nullptr && *e != '\0') {
+      const int i = mma_bwd_kernel_index(e);
+      value.store(i >= -1 ? i : -3);
+    }
+  }
+  int get() const {  // the request (-1: default); raises when the environment variable was bad
+    const int v = value.load(std::memory_order_relaxed);
+    TORCH_CHECK_VALUE(v >= -1, "MHAKERN_CUDA_MMA_BWD: expected ", mma_bwd_kernel_choices(), ", got '",
+                      std::getenv("MHAKERN_CUDA_MMA_BWD") ? std::getenv("MHAKERN_CUDA_MMA_BWD") : "", "'");
+    return v;
+  }
+};
+inline MmaBwdKernelSetting& mma_bwd_kernel() {
+  static MmaBwdKernelSetting s;
+  return s;
+}
+
 }  // namespace op
 }  // namespace mhakern

@@ -92,7 +92,8 @@ def test_capabilities_is_json_with_both_families():
         assert set(fam["features"]) <= {"attn_mask", "mask_grad", "dropout", "top_left", "window"}
     # The sm_90a forward family sits inside the cuda block: compiled only with CUDA and 9.0 in
     # the arch list (never in a CPU-only build). Its head dims are the cuda family's plus those
-    # only its forward serves (fwd_only_head_dims: D 256, no backward kernel on either family).
+    # only its forward serves (fwd_only_head_dims: D 256, whose backward is the mma.sync
+    # family's fused kernel: cuda.bwd.bwd_only_head_dims).
     sm90 = caps["cuda"]["sm90"]
     assert sm90["passes"] == ["fwd", "bwd"] and sm90["capability"] == [9, 0]
     assert sm90["bwd_head_dims"] and set(sm90["bwd_head_dims"]) == {int(d) for d in sm90["bwd_dq_tile"]}
@@ -102,6 +103,15 @@ def test_capabilities_is_json_with_both_families():
     assert not fwd_only & set(sm90["bwd_head_dims"])
     assert 256 in fwd_only and set(sm90["fwd_tiles"]) == {str(d) for d in sm90["head_dims"]}
     assert not sm90["compiled"] or caps["cuda"]["compiled"]
+    # The mma.sync backward: which kernel runs by default, whether each is deterministic, and a
+    # backward for every head dim the family serves, D 256 (forward on sm_90a only) included.
+    bwd = caps["cuda"]["bwd"]
+    assert bwd["default"] in bwd["kernels"] and set(bwd["kernels"]) == {"split", "fused", "fused_atomic"}
+    assert [bwd["kernels"][k]["deterministic"] for k in ("split", "fused", "fused_atomic")] == [True, True, False]
+    assert [bwd["kernels"][k]["products_per_tile"] for k in ("split", "fused", "fused_atomic")] == [7, 5, 5]
+    assert set(bwd["head_dims"]) == set(caps["cuda"]["head_dims"]) | set(bwd["bwd_only_head_dims"])
+    assert 256 in bwd["bwd_only_head_dims"] and fwd_only <= set(bwd["head_dims"])
+    assert set(bwd["fused_tiles"]) == {str(d) for d in bwd["head_dims"]}
 
 
 def test_the_module_links_no_pybind11():
@@ -133,6 +143,22 @@ def test_forward_family_hook_round_trips_and_names_its_choices():
         assert torch.ops.mhakern_C.cuda_force_fwd_family("auto") == "mma_sync"  # a refused call changes nothing
     finally:
         torch.ops.mhakern_C.cuda_force_fwd_family(prev)
+
+
+def test_mma_backward_kernel_hook_round_trips_and_names_its_choices():
+    # Which backward the mma.sync family runs (op_common.h MmaBwdKernelSetting; the names are
+    # capabilities()["cuda"]["bwd"]["kernels"]): the GPU tests' and benchmarks' switch.
+    kernels = json.loads(torch.ops.mhakern_C.capabilities())["cuda"]["bwd"]["kernels"]
+    prev = torch.ops.mhakern_C.cuda_force_mma_bwd_kernel("fused")
+    try:
+        for name in kernels:
+            torch.ops.mhakern_C.cuda_force_mma_bwd_kernel(name)
+            assert torch.ops.mhakern_C.cuda_force_mma_bwd_kernel(name) == name
+        with pytest.raises(ValueError, match=r"kernel must be 'default' or 'split' or 'fused' or 'fused_atomic', got 'x'"):
+            torch.ops.mhakern_C.cuda_force_mma_bwd_kernel("x")
+        assert torch.ops.mhakern_C.cuda_force_mma_bwd_kernel("default") == name  # a refused call changes nothing
+    finally:
+        torch.ops.mhakern_C.cuda_force_mma_bwd_kernel(prev)
 
 
 def test_backward_family_hook_round_trips_and_names_its_choices():

@@ -9,7 +9,11 @@ checks must be able to fail, so each one meets a toy kernel with the defect it c
   two program points, are errors naming the call sites;
 * the seeded random schedule: shared-memory races that the fixed schedule (threads in order,
   cp.async landing at the wait) never exposes give wrong numbers under some seeds;
-* the read guard: a cp.async from outside the registered tensors is an error, not a read.
+* the read guard: a cp.async from outside the registered tensors is an error, not a read;
+* global memory: fp32 reductions landing late and blocks in flight together reorder a sum across
+  blocks unless each block waits for its turn (acquire) and passes it on after its adds
+  (release after a block barrier); each way of getting that wrong gives schedule-dependent
+  bits, and a turn that never comes is reported as a deadlock.
 
 Then the real kernels: every instantiation (both dtypes, every head dim) forward and backward
 under a random schedule, the hard cases in the dtype tests/test_cuda_host.py does not use, several random schedules giving bit-identical results, and out-of-range
@@ -28,11 +32,12 @@ import os
 import pytest
 import torch
 
-from attn_testing import case_id, check_against_reference, make_inputs
+from attn_testing import HARD_CASES, case_id, check_against_reference, make_inputs
 from mhakern import reference
 from mhakern.backends import Modes
 from test_cuda_host import (
     ALL_INSTANCES,
+    BWD_ONLY_HEAD_DIMS,
     DTYPE_FOR_D,
     EMU_INSTANCES,
     SUPPORTED_HARD,
@@ -56,6 +61,9 @@ def emu(request):
     lib.mhk_selftest_race.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     lib.mhk_selftest_copy.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     lib.mhk_emu_guard_reads.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.mhk_selftest_ordered_add.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 3
+    lib.mhk_emu_set_defect.argtypes = [ctypes.c_int]
+    lib.mhk_emu_fused_bwd_tiles.argtypes = [ctypes.c_int, ctypes.c_void_p]
     yield e
     e.schedule(None)
     lib.mhk_emu_guard_reads(0, None, None)
@@ -177,6 +185,63 @@ def test_read_guard_stops_a_copy_outside_the_tensors(emu):
     finally:
         _guard(emu, [])
     assert emu.lib.mhk_selftest_copy(_ptr(src), 33, _ptr(dst)) == 0, _error(emu)
+
+
+# ---------------------------------------------------------------------------------------------
+# Global memory: fp32 reductions and acquire/release turns across concurrent blocks
+# ---------------------------------------------------------------------------------------------
+# Block b adds vals[b] (n floats) into acc as turn b of a counter (csrc/cuda/dq_accum.cuh through
+# emu_selftest.cpp's ordered_add_body). The values span 2^-12 .. 2^12, so that almost any change
+# in the order of the fp32 adds changes the bits of the sums.
+ORDER_SEEDS = range(1, 17)
+ORDER_BUGS = {1: "no order", 2: "ordering bug (a turn early)", 3: "early release (turn passed before the adds)",
+              4: "release without the block barrier", 5: "relaxed flag (no release)"}
+
+
+def _ordered_add(emu, variant, seed, blocks=6, n=40):
+    emu.schedule(seed)
+    g = torch.Generator().manual_seed(7)
+    vals = (torch.rand(blocks, n, generator=g) - 0.5) * torch.exp2(torch.randint(-12, 13, (blocks, n), generator=g))
+    acc = torch.zeros(n)
+    sem = torch.zeros(1, dtype=torch.int32)
+    rc = emu.lib.mhk_selftest_ordered_add(variant, blocks, n, _ptr(vals), _ptr(acc), _ptr(sem))
+    in_order = torch.zeros(n)
+    for b in range(blocks):  # float32 adds in block order
+        in_order += vals[b]
+    return rc, acc, in_order, int(sem.item())
+
+
+def test_ordered_adds_are_bit_identical_under_every_schedule(emu):
+    for seed in (None, *ORDER_SEEDS):
+        rc, acc, in_order, sem = _ordered_add(emu, 0, seed)
+        assert rc == 0, _error(emu)
+        assert torch.equal(acc, in_order), f"seed {seed}: the ordered adds differ from block order"
+        assert sem == 6
+    emu.schedule(None)
+
+
+@pytest.mark.parametrize("variant", sorted(ORDER_BUGS), ids=lambda v: ORDER_BUGS[v].split(" (")[0].replace(" ", "-"))
+def test_a_broken_order_gives_schedule_dependent_sums(emu, variant):
+    # The fixed schedule (one block at a time, adds landing at once) hides every one of these
+    # defects; some random schedule (blocks in flight together, adds landing late) must not.
+    rc, acc, in_order, _ = _ordered_add(emu, variant, None)
+    assert rc == 0 and torch.equal(acc, in_order)
+    differ = []
+    for seed in ORDER_SEEDS:
+        rc, acc, in_order, _ = _ordered_add(emu, variant, seed)
+        assert rc == 0, _error(emu)
+        assert torch.allclose(acc.double(), in_order.double(), rtol=1e-5, atol=1e-6)  # only the order differs
+        if not torch.equal(acc, in_order):
+            differ.append(seed)
+    emu.schedule(None)
+    assert differ, f"{ORDER_BUGS[variant]}: every random schedule summed in block order"
+
+
+def test_a_turn_that_never_comes_is_a_deadlock(emu):
+    for seed in (None, 3):
+        rc, *_ = _ordered_add(emu, 6, seed)
+        assert rc == 1 and "deadlock" in _error(emu)
+    emu.schedule(None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -514,3 +579,162 @@ def test_dropout_split_k_agrees_with_one_split(emu):
     three, lse3 = emu.forward(qp, kp, vp, 0.125, False, None, 3, modes)
     torch.testing.assert_close(three.float(), one.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse3, lse1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused mma.sync backward (csrc/cuda/attn_bwd_fused_kernel.cuh): 5 products per tile, dQ by
+# fp32 reductions in key order (deterministic) or in any order (fused_atomic)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fused(emu, request):
+    """emu under the test's random schedule, its backward the fused kernel (ordered)."""
+    use_random_schedule(emu, request.node.nodeid)
+    emu.bwd_kernel("fused")
+    yield emu
+    emu.bwd_kernel(None)
+    emu.schedule(None)
+
+
+def _d256(case):
+    B, H, Hkv, Lq, Lk, D, Dv, causal, kl = case
+    return (B, H, Hkv, Lq, Lk, 256, 256, causal, kl)
+
+
+# The hard cases at every head dim the fused kernel has: the supported ones as they are, and
+# each distinct shape again at D 256 (lengths 1/17/113, Lq != Lk both ways, leading rows that see
+# no key, key_lengths with 0, GQA and MQA decode).
+FUSED_CASES = list(SUPPORTED_HARD) + sorted({_d256(c) for c in HARD_CASES if c[5] == c[6]}, key=str)
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=case_id)
+def test_fused_backward_hard_cases(fused, case):
+    B, H, Hkv, Lq, Lk, D, Dv, causal, kl = case
+    dtype = DTYPE_FOR_D.get(D, torch.bfloat16)
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype=dtype, seed=Lq + Lk)
+    kl_t = None if kl is None else torch.tensor(kl, dtype=torch.int32)
+    check_against_reference(emulated_attention(fused), q, k, v, causal, kl_t)
+
+
+@pytest.mark.parametrize(
+    "D,case,layout,scale_inputs,align",
+    [
+        # several key blocks and row blocks, strided (B, L, H, D) views, both causal alignments
+        (64, (1, 2, 1, 130, 200, 64, 64, True, None), "blhd", 1.0, "bottom_right"),
+        (128, (2, 2, 2, 70, 40, 128, 128, True, (40, 9)), "blhd", 1.0, "top_left"),
+        (256, (1, 2, 1, 70, 45, 256, 256, True, (45,)), "blhd", 1.0, "top_left"),
+        # GQA: a group's packed rows (4 heads x 37) straddle tiles and heads, causal, lengths
+        (96, (2, 8, 2, 37, 90, 96, 96, True, (90, 41)), "bhld", 1.0, "bottom_right"),
+        (256, (2, 4, 1, 9, 50, 256, 256, True, (50, 0)), "bhld", 1.0, "bottom_right"),
+        # large logits: the exact softmax's recomputation from lse must not overflow
+        (32, (1, 2, 2, 40, 70, 32, 32, False, None), "blhd", 30.0, "bottom_right"),
+        (256, (1, 2, 1, 33, 65, 256, 256, True, None), "bhld", 30.0, "bottom_right"),
+    ],
+    ids=["multiblock-blhd-d64", "top-left-lengths-d128", "top-left-d256", "gqa-straddle-d96", "mqa-kl0-d256",
+         "large-logits-d32", "large-logits-d256"],
+)
+def test_fused_backward_shapes(fused, D, case, layout, scale_inputs, align):
+    B, H, Hkv, Lq, Lk, _, _, causal, kl = case
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, D, dtype=DTYPE_FOR_D.get(D, torch.float16), layout=layout,
+                          scale_inputs=scale_inputs, seed=D + Lq)
+    kl_t = None if kl is None else torch.tensor(kl, dtype=torch.int32)
+    check_against_reference(emulated_attention(fused), q, k, v, causal, kl_t, causal_align=align,
+                            large_logits=scale_inputs > 1)
+
+
+@pytest.mark.parametrize("D", [64, 256])
+def test_fused_backward_modes(fused, D):
+    # Windows, a float mask with its gradient and dropout, in the fused kernel (which writes the
+    # mask gradient from dS^T): one call with all of them, one with a bool mask and top-left.
+    dtype = torch.bfloat16
+    q, k, v = make_inputs(2, 4, 2, 37, 90, D, dtype=dtype, seed=11)
+    mask = _mask("float", (2, 1, 37, 90), seed=3, requires_grad=True)
+    check_against_reference(emulated_attention(fused), q, k, v, False, torch.tensor([90, 41], dtype=torch.int32),
+                            attn_mask=mask, dropout_p=0.2, generator=torch.Generator().manual_seed(9),
+                            window=(16, 8))
+    q, k, v = make_inputs(1, 2, 1, 45, 30, D, dtype=dtype, seed=12)
+    check_against_reference(emulated_attention(fused), q, k, v, True, None, attn_mask=_mask("bool", (1, 2, 45, 30), seed=4),
+                            causal_align="top_left", window=(8, -1))
+
+
+def _fused_grads(emu, kernel, seed, q, k, v, kl, dout):
+    emu.schedule(seed)
+    emu.bwd_kernel(kernel)
+    try:
+        qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+        out = emulated_attention(emu)(qq, kk, vv, causal=True, key_lengths=kl)
+        out.backward(dout)
+        return [qq.grad, kk.grad, vv.grad]
+    finally:
+        emu.bwd_kernel(None)
+        emu.schedule(None)
+
+
+# GQA, causal, lengths: 5 key blocks x 3 row blocks per KV head, so that up to 5 key blocks add
+# into each row block's dQ (fp32 addition is commutative: two addends in either order give the
+# same bits, so an order can show only with three or more). Fixed seeds (the outcome must not
+# depend on the run); they include schedules with 1, 2 and 3 blocks in flight.
+DET_SEEDS = (11, 12, 13, 14, 15, 16, 17, 18)
+
+
+def _det_inputs(D=64):
+    q, k, v = make_inputs(1, 4, 2, 40, 310, D, dtype=torch.bfloat16, seed=21)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(q.dtype)
+    return q, k, v, torch.tensor([300], dtype=torch.int32), dout
+
+
+def test_fused_backward_is_bit_identical_across_schedules(emu):
+    # Deterministic mode: every dQ element's fp32 sum is formed in key-block order, whichever
+    # blocks run together and whenever their reductions land; dK and dV stay in registers.
+    q, k, v, kl, dout = _det_inputs()
+    want = _fused_grads(emu, "fused", None, q, k, v, kl, dout)
+    for seed in DET_SEEDS:
+        got = _fused_grads(emu, "fused", seed, q, k, v, kl, dout)
+        for name, a, b in zip(("dq", "dk", "dv"), want, got):
+            assert torch.equal(a, b), f"{name} differs under random schedule seed {seed}"
+
+
+def test_fused_atomic_order_shows_in_the_last_bits(emu):
+    # The twin without the order: the same gradients within rounding, but some schedule adds a
+    # row block's dQ in another key order and changes bits (else the bit-identity above would
+    # prove nothing about ordering).
+    q, k, v, kl, dout = _det_inputs()
+    want = _fused_grads(emu, "fused", None, q, k, v, kl, dout)
+    differ = []
+    for seed in DET_SEEDS:
+        got = _fused_grads(emu, "fused_atomic", seed, q, k, v, kl, dout)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])  # dK, dV: no atomics
+        assert torch.allclose(got[0].float(), want[0].float(), rtol=1e-2, atol=1e-3)
+        if not torch.equal(got[0], want[0]):
+            differ.append(seed)
+    assert differ, "no random schedule reordered the dQ reductions"
+
+
+@pytest.mark.parametrize("defect", [1, 2], ids=["ordering-bug", "early-release"])
+def test_fused_backward_defects_break_bit_identity(emu, defect):
+    # The real kernel with a deliberate defect in its dQ order (attn_bwd_fused_kernel.cuh, under
+    # emulation only): 1 a key block goes a turn early, 2 it passes its turn before its adds.
+    # Some random schedule must then give other bits than the fixed order.
+    q, k, v, kl, dout = _det_inputs()
+    want = _fused_grads(emu, "fused", None, q, k, v, kl, dout)
+    prev = emu.lib.mhk_emu_set_defect(defect)
+    try:
+        differ = [s for s in DET_SEEDS if not torch.equal(_fused_grads(emu, "fused", s, q, k, v, kl, dout)[0], want[0])]
+    finally:
+        emu.lib.mhk_emu_set_defect(prev)
+    assert differ, f"defect {defect}: every random schedule kept the key order"
+
+
+def test_fused_tiles_are_the_capability_table(emu):
+    # FusedBwdConfig as compiled against capabilities.h's cuda_fused_bwd_tiles (the JSON's
+    # cuda.bwd.fused_tiles), and within the 99 KB of the smallest sm_80+ part.
+    from test_cuda_host import _real_table
+
+    table = _real_table()["cuda"]["bwd"]["fused_tiles"]
+    out = (ctypes.c_int * 5)()
+    for D in sorted({int(d) for d in table}):
+        assert emu.lib.mhk_emu_fused_bwd_tiles(D, out) == 0
+        n, m, d_split, threads, smem = out
+        assert [n, m, d_split] == table[str(D)] and threads == 128 and smem <= 99 * 1024
+    assert set(BWD_ONLY_HEAD_DIMS) <= {int(d) for d in table}

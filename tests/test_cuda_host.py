@@ -12,8 +12,10 @@
   What emulation cannot show (timing, register limits, whether the hardware matches the
   documented layouts) is left to tests/test_cuda.py on a GPU.
 
-The run builds all eight instantiations (``EMU_INSTANCES``; each costs about 2 s of CPU to
-compile); a build may leave some out, and the emulator then reports them as not compiled in.
+The run builds all eight instantiations and the two backward-only ones of D 256
+(``EMU_INSTANCES``; the fused backward's D 256 has no mma.sync forward, the reference's stands in
+for it, see ``Emulator.forward``); a build may leave some out, and the emulator then reports
+them as not compiled in.
 Compiled objects are cached under pytest's cache dir. The tests that use the ``deferred`` fixture
 run under the emulator's seeded random schedule (one seed per test, derived from a session seed:
 ``MHK_EMU_SEED`` pins it, and a failing test prints it); the emulator's own checks are in
@@ -37,9 +39,9 @@ import pytest
 import torch
 
 import mhakern
-from mhakern import backends
+from mhakern import backends, reference
 from mhakern._layout import heads_inner
-from mhakern.backends import Modes, cuda_backend
+from mhakern.backends import DEFAULT_MODES, Modes, cuda_backend
 from mhakern.ops import draw_seed
 from attn_testing import HARD_CASES, case_id, check_against_reference, make_inputs
 
@@ -61,12 +63,16 @@ def _generator():
 # the emulator tests need no built extension.
 TABLE_INSTANCES = _generator().instances((ROOT / "csrc" / "capabilities.h").read_text())
 HEAD_DIMS = tuple(sorted({d for _, d in TABLE_INSTANCES}))
+# Head dims with only the (fused) mma.sync backward (capabilities.h MHK_CUDA_BWD_ONLY_HEAD_DIM).
+BWD_ONLY_INSTANCES = _generator().bwd_only_instances((ROOT / "csrc" / "capabilities.h").read_text())
+BWD_ONLY_HEAD_DIMS = tuple(sorted({d for _, d in BWD_ONLY_INSTANCES}))
 ELEM = {torch.float16: 0, torch.bfloat16: 1}
 TAG = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 # Shared memory per block on sm_86 / sm_89, the smallest of the sm_80+ family (sm_80: 163 KB,
 # sm_90: 227 KB): every kernel must fit it, and the emulator enforces it.
 SMEM_LIMIT = 99 * 1024
 PAD_ELEMS = 8  # extra elements per row of every emulated tensor (keeps 16-byte alignment)
+BWD_KERNELS = ("split", "fused", "fused_atomic")  # capabilities.h kCudaBwdKernelNames
 
 
 def cuda_include_dir() -> Optional[Path]:
@@ -130,7 +136,8 @@ def build(cache_dir: Path, instances: Sequence[str], jobs: Optional[int] = None)
     """
     units = [CUDA_SRC / "emulation" / u for u in RUNTIME_UNITS]
     for inst in instances:
-        units += [CUDA_SRC / f"attn_fwd_{inst}.cu", CUDA_SRC / f"attn_bwd_{inst}.cu"]
+        # a backward-only head dim (D 256) has no forward file
+        units += [f for f in (CUDA_SRC / f"attn_fwd_{inst}.cu", CUDA_SRC / f"attn_bwd_{inst}.cu") if f.exists()]
     return build_units(cache_dir, units, "libmhk_emu_" + ("_".join(sorted(instances)) or "runtime") + ".so", jobs)
 
 
@@ -176,12 +183,18 @@ class Emulator:
         self.lib.mhk_emu_last_error.restype = ctypes.c_char_p
         self.lib.mhk_emu_configure.argtypes = [ctypes.c_int, ctypes.c_longlong]
         self.lib.mhk_emu_schedule.argtypes = [ctypes.c_int, ctypes.c_ulonglong]
+        self.lib.mhk_emu_set_bwd_kernel.argtypes = [ctypes.c_int, ctypes.c_int]
         self.instances = set(instances)
         self.defer_async = True
 
     def schedule(self, seed: Optional[int]) -> None:
         """The seeded random schedule for the following calls, or the fixed one (seed None)."""
         self.lib.mhk_emu_schedule(0 if seed is None else 1, 0 if seed is None else seed)
+
+    def bwd_kernel(self, name: Optional[str]) -> None:
+        """The mma.sync backward the following backward calls run (capabilities.h CudaBwdKernel:
+        "split", "fused", "fused_atomic"; None: the default), as MHAKERN_CUDA_MMA_BWD sets it."""
+        self.lib.mhk_emu_set_bwd_kernel(-1 if name is None else BWD_KERNELS.index(name), 0)
 
     def has(self, dtype: torch.dtype, D: int) -> bool:
         return f"{TAG[dtype]}_d{D}" in self.instances
@@ -192,8 +205,18 @@ class Emulator:
 
     def forward(self, q, k, v, scale, causal, key_lengths, num_splits=1, modes=None):
         """q, k, v: padded views (see :func:`padded`). Returns (out view, lse). ``modes``: a
-        :class:`mhakern.backends.Modes` (attn_mask already a (B, H, Lq, Lk) view) or None."""
+        :class:`mhakern.backends.Modes` (attn_mask already a (B, H, Lq, Lk) view) or None.
+
+        A head dim with only a mma.sync backward (BWD_ONLY_HEAD_DIMS: D 256, whose forward is the
+        sm_90a family's) takes its forward from the reference in the input dtype (fp32
+        accumulation, as every kernel), so that its backward is tested on a forward's out and lse."""
         B, H, Lq, D = q.shape
+        if D in BWD_ONLY_HEAD_DIMS:
+            out, lse = reference.attention_forward(q, k, v, scale, causal, key_lengths,
+                                                   modes=modes if modes is not None else DEFAULT_MODES)
+            view, _ = padded_empty(q)
+            view.copy_(out)
+            return view, lse.float().contiguous()
         Hkv, Lk = k.shape[1], k.shape[2]
         out, out_guard = padded_empty(q)
         lse = torch.full((B, H, Lq), float("nan"))
@@ -359,7 +382,7 @@ def emulated_attention(emu: Emulator, splits: int = 1, bwd_splits: int = 1):
 # run each head dim in one dtype (DTYPE_FOR_D, alternating); tests/test_cuda_emulator.py runs
 # every instantiation in the other.
 ALL_INSTANCES = tuple(f"{t}_d{d}" for t, d in TABLE_INSTANCES)
-EMU_INSTANCES = ALL_INSTANCES
+EMU_INSTANCES = ALL_INSTANCES + tuple(f"{t}_d{d}" for t, d in BWD_ONLY_INSTANCES)
 DTYPE_FOR_D = {d: (torch.float16, torch.bfloat16)[i % 2] for i, d in enumerate(HEAD_DIMS)}
 
 
@@ -999,9 +1022,10 @@ def test_views_the_kernels_cannot_read_in_place_are_copied():
 
 
 def test_forward_only_head_dim_is_served_without_gradient_or_modes_on_hopper_only(monkeypatch):
-    # D 256 has only the sm_90a forward (capabilities()["cuda"]["sm90"]["fwd_only_head_dims"]):
-    # served on a 9.0 device of a build with the sm_90a pass, for calls that need neither a
-    # gradient nor a mode; refused with the reason otherwise, so that auto falls back.
+    # D 256's forward is the sm_90a family's only (capabilities()["cuda"]["sm90"]["fwd_only_head_dims"]),
+    # its backward the mma.sync family's fused kernel (["cuda"]["bwd"]["head_dims"]): served on
+    # a 9.0 device of a build with the sm_90a pass, gradient or not, for calls without a mode
+    # (the forward takes none); refused with the reason otherwise, so that auto falls back.
     table = _compiled_table()
     table["cuda"]["sm90"]["compiled"] = True
     be = _fresh_backend(monkeypatch, "13.0", table)
@@ -1013,9 +1037,16 @@ def test_forward_only_head_dim_is_served_without_gradient_or_modes_on_hopper_onl
     assert why is not None and "takes no mode (asked: attn_mask)" in why
     assert backends.missing_features(be, frozenset({"attn_mask"}), *_qkv(D=128)) is None  # mma.sync has them
     q, k, v = _qkv(D=256)
-    q.requires_grad = True  # a call that will need the backward, which D 256 does not have
-    assert "forward kernel only" in be.supports(q, k, v, True, None)
+    q.requires_grad = True  # a call that will need the backward: the fused mma.sync kernel's
+    assert 256 in table["cuda"]["bwd"]["head_dims"]
+    assert be.supports(q, k, v, True, None) is None
     with torch.no_grad():
         assert be.supports(q, k, v, True, None) is None
+    # A table without that backward (an older build) is refused with the reason.
+    table["cuda"]["bwd"]["head_dims"].remove(256)
+    be = _fresh_backend(monkeypatch, "13.0", table)
+    assert be.unavailable() is None
+    be._caps = {0: (9, 0)}
+    assert "forward kernel only" in be.supports(q, k, v, True, None)
     be._caps = {0: (8, 0)}
     assert "served only by the sm_90a forward" in be.supports(*_qkv(D=256), True, None)

@@ -162,6 +162,118 @@ def loop_local_memory(cuobjdump: str, obj: Path) -> dict[tuple[str, int], tuple[
     return out
 
 
+# ---- the fused mma.sync backward (csrc/cuda/attn_bwd_fused_kernel.cuh) ----------------------
+# Gates: no local memory at all (spill, stack frame, LDL/STL), shared memory within 99 KB, and
+# exactly FusedBwdConfig::kMmaPerStep HMMA in the main loop (the SASS loop holding the most
+# HMMA): the five products per tile, so that a recomputed S or dP (the split kernels' seven)
+# or a product split out of the loop fails. Registers and shared memory are reported.
+_FUSED_CONFIG_PROGRAM = r"""
+#include <cstdio>
+#include "attn_bwd_fused_kernel.cuh"
+using namespace mhakern::cuda;
+template <int D> void row() {
+  using C = FusedBwdConfig<D>;
+  std::printf("%d %d %d %d %d %d %d\n", D, C::kMmaPerStep, C::kSmemBytes, C::kModeSmemBytes, C::kBlockN, C::kBlockM,
+              C::kThreads);
+}
+#define MHK_ROW_(tag, D) row<D>();
+int main() { MHK_CUDA_FOR_EACH_HEAD_DIM(MHK_ROW_, _) MHK_CUDA_BWD_ONLY_HEAD_DIM(MHK_ROW_, _) }
+"""
+
+
+# Reviewed exceptions of the no-local-memory gate: head dim -> (most spill bytes per thread, why).
+# Allowed only for the plain (no modes) kernels and only outside every SASS loop (a single
+# LDL/STL inside one fails). At D 128 the plain kernels use 255 registers and ptxas spills 1-9
+# values (4-36 B, changing with any edit) whose loads and stores all lie outside every loop; the
+# modes twins of the same body fit, and no variant tried that keeps the five products in one
+# unrolled loop fitted (row steps of 32 and 16, dQ rounds of 32 and 16 columns).
+FUSED_ALLOWED_LOCAL = {128: (48, "spill outside every SASS loop (none in the main loop)")}
+
+
+def fused_bwd_config(include: Path) -> dict[int, dict] | None:
+    """{D: {mma, smem, smem_modes, n, m, threads}} of FusedBwdConfig, or None without g++."""
+    if shutil.which("g++") is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "cfg.cpp", Path(tmp) / "cfg"
+        src.write_text(_FUSED_CONFIG_PROGRAM)
+        cmd = ["g++", "-std=c++17", "-DMHAKERN_CUDA_EMULATE", f"-I{CUDA_DIR}", f"-I{include}", str(src), "-o", str(exe)]
+        if subprocess.run(cmd, capture_output=True).returncode != 0:
+            return None
+        res = subprocess.run([str(exe)], capture_output=True, text=True)
+    out = {}
+    for line in res.stdout.splitlines():
+        D, mma, smem, smem_m, n, m, threads = map(int, line.split())
+        out[D] = dict(mma=mma, smem=smem, smem_modes=smem_m, n=n, m=m, threads=threads)
+    return out
+
+
+def fused_bwd_sass(cuobjdump: str, obj: Path) -> dict[tuple[str, int], dict]:
+    """{(mangled, sm): {hmma_loop, hmma, local}} for the fused backward kernels of one object:
+    HMMA inside the loop holding the most of them, HMMA in the kernel, LDL/STL in the kernel."""
+    res = subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True)
+    out: dict[tuple[str, int], dict] = {}
+    arch, func, ins = 0, None, []
+
+    def flush():
+        if func is None or "attn_bwd_fused_kernel" not in func:
+            return
+        loops = [(int(m.group(1), 16), a) for a, t in ins for m in [_SASS_BRA.search(t)] if m and int(m.group(1), 16) < a]
+        hmma = [a for a, t in ins if re.match(r"(@!?U?P\w+\s+)?HMMA\b", t)]
+        best = max((sum(1 for a in hmma if lo <= a <= hi) for lo, hi in loops), default=0)
+        local = sum(1 for _, t in ins if re.match(r"(@!?U?P\w+\s+)?(LDL|STL)\b", t))
+        out[(func, arch)] = {"hmma_loop": best, "hmma": len(hmma), "local": local}
+
+    for line in res.stdout.splitlines():
+        m = _SASS_ARCH.search(line)
+        if m:
+            flush()
+            func, ins = None, []
+            arch = int(m.group(1))
+            continue
+        m = _SASS_FUNC.search(line)
+        if m:
+            flush()
+            func, ins = m.group(1), []
+            continue
+        m = _SASS_INS.search(line)
+        if m and func is not None:
+            ins.append((int(m.group(1), 16), m.group(2).strip()))
+    flush()
+    return out
+
+
+def check_fused_bwd(entries: list[dict], fused: dict, names: dict, config: dict | None) -> tuple[list[str], list[str]]:
+    """(report lines, problems) of the fused backward's gates."""
+    lines, problems = [], []
+    rows = [e for e in entries if "attn_bwd_fused_kernel" in names.get(e["mangled"], "")]
+    if rows and config is None:
+        problems.append("fused backward: FusedBwdConfig not read (the config printer did not build)")
+    for e in sorted(rows, key=lambda e: (short_name(names[e["mangled"]]), e["arch"])):
+        kern, dtype, D = short_name(names[e["mangled"]])
+        cfg = (config or {}).get(D)
+        f = fused.get((e["mangled"], e["arch"]))
+        tag = f"{kern}<{dtype}, {D}> sm_{e['arch']}"
+        smem = None if cfg is None else cfg["smem"] + (cfg["smem_modes"] if "[modes" in kern else 0)
+        lines.append(f"{tag}: {e['regs']} registers, smem {smem} B, HMMA in main loop "
+                     f"{'-' if f is None else f['hmma_loop']} (expected {cfg and cfg['mma']}: 5 products), "
+                     f"local memory {e['spill_st']}/{e['spill_ld']} B spill, {e['stack']} B stack, "
+                     f"{'-' if f is None else f['local']} LDL/STL")
+        local = e["spill_st"] or e["spill_ld"] or e["stack"] or (f is not None and f["local"])
+        allowed, why = FUSED_ALLOWED_LOCAL.get(D, (0, ""))
+        if local and "[plain" in kern and e["local_in_loop"] == 0 and max(e["spill_st"], e["spill_ld"]) <= allowed:
+            lines.append(f"    reviewed: {why} (FUSED_ALLOWED_LOCAL)")
+        elif local:
+            problems.append(f"{tag}: local memory (spill {e['spill_st']} B / {e['spill_ld']} B, stack {e['stack']} B, "
+                            f"LDL/STL {f and f['local']}); the fused backward may use none")
+        if cfg is not None and f is not None and f["hmma_loop"] != cfg["mma"]:
+            problems.append(f"{tag}: {f['hmma_loop']} HMMA in the main loop, FusedBwdConfig::kMmaPerStep = {cfg['mma']} "
+                            "(five products per tile)")
+        if smem is not None and smem + e["smem_static"] > SMEM_LIMIT:
+            problems.append(f"{tag}: needs {smem + e['smem_static']} B of shared memory (> {SMEM_LIMIT})")
+    return lines, problems
+
+
 def compile_unit(nvcc: str, src: Path, archs: list[int], outdir: Path, cuobjdump: str | None) -> dict:
     """One nvcc run for all archs: the front end runs once (about 15% less work than one run per arch)."""
     obj = outdir / f"{src.stem}.o"
@@ -170,8 +282,9 @@ def compile_unit(nvcc: str, src: Path, archs: list[int], outdir: Path, cuobjdump
     t0 = time.time()
     res = subprocess.run(cmd, capture_output=True, text=True)
     sass = loop_local_memory(cuobjdump, obj) if cuobjdump and res.returncode == 0 else None
+    fused = fused_bwd_sass(cuobjdump, obj) if cuobjdump and res.returncode == 0 and "_bwd_" in src.name else None
     return {"src": src.name, "archs": archs, "rc": res.returncode, "log": res.stdout + res.stderr,
-            "seconds": time.time() - t0, "cmd": " ".join(cmd), "sass": sass}
+            "seconds": time.time() - t0, "cmd": " ".join(cmd), "sass": sass, "fused": fused}
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for 'sm_(\d+)'")
@@ -212,12 +325,17 @@ def demangle(names: list[str]) -> dict[str, str]:
 
 
 def short_name(demangled: str) -> tuple[str, str, int]:
-    """('attn_fwd_kernel', 'fp16', 64) from 'void mhakern::cuda::attn_fwd_kernel<__half, 64>(...)'."""
-    m = re.search(r"mhakern::cuda::(\w+)<(\w+), (\d+)>", demangled)
+    """('attn_fwd_kernel', 'fp16', 64) from 'void mhakern::cuda::attn_fwd_kernel<__half, 64>(...)';
+    the fused backward's flags name its variant: 'attn_bwd_fused_kernel[modes,atomic]'."""
+    m = re.search(r"mhakern::cuda::(\w+)<(\w+), (\d+)((?:, (?:true|false))*)>", demangled)
     if not m:
         return demangled, "?", 0
     dtype = {"__half": "fp16", "__nv_bfloat16": "bf16"}.get(m.group(2), m.group(2))
-    return m.group(1), dtype, int(m.group(3))
+    name = m.group(1)
+    if m.group(4):
+        modes, ordered = (f.strip() == "true" for f in m.group(4).strip(", ").split(","))
+        name += f"[{'modes' if modes else 'plain'},{'ordered' if ordered else 'atomic'}]"
+    return name, dtype, int(m.group(3))
 
 
 _CONFIG_PROGRAM = r"""
@@ -594,6 +712,18 @@ def main(argv=None) -> int:
     print(f"\ncuda_host.cpp syntax check: {host[0]} ({host[1] if host[0] != 'FAILED' else 'see below'})")
     if host[0] == "FAILED":
         print(host[1], file=sys.stderr)
+
+    fused_facts = {}
+    for fut in jobs:
+        fused_facts.update(fut.result().get("fused") or {})
+    fused_lines, fused_problems = check_fused_bwd(entries, fused_facts, names,
+                                                  fused_bwd_config(include) if include is not None else None)
+    problems += fused_problems
+    if fused_lines:
+        print("\nfused mma.sync backward (csrc/cuda/attn_bwd_fused_kernel.cuh), main loop = the SASS loop holding "
+              "the most HMMA:")
+        for ln in fused_lines:
+            print("  " + ln)
 
     sm90_smem = sm90_dynamic_smem(include) if include is not None and sm90_results else None
     sm90_rows, sm90_problems, sm90_lines = check_sm90(sm90_results, sm90_smem)

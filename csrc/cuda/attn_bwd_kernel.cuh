@@ -14,6 +14,8 @@
 //                          partial and attn_bwd_dq_reduce_kernel adds them in split order.
 // Both main kernels recompute S and P from q, k and lse; that costs a second S = Q K^T but
 // keeps every sum in one thread's registers in one order: two runs are bit-identical.
+// attn_bwd_fused_kernel.cuh has the fused alternative (5 products per tile) and the
+// instantiation macro that picks between them (BwdParams::bwd_kernel).
 #pragma once
 
 #include "../capabilities.h"
@@ -621,14 +623,3 @@ cudaError_t run_attn_bwd(const BwdParams& p, cudaStream_t stream) {
 
 }  // namespace cuda
 }  // namespace mhakern
-
-// The body of one generated instantiation file (tools/generate_kernels.py): the backward for
-// element tag `tag` (capabilities.h: MHK_CUDA_ELEM_TYPE_<tag>) and head dim D.
-#define MHK_DEFINE_ATTN_BWD(tag, D)                                                     \
-  namespace mhakern {                                                                   \
-  namespace cuda {                                                                      \
-  cudaError_t run_attn_bwd_##tag##_d##D(const BwdParams& p, cudaStream_t s) {           \
-    return run_attn_bwd<MHK_CUDA_ELEM_TYPE_##tag, D>(p, s);                             \
-  }                                                                                     \
-  }                                                                                     \
-  }

@@ -38,11 +38,18 @@ inline cudaError_t dispatch_attn_fwd(ElemType t, int D, const FwdParams& p, cuda
   return cudaErrorInvalidValue;
 }
 
-// Runs delta, dK/dV and dQ (and, for split-K, the dQ reduction) on `stream`.
+// Head dims with only a backward (the fused kernel): capabilities.h MHK_CUDA_BWD_ONLY_HEAD_DIM.
+#define MHK_DECLARE_BWD_ONLY_INSTANCE_(tag, D) cudaError_t run_attn_bwd_##tag##_d##D(const BwdParams& p, cudaStream_t s);
+MHK_CUDA_BWD_ONLY_INSTANCE(MHK_DECLARE_BWD_ONLY_INSTANCE_)
+#undef MHK_DECLARE_BWD_ONLY_INSTANCE_
+
+// Runs the backward p.bwd_kernel names (capabilities.h CudaBwdKernel): delta, dK/dV and dQ (and,
+// for split-K, the dQ reduction), or delta, the fused kernel and the dQ conversion, on `stream`.
 inline cudaError_t dispatch_attn_bwd(ElemType t, int D, const BwdParams& p, cudaStream_t s) {
 #define MHK_BWD_CASE_(tag, DD) \
   if (t == ElemType::tag && D == DD) return run_attn_bwd_##tag##_d##DD(p, s);
   MHK_CUDA_FOR_EACH_INSTANCE(MHK_BWD_CASE_)
+  MHK_CUDA_BWD_ONLY_INSTANCE(MHK_BWD_CASE_)
 #undef MHK_BWD_CASE_
   return cudaErrorInvalidValue;
 }

@@ -89,6 +89,12 @@ struct BwdParams : ModeParams {  // the modes: ../mode_params.h
   // kernel adds the partials in split order (deterministic).
   int num_splits = 1;
   float* dq_partial = nullptr;  // (num_splits, B, H, Lq, D) fp32, used when num_splits > 1
+
+  // The mma.sync family's backward kernel (capabilities.h CudaBwdKernel) and the fused kernel's
+  // zeroed workspace: dq_accum (B, H, Lq, D) fp32, dq_counters (cuda_fused_bwd_counters).
+  int bwd_kernel = 0;
+  float* dq_accum = nullptr;
+  uint32_t* dq_counters = nullptr;
 };
 
 // The key length of batch element b, clamped into [0, Lk]: a length out of range (which the host

@@ -8,8 +8,13 @@ anything else with the reason, so that ``auto`` falls back (to ``triton``, which
 float32). The kernels are the dispatcher operators ``torch.ops.mhakern_C.fwd`` / ``bwd``.
 
 Kernels (FlashAttention-2 scheme on mma.sync, fp32 accumulation and online softmax): the
-forward keeps the log-sum-exp; the backward recomputes P from it and is deterministic (no
-atomics: dK/dV per key block summed over the query heads of the group, dQ in its own kernel).
+forward keeps the log-sum-exp; the backward recomputes P from it and is deterministic: by
+default split kernels without atomics (dK/dV per key block summed over the query heads of the
+group, dQ in its own kernel); opt-in (``MHAKERN_CUDA_MMA_BWD=fused``) a fused kernel with 5
+products per tile whose dQ adds (fp32 ``red.global.add``) come in a fixed key order, or
+``fused_atomic`` without that order. Head dim 256 has only the fused backward (its forward is
+the sm_90a family's); the table's ``bwd`` entry says which backward runs and whether it is
+deterministic.
 Query rows of the heads that share a KV head are packed into one tile, so decode (Lq = 1 with
 many query heads per KV head) reads each key block once per group. Where those packed rows are
 few (H / Hkv * Lq up to the table's ``decode.max_rows``, no attn_mask or dropout) the mma.sync
@@ -156,8 +161,9 @@ class CudaBackend(Backend):
         return None
 
     def mode_limits(self, q, k, v, needed) -> Optional[str]:
-        """The forward-only head dims (sm_90a, D 256) take no mode: the sm90 family implements
-        none, and no mma.sync kernel has them."""
+        """The head dims whose forward only the sm_90a family has (D 256) take no mode: that
+        forward implements none, and no mma.sync forward has them (their mma.sync backward, the
+        fused kernel, would take the modes, but a call needs the forward first)."""
         sm90 = self.table.get("sm90", {})
         D = q.shape[-1]
         if needed and D in sm90.get("fwd_only_head_dims", ()):
@@ -166,10 +172,11 @@ class CudaBackend(Backend):
         return None
 
     def _fwd_only_head_dim(self, q, k, v, D: int) -> Optional[str]:
-        """None when the sm_90a forward serves head dim ``D``, which no mma.sync kernel has (the
+        """None when the sm_90a forward serves head dim ``D``, which no mma.sync forward has (the
         table's ``sm90.fwd_only_head_dims``): a 9.0 device of a build with the sm_90a pass, and
-        no gradient needed (no backward kernel exists for it). Else the reason, so that ``auto``
-        falls back. Modes: :meth:`mode_limits`."""
+        either no gradient needed or a backward for ``D`` (the mma.sync family's fused kernel:
+        ``bwd.head_dims``, D 256). Else the reason, so that ``auto`` falls back. Modes:
+        :meth:`mode_limits`."""
         supported = ", ".join(map(str, self._head_dims))
         sm90 = self.table.get("sm90", {})
         if D not in sm90.get("fwd_only_head_dims", ()):
@@ -179,7 +186,8 @@ class CudaBackend(Backend):
         if not sm90["compiled"] or cap is None or tuple(cap) != need:
             return (f"head dim {D} is served only by the sm_90a forward (a compute capability {need[0]}.{need[1]} "
                     f"device and a build with the sm_90a pass); the cuda kernels otherwise take {supported}")
-        if torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v)):
+        has_bwd = D in self.table.get("bwd", {}).get("head_dims", ())
+        if not has_bwd and torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v)):
             return (f"head dim {D} has a forward kernel only (sm_90a), no backward: call under torch.no_grad() or "
                     "with tensors that do not require grad")
         return None

@@ -4,8 +4,9 @@
 // on tensors (make_fwd_params / make_bwd_params), and go through the same dispatch switch, so
 // the emulated run covers everything from the parameter struct down. "Device memory" is host memory here.
 #include <string>
+#include <vector>
 
-#include "../attn_bwd_kernel.cuh"
+#include "../attn_bwd_fused_kernel.cuh"
 #include "../attn_dispatch.h"
 #include "../attn_fwd_kernel.cuh"
 #include "cuda_emu.h"
@@ -29,6 +30,17 @@
   }
 MHK_CUDA_FOR_EACH_INSTANCE(MHK_WEAK_INSTANCE_)
 #undef MHK_WEAK_INSTANCE_
+#define MHK_WEAK_BWD_ONLY_INSTANCE_(tag, D)                                                                   \
+  namespace mhakern {                                                                                         \
+  namespace cuda {                                                                                            \
+  __attribute__((weak)) cudaError_t run_attn_bwd_##tag##_d##D(const BwdParams&, cudaStream_t) {             \
+    mhk_emu::fail("run_attn_bwd_" #tag "_d" #D " is not compiled into this emulator build");                \
+    return cudaErrorInvalidValue;                                                                             \
+  }                                                                                                           \
+  }                                                                                                           \
+  }
+MHK_CUDA_BWD_ONLY_INSTANCE(MHK_WEAK_BWD_ONLY_INSTANCE_)
+#undef MHK_WEAK_BWD_ONLY_INSTANCE_
 
 #if defined(__x86_64__)
 // mhk_emu_switch(save_sp, load_sp): push the System V callee-saved registers, store the stack
@@ -86,9 +98,61 @@ void fill_modes(mhakern::ModeParams& p, int top_left, long long window_left, lon
   p.dmask = dmask;
 }
 
+// The mma.sync backward the next emulated backward calls request (capabilities.h CudaBwdKernel;
+// -1: the default), as the op's MHAKERN_CUDA_MMA_BWD setting does.
+int g_bwd_kernel_request = -1;
+
+// Fills the backward's kernel choice and, for the fused kernel, its zeroed workspace (owned by
+// `ws` until the call returns), as cuda_host.cpp's attn_bwd does with torch allocations.
+struct FusedWorkspace {
+  std::vector<float> dq_accum;
+  std::vector<uint32_t> counters;
+};
+void fill_bwd_kernel(mhakern::cuda::BwdParams& p, FusedWorkspace& ws) {
+  p.bwd_kernel = mhakern::caps::cuda_bwd_kernel(p.D, g_bwd_kernel_request);
+  if (p.bwd_kernel == mhakern::caps::kBwdSplit) return;
+  ws.dq_accum.assign(static_cast<size_t>(p.B) * p.H * p.Lq * p.D, 0.f);
+  ws.counters.assign(static_cast<size_t>(mhakern::caps::cuda_fused_bwd_counters(p.B, p.Hkv, static_cast<int64_t>(p.group) * p.Lq, p.D)), 0u);
+  p.dq_accum = ws.dq_accum.data();
+  p.dq_counters = ws.counters.data();
+}
+
 }  // namespace
 
 extern "C" {
+
+// Which mma.sync backward the following emulated backward calls run: -1 the default, else a
+// CudaBwdKernel (0 split, 1 fused, 2 fused_atomic). Returns the backward head dim d gets then.
+int mhk_emu_set_bwd_kernel(int requested, int d) {
+  g_bwd_kernel_request = requested;
+  return mhakern::caps::cuda_bwd_kernel(d, requested);
+}
+
+int mhk_emu_bwd_head_dim_supported(int d) { return mhakern::caps::cuda_bwd_head_dim_supported(d) ? 1 : 0; }
+
+// The fused backward's tiles as compiled (FusedBwdConfig): out = {keys per CTA, rows per step,
+// warps per key strip, threads, shared memory of the plain kernel}. Returns 1 for a head dim
+// without a backward instance.
+int mhk_emu_fused_bwd_tiles(int d, int* out) {
+  using namespace mhakern::cuda;
+  auto fill = [out](auto cfg) {
+    using C = decltype(cfg);
+    out[0] = C::kBlockN;
+    out[1] = C::kBlockM;
+    out[2] = C::kDSplit;
+    out[3] = C::kThreads;
+    out[4] = C::kSmemBytes;
+  };
+#define MHK_FUSED_TILES_CASE_(tag, D) \
+  if (d == D) {                       \
+    fill(FusedBwdConfig<D>{});        \
+    return 0;                         \
+  }
+  MHK_CUDA_FOR_EACH_HEAD_DIM(MHK_FUSED_TILES_CASE_, _)
+  MHK_CUDA_BWD_ONLY_HEAD_DIM(MHK_FUSED_TILES_CASE_, _)
+#undef MHK_FUSED_TILES_CASE_
+  return 1;
+}
 
 // Resets the error state. defer_async: cp.async data lands only at the covering wait (1) or at
 // once (0). max_smem: the per-block shared-memory limit to enforce, in bytes.
@@ -185,10 +249,12 @@ int mhk_emu_bwd(int elem, int D, const void* dout, const int64_t* do_st, const v
                 const int64_t* dv_st, float* delta, const int32_t* key_lengths, int B, int H, int Hkv, int Lq, int Lk,
                 float scale, int causal, int num_splits, float* dq_partial) {
   const CallSizes s{B, H, Hkv, Lq, Lk, D};
-  const auto p = mhakern::cuda::make_bwd_params(s, operand(dout, do_st), operand(q, q_st), operand(k, k_st),
+  auto p = mhakern::cuda::make_bwd_params(s, operand(dout, do_st), operand(q, q_st), operand(k, k_st),
                                                 operand(v, v_st), operand(o, o_st), lse, operand(dq, dq_st),
                                                 operand(dk, dk_st), operand(dv, dv_st), delta, key_lengths, scale,
                                                 causal != 0, num_splits, dq_partial);
+  FusedWorkspace ws;
+  fill_bwd_kernel(p, ws);
   return finish(mhakern::cuda::dispatch_attn_bwd(static_cast<ElemType>(elem), D, p, nullptr));
 }
 
@@ -221,6 +287,8 @@ int mhk_emu_bwd_modes(int elem, int D, const void* dout, const int64_t* do_st, c
                                           operand(dk, dk_st), operand(dv, dv_st), delta, key_lengths, scale,
                                           causal != 0, num_splits, dq_partial);
   fill_modes(p, top_left, window_left, window_right, mask, mask_kind, mask_strides, dmask, dropout_p, seed);
+  FusedWorkspace ws;
+  fill_bwd_kernel(p, ws);
   return finish(mhakern::cuda::dispatch_attn_bwd(static_cast<ElemType>(elem), D, p, nullptr));
 }
 

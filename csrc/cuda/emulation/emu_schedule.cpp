@@ -15,6 +15,14 @@ extern "C" {
 // mhk_emu_configure leaves it alone.
 void mhk_emu_schedule(int random, unsigned long long seed) { mhk_emu::set_schedule(random, seed); }
 
+// The deliberate defect the kernels compiled for emulation inject from now on (0: none; see
+// cuda_emu.h State::defect). Returns the previous one.
+int mhk_emu_set_defect(int defect) {
+  const int prev = mhk_emu::state().defect;
+  mhk_emu::state().defect = defect;
+  return prev;
+}
+
 // The knobs the seed chose (probabilities in units of 2^-32), for a failure report.
 void mhk_emu_schedule_knobs(unsigned int* out) {
   const mhk_emu::Schedule& c = mhk_emu::state().sched;
