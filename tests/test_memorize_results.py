@@ -130,12 +130,13 @@ def test_killed_sweep_process_leaves_a_sound_database_and_resumes(tmp_path):
 def test_plan_stacks_packs_compatible_runs_and_splits_the_rest():
     cfgs = expand_grid(TINY, {"heads": [1, 2, 8], "T": [24, 48]}, seeds=[0, 1])
     stacks = plan_stacks(cfgs, max_stack=32)
-    assert len(stacks) == 1 and len(stacks[0]) == 12  # small steps: padding is free
-    assert sum(len(s) for s in plan_stacks(cfgs, max_stack=5)) == 12
-    other = expand_grid(TINY, {"context": [3, 4]}, seeds=[0])
-    assert len(plan_stacks(other)) == 2  # n differs: never one stack
-    big = expand_grid(RunConfig(d_model=64, context=32, T=10_000), {"heads": [1, 60]}, seeds=[0])
-    assert len(plan_stacks(big)) == 2  # padding H=1 to 60 would waste the work
+    # the seeds of one configuration share a stack, nothing else does (exact numbers)
+    assert [[(c.heads, c.T, c.seed) for c in st] for st in stacks] == [
+        [(h, t, 0), (h, t, 1)] for h in (1, 2, 8) for t in (24, 48)]
+    assert sum(len(s) for s in plan_stacks(cfgs, max_stack=1)) == 12
+    big = expand_grid(RunConfig(d_model=64, context=32, T=10_000, heads=20), {}, seeds=range(3))
+    assert [len(s) for s in plan_stacks(big)] == [1, 1, 1]  # 100M multiply-adds a step: over the CPU's 50M
+    assert [len(s) for s in plan_stacks(expand_grid(TINY, {}, seeds=range(8)), max_stack=3)] == [3, 3, 2]
 
 
 def test_capacity_bisection_finds_the_threshold_per_seed():

@@ -23,7 +23,7 @@ PROG = "mhakern-memorize"
 _DEFAULTS_HELP = (
     "Defaults (the quick preset's scale): H=4, n=8, d=16 (d_in = d_h = d), d_v=1, T=500, random context, "
     "uniform features, 100 classes, 3000 steps (--steps paper: the paper's max(floor(500 T / batch), 50000)), "
-    "batch 256, Adam lr 1e-3, evaluation after steps 1, 501, 1001, ... and the last, target accuracy 1.0 with early "
+    "batch 256, Adam lr 1e-3, evaluation after steps 1, 501, 1001, ... (not after the last: --eval-last), target accuracy 1.0 with early "
     "stop, the paper's initialisation and regression rule, --impl fused, --backend auto, float32."
 )
 
@@ -117,6 +117,8 @@ _MODEL_FLAGS = [
     ("lr", "--lr", None, _float_list, "Adam learning rate (default 1e-3)"),
     ("warmup", "--warmup", None, _float_list, "warm-up fraction of the steps (default 0.05)"),
     ("eval_every", "--eval-every", None, _int_list, "evaluate the whole training set every N steps (default 500)"),
+    ("eval_last", "--eval-last", None, _bool_list,
+     "also evaluate after the last step (default false: the paper evaluates after steps 1, 1 + N, 1 + 2N, ... only)"),
     ("target_acc", "--target-acc", None, _float_list, "training accuracy that counts as memorized (default 1.0)"),
     ("reg_tol", "--reg-tol", None, _float_list, "regression: |error| below this counts as within tolerance (default 0.01)"),
     ("reg_rule", "--reg-rule", None, _str_list,
