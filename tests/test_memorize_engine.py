@@ -235,3 +235,35 @@ def test_a_run_stores_the_same_numbers_alone_and_in_a_mixed_sweep(tmp_path):
     fields = ("loss", "mem_acc", "best_acc", "final_acc", "steps_done", "history")
     assert {f: a[f] for f in fields} == {f: m[f] for f in fields}
     assert m["stack_size"] == 3 and a["stack_size"] == 1
+
+
+# ---------------------------------------------------------------------------- the paper's estimand
+def test_default_evaluation_points_are_the_papers():
+    """After steps 1, 501, 1001, ... (the paper's step % 500 == 0 on 0-based steps) and not after
+    the last step; --eval-last adds that one."""
+    cfg = RunConfig(heads=2, context=4, d_model=8, T=16, steps=1200, early_stop=False, seed=0)
+    assert cfg.eval_every == 500 and not cfg.eval_last
+    r = T.train_stack([cfg], progress=False)[0]
+    assert [h[0] for h in r.history] == [1, 501, 1001] and r.steps_done == 1200
+    assert r.final_acc == r.history[-1][1]
+    last = T.train_stack([dataclasses.replace(cfg, eval_last=True)], progress=False)[0]
+    assert [h[0] for h in last.history] == [1, 501, 1001, 1200]
+    assert last.history[:3] == r.history  # the same run up to there
+
+
+def test_trend_presets_sweep_T_with_at_least_500_epochs_at_every_T():
+    """The trend presets are sweeps over T (the paper's estimand, not capacity searches), and
+    the step rule gives every T at least 500 epochs of ceil(T / batch) batches (the last
+    partial batch kept)."""
+    from mhakern.memorize import presets
+    from mhakern.memorize.sweep import expand_grid
+
+    for name in ("trend-heads", "trend-context", "trend-dhead"):
+        pre = presets.get(name)
+        for part in pre.parts:
+            assert part.kind == "sweep" and len(part.grid["T"]) >= 2
+            for c in expand_grid(part.base, part.grid, pre.seeds):
+                assert c.steps is None  # the paper's rule, max(floor(500 T / batch), floor)
+                epochs = c.total_steps / -(-c.T // c.batch)
+                assert epochs >= 500, (name, c.label(), c.T, epochs)
+                assert c.eval_every == 500 and not c.eval_last

@@ -624,7 +624,9 @@ def _run_preset(args, pre, seeds, pool) -> int:
                                    device=dev, progress=not args.no_progress, log=log, pool=pool):
             caps_txt = ", ".join(f"seed {s}: {v}{'+' if k else ''}" for s, v, k in zip(res.seeds, res.per_seed, res.capped))
             log(f"capacity of {res.config.label()} at target {res.target:g}: {caps_txt}; mean {res.mean:.1f}")
-    for p in write_report(store, out_dir, exp):
+    # A preset's grid may share runs with another's (the same configuration, stored once):
+    # its report reads its own configurations wherever they are stored.
+    for p in write_report(store, out_dir, exp, configs=sweeps if sweeps and not caps else None):
         log(f"  wrote {p}")
     return 0
 
