@@ -294,7 +294,11 @@ def plot_capacity(points: List[Dict], var: str, path: str, label: str) -> Option
         ax.set_ylabel("capacity (largest T memorized at the target)")
     ax.set_title("mean over seeds; bars: seed min to max", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if len(series) > 2:  # many series: the legend beside the axes, not over the points
+        fig.set_size_inches(11, 4.8)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
