@@ -20,7 +20,7 @@ learning-rate schedule all depend on T. So a seed may memorize some T and fail a
 and bisection finds *a* T memorized whose larger neighbour in the bracket failed, not the
 largest T memorized: the answer is neither an upper nor a lower bound in general (it is only
 the largest memorized T among those probed).
-""""""
+"""
 from __future__ import annotations
 
 import dataclasses

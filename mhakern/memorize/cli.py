@@ -4,7 +4,9 @@ Subcommands: ``run`` (one configuration, several seeds stacked), ``sweep`` (a gr
 ``capacity`` (largest T memorized, by bracketing and bisection), ``stores`` (the memory-store
 experiments), ``report`` (tables and plots from the database) and ``preset NAME`` (also
 ``mhakern-memorize NAME``: quick, paper-heads, paper-context, paper-dh, paper-regress-heads,
-paper-regress-context, paper-saturation, large).
+paper-regress-context, paper-saturation, large, the reduced-scale trends on the paper's
+estimand trend-heads, trend-context, trend-dhead, and the capacity searches capacity-heads,
+capacity-context, capacity-dhead).
 
 Bad input ends with one line ``mhakern-memorize: error: FLAG: what is wrong`` on stderr and
 exit status 2; an interrupted job exits with 130 after saying what was kept.
