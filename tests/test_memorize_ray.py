@@ -156,7 +156,7 @@ def test_a_killed_driver_resumes_without_redoing_finished_runs(tmp_path, pool, o
     [
         ["sweep", "-H", "1,2", "--workers", "2"],
         ["capacity", "-H", "2", "--ray", "auto"],
-        ["trend-dhead", "--ray", "10.0.0.1:6379"],
+        ["capacity-dhead", "--ray", "10.0.0.1:6379"],
     ],
 )
 def test_without_ray_the_flags_say_how_to_get_it(tmp_path, monkeypatch, capsys, argv):

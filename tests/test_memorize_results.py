@@ -13,7 +13,7 @@ from mhakern import backends
 from mhakern.memorize import cli
 from mhakern.memorize.capacity import find_capacity
 from mhakern.memorize.config import RunConfig
-from mhakern.memorize.report import write_report
+from mhakern.memorize.report import aggregate, write_report
 from mhakern.memorize.store import Heartbeat, ResultStore
 from mhakern.memorize.sweep import expand_grid, plan_stacks, run_sweep
 from mhakern.memorize.train import train_stack, versions
@@ -130,12 +130,13 @@ def test_killed_sweep_process_leaves_a_sound_database_and_resumes(tmp_path):
 def test_plan_stacks_packs_compatible_runs_and_splits_the_rest():
     cfgs = expand_grid(TINY, {"heads": [1, 2, 8], "T": [24, 48]}, seeds=[0, 1])
     stacks = plan_stacks(cfgs, max_stack=32)
-    assert len(stacks) == 1 and len(stacks[0]) == 12  # small steps: padding is free
-    assert sum(len(s) for s in plan_stacks(cfgs, max_stack=5)) == 12
-    other = expand_grid(TINY, {"context": [3, 4]}, seeds=[0])
-    assert len(plan_stacks(other)) == 2  # n differs: never one stack
-    big = expand_grid(RunConfig(d_model=64, context=32, T=10_000), {"heads": [1, 60]}, seeds=[0])
-    assert len(plan_stacks(big)) == 2  # padding H=1 to 60 would waste the work
+    # the seeds of one configuration share a stack, nothing else does (exact numbers)
+    assert [[(c.heads, c.T, c.seed) for c in st] for st in stacks] == [
+        [(h, t, 0), (h, t, 1)] for h in (1, 2, 8) for t in (24, 48)]
+    assert sum(len(s) for s in plan_stacks(cfgs, max_stack=1)) == 12
+    big = expand_grid(RunConfig(d_model=64, context=32, T=10_000, heads=20), {}, seeds=range(3))
+    assert [len(s) for s in plan_stacks(big)] == [1, 1, 1]  # 100M multiply-adds a step: over the CPU's 50M
+    assert [len(s) for s in plan_stacks(expand_grid(TINY, {}, seeds=range(8)), max_stack=3)] == [3, 3, 2]
 
 
 def test_capacity_bisection_finds_the_threshold_per_seed():
@@ -176,7 +177,13 @@ def test_report_writes_table_plots_and_csv(tmp_path):
     for p in paths:
         assert os.path.getsize(p) > 0
     table = (tmp_path / "out" / "table.md").read_text()
-    assert table.count("\n| 1 | 3 | 8 |") == 2 and "fitted with c =" in table
+    assert table.count("\n| 1 | 3 | 8 |") == 2 and "examples memorized (mem_acc x T) against heads" not in table
+    assert "examples memorized (mem_acc x T) against H" not in table  # two H: no fit of a line
+    caps = expand_grid(TINY, {"heads": [1, 2, 3], "T": [12]}, seeds=[0])
+    run_sweep(caps, store, "three", progress=False)
+    write_report(store, str(tmp_path / "three"), "three", configs=caps)
+    assert "examples memorized (mem_acc x T) against H (context=3, d_head=8, d_v=1, T=12, random)" in (
+        tmp_path / "three" / "table.md").read_text()
 
 
 # ---------------------------------------------------------------------------- command line
@@ -380,19 +387,30 @@ def test_a_database_from_before_new_columns_is_upgraded_in_place(tmp_path):
     assert store.run_by_key("old")["mem_acc"] == 0.5 and store.run_by_key(TINY.key())["init"] == "paper"
 
 
-def test_fits_of_a_fixed_budget_grid_say_examples_fitted_not_capacity(tmp_path):
-    # The quick preset's table fits examples fitted in a fixed budget; its free fit must not be
-    # labelled capacity (the paper's largest T memorized at 100%).
-    from mhakern.memorize.report import trend_fits
+def test_fits_of_a_grid_name_the_papers_estimand_per_T_not_capacity(tmp_path):
+    # A sweep's fits are of examples memorized (mem_acc x T, the paper's estimand), one series
+    # per T; they must not be labelled capacity (the largest T memorized at 100%, a search).
+    from mhakern.memorize.report import ESTIMAND, capacity_points, trend_fits
 
-    pts = [dict(heads=h, context=8, d_head=16, data="random", task="classify", capacity=20.0 * h, source="grid")
-           for h in (1, 2, 4, 8)]
-    (fit,) = trend_fits(pts, "heads", "examples fitted (not capacity)")
-    assert fit["text"].startswith("examples fitted (not capacity) against H") and fit["r2"] > 0.999
-    (fit,) = trend_fits(pts, "heads")
+    pts = [dict(heads=h, context=8, d_head=16, d_value=1, T=t, data="random", task="classify", capacity=20.0 * h * t,
+                source="grid") for h in (1, 2, 4, 8) for t in (100, 200)]
+    fits = trend_fits(pts, "heads", ESTIMAND)
+    assert len(fits) == 2 and all(f["r2"] > 0.999 for f in fits)
+    assert [f["b"] for f in fits] == pytest.approx([2000.0, 4000.0])  # a slope per T
+    assert fits[0]["text"].startswith("examples memorized (mem_acc x T) against H")
+    (fit,) = trend_fits([p for p in pts if p["T"] == 100], "heads")
     assert fit["text"].startswith("capacity against H")
+    # d_h beyond n is left out of the d_h fit (the paper's trend holds up to n)
+    dh = [dict(p, heads=4, context=4, d_head=k, capacity=float(min(k, 4))) for p, k in zip(pts[:5], (1, 2, 3, 4, 64))]
+    (f,) = trend_fits([dict(p, T=100) for p in dh], "d_head")
+    assert f["xs"] == [1.0, 2.0, 3.0, 4.0] and f["r2"] > 0.999
     store = ResultStore(str(tmp_path / "r.sqlite"))
-    run_sweep(expand_grid(TINY, {"heads": [1, 2, 3], "T": [12]}, seeds=[0]), store, "grid", progress=False)
+    cfgs = expand_grid(TINY, {"heads": [1, 2, 3], "T": [12, 16]}, seeds=[0, 1])
+    run_sweep(cfgs, store, "grid", progress=False)
+    assert len(capacity_points(aggregate(store.runs("grid")), [])) == 6  # a point per H and T
     write_report(store, str(tmp_path / "out"), "grid")
     table = (tmp_path / "out" / "table.md").read_text()
-    assert "capacity against" not in table and "examples fitted (not capacity) against H" in table, table
+    assert "capacity against" not in table and table.count("examples memorized (mem_acc x T) against H") == 2, table
+    # a report by configuration finds runs stored under another experiment
+    paths = write_report(store, str(tmp_path / "cfg"), "other", configs=cfgs[:4])
+    assert (tmp_path / "cfg" / "table.md").read_text().count("\n| 1 | 3 | 8 |") == 2 and paths

@@ -1,19 +1,25 @@
-"""Capacity: the largest T a configuration memorizes at a target accuracy, per seed.
+"""Capacity: the largest T a configuration memorizes at a target accuracy, per seed -- a second
+statistic beside the paper's estimand, not the paper's.
+
+The paper reads its trends from examples memorized (mem_acc x T) at fixed T across a grid (the
+``trend-*`` presets); it has no capacity search. Capacity is an extreme-value statistic (the
+single hardest example decides it), tied to the step budget (the paper's step rule gives a
+larger T more steps but, above the floor, the same epochs), and resolved only to the search's
+``resolution``; it need not scale as the examples memorized do.
 
 For each seed, T is bracketed by doubling (or halving) from a start value until one T is
 memorized (mem_acc >= target) and a larger one is not, then bisected until the bracket is
 narrower than ``resolution`` (relative) or one example. Every probe is an ordinary run in the
-store, so an interrupted search resumes from its stored probes, and the seeds' probes of a
-round are trained together as one stack (their T differ, their shape does not).
+store, so an interrupted search resumes from its stored probes; the probes of one round with the
+same T (the seeds') are trained together as one stack.
 
-Several configurations are searched in lockstep by :func:`find_capacities`: each round, the
-next probe of every unfinished search is trained in one sweep, which packs them into stacks (and
-on a :class:`~mhakern.memorize.sweep.RayPool` trains those stacks at once).
-
-This assumes memorization is monotone in T for a seed: the first T examples of a larger task
-are exactly the smaller task (see :mod:`mhakern.memorize.data`), so a model that memorizes T'
-examples would also fit any T < T' of them; the search reports the largest T it saw
-memorized, which a non-monotone outcome can only make conservative within the bracket.
+Success is not monotone in T. The first T examples of a larger task are the smaller task (see
+:mod:`mhakern.memorize.data`), but a run on T examples is not a run on T' < T of them plus more:
+its batches (their order and their split into batches), its step budget and with it its
+learning-rate schedule all depend on T. So a seed may memorize some T and fail a smaller one,
+and bisection finds *a* T memorized whose larger neighbour in the bracket failed, not the
+largest T memorized: the answer is neither an upper nor a lower bound in general (it is only
+the largest memorized T among those probed).
 """
 from __future__ import annotations
 

@@ -4,7 +4,9 @@ Subcommands: ``run`` (one configuration, several seeds stacked), ``sweep`` (a gr
 ``capacity`` (largest T memorized, by bracketing and bisection), ``stores`` (the memory-store
 experiments), ``report`` (tables and plots from the database) and ``preset NAME`` (also
 ``mhakern-memorize NAME``: quick, paper-heads, paper-context, paper-dh, paper-regress-heads,
-paper-regress-context, paper-saturation, large).
+paper-regress-context, paper-saturation, large, the reduced-scale trends on the paper's
+estimand trend-heads, trend-context, trend-dhead, and the capacity searches capacity-heads,
+capacity-context, capacity-dhead).
 
 Bad input ends with one line ``mhakern-memorize: error: FLAG: what is wrong`` on stderr and
 exit status 2, and so does a database that is damaged or fails during the job (``--db: ...``,
@@ -25,7 +27,7 @@ PROG = "mhakern-memorize"
 _DEFAULTS_HELP = (
     "Defaults (the quick preset's scale): H=4, n=8, d=16 (d_in = d_h = d), d_v=1, T=500, random context, "
     "uniform features, 100 classes, 3000 steps (--steps paper: the paper's max(floor(500 T / batch), 50000)), "
-    "batch 256, Adam lr 1e-3, evaluation after steps 1, 501, 1001, ... and the last, target accuracy 1.0 with early "
+    "batch 256, Adam lr 1e-3, evaluation after steps 1, 501, 1001, ... (not after the last: --eval-last), target accuracy 1.0 with early "
     "stop, the paper's initialisation and regression rule, --impl fused, --backend auto, float32."
 )
 
@@ -119,6 +121,8 @@ _MODEL_FLAGS = [
     ("lr", "--lr", None, _float_list, "Adam learning rate (default 1e-3)"),
     ("warmup", "--warmup", None, _float_list, "warm-up fraction of the steps (default 0.05)"),
     ("eval_every", "--eval-every", None, _int_list, "evaluate the whole training set every N steps (default 500)"),
+    ("eval_last", "--eval-last", None, _bool_list,
+     "also evaluate after the last step (default false: the paper evaluates after steps 1, 1 + N, 1 + 2N, ... only)"),
     ("target_acc", "--target-acc", None, _float_list, "training accuracy that counts as memorized (default 1.0)"),
     ("reg_tol", "--reg-tol", None, _float_list, "regression: |error| below this counts as within tolerance (default 0.01)"),
     ("reg_rule", "--reg-rule", None, _str_list,
@@ -632,7 +636,9 @@ def _run_preset(args, pre, seeds, pool) -> int:
                                    device=dev, progress=not args.no_progress, log=log, pool=pool):
             caps_txt = ", ".join(f"seed {s}: {v}{'+' if k else ''}" for s, v, k in zip(res.seeds, res.per_seed, res.capped))
             log(f"capacity of {res.config.label()} at target {res.target:g}: {caps_txt}; mean {res.mean:.1f}")
-    for p in write_report(store, out_dir, exp):
+    # A preset's grid may share runs with another's (the same configuration, stored once):
+    # its report reads its own configurations wherever they are stored.
+    for p in write_report(store, out_dir, exp, configs=sweeps if sweeps and not caps else None):
         log(f"  wrote {p}")
     return 0
 

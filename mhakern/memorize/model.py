@@ -139,45 +139,19 @@ class StackedParams:
         seeds: Sequence[int],
         device="cpu",
         dtype=torch.float32,
-        run_shapes: Optional[Sequence[ModelShape]] = None,
         init: str = "paper",
     ) -> "StackedParams":
-        """Weights of runs ``seeds``; run r has shape ``run_shapes[r]`` (default ``shape``).
-
-        A run smaller than the stack's ``shape`` (fewer heads, smaller d_h or d_v) gets its own
-        weights zero-padded. Padding is exact and stays exact: a head whose W_Q, W_K, W_V and
-        W_O rows are zero contributes nothing and receives zero gradient, and so does a zero
-        column of W_Q and W_K, so Adam never moves them. Runs of different H therefore train
-        side by side with the numbers they would have alone.
-        """
-        H, d, di, dh, dv, C = (shape.heads, shape.d_model, shape.d_in, shape.d_head, shape.d_value, shape.n_out)
-        run_shapes = [shape] * len(seeds) if run_shapes is None else list(run_shapes)
+        """Weights of runs ``seeds``, all of shape ``shape`` (a stack holds one shape: see
+        ``RunConfig.stack_key``)."""
+        H, d, dv = shape.heads, shape.d_model, shape.d_value
         per_run: List[Dict[str, Tensor]] = []
-        for s, rs in zip(seeds, run_shapes):
-            Hr, dhr, dvr = rs.heads, rs.d_head, rs.d_value
-            if Hr > H or dhr > dh or dvr > dv or (rs.d_model, rs.d_in, rs.n_out) != (d, di, C):
-                raise ValueError(f"StackedParams.init: run shape {rs} does not fit the stack's {shape}")
+        for s in seeds:
             # Weights use a stream apart from the data's hash streams: seed s's data and
             # weights are unrelated.
             g = torch.Generator().manual_seed(int(s) * 7919 + 1)
-            w = _init_run(g, rs, init)
-            z = torch.zeros
-            p = {
-                "W_E": w["W_E"],
-                "b_E": w["b_E"],
-                "W_Q": z(d, H, dh, dtype=torch.float64),
-                "W_K": z(H, d, dh, dtype=torch.float64),
-                "W_V": z(H, d, dv, dtype=torch.float64),
-                "W_O": z(H, dv, d, dtype=torch.float64),
-                "W_D": w["W_D"],
-                "b_D": w["b_D"],
-            }
-            p["W_Q"][:, :Hr, :dhr] = w["W_Q"]
-            p["W_K"][:Hr, :, :dhr] = w["W_K"]
-            p["W_V"][:Hr, :, :dvr] = w["W_V"]
-            p["W_O"][:Hr, :dvr] = w["W_O"]
-            p["W_O"] = p["W_O"].reshape(H * dv, d)
-            per_run.append(p)
+            w = _init_run(g, shape, init)
+            w["W_O"] = w["W_O"].reshape(H * dv, d)
+            per_run.append(w)
         t = {
             k: torch.stack([p[k] for p in per_run]).to(device=device, dtype=dtype).contiguous().requires_grad_(True)
             for k in PARAM_NAMES
@@ -307,9 +281,30 @@ def _head_outputs(P: StackedParams, z: Tensor) -> Tensor:
     return torch.einsum("rbhd,rhdv->rbhv", z, W_V).reshape(R, b, -1)
 
 
+def _bmm(a: Tensor, b: Tensor) -> Tensor:
+    """``torch.bmm(a, b)`` whose rounding does not depend on the number of runs R.
+
+    On the CPU a batched matmul with one batch entry and a width-1 operand (an output of width 1,
+    or -- in its backward -- a contraction of length 1) goes through a matrix-vector kernel that
+    rounds otherwise than the kernel the same product gets with two or more entries, so one run
+    alone would not give the numbers it gives in a stack. Width 1 is padded to 2 with zeros
+    (exact: the zeros add exact zeros), which keeps every R on the one kernel. Only degenerate
+    widths pay the copy (H d_v = 1 and the regression's single output).
+    """
+    if a.shape[-1] == 1:  # contraction of length 1: its backward has an output of width 1
+        a = torch.cat([a, torch.zeros_like(a)], -1)
+        b = torch.cat([b, torch.zeros_like(b)], -2)
+    if b.shape[-1] == 1:
+        return torch.bmm(a, torch.cat([b, torch.zeros_like(b)], -1))[..., :1]
+    return torch.bmm(a, b)
+
+
 def _decode(P: StackedParams, heads_out: Tensor) -> Tensor:
-    o = torch.bmm(heads_out, P["W_O"])
-    return torch.baddbmm(P["b_D"].unsqueeze(1), o, P["W_D"])
+    W_O, W_D = P["W_O"], P["W_D"]
+    if heads_out.shape[-1] == 1 or W_D.shape[-1] == 1:
+        return _bmm(_bmm(heads_out, W_O), W_D) + P["b_D"].unsqueeze(1)
+    o = torch.bmm(heads_out, W_O)
+    return torch.baddbmm(P["b_D"].unsqueeze(1), o, W_D)
 
 
 def folded_forward(

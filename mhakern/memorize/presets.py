@@ -1,4 +1,6 @@
 """Named experiments: the quick demonstration, every experiment of the paper's reproduce.sh,
+its three trends at a reduced scale (``trend-*``: the paper's estimand, mem_acc and examples
+memorized per grid point and T), the capacity searches (``capacity-*``: a second statistic),
 and the large GPU sweep.
 
 A preset is a list of parts; each part is a sweep (a grid of configurations) or a set of
@@ -52,11 +54,23 @@ def _k(*xs):
 
 _PAPER = RunConfig(heads=20, context=32, d_model=64, d_in=64, d_head=64, d_value=1, classes=100, batch=256, lr=1e-3)
 
-# The trend presets' scale (docs/results.md, "The paper's trends"): d = d_in = d_h = 16, d_v = 1,
-# 100 classes, random contexts, batch 256, Adam 1e-3, the paper's initialisation and checkpoint
-# rule, and its step rule max(floor(500 T / 256), floor) with the floor lowered from 50,000 to
-# 4,000 so that the three trends fit about an hour of one CPU core; capacity at 100%.
-_TREND = RunConfig(d_model=16, context=8, steps=None, min_steps=4000)
+# The trend presets measure the paper's estimand at a reduced scale (docs/results.md section 4):
+# one run per (grid point, T), its mem_acc (the kept checkpoint's training accuracy) and the
+# examples memorized, mem_acc x T, with the paper's rules (the RunConfig defaults: 100 classes,
+# random contexts, batch 256, Adam 1e-3 with warm-up and cosine decay, evaluation after steps
+# 1, 501, ..., early stop at 100%, the lowest-loss checkpoint) and its step rule
+# max(floor(500 T / 256), floor). Scale: d = d_in = 16 (the paper: 64), d_h = 16 unless swept,
+# T in TREND_T (multiples of the batch, so that floor(500 T / 256) steps are exactly 500 epochs
+# of ceil(T / 256) batches), the floor lowered from 50,000 to TREND_MIN_STEPS (the paper's floor
+# is its 500-epoch budget near its smallest T; here it is 1,000 epochs at T = 512), 3 seeds.
+TREND_T = (512, 2048)
+TREND_MIN_STEPS = 2000
+TREND_SEEDS = (0, 1, 2)
+_TREND = RunConfig(d_model=16, context=8, steps=None, min_steps=TREND_MIN_STEPS)
+# The capacity presets' scale (the second statistic, docs/results.md section 5): the same model,
+# the largest T memorized at exactly 100% by bisection, in the paper's step rule with a
+# 4,000-step floor.
+_CAPACITY = RunConfig(d_model=16, context=8, steps=None, min_steps=4000)
 
 PRESETS: Dict[str, Preset] = {
     "quick": Preset(
@@ -154,26 +168,56 @@ PRESETS: Dict[str, Preset] = {
     ),
     "trend-heads": Preset(
         "trend-heads",
-        "the paper's heads trend at a reduced scale (docs/results.md): capacity at 100% for H = 1, 2, 4, ..., 256 "
-        "at d = d_h = 16, n = 8, the paper's step rule with its 50,000-step floor lowered to 4,000, 3 seeds",
-        [Part("capacity", _TREND, {"heads": [1, 2, 4, 8, 16, 32, 64, 128, 256]}, resolution=0.1)],
-        seeds=(0, 1, 2),
-        est="H <= 32: about 15 CPU-minutes; H = 64, 128, 256: CPU hours (a GPU, or Ray)",
+        "the paper's heads trend, its estimand at a reduced scale: mem_acc and examples memorized (mem_acc x T) "
+        "for H = 1, 2, 4, ..., 32 at d = d_h = 16, n = 8, T = 512 and 2,048, 500 epochs or more at every T, 3 seeds",
+        [Part("sweep", _TREND, {"heads": [1, 2, 4, 8, 16, 32], "T": list(TREND_T)})],
+        seeds=TREND_SEEDS,
+        est="about 4 CPU-minutes (one thread)",
     ),
     "trend-context": Preset(
         "trend-context",
-        "the paper's context trend at a reduced scale (docs/results.md): capacity at 100% for n = 1, 2, 4, ..., 256 "
-        "at H = 4, d = d_h = 16, the paper's step rule with a 4,000-step floor, 3 seeds",
-        [Part("capacity", dataclasses.replace(_TREND, heads=4), {"context": [1, 2, 4, 8, 16, 32, 64, 128, 256]},
+        "the paper's context trend, its estimand at a reduced scale: mem_acc and examples memorized for "
+        "n = 1, 2, 4, ..., 32 at d = d_h = 16, T = 512 and 2,048; at H = 4 with d_v = 1, 4, 16 (the bottleneck test: "
+        "the layer hands the decoder H d_v numbers) and at H = 16 with d_v = 1; 3 seeds",
+        [Part("sweep", dataclasses.replace(_TREND, heads=4),
+              {"d_value": [1, 4, 16], "context": [1, 2, 4, 8, 16, 32], "T": list(TREND_T)}),
+         Part("sweep", dataclasses.replace(_TREND, heads=16), {"context": [1, 2, 4, 8, 16, 32], "T": list(TREND_T)})],
+        seeds=TREND_SEEDS,
+        est="about 11 CPU-minutes (one thread)",
+    ),
+    "trend-dhead": Preset(
+        "trend-dhead",
+        "the paper's head-dim trend, its estimand at a reduced scale: mem_acc and examples memorized for "
+        "d_h = 2, 4, 8, 16 (up to n) at n = 16, d = 16, T = 512 and 2,048; at H = 4 with d_v = 1, 4, 16 and at "
+        "H = 16 with d_v = 1; 3 seeds",
+        [Part("sweep", dataclasses.replace(_TREND, heads=4, context=16),
+              {"d_value": [1, 4, 16], "d_head": [2, 4, 8, 16], "T": list(TREND_T)}),
+         Part("sweep", dataclasses.replace(_TREND, heads=16, context=16), {"d_head": [2, 4, 8, 16], "T": list(TREND_T)})],
+        seeds=TREND_SEEDS,
+        est="about 8 CPU-minutes (one thread)",
+    ),
+    "capacity-heads": Preset(
+        "capacity-heads",
+        "a second statistic, not the paper's: capacity (the largest T memorized at exactly 100%, by bisection) "
+        "for H = 1, 2, 4, ..., 256 at d = d_h = 16, n = 8, the paper's step rule with a 4,000-step floor, 3 seeds",
+        [Part("capacity", _CAPACITY, {"heads": [1, 2, 4, 8, 16, 32, 64, 128, 256]}, resolution=0.1)],
+        seeds=(0, 1, 2),
+        est="H <= 32: about 15 CPU-minutes; H = 64, 128, 256: CPU hours (a GPU, or Ray)",
+    ),
+    "capacity-context": Preset(
+        "capacity-context",
+        "a second statistic, not the paper's: capacity at 100% for n = 1, 2, 4, ..., 256 at H = 4, d = d_h = 16, "
+        "the paper's step rule with a 4,000-step floor, 3 seeds",
+        [Part("capacity", dataclasses.replace(_CAPACITY, heads=4), {"context": [1, 2, 4, 8, 16, 32, 64, 128, 256]},
               resolution=0.1)],
         seeds=(0, 1, 2),
         est="n <= 64: about 15 CPU-minutes; n = 128, 256: CPU hours",
     ),
-    "trend-dhead": Preset(
-        "trend-dhead",
-        "the paper's head-dim trend at a reduced scale (docs/results.md): capacity at 100% for d_h = 2, 4, 8, 16 "
-        "at H = 4, n = 16, d = 16, the paper's step rule with a 4,000-step floor, 3 seeds",
-        [Part("capacity", dataclasses.replace(_TREND, heads=4, context=16), {"d_head": [2, 4, 8, 16]},
+    "capacity-dhead": Preset(
+        "capacity-dhead",
+        "a second statistic, not the paper's: capacity at 100% for d_h = 2, 4, 8, 16 at H = 4, n = 16, d = 16, "
+        "the paper's step rule with a 4,000-step floor, 3 seeds",
+        [Part("capacity", dataclasses.replace(_CAPACITY, heads=4, context=16), {"d_head": [2, 4, 8, 16]},
               resolution=0.1)],
         seeds=(0, 1, 2),
         est="about 10 CPU-minutes",

@@ -1,17 +1,18 @@
 """Tables and plots from stored results.
 
-* ``table.md`` -- one row per configuration (seeds pooled): mem_acc, examples fitted
-  (mem_acc x T: examples the kept checkpoint gets right within the run's step budget -- a
-  capacity only when mem_acc is 1 at a T that the next larger T fails) and the kept
-  checkpoint's loss (the MSE of a paper-rule regression) as mean and spread over seeds, steps
-  and speed; capacity searches (largest T memorized at the target) when present.
+* ``table.md`` -- one row per configuration and T (seeds pooled): mem_acc and examples
+  memorized (mem_acc x T: the examples the kept checkpoint gets right -- the paper's estimand)
+  as mean, spread and seed min-max, the kept checkpoint's loss (the MSE of a paper-rule
+  regression), steps and speed; capacity searches (largest T memorized at the target, a second
+  statistic) when present.
 * ``acc_vs_T.png`` -- mem_acc against T, a line per H (when T was swept).
-* ``capacity_vs_heads.png`` / ``capacity_vs_context.png`` / ``capacity_vs_dhead.png`` -- the
-  capacity (from capacity searches when stored, else the most examples memorized over the
-  T grid) against H, n or d_h, with the theory's line c * H * min(n, d_h), c fitted by least
-  squares (one constant for the whole plot), and per series a free fit with its R^2: a line
-  a + b x against H and d_h, and a line that stops growing at a knee k, a + b min(n, k),
-  against n (the paper's growth up to n ~ d_h, then a plateau); ``table.md`` lists the fits.
+* ``capacity_vs_heads.png`` / ``capacity_vs_context.png`` / ``capacity_vs_dhead.png`` -- against
+  H, n or d_h: without capacity searches, the examples memorized at each T of the grid (a
+  series per T and d_v: the paper's estimand); with searches, only the capacities found, and
+  the theory's line c * H * min(n, d_h) with c fitted by least squares. Per series a free fit
+  with its R^2: a line a + b x against H, and against d_h up to n, and a line that stops
+  growing at a knee k, a + b min(n, k), against n (the paper's growth, then a plateau);
+  ``table.md`` lists the fits.
 * ``stores.md`` and ``stores_isr.png`` -- memory stores: measured ISR against M with the
   predictions, and the capacities.
 * ``runs.csv`` (and ``capacities.csv``, ``store_curves.csv``, ``store_capacities.csv``).
@@ -104,25 +105,36 @@ def knee_fit(xs: Sequence[float], ys: Sequence[float]) -> Tuple[float, float, fl
     return best[1], best[2], best[3], best[4]
 
 
+ESTIMAND = "examples memorized (mem_acc x T)"
+
+
 def trend_fits(points: List[Dict], var: str, what: str = "capacity") -> List[Dict]:
-    """Per series of ``points`` in which ``var`` varies (the other variables fixed): the free
-    fit of the capacity against ``var`` -- a line (H, d_h) or a line with a knee (n). ``what``
-    names the measure in the text ("examples fitted (not capacity)" for a fixed-budget grid).
+    """Per series of ``points`` in which ``var`` varies (the other variables, d_v and T fixed):
+    the free fit of the points' ``capacity`` value against ``var`` -- a line (H; d_h, over
+    d_h <= n) or a line with a knee (n). ``what`` names the measure in the text (``ESTIMAND``
+    for a grid's examples memorized, "capacity" for searches).
 
     Each entry: ``series`` (a label), ``xs``, ``ys``, ``kind`` ("line" or "knee"), ``a``, ``b``,
     ``k`` (knee; None for a line), ``r2``, ``text`` (one line for a table)."""
     out = []
     for key, s in _series(points, var).items():
         s = sorted(s, key=lambda p: p[var])
+        if var == "d_head":
+            s = [p for p in s if p["d_head"] <= p["context"]]  # the paper's trend: d_h up to n
         xs = [float(p[var]) for p in s]
         ys = [float(p["capacity"]) for p in s]
         if len(xs) < 3:
             continue
-        label = ", ".join(f"{f}={v}" for f, v in zip(_others(var), key[2:])) + f", {key[0]}"
+        label = _series_label(var, key)
         if var == "context":
             a, b, k, r2 = knee_fit(xs, ys)
             text = (f"{what} against n ({label}): {a:.1f} + {b:.2f}·min(n, {k:.1f}), R² = {r2:.3f} "
                     f"(knee at n = {k:.1f}; d_h = {s[0]['d_head']})")
+            if xs[0] == 1 and len(xs) >= 4:
+                # n = 1 is a degenerate layer (a softmax over one token weighs it 1 whatever the
+                # scores): its jump to n = 2 can decide the knee alone, so the fit without it too.
+                a2, b2, k2, r22 = knee_fit(xs[1:], ys[1:])
+                text += f"; over n >= 2: {a2:.1f} + {b2:.2f}·min(n, {k2:.1f}), R² = {r22:.3f}"
         else:
             a, b, r2 = linear_fit(xs, ys)
             k = None
@@ -138,10 +150,21 @@ def _others(var: str) -> List[str]:
 
 
 def _series(points: List[Dict], var: str) -> "OrderedDict[tuple, List[Dict]]":
+    """Points grouped by everything but ``var``: (data, task, the other two of H, n, d_h, d_v, T)."""
     series: "OrderedDict[tuple, List[Dict]]" = OrderedDict()
     for p in points:
-        series.setdefault((p["data"], p["task"]) + tuple(p[f] for f in _others(var)), []).append(p)
+        key = (p["data"], p["task"]) + tuple(p[f] for f in _others(var)) + (p.get("d_value"), p.get("T"))
+        series.setdefault(key, []).append(p)
     return OrderedDict((k, s) for k, s in series.items() if len({p[var] for p in s}) > 1)
+
+
+def _series_label(var: str, key: tuple) -> str:
+    parts = [f"{f}={v}" for f, v in zip(_others(var), key[2:4])]
+    if key[4] is not None:
+        parts.append(f"d_v={key[4]}")
+    if key[5] is not None:
+        parts.append(f"T={key[5]}")
+    return ", ".join(parts) + f", {key[0]}"
 
 
 def _theory_x(a: Dict) -> float:
@@ -149,21 +172,22 @@ def _theory_x(a: Dict) -> float:
 
 
 def capacity_points(aggs: List[Dict], caps: List[Dict]) -> List[Dict]:
-    """Per configuration apart from T: the capacity and its seed spread.
+    """The points of the trend plots and fits, each with ``capacity`` (the value plotted), ``lo``
+    and ``hi`` (seed min and max) and ``source``.
 
-    From capacity searches when stored (mean, min, max over seeds); otherwise the largest
-    mean examples-memorized over the T grid, with that T's seed min and max. When ``caps`` holds
-    any search, only searches are points: the probes of an unfinished search are not a capacity.
+    Without capacity searches: one point per configuration and T, the examples memorized
+    (mem_acc x T, the paper's estimand), source "grid". When ``caps`` holds any search, only
+    searches are points (source "search@target", T None): the probes of a search are not a
+    grid of the estimand.
     """
     pts: "OrderedDict[tuple, Dict]" = OrderedDict()
     for a in aggs if not caps else []:
-        k = tuple(a[f] for f in _CFG if f not in ("T", "steps"))
-        cur = pts.get(k)
-        if cur is None or a["examples"] > cur["capacity"]:
-            pts[k] = dict(a, capacity=a["examples"], lo=a["examples_min"], hi=a["examples_max"], source="grid")
+        pts[tuple(a[f] for f in _CFG)] = dict(a, capacity=a["examples"], lo=a["examples_min"], hi=a["examples_max"],
+                                             source="grid")
     for c in caps:
         cfg = json.loads(c["config"])
         d = {f: cfg.get(f) for f in _CFG if f not in ("T", "steps")}
+        d["T"] = None
         d.update(capacity=c["capacity_mean"], lo=c["capacity_min"], hi=c["capacity_max"], source=f"search@{c['target_acc']:g}",
                  seeds=len(json.loads(c["seeds"])))
         pts[tuple(d.get(f) for f in _CFG if f not in ("T", "steps"))] = d
@@ -174,7 +198,7 @@ def markdown_table(aggs: List[Dict], caps: List[Dict]) -> str:
     lines = []
     if aggs:
         lines += [
-            "| H | n | d | d_h | d_v | data | task | T | seeds | mem_acc | examples fitted, mem_acc x T (min-max) | loss (MSE for regress) "
+            "| H | n | d | d_h | d_v | data | task | T | seeds | mem_acc | examples memorized, mem_acc x T (min-max) | loss (MSE for regress) "
             "| steps | steps/s | examples/s | backend |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
@@ -237,6 +261,7 @@ def plot_capacity(points: List[Dict], var: str, path: str, label: str) -> Option
     series = _series(points, var)
     if not series:
         return None
+    grid = all(p["source"] == "grid" for s in series.values() for p in s)
     xs = [_theory_x(p) for s in series.values() for p in s]
     ys = [p["capacity"] for s in series.values() for p in s]
     c = theory_fit(xs, ys)
@@ -247,10 +272,10 @@ def plot_capacity(points: List[Dict], var: str, path: str, label: str) -> Option
         v = [p[var] for p in s]
         y = [p["capacity"] for p in s]
         err = [[p["capacity"] - p["lo"] for p in s], [p["hi"] - p["capacity"] for p in s]]
-        desc = ", ".join(f"{f}={val}" for f, val in zip(others, k[2:]))
-        line = ax.errorbar(v, y, yerr=err, marker="o", capsize=3, label=f"measured ({k[0]}, {desc})")
-        ax.plot(v, [c * _theory_x(p) for p in s], "--", color=line[0].get_color(), alpha=0.7,
-                label=f"theory c·H·min(n, d_h), c = {c:.3g}")
+        line = ax.errorbar(v, y, yerr=err, marker="o", capsize=3, label=f"measured ({_series_label(var, k)})")
+        if not grid:
+            ax.plot(v, [c * _theory_x(p) for p in s], "--", color=line[0].get_color(), alpha=0.7,
+                    label=f"theory c·H·min(n, d_h), c = {c:.3g}")
     for fit in trend_fits(points, var):
         lo, hi = min(fit["xs"]), max(fit["xs"])
         grid = [lo + (hi - lo) * i / 200 for i in range(201)]
@@ -262,16 +287,18 @@ def plot_capacity(points: List[Dict], var: str, path: str, label: str) -> Option
             lab = f"fit {fit['a']:.0f} + {fit['b']:.1f}·x, R² = {fit['r2']:.4f}"
         ax.plot(grid, fy, ":", color="k", lw=1.2, label=lab)
     ax.set_xlabel(label)
-    srcs = {p["source"] for s in series.values() for p in s}
-    if srcs == {"grid"}:
-        ax.set_ylabel("examples fitted in the step budget (mem_acc x T, best T)")
-    elif "grid" not in srcs:
-        ax.set_ylabel("capacity (largest T memorized at the target)")
+    if grid:
+        ax.set_ylabel("examples memorized (mem_acc x T), per T")
+        ax.set_xscale("log", base=2) if var != "heads" else None
     else:
-        ax.set_ylabel("capacity (search) or examples fitted (grid)")
+        ax.set_ylabel("capacity (largest T memorized at the target)")
     ax.set_title("mean over seeds; bars: seed min to max", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if len(series) > 2:  # many series: the legend beside the axes, not over the points
+        fig.set_size_inches(11, 4.8)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -333,12 +360,28 @@ def stores_table(caps: List[Dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(store: ResultStore, out_dir: str, experiment: Optional[str] = None) -> List[str]:
+def _write_csv(path: str, rows: List[Dict], drop=("history",)) -> None:
+    import csv
+
+    cols = [c for c in (rows[0] if rows else {}) if c not in drop]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        for r in rows:
+            w.writerow([r[c] for c in cols])
+
+
+def write_report(store: ResultStore, out_dir: str, experiment: Optional[str] = None, configs=None) -> List[str]:
     """Write the tables, plots and CSV files for ``experiment`` (None: everything) into
-    ``out_dir``; return the paths written."""
+    ``out_dir``; return the paths written. ``configs`` (RunConfigs): report these runs, looked
+    up by key, whichever experiment stored them (a preset whose grid shares runs with another),
+    instead of the runs stored under ``experiment``."""
     os.makedirs(out_dir, exist_ok=True)
     written = []
-    rows = store.runs(experiment)
+    if configs is None:
+        rows = store.runs(experiment)
+    else:
+        rows = [r for r in (store.run_by_key(c.key()) for c in configs) if r is not None]
     caps = store.capacities(experiment)
     aggs = aggregate(rows)
     if rows or caps:
@@ -354,8 +397,10 @@ def write_report(store: ResultStore, out_dir: str, experiment: Optional[str] = N
             c = plot_capacity(pts, var, path, lab)
             if c is not None:
                 written.append(path)
-                what = "capacity" if any(q["source"] != "grid" for q in pts) else "examples fitted (not capacity)"
-                fits.append(f"{what} against {var}: theory c·H·min(n, d_h) fitted with c = {c:.3g}")
+                searches = any(q["source"] != "grid" for q in pts)
+                what = "capacity" if searches else ESTIMAND
+                if searches:
+                    fits.append(f"{what} against {var}: theory c·H·min(n, d_h) fitted with c = {c:.3g}")
                 fits.extend(f["text"] for f in trend_fits(pts, var, what))
         if plot_acc_vs_T(aggs, os.path.join(out_dir, "acc_vs_T.png")):
             written.append(os.path.join(out_dir, "acc_vs_T.png"))
@@ -363,7 +408,10 @@ def write_report(store: ResultStore, out_dir: str, experiment: Optional[str] = N
             f.write(title + body + ("\n" + "\n".join(f"- {s}" for s in fits) + "\n" if fits else ""))
         written.append(p)
         written.append(os.path.join(out_dir, "runs.csv"))
-        store.export_csv(written[-1], "runs", experiment)
+        if configs is None:
+            store.export_csv(written[-1], "runs", experiment)
+        else:
+            _write_csv(written[-1], rows)
         if caps:
             written.append(os.path.join(out_dir, "capacities.csv"))
             store.export_csv(written[-1], "capacities", experiment)

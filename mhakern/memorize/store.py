@@ -58,7 +58,7 @@ _RUN_COLUMNS = (
     # configuration (resolved)
     "heads INTEGER", "context INTEGER", "d_model INTEGER", "d_in INTEGER", "d_head INTEGER",
     "d_value INTEGER", "T INTEGER", "data TEXT", "dist TEXT", "task TEXT", "classes INTEGER",
-    "seed INTEGER", "steps INTEGER", "batch INTEGER", "lr REAL", "warmup REAL", "eval_every INTEGER",
+    "seed INTEGER", "steps INTEGER", "batch INTEGER", "lr REAL", "warmup REAL", "eval_every INTEGER", "eval_last INTEGER",
     "target_acc REAL", "reg_tol REAL", "reg_rule TEXT", "early_stop INTEGER", "init TEXT", "analysis INTEGER",
     "impl TEXT", "backend TEXT", "dtype TEXT",
     # outcome

@@ -1,8 +1,8 @@
 """Sweeps: a grid of configurations, trained in stacks, stored as they finish, resumable.
 
 :func:`expand_grid` makes the configurations, :func:`plan_stacks` packs those not yet stored
-into stacks of runs that can train side by side (same everything but seed, T, heads, d_head
-and d_value; bounded padding waste and data size), and :func:`run_sweep` trains the stacks,
+into stacks of runs that train side by side (the seeds of one configuration: a run's numbers
+are then those it has alone, bit for bit; bounded work and data size), and :func:`run_sweep` trains the stacks,
 storing each run the moment it finishes. Re-running the same sweep trains only what is missing,
 and sweeps running at once on one database share the work: each claims a stack's runs before
 training them (a lease renewed by a heartbeat, see :mod:`.store`), so that no run is trained
@@ -33,11 +33,6 @@ from .config import RunConfig
 from .store import DEFAULT_LEASE_S, Heartbeat, ResultStore, StoreError, new_owner
 from .train import RunResult, train_stack, versions
 
-# A stack may pad its runs to the largest (heads, d_head, d_value) when the padded work is at
-# most this factor above the real work, or when a step is this cheap anyway (multiply-adds),
-# since a small step costs its fixed overhead whatever its size.
-PAD_FACTOR = 1.5
-SMALL_STEP_MACS = 60e6
 # Most work (multiply-adds of one forward step, padded, all runs) per stack. Stacking pays for
 # small steps, whose cost is fixed overhead; on a CPU, large stacked steps run slower per run than
 # separate ones (their tensors leave the caches: measured 0.8x for 8 runs at H=20, n=32, d=64),
@@ -79,40 +74,27 @@ def data_bytes(cfg: RunConfig) -> int:
     return cfg.T * per * 4
 
 
-def _padded(cfgs: Sequence[RunConfig]) -> RunConfig:
-    return dataclasses.replace(
-        cfgs[0],
-        heads=max(c.heads for c in cfgs),
-        d_head=max(c.dh for c in cfgs),
-        d_value=max(c.d_value for c in cfgs),
-    )
-
-
 def plan_stacks(
     configs: Sequence[RunConfig], max_stack: int = 32, max_bytes: int = 2 << 30, max_macs: float = STACK_MACS["cpu"]
 ) -> List[List[RunConfig]]:
-    """Pack configurations into stacks (lists of configurations with one stack key).
+    """Pack configurations into stacks (lists of configurations with one stack key: the seeds
+    of one configuration).
 
     A stack holds at most ``max_stack`` runs, ``max_bytes`` of materialised data and
-    ``max_macs`` of padded work per step; it pads runs of different H, d_h, d_v only when that
-    wastes little (``PAD_FACTOR``) or the step is small anyway (``SMALL_STEP_MACS``).
+    ``max_macs`` of work per step. Stacks come in the order of the configurations' first seeds.
     """
     groups: Dict[tuple, List[RunConfig]] = {}
     for c in configs:
         groups.setdefault(c.stack_key(), []).append(c)
     stacks: List[List[RunConfig]] = []
     for cfgs in groups.values():
-        # Similar sizes together: padding then wastes little.
-        cfgs = sorted(cfgs, key=lambda c: (step_macs(c), c.T, c.seed))
+        cfgs = sorted(cfgs, key=lambda c: c.seed)
         cur: List[RunConfig] = []
         for c in cfgs:
             trial = cur + [c]
             if cur:
-                padded = step_macs(_padded(trial)) * len(trial)
-                real = sum(step_macs(x) for x in trial)
-                too_wasteful = padded > PAD_FACTOR * real and padded > SMALL_STEP_MACS
-                too_big = sum(data_bytes(x) for x in trial) > max_bytes or padded > max_macs
-                if len(trial) > max_stack or too_wasteful or too_big:
+                too_big = sum(data_bytes(x) for x in trial) > max_bytes or step_macs(c) * len(trial) > max_macs
+                if len(trial) > max_stack or too_big:
                     stacks.append(cur)
                     trial = [c]
             cur = trial

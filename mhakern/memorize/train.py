@@ -1,6 +1,6 @@
 """Training a stack of independent runs of one shape, side by side.
 
-R runs that share a shape (same H, n, d, ... but their own seed and T) are one batched model:
+R runs that differ in their seed only (``RunConfig.stack_key``) are one batched model:
 every matmul carries the run dim, the loss is the sum of the runs' losses, and
 :class:`~mhakern.memorize.optim.BatchedAdam` gives each run its own learning-rate schedule. A
 run leaves the stack when it reaches its target accuracy (the paper stops at 100%; see
@@ -9,9 +9,15 @@ run leaves the stack when it reaches its target accuracy (the paper stops at 100
 What a run does and reports follows the paper's code (``trainers.py``): batches of ``batch``
 examples from a fresh random order of the run's T examples each epoch, the last partial batch
 kept (a full batch of all T when T <= batch); the training set evaluated whole after steps
-1, 1 + eval_every, 1 + 2 eval_every, ... (the paper's ``step % 500 == 0`` on 0-based steps)
-and, here also, at the last step; the kept checkpoint is the lowest-loss evaluation and
-``mem_acc`` its accuracy (``loss`` its loss: the MSE of a regression).
+1, 1 + eval_every, 1 + 2 eval_every, ... (the paper's ``step % 500 == 0`` on 0-based steps),
+and never after the last step unless ``RunConfig.eval_last`` asks for it; the kept checkpoint
+is the lowest-loss evaluation and ``mem_acc`` its accuracy (``loss`` its loss: the MSE of a
+regression).
+
+A run's numbers do not depend on its stack, bit for bit on the CPU: a stack's runs have one
+shape and one T, so every operation of a run sees the operands it sees alone, in the same
+order (``tests/test_memorize_engine.py`` checks a run alone against the same run in a sweep
+of mixed H and T).
 """
 from __future__ import annotations
 
@@ -87,14 +93,8 @@ def versions() -> Dict[str, str]:
 
 
 def stack_shape(configs: Sequence[RunConfig]) -> ModelShape:
-    """The padded shape of a stack: the largest heads, d_head and d_value of its runs."""
-    sh = ModelShape.of(configs[0])
-    return dataclasses.replace(
-        sh,
-        heads=max(c.heads for c in configs),
-        d_head=max(c.dh for c in configs),
-        d_value=max(c.d_value for c in configs),
-    )
+    """The model shape of a stack (its runs share it: they differ in their seed only)."""
+    return ModelShape.of(configs[0])
 
 
 def resolve_backend(cfg: RunConfig, device) -> str:
@@ -229,7 +229,6 @@ class _Stack:
         self.device = torch.device(device)
         self.dtype = torch_dtype(c0.dtype)
         self.layout = layout
-        run_shapes = [ModelShape.of(c) for c in configs]
         self.shape = stack_shape(configs)
         seeds = [c.seed for c in configs]
         self.Ts = [c.T for c in configs]
@@ -239,7 +238,7 @@ class _Stack:
             device=self.device, dtype=self.dtype, max_bytes=data_max_bytes,
         )
         self.pe = sinusoidal_positions(c0.context + 1, c0.d_model, self.dtype, self.device)
-        self.P = StackedParams.init(self.shape, seeds, self.device, self.dtype, run_shapes, init=c0.init)
+        self.P = StackedParams.init(self.shape, seeds, self.device, self.dtype, init=c0.init)
         self.opt = BatchedAdam(self.P.tensors())
         self.sampler = _Sampler(seeds, self.Ts, c0.batch, self.device)
         self.act = list(range(len(configs)))
@@ -275,11 +274,9 @@ class _Stack:
         P = StackedParams({k: v.detach()[sel_t] for k, v in self.P.t.items()}) if len(sel) != len(self.act) else self.P.detached()
         Ts = [self.Ts[self.act[i]] for i in sel]
         Tmax = max(Ts)
-        per_ex = (c0.context + 1) * c0.din if c0.data == "random" else c0.din
-        # Large batches on a GPU (a few hundred MB of inputs per chunk); the CPU keeps its
-        # cache-sized chunks (and with them its numbers, which the chunking rounds).
-        budget, cap = ((1 << 27), 1 << 16) if self.device.type == "cuda" else ((1 << 23), 8192)
-        chunk = max(1, min(cap, budget // max(1, len(sel) * per_ex)))
+        # Chunks of a fixed number of examples per run, whatever the stack holds: the chunking
+        # rounds the sums, and a run's numbers must not depend on its stack.
+        chunk = eval_chunk(c0, self.device)
         correct = torch.zeros(len(sel), dtype=torch.float64, device=self.device)
         loss = torch.zeros(len(sel), dtype=torch.float64, device=self.device)
         T_t = torch.tensor(Ts, device=self.device).view(-1, 1)
@@ -303,6 +300,15 @@ class _Stack:
         self.act_t = self.act_t[keep_t]
 
 
+def eval_chunk(cfg: RunConfig, device) -> int:
+    """Examples per run in one chunk of an evaluation: a function of the configuration and the
+    device type only (never of the stack), about 8 MB of input tokens per run on the CPU
+    (cache-sized) and 512 MB on a GPU."""
+    per_ex = (cfg.context + 1) * cfg.din if cfg.data == "random" else cfg.din
+    budget, cap = ((1 << 27), 1 << 16) if torch.device(device).type == "cuda" else ((1 << 21), 8192)
+    return max(1, min(cap, budget // per_ex))
+
+
 SATURATION_THRESHOLD = 0.99  # the paper's analysis.py
 
 
@@ -315,7 +321,7 @@ def _saturation(st: "_Stack", r: int, weights: Dict[str, Tensor]) -> Dict[str, o
     fraction of (example, head) pairs saturated, the mean largest weight, and the histogram of
     saturated heads per example (index k: examples with k saturated heads)."""
     cfg = st.cfgs[r]
-    H = cfg.heads  # the stack may pad heads: the run's own come first
+    H = cfg.heads
     P = StackedParams({k: v.unsqueeze(0) for k, v in weights.items()})
     runs = torch.tensor([r], device=st.device)
     hist = torch.zeros(H + 1, dtype=torch.int64)
@@ -635,8 +641,8 @@ def train_stack(
     for c in configs[1:]:
         if c.stack_key() != k0:
             raise ValueError(
-                "train_stack: configurations differ in more than seed, T, heads, d_head and d_value; "
-                "they cannot share a stack"
+                "train_stack: configurations differ in more than their seed; they cannot share a stack "
+                "(RunConfig.stack_key)"
             )
     device = torch.device(device)
     if device.type == "cuda" or free_bytes is not None:
@@ -648,8 +654,7 @@ def train_stack(
                                    engine, free_bytes)
             return out
     t_start = time.perf_counter()
-    sh = stack_shape(configs)
-    backend_used = resolve_backend(dataclasses.replace(configs[0], heads=sh.heads), device)
+    backend_used = resolve_backend(configs[0], device)
     dev_name = device_name(device)
     st = _Stack(configs, device, layout, data_max_bytes)
     c0 = configs[0]
@@ -686,24 +691,30 @@ def train_stack(
                 if bar is not None:
                     bar.update(1)
             # The paper evaluates after its 0-based step s when s % eval_every == 0, i.e. after
-            # 1, 1 + eval_every, ... updates; every run also gets an evaluation at its last step.
-            at_eval = (step - 1) % c0.eval_every == 0
+            # 1, 1 + eval_every, ... updates, and never after its last step; eval_last adds an
+            # evaluation there (the runs of a stack share it: they share their configuration).
+            at_eval = (step - 1) % c0.eval_every == 0 or (c0.eval_last and any(st.totals[r] == step for r in st.act))
             ending = [i for i, r in enumerate(st.act) if st.totals[r] == step]
-            sel = list(range(len(st.act))) if at_eval else ending
-            if not sel:
+            if not at_eval and not ending:
                 continue
-            accs, losses = st.evaluate(sel)
+            sel = list(range(len(st.act))) if at_eval else []
+            accs, losses = st.evaluate(sel) if sel else ([], [])
+            evaluated = dict(zip(sel, zip(accs, losses)))
             done = []
-            for i, acc, ls in zip(sel, accs, losses):
+            for i in sorted(set(sel) | set(ending)):
                 r = st.act[i]
-                hist[r].append((step, acc, ls))
-                top_acc[r] = max(top_acc[r], acc)
-                hit = configs[r].stops_early and acc >= configs[r].target_acc
-                if ls < best[r][0]:
-                    # The paper's checkpoint rule: the lowest loss so far is kept.
-                    best[r] = (ls, acc)
-                    if configs[r].analysis:
-                        snap[r] = {k: v.detach()[i].clone() for k, v in st.P.t.items()}
+                if i in evaluated:
+                    acc, ls = evaluated[i]
+                    hist[r].append((step, acc, ls))
+                    top_acc[r] = max(top_acc[r], acc)
+                    hit = configs[r].stops_early and acc >= configs[r].target_acc
+                    if ls < best[r][0]:
+                        # The paper's checkpoint rule: the lowest loss so far is kept.
+                        best[r] = (ls, acc)
+                        if configs[r].analysis:
+                            snap[r] = {k: v.detach()[i].clone() for k, v in st.P.t.items()}
+                else:  # the budget ends between evaluation points: the last evaluation stands
+                    hit, acc = False, hist[r][-1][1]
                 if hit or st.totals[r] == step:
                     done.append(i)
                     now = time.perf_counter()
@@ -726,7 +737,8 @@ def train_stack(
                     results[r] = res
                     if on_result is not None:
                         on_result(res)
-            last_acc = sum(accs) / len(accs)
+            if accs:
+                last_acc = sum(accs) / len(accs)
             if done:
                 keep = [i for i in range(len(st.act)) if i not in done]
                 if keep:
@@ -737,7 +749,7 @@ def train_stack(
                 else:
                     st.act = []
             if bar is not None:
-                bar.set_postfix(runs=len(st.act), acc=f"{last_acc:.3f}", refresh=False)
+                bar.set_postfix(runs=len(st.act), acc=f"{last_acc or 0:.3f}", refresh=False)
     finally:
         if bar is not None:
             bar.close()
