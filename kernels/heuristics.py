@@ -117,6 +117,19 @@ TILES: Dict[Tuple[str, int, str, int], TileConfig] = {
     ("dkdv", 80, "32", 64): _T(16, 32, 8, 1),
     ("dkdv", 80, "32", 128): _T(16, 32, 8, 1),
     ("dkdv", 80, "32", 256): _T(16, 16, 8, 1),
+    # fused backward (dK, dV and dQ's shares in one program; "dkdv" semantics of block_m/block_n)
+    ("fused", 90, "16", 64): _T(32, 128, 8, 2),
+    ("fused", 90, "16", 128): _T(16, 64, 8, 2),
+    ("fused", 90, "16", 256): _T(16, 32, 8, 1),
+    ("fused", 80, "16", 64): _T(32, 128, 8, 1),
+    ("fused", 80, "16", 128): _T(32, 64, 8, 2),
+    ("fused", 80, "16", 256): _T(16, 32, 8, 1),
+    ("fused", 90, "32", 64): _T(16, 32, 8, 1),
+    ("fused", 90, "32", 128): _T(16, 32, 8, 1),
+    ("fused", 90, "32", 256): _T(16, 16, 8, 1),
+    ("fused", 80, "32", 64): _T(16, 32, 8, 1),
+    ("fused", 80, "32", 128): _T(16, 32, 8, 1),
+    ("fused", 80, "32", 256): _T(16, 16, 8, 1),
     # forward through tensor descriptors (sm_90 only; see desc_eligible)
     ("fwd_desc", 90, "16", 64): _T(128, 64, 4, 3),
     ("fwd_desc", 90, "16", 128): _T(128, 64, 8, 2),
@@ -174,7 +187,7 @@ def strides_aligned(d: int, dv: int) -> bool:
 
 def tile_config(kernel: str, d: int, dv: int, dtype: torch.dtype, arch: int = 80, *, band: bool = False,
                 mask_kind: int = 0, dropout: bool = False) -> TileConfig:
-    """Tiles of ``kernel`` ("fwd", "dq", "dkdv" or "fwd_desc") for head dims (d, dv), dtype and
+    """Tiles of ``kernel`` ("fwd", "dq", "dkdv", "fused" or "fwd_desc") for head dims (d, dv), dtype and
     arch family; with modes (``band``: a window or top-left alignment, ``mask_kind`` 0 none /
     1 bool / 2 float, ``dropout``), the mode variant's tile (``mode_tiles``)."""
     width = "32" if dtype == torch.float32 else "16"
@@ -279,7 +292,7 @@ def mode_tiles(kernel: str, cfg: TileConfig, *, arch: int = 80, width: str = "16
         while bm * bn > budget * 32 * cfg.num_warps and bn > 32:
             bn //= 2
         cfg = TileConfig(bm, bn, cfg.num_warps, min(cfg.num_stages, 2) if mask_kind else cfg.num_stages)
-    elif mask_kind and kernel == "dkdv":
+    elif mask_kind and kernel in ("dkdv", "fused"):
         cfg = TileConfig(min(cfg.block_m, 16), min(cfg.block_n, 64), cfg.num_warps, cfg.num_stages)
     elif mask_kind:
         cfg = TileConfig(cfg.block_m, min(cfg.block_n, 32), cfg.num_warps, cfg.num_stages)
@@ -308,6 +321,37 @@ def dq_config(d: int, dv: int, dtype: torch.dtype, arch: int = 80, **modes) -> T
 
 def dkdv_config(d: int, dv: int, dtype: torch.dtype, arch: int = 80, **modes) -> TileConfig:
     return tile_config("dkdv", d, dv, dtype, arch, **modes)
+
+
+def fused_config(d: int, dv: int, dtype: torch.dtype, arch: int = 80, **modes) -> TileConfig:
+    return tile_config("fused", d, dv, dtype, arch, **modes)
+
+
+# --- Which backward kernel (kernels/attention_bwd.py) -------------------------------------------
+# "deterministic": the fused kernel (5 products per tile; dQ's fp32 shares added in a fixed
+# key-block order per row tile, so two runs give the same bits); "atomic": the same kernel with
+# dQ added by atomics in arrival order (no waits; the bits depend on the schedule); "split": the
+# dK/dV and dQ kernels (7 products; deterministic without atomics). Read once at import from
+# MHAKERN_TRITON_BWD (default "deterministic"); tests set the attribute; attention_backward's
+# ``bwd_mode`` overrides it per call.
+BWD_MODES = ("deterministic", "atomic", "split")
+BWD_MODE = os.environ.get("MHAKERN_TRITON_BWD", "deterministic")
+
+# (dtype width, head-dim bucket) the fused kernel does not serve: the split kernels do, in every
+# mode (see each entry's reason).
+SPLIT_ONLY_BWD: frozenset = frozenset()
+
+
+def bwd_kernel(d: int, dv: int, dtype: torch.dtype, mode=None) -> str:
+    """The backward a call takes: ``mode`` (None: BWD_MODE), or "split" where SPLIT_ONLY_BWD
+    says the fused kernel does not serve the head dims."""
+    mode = BWD_MODE if mode is None else mode
+    if mode not in BWD_MODES:
+        raise ValueError(f"MHAKERN_TRITON_BWD / bwd_mode: expected one of {BWD_MODES}, got {mode!r}")
+    width = "32" if dtype == torch.float32 else "16"
+    if mode != "split" and (width, head_bucket(d, dv)) in SPLIT_ONLY_BWD:
+        return "split"
+    return mode
 
 
 def packed_rows(lq: int, n_rep: int, block_m: int) -> int:
