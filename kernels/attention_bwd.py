@@ -129,13 +129,12 @@ def _dkdv_rows(
             elif CAUSAL:
                 vis = vis & (offs_n[:, None] <= (i + lk_b - Lq)[None, :])
             s_t = tl.where(vis, s_t, float("-inf"))
-        p_t = tl.exp(s_t - lse[None, :])
-        if MASKED:
-            # A row whose lse is NaN (a NaN or +inf among its visible scores) has exp(-inf - NaN)
-            # = NaN at the keys it does not see: those pairs must give exactly 0 to dV.
-            p_t = tl.where(vis, p_t, 0.0)
-        if MASK_KIND != 0:
-            p_t = tl.where(mvis, p_t, 0.0)
+        # A pair with a -inf score (hidden, masked, or made -inf by an infinite q or k entry)
+        # gives exactly 0 (docs/contract.md, "NaN and inf"): a row whose lse is NaN (a NaN or
+        # +inf among its scores) would otherwise get exp(-inf - NaN) = NaN there, and the keys
+        # it does not see a NaN dV.
+        live = s_t != float("-inf")
+        p_t = tl.where(live, tl.exp(s_t - lse[None, :]), 0.0)
         if DROPOUT:
             keep_t = _keep(_drop_rows(seed_lo, seed_hi, b, H, hh, i)[None, :], offs_n[:, None], drop_thr)
             dv += tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, input_precision=PREC)
@@ -144,32 +143,22 @@ def _dkdv_rows(
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
         if DROPOUT:
             dp_t = tl.where(keep_t, dp_t * drop_scale, 0.0)
-        ds_t = p_t * (dp_t - delta[None, :])
-        if MASKED:
-            # Hidden pairs contribute exactly 0, even against a NaN or inf in a hidden value or in
-            # a query row that does not see this key (0 * NaN would be NaN). A row that sees a
-            # non-finite query has a NaN lse, so its own gradients stay NaN through ds.
-            ds_t = tl.where(vis, ds_t, 0.0)
-            q = _finite_or_zero(q)
-        if MASK_KIND != 0:
-            ds_t = tl.where(mvis, ds_t, 0.0)
-            if not MASKED:
-                q = _finite_or_zero(q)
-        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
+        # Such pairs contribute exactly 0 to dS too, even against a NaN or inf in a value the row
+        # does not see (0 * NaN would be NaN).
+        ds_t = tl.where(live, p_t * (dp_t - delta[None, :]), 0.0)
+        # q's non-finite entries are zeroed for dK (docs/contract.md, "NaN and inf"): one makes
+        # every score of its row non-finite, so the row either has a NaN lse, and NaN ds on every
+        # key it sees, or scores that are all -inf (it sees no key). Zeroing it drops only the
+        # 0 * inf of pairs whose ds is 0 (hidden, or a -inf score).
+        dk += tl.dot(ds_t.to(q.dtype), _finite_or_zero(q), input_precision=PREC)
         if FUSED:
             if MASK_GRAD:
                 # dL/d(bias) = dS (the bias is added after the scale), each visible pair once.
                 tl.store(DMASK + row_idx[None, :].to(tl.int64) * dm_stride + offs_n[:, None].to(tl.int64), ds_t,
                          mask=row_ok[None, :] & (offs_n[:, None] < lk_b))
-            # The fifth product: this key block's share of the tile's dQ, (BLOCK_M, BLOCK_D). As
-            # in the split dQ kernel, a NaN or inf in a key hidden from a row must not reach its
-            # dq through 0 * NaN in the tiles that mask (rows that see it get NaN through lse).
-            kd = k_dq
-            if MASKED:
-                kd = _finite_or_zero(k_dq)
-            elif MASK_KIND != 0:
-                kd = _finite_or_zero(k_dq)
-            dq_t = tl.dot(tl.trans(ds_t).to(kd.dtype), kd, input_precision=PREC)
+            # The fifth product: this key block's share of the tile's dQ, (BLOCK_M, BLOCK_D), with
+            # k's non-finite entries zeroed (k_dq) for the reason q's are for dK.
+            dq_t = tl.dot(tl.trans(ds_t).to(k_dq.dtype), k_dq, input_precision=PREC)
             _fused_dq_add(DQACC, SEM, dq_t, row_idx, row_ok, sem_base + start_m // BLOCK_M,
                           (start_m >= prev_lo) & (start_m < prev_hi), n_self, D, BLOCK_D, DETERMINISTIC, SEQUENTIAL)
     return dk, dv
@@ -311,7 +300,9 @@ def _attn_bwd_dkdv_body(
     prev_lo = 0
     prev_hi = 0
     n_rt = tl.cdiv(rows_total, BLOCK_M)
+    k_dq = k
     if FUSED:
+        k_dq = _finite_or_zero(k)
         if pid_n > 0:
             if BAND:
                 prev_lo, _f0, _f1, prev_hi = _band_row_range(n0 - BLOCK_N, lk_b, Lq, rows_total, heads_per_prog,
@@ -327,7 +318,7 @@ def _attn_bwd_dkdv_body(
             stride_qh, stride_qm, stride_dh, stride_dm, offs_n, lk_b, H, Lq, b, sm_scale, m_lo, m_full,
             MASK, stride_mb, stride_mh, stride_mm, stride_mn, win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale,
             D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL, PREC, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT,
-            k, DQACC, SEM, DMASK, Lk, sem_base, pid_n, prev_lo, prev_hi, FUSED, DETERMINISTIC, SEQUENTIAL,
+            k_dq, DQACC, SEM, DMASK, Lk, sem_base, pid_n, prev_lo, prev_hi, FUSED, DETERMINISTIC, SEQUENTIAL,
             MASK_GRAD,
         )
         dk, dv = _dkdv_rows(
@@ -335,7 +326,7 @@ def _attn_bwd_dkdv_body(
             stride_qh, stride_qm, stride_dh, stride_dm, offs_n, lk_b, H, Lq, b, sm_scale, m_full, m_full_hi,
             MASK, stride_mb, stride_mh, stride_mm, stride_mn, win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale,
             D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, CAUSAL, PREC, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT,
-            k, DQACC, SEM, DMASK, Lk, sem_base, pid_n, prev_lo, prev_hi, FUSED, DETERMINISTIC, SEQUENTIAL,
+            k_dq, DQACC, SEM, DMASK, Lk, sem_base, pid_n, prev_lo, prev_hi, FUSED, DETERMINISTIC, SEQUENTIAL,
             MASK_GRAD,
         )
         if BAND:
@@ -345,7 +336,7 @@ def _attn_bwd_dkdv_body(
                 MASK, stride_mb, stride_mh, stride_mm, stride_mn, win_l, win_r, seed_lo, seed_hi, drop_thr,
                 drop_scale,
                 D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL, PREC, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT,
-                k, DQACC, SEM, DMASK, Lk, sem_base, pid_n, prev_lo, prev_hi, FUSED, DETERMINISTIC, SEQUENTIAL,
+                k_dq, DQACC, SEM, DMASK, Lk, sem_base, pid_n, prev_lo, prev_hi, FUSED, DETERMINISTIC, SEQUENTIAL,
                 MASK_GRAD,
             )
     dk = dk * sm_scale
@@ -476,16 +467,10 @@ def _dq_inner(
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         if DROPOUT:
             dp = tl.where(_keep(r_drop[:, None], offs_n[None, :], drop_thr), dp * drop_scale, 0.0)
-        ds = p * (dp - delta[:, None])
-        if MASKED:
-            # As in dK/dV: a NaN or inf in a key or value hidden from a row must not reach its dq
-            # through 0 * NaN; rows that see it get NaN through their lse and ds.
-            ds = tl.where(vis, ds, 0.0)
-            k = _finite_or_zero(k)
-        if MASK_KIND != 0:
-            ds = tl.where(mvis, ds, 0.0)
-            if not MASKED:
-                k = _finite_or_zero(k)
+        # As in dK/dV: pairs with a -inf score give exactly 0, even against a NaN or inf in a
+        # value the row does not see; k's non-finite entries are zeroed as q's are there.
+        ds = tl.where(s != float("-inf"), p * (dp - delta[:, None]), 0.0)
+        k = _finite_or_zero(k)
         if MASK_GRAD:
             # dL/d(bias) = dS (the bias is added after the scale); offs_n < Lk keeps the tail
             # block of the row inside the buffer.
@@ -701,7 +686,7 @@ def _fused_backward(q, k, v, dout, lse, delta, dq, dk, dv, kl, mask, dmask, kv_a
     hpp = packed_rows(Lq, n_rep, cfg.block_m)
     dq_acc = torch.zeros((B, H, Lq, D), dtype=torch.float32, device=q.device)
     n_locks = 1 + B * (H // hpp) * triton.cdiv(hpp * Lq, cfg.block_m) if deterministic else 1
-    sem = torch.zeros((n_locks,), dtype=torch.int32, device=q.device)
+    sem = _lock_buffer(n_locks, q.device)
     common = dict(D=D, DV=Dv, BLOCK_D=head_block(D), BLOCK_DV=head_block(Dv), BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, CAUSAL=causal, HAS_KL=has_kl, PREC=prec, IDX64=idx64,
                   DETERMINISTIC=deterministic, SEQUENTIAL=deterministic and INTERPRET,
@@ -717,3 +702,9 @@ def _fused_backward(q, k, v, dout, lse, delta, dq, dk, dv, kl, mask, dmask, kv_a
             **modes.constexprs(), MASK_GRAD=dmask is not None, **common,
         )
     dq.copy_(dq_acc.mul_(scale))
+
+
+def _lock_buffer(n: int, device) -> torch.Tensor:
+    """The fused kernel's zeroed int32 ticket counter (slot 0) and locks (a function of its own
+    so that a test can hand the kernel a schedule that breaks the order)."""
+    return torch.zeros((n,), dtype=torch.int32, device=device)

@@ -117,11 +117,13 @@ TILES: Dict[Tuple[str, int, str, int], TileConfig] = {
     ("dkdv", 80, "32", 64): _T(16, 32, 8, 1),
     ("dkdv", 80, "32", 128): _T(16, 32, 8, 1),
     ("dkdv", 80, "32", 256): _T(16, 16, 8, 1),
-    # fused backward (dK, dV and dQ's shares in one program; "dkdv" semantics of block_m/block_n)
+    # fused backward (dK, dV and dQ's shares in one program; "dkdv" semantics of block_m/block_n:
+    # block_n keys resident, block_m rows a step). Registers, triton 3.9: sm_90 d64 207, d128 252
+    # (8/1: 254), d256 167 (mma.sync, as dK/dV's); sm_80 d128 219, d256 233.
     ("fused", 90, "16", 64): _T(32, 128, 8, 2),
     ("fused", 90, "16", 128): _T(16, 64, 8, 2),
     ("fused", 90, "16", 256): _T(16, 32, 8, 1),
-    ("fused", 80, "16", 64): _T(32, 128, 8, 1),
+    ("fused", 80, "16", 64): _T(32, 64, 8, 1),  # dK/dV's 32x128: 255 registers, no margin for 3.6; 187 here
     ("fused", 80, "16", 128): _T(32, 64, 8, 2),
     ("fused", 80, "16", 256): _T(16, 32, 8, 1),
     ("fused", 90, "32", 64): _T(16, 32, 8, 1),
@@ -172,9 +174,16 @@ MMA_SYNC_ON_SM90 = frozenset({
 })
 
 
+# The fused backward is the dK/dV kernel plus dQ's share (a (BLOCK_M x D) fp32 tile more per
+# step): it takes dK/dV's rows in UNALIGNED_TILES, MODE_CAPS and the mma.sync exceptions, for
+# the same reasons (its own TILES rows say where its plain tile differs).
+_AS_DKDV = {"fused": "dkdv"}
+
+
 def allows_mma_sync(kernel: str, width: str, bucket: int, aligned: bool, modes: str = "") -> bool:
     """Whether a variant may multiply with mma.sync on sm_90 (the AOT check's exception):
     MMA_SYNC_ON_SM90 for its tile row, or MMA_SYNC_MODES_ON_SM90 for its ``modes`` (mode_class)."""
+    kernel = _AS_DKDV.get(kernel, kernel)
     return ((kernel, width, bucket, aligned) in MMA_SYNC_ON_SM90
             or (kernel, width, bucket, modes) in MMA_SYNC_MODES_ON_SM90)
 
@@ -194,8 +203,9 @@ def tile_config(kernel: str, d: int, dv: int, dtype: torch.dtype, arch: int = 80
     family = 90 if arch >= 90 else 80
     key = (kernel, family, width, head_bucket(d, dv))
     cfg = TILES[key]
-    if not strides_aligned(d, dv) and key in UNALIGNED_TILES:
-        cfg = UNALIGNED_TILES[key]
+    alias = (_AS_DKDV.get(kernel, kernel),) + key[1:]
+    if not strides_aligned(d, dv) and alias in UNALIGNED_TILES:
+        cfg = UNALIGNED_TILES[alias]
     if kernel == "fwd_desc":
         return cfg
     return mode_tiles(kernel, cfg, arch=family, width=width, bucket=key[3], band=band, mask_kind=mask_kind,
@@ -297,7 +307,7 @@ def mode_tiles(kernel: str, cfg: TileConfig, *, arch: int = 80, width: str = "16
     elif mask_kind:
         cfg = TileConfig(cfg.block_m, min(cfg.block_n, 32), cfg.num_warps, cfg.num_stages)
     cls = mode_class(band, mask_kind, dropout)
-    key = (kernel, 90 if arch >= 90 else 80, width, bucket)
+    key = (_AS_DKDV.get(kernel, kernel), 90 if arch >= 90 else 80, width, bucket)
     cap = MODE_CAPS.get(key + (cls,)) or (MODE_CAPS.get(key + ("mask",)) if cls == "mask+" else None)
     if cap is not None:
         cfg = TileConfig(min(cfg.block_m, cap.block_m), min(cfg.block_n, cap.block_n), cap.num_warps,
