@@ -170,7 +170,8 @@ def _fused_dq_add(DQACC, SEM, dq_t, row_idx, row_ok, lock_idx, prev_visits, n_se
     """Add a key block's dQ share to the fp32 (B, H, Lq, D) accumulator DQACC.
 
     Non-deterministic: ``tl.atomic_add``, in whatever order the key blocks arrive. Deterministic:
-    each row tile's adds are ordered by key block, ascending, through its lock ``SEM[lock_idx]``,
+    each row tile's adds are ordered by key block, ascending, through its lock ``SEM[lock_idx]``
+    (``SEM[0]`` is the ticket counter, ``SEM[1]`` the interpreter's order-error flag),
     which holds the index + 1 of the last key block that added (0: none yet). The key blocks that
     visit a row tile are consecutive (their row ranges are monotone in the key block), so key
     block ``n_self`` waits for ``n_self`` when its predecessor visits the tile too, else for 0,
@@ -185,11 +186,13 @@ def _fused_dq_add(DQACC, SEM, dq_t, row_idx, row_ok, lock_idx, prev_visits, n_se
         lock = SEM + lock_idx
         turn = tl.where(prev_visits, n_self, 0)
         if SEQUENTIAL:
-            # The interpreter runs programs one at a time in ticket order: the turn must have come.
-            tl.device_assert(tl.atomic_cas(lock, turn, turn, sem="acquire") == turn,
-                             "dQ add out of key-block order")
-        while tl.atomic_cas(lock, turn, turn, sem="acquire") != turn:
-            pass
+            # The interpreter runs programs one at a time in ticket order, so a wait could never
+            # end: the turn must have come, else the flag tells the launcher, which raises.
+            if tl.atomic_cas(lock, turn, turn, sem="acquire") != turn:
+                tl.atomic_xchg(SEM + 1, 1)
+        else:
+            while tl.atomic_cas(lock, turn, turn, sem="acquire") != turn:
+                pass
         tl.atomic_add(ptrs, dq_t, mask=ok, sem="relaxed")
         tl.debug_barrier()  # every thread's adds precede the release
         tl.atomic_xchg(lock, n_self + 1, sem="release")
@@ -254,7 +257,8 @@ def _attn_bwd_dkdv_body(
             # whose ticket is one less: by induction from ticket 0, which never waits, every
             # wait ends, whatever order the hardware starts programs in and however few are
             # resident at once. Under the interpreter the tickets follow the grid order.
-            pid = tl.atomic_add(SEM, 1, sem="relaxed")
+            # (The modulo only keeps a broken schedule, a counter not reset, inside the grid.)
+            pid = tl.atomic_add(SEM, 1, sem="relaxed") % tl.num_programs(0)
     n_blocks = tl.cdiv(Lk, BLOCK_N)
     Hkv = H // n_rep
     pid_n = pid % n_blocks
@@ -312,7 +316,7 @@ def _attn_bwd_dkdv_body(
                 prev_hi = rows_total
     for c in range(0, n_chunks):
         head0 = kvh * n_rep + c * heads_per_prog
-        sem_base = 1 + (b * (H // heads_per_prog) + head0 // heads_per_prog) * n_rt
+        sem_base = 2 + (b * (H // heads_per_prog) + head0 // heads_per_prog) * n_rt
         dk, dv = _dkdv_rows(
             dk, dv, k, v, Q, DO, LSE, DELTA, b * stride_qb, b * stride_db, head0, rows_total,
             stride_qh, stride_qm, stride_dh, stride_dm, offs_n, lk_b, H, Lq, b, sm_scale, m_lo, m_full,
@@ -675,8 +679,9 @@ def _fused_backward(q, k, v, dout, lse, delta, dq, dk, dv, kl, mask, dmask, kv_a
     """The fused kernel (one program per key block, KV head and batch element: dK, dV and dQ's
     fp32 shares), then dQ converted into the caller's buffer: dq = scale * the fp32 sums.
 
-    Deterministic: a zeroed int32 buffer holds the ticket counter (slot 0) and one lock per row
-    tile of dQ (see _fused_dq_add); the adds of each row tile follow the key-block order."""
+    Deterministic: a zeroed int32 buffer holds the ticket counter (slot 0), the interpreter's
+    order-error flag (slot 1) and one lock per row tile of dQ (see _fused_dq_add); the adds of
+    each row tile follow the key-block order."""
     from . import INTERPRET
 
     B, H, Lq, D = q.shape
@@ -685,11 +690,12 @@ def _fused_backward(q, k, v, dout, lse, delta, dq, dk, dv, kl, mask, dmask, kv_a
     cfg = fused_config(D, Dv, q.dtype, arch, **tile_modes(modes))
     hpp = packed_rows(Lq, n_rep, cfg.block_m)
     dq_acc = torch.zeros((B, H, Lq, D), dtype=torch.float32, device=q.device)
-    n_locks = 1 + B * (H // hpp) * triton.cdiv(hpp * Lq, cfg.block_m) if deterministic else 1
+    n_locks = 2 + B * (H // hpp) * triton.cdiv(hpp * Lq, cfg.block_m) if deterministic else 1
     sem = _lock_buffer(n_locks, q.device)
+    sequential = deterministic and INTERPRET
     common = dict(D=D, DV=Dv, BLOCK_D=head_block(D), BLOCK_DV=head_block(Dv), BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, CAUSAL=causal, HAS_KL=has_kl, PREC=prec, IDX64=idx64,
-                  DETERMINISTIC=deterministic, SEQUENTIAL=deterministic and INTERPRET,
+                  DETERMINISTIC=deterministic, SEQUENTIAL=sequential,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (triton.cdiv(Lk, cfg.block_n) * Hkv * B,)
     if not modes.any() and dmask is None:
@@ -701,6 +707,9 @@ def _fused_backward(q, k, v, dout, lse, delta, dq, dk, dv, kl, mask, dmask, kv_a
             *kv_args, *modes.mask_strides, H, Lq, Lk, n_rep, hpp, scale, *modes.runtime(),
             **modes.constexprs(), MASK_GRAD=dmask is not None, **common,
         )
+    if sequential and int(sem[1]) != 0:
+        raise RuntimeError("fused backward: a dQ add out of key-block order (a key block came before its "
+                           "predecessor had added)")
     dq.copy_(dq_acc.mul_(scale))
 
 

@@ -554,8 +554,8 @@ def test_deterministic_dq_is_bitwise_independent_of_the_program_order(request):
 
 def test_a_dq_add_out_of_key_block_order_is_caught(monkeypatch):
     # A deliberate ordering bug: the ticket counter starts at 1, so key block 1 runs before key
-    # block 0 and comes to add its dQ share first. Under the interpreter the wait is an
-    # assertion (programs run one at a time: the turn must have come), which fires.
+    # block 0 and comes to add its dQ share first. Under the interpreter the wait is a check
+    # (programs run one at a time: the turn must have come), which the launcher reports.
     if DEVICE != "cpu":
         pytest.skip("interpreter-only check")
     from mhakern.kernels import attention_bwd
@@ -567,5 +567,5 @@ def test_a_dq_add_out_of_key_block_order_is_caught(monkeypatch):
 
     monkeypatch.setattr(attention_bwd, "_lock_buffer", skewed)
     q, k, v = make_inputs(*_ORDER_SHAPE[:5], _ORDER_SHAPE[5], device=DEVICE, requires_grad=False)
-    with pytest.raises(Exception, match="dQ add out of key-block order"):
+    with pytest.raises(RuntimeError, match="dQ add out of key-block order"):
         _fused_grads("deterministic", q, k, v)
