@@ -152,6 +152,8 @@ UNALIGNED_TILES: Dict[Tuple[str, int, str, int], TileConfig] = {
     ("dkdv", 90, "16", 128): _T(16, 32, 8, 2),  # mma.sync; every wgmma tile tried spills in the loop
     ("fwd", 90, "16", 256): _T(64, 16, 8, 2),  # 64x32: 1 LDL in the loop with triton 3.6
     ("dq", 90, "16", 256): _T(16, 16, 8, 1),  # mma.sync (32x16: 254 registers); 64x16 wgmma: 27 LDL/STL in the loop
+    # The fused backward takes dK/dV's rows (see _AS_DKDV) except here:
+    ("fused", 80, "16", 256): _T(16, 16, 8, 1),  # dK/dV's 16x32: 216 B, 10 LDL/STL in the loop (16x32 4 warps: 240)
 }
 
 
@@ -204,8 +206,8 @@ def tile_config(kernel: str, d: int, dv: int, dtype: torch.dtype, arch: int = 80
     key = (kernel, family, width, head_bucket(d, dv))
     cfg = TILES[key]
     alias = (_AS_DKDV.get(kernel, kernel),) + key[1:]
-    if not strides_aligned(d, dv) and alias in UNALIGNED_TILES:
-        cfg = UNALIGNED_TILES[alias]
+    if not strides_aligned(d, dv):
+        cfg = UNALIGNED_TILES.get(key) or UNALIGNED_TILES.get(alias) or cfg
     if kernel == "fwd_desc":
         return cfg
     return mode_tiles(kernel, cfg, arch=family, width=width, bucket=key[3], band=band, mask_kind=mask_kind,
