@@ -14,10 +14,10 @@ memory exceeds the chip's limit. A kernel that would not build or fit on a GPU t
 here, in CI.
 
     python -m mhakern.kernels.aot [--arch 80 90] [--dtypes fp16 bf16 fp32] [--dims 16 32 40 64 ...]
-                                  [--all-flags] [--only fwd fwdsplit desc delta dkdv dq] [--tile M N WARPS STAGES]
+                                  [--all-flags] [--only fwd fwdsplit desc delta dkdv dq fused] [--tile M N WARPS STAGES]
                                   [--modes [band mask1 mask2 mask2grad dropout all]] [--no-plain]
 
-``--modes`` also builds the mode variants (``_attn_fwd_modes_kernel`` and the two backward
+``--modes`` also builds the mode variants (``_attn_fwd_modes_kernel`` and the three backward
 ones) with the tiles heuristics.tile_config gives those modes on each arch (``--modes`` alone:
 every set in MODE_SETS); ``--no-plain`` leaves out the plain kernels.
 
@@ -71,9 +71,9 @@ class Variant:
 
 
 # Pointer arguments of the kernels by name (the rest are i32 sizes and strides, or fp32 scales).
-_FP32_PTRS = {"LSE", "DELTA", "OP", "LSEP"}
+_FP32_PTRS = {"LSE", "DELTA", "OP", "LSEP", "DQACC"}
 _DATA_PTRS = {"Q", "K", "V", "O", "DO", "DK", "DV_", "DQ"}
-_OTHER_PTRS = {"KL": "*i32", "MASK": "*u8", "DMASK": "*fp32"}
+_OTHER_PTRS = {"KL": "*i32", "MASK": "*u8", "DMASK": "*fp32", "SEM": "*i32"}
 # The mask pointer's type per MASK_KIND: without a mask the launchers pass an fp32 buffer
 # (lse or delta) in its place, a bool mask travels as its uint8 view, a float mask is fp32.
 _MASK_PTR = {0: "*fp32", 1: "*u8", 2: "*fp32"}
@@ -138,13 +138,15 @@ def variants(arch: int, dtypes=("fp16", "bf16", "fp32"), dims=ALL_DIMS, flags=((
     "+name" ones), each with its own tiles; ``plain``: whether to build the plain kernels.
     """
     from .attention_bwd import (_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_modes_kernel, _attn_bwd_dq_kernel,
-                                _attn_bwd_dq_modes_kernel, _bwd_delta_kernel)
+                                _attn_bwd_dq_modes_kernel, _attn_bwd_fused_kernel, _attn_bwd_fused_modes_kernel,
+                                _bwd_delta_kernel)
     from .attention_fwd import _attn_fwd_kernel, _attn_fwd_modes_kernel, _attn_fwd_split_kernel, precision
     from .attention_fwd_desc import _attn_fwd_desc_kernel
-    from .heuristics import desc_config, dkdv_config, dq_config, fwd_config, head_block
+    from .heuristics import desc_config, dkdv_config, dq_config, fused_config, fwd_config, head_block
 
     pick = (lambda f: lambda *a, **kw: tile or f(*a, **kw))  # noqa: E731
-    dkdv_config, dq_config, fwd_config, desc_config = map(pick, (dkdv_config, dq_config, fwd_config, desc_config))
+    dkdv_config, dq_config, fwd_config, desc_config, fused_config = map(
+        pick, (dkdv_config, dq_config, fwd_config, desc_config, fused_config))
 
     by_name = {v: k for k, v in _TY.items()}
     for ty, d, (causal, has_kl) in itertools.product(dtypes, dims, flags):
@@ -166,10 +168,11 @@ def variants(arch: int, dtypes=("fp16", "bf16", "fp32"), dims=ALL_DIMS, flags=((
             kw = dict(band=ms.get("BAND", False), mask_kind=ms.get("MASK_KIND", 0), dropout=ms.get("DROPOUT", False))
             for name, kernel, config in (("fwd", _attn_fwd_modes_kernel, fwd_config),
                                          ("dkdv", _attn_bwd_dkdv_modes_kernel, dkdv_config),
-                                         ("dq", _attn_bwd_dq_modes_kernel, dq_config)):
+                                         ("dq", _attn_bwd_dq_modes_kernel, dq_config),
+                                         ("fused", _attn_bwd_fused_modes_kernel, fused_config)):
                 ce = {n: val for n, val in ms.items() if n in constexpr_defaults(kernel)}
                 if mode == "mask2grad" and "MASK_GRAD" not in ce:
-                    continue  # the mask's gradient is the dQ kernel's alone: no other variant
+                    continue  # the mask's gradient is the dQ kernel's (or the fused one's)
                 cfg = tile or config(d, d, dtype, arch, **kw)
                 yield make(f"{name}/{ty}/d{d}{tag}+{mode}", kernel, cfg,
                            dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **ce))
@@ -197,6 +200,11 @@ def variants(arch: int, dtypes=("fp16", "bf16", "fp32"), dims=ALL_DIMS, flags=((
                    dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n))
         cfg = dq_config(d, d, dtype, arch)
         yield make(f"dq/{ty}/d{d}{tag}", _attn_bwd_dq_kernel, cfg, dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n))
+        # The fused backward, deterministic (its wait and release around each dQ add; the atomic
+        # variant is the same code without them).
+        cfg = fused_config(d, d, dtype, arch)
+        yield make(f"fused/{ty}/d{d}{tag}", _attn_bwd_fused_kernel, cfg,
+                   dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n))
 
 
 def divisible_args(signature, strides_too: bool = True) -> list:
@@ -287,7 +295,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", type=int, nargs="+", default=list(ALL_DIMS), help="head dims (default: %(default)s)")
     ap.add_argument("--all-flags", action="store_true",
                     help="every (causal, key lengths) combination, not only both on")
-    ap.add_argument("--only", nargs="+", default=None, help="kernels to build (fwd fwdsplit desc delta dkdv dq; default: all)")
+    ap.add_argument("--only", nargs="+", default=None, help="kernels to build (fwd fwdsplit desc delta dkdv dq fused; default: all)")
     ap.add_argument("--unaligned", action="store_true",
                     help="compile without the JIT's divisibility specialisation (strides not multiples of 16)")
     ap.add_argument("--modes", nargs="*", default=None, choices=list(MODE_SETS),

@@ -50,7 +50,7 @@ from .attention_fwd import (
     on_device,
     precision,
 )
-from .heuristics import dkdv_config, dq_config, head_block, next_pow2, packed_rows
+from .heuristics import bwd_kernel, dkdv_config, dq_config, fused_config, head_block, next_pow2, packed_rows
 
 
 @triton.jit
@@ -97,7 +97,13 @@ def _dkdv_rows(
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
     IDX64: tl.constexpr, BAND: tl.constexpr = False, TOP_LEFT: tl.constexpr = False,
     MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
+    k_dq=None, DQACC=None, SEM=None, DMASK=None, dm_stride=0, sem_base=0, n_self=0, prev_lo=0, prev_hi=0,
+    FUSED: tl.constexpr = False, DETERMINISTIC: tl.constexpr = False, SEQUENTIAL: tl.constexpr = False,
+    MASK_GRAD: tl.constexpr = False,
 ):
+    """Stream the row tiles [start, stop) past the resident key block: dK, dV (and, FUSED, each
+    tile's dQ share and the mask's gradient; see _fused_dq_add). The extra arguments of the
+    fused kernel are unused, and compiled away, in the split one."""
     for start_m in range(start, stop, BLOCK_M):
         r = start_m + tl.arange(0, BLOCK_M)
         row_ok = r < rows_total
@@ -123,7 +129,12 @@ def _dkdv_rows(
             elif CAUSAL:
                 vis = vis & (offs_n[:, None] <= (i + lk_b - Lq)[None, :])
             s_t = tl.where(vis, s_t, float("-inf"))
-        p_t = tl.exp(s_t - lse[None, :])
+        # A pair with a -inf score (hidden, masked, or made -inf by an infinite q or k entry)
+        # gives exactly 0 (docs/contract.md, "NaN and inf"): a row whose lse is NaN (a NaN or
+        # +inf among its scores) would otherwise get exp(-inf - NaN) = NaN there, and the keys
+        # it does not see a NaN dV.
+        live = s_t != float("-inf")
+        p_t = tl.where(live, tl.exp(s_t - lse[None, :]), 0.0)
         if DROPOUT:
             keep_t = _keep(_drop_rows(seed_lo, seed_hi, b, H, hh, i)[None, :], offs_n[:, None], drop_thr)
             dv += tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, input_precision=PREC)
@@ -132,19 +143,61 @@ def _dkdv_rows(
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
         if DROPOUT:
             dp_t = tl.where(keep_t, dp_t * drop_scale, 0.0)
-        ds_t = p_t * (dp_t - delta[None, :])
-        if MASKED:
-            # Hidden pairs contribute exactly 0, even against a NaN or inf in a hidden value or in
-            # a query row that does not see this key (0 * NaN would be NaN). A row that sees a
-            # non-finite query has a NaN lse, so its own gradients stay NaN through ds.
-            ds_t = tl.where(vis, ds_t, 0.0)
-            q = _finite_or_zero(q)
-        if MASK_KIND != 0:
-            ds_t = tl.where(mvis, ds_t, 0.0)
-            if not MASKED:
-                q = _finite_or_zero(q)
-        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
+        # Such pairs contribute exactly 0 to dS too, even against a NaN or inf in a value the row
+        # does not see (0 * NaN would be NaN).
+        ds_t = tl.where(live, p_t * (dp_t - delta[None, :]), 0.0)
+        # q's non-finite entries are zeroed for dK (docs/contract.md, "NaN and inf"): one makes
+        # every score of its row non-finite, so the row either has a NaN lse, and NaN ds on every
+        # key it sees, or scores that are all -inf (it sees no key). Zeroing it drops only the
+        # 0 * inf of pairs whose ds is 0 (hidden, or a -inf score).
+        dk += tl.dot(ds_t.to(q.dtype), _finite_or_zero(q), input_precision=PREC)
+        if FUSED:
+            if MASK_GRAD:
+                # dL/d(bias) = dS (the bias is added after the scale), each visible pair once.
+                tl.store(DMASK + row_idx[None, :].to(tl.int64) * dm_stride + offs_n[:, None].to(tl.int64), ds_t,
+                         mask=row_ok[None, :] & (offs_n[:, None] < lk_b))
+            # The fifth product: this key block's share of the tile's dQ, (BLOCK_M, BLOCK_D), with
+            # k's non-finite entries zeroed (k_dq) for the reason q's are for dK.
+            dq_t = tl.dot(tl.trans(ds_t).to(k_dq.dtype), k_dq, input_precision=PREC)
+            _fused_dq_add(DQACC, SEM, dq_t, row_idx, row_ok, sem_base + start_m // BLOCK_M,
+                          (start_m >= prev_lo) & (start_m < prev_hi), n_self, D, BLOCK_D, DETERMINISTIC, SEQUENTIAL)
     return dk, dv
+
+
+@triton.jit
+def _fused_dq_add(DQACC, SEM, dq_t, row_idx, row_ok, lock_idx, prev_visits, n_self,
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, DETERMINISTIC: tl.constexpr, SEQUENTIAL: tl.constexpr):
+    """Add a key block's dQ share to the fp32 (B, H, Lq, D) accumulator DQACC.
+
+    Non-deterministic: ``tl.atomic_add``, in whatever order the key blocks arrive. Deterministic:
+    each row tile's adds are ordered by key block, ascending, through its lock ``SEM[lock_idx]``
+    (``SEM[0]`` is the ticket counter, ``SEM[1]`` the interpreter's order-error flag),
+    which holds the index + 1 of the last key block that added (0: none yet). The key blocks that
+    visit a row tile are consecutive (their row ranges are monotone in the key block), so key
+    block ``n_self`` waits for ``n_self`` when its predecessor visits the tile too, else for 0,
+    and then publishes ``n_self + 1``. The acquire on the wait and the release after a barrier
+    order the adds of one tile across programs. Forward progress: see _attn_bwd_dkdv_body.
+    """
+    ptrs = DQACC + row_idx[:, None].to(tl.int64) * D + tl.arange(0, BLOCK_D)[None, :]
+    ok = row_ok[:, None]
+    if D < BLOCK_D:
+        ok = ok & (tl.arange(0, BLOCK_D)[None, :] < D)
+    if DETERMINISTIC:
+        lock = SEM + lock_idx
+        turn = tl.where(prev_visits, n_self, 0)
+        if SEQUENTIAL:
+            # The interpreter runs programs one at a time in ticket order, so a wait could never
+            # end: the turn must have come, else the flag tells the launcher, which raises.
+            if tl.atomic_cas(lock, turn, turn, sem="acquire") != turn:
+                tl.atomic_xchg(SEM + 1, 1)
+        else:
+            while tl.atomic_cas(lock, turn, turn, sem="acquire") != turn:
+                pass
+        tl.atomic_add(ptrs, dq_t, mask=ok, sem="relaxed")
+        tl.debug_barrier()  # every thread's adds precede the release
+        tl.atomic_xchg(lock, n_self + 1, sem="release")
+    else:
+        tl.atomic_add(ptrs, dq_t, mask=ok, sem="relaxed")
 
 
 @triton.jit
@@ -191,10 +244,21 @@ def _attn_bwd_dkdv_body(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
     BAND: tl.constexpr = False, TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
-    DROPOUT: tl.constexpr = False,
+    DROPOUT: tl.constexpr = False, DQACC=None, SEM=None, DMASK=None, FUSED: tl.constexpr = False,
+    DETERMINISTIC: tl.constexpr = False, SEQUENTIAL: tl.constexpr = False, MASK_GRAD: tl.constexpr = False,
 ):
     # Flat grid: key blocks fastest, then KV heads, then batch elements (see _unfold_rows_grid).
     pid = tl.program_id(0)
+    if FUSED:
+        if DETERMINISTIC:
+            # Work goes by ticket, not by program id: a program takes the next ticket when it
+            # starts, so every program with a smaller ticket has started too (it is resident or
+            # done). Key block n of a (batch element, KV head) waits only on key block n - 1,
+            # whose ticket is one less: by induction from ticket 0, which never waits, every
+            # wait ends, whatever order the hardware starts programs in and however few are
+            # resident at once. Under the interpreter the tickets follow the grid order.
+            # (The modulo only keeps a broken schedule, a counter not reset, inside the grid.)
+            pid = tl.atomic_add(SEM, 1, sem="relaxed") % tl.num_programs(0)
     n_blocks = tl.cdiv(Lk, BLOCK_N)
     Hkv = H // n_rep
     pid_n = pid % n_blocks
@@ -235,19 +299,39 @@ def _attn_bwd_dkdv_body(
         m_full_hi = rows_total
         m_hi = rows_total
     n_chunks = n_rep // heads_per_prog
+    # Fused: the rows of key block pid_n - 1 (the wait's predecessor, see _fused_dq_add) and the
+    # number of row tiles, which numbers this program's locks.
+    prev_lo = 0
+    prev_hi = 0
+    n_rt = tl.cdiv(rows_total, BLOCK_M)
+    k_dq = k
+    if FUSED:
+        k_dq = _finite_or_zero(k)
+        if pid_n > 0:
+            if BAND:
+                prev_lo, _f0, _f1, prev_hi = _band_row_range(n0 - BLOCK_N, lk_b, Lq, rows_total, heads_per_prog,
+                                                             win_l, win_r, TOP_LEFT, BLOCK_M, BLOCK_N)
+            else:
+                # Row ranges [m_lo, rows_total) only shrink from the front with the key block.
+                prev_hi = rows_total
     for c in range(0, n_chunks):
         head0 = kvh * n_rep + c * heads_per_prog
+        sem_base = 2 + (b * (H // heads_per_prog) + head0 // heads_per_prog) * n_rt
         dk, dv = _dkdv_rows(
             dk, dv, k, v, Q, DO, LSE, DELTA, b * stride_qb, b * stride_db, head0, rows_total,
             stride_qh, stride_qm, stride_dh, stride_dm, offs_n, lk_b, H, Lq, b, sm_scale, m_lo, m_full,
             MASK, stride_mb, stride_mh, stride_mm, stride_mn, win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale,
             D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL, PREC, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT,
+            k_dq, DQACC, SEM, DMASK, Lk, sem_base, pid_n, prev_lo, prev_hi, FUSED, DETERMINISTIC, SEQUENTIAL,
+            MASK_GRAD,
         )
         dk, dv = _dkdv_rows(
             dk, dv, k, v, Q, DO, LSE, DELTA, b * stride_qb, b * stride_db, head0, rows_total,
             stride_qh, stride_qm, stride_dh, stride_dm, offs_n, lk_b, H, Lq, b, sm_scale, m_full, m_full_hi,
             MASK, stride_mb, stride_mh, stride_mm, stride_mn, win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale,
             D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, CAUSAL, PREC, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT,
+            k_dq, DQACC, SEM, DMASK, Lk, sem_base, pid_n, prev_lo, prev_hi, FUSED, DETERMINISTIC, SEQUENTIAL,
+            MASK_GRAD,
         )
         if BAND:
             dk, dv = _dkdv_rows(
@@ -256,6 +340,8 @@ def _attn_bwd_dkdv_body(
                 MASK, stride_mb, stride_mh, stride_mm, stride_mn, win_l, win_r, seed_lo, seed_hi, drop_thr,
                 drop_scale,
                 D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL, PREC, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT,
+                k_dq, DQACC, SEM, DMASK, Lk, sem_base, pid_n, prev_lo, prev_hi, FUSED, DETERMINISTIC, SEQUENTIAL,
+                MASK_GRAD,
             )
     dk = dk * sm_scale
     if DROPOUT:
@@ -309,6 +395,52 @@ def _attn_bwd_dkdv_modes_kernel(
 
 
 @triton.jit
+def _attn_bwd_fused_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV_, KL, DQACC, SEM, stride_qb, stride_qh, stride_qm, stride_kb,
+    stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm,
+    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, H, Lq, Lk, n_rep,
+    heads_per_prog, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr, DETERMINISTIC: tl.constexpr = True,
+    SEQUENTIAL: tl.constexpr = False,
+):
+    """dK, dV and dQ's fp32 shares in one pass (5 products per tile), no optional modes."""
+    _attn_bwd_dkdv_body(
+        Q, K, V, DO, LSE, DELTA, DK, DV_, KL, LSE, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+        stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dkb, stride_dkh,
+        stride_dkn, stride_dvb, stride_dvh, stride_dvn, 0, 0, 0, 0, H, Lq, Lk, n_rep, heads_per_prog,
+        sm_scale, 0, 0, 0, 0, 0, 1.0, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, HAS_KL, PREC,
+        IDX64, BAND=False, TOP_LEFT=False, MASK_KIND=0, DROPOUT=False, DQACC=DQACC, SEM=SEM, DMASK=LSE,
+        FUSED=True, DETERMINISTIC=DETERMINISTIC, SEQUENTIAL=SEQUENTIAL, MASK_GRAD=False,
+    )
+
+
+@triton.jit(do_not_specialize=["win_l", "win_r", "seed_lo", "seed_hi", "drop_thr"])
+def _attn_bwd_fused_modes_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV_, KL, MASK, DQACC, SEM, DMASK, stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm,
+    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_mb, stride_mh,
+    stride_mm, stride_mn, H, Lq, Lk, n_rep, heads_per_prog, sm_scale, win_l, win_r, seed_lo,
+    seed_hi, drop_thr, drop_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr, BAND: tl.constexpr = False,
+    TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
+    MASK_GRAD: tl.constexpr = False, DETERMINISTIC: tl.constexpr = True, SEQUENTIAL: tl.constexpr = False,
+):
+    """The fused backward with optional modes (and the float mask's gradient into DMASK)."""
+    _attn_bwd_dkdv_body(
+        Q, K, V, DO, LSE, DELTA, DK, DV_, KL, MASK, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+        stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dkb, stride_dkh,
+        stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_mb, stride_mh, stride_mm, stride_mn, H, Lq,
+        Lk, n_rep, heads_per_prog, sm_scale, win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale, D, DV,
+        BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, HAS_KL, PREC, IDX64, BAND=BAND, TOP_LEFT=TOP_LEFT,
+        MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, DQACC=DQACC, SEM=SEM, DMASK=DMASK, FUSED=True,
+        DETERMINISTIC=DETERMINISTIC, SEQUENTIAL=SEQUENTIAL, MASK_GRAD=MASK_GRAD,
+    )
+
+
+
+@triton.jit
 def _dq_inner(
     dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start, stop, kmax, lk_b, sm_scale,
     kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr, drop_scale, dm_row,
@@ -339,16 +471,10 @@ def _dq_inner(
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         if DROPOUT:
             dp = tl.where(_keep(r_drop[:, None], offs_n[None, :], drop_thr), dp * drop_scale, 0.0)
-        ds = p * (dp - delta[:, None])
-        if MASKED:
-            # As in dK/dV: a NaN or inf in a key or value hidden from a row must not reach its dq
-            # through 0 * NaN; rows that see it get NaN through their lse and ds.
-            ds = tl.where(vis, ds, 0.0)
-            k = _finite_or_zero(k)
-        if MASK_KIND != 0:
-            ds = tl.where(mvis, ds, 0.0)
-            if not MASKED:
-                k = _finite_or_zero(k)
+        # As in dK/dV: pairs with a -inf score give exactly 0, even against a NaN or inf in a
+        # value the row does not see; k's non-finite entries are zeroed as q's are there.
+        ds = tl.where(s != float("-inf"), p * (dp - delta[:, None]), 0.0)
+        k = _finite_or_zero(k)
         if MASK_GRAD:
             # dL/d(bias) = dS (the bias is added after the scale); offs_n < Lk keeps the tail
             # block of the row inside the buffer.
@@ -459,8 +585,8 @@ def _attn_bwd_dq_modes_kernel(
 
 def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal: bool, key_lengths=None, *,
                        attn_mask=None, dropout_p: float = 0.0, seed: int = 0, top_left: bool = False,
-                       window_left: int = -1, window_right: int = -1, dmask=None):
-    """Launch delta, dK/dV and dQ kernels into the caller's buffers; returns ``(dq, dk, dv)``.
+                       window_left: int = -1, window_right: int = -1, dmask=None, bwd_mode=None):
+    """Launch the backward into the caller's buffers; returns ``(dq, dk, dv)``.
 
     Shapes as the forward's (out and lse are its outputs, dout like out); dq (B, H, Lq, D),
     dk (B, Hkv, Lk, D), dv (B, Hkv, Lk, Dv) in q's dtype with any strides of unit last stride.
@@ -468,6 +594,8 @@ def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal
     forward's, with the same values (the keep mask is regenerated from ``seed``). ``dmask``:
     None, or a zeroed contiguous float32 (B, H, Lq, Lk) buffer that receives dL/d(score), the
     gradient of a float ``attn_mask`` before its reduction to the mask's shape.
+    ``bwd_mode``: "deterministic", "atomic" or "split" (heuristics.BWD_MODES); None takes
+    heuristics.bwd_kernel's choice for the call (MHAKERN_TRITON_BWD, default deterministic).
     """
     B, H, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -478,6 +606,7 @@ def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal
     if dmask is not None:
         check_buffer("dmask", dmask, (B, H, Lq, Lk), torch.float32, q, contiguous=True)
     modes = ModeArgs(Lq, Lk, causal, attn_mask, dropout_p, seed, top_left, window_left, window_right)
+    kernel = bwd_kernel(D, Dv, q.dtype, bwd_mode)
     n_rep = H // Hkv
     bd, bdv = head_block(D), head_block(Dv)
     prec = precision(q.dtype)
@@ -494,10 +623,7 @@ def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal
         )
         kl = key_lengths if has_kl else delta  # unused pointer when HAS_KL is False
         mask = modes.mask if modes.mask is not None else delta  # unused pointer when MASK_KIND is 0
-
-        cfg = dkdv_config(D, Dv, q.dtype, arch, **tile_modes(modes))
-        hpp = packed_rows(Lq, n_rep, cfg.block_m)
-        args = (
+        kv_args = (
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -505,16 +631,23 @@ def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal
             dk.stride(0), dk.stride(1), dk.stride(2),
             dv.stride(0), dv.stride(1), dv.stride(2),
         )
+        if kernel != "split":
+            _fused_backward(q, k, v, dout, lse, delta, dq, dk, dv, kl, mask, dmask, kv_args, modes, scale,
+                            causal, has_kl, prec, idx64, arch, deterministic=kernel == "deterministic")
+            return dq, dk, dv
+
+        cfg = dkdv_config(D, Dv, q.dtype, arch, **tile_modes(modes))
+        hpp = packed_rows(Lq, n_rep, cfg.block_m)
         common = dict(D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       CAUSAL=causal, HAS_KL=has_kl, PREC=prec, IDX64=idx64,
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         grid = (triton.cdiv(Lk, cfg.block_n) * Hkv * B,)
         if not modes.any():
-            _attn_bwd_dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, kl, *args, H, Lq, Lk, n_rep, hpp, scale,
-                                        **common)
+            _attn_bwd_dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, kl, *kv_args, H, Lq, Lk, n_rep, hpp,
+                                        scale, **common)
         else:
             _attn_bwd_dkdv_modes_kernel[grid](
-                q, k, v, dout, lse, delta, dk, dv, kl, mask, *args, *modes.mask_strides,
+                q, k, v, dout, lse, delta, dk, dv, kl, mask, *kv_args, *modes.mask_strides,
                 H, Lq, Lk, n_rep, hpp, scale, *modes.runtime(), **modes.constexprs(), **common,
             )
 
@@ -539,3 +672,48 @@ def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal
                 MASK_GRAD=dmask is not None, **common,
             )
     return dq, dk, dv
+
+
+def _fused_backward(q, k, v, dout, lse, delta, dq, dk, dv, kl, mask, dmask, kv_args, modes, scale, causal, has_kl,
+                    prec, idx64, arch, deterministic: bool):
+    """The fused kernel (one program per key block, KV head and batch element: dK, dV and dQ's
+    fp32 shares), then dQ converted into the caller's buffer: dq = scale * the fp32 sums.
+
+    Deterministic: a zeroed int32 buffer holds the ticket counter (slot 0), the interpreter's
+    order-error flag (slot 1) and one lock per row tile of dQ (see _fused_dq_add); the adds of
+    each row tile follow the key-block order."""
+    from . import INTERPRET
+
+    B, H, Lq, D = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    n_rep = H // Hkv
+    cfg = fused_config(D, Dv, q.dtype, arch, **tile_modes(modes))
+    hpp = packed_rows(Lq, n_rep, cfg.block_m)
+    dq_acc = torch.zeros((B, H, Lq, D), dtype=torch.float32, device=q.device)
+    n_locks = 2 + B * (H // hpp) * triton.cdiv(hpp * Lq, cfg.block_m) if deterministic else 1
+    sem = _lock_buffer(n_locks, q.device)
+    sequential = deterministic and INTERPRET
+    common = dict(D=D, DV=Dv, BLOCK_D=head_block(D), BLOCK_DV=head_block(Dv), BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n, CAUSAL=causal, HAS_KL=has_kl, PREC=prec, IDX64=idx64,
+                  DETERMINISTIC=deterministic, SEQUENTIAL=sequential,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (triton.cdiv(Lk, cfg.block_n) * Hkv * B,)
+    if not modes.any() and dmask is None:
+        _attn_bwd_fused_kernel[grid](q, k, v, dout, lse, delta, dk, dv, kl, dq_acc, sem, *kv_args,
+                                     H, Lq, Lk, n_rep, hpp, scale, **common)
+    else:
+        _attn_bwd_fused_modes_kernel[grid](
+            q, k, v, dout, lse, delta, dk, dv, kl, mask, dq_acc, sem, dmask if dmask is not None else delta,
+            *kv_args, *modes.mask_strides, H, Lq, Lk, n_rep, hpp, scale, *modes.runtime(),
+            **modes.constexprs(), MASK_GRAD=dmask is not None, **common,
+        )
+    if sequential and int(sem[1]) != 0:
+        raise RuntimeError("fused backward: a dQ add out of key-block order (a key block came before its "
+                           "predecessor had added)")
+    dq.copy_(dq_acc.mul_(scale))
+
+
+def _lock_buffer(n: int, device) -> torch.Tensor:
+    """The fused kernel's zeroed int32 ticket counter (slot 0) and locks (a function of its own
+    so that a test can hand the kernel a schedule that breaks the order)."""
+    return torch.zeros((n,), dtype=torch.int32, device=device)

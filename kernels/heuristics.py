@@ -117,6 +117,21 @@ TILES: Dict[Tuple[str, int, str, int], TileConfig] = {
     ("dkdv", 80, "32", 64): _T(16, 32, 8, 1),
     ("dkdv", 80, "32", 128): _T(16, 32, 8, 1),
     ("dkdv", 80, "32", 256): _T(16, 16, 8, 1),
+    # fused backward (dK, dV and dQ's shares in one program; "dkdv" semantics of block_m/block_n:
+    # block_n keys resident, block_m rows a step). Registers, triton 3.9: sm_90 d64 207, d128 252
+    # (8/1: 254), d256 167 (mma.sync, as dK/dV's); sm_80 d128 219, d256 233.
+    ("fused", 90, "16", 64): _T(32, 128, 8, 2),
+    ("fused", 90, "16", 128): _T(16, 64, 8, 2),
+    ("fused", 90, "16", 256): _T(16, 32, 8, 1),
+    ("fused", 80, "16", 64): _T(32, 64, 8, 1),  # dK/dV's 32x128: 255 registers, no margin for 3.6; 187 here
+    ("fused", 80, "16", 128): _T(32, 64, 8, 2),
+    ("fused", 80, "16", 256): _T(16, 32, 8, 1),
+    ("fused", 90, "32", 64): _T(16, 32, 8, 1),
+    ("fused", 90, "32", 128): _T(16, 32, 8, 1),
+    ("fused", 90, "32", 256): _T(16, 16, 8, 1),
+    ("fused", 80, "32", 64): _T(16, 32, 8, 1),
+    ("fused", 80, "32", 128): _T(16, 32, 8, 1),
+    ("fused", 80, "32", 256): _T(16, 16, 8, 1),
     # forward through tensor descriptors (sm_90 only; see desc_eligible)
     ("fwd_desc", 90, "16", 64): _T(128, 64, 4, 3),
     ("fwd_desc", 90, "16", 128): _T(128, 64, 8, 2),
@@ -133,10 +148,13 @@ TILES: Dict[Tuple[str, int, str, int], TileConfig] = {
 UNALIGNED_TILES: Dict[Tuple[str, int, str, int], TileConfig] = {
     ("fwd", 90, "16", 64): _T(128, 64, 8, 3),  # 4 warps: 496 B of stack
     ("dq", 90, "16", 64): _T(64, 64, 8, 2),  # 4 warps: 24 B
+    ("dq", 80, "16", 64): _T(32, 64, 8, 2),  # 64x64: 160 B, 3 LDL/STL in the loop (k's non-finite entries zeroed there)
     ("dq", 90, "16", 128): _T(64, 32, 8, 2),  # 64x64: 176 B
     ("dkdv", 90, "16", 128): _T(16, 32, 8, 2),  # mma.sync; every wgmma tile tried spills in the loop
     ("fwd", 90, "16", 256): _T(64, 16, 8, 2),  # 64x32: 1 LDL in the loop with triton 3.6
     ("dq", 90, "16", 256): _T(16, 16, 8, 1),  # mma.sync (32x16: 254 registers); 64x16 wgmma: 27 LDL/STL in the loop
+    # The fused backward takes dK/dV's rows (see _AS_DKDV) except here:
+    ("fused", 80, "16", 256): _T(16, 16, 8, 1),  # dK/dV's 16x32: 216 B, 10 LDL/STL in the loop (16x32 4 warps: 240)
 }
 
 
@@ -159,9 +177,16 @@ MMA_SYNC_ON_SM90 = frozenset({
 })
 
 
+# The fused backward is the dK/dV kernel plus dQ's share (a (BLOCK_M x D) fp32 tile more per
+# step): it takes dK/dV's rows in UNALIGNED_TILES, MODE_CAPS and the mma.sync exceptions, for
+# the same reasons (its own TILES rows say where its plain tile differs).
+_AS_DKDV = {"fused": "dkdv"}
+
+
 def allows_mma_sync(kernel: str, width: str, bucket: int, aligned: bool, modes: str = "") -> bool:
     """Whether a variant may multiply with mma.sync on sm_90 (the AOT check's exception):
     MMA_SYNC_ON_SM90 for its tile row, or MMA_SYNC_MODES_ON_SM90 for its ``modes`` (mode_class)."""
+    kernel = _AS_DKDV.get(kernel, kernel)
     return ((kernel, width, bucket, aligned) in MMA_SYNC_ON_SM90
             or (kernel, width, bucket, modes) in MMA_SYNC_MODES_ON_SM90)
 
@@ -174,15 +199,16 @@ def strides_aligned(d: int, dv: int) -> bool:
 
 def tile_config(kernel: str, d: int, dv: int, dtype: torch.dtype, arch: int = 80, *, band: bool = False,
                 mask_kind: int = 0, dropout: bool = False) -> TileConfig:
-    """Tiles of ``kernel`` ("fwd", "dq", "dkdv" or "fwd_desc") for head dims (d, dv), dtype and
+    """Tiles of ``kernel`` ("fwd", "dq", "dkdv", "fused" or "fwd_desc") for head dims (d, dv), dtype and
     arch family; with modes (``band``: a window or top-left alignment, ``mask_kind`` 0 none /
     1 bool / 2 float, ``dropout``), the mode variant's tile (``mode_tiles``)."""
     width = "32" if dtype == torch.float32 else "16"
     family = 90 if arch >= 90 else 80
     key = (kernel, family, width, head_bucket(d, dv))
     cfg = TILES[key]
-    if not strides_aligned(d, dv) and key in UNALIGNED_TILES:
-        cfg = UNALIGNED_TILES[key]
+    alias = (_AS_DKDV.get(kernel, kernel),) + key[1:]
+    if not strides_aligned(d, dv):
+        cfg = UNALIGNED_TILES.get(key) or UNALIGNED_TILES.get(alias) or cfg
     if kernel == "fwd_desc":
         return cfg
     return mode_tiles(kernel, cfg, arch=family, width=width, bucket=key[3], band=band, mask_kind=mask_kind,
@@ -279,12 +305,12 @@ def mode_tiles(kernel: str, cfg: TileConfig, *, arch: int = 80, width: str = "16
         while bm * bn > budget * 32 * cfg.num_warps and bn > 32:
             bn //= 2
         cfg = TileConfig(bm, bn, cfg.num_warps, min(cfg.num_stages, 2) if mask_kind else cfg.num_stages)
-    elif mask_kind and kernel == "dkdv":
+    elif mask_kind and kernel in ("dkdv", "fused"):
         cfg = TileConfig(min(cfg.block_m, 16), min(cfg.block_n, 64), cfg.num_warps, cfg.num_stages)
     elif mask_kind:
         cfg = TileConfig(cfg.block_m, min(cfg.block_n, 32), cfg.num_warps, cfg.num_stages)
     cls = mode_class(band, mask_kind, dropout)
-    key = (kernel, 90 if arch >= 90 else 80, width, bucket)
+    key = (_AS_DKDV.get(kernel, kernel), 90 if arch >= 90 else 80, width, bucket)
     cap = MODE_CAPS.get(key + (cls,)) or (MODE_CAPS.get(key + ("mask",)) if cls == "mask+" else None)
     if cap is not None:
         cfg = TileConfig(min(cfg.block_m, cap.block_m), min(cfg.block_n, cap.block_n), cap.num_warps,
@@ -308,6 +334,37 @@ def dq_config(d: int, dv: int, dtype: torch.dtype, arch: int = 80, **modes) -> T
 
 def dkdv_config(d: int, dv: int, dtype: torch.dtype, arch: int = 80, **modes) -> TileConfig:
     return tile_config("dkdv", d, dv, dtype, arch, **modes)
+
+
+def fused_config(d: int, dv: int, dtype: torch.dtype, arch: int = 80, **modes) -> TileConfig:
+    return tile_config("fused", d, dv, dtype, arch, **modes)
+
+
+# --- Which backward kernel (kernels/attention_bwd.py) -------------------------------------------
+# "deterministic": the fused kernel (5 products per tile; dQ's fp32 shares added in a fixed
+# key-block order per row tile, so two runs give the same bits); "atomic": the same kernel with
+# dQ added by atomics in arrival order (no waits; the bits depend on the schedule); "split": the
+# dK/dV and dQ kernels (7 products; deterministic without atomics). Read once at import from
+# MHAKERN_TRITON_BWD (default "deterministic"); tests set the attribute; attention_backward's
+# ``bwd_mode`` overrides it per call.
+BWD_MODES = ("deterministic", "atomic", "split")
+BWD_MODE = os.environ.get("MHAKERN_TRITON_BWD", "deterministic")
+
+# (dtype width, head-dim bucket) the fused kernel does not serve: the split kernels do, in every
+# mode (see each entry's reason).
+SPLIT_ONLY_BWD: frozenset = frozenset()
+
+
+def bwd_kernel(d: int, dv: int, dtype: torch.dtype, mode=None) -> str:
+    """The backward a call takes: ``mode`` (None: BWD_MODE), or "split" where SPLIT_ONLY_BWD
+    says the fused kernel does not serve the head dims."""
+    mode = BWD_MODE if mode is None else mode
+    if mode not in BWD_MODES:
+        raise ValueError(f"MHAKERN_TRITON_BWD / bwd_mode: expected one of {BWD_MODES}, got {mode!r}")
+    width = "32" if dtype == torch.float32 else "16"
+    if mode != "split" and (width, head_bucket(d, dv)) in SPLIT_ONLY_BWD:
+        return "split"
+    return mode
 
 
 def packed_rows(lq: int, n_rep: int, block_m: int) -> int:

@@ -250,9 +250,11 @@ def attention_forward(
     for r0 in range(0, Lq, step):
         rows = min(step, Lq - r0)
         s, vis = _scores(q, kk, scale, r0, rows, Lq, Lk, causal, key_lengths, modes, wdt)
+        # A +inf among the visible scores leaves the softmax undefined (inf / inf): its row's
+        # lse is NaN, as a NaN score's is (docs/contract.md, "NaN and inf").
         lse = torch.logsumexp(s, dim=-1)
+        lse = lse.masked_fill(lse == math.inf, math.nan)
         # Rows that see no key (lse = -inf) give exactly 0: subtract 0 there instead of -inf.
-        # lse = +inf (a +inf score) is kept, so that inf - inf makes the row NaN as in SDPA.
         safe = lse.masked_fill(torch.isneginf(lse), 0.0)
         p = torch.exp(s - safe.unsqueeze(-1))
         if modes.dropout_p > 0.0:
@@ -314,6 +316,11 @@ def attention_backward_modes(
     vv = _expand_kv(v, n_rep).to(wdt)
     delta = (dow * out.to(wdt)).sum(-1, keepdim=True)
     s, vis = _scores(q, kk, scale, 0, Lq, Lq, Lk, causal, key_lengths, modes, wdt)
+    # In the backward a pair whose score is -inf is hidden, whatever made it -inf (a mask, or an
+    # infinite entry of q or k): no 0 * inf from it, and 0 in P even on a NaN row
+    # (docs/contract.md, "NaN and inf"). Hidden pairs already hold -inf.
+    vis = s != -math.inf
+    vis = None if bool(vis.all()) else vis
     lse_w = lse.to(wdt).unsqueeze(-1)
     dead = torch.isneginf(lse_w)
     p = torch.exp(s - lse_w.masked_fill(dead, 0.0)).masked_fill(dead, 0.0)

@@ -146,7 +146,7 @@ def test_batches_beyond_cuda_grid_axis_limits_launch_within_them(monkeypatch):
 
     grids = []
     for mod, name in [(attention_fwd, "_attn_fwd_kernel"), (attention_bwd, "_bwd_delta_kernel"),
-                      (attention_bwd, "_attn_bwd_dkdv_kernel"), (attention_bwd, "_attn_bwd_dq_kernel")]:
+                      (attention_bwd, "_attn_bwd_fused_kernel")]:
         monkeypatch.setattr(mod, name, _GridRecorder(grids, name))
     B, H, Hkv, Lq, Lk, D = 70000, 4, 2, 3, 5, 16
     q = torch.zeros(B, H, Lq, D)
@@ -157,14 +157,14 @@ def test_batches_beyond_cuda_grid_axis_limits_launch_within_them(monkeypatch):
     be = triton_backend.TritonBackend()
     out, lse = be.forward(q, k, k, 0.25, True, None)
     assert be.backward(out, q, k, k, out, lse, 0.25, True, None)[3] is None
-    assert [n for n, _ in grids] == ["_attn_fwd_kernel", "_bwd_delta_kernel", "_attn_bwd_dkdv_kernel",
-                                     "_attn_bwd_dq_kernel"]
+    assert [n for n, _ in grids] == ["_attn_fwd_kernel", "_bwd_delta_kernel", "_attn_bwd_fused_kernel"]
     for name, grid in grids:
         assert len(grid) == 1 and B <= grid[0] <= 2**31 - 1, (name, grid)
-    # forward and dQ: one program per (row tile, head group, batch element); here decode packing
-    # puts the 2 query heads of a KV head in one 16-row tile; dK/dV: one per (key block, KV head, b)
+    # forward: one program per (row tile, head group, batch element); here decode packing puts
+    # the 2 query heads of a KV head in one 16-row tile; the fused backward: one per (key block,
+    # KV head, b). (The split kernels' grids are the same functions': launch_geometry.)
     assert dict(grids)["_attn_fwd_kernel"] == (B * Hkv,)
-    assert dict(grids)["_attn_bwd_dkdv_kernel"] == (B * Hkv,)
+    assert dict(grids)["_attn_bwd_fused_kernel"] == (B * Hkv,)
 
 
 def test_grid_folding_covers_every_batch_element_and_head():
@@ -289,13 +289,13 @@ def test_modes_combined(combo):
     check_against_reference(triton_attention, q, k, v, causal, kl, **build())
 
 
-def test_window_skips_key_tiles_no_row_of_a_tile_sees():
-    # dQ writes dL/dscore of every (row, key) pair it visits (0 where hidden): a sentinel left
-    # in the buffer marks the tiles it skipped. Window (2, 2) on 130 x 130: the first row tile
-    # (rows 0..BLOCK_M-1) sees keys up to BLOCK_M + 1 only, so the last key block is never read.
+@pytest.mark.parametrize("bwd", ["deterministic", "split"])
+def test_window_skips_key_tiles_no_row_of_a_tile_sees(bwd):
+    # The backward writes dL/dscore of every (row, key) pair it visits (0 where hidden): a
+    # sentinel left in the buffer marks the tiles it skipped. Window (2, 2) on 130 x 130: the
+    # tiles holding (row 0, key 129) and (row 129, key 0) lie outside every band, in the fused
+    # kernel's tiling (key blocks x row steps) and in the split dQ kernel's (row tiles x keys).
     from mhakern.kernels import attention_backward, attention_forward
-    from mhakern.kernels.attention_fwd import arch_of
-    from mhakern.kernels.heuristics import dq_config
 
     B, H, L, D = 1, 1, 130, 16
     q, k, v = make_inputs(B, H, H, L, L, D, device=DEVICE, requires_grad=False)
@@ -305,15 +305,10 @@ def test_window_skips_key_tiles_no_row_of_a_tile_sees():
     attention_forward(q, k, v, out, lse, 0.25, False, None, **modes)
     dmask = torch.full((B, H, L, L), 7.0, device=DEVICE)
     grads = [torch.empty_like(x) for x in (q, k, v)]
-    attention_backward(torch.randn_like(out), q, k, v, out, lse, *grads, 0.25, False, None, dmask=dmask, **modes)
-    cfg = dq_config(D, D, q.dtype, arch_of(q))
-    bm, bn = cfg.block_m, cfg.block_n
-    assert bm + 2 < (L // bn) * bn, "the shape no longer leaves a hidden block in the first row tile"
-    last = ((L - 1) // bn) * bn
-    assert torch.all(dmask[0, 0, :bm, last:] == 7.0), "a key tile past every row's band was visited"
-    first_row_of_last_tile = ((L - 1) // bm) * bm
-    assert first_row_of_last_tile - 2 >= bn, "the shape no longer leaves a hidden block before the last row tile"
-    assert torch.all(dmask[0, 0, first_row_of_last_tile:, :bn] == 7.0), "a key tile before every row's band was visited"
+    attention_backward(torch.randn_like(out), q, k, v, out, lse, *grads, 0.25, False, None, dmask=dmask,
+                       bwd_mode=bwd, **modes)
+    assert dmask[0, 0, 0, L - 1] == 7.0, "a key tile past every row's band was visited"
+    assert dmask[0, 0, L - 1, 0] == 7.0, "a key tile before every row's band was visited"
     i = torch.arange(L).view(L, 1)
     j = torch.arange(L).view(1, L)
     band = (j >= i - 2) & (j <= i + 2)
@@ -480,3 +475,97 @@ def test_split_forward_is_refused_a_bad_forced_count():
         attention_fwd.force_splits(-1)
     with pytest.raises(ValueError, match="force_splits"):
         attention_fwd.force_splits(2.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused backward (kernels/attention_bwd.py: one program per key block computes dK, dV and
+# dQ's fp32 shares). The conformance suite runs it (the default, deterministic) on every hard
+# case and mode; here the other two kernels on hard combinations, and the order of dQ's adds.
+
+
+@pytest.mark.parametrize("bwd", ["atomic", "split"])
+@pytest.mark.parametrize("combo", ["topleft-causal-floatgrad-11qk-dropout", "decode-packed-window-causal-floatgrad"])
+def test_other_backward_kernels_on_mode_combinations(bwd, combo, monkeypatch):
+    from mhakern.kernels import heuristics
+
+    monkeypatch.setattr(heuristics, "BWD_MODE", bwd)
+    dtype, (B, H, Hkv, Lq, Lk, D, Dv), causal, kl, build = MODE_COMBOS[combo]
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype=dtype, device=DEVICE)
+    kl = None if kl is None else torch.tensor(kl, device=DEVICE)
+    check_against_reference(triton_attention, q, k, v, causal, kl, **build())
+
+
+def test_backward_kernel_choice_is_refused_an_unknown_mode():
+    from mhakern.kernels import heuristics
+
+    with pytest.raises(ValueError, match="MHAKERN_TRITON_BWD / bwd_mode: expected one of"):
+        heuristics.bwd_kernel(64, 64, torch.float16, "fast")
+    assert heuristics.bwd_kernel(64, 64, torch.float16, None) == heuristics.BWD_MODE
+
+
+@pytest.fixture
+def reversed_program_order(monkeypatch):
+    """Make the interpreter run a launch's programs last to first (it runs them one at a time,
+    in grid order): a schedule a GPU may produce, and the worst for an ordered add."""
+    if DEVICE != "cpu":
+        pytest.skip("interpreter-only check")
+    from triton.runtime import interpreter
+
+    cls = type(interpreter.interpreter_builder)
+    real = cls.set_grid_idx
+
+    def set_grid_idx(self, x, y, z):
+        real(self, self.grid_dim[0] - 1 - x, y, z)
+
+    monkeypatch.setattr(cls, "set_grid_idx", set_grid_idx)
+
+
+def _fused_grads(bwd, q, k, v, causal=False):
+    from mhakern.kernels import attention_backward, attention_forward
+
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:3])
+    attention_forward(q, k, v, out, lse, 0.25, causal)
+    g = torch.Generator().manual_seed(5)
+    dout = torch.randn(out.shape, generator=g)
+    grads = [torch.empty_like(x) for x in (q, k, v)]
+    attention_backward(dout, q, k, v, out, lse, *grads, 0.25, causal, bwd_mode=bwd)
+    return grads
+
+
+# 4 key blocks of 32 (the interpreter's fp32 tile) reach every row tile: dQ sums 4 shares.
+_ORDER_SHAPE = (1, 2, 1, 24, 128, 16)
+
+
+def test_deterministic_dq_is_bitwise_independent_of_the_program_order(request):
+    q, k, v = make_inputs(*_ORDER_SHAPE[:5], _ORDER_SHAPE[5], device=DEVICE, requires_grad=False)
+    first = _fused_grads("deterministic", q, k, v)
+    again = _fused_grads("deterministic", q, k, v)
+    request.getfixturevalue("reversed_program_order")
+    reversed_ = _fused_grads("deterministic", q, k, v)
+    for a, b, c in zip(first, again, reversed_):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    # The atomic kernel's dQ follows the schedule: the same reversed order changes its bits
+    # (so the equality above can fail), though both are right to rounding.
+    atomic = _fused_grads("atomic", q, k, v)
+    assert not torch.equal(atomic[0], first[0]), "reversing 4 fp32 shares changed no bit: the check is blind"
+    torch.testing.assert_close(atomic[0], first[0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(atomic[1], first[1]) and torch.equal(atomic[2], first[2])  # dK, dV: no atomics
+
+
+def test_a_dq_add_out_of_key_block_order_is_caught(monkeypatch):
+    # A deliberate ordering bug: the ticket counter starts at 1, so key block 1 runs before key
+    # block 0 and comes to add its dQ share first. Under the interpreter the wait is a check
+    # (programs run one at a time: the turn must have come), which the launcher reports.
+    if DEVICE != "cpu":
+        pytest.skip("interpreter-only check")
+    from mhakern.kernels import attention_bwd
+
+    def skewed(n, device):
+        locks = torch.zeros((n,), dtype=torch.int32, device=device)
+        locks[0] = 1
+        return locks
+
+    monkeypatch.setattr(attention_bwd, "_lock_buffer", skewed)
+    q, k, v = make_inputs(*_ORDER_SHAPE[:5], _ORDER_SHAPE[5], device=DEVICE, requires_grad=False)
+    with pytest.raises(RuntimeError, match="dQ add out of key-block order"):
+        _fused_grads("deterministic", q, k, v)

@@ -51,8 +51,10 @@ def _aot(*args, arches=("80", "90"), per_arch=None):
 
 def test_kernels_compile_for_sm80_and_sm90_without_spills_within_shared_memory():
     report = _aot("--dtypes", "fp16", "--dims", "64", "128", "256")
-    # fwd, split fwd, delta, dK/dV, dQ per dim and arch, and the descriptor forward on sm_90
-    assert report.count(" ok (") == 2 * 3 * 5 + 3, report
+    # fwd, split fwd, delta, dK/dV, dQ, fused backward per dim and arch, and the descriptor
+    # forward on sm_90
+    assert report.count(" ok (") == 2 * 3 * 6 + 3, report
+    assert report.count("fused/fp16/") == 2 * 3, report
     assert report.count("fwdsplit/fp16/") == 2 * 3, report
     assert report.count("desc/fp16/") == 3, report
 
@@ -63,8 +65,8 @@ def test_head_dims_not_multiple_of_16_keep_local_memory_out_of_their_loops():
     # heuristics.UNALIGNED_TILES; a prologue may spill, never a loop, and sm_90 keeps HGMMA
     # except where heuristics.MMA_SYNC_ON_SM90 says why not. D = 40 (80-byte rows) also takes
     # the descriptor forward on sm_90; 200 (400-byte rows) too.
-    report = _aot("--dtypes", "fp16", "--dims", "40", "200", "--only", "fwd", "desc", "dq", "dkdv")
-    assert report.count(" ok (") == 2 * 2 * 3 + 2, report
+    report = _aot("--dtypes", "fp16", "--dims", "40", "200", "--only", "fwd", "desc", "dq", "dkdv", "fused")
+    assert report.count(" ok (") == 2 * 2 * 4 + 2, report
 
 
 def test_mode_variants_with_all_modes_on_compile_without_spills():
@@ -75,16 +77,18 @@ def test_mode_variants_with_all_modes_on_compile_without_spills():
     # set at both head dims, dtypes and arches takes ~30 min here: ``--modes`` alone, by hand.
     report = _aot("--modes", "all", "--no-plain", per_arch={"80": ["--dtypes", "fp16", "--dims", "64"],
                                                               "90": ["--dtypes", "bf16", "--dims", "128"]})
-    assert report.count("+all ") == 2 * 3, report
-    assert report.count(" ok (") == 2 * 3, report
+    assert report.count("+all ") == 2 * 4, report
+    assert report.count(" ok (") == 2 * 4, report
     assert re.search(r"dkdv/bf16/d128\+all\s+90\s+16x32 ", report), report
+    assert re.search(r"fused/bf16/d128\+all\s+90\s+16x32 ", report), report
 
 
 def test_mode_variants_take_the_tables_tiles_and_leave_mask_strides_unmarked():
     from mhakern.kernels import aot, heuristics
 
     built = {v.name: v for v in aot.variants(90, ("fp16",), (128,), modes=list(aot.MODE_SETS), plain=False)}
-    want = {f"{k}/fp16/d128+{m}" for k in ("fwd", "dkdv", "dq") for m in aot.MODE_SETS if k == "dq" or m != "mask2grad"}
+    want = {f"{k}/fp16/d128+{m}" for k in ("fwd", "dkdv", "dq", "fused") for m in aot.MODE_SETS
+            if k in ("dq", "fused") or m != "mask2grad"}
     assert set(built) == want
     for name, v in built.items():
         kernel, mode = name.split("/")[0], name.split("+")[1]
@@ -97,6 +101,7 @@ def test_mode_variants_take_the_tables_tiles_and_leave_mask_strides_unmarked():
         marked = aot.divisible_args(v.signature)
         assert "stride_qm" in marked and not any(n.startswith("stride_m") for n in marked), name
     assert built["dq/fp16/d128+all"].constexprs["MASK_GRAD"] and "MASK_GRAD" not in built["fwd/fp16/d128+all"].constexprs
+    assert built["fused/fp16/d128+all"].constexprs["MASK_GRAD"]
     # sm_90 dK/dV d128 with a mask: mma.sync over 32 keys at one stage (MODE_CAPS), allowed by the check
     assert all(built[f"dkdv/fp16/d128+{m}"].constexprs["BLOCK_N"] == 32 for m in ("mask1", "mask2", "all"))
     assert built["dkdv/fp16/d128+band"].constexprs["BLOCK_N"] == 64
@@ -124,12 +129,19 @@ def test_launchers_choose_tiles_from_the_table_with_the_calls_modes(monkeypatch)
         return f
 
     monkeypatch.setattr(attention_fwd, "fwd_config", spy("fwd", attention_fwd.fwd_config))
+    monkeypatch.setattr(attention_bwd, "fused_config", spy("fused", attention_bwd.fused_config))
     monkeypatch.setattr(attention_bwd, "dkdv_config", spy("dkdv", attention_bwd.dkdv_config))
     monkeypatch.setattr(attention_bwd, "dq_config", spy("dq", attention_bwd.dq_config))
     q, k, v = (torch.randn(1, 1, 8, 16, device=_DEV, requires_grad=True) for _ in range(3))
     mask = torch.rand(8, 8, device=_DEV) > 0.3
     mhakern.attention(q, k, v, attn_mask=mask, window=(2, 1), backend="triton").sum().backward()
     want = dict(band=True, mask_kind=1, dropout=False)
+    assert [n for n, _ in asked] == ["fwd", "fused"] and all(kw == want for _, kw in asked), asked
+    from mhakern.kernels import heuristics
+
+    monkeypatch.setattr(heuristics, "BWD_MODE", "split")
+    asked.clear()
+    mhakern.attention(q, k, v, attn_mask=mask, window=(2, 1), backend="triton").sum().backward()
     assert [n for n, _ in asked] == ["fwd", "dkdv", "dq"] and all(kw == want for _, kw in asked), asked
 
 

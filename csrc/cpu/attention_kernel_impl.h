@@ -983,12 +983,12 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
           range_limits(p, b, R, Rp, j0, bk, row_i, sl.dead, lorel, hirel);
           mask_block(st, Rp, bk, lorel, hirel, j0 < sl.br.maxlo);  // -inf scores give P = 0
         }
-        bool pairwise = false;
-        if (ragged || p.mask) {
-          if (!sl.poisoned && kv_bad < 0)
-            kv_bad = any_nonfinite(Kb, bk, D, ldk) || any_nonfinite(Vb, bk, Dv, ldv) ? 1 : 0;
-          pairwise = sl.poisoned || kv_bad == 1;
-        }
+        // Every tile, masked or not: a -inf score hides its pair in the backward whatever made it
+        // -inf (an infinite entry of q or k too), and a NaN row's P is NaN only on the pairs it
+        // sees (docs/contract.md, "NaN and inf"). The scan is once per key block.
+        if (!sl.poisoned && kv_bad < 0)
+          kv_bad = any_nonfinite(Kb, bk, D, ldk) || any_nonfinite(Vb, bk, Dv, ldv) ? 1 : 0;
+        const bool pairwise = sl.poisoned || kv_bad == 1;
         if (pairwise) visibility(st, Rp, bk, vis);
         // P^T = 2^(S^T - lse2); dS^T = P^T * (dP^T - delta), in place. With dropout, P^T is
         // replaced by the dropped Pd^T = P^T * keep / (1 - p) (dV's operand) and
