@@ -36,6 +36,34 @@
 #include "../attn_params.h"
 #include "primitives_sm90.cuh"
 
+// Compile-time diagnostic variants (benchmarks/diag_fwd_sm90.cu builds them, one per binary, to
+// split a step's time on a GPU into load wait, softmax and overlap; the extension never defines
+// them, so with all of them unset the production kernel is exactly the code below):
+//   MHK_SM90_FWD_DIAG_STAGES n   a ring of n stages instead of the capability table's (D <= 128)
+//   MHK_SM90_FWD_DIAG_NO_SOFTMAX  P = S packed as it is: no mask, row max, exp, sum or O rescale
+//                                 (the GEMMs and the pipeline alone; the output is meaningless)
+//   MHK_SM90_FWD_DIAG_NO_LOADS    the producer fills each stage once, then completes the later
+//                                 tiles' barriers without copying (compute alone; output meaningless)
+//   MHK_SM90_FWD_PIN_SOFTMAX 0|1  the never-taken shared store that keeps ptxas from hoisting the
+//                                 P V wait above the softmax (pin_before_wait); its default is
+//                                 the production kernel's choice
+#ifndef MHK_SM90_FWD_DIAG_STAGES
+#define MHK_SM90_FWD_DIAG_STAGES 0
+#endif
+#ifndef MHK_SM90_FWD_DIAG_NO_SOFTMAX
+#define MHK_SM90_FWD_DIAG_NO_SOFTMAX 0
+#endif
+#ifndef MHK_SM90_FWD_DIAG_NO_LOADS
+#define MHK_SM90_FWD_DIAG_NO_LOADS 0
+#endif
+#ifndef MHK_SM90_FWD_PIN_SOFTMAX
+#define MHK_SM90_FWD_PIN_SOFTMAX 0
+#endif
+#if (MHK_SM90_FWD_DIAG_STAGES || MHK_SM90_FWD_DIAG_NO_SOFTMAX || MHK_SM90_FWD_DIAG_NO_LOADS) && \
+    !defined(MHK_SM90_FWD_DIAG_BUILD)
+#error "the sm90 forward's diagnostic variants give wrong results: only benchmarks/diag_fwd_sm90.cu builds them"
+#endif
+
 namespace mhakern {
 namespace cuda {
 namespace sm90 {
@@ -72,7 +100,8 @@ struct FwdConfigSm90 {
   static_assert(D == 64 || D == 128 || D == 256, "the sm90 forward is instantiated for head dims 64, 128 and 256");
   static constexpr int kBlockM = caps::sm90_fwd_tiles(D).m;  // packed query rows per CTA (2 consumer warpgroups x 64)
   static constexpr int kBlockN = caps::sm90_fwd_tiles(D).n;  // keys per pipeline stage
-  static constexpr int kStages = caps::sm90_fwd_tiles(D).stages;
+  static constexpr int kStages =
+      MHK_SM90_FWD_DIAG_STAGES > 0 && D <= 128 ? MHK_SM90_FWD_DIAG_STAGES : caps::sm90_fwd_tiles(D).stages;
   static constexpr int kConsumers = 2;
   static_assert(kBlockM == 64 * kConsumers, "one 64-row wgmma strip per consumer warpgroup");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "keys per stage: a multiple of the k of P V, at most wgmma's N");
@@ -181,6 +210,10 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
           // Wait until the consumers released this stage's previous use (passes at once on the
           // first round: a fresh barrier's phase of parity 1 counts as complete).
           mbar_wait(&empty[s], ((it / Cfg::kStages) & 1) ^ 1);
+          if (MHK_SM90_FWD_DIAG_NO_LOADS && it >= Cfg::kStages) {
+            mbar_arrive(bar);  // diagnostic: the stage keeps its first tile's bytes
+            continue;
+          }
           mbar_arrive_expect_tx(bar, 2 * Cfg::kTileBytes);
           for (int pn = 0; pn < Cfg::kPanels; ++pn) {
             tma_load_4d(sK + s * Cfg::kTileBytes + pn * Cfg::kPanelBytesKV, &P.tma_k, pn * 64, (t0 + it) * BN, hkv, b, bar);
@@ -258,6 +291,10 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   // Base 2. A row with every key so far hidden keeps m = -inf and exponentiates against 0, so
   // that exp2(-inf - 0) = 0 instead of NaN.
   auto softmax = [&](float (&sc)[BN / 2], int it, float (&alpha)[2]) {
+    if (MHK_SM90_FWD_DIAG_NO_SOFTMAX) {  // diagnostic: P = S, nothing rescaled
+      alpha[0] = alpha[1] = 1.f;
+      return;
+    }
     // Scaled first, masked after: a hidden key is -inf whatever the sign of the scale.
     MHK_UNROLL
     for (int i = 0; i < BN / 2; ++i) sc[i] *= sl2;
@@ -341,6 +378,11 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
     pass_turn();
     wgmma_wait<1>();  // S of this tile is complete; the previous tile's P V may still run
     softmax(sc, it, alpha);
+    // ptxas otherwise schedules the P V wait above the whole softmax (seen in the SASS: none of
+    // the loop's exps ran while P V was in flight): a shared store it cannot prove dead, of a
+    // value the softmax computes last, must stay before the wait (tools/check_cuda_build.py
+    // counts the exps between the two waits).
+    if (MHK_SM90_FWD_PIN_SOFTMAX) pin_before_wait(l[0] + l[1], p.num_splits);
     wgmma_wait<0>();              // the previous tile's P V has landed in o
     mbar_arrive(&empty[s_prev]);  // and its stage is free
     MHK_UNROLL
