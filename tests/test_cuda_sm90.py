@@ -490,30 +490,67 @@ def _ptxas_log(regs=168, spill=0):
             f"ptxas info    : Used {regs} registers, used 1 barriers\n")
 
 
+# A main loop that passes the forward's loop gates at 128 keys per stage: the S-landed wait, 64
+# exps (BN / 2), the P V-landed wait.
+_SOFTMAX = ["WARPGROUP.DEPBAR.LE gsb0, 0x1"] + ["MUFU.EX2 R30, R30"] * 64 + ["WARPGROUP.DEPBAR.LE gsb0, 0x0"]
+
+
+def _fwd_loop(extra=(), hoisted=False):
+    """A loop from 0x00: HGMMA, the softmax (its P V wait above the exps when hoisted), extra."""
+    soft = ([_SOFTMAX[0], _SOFTMAX[-1]] + _SOFTMAX[1:-1]) if hoisted else _SOFTMAX
+    body = ["HGMMA.64x128x16.F32 R24, gdesc[UR16], R24, gsb0"] + soft + list(extra)
+    return body + [f"@!P0 BRA 0x00", "EXIT"]
+
+
 @pytest.mark.parametrize(
     "body,regs,smem,needle",
     [
-        (["USETMAXREG.DEALLOC.CTAPOOL 0x18", "SYNCS.ARRIVE.TRANS64 RZ, [UR4], RZ",
-          "HGMMA.64x64x16.F32 R24, gdesc[UR16], R24, gsb0", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "@!P0 BRA 0x20", "EXIT"],
-         168, 81952, None),
+        (["USETMAXREG.DEALLOC.CTAPOOL 0x18", "SYNCS.ARRIVE.TRANS64 RZ, [UR4], RZ"] + _fwd_loop(), 168, 81952, None),
         # the product outside the loop: the main loop has no HGMMA
         (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24, gsb0", "FADD R1, R2, R3", "@!P0 BRA 0x10", "EXIT"], 168, 81952,
          "no HGMMA inside any loop"),
-        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24", "STL [R1], R2", "@!P0 BRA 0x00", "EXIT"], 168, 81952,
-         "local-memory instructions"),
-        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24", "@!P0 BRA 0x00", "EXIT"], 168, 240 * 1024, "of shared memory"),
-        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24", "@!P0 BRA 0x00", "EXIT"], 256, 81952, "registers per thread"),
+        (_fwd_loop(["STL [R1], R2"]), 168, 81952, "local-memory instructions"),
+        (_fwd_loop(), 168, 240 * 1024, "of shared memory"),
+        (_fwd_loop(), 256, 81952, "registers per thread"),
+        # ptxas's hoisted wait (seen in the SASS of the kernel before the pin): 0 of 64 exps overlap
+        (_fwd_loop(hoisted=True), 168, 81952, "0 of the loop's 64 MUFU.EX2"),
+        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24, gsb0", "@!P0 BRA 0x00", "EXIT"], 168, 81952,
+         "no 'S landed' / 'P V landed' wait pair"),
     ],
-    ids=["good", "hgmma-outside-loop", "local-memory", "smem-over-227KB", "regs-over-255"],
+    ids=["good", "hgmma-outside-loop", "local-memory", "smem-over-227KB", "regs-over-255", "wait-hoisted",
+         "no-wait-pair"],
 )
 def test_sass_check_fails_on_each_defect(body, regs, smem, needle):
     tool = _check_tool()
     facts = tool.sass_facts_text(_sass(body))
     result = {"src": "attn_fwd_sm90_fp16_d64.cu", "rc": 0, "log": _ptxas_log(regs), "facts": facts}
-    rows, problems, lines = tool.check_sm90([result], {64: smem})
+    rows, problems, lines = tool.check_sm90([result], {64: smem, ("fwd_block_n", 64): 128})
     assert len(rows) == 1 and rows[0]["kernel"] == "attn_fwd_sm90_kernel" and rows[0]["D"] == 64
     if needle is None:
         assert problems == [], problems
         assert "1 HGMMA" in lines[0]
     else:
         assert any(needle in p for p in problems), problems
+
+
+@pytest.mark.parametrize("filler,masked,fails", [(700, 0, True), (700, 300, False), (0, 0, False)],
+                         ids=["too-many", "mask-block-skipped", "lean"])
+def test_sass_check_counts_executed_instructions_per_key(filler, masked, fails):
+    # D 128: at most SM90_FWD_MAX_EXECUTED_PER_KEY[128] executed per key of an unmasked tile; a
+    # block that a forward branch skips (the mask block) is not executed on such a tile.
+    tool = _check_tool()
+    n_mask = masked
+    block = ["FADD R1, R1, R2"] * (filler - masked)
+    if n_mask:
+        start = 1 + len(_SOFTMAX) + len(block)  # index of the branch in the loop below
+        block += [f"@!P1 BRA 0x{16 * (start + n_mask + 1):x}"] + ["FSEL R3, R3, -INF, P2"] * n_mask
+    body = _fwd_loop(block)
+    mangled = _MANGLED.replace("I6__halfLi64E", "I6__halfLi128E")
+    facts = tool.sass_facts_text(_sass(body).replace(_MANGLED, mangled))
+    log = _ptxas_log().replace(_MANGLED, mangled)
+    rows, problems, _ = tool.check_sm90([{"src": "attn_fwd_sm90_fp16_d128.cu", "rc": 0, "log": log, "facts": facts}],
+                                        {128: 1024, ("fwd_block_n", 128): 128})
+    executed = facts[mangled]["loop_executed"]
+    assert executed == len(body) - 1 - n_mask  # the loop less EXIT and the skipped block
+    per_key = [p for p in problems if "per key" in p]
+    assert bool(per_key) == fails, (executed, problems)
