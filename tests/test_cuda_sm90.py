@@ -273,10 +273,16 @@ def test_sm90_forward_shapes(rnd, case, layout, scale_inputs):
     _run(rnd, case, OTHER_DTYPE[case[5]], layout=layout, scale_inputs=scale_inputs)
 
 
-@pytest.mark.parametrize("scale", [-0.3, 0.0])
-def test_sm90_forward_any_finite_scale(rnd, scale):
-    # A negative or zero scale must still hide masked keys (scaled first, masked after).
-    _run(rnd, (1, 2, 1, 40, 150, 64, 64, True, (150,)), torch.bfloat16, scale=scale)
+@pytest.mark.parametrize("scale,case,splits", [
+    (-0.3, (1, 2, 1, 40, 150, 64, 64, True, (150,)), 1),
+    (0.0, (1, 2, 1, 40, 150, 64, 64, True, (150,)), 1),
+    # the scale folded into the exponent: a negative scale negates Q as it is loaded (row
+    # maxima on raw scores), across tiles, a key length and split-K
+    (-1.1, (2, 4, 2, 70, 300, 128, 128, True, (300, 171)), 2),
+], ids=["negative", "zero", "negative-d128-split"])
+def test_sm90_forward_any_finite_scale(rnd, scale, case, splits):
+    # A negative or zero scale must still hide masked keys.
+    _run(rnd, case, torch.bfloat16, scale=scale, splits=splits)
 
 
 @pytest.mark.parametrize("splits", [3, 5])
