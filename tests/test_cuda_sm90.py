@@ -331,6 +331,23 @@ def test_sm90_split_plan_uses_the_family_tiles(rnd, D, Lk):
         assert (old - 1) * -(-n_all // old) >= n_all
 
 
+@pytest.mark.parametrize("Hkv,Lk,want90", [(8, 131072, 4), (4, 65536, 8), (4, 1 << 20, 8), (4, 4096, 4)])
+def test_sm90_decode_splits_fill_whole_waves(emu, Hkv, Lk, want90):
+    # The headline decode rows (B 4, 32 query heads, one query, D 128) on faked devices of 132
+    # SMs. On 9.0 the sm90 forward holds one CTA per SM: splits by wave efficiency (kv 8: 32 row
+    # tiles x 4 = 128 CTAs, 97% of one wave; planned for two per SM it was 9 = 288 CTAs, 3 waves
+    # at 73%). On 8.0 the mma.sync decode kernel keeps the two-per-SM rule.
+    B, H, sms = 4, 32, 132
+    s90 = emu.lib.mhk_emu_fwd_plan_splits(9, 0, 1, 128, B, Hkv, H // Hkv, 1, Lk, sms)
+    s80 = emu.lib.mhk_emu_fwd_plan_splits(8, 0, 1, 128, B, Hkv, H // Hkv, 1, Lk, sms)
+    assert s90 == want90
+    ctas = B * Hkv * s90
+    waves = -(-ctas // sms)
+    assert ctas / (waves * sms) >= 0.85 or Lk // 128 // 8 <= s90  # a full wave, or the key limit binds
+    key_blocks = -(-Lk // 64)
+    assert s80 == max(1, min(-(-2 * sms // (B * Hkv)), key_blocks // 8, 128))
+
+
 def test_sm90_config_is_the_capability_table(emu):
     # FwdConfigSm90 takes its tiles from capabilities.h (sm90_fwd_tiles); the extension's
     # table reports the same numbers, and the split planner op plans with them.

@@ -158,7 +158,7 @@ int mhk_emu_fwd_plan_splits(int major, int minor, int sm90_compiled, int D, int 
   p.k_stride = p.v_stride = {static_cast<int64_t>(Hkv) * Lk * D, static_cast<int64_t>(Lk) * D, D};
   const bool sm90 = mhakern::cuda::choose_fwd_family(major, minor, sm90_compiled != 0, p) == mhakern::cuda::FwdFamily::sm90;
   const mhakern::caps::FwdPlanTiles t = mhakern::caps::fwd_plan_tiles(sm90, D);
-  return static_cast<int>(mhakern::caps::plan_splits(B, Hkv, group, Lq, Lk, D, num_sms, t.m, t.n));
+  return static_cast<int>(mhakern::caps::plan_fwd_splits(B, Hkv, group, Lq, Lk, D, num_sms, t));
 }
 
 // What the compiled sm90 forward config (FwdConfigSm90<D>) holds, for tests to compare with
