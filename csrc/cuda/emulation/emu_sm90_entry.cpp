@@ -157,7 +157,9 @@ int mhk_emu_fwd_plan_splits(int major, int minor, int sm90_compiled, int D, int 
   p.Lk = Lk;
   p.k_stride = p.v_stride = {static_cast<int64_t>(Hkv) * Lk * D, static_cast<int64_t>(Lk) * D, D};
   const bool sm90 = mhakern::cuda::choose_fwd_family(major, minor, sm90_compiled != 0, p) == mhakern::cuda::FwdFamily::sm90;
-  const mhakern::caps::FwdPlanTiles t = mhakern::caps::fwd_plan_tiles(sm90, D);
+  // the call's tiles as the host takes them (a mma.sync call of few packed rows: the decode kernel's)
+  const mhakern::caps::FwdPlanTiles t =
+      mhakern::caps::fwd_plan_tiles(sm90, D, static_cast<int64_t>(group) * Lq, false);
   return static_cast<int>(mhakern::caps::plan_fwd_splits(B, Hkv, group, Lq, Lk, D, num_sms, t));
 }
 
