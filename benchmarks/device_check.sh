@@ -36,6 +36,9 @@
 # stages after the install, in this order; "triton other trainer" are the older run's extra
 # stages, still available by name), TORCH_CUDA_ARCH_LIST (default: this GPU's), MAX_JOBS
 # (default: all cores), TRAINER_CMD (default: the quick preset through python -m mhakern.memorize).
+# DEVICE_CHECK_INSTALL=0 skips the install (a rerun on a machine that still has the build);
+# DEVICE_CHECK_VARIANTS="production no_loads" builds only those forward variants (default: all
+# five: production, stages2, no_softmax, no_loads, and the pin flipped).
 # DEVICE_CHECK_REHEARSAL=1 runs every step even without a GPU (CPU rows; a developer's dry run
 # of this script in a scratch environment -- it installs the package into PYTHON's environment).
 # DEVICE_CHECK_DRY_RUN=1 runs nothing but the environment step: each later step is accounted
@@ -416,7 +419,7 @@ EOF
         echo
     } >>"$DIAG_MD" 2>>"$SETUP"
     while IFS= read -r line; do say "variant: $line"; done < <(grep '^|' "$DIAG_MD" | grep -v -e '^| variant' -e '^|---' | tail -6)
-    [ -n "${DEVICE_CHECK_KEEP:-}" ] && cp "$OUT/.v.log" "$DEVICE_CHECK_KEEP.v.log"; rm -f "$OUT/.v.log"
+    rm -f "$OUT/.v.log"
 fi
 
 # ------------------------------------------------------------------ 7. decode with forced split counts
@@ -495,7 +498,7 @@ EOF
         rm -rf "$NDIR"
     fi
 fi
-[ -n "${DEVICE_CHECK_KEEP:-}" ] && cp -r "$VDIR" "$DEVICE_CHECK_KEEP"; rm -rf "$VDIR"
+rm -rf "$VDIR"
 
 # The Triton backend's GPU file and its device-generic suite, compiled (not interpreted; of the
 # ahead-of-time compile file only the tensor-descriptor tests, which run on CUDA tensors here).

@@ -100,6 +100,20 @@ void wgmma_toy(int variant, const Elem* A, const Elem* B, float* out) {
     }
   }
   sm::wgmma_commit();
+  if (variant == 4) {
+    // A stage released too early: A is loaded again over the tile the committed wgmma still
+    // reads, and lands before the wgmma.wait_group that covers it (an error in the emulator,
+    // whatever the data: on the GPU the product may read either version).
+    if (tid == 0) {
+      TensorMap ma;
+      const uint64_t da[4] = {64, 64, 1, 1}, sa[3] = {128, 8192, 8192};
+      const uint32_t box[4] = {64, 64, 1, 1};
+      mhk_emu::sm90::encode_tensor_map(ma, A, 4, 2, da, sa, box, 128);
+      sm::mbar_arrive_expect_tx(bar, 8192);
+      sm::tma_load_4d(sA, &ma, 0, 0, 0, 0, bar);
+    }
+    sm::mbar_wait(bar, 1);
+  }
   sm::wgmma_wait<0>();
   const int w = tid / 32, g = (tid % 32) / 4, t = tid % 4;
   for (int i = 0; i < N / 2; ++i) out[(16 * w + g + 8 * ((i % 4) / 2)) * N + 8 * (i / 4) + 2 * t + i % 2] = d[i];
