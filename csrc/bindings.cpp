@@ -158,8 +158,8 @@ int64_t cuda_plan_splits(int64_t batch, int64_t kv_heads, int64_t group, int64_t
   // A mma.sync forward of few packed rows runs the decode kernel (a call without attn_mask and
   // dropout: what the planner is asked about here).
   const caps::FwdPlanTiles f = caps::fwd_plan_tiles(sm90, static_cast<int>(head_dim), group * q_len, false);
-  return caps::plan_splits(batch, kv_heads, group, q_len, k_len, head_dim, num_sms, backward ? t.dq_m : f.m,
-                           backward ? t.dq_n : f.n);
+  if (backward) return caps::plan_splits(batch, kv_heads, group, q_len, k_len, head_dim, num_sms, t.dq_m, t.dq_n);
+  return caps::plan_fwd_splits(batch, kv_heads, group, q_len, k_len, head_dim, num_sms, f);
 }
 
 // Sets the CUDA host code's split-K count (0: its planner decides); returns the previous value.

@@ -222,18 +222,29 @@ constexpr Sm90FwdTiles sm90_fwd_tiles(int d) {
 // holds 2 to 4 times the keys of a mma.sync step: planned with the mma.sync tiles, a sm90 split
 // got that much fewer key tiles than kMinBlocksPerSplit asks, and the kernel's ceil-divided
 // shares left trailing splits empty (their CTAs launched for nothing).
+// ctas_per_sm: how many CTAs of the family's kernel one SM holds, when the planner is to fill
+// whole waves of them (plan_splits_by_waves); 0 keeps plan_splits' rule of about two CTAs per SM.
+//   sm90 forward: 1 on every 9.0 device (its register plan, 128 x 24 + 256 x 240, takes the whole
+//     register file; its shared memory too at D >= 128). Planned for 2 (plan_splits), a decode
+//     call of 32 row tiles got 9 splits = 288 CTAs = 2.18 waves run as 3 (73%); measured on an
+//     H200 at 48% of the copy bandwidth.
+//   mma.sync (the main and the decode kernel): plan_splits' rule, unchanged (its decode kernel
+//     holds 3 CTAs per SM on a 9.0 device, 2 on sm_80, 1 on sm_86/89 with 99 KB: a constexpr
+//     table cannot tell them apart, and about two per SM keeps a latency-bound kernel fed).
+constexpr int kSm90FwdCtasPerSm = 1;
 struct FwdPlanTiles {
   int m, n;
+  int ctas_per_sm = 0;
 };
 constexpr FwdPlanTiles fwd_plan_tiles(bool sm90_family, int d) {
-  return sm90_family ? FwdPlanTiles{sm90_fwd_tiles(d).m, sm90_fwd_tiles(d).n}
-                     : FwdPlanTiles{cuda_tiles(d).fwd_m, cuda_tiles(d).fwd_n};
+  return sm90_family ? FwdPlanTiles{sm90_fwd_tiles(d).m, sm90_fwd_tiles(d).n, kSm90FwdCtasPerSm}
+                     : FwdPlanTiles{cuda_tiles(d).fwd_m, cuda_tiles(d).fwd_n, 0};
 }
 // The tiles of one forward call: those of the family, and for a mma.sync call the decode
 // kernel serves (use_cuda_decode_fwd) the decode tiles (the host plans its splits with these).
 constexpr FwdPlanTiles fwd_plan_tiles(bool sm90_family, int d, int64_t group_rows, bool mask_or_dropout) {
   return !sm90_family && use_cuda_decode_fwd(group_rows, mask_or_dropout)
-             ? FwdPlanTiles{cuda_decode_tiles(d).m, cuda_decode_tiles(d).n}
+             ? FwdPlanTiles{cuda_decode_tiles(d).m, cuda_decode_tiles(d).n, 0}
              : fwd_plan_tiles(sm90_family, d);
 }
 // Backward tiles (csrc/cuda/sm90/attn_bwd_sm90_kernel.cuh: BwdConfigSm90), plain calls only
@@ -301,6 +312,49 @@ constexpr int64_t plan_splits(int64_t batch, int64_t kv_heads, int64_t group, in
   if (by_memory < s) s = by_memory;
   if (kMaxSplits < s) s = kMaxSplits;
   return s < 1 ? 1 : s;
+}
+
+// Number of key splits for a forward whose kernel holds ctas_per_sm CTAs per SM (FwdPlanTiles),
+// by wave efficiency: with n = CTAs x splits / (num_sms x ctas_per_sm) waves, a launch runs
+// ceil(n) waves, so its efficiency is n / ceil(n); the fewest splits whose efficiency is at least
+// 85% of the best one within the limits of plan_splits (key blocks per split, splits, the
+// workspace) -- FlashAttention-3's split heuristic, on this family's real occupancy. Fewer
+// splits is better at equal efficiency: each split adds a fixed cost per CTA and fp32 partials
+// to combine. 32 row tiles on 132 SMs at 1 per SM: 4 splits (128 CTAs, 97%) instead of 9 (73%).
+constexpr int64_t plan_splits_by_waves(int64_t batch, int64_t kv_heads, int64_t group, int64_t q_len, int64_t k_len,
+                                       int64_t head_dim, int64_t num_sms, int64_t block_m, int64_t block_n,
+                                       int64_t ctas_per_sm) {
+  const int64_t ctas = batch * kv_heads * ((group * q_len + block_m - 1) / block_m);
+  const int64_t slots = num_sms * ctas_per_sm;
+  if (ctas == 0 || slots <= 0 || ctas >= slots) return 1;
+  const int64_t key_blocks = (k_len + block_n - 1) / block_n;
+  const int64_t rows = batch * kv_heads * group * q_len;
+  const int64_t row_bytes = rows * head_dim * 4;
+  int64_t s_max = key_blocks / kMinBlocksPerSplit;
+  const int64_t by_memory = kMaxSplitWorkspaceBytes / (row_bytes > 0 ? row_bytes : 1);
+  if (by_memory < s_max) s_max = by_memory;
+  if (kMaxSplits < s_max) s_max = kMaxSplits;
+  if (s_max <= 1) return 1;
+  auto efficiency = [&](int64_t s) {
+    const int64_t work = ctas * s;
+    const int64_t waves = (work + slots - 1) / slots;
+    return static_cast<double>(work) / static_cast<double>(waves * slots);
+  };
+  double best = 0.0;
+  for (int64_t s = 1; s <= s_max; ++s)
+    if (efficiency(s) > best) best = efficiency(s);
+  for (int64_t s = 1; s <= s_max; ++s)
+    if (efficiency(s) >= 0.85 * best) return s;
+  return 1;
+}
+
+// The forward's split count with the tiles of the family that runs it (cuda_host.cpp, the
+// bindings' cuda_plan_splits and the emulator entries all call this one).
+constexpr int64_t plan_fwd_splits(int64_t batch, int64_t kv_heads, int64_t group, int64_t q_len, int64_t k_len,
+                                  int64_t head_dim, int64_t num_sms, FwdPlanTiles t) {
+  return t.ctas_per_sm > 0
+             ? plan_splits_by_waves(batch, kv_heads, group, q_len, k_len, head_dim, num_sms, t.m, t.n, t.ctas_per_sm)
+             : plan_splits(batch, kv_heads, group, q_len, k_len, head_dim, num_sms, t.m, t.n);
 }
 
 }  // namespace caps

@@ -232,9 +232,9 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tenso
                                                     p.mask != nullptr || p.dropout_p > 0.0);
   const int64_t forced = op::cuda_forced_splits().load();
   const int64_t splits = forced > 0 ? forced
-                                    : caps::plan_splits(s.B, s.Hkv, s.H / s.Hkv, s.Lq,
-                                                        planned_keys(modes, causal, s, t.m, t.n), s.D,
-                                                        num_sms(q.device().index()), t.m, t.n);
+                                    : caps::plan_fwd_splits(s.B, s.Hkv, s.H / s.Hkv, s.Lq,
+                                                            planned_keys(modes, causal, s, t.m, t.n), s.D,
+                                                            num_sms(q.device().index()), t);
   at::Tensor o_partial, lse_partial;  // kept alive until the kernels are queued (caching allocator)
   if (splits > 1) {
     const auto f32 = q.options().dtype(at::kFloat);

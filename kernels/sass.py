@@ -5,9 +5,26 @@ Triton's package ships (no GPU needed).
 and, from the SASS (``--dump-sass``), the local-memory loads and stores (``LDL``/``STL``: the
 register spills) with how many fall inside a loop, and whether the loops that multiply
 matrices use Hopper's ``HGMMA`` or the older ``HMMA``, and the TMA copies (``UTMALDG`` loads,
-``UTMASTG`` stores) of kernels that use tensor descriptors. A loop is the address range from a
-backward branch's target to the branch; local memory in it is traffic paid every iteration,
-which is what the AOT check refuses.
+``UTMASTG`` stores) of kernels that use tensor descriptors. Local memory in a loop is traffic
+paid every iteration, which is what the AOT check refuses.
+
+This is the project's one SASS reader: tools/check_cuda_build.py (the CUDA kernels' gates) loads
+this file too (by path: it needs none of the Triton kernels of this package), so both read
+listings, functions, loops and waits by the same rules:
+
+* a **loop** is the address range from a backward branch's target to the branch, the target
+  strictly before the branch (``loops_of``): the branch to itself that ends every CUDA kernel
+  (the trap after EXIT) closes no loop body and is not one; a branch's target is the last
+  address in its text (``BRA 0x10``, ``@!P0 BRA.U !UP0, 0x10``);
+* a kernel's **main loop** is the innermost loop holding a given instruction (``main_loop``;
+  HGMMA for the Hopper kernels): an out-of-line slow path (an mbarrier retry placed after the
+  loop) that branches back into the middle makes a longer range that also holds it;
+* inside a loop, a **skipped block** is the range a forward branch to a target inside the same
+  loop jumps over (``skipped_blocks``): code that runs only on some iterations (the mask block of
+  a tile that crosses a row's limit); ``executed_path`` is the loop less those blocks, what an
+  iteration that skips them all executes;
+* ``waits_and_exps`` gives, for each ``WARPGROUP.DEPBAR.LE gsb0, N`` of a range, how many
+  ``MUFU.EX2`` precede it in that range (where a wgmma wait sits against the softmax).
 """
 from __future__ import annotations
 
@@ -52,6 +69,10 @@ class SassReport:
     tma_stores: int = 0  # UTMASTG
 
 
+_FUNC = re.compile(r"Function : (\S+)")
+_ARCH = re.compile(r"code for sm_(\d+)")
+
+
 def parse_sass(sass: str):
     """(address, text) of each instruction, in order."""
     out = []
@@ -62,21 +83,123 @@ def parse_sass(sass: str):
     return out
 
 
+def parse_functions(sass: str) -> dict:
+    """{(function, sm): [(address, text), ...]} of a ``cuobjdump -sass`` listing (several
+    functions and architectures; sm 0 where the listing names none, 90 for sm_90a)."""
+    out: dict = {}
+    arch, cur = 0, None
+    for line in sass.splitlines():
+        m = _ARCH.search(line)
+        if m:
+            arch, cur = int(m.group(1)), None
+            continue
+        m = _FUNC.search(line)
+        if m:
+            cur = out.setdefault((m.group(1), arch), [])
+            continue
+        m = _INSN.match(line)
+        if m and cur is not None:
+            cur.append((int(m.group(1), 16), m.group(2)))
+    return out
+
+
+def _branch_target(text: str):
+    """The target address of a branch instruction, None for any other."""
+    if not _opcode(text).startswith("BRA"):
+        return None
+    targets = _ADDR.findall(text)
+    return int(targets[-1], 16) if targets else None
+
+
 def loops_of(insns) -> List[Tuple[int, int]]:
-    """[start, end] address ranges closed by a backward branch."""
+    """[start, end] address ranges closed by a backward branch (target strictly before it)."""
     found = []
     for addr, text in insns:
-        # "BRA 0x10", "@!P0 BRA 0x10", "BRA.U !UP0, 0x10": the target is the last address.
-        if _opcode(text).startswith("BRA"):
-            targets = _ADDR.findall(text)
-            if targets and int(targets[-1], 16) <= addr:
-                found.append((int(targets[-1], 16), addr))
+        tgt = _branch_target(text)
+        if tgt is not None and tgt < addr:
+            found.append((tgt, addr))
     return found
+
+
+def opcode(text: str) -> str:
+    """The opcode with its modifiers (``HGMMA.64x128x16.F32.BF16``), past any predicate guard."""
+    return _opcode(text)
 
 
 def _opcode(text: str) -> str:
     words = text.split()
     return words[1] if words and words[0].startswith("@") and len(words) > 1 else (words[0] if words else "")
+
+
+def main_loop(insns, marker: str = "HGMMA"):
+    """The innermost loop holding an instruction whose opcode starts with ``marker``: its
+    (start, end), or None."""
+    best = None
+    for lo, hi in loops_of(insns):
+        if any(lo <= a <= hi and _opcode(t).startswith(marker) for a, t in insns):
+            if best is None or hi - lo < best[1] - best[0]:
+                best = (lo, hi)
+    return best
+
+
+def loop_body(insns, lo: int, hi: int):
+    return [(a, t) for a, t in insns if lo <= a <= hi]
+
+
+def skipped_blocks(insns, lo: int, hi: int) -> List[Tuple[int, int]]:
+    """[first, last] address ranges inside the loop [lo, hi] that a forward branch to a target
+    inside the loop jumps over (merged where they overlap)."""
+    addrs = [a for a, _ in insns if lo <= a <= hi]
+    ranges = []
+    for a, t in insns:
+        tgt = _branch_target(t)
+        if lo <= a <= hi and tgt is not None and a < tgt <= hi:
+            inside = [x for x in addrs if a < x < tgt]
+            if inside:
+                ranges.append((inside[0], inside[-1]))
+    ranges.sort()
+    merged: List[Tuple[int, int]] = []
+    for r in ranges:
+        if merged and r[0] <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], r[1]))
+        else:
+            merged.append(r)
+    return merged
+
+
+def executed_path(insns, lo: int, hi: int):
+    """The loop's instructions less its skipped blocks: one iteration that skips them all."""
+    skip = skipped_blocks(insns, lo, hi)
+    return [(a, t) for a, t in loop_body(insns, lo, hi) if not any(s <= a <= e for s, e in skip)]
+
+
+def waits_and_exps(body) -> List[Tuple[int, int, int]]:
+    """(index in body, N, MUFU.EX2 before it) of each ``WARPGROUP.DEPBAR.LE gsb0, N`` of body."""
+    out = []
+    exps = 0
+    for i, (_, t) in enumerate(body):
+        op = _opcode(t)
+        if op.startswith("MUFU.EX2"):
+            exps += 1
+        elif op.startswith("WARPGROUP.DEPBAR"):
+            m = re.search(r"gsb0,\s*(0x[0-9a-f]+|\d+)", t)
+            if m:
+                out.append((i, int(m.group(1), 0), exps))
+    return out
+
+
+def exps_between_waits(body) -> Tuple[int, int]:
+    """(MUFU.EX2 between the first ``DEPBAR.LE gsb0, 1`` and the next ``DEPBAR.LE gsb0, 0``,
+    MUFU.EX2 in the whole body): the exps that run while the second commit group (P V) may
+    still be in flight. (-1, total) when the body has no such pair of waits."""
+    waits = waits_and_exps(body)
+    total = sum(1 for _, t in body if _opcode(t).startswith("MUFU.EX2"))
+    for j, (_, n, e1) in enumerate(waits):
+        if n == 1:
+            nxt = next((e0 for _, n0, e0 in waits[j + 1:] if n0 == 0), None)
+            if nxt is not None:
+                return nxt - e1, total
+    return -1, total
 
 
 def analyse(sass: str, usage: str) -> SassReport:

@@ -146,6 +146,20 @@ def test_tma_then_wgmma_is_the_plain_product(emu, variant, N, dtype, seed):
     assert torch.allclose(out.double(), want, atol=1e-4, rtol=1e-5), (out.double() - want).abs().max()
 
 
+@pytest.mark.parametrize("seed", [None, 3])
+def test_tma_over_an_operand_in_flight_is_an_error(emu, seed):
+    # A stage released before the wait that covers its last wgmma: the next copy into it lands
+    # while the product may still read it. The emulator performs a wgmma at its covering wait,
+    # so without this check such a copy could land first and still give the right answer (the
+    # forward with its stage released before the P V wait passed every hard case).
+    A = torch.randn(64, 64).to(torch.float16)
+    B = torch.randn(64, 64).to(torch.float16)
+    out = torch.zeros(64, 64)
+    emu.schedule(seed)
+    assert emu.lib.mhk_sm90_selftest_wgmma(4, 0, 64, _ptr(A), _ptr(B), _ptr(out)) == 1
+    assert "a wgmma in flight still reads" in emu.error()
+
+
 def test_wgmma_without_fence_is_an_error(emu):
     A = torch.zeros(64, 64, dtype=torch.float16)
     B = torch.zeros(64, 64, dtype=torch.float16)
@@ -273,10 +287,16 @@ def test_sm90_forward_shapes(rnd, case, layout, scale_inputs):
     _run(rnd, case, OTHER_DTYPE[case[5]], layout=layout, scale_inputs=scale_inputs)
 
 
-@pytest.mark.parametrize("scale", [-0.3, 0.0])
-def test_sm90_forward_any_finite_scale(rnd, scale):
-    # A negative or zero scale must still hide masked keys (scaled first, masked after).
-    _run(rnd, (1, 2, 1, 40, 150, 64, 64, True, (150,)), torch.bfloat16, scale=scale)
+@pytest.mark.parametrize("scale,case,splits", [
+    (-0.3, (1, 2, 1, 40, 150, 64, 64, True, (150,)), 1),
+    (0.0, (1, 2, 1, 40, 150, 64, 64, True, (150,)), 1),
+    # the scale folded into the exponent: a negative scale negates Q as it is loaded (row
+    # maxima on raw scores), across tiles, a key length and split-K
+    (-1.1, (2, 4, 2, 70, 300, 128, 128, True, (300, 171)), 2),
+], ids=["negative", "zero", "negative-d128-split"])
+def test_sm90_forward_any_finite_scale(rnd, scale, case, splits):
+    # A negative or zero scale must still hide masked keys.
+    _run(rnd, case, torch.bfloat16, scale=scale, splits=splits)
 
 
 @pytest.mark.parametrize("splits", [3, 5])
@@ -320,9 +340,27 @@ def test_sm90_split_plan_uses_the_family_tiles(rnd, D, Lk):
     check_against_reference(fn, q, k, v, False, None, grads=False)
     assert parts and all(torch.isfinite(lp).all() for _, lp in parts)
     if D == 128:
-        # the mma.sync family's plan for the same call (an 8.0 device), had the sm90 kernel run it
-        old = rnd.lib.mhk_emu_fwd_plan_splits(8, 0, 1, D, B, Hkv, H // Hkv, Lq, Lk, sms)
+        # the plan with the mma.sync main kernel's tiles (32 keys per step: what the host once
+        # planned a sm90 call with), had the sm90 kernel run it: a split with no key tile
+        old = max(1, min(-(-2 * sms // 1), -(-Lk // 32) // 8, 128))
         assert (old - 1) * -(-n_all // old) >= n_all
+
+
+@pytest.mark.parametrize("Hkv,Lk,want90", [(8, 131072, 4), (4, 65536, 8), (4, 1 << 20, 8), (4, 4096, 4)])
+def test_sm90_decode_splits_fill_whole_waves(emu, Hkv, Lk, want90):
+    # The headline decode rows (B 4, 32 query heads, one query, D 128) on faked devices of 132
+    # SMs. On 9.0 the sm90 forward holds one CTA per SM: splits by wave efficiency (kv 8: 32 row
+    # tiles x 4 = 128 CTAs, 97% of one wave; planned for two per SM it was 9 = 288 CTAs, 3 waves
+    # at 73%). On 8.0 the mma.sync decode kernel keeps the two-per-SM rule.
+    B, H, sms = 4, 32, 132
+    s90 = emu.lib.mhk_emu_fwd_plan_splits(9, 0, 1, 128, B, Hkv, H // Hkv, 1, Lk, sms)
+    s80 = emu.lib.mhk_emu_fwd_plan_splits(8, 0, 1, 128, B, Hkv, H // Hkv, 1, Lk, sms)
+    assert s90 == want90
+    ctas = B * Hkv * s90
+    waves = -(-ctas // sms)
+    assert ctas / (waves * sms) >= 0.85 or Lk // 128 // 8 <= s90  # a full wave, or the key limit binds
+    key_blocks = -(-Lk // 64)
+    assert s80 == max(1, min(-(-2 * sms // (B * Hkv)), key_blocks // 8, 128))
 
 
 def test_sm90_config_is_the_capability_table(emu):
@@ -490,30 +528,67 @@ def _ptxas_log(regs=168, spill=0):
             f"ptxas info    : Used {regs} registers, used 1 barriers\n")
 
 
+# A main loop that passes the forward's loop gates at 128 keys per stage: the S-landed wait, 64
+# exps (BN / 2), the P V-landed wait.
+_SOFTMAX = ["WARPGROUP.DEPBAR.LE gsb0, 0x1"] + ["MUFU.EX2 R30, R30"] * 64 + ["WARPGROUP.DEPBAR.LE gsb0, 0x0"]
+
+
+def _fwd_loop(extra=(), hoisted=False):
+    """A loop from 0x00: HGMMA, the softmax (its P V wait above the exps when hoisted), extra."""
+    soft = ([_SOFTMAX[0], _SOFTMAX[-1]] + _SOFTMAX[1:-1]) if hoisted else _SOFTMAX
+    body = ["HGMMA.64x128x16.F32 R24, gdesc[UR16], R24, gsb0"] + soft + list(extra)
+    return body + [f"@!P0 BRA 0x00", "EXIT"]
+
+
 @pytest.mark.parametrize(
     "body,regs,smem,needle",
     [
-        (["USETMAXREG.DEALLOC.CTAPOOL 0x18", "SYNCS.ARRIVE.TRANS64 RZ, [UR4], RZ",
-          "HGMMA.64x64x16.F32 R24, gdesc[UR16], R24, gsb0", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "@!P0 BRA 0x20", "EXIT"],
-         168, 81952, None),
+        (["USETMAXREG.DEALLOC.CTAPOOL 0x18", "SYNCS.ARRIVE.TRANS64 RZ, [UR4], RZ"] + _fwd_loop(), 168, 81952, None),
         # the product outside the loop: the main loop has no HGMMA
         (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24, gsb0", "FADD R1, R2, R3", "@!P0 BRA 0x10", "EXIT"], 168, 81952,
          "no HGMMA inside any loop"),
-        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24", "STL [R1], R2", "@!P0 BRA 0x00", "EXIT"], 168, 81952,
-         "local-memory instructions"),
-        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24", "@!P0 BRA 0x00", "EXIT"], 168, 240 * 1024, "of shared memory"),
-        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24", "@!P0 BRA 0x00", "EXIT"], 256, 81952, "registers per thread"),
+        (_fwd_loop(["STL [R1], R2"]), 168, 81952, "local-memory instructions"),
+        (_fwd_loop(), 168, 240 * 1024, "of shared memory"),
+        (_fwd_loop(), 256, 81952, "registers per thread"),
+        # ptxas's hoisted wait (seen in the SASS of the kernel before the pin): 0 of 64 exps overlap
+        (_fwd_loop(hoisted=True), 168, 81952, "0 of the loop's 64 MUFU.EX2"),
+        (["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24, gsb0", "@!P0 BRA 0x00", "EXIT"], 168, 81952,
+         "no 'S landed' / 'P V landed' wait pair"),
     ],
-    ids=["good", "hgmma-outside-loop", "local-memory", "smem-over-227KB", "regs-over-255"],
+    ids=["good", "hgmma-outside-loop", "local-memory", "smem-over-227KB", "regs-over-255", "wait-hoisted",
+         "no-wait-pair"],
 )
 def test_sass_check_fails_on_each_defect(body, regs, smem, needle):
     tool = _check_tool()
     facts = tool.sass_facts_text(_sass(body))
     result = {"src": "attn_fwd_sm90_fp16_d64.cu", "rc": 0, "log": _ptxas_log(regs), "facts": facts}
-    rows, problems, lines = tool.check_sm90([result], {64: smem})
+    rows, problems, lines = tool.check_sm90([result], {64: smem, ("fwd_block_n", 64): 128})
     assert len(rows) == 1 and rows[0]["kernel"] == "attn_fwd_sm90_kernel" and rows[0]["D"] == 64
     if needle is None:
         assert problems == [], problems
         assert "1 HGMMA" in lines[0]
     else:
         assert any(needle in p for p in problems), problems
+
+
+@pytest.mark.parametrize("filler,masked,fails", [(700, 0, True), (700, 300, False), (0, 0, False)],
+                         ids=["too-many", "mask-block-skipped", "lean"])
+def test_sass_check_counts_executed_instructions_per_key(filler, masked, fails):
+    # D 128: at most SM90_FWD_MAX_EXECUTED_PER_KEY[128] executed per key of an unmasked tile; a
+    # block that a forward branch skips (the mask block) is not executed on such a tile.
+    tool = _check_tool()
+    n_mask = masked
+    block = ["FADD R1, R1, R2"] * (filler - masked)
+    if n_mask:
+        start = 1 + len(_SOFTMAX) + len(block)  # index of the branch in the loop below
+        block += [f"@!P1 BRA 0x{16 * (start + n_mask + 1):x}"] + ["FSEL R3, R3, -INF, P2"] * n_mask
+    body = _fwd_loop(block)
+    mangled = _MANGLED.replace("I6__halfLi64E", "I6__halfLi128E")
+    facts = tool.sass_facts_text(_sass(body).replace(_MANGLED, mangled))
+    log = _ptxas_log().replace(_MANGLED, mangled)
+    rows, problems, _ = tool.check_sm90([{"src": "attn_fwd_sm90_fp16_d128.cu", "rc": 0, "log": log, "facts": facts}],
+                                        {128: 1024, ("fwd_block_n", 128): 128})
+    executed = facts[mangled]["loop_executed"]
+    assert executed == len(body) - 1 - n_mask  # the loop less EXIT and the skipped block
+    per_key = [p for p in problems if "per key" in p]
+    assert bool(per_key) == fails, (executed, problems)

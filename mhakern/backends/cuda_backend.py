@@ -59,8 +59,9 @@ def plan_splits(batch: int, kv_heads: int, group: int, q_len: int, k_len: int, h
     """The number of key splits the kernels' host code chooses for a forward (or the backward's
     dQ pass) on a device with ``num_sms`` multiprocessors, with the tiles of the family that runs
     it (``sm90``: the sm_90a forward; else mma.sync, whose decode kernel takes calls of few packed
-    rows): csrc/capabilities.h's planner, called through ``torch.ops.mhakern_C.cuda_plan_splits``
-    (it needs the extension, CUDA or not)."""
+    rows): csrc/capabilities.h's planner (``plan_fwd_splits``: the sm90 family by wave efficiency
+    at its one CTA per SM, mma.sync by about two CTAs per SM), called through
+    ``torch.ops.mhakern_C.cuda_plan_splits`` (it needs the extension, CUDA or not)."""
     return torch.ops.mhakern_C.cuda_plan_splits(batch, kv_heads, group, q_len, k_len, head_dim, num_sms, backward,
                                                 sm90)
 

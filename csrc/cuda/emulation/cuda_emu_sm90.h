@@ -134,6 +134,12 @@ struct Sm90State {
   uint64_t desc_a[1024], desc_b[1024];
   uint32_t a_regs[1024][4];
   float* acc[1024];
+  // Shared-memory operand reads of the wgmma in flight (issued, not yet covered by a
+  // wgmma.wait_group), per 16-byte chunk: a tensor copy landing on a chunk with a reader is a
+  // stage released before the wait that covers its last reader (wgmma reads its operands
+  // asynchronously, at any moment until that wait), an error even when this schedule's copy
+  // happened to land after the emulated read.
+  std::vector<uint32_t> inflight;
 };
 
 inline Sm90State& st() {
@@ -226,6 +232,11 @@ inline void land(const BulkCopy& c) {
     }
     uint32_t soff = c.dst + static_cast<uint32_t>(e * eb);
     if (m.swizzle_bytes == 128) soff = swizzle128(soff);
+    if (soff / 16 < st().inflight.size() && st().inflight[soff / 16] != 0) {
+      fail("cp.async.bulk.tensor writes shared memory that a wgmma in flight still reads (issued, not yet covered "
+           "by a wgmma.wait_group): a stage released before the wait that covers its last reader");
+      return;
+    }
     unsigned char* d = shared_pointer(soff);
     // Out-of-bounds elements are zero-filled (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), and count
     // towards the transaction bytes like the others.
@@ -382,7 +393,7 @@ inline void wgmma_fence() {
 //             is unused.
 //   MN-major: 8 rows of K, each 128 bytes holding 64 elements of M/N, form an atom; the next 8
 //             rows of K are SBO bytes further, the next 64 elements of M/N LBO bytes further.
-inline float desc_element(uint64_t desc, bool mn_major, int mn, int k, bool bf16) {
+inline uint32_t desc_address(uint64_t desc, bool mn_major, int mn, int k) {
   const uint32_t start = static_cast<uint32_t>(desc & 0x3fff) << 4;
   const uint32_t lbo = static_cast<uint32_t>((desc >> 16) & 0x3fff) << 4;
   const uint32_t sbo = static_cast<uint32_t>((desc >> 32) & 0x3fff) << 4;
@@ -391,7 +402,11 @@ inline float desc_element(uint64_t desc, bool mn_major, int mn, int k, bool bf16
     a = start + (mn / 8) * sbo + (mn % 8) * 128 + k * 2;
   else
     a = start + (mn / 64) * lbo + (mn % 64) * 2 + (k / 8) * sbo + (k % 8) * 128;
-  a = swizzle128(a);
+  return swizzle128(a);
+}
+
+inline float desc_element(uint64_t desc, bool mn_major, int mn, int k, bool bf16) {
+  const uint32_t a = desc_address(desc, mn_major, mn, k);
   if (!check_shared(a, 2, "wgmma operand")) return 0.f;
   uint16_t bits;
   std::memcpy(&bits, shared_pointer(a), 2);
@@ -415,6 +430,21 @@ inline bool check_desc(uint64_t desc) {
     return false;
   }
   return true;
+}
+
+// Counts (delta +1 at issue, -1 when performed) the shared-memory chunks an operation reads.
+inline void mark_operands(const WgmmaOp& op, int delta) {
+  std::vector<uint32_t>& v = st().inflight;
+  const size_t chunks = (state().smem.size() + 15) / 16;
+  if (v.size() < chunks) v.resize(chunks, 0);
+  auto mark = [&](uint32_t a) {
+    if (a / 16 < v.size()) v[a / 16] += static_cast<uint32_t>(delta);
+  };
+  for (int k = 0; k < 16; ++k) {
+    if (!op.a_regs)
+      for (int m = 0; m < 64; ++m) mark(desc_address(op.desc_a, false, m, k));
+    for (int n = 0; n < op.n; ++n) mark(desc_address(op.desc_b, op.trans_b, n, k));
+  }
 }
 
 inline void perform(WgmmaOp& op) {
@@ -495,6 +525,7 @@ inline void wgmma(float* d, int n, bool bf16, const uint32_t* a, uint64_t desc_a
         }
       }
     }
+    mark_operands(op, +1);
   }
   warpgroup_sync();
 }
@@ -514,9 +545,10 @@ inline void wgmma_wait(int n) {
     const uint64_t limit = g.committed >= static_cast<uint64_t>(n) ? g.committed - n : 0;
     std::vector<WgmmaOp> keep;
     for (auto& op : g.pending) {
-      if (op.group < limit)
+      if (op.group < limit) {
+        mark_operands(op, -1);
         perform(op);
-      else
+      } else
         keep.push_back(op);
     }
     g.pending.swap(keep);
@@ -593,6 +625,7 @@ inline void block_start() {
   for (auto& g : x.wg) g = WarpgroupState{};
   for (auto& nb : x.named) nb = NamedBarrier{};
   for (int& r : x.warp_regs) r = x.launch_regs;
+  x.inflight.assign(x.inflight.size(), 0);
 }
 
 // Random schedule: after a fiber slice, one in-flight tensor copy may land.

@@ -228,7 +228,7 @@ int mhk_emu_fwd_plan_mma(int D, int B, int Hkv, int group, int Lq, int Lk, int n
   const int64_t rows = static_cast<int64_t>(group) * Lq;
   *decode = mhakern::caps::use_cuda_decode_fwd(rows, mask_or_dropout != 0) ? 1 : 0;
   const mhakern::caps::FwdPlanTiles t = mhakern::caps::fwd_plan_tiles(false, D, rows, mask_or_dropout != 0);
-  return static_cast<int>(mhakern::caps::plan_splits(B, Hkv, group, Lq, Lk, D, num_sms, t.m, t.n));
+  return static_cast<int>(mhakern::caps::plan_fwd_splits(B, Hkv, group, Lq, Lk, D, num_sms, t));
 }
 
 // Strides are (batch, head, row) in elements. Returns 0 on success, 1 with mhk_emu_last_error().

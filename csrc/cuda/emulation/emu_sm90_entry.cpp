@@ -100,6 +100,20 @@ void wgmma_toy(int variant, const Elem* A, const Elem* B, float* out) {
     }
   }
   sm::wgmma_commit();
+  if (variant == 4) {
+    // A stage released too early: A is loaded again over the tile the committed wgmma still
+    // reads, and lands before the wgmma.wait_group that covers it (an error in the emulator,
+    // whatever the data: on the GPU the product may read either version).
+    if (tid == 0) {
+      TensorMap ma;
+      const uint64_t da[4] = {64, 64, 1, 1}, sa[3] = {128, 8192, 8192};
+      const uint32_t box[4] = {64, 64, 1, 1};
+      mhk_emu::sm90::encode_tensor_map(ma, A, 4, 2, da, sa, box, 128);
+      sm::mbar_arrive_expect_tx(bar, 8192);
+      sm::tma_load_4d(sA, &ma, 0, 0, 0, 0, bar);
+    }
+    sm::mbar_wait(bar, 1);
+  }
   sm::wgmma_wait<0>();
   const int w = tid / 32, g = (tid % 32) / 4, t = tid % 4;
   for (int i = 0; i < N / 2; ++i) out[(16 * w + g + 8 * ((i % 4) / 2)) * N + 8 * (i / 4) + 2 * t + i % 2] = d[i];
@@ -157,8 +171,10 @@ int mhk_emu_fwd_plan_splits(int major, int minor, int sm90_compiled, int D, int 
   p.Lk = Lk;
   p.k_stride = p.v_stride = {static_cast<int64_t>(Hkv) * Lk * D, static_cast<int64_t>(Lk) * D, D};
   const bool sm90 = mhakern::cuda::choose_fwd_family(major, minor, sm90_compiled != 0, p) == mhakern::cuda::FwdFamily::sm90;
-  const mhakern::caps::FwdPlanTiles t = mhakern::caps::fwd_plan_tiles(sm90, D);
-  return static_cast<int>(mhakern::caps::plan_splits(B, Hkv, group, Lq, Lk, D, num_sms, t.m, t.n));
+  // the call's tiles as the host takes them (a mma.sync call of few packed rows: the decode kernel's)
+  const mhakern::caps::FwdPlanTiles t =
+      mhakern::caps::fwd_plan_tiles(sm90, D, static_cast<int64_t>(group) * Lq, false);
+  return static_cast<int>(mhakern::caps::plan_fwd_splits(B, Hkv, group, Lq, Lk, D, num_sms, t));
 }
 
 // What the compiled sm90 forward config (FwdConfigSm90<D>) holds, for tests to compare with

@@ -36,6 +36,34 @@
 #include "../attn_params.h"
 #include "primitives_sm90.cuh"
 
+// Compile-time diagnostic variants (benchmarks/diag_fwd_sm90.cu builds them, one per binary, to
+// split a step's time on a GPU into load wait, softmax and overlap; the extension never defines
+// them, so with all of them unset the production kernel is exactly the code below):
+//   MHK_SM90_FWD_DIAG_STAGES n   a ring of n stages instead of the capability table's (D <= 128)
+//   MHK_SM90_FWD_DIAG_NO_SOFTMAX  P = S packed as it is: no mask, row max, exp, sum or O rescale
+//                                 (the GEMMs and the pipeline alone; the output is meaningless)
+//   MHK_SM90_FWD_DIAG_NO_LOADS    the producer fills each stage once, then completes the later
+//                                 tiles' barriers without copying (compute alone; output meaningless)
+//   MHK_SM90_FWD_PIN_SOFTMAX 0|1  the never-taken shared store that keeps ptxas from hoisting the
+//                                 P V wait above the softmax (pin_before_wait); its default is
+//                                 the production kernel's choice
+#ifndef MHK_SM90_FWD_DIAG_STAGES
+#define MHK_SM90_FWD_DIAG_STAGES 0
+#endif
+#ifndef MHK_SM90_FWD_DIAG_NO_SOFTMAX
+#define MHK_SM90_FWD_DIAG_NO_SOFTMAX 0
+#endif
+#ifndef MHK_SM90_FWD_DIAG_NO_LOADS
+#define MHK_SM90_FWD_DIAG_NO_LOADS 0
+#endif
+#ifndef MHK_SM90_FWD_PIN_SOFTMAX
+#define MHK_SM90_FWD_PIN_SOFTMAX 1
+#endif
+#if (MHK_SM90_FWD_DIAG_STAGES || MHK_SM90_FWD_DIAG_NO_SOFTMAX || MHK_SM90_FWD_DIAG_NO_LOADS) && \
+    !defined(MHK_SM90_FWD_DIAG_BUILD)
+#error "the sm90 forward's diagnostic variants give wrong results: only benchmarks/diag_fwd_sm90.cu builds them"
+#endif
+
 namespace mhakern {
 namespace cuda {
 namespace sm90 {
@@ -72,7 +100,8 @@ struct FwdConfigSm90 {
   static_assert(D == 64 || D == 128 || D == 256, "the sm90 forward is instantiated for head dims 64, 128 and 256");
   static constexpr int kBlockM = caps::sm90_fwd_tiles(D).m;  // packed query rows per CTA (2 consumer warpgroups x 64)
   static constexpr int kBlockN = caps::sm90_fwd_tiles(D).n;  // keys per pipeline stage
-  static constexpr int kStages = caps::sm90_fwd_tiles(D).stages;
+  static constexpr int kStages =
+      MHK_SM90_FWD_DIAG_STAGES > 0 && D <= 128 ? MHK_SM90_FWD_DIAG_STAGES : caps::sm90_fwd_tiles(D).stages;
   static constexpr int kConsumers = 2;
   static_assert(kBlockM == 64 * kConsumers, "one 64-row wgmma strip per consumer warpgroup");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "keys per stage: a multiple of the k of P V, at most wgmma's N");
@@ -142,6 +171,7 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
 
   // Q: 16-byte chunks of packed rows into the 128-byte swizzled panels; rows past the group are
   // zeros (their results are never stored).
+  const uint32_t q_sign = p.scale_log2 < 0.f ? 0x80008000u : 0u;
   {
     const Elem* q = static_cast<const Elem*>(p.q);
     constexpr int kChunks = D / 8;
@@ -152,6 +182,14 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
       if (r < group_rows) {
         const Elem* src = q + packed_row_offset(p.q_stride, b, hkv, p.group, p.Lq, r) + ch * 8;
         val = *reinterpret_cast<const uint4*>(src);
+        // A negative scale: Q negated here (the sign bit of each 16-bit element, exact), so
+        // that the softmax below scales by |scale| and takes its row maxima on raw scores.
+        if (q_sign) {
+          val.x ^= q_sign;
+          val.y ^= q_sign;
+          val.z ^= q_sign;
+          val.w ^= q_sign;
+        }
       }
       const int panel = ch / 8, cc = ch % 8;
       *reinterpret_cast<uint4*>(sQ + panel * Cfg::kPanelBytesQ + row * 128 + ((cc ^ (row % 8)) * 16)) = val;
@@ -181,6 +219,10 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
           // Wait until the consumers released this stage's previous use (passes at once on the
           // first round: a fresh barrier's phase of parity 1 counts as complete).
           mbar_wait(&empty[s], ((it / Cfg::kStages) & 1) ^ 1);
+          if (MHK_SM90_FWD_DIAG_NO_LOADS && it >= Cfg::kStages) {
+            mbar_arrive(bar);  // diagnostic: the stage keeps its first tile's bytes
+            continue;
+          }
           mbar_arrive_expect_tx(bar, 2 * Cfg::kTileBytes);
           for (int pn = 0; pn < Cfg::kPanels; ++pn) {
             tma_load_4d(sK + s * Cfg::kTileBytes + pn * Cfg::kPanelBytesKV, &P.tma_k, pn * 64, (t0 + it) * BN, hkv, b, bar);
@@ -224,7 +266,12 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
   float m[2] = {-INFINITY, -INFINITY};
   float l[2] = {0.f, 0.f};
-  const float sl2 = p.scale_log2;
+  // The scale folded into the exponent (exp2(s * sl2 - m) by one FFMA per score, the row maxima
+  // taken on raw scores): sl2 > 0 always, Q having been negated for a negative scale; a zero
+  // scale becomes the smallest normal float, which changes no exponent by more than 2^-100
+  // (|s| < 2^26 for any finite bf16/fp16 inputs of D <= 256) and keeps a hidden key's
+  // -inf * sl2 = -inf (0 * -inf would be NaN).
+  const float sl2 = fmaxf(fabsf(p.scale_log2), 1.17549435e-38f);
 
   // Intra-warpgroup overlap: each step issues S = Q K^T of tile `it` and O += P V of tile
   // it - 1 as two commit groups, waits for the first only (wait_group 1), and masks and
@@ -235,22 +282,26 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   // O += P V of the tile in stage s: P's accumulator fragment (two n8 chunks per k16 step) is
   // the A fragment; V's rows are keys (K of this product) in 64-element panels of D (N): 8 keys
   // per 1024-byte atom (SBO), one panel to the next (LBO).
+  // Descriptors built once: the start address is the low 14 bits of a descriptor, in 16-byte
+  // units, and every operand address below stays under 228 KB (< 2^14 x 16 B), so the
+  // descriptor of base + delta is the base's plus delta / 16 (a constant per k-step and stage).
+  const uint64_t dq0 = desc_bits(shared_u32(sQ + cw * 64 * 128), 16, 1024);
+  const uint64_t dk0 = desc_bits(shared_u32(sK), 16, 1024);
+  const uint64_t dv0 = desc_bits(shared_u32(sV), Cfg::kPanelBytesKV, 1024);
   auto issue_pv = [&](int s) {
+    const uint64_t dv = dv0 + static_cast<uint64_t>(s * (Cfg::kTileBytes >> 4));
     MHK_UNROLL
-    for (int ks = 0; ks < BN / 16; ++ks) {
-      const uint64_t db = desc_bits(shared_u32(sV + s * Cfg::kTileBytes + ks * 16 * 128), Cfg::kPanelBytesKV, 1024);
-      wgmma_rs_tb<D, Elem>(o, pa[ks], db);
-    }
+    for (int ks = 0; ks < BN / 16; ++ks) wgmma_rs_tb<D, Elem>(o, pa[ks], dv + ((ks * 16 * 128) >> 4));
   };
 
   // S = Q K^T of the tile in stage s (one commit group's worth of wgmma).
   auto issue_s = [&](float (&sc)[BN / 2], int s) {
+    const uint64_t dk = dk0 + static_cast<uint64_t>(s * (Cfg::kTileBytes >> 4));
     MHK_UNROLL
     for (int kk = 0; kk < D / 16; ++kk) {
       const int pn = kk / 4, off = (kk % 4) * 32;  // 16 elements of D = 32 bytes inside a 128-byte row
-      const uint64_t da = desc_bits(shared_u32(sQ + pn * Cfg::kPanelBytesQ + cw * 64 * 128 + off), 16, 1024);
-      const uint64_t db = desc_bits(shared_u32(sK + s * Cfg::kTileBytes + pn * Cfg::kPanelBytesKV + off), 16, 1024);
-      wgmma_ss<BN, Elem>(sc, da, db, kk > 0 ? 1 : 0);
+      wgmma_ss<BN, Elem>(sc, dq0 + ((pn * Cfg::kPanelBytesQ + off) >> 4), dk + ((pn * Cfg::kPanelBytesKV + off) >> 4),
+                         kk > 0 ? 1 : 0);
     }
   };
   // Mask (only where the tile crosses a row's visible limit) and exponentiate tile t0 + it in
@@ -258,9 +309,11 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   // Base 2. A row with every key so far hidden keeps m = -inf and exponentiates against 0, so
   // that exp2(-inf - 0) = 0 instead of NaN.
   auto softmax = [&](float (&sc)[BN / 2], int it, float (&alpha)[2]) {
-    // Scaled first, masked after: a hidden key is -inf whatever the sign of the scale.
-    MHK_UNROLL
-    for (int i = 0; i < BN / 2; ++i) sc[i] *= sl2;
+    if (MHK_SM90_FWD_DIAG_NO_SOFTMAX) {  // diagnostic: P = S, nothing rescaled
+      alpha[0] = alpha[1] = 1.f;
+      return;
+    }
+    // Raw scores masked (sl2 > 0: a hidden key's -inf stays -inf once scaled).
     const int n0 = (t0 + it) * BN;
     if (n0 + BN > lim_min) {
       MHK_UNROLL
@@ -276,7 +329,7 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
       MHK_UNROLL
       for (int i = 0; i < BN / 2; ++i)
         if ((i % 4) / 2 == h) mx = fmaxf(mx, sc[i]);
-      mx = quad_max(mx);
+      mx = quad_max(mx) * sl2;  // the scaled maximum (sl2 > 0 commutes with max)
       const float m_new = fmaxf(m[h], mx);
       m_use[h] = m_new == -INFINITY ? 0.f : m_new;
       alpha[h] = fast_exp2(m[h] - m_use[h]);
@@ -286,7 +339,7 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
     MHK_UNROLL
     for (int i = 0; i < BN / 2; ++i) {
       const int h = (i % 4) / 2;
-      sc[i] = fast_exp2(sc[i] - m_use[h]);
+      sc[i] = fast_exp2(fmaf(sc[i], sl2, -m_use[h]));
       rs[h] += sc[i];
     }
     MHK_UNROLL
@@ -326,10 +379,14 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
     softmax(sc, 0, alpha);
     pack_p(sc);
   }
+  // The stage of tile `it` and its full barrier's parity, advanced without a division.
+  int s = 0;
+  uint32_t phase = 0;
   for (int it = 1; it < n_tiles; ++it) {
-    const int s = it % Cfg::kStages;
-    const int s_prev = (it - 1) % Cfg::kStages;
-    mbar_wait(&full[s], (it / Cfg::kStages) & 1);
+    const int s_prev = s;
+    s = s + 1 == Cfg::kStages ? 0 : s + 1;
+    phase ^= s == 0 ? 1u : 0u;
+    mbar_wait(&full[s], phase);
     float sc[BN / 2];
     float alpha[2];
     take_turn();
@@ -341,6 +398,11 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
     pass_turn();
     wgmma_wait<1>();  // S of this tile is complete; the previous tile's P V may still run
     softmax(sc, it, alpha);
+    // ptxas otherwise schedules the P V wait above the whole softmax (seen in the SASS: none of
+    // the loop's exps ran while P V was in flight): a shared store it cannot prove dead, of a
+    // value the softmax computes last, must stay before the wait (tools/check_cuda_build.py
+    // counts the exps between the two waits).
+    if (MHK_SM90_FWD_PIN_SOFTMAX) pin_before_wait(l[0] + l[1], p.num_splits);
     wgmma_wait<0>();              // the previous tile's P V has landed in o
     mbar_arrive(&empty[s_prev]);  // and its stage is free
     MHK_UNROLL
@@ -348,7 +410,7 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
     pack_p(sc);
   }
   if (n_tiles > 0) {
-    const int s_last = (n_tiles - 1) % Cfg::kStages;
+    const int s_last = s;  // the stage of tile n_tiles - 1
     take_turn();
     wgmma_fence();
     issue_pv(s_last);

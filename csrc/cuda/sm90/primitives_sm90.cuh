@@ -72,6 +72,8 @@ inline void tma_load_4d(void* dst, const TensorMap* map, int c0, int c1, int c2,
   ::mhk_emu::sm90::tma_load(dst, map, c, bar);
 }
 inline void warp_sync_all() { ::mhk_emu::syncwarp(); }
+// The nvcc build's scheduling pin (below); the emulator runs in program order already.
+inline void pin_before_wait(float, int) {}
 inline void named_bar_sync(int id, int count) { ::mhk_emu::sm90::named_barrier(id, count, true); }
 inline void named_bar_arrive(int id, int count) { ::mhk_emu::sm90::named_barrier(id, count, false); }
 inline void wgmma_fence() { ::mhk_emu::sm90::wgmma_fence(); }
@@ -134,6 +136,12 @@ MHK_DEVICE void tma_load_4d(void* dst, const TensorMap* map, int c0, int c1, int
       "[%6];\n" ::"r"(shared_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(shared_u32(bar))
       : "memory");
+}
+// A shared store that never executes (num_splits >= 1 always) but that ptxas cannot prove dead:
+// placed right before a wgmma wait, it keeps the code that computes `x` above that wait, since
+// ptxas orders shared stores before a wgmma wait and must compute the store's operand first.
+MHK_DEVICE void pin_before_wait(float x, int num_splits) {
+  if (num_splits < 0) asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(0), "f"(x) : "memory");
 }
 // __syncwarp over the whole warp (memory ordering among its lanes included).
 MHK_DEVICE void warp_sync_all() { __syncwarp(); }

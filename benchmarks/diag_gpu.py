@@ -1,0 +1,221 @@
+"""GPU diagnostics of the device check (benchmarks/device_check.sh), one subcommand per stage:
+
+* ``bitident``: the sm90 backward (opted in) and forward at L 4k, run twice on the same inputs:
+  the gradients and outputs must be bit-identical (the backward is deterministic by design), and
+  they must match the mma.sync family's within the tolerance rule's bf16 bound.
+* ``decode``: the decode rows of the headline table (B 4, 32 query heads, 4 or 8 KV heads, one
+  query, D 128) on the sm90 forward with its planned split count and with forced counts, and on
+  the mma.sync decode kernel (forced family): median ms and GB/s of the K/V bytes, so that the
+  split planner and the routing rule (csrc/capabilities.h) can be checked against a measurement.
+* ``ceilings``: the chip's two ceilings measured now (8192^3 bf16 product, a 2 GB copy).
+* ``one``: builds one kernel's inputs once and calls it N times (what Nsight Compute profiles:
+  ``fwd``, ``bwd``, ``decode``, ``decode_mma``).
+
+Each prints ``diag: ...`` lines (the device check copies them into its summary) and, with
+``--json``, appends one JSON object per row to that file. ``--rehearse`` runs the same plumbing
+on the CPU with tiny shapes and the reference backend (no timing meaning): a dry run of the code
+path, for a machine without a GPU.
+
+Timing: CUDA events around each call, 3 warm-ups, the median of the timed calls; random inputs
+(never zeros), three rotating sets so that a call does not find its K/V in L2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# (B, Hq, Hkv, Lk): the decode rows of the headline table (docs/benchmarks/h200/report.md).
+DECODE_SHAPES = ((4, 32, 4, 4096), (4, 32, 4, 65536), (4, 32, 4, 1048576), (4, 32, 8, 131072))
+FORCED_SPLITS = (4, 8, 9, 17, 33)
+
+
+def _setup(rehearse: bool):
+    import torch
+
+    import mhakern
+
+    dev = "cpu" if rehearse else "cuda"
+    if not rehearse:
+        why = mhakern.available_backends().get("cuda")
+        if why is not None:
+            raise SystemExit(f"diag: the cuda backend is not usable: {why}")
+    return torch, mhakern, dev
+
+
+def _timer(torch, dev, fn, reps):
+    """Median seconds of fn() over reps calls (CUDA events on a GPU; a host clock on the CPU)."""
+    for _ in range(3):
+        fn(0)
+    ts = []
+    for i in range(reps):
+        if dev == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn(i)
+            e.record()
+            e.synchronize()
+            ts.append(s.elapsed_time(e) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn(i)
+            ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _emit(args, row: dict, line: str) -> None:
+    print(f"diag: {line}", flush=True)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def _ops(torch):
+    return torch.ops.mhakern_C
+
+
+def cmd_ceilings(args) -> int:
+    torch, _, dev = _setup(args.rehearse)
+    n = 512 if args.rehearse else 8192
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    src = torch.randn((1 << 16) if args.rehearse else (1 << 28), device=dev)
+    dst = torch.empty_like(src)
+    t_mm = _timer(torch, dev, lambda i: a @ b, 10)
+    t_cp = _timer(torch, dev, lambda i: dst.copy_(src), 10)
+    mm, cp = 2 * n**3 / t_mm / 1e12, 2 * src.numel() * 4 / t_cp / 1e12
+    _emit(args, {"stage": "ceilings", "matmul_tflops": mm, "copy_tbs": cp},
+          f"ceilings: bf16 {n}^3 product {mm:.0f} TFLOP/s, copy {cp:.2f} TB/s (read + write)")
+    return 0
+
+
+def _family(torch, fwd=None, bwd=None):
+    ops = _ops(torch)
+    if fwd is not None:
+        ops.cuda_force_fwd_family(fwd)
+    if bwd is not None:
+        ops.cuda_force_bwd_family(bwd)
+
+
+def cmd_bitident(args) -> int:
+    torch, mhakern, dev = _setup(args.rehearse)
+    backend = "reference" if args.rehearse else "cuda"
+    B, H, L, D = (1, 2, 64, 64) if args.rehearse else (1, 16, 4096, 128)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v, do = (torch.randn(B, H, L, D, generator=g).to(dev, torch.bfloat16) for _ in range(4))
+    if not args.rehearse:
+        _family(torch, "auto", "auto")  # the sm90 backward opted in
+
+    def run():
+        qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+        o = mhakern.attention(qq, kk, vv, causal=args.causal, backend=backend)
+        o.backward(do)
+        return [o.detach(), qq.grad, kk.grad, vv.grad]
+
+    first, second = run(), run()
+    same = all(torch.equal(a, b) for a, b in zip(first, second))
+    if not args.rehearse:
+        _family(torch, "mma_sync", "mma_sync")
+    ref = run()
+    # Two bf16 kernels of different accumulation orders: within a few bf16 ulps of the outputs' scale.
+    err = max(float((a.float() - b.float()).abs().max() / (b.float().abs().max() + 1e-6)) for a, b in zip(first, ref))
+    ok = same and err < 3e-2
+    _emit(args, {"stage": "bitident", "identical": same, "rel_err_vs_mma_sync": err, "causal": args.causal},
+          f"sm90 fwd+bwd (bwd opted in) B{B}H{H}L{L}D{D}{' causal' if args.causal else ''}: two runs "
+          f"{'bit-identical' if same else 'DIFFER'}; largest error against mma.sync {err:.2e} (relative) "
+          f"-> {'ok' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+def cmd_decode(args) -> int:
+    torch, mhakern, dev = _setup(args.rehearse)
+    ops = None if args.rehearse else _ops(torch)
+    backend = "reference" if args.rehearse else "cuda"
+    shapes = ((1, 4, 1, 256), (1, 4, 2, 512)) if args.rehearse else DECODE_SHAPES
+    status = 0
+    for B, Hq, Hkv, Lk in shapes:
+        D = 32 if args.rehearse else 128
+        sets = [(torch.randn(B, Hq, 1, D, device=dev, dtype=torch.bfloat16),
+                 torch.randn(B, Hkv, Lk, D, device=dev, dtype=torch.bfloat16),
+                 torch.randn(B, Hkv, Lk, D, device=dev, dtype=torch.bfloat16)) for _ in range(3)]
+        nbytes = 2 * B * Hkv * Lk * D * 2
+        ref = None
+        configs = [("sm90 planned", "auto", 0)] + [(f"sm90 splits {s}", "auto", s) for s in FORCED_SPLITS]
+        configs += [("mma.sync decode planned", "mma_sync", 0)] + [(f"mma.sync decode splits {s}", "mma_sync", s)
+                                                                   for s in (8, 16)]
+        for label, fam, splits in configs:
+            if ops is not None:
+                ops.cuda_force_fwd_family(fam)
+                ops.cuda_force_splits(splits)
+            try:
+                t = _timer(torch, dev, lambda i: mhakern.attention(*sets[i % 3], backend=backend), args.reps)
+                out = mhakern.attention(*sets[0], backend=backend).float()
+            finally:
+                if ops is not None:
+                    ops.cuda_force_splits(0)
+                    ops.cuda_force_fwd_family("auto")
+            if ref is None:
+                ref = out
+            err = float((out - ref).abs().max())
+            planned = ""
+            if ops is not None and splits == 0:
+                from mhakern.backends.cuda_backend import plan_splits
+
+                sms = torch.cuda.get_device_properties(0).multi_processor_count
+                planned = f" (plan: {plan_splits(B, Hkv, Hq // Hkv, 1, Lk, D, sms, sm90=fam == 'auto')} splits)"
+            bad = err > 3e-2
+            status |= int(bad)
+            _emit(args, {"stage": "decode", "shape": [B, Hq, Hkv, Lk, D], "config": label, "ms": t * 1e3,
+                         "gbs": nbytes / t / 1e9, "max_abs_diff_vs_first": err},
+                  f"decode B{B}H{Hq}kv{Hkv}k{Lk}: {label}{planned}: {t * 1e3:.3f} ms, {nbytes / t / 1e9:.0f} GB/s"
+                  f"{'  OUTPUT DIFFERS ' + format(err, '.2e') if bad else ''}")
+    return status
+
+
+def cmd_one(args) -> int:
+    """One kernel, called args.reps times on inputs built once (what ncu profiles)."""
+    torch, mhakern, dev = _setup(args.rehearse)
+    backend = "reference" if args.rehearse else "cuda"
+    small = args.rehearse
+    kind = args.kind
+    if kind in ("fwd", "bwd"):
+        B, H, L, D = (1, 2, 128, 64) if small else (1, 16, 16384, 128)
+        q, k, v = (torch.randn(B, H, L, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    else:
+        B, Hq, Hkv, Lk, D = (1, 4, 1, 256, 32) if small else (4, 32, 8, 131072, 128)
+        q = torch.randn(B, Hq, 1, D, device=dev, dtype=torch.bfloat16)
+        k, v = (torch.randn(B, Hkv, Lk, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    if not small:
+        _family(torch, "mma_sync" if kind == "decode_mma" else "auto", "auto")
+    for _ in range(args.reps):
+        if kind == "bwd":
+            qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
+            mhakern.attention(qq, kk, vv, backend=backend).sum().backward()
+        else:
+            mhakern.attention(q, k, v, backend=backend)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    print(f"diag: one {kind}: {args.reps} calls done", flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("command", choices=("ceilings", "bitident", "decode", "one"))
+    ap.add_argument("kind", nargs="?", default="fwd", choices=("fwd", "bwd", "decode", "decode_mma"))
+    ap.add_argument("--rehearse", action="store_true", help="CPU, tiny shapes, reference backend: plumbing only")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", default="", help="append one JSON object per row to this file")
+    args = ap.parse_args(argv)
+    return {"ceilings": cmd_ceilings, "bitident": cmd_bitident, "decode": cmd_decode, "one": cmd_one}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
