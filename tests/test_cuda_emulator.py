@@ -9,7 +9,11 @@ checks must be able to fail, so each one meets a toy kernel with the defect it c
   two program points, are errors naming the call sites;
 * the seeded random schedule: shared-memory races that the fixed schedule (threads in order,
   cp.async landing at the wait) never exposes give wrong numbers under some seeds;
-* the read guard: a cp.async from outside the registered tensors is an error, not a read.
+* the read guard: a cp.async from outside the registered tensors is an error, not a read;
+* global memory: fp32 reductions landing late and blocks in flight together reorder a sum across
+  blocks unless each block waits for its turn (acquire) and passes it on after its adds
+  (release after a block barrier); each way of getting that wrong gives schedule-dependent
+  bits, and a turn that never comes is reported as a deadlock.
 
 Then the real kernels: every instantiation (both dtypes, every head dim) forward and backward
 under a random schedule, the hard cases in the dtype tests/test_cuda_host.py does not use, several random schedules giving bit-identical results, and out-of-range
@@ -56,6 +60,7 @@ def emu(request):
     lib.mhk_selftest_race.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     lib.mhk_selftest_copy.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     lib.mhk_emu_guard_reads.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.mhk_selftest_ordered_add.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 3
     yield e
     e.schedule(None)
     lib.mhk_emu_guard_reads(0, None, None)
@@ -177,6 +182,63 @@ def test_read_guard_stops_a_copy_outside_the_tensors(emu):
     finally:
         _guard(emu, [])
     assert emu.lib.mhk_selftest_copy(_ptr(src), 33, _ptr(dst)) == 0, _error(emu)
+
+
+# ---------------------------------------------------------------------------------------------
+# Global memory: fp32 reductions and acquire/release turns across concurrent blocks
+# ---------------------------------------------------------------------------------------------
+# Block b adds vals[b] (n floats) into acc as turn b of a counter (csrc/cuda/dq_accum.cuh through
+# emu_selftest.cpp's ordered_add_body). The values span 2^-12 .. 2^12, so that almost any change
+# in the order of the fp32 adds changes the bits of the sums.
+ORDER_SEEDS = range(1, 17)
+ORDER_BUGS = {1: "no order", 2: "ordering bug (a turn early)", 3: "early release (turn passed before the adds)",
+              4: "release without the block barrier", 5: "relaxed flag (no release)"}
+
+
+def _ordered_add(emu, variant, seed, blocks=6, n=40):
+    emu.schedule(seed)
+    g = torch.Generator().manual_seed(7)
+    vals = (torch.rand(blocks, n, generator=g) - 0.5) * torch.exp2(torch.randint(-12, 13, (blocks, n), generator=g))
+    acc = torch.zeros(n)
+    sem = torch.zeros(1, dtype=torch.int32)
+    rc = emu.lib.mhk_selftest_ordered_add(variant, blocks, n, _ptr(vals), _ptr(acc), _ptr(sem))
+    in_order = torch.zeros(n)
+    for b in range(blocks):  # float32 adds in block order
+        in_order += vals[b]
+    return rc, acc, in_order, int(sem.item())
+
+
+def test_ordered_adds_are_bit_identical_under_every_schedule(emu):
+    for seed in (None, *ORDER_SEEDS):
+        rc, acc, in_order, sem = _ordered_add(emu, 0, seed)
+        assert rc == 0, _error(emu)
+        assert torch.equal(acc, in_order), f"seed {seed}: the ordered adds differ from block order"
+        assert sem == 6
+    emu.schedule(None)
+
+
+@pytest.mark.parametrize("variant", sorted(ORDER_BUGS), ids=lambda v: ORDER_BUGS[v].split(" (")[0].replace(" ", "-"))
+def test_a_broken_order_gives_schedule_dependent_sums(emu, variant):
+    # The fixed schedule (one block at a time, adds landing at once) hides every one of these
+    # defects; some random schedule (blocks in flight together, adds landing late) must not.
+    rc, acc, in_order, _ = _ordered_add(emu, variant, None)
+    assert rc == 0 and torch.equal(acc, in_order)
+    differ = []
+    for seed in ORDER_SEEDS:
+        rc, acc, in_order, _ = _ordered_add(emu, variant, seed)
+        assert rc == 0, _error(emu)
+        assert torch.allclose(acc.double(), in_order.double(), rtol=1e-5, atol=1e-6)  # only the order differs
+        if not torch.equal(acc, in_order):
+            differ.append(seed)
+    emu.schedule(None)
+    assert differ, f"{ORDER_BUGS[variant]}: every random schedule summed in block order"
+
+
+def test_a_turn_that_never_comes_is_a_deadlock(emu):
+    for seed in (None, 3):
+        rc, *_ = _ordered_add(emu, 6, seed)
+        assert rc == 1 and "deadlock" in _error(emu)
+    emu.schedule(None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -76,6 +76,19 @@ struct AsyncCopy {
   uint64_t group;  // sequence number of the commit group it belongs to
 };
 
+// A global-memory reduction in flight (red / atom without a return value): performed when it
+// lands (global-memory section below). Issuer: its block and thread; bars: the __syncthreads
+// the issuer had left when it issued it.
+struct GlobalOp {
+  enum Kind : int { kAddF32, kAddU32 } kind;
+  void* addr;
+  float f;
+  uint32_t u;
+  int64_t block;
+  int thread;
+  uint64_t bars;
+};
+
 // Where a fiber arrived at a collective or barrier: the operation, its member mask, a hash of
 // the whole call stack (the program point) and its innermost return addresses.
 struct Site {
@@ -96,6 +109,7 @@ struct Fiber {
   bool done = false;
   std::vector<AsyncCopy> inflight;  // issued and not landed yet, in issue order
   uint64_t groups_committed = 0;
+  uint64_t bars_passed = 0;  // __syncthreads this fiber has left (global-memory ordering, below)
   Site site;
   // Per-lane mailbox of the warp collectives.
   uint32_t regs[6] = {0, 0, 0, 0, 0, 0};
@@ -113,6 +127,7 @@ struct Schedule {
   uint32_t p_preempt = 0;  // a switch point yields
   uint32_t p_land_now = 0;  // a cp.async lands at its issue
   uint32_t p_land_step = 0;  // after each slice of a fiber, one of its in-flight copies lands
+  int resident = 1;          // blocks of a launch in flight at once (global-memory section below)
 };
 
 struct State {
@@ -145,6 +160,15 @@ struct State {
   // stays independent of them; sm90_block_start / sm90_step are set by cuda_emu_sm90.h.
   void (*sm90_block_start)() = nullptr;  // called before a block's fibers start
   void (*sm90_step)() = nullptr;         // random schedule: after each fiber slice (lands copies)
+  // Concurrent blocks (global-memory section below): an extension with per-block state of its
+  // own exchanges it with its copy for resident slot `slot` (called when the launcher switches
+  // the block it runs); without it a launch with sm90_block_start set runs one block at a time.
+  void (*block_swap)(int slot) = nullptr;
+  // Global-memory reductions issued and not yet performed (GlobalOp, below), and the launch's
+  // own random stream (which resident block runs next).
+  std::vector<GlobalOp> global_pending;
+  uint64_t launch_rng = 0;
+  int slot = 0;  // resident slot of the block being run
 };
 
 inline State& state() {
@@ -187,6 +211,7 @@ inline void set_schedule(int random, uint64_t seed) {
   c.p_preempt = kPreempt[r & 3];
   c.p_land_now = kNow[(r >> 2) & 3];
   c.p_land_step = kStep[(r >> 4) & 3];
+  c.resident = 1 + static_cast<int>(((r >> 6) & 3) % 3);  // 1, 2, 3, 1: blocks in flight at once
 }
 
 inline int thread_index() { return state().current; }
@@ -337,6 +362,7 @@ inline void syncthreads() {
   } else {
     while (s.bar_gen == gen) yield();
   }
+  ++s.fibers[s.current].bars_passed;
   preempt_point();  // leave the barrier in a random order
 }
 
@@ -661,7 +687,213 @@ inline std::string describe_deadlock(int64_t blk, int threads) {
   return msg;
 }
 
-// Runs grid blocks of `threads` threads one after the other; each thread runs body().
+// ---- Global memory: reductions, acquire/release, concurrent blocks ---------------------------
+// What a kernel that orders its CTAs through global memory needs (the fused backward's dQ:
+// fp32 `red.global.add.f32` into a workspace, and, in its deterministic mode, a semaphore per
+// row block that each key block waits on with `ld.acquire.gpu` and advances with
+// `red.release.gpu`; csrc/cuda/dq_accum.cuh). PTX ISA "Memory Consistency Model", modelled as:
+//  * a reduction (red_add_f32, red_add_u32) does not change memory when it is issued: under
+//    the random schedule it lands at once with the seed's p_land_now, else at a random later
+//    moment (after any fiber slice with p_land_step, or when nothing else can progress), and at
+//    the latest when the launch ends; two reductions to one address may land in either order,
+//    so fp32 sums come out in a schedule-dependent order unless the kernel orders them. The
+//    fixed schedule performs each at its issue.
+//  * a release (red_release_add_u32, and fence_acq_rel_gpu, __threadfence) first performs every
+//    reduction of its own thread still in flight and, cumulatively, every one of its block
+//    issued before a __syncthreads that the releasing thread has since left (bar.sync orders
+//    the block's threads before the releaser); then its own reduction is in flight like any
+//    other. A relaxed reduction used as a flag orders nothing (the deliberate-bug tests rely on
+//    that).
+//  * ld_acquire_u32 reads memory as it is (landed reductions only), at a switch point; a spin
+//    loop calls spin_pause between its loads. Loads are never speculated early, so a missing
+//    *acquire* is not caught (a missing or misplaced release is).
+//  * blocks: under the random schedule up to `resident` blocks of a launch (1 to 3, from the
+//    seed) are in flight at once and interleave slice by slice, dispatched in block-index order
+//    as the hardware's block scheduler does (a block may wait on lower-indexed blocks of the
+//    same launch, never on higher ones); a wait nothing can satisfy (every resident block
+//    waiting, nothing in flight) is reported as a deadlock. The fixed schedule runs one block at
+//    a time, in order.
+// Plain global loads and stores are immediate, as before (no kernel communicates through them
+// within a launch).
+
+inline void perform(const GlobalOp& op) {
+  if (op.kind == GlobalOp::kAddF32)
+    *static_cast<float*>(op.addr) += op.f;
+  else
+    *static_cast<uint32_t*>(op.addr) += op.u;
+  ++state().events;  // a landing can satisfy a waiting block
+}
+
+inline void land_global(size_t i) {
+  State& s = state();
+  const GlobalOp op = s.global_pending[i];
+  s.global_pending.erase(s.global_pending.begin() + static_cast<long>(i));
+  perform(op);
+}
+
+inline void issue_global(const GlobalOp& op) {
+  State& s = state();
+  if (!s.sched.random || chance(s.sched.p_land_now))
+    perform(op);
+  else
+    s.global_pending.push_back(op);
+}
+
+inline GlobalOp global_op(GlobalOp::Kind kind, void* addr, float f, uint32_t u) {
+  State& s = state();
+  return GlobalOp{kind, addr, f, u, s.block, s.current, s.fibers[s.current].bars_passed};
+}
+
+// red.global.add.f32 (atomicAdd without a result): relaxed, gpu scope.
+inline void red_add_f32(float* addr, float v) {
+  preempt_point();
+  issue_global(global_op(GlobalOp::kAddF32, addr, v, 0));
+}
+
+// Performs what a release by the calling thread orders before itself (see above).
+inline void release_prior() {
+  State& s = state();
+  const uint64_t passed = s.fibers[s.current].bars_passed;
+  for (size_t i = 0; i < s.global_pending.size();) {
+    const GlobalOp& op = s.global_pending[i];
+    if (op.block == s.block && (op.thread == s.current || op.bars < passed))
+      land_global(i);
+    else
+      ++i;
+  }
+}
+
+// red{.relaxed,.release}.gpu.global.add.u32.
+inline void red_add_u32(uint32_t* addr, uint32_t v, bool release) {
+  preempt_point();
+  if (release) release_prior();
+  issue_global(global_op(GlobalOp::kAddU32, addr, 0.f, v));
+}
+
+// fence.acq_rel.gpu (__threadfence): the release half; loads are never early here.
+inline void fence_acq_rel_gpu() {
+  preempt_point();
+  release_prior();
+}
+
+// A switch point that counts as no progress (a waiting thread's): the deadlock check sees a
+// round of only these as a wait that cannot end.
+inline void quiet_yield() { yield(); }
+
+// ld.acquire.gpu.global.u32. (Its switch point counts as progress: the thread may be about to
+// read a value that lets it go on. In a spin loop that cannot end, some round eventually
+// passes with every preemption skipped and only spin_pause yielding: the deadlock report.)
+inline uint32_t ld_acquire_u32(const uint32_t* addr) {
+  preempt_point();
+  return *addr;
+}
+
+// Between the loads of a spin loop (nanosleep on the GPU).
+inline void spin_pause() {
+  State& s = state();
+  record_site(s.fibers[s.current].site, "spin wait (ld.acquire loop)", kFullMask);
+  quiet_yield();
+}
+
+// A resident block's own state, exchanged with State's fields while it runs.
+struct BlockSlot {
+  int64_t block = -1;  // -1: free
+  std::vector<unsigned char> smem;
+  std::vector<Fiber> fibers;
+  int bar_arrived = 0;
+  uint64_t bar_gen = 0;
+  int warp_arrived[32] = {};
+  uint64_t warp_gen[32] = {};
+  uint64_t rng = 0;
+  std::vector<int> order;
+};
+
+inline std::vector<BlockSlot>& block_slots() {
+  static std::vector<BlockSlot> slots;
+  return slots;
+}
+
+inline void swap_in(BlockSlot& b, int slot) {
+  State& s = state();
+  std::swap(s.block, b.block);
+  s.smem.swap(b.smem);
+  s.fibers.swap(b.fibers);
+  std::swap(s.bar_arrived, b.bar_arrived);
+  std::swap(s.bar_gen, b.bar_gen);
+  for (int w = 0; w < 32; ++w) {
+    std::swap(s.warp_arrived[w], b.warp_arrived[w]);
+    std::swap(s.warp_gen[w], b.warp_gen[w]);
+  }
+  std::swap(s.rng, b.rng);
+  s.order.swap(b.order);
+  s.slot = slot;
+  if (s.block_swap) s.block_swap(slot);
+}
+
+inline uint32_t launch_random() {
+  State& s = state();
+  s.launch_rng = mix64(s.launch_rng);
+  return static_cast<uint32_t>(s.launch_rng >> 32);
+}
+
+// Starts block blk in the swapped-in slot.
+inline void start_block(int64_t blk, int64_t grid, int threads, int smem_bytes) {
+  State& s = state();
+  s.block = blk;
+  // NaN in every float type; room to align the base (dynamic_smem).
+  s.smem.assign(static_cast<size_t>(smem_bytes) + kSmemAlign + 16, 0xff);
+  if (s.sm90_block_start) s.sm90_block_start();
+  s.bar_arrived = 0;
+  for (int w = 0; w < 32; ++w) s.warp_arrived[w] = 0;
+  // The block's random stream depends on the seed and the launch shape only.
+  s.rng = mix64(s.sched.seed ^ mix64(static_cast<uint64_t>(grid) * 0x10001u + threads) ^
+                mix64(static_cast<uint64_t>(smem_bytes) << 20 ^ static_cast<uint64_t>(blk)));
+  if (static_cast<int>(s.fibers.size()) < threads) s.fibers.resize(threads);
+  s.order.resize(threads);
+  for (int i = 0; i < threads; ++i) {
+    s.order[i] = i;
+    Fiber& f = s.fibers[i];
+    f.done = false;
+    f.inflight.clear();
+    f.groups_committed = 0;
+    f.bars_passed = 0;
+    f.site = Site{};
+    f.stack.resize(s.stack_bytes);
+#if defined(__x86_64__)
+    f.sp = fresh_stack(f.stack);
+#else
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack.data();
+    f.ctx.uc_stack.ss_size = f.stack.size();
+    f.ctx.uc_link = &s.scheduler;
+    makecontext(&f.ctx, fiber_main, 0);
+#endif
+  }
+}
+
+// One pass over the swapped-in block's fibers; returns how many are still running.
+inline int run_pass(int threads) {
+  State& s = state();
+  if (s.sched.random) {
+    for (int i = threads - 1; i > 0; --i) std::swap(s.order[i], s.order[next_random() % (i + 1)]);
+  }
+  int live = 0;
+  for (int k = 0; k < threads; ++k) {
+    const int i = s.order[k];
+    if (s.fibers[i].done) continue;
+    run_fiber(i);
+    if (!s.error.empty()) break;  // the block stops at its first error
+    if (s.sched.random && chance(s.sched.p_land_step)) land_one(s.fibers[i]);
+    if (s.sched.random && s.sm90_step && s.error.empty()) s.sm90_step();
+    if (s.sched.random && !s.global_pending.empty() && chance(s.sched.p_land_step))
+      land_global(next_random() % s.global_pending.size());
+    if (!s.fibers[i].done) ++live;
+  }
+  return live;
+}
+
+// Runs grid blocks of `threads` threads; each thread runs body(). One block at a time in order,
+// or (random schedule) up to sched.resident at once, interleaved (see above).
 inline void launch(std::function<void()> body, int64_t grid, int threads, int smem_bytes) {
   State& s = state();
   if (!s.error.empty()) return;
@@ -675,59 +907,65 @@ inline void launch(std::function<void()> body, int64_t grid, int threads, int sm
   }
   s.body = std::move(body);
   s.nthreads = threads;
-  if (static_cast<int>(s.fibers.size()) < threads) s.fibers.resize(threads);
-  s.order.resize(threads);
-  for (int64_t blk = 0; blk < grid && s.error.empty(); ++blk) {
-    s.block = blk;
-    // NaN in every float type; room to align the base (dynamic_smem).
-    s.smem.assign(static_cast<size_t>(smem_bytes) + kSmemAlign + 16, 0xff);
-    if (s.sm90_block_start) s.sm90_block_start();
-    s.bar_arrived = 0;
-    for (int w = 0; w < 32; ++w) s.warp_arrived[w] = 0;
-    // The block's random stream depends on the seed and the launch shape only.
-    s.rng = mix64(s.sched.seed ^ mix64(static_cast<uint64_t>(grid) * 0x10001u + threads) ^
-                  mix64(static_cast<uint64_t>(smem_bytes) << 20 ^ static_cast<uint64_t>(blk)));
-    for (int i = 0; i < threads; ++i) {
-      Fiber& f = s.fibers[i];
-      f.done = false;
-      f.inflight.clear();
-      f.groups_committed = 0;
-      f.site = Site{};
-      f.stack.resize(s.stack_bytes);
-#if defined(__x86_64__)
-      f.sp = fresh_stack(f.stack);
-#else
-      getcontext(&f.ctx);
-      f.ctx.uc_stack.ss_sp = f.stack.data();
-      f.ctx.uc_stack.ss_size = f.stack.size();
-      f.ctx.uc_link = &s.scheduler;
-      makecontext(&f.ctx, fiber_main, 0);
-#endif
-      s.order[i] = i;
+  int resident = s.sched.random ? s.sched.resident : 1;
+  if (s.sm90_block_start && !s.block_swap) resident = 1;  // an extension without per-slot state
+  if (grid < resident) resident = static_cast<int>(grid < 1 ? 1 : grid);
+  std::vector<BlockSlot>& slots = block_slots();
+  if (static_cast<int>(slots.size()) < resident) slots.resize(resident);
+  for (int j = 0; j < resident; ++j) slots[j].block = -1;
+  s.launch_rng = mix64(s.sched.seed ^ 0x1a0c4ull ^ mix64(static_cast<uint64_t>(grid) * 0x10001u + threads));
+  int64_t next = 0;
+  std::vector<int> round(resident);
+  while (s.error.empty()) {
+    int running = 0;
+    for (int j = 0; j < resident; ++j) {
+      if (slots[j].block < 0 && next < grid) {
+        swap_in(slots[j], j);
+        start_block(next++, grid, threads, smem_bytes);
+        swap_in(slots[j], j);
+      }
+      if (slots[j].block >= 0) ++running;
     }
-    int live = threads;
-    while (live > 0 && s.error.empty()) {
-      const uint64_t before = s.events;
-      if (s.sched.random) {
-        for (int i = threads - 1; i > 0; --i) std::swap(s.order[i], s.order[next_random() % (i + 1)]);
+    if (running == 0) break;
+    for (int j = 0; j < resident; ++j) round[j] = j;
+    if (s.sched.random)
+      for (int j = resident - 1; j > 0; --j) std::swap(round[j], round[launch_random() % (j + 1)]);
+    const uint64_t before = s.events;
+    for (int j : round) {
+      if (slots[j].block < 0) continue;
+      swap_in(slots[j], j);
+      const int live = run_pass(threads);
+      const bool finished = live == 0 && s.error.empty();
+      swap_in(slots[j], j);
+      if (finished) slots[j].block = -1;
+      if (!s.error.empty()) break;
+    }
+    if (s.error.empty() && s.events == before) {
+      // Nothing ran on: what is in flight lands eventually; if nothing is, the wait is endless.
+      if (!s.global_pending.empty()) {
+        land_global(s.sched.random ? launch_random() % s.global_pending.size() : 0);
+        continue;
       }
-      live = 0;
-      for (int k = 0; k < threads; ++k) {
-        const int i = s.order[k];
-        if (s.fibers[i].done) continue;
-        run_fiber(i);
-        if (!s.error.empty()) break;  // the block stops at its first error
-        if (s.sched.random && chance(s.sched.p_land_step)) land_one(s.fibers[i]);
-        if (s.sched.random && s.sm90_step && s.error.empty()) s.sm90_step();
-        if (!s.fibers[i].done) ++live;
-      }
-      if (s.error.empty() && live > 0 && s.events == before) {
-        fail(describe_deadlock(blk, threads));
+      for (int j = 0; j < resident; ++j) {
+        if (slots[j].block < 0) continue;
+        swap_in(slots[j], j);
+        std::string msg = describe_deadlock(s.block, threads);
+        swap_in(slots[j], j);
+        if (running > 1) msg += " (" + std::to_string(running) + " blocks in flight, all waiting)";
+        fail(msg);
         break;
       }
     }
-    s.current = -1;
   }
+  // The launch's end makes every reduction visible (in a random order under that schedule).
+  while (!s.global_pending.empty()) {
+    if (!s.error.empty()) {
+      s.global_pending.clear();
+      break;
+    }
+    land_global(s.sched.random ? launch_random() % s.global_pending.size() : 0);
+  }
+  s.current = -1;
 }
 
 }  // namespace mhk_emu

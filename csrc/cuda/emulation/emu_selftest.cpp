@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "../dq_accum.cuh"
 #include "cuda_emu.h"
 
 namespace mhk_selftest {
@@ -123,6 +124,64 @@ void copy_body(const unsigned char* src, int n, unsigned char* dst) {
   if (tid < n) std::memcpy(dst + 16 * tid, smem + 16 * tid, 16);
 }
 
+// Ordered accumulation across blocks (csrc/cuda/dq_accum.cuh): block b of the grid adds
+// vals[b * n + t] to acc[t] (thread t < n) as the b-th turn of counter *sem, like a key block of
+// the fused backward adding its share of a row block's dQ. variant:
+//   0 correct: dq_wait_turn(b), the adds, dq_pass_turn;
+//   1 no order (the non-deterministic mode): the adds only;
+//   2 ordering bug: waits until the counter reaches b - 1 instead of b (a turn early);
+//   3 early release: passes its turn before issuing its adds;
+//   4 release without the barrier: thread 0 passes the turn right after its own add, while the
+//     block's other threads may not have issued theirs;
+//   5 relaxed flag: the counter advanced by a relaxed add (no release);
+//   6 a turn that never comes (b + 1): the emulator must report a deadlock.
+void ordered_add_body(int variant, int n, const float* vals, float* acc, uint32_t* sem) {
+  namespace k = mhakern::cuda;
+  const int tid = thread_index();
+  const uint32_t b = static_cast<uint32_t>(block_index());
+  auto adds = [&] {
+    if (tid < n) k::red_add_f32(acc + tid, vals[b * n + tid]);
+  };
+  switch (variant) {
+    case 0:
+      k::dq_wait_turn(sem, b);
+      adds();
+      k::dq_pass_turn(sem);
+      break;
+    case 1:
+      adds();
+      break;
+    case 2:
+      if (tid == 0)
+        while (k::ld_acquire_gpu(sem) + 1 < b) k::spin_pause();
+      syncthreads();
+      adds();
+      k::dq_pass_turn(sem);
+      break;
+    case 3:
+      k::dq_wait_turn(sem, b);
+      k::dq_pass_turn(sem);
+      adds();
+      break;
+    case 4:
+      k::dq_wait_turn(sem, b);
+      adds();
+      if (tid == 0) k::red_release_add_gpu(sem, 1u);
+      break;
+    case 5:
+      k::dq_wait_turn(sem, b);
+      adds();
+      syncthreads();
+      if (tid == 0) red_add_u32(sem, 1u, false);
+      break;
+    case 6:
+      k::dq_wait_turn(sem, b + 1);
+      adds();
+      k::dq_pass_turn(sem);
+      break;
+  }
+}
+
 }  // namespace mhk_selftest
 
 extern "C" {
@@ -146,6 +205,13 @@ int mhk_selftest_copy(const void* src, int n, void* dst) {
   mhk_emu::state().error.clear();
   mhk_emu::launch([=] { mhk_selftest::copy_body(static_cast<const unsigned char*>(src), n, static_cast<unsigned char*>(dst)); },
                   1, 128, 128 * 16);
+  return mhk_emu::state().error.empty() ? 0 : 1;
+}
+
+// acc (n floats) and *sem must be zero; vals holds blocks * n values.
+int mhk_selftest_ordered_add(int variant, int blocks, int n, const float* vals, float* acc, unsigned* sem) {
+  mhk_emu::state().error.clear();
+  mhk_emu::launch([=] { mhk_selftest::ordered_add_body(variant, n, vals, acc, sem); }, blocks, 64, 0);
   return mhk_emu::state().error.empty() ? 0 : 1;
 }
 
