@@ -104,7 +104,19 @@ std::string capabilities() {
   for (int i = 0; i < caps::kSm90BwdNumHeadDims; ++i)
     js << (i ? ", " : "") << '"' << caps::kSm90BwdHeadDims[i] << "\": [" << caps::kSm90BwdDqBlockM << ", "
        << caps::sm90_bwd_dq_n(caps::kSm90BwdHeadDims[i]) << "]";
-  js << "}, \"bwd_stages\": " << caps::kSm90BwdStages << ", \"head_dims\": [";
+  // Which sm90 backward runs (the fused kernel or the split dK/dV + dQ kernels; capabilities.h
+  // kSm90BwdFused), whether its dQ is bit-identical run to run, and the fused kernel's tiles.
+  js << "}, \"bwd_stages\": " << caps::kSm90BwdStages << ", \"bwd_kernel\": \""
+     << (caps::kSm90BwdFused ? "fused" : "split") << "\", \"bwd_deterministic\": "
+     << (!caps::kSm90BwdFused || caps::kSm90BwdFusedDeterministic ? "true" : "false")
+     << ", \"bwd_fused\": {\"deterministic\": " << (caps::kSm90BwdFusedDeterministic ? "true" : "false")
+     << ", \"features\": ";
+  json_features(js, caps::kSm90BwdFusedFeatures);
+  js << ", \"stages\": " << caps::kSm90BwdFusedStages << ", \"tiles\": {";
+  for (int i = 0; i < caps::kSm90BwdNumHeadDims; ++i)
+    js << (i ? ", " : "") << '"' << caps::kSm90BwdHeadDims[i] << "\": [" << caps::kSm90BwdFusedBlockN << ", "
+       << caps::sm90_bwd_fused_m(caps::kSm90BwdHeadDims[i]) << "]";
+  js << "}}, \"head_dims\": [";
   for (int i = 0; i < caps::kSm90NumHeadDims; ++i) js << (i ? ", " : "") << caps::kSm90HeadDims[i];
   js << "], \"capability\": [" << caps::kSm90CapabilityMajor << ", " << caps::kSm90CapabilityMinor
      << "], \"fwd_tile\": [" << caps::kSm90FwdBlockM << ", " << caps::kSm90FwdBlockN << "], \"stages\": "

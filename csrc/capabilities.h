@@ -286,6 +286,38 @@ constexpr bool sm90_head_dim_supported(int64_t d) {
   return false;
 }
 
+// ---- the fused sm90 backward (csrc/cuda/sm90/attn_bwd_fused_sm90_kernel.cuh) --------------
+// One CTA per (batch, KV head, kSm90BwdFusedBlockN keys) computes dK, dV and dQ with 5 matrix
+// products per tile (the split kernels above take 7); dQ is summed in fp32 by bulk reduce-adds
+// into a zeroed workspace (sm90_bwd_fused_workspace_floats) and converted by a small kernel.
+// kSm90BwdFused is the switch: whether the host runs it in place of the split kernels for the
+// calls the sm90 backward serves (choose_bwd_family, with the same opt-in: kSm90BwdByDefault /
+// MHAKERN_CUDA_BWD_FAMILY). Off: it has run only in the CPU emulator.
+constexpr bool kSm90BwdFused = false;
+// Deterministic: each row tile's fp32 dQ adds happen in increasing key-block order (a semaphore
+// per row tile), so two runs, schedules or grid orders give bit-identical dQ. The other mode
+// (adds in any order) exists for measurement; unmeasured, so not chosen.
+constexpr bool kSm90BwdFusedDeterministic = true;
+// Modes it serves beyond key_lengths and bottom-right causal: none yet (the mma.sync family
+// serves the others, as for the split kernels).
+constexpr unsigned kSm90BwdFusedFeatures = 0;
+// Tiles: keys per CTA (2 consumer warpgroups x 64), packed query rows per stage (64: each
+// consumer's dQ part is one 64 x 64 wgmma tile; 128 rows at D 64 spilled the consumers, whose
+// S^T and dP^T would double), stages of the Q/dO ring (2: at D 128 K and V 64 KB, 2 stages
+// 64 KB, dS^T 2 x 16 KB, the fp32 dQ tile 32 KB).
+constexpr int kSm90BwdFusedBlockN = 128, kSm90BwdFusedBlockM = 64, kSm90BwdFusedStages = 2;
+constexpr int sm90_bwd_fused_m(int) { return kSm90BwdFusedBlockM; }
+// The workspace (fp32 elements, zero-filled by the caller): the dQ sums (B, Hkv, row tiles of
+// sm90_bwd_fused_m rows, D), then one 32-bit semaphore per (B, Hkv, row tile).
+constexpr int64_t sm90_bwd_fused_row_tiles(int64_t group, int64_t q_len, int64_t head_dim) {
+  return (group * q_len + sm90_bwd_fused_m(static_cast<int>(head_dim)) - 1) / sm90_bwd_fused_m(static_cast<int>(head_dim));
+}
+constexpr int64_t sm90_bwd_fused_workspace_floats(int64_t batch, int64_t kv_heads, int64_t group, int64_t q_len,
+                                                  int64_t head_dim) {
+  const int64_t tiles = batch * kv_heads * sm90_bwd_fused_row_tiles(group, q_len, head_dim);
+  return tiles * sm90_bwd_fused_m(static_cast<int>(head_dim)) * head_dim + tiles;
+}
+
 // Split-K planning (long keys with few query tiles: decode): at least kMinBlocksPerSplit key
 // blocks per split, at most kMaxSplits splits, and the fp32 partial outputs under
 // kMaxSplitWorkspaceBytes.

@@ -62,7 +62,11 @@ class Sm90BwdEmulator(Sm90Emulator):
         super().__init__(path)
         self.lib.mhk_emu_bwd_family.argtypes = [ctypes.c_int] * 7 + [ctypes.c_longlong] * 2
 
-    def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, splits=1):
+    def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, splits=1, fused=False,
+                 deterministic=True, fault=0, workspace=None):
+        """The split kernels (``splits`` dQ key splits), or with ``fused`` the fused kernel
+        (``deterministic``: the ordered dQ adds; ``fault``: a deliberate bug, see
+        BwdFusedParamsSm90::fault; ``workspace``: a list that receives its fp32 workspace)."""
         B, H, Lq, D = q.shape
         Hkv, Lk = k.shape[1], k.shape[2]
         dq, gq = padded_empty(q)
@@ -76,10 +80,18 @@ class Sm90BwdEmulator(Sm90Emulator):
         end = (ctypes.c_ulonglong * 4)(*[x.untyped_storage().data_ptr() + x.untyped_storage().nbytes() for x in bufs])
         self.lib.mhk_emu_guard_reads(4, begin, end)
         self.lib.mhk_emu_configure(1, SMEM_LIMIT_SM90)
-        rc = self.lib.mhk_emu_sm90_bwd(
-            ELEM[q.dtype], D, _ptr(dout), _st(dout), _ptr(q), _st(q), _ptr(k), _st(k), _ptr(v), _st(v), _ptr(out),
-            _st(out), _ptr(lse), _ptr(dq), _st(dq), _ptr(dk), _st(dk), _ptr(dv), _st(dv), _ptr(delta),
-            _ptr(key_lengths), B, H, Hkv, Lq, Lk, ctypes.c_float(scale), int(causal), splits, _ptr(dq_part))
+        args = (ELEM[q.dtype], D, _ptr(dout), _st(dout), _ptr(q), _st(q), _ptr(k), _st(k), _ptr(v), _st(v), _ptr(out),
+                _st(out), _ptr(lse), _ptr(dq), _st(dq), _ptr(dk), _st(dk), _ptr(dv), _st(dv), _ptr(delta),
+                _ptr(key_lengths), B, H, Hkv, Lq, Lk, ctypes.c_float(scale), int(causal))
+        if fused:
+            ws = None
+            if workspace is not None:
+                self.lib.mhk_emu_sm90_bwd_fused_ws_floats.restype = ctypes.c_longlong
+                ws = torch.empty(self.lib.mhk_emu_sm90_bwd_fused_ws_floats(B, H, Hkv, Lq, D), dtype=torch.float32)
+                workspace.append(ws)
+            rc = self.lib.mhk_emu_sm90_bwd_fused(*args, int(deterministic), fault, None if ws is None else _ptr(ws))
+        else:
+            rc = self.lib.mhk_emu_sm90_bwd(*args, splits, _ptr(dq_part))
         self.lib.mhk_emu_guard_reads(0, None, None)
         if rc != 0:
             raise RuntimeError(f"emulated sm90 backward: {self.error()}")
@@ -109,37 +121,38 @@ class _Sm90Attention(torch.autograd.Function):
     """The emulated sm90 forward and backward as one autograd op (CPU tensors)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, key_lengths, emu, splits):
+    def forward(ctx, q, k, v, scale, causal, key_lengths, emu, splits, bwd):
         qp, kp, vp = padded(q), padded(k), padded(v)
         out, lse = emu.forward(qp, kp, vp, scale, causal, key_lengths)
         ctx.save_for_backward(qp, kp, vp, out, lse)
-        ctx.cfg = (scale, causal, key_lengths, emu, splits)
+        ctx.cfg = (scale, causal, key_lengths, emu, splits, bwd)
         ctx.mark_non_differentiable(lse)
         return out.clone(), lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         qp, kp, vp, out, lse = ctx.saved_tensors
-        scale, causal, key_lengths, emu, splits = ctx.cfg
-        dq, dk, dv = emu.backward(padded(dout), qp, kp, vp, out, lse, scale, causal, key_lengths, splits)
-        return dq.clone(), dk.clone(), dv.clone(), None, None, None, None, None
+        scale, causal, key_lengths, emu, splits, bwd = ctx.cfg
+        dq, dk, dv = emu.backward(padded(dout), qp, kp, vp, out, lse, scale, causal, key_lengths, splits, **bwd)
+        return dq.clone(), dk.clone(), dv.clone(), None, None, None, None, None, None
 
 
-def sm90_attention(emu, splits=1):
+def sm90_attention(emu, splits=1, **bwd):
+    """The emulated sm90 forward + backward; ``bwd``: Sm90BwdEmulator.backward's options (fused, ...)."""
     def fn(q, k, v, *, causal=False, key_lengths=None, scale=None, return_lse=False):
         scale = 1.0 / q.shape[-1] ** 0.5 if scale is None else float(scale)
         kl = None if key_lengths is None else key_lengths.to(torch.int32).contiguous()
-        out, lse = _Sm90Attention.apply(q, k, v, scale, causal, kl, emu, splits)
+        out, lse = _Sm90Attention.apply(q, k, v, scale, causal, kl, emu, splits, bwd)
         return (out, lse) if return_lse else out
 
     return fn
 
 
-def _run(emu, case, dtype, layout="bhld", scale_inputs=1.0, splits=1, large_logits=False):
+def _run(emu, case, dtype, layout="bhld", scale_inputs=1.0, splits=1, large_logits=False, **bwd):
     B, H, Hkv, Lq, Lk, D, Dv, causal, kl = case
     q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype=dtype, layout=layout, scale_inputs=scale_inputs)
     kl_t = None if kl is None else torch.tensor(kl, dtype=torch.int32)
-    check_against_reference(sm90_attention(emu, splits), q, k, v, causal, kl_t, large_logits=large_logits)
+    check_against_reference(sm90_attention(emu, splits, **bwd), q, k, v, causal, kl_t, large_logits=large_logits)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,6 +257,134 @@ def test_sm90_backward_is_deterministic_across_schedules(emu):
 
 
 # ---------------------------------------------------------------------------------------------
+# The fused kernel (attn_bwd_fused_sm90_kernel.cuh): dK, dV and dQ in one CTA per key block, dQ by
+# bulk fp32 reduce-adds ordered by semaphores. Under the random schedule up to three CTAs run at
+# once (cuda_emu.h), so the adds of different key blocks into one row tile race unless ordered.
+# ---------------------------------------------------------------------------------------------
+
+FUSED_CASES = [
+    # each hard case once, alternating dtypes (the shapes below add the fused kernel's own paths)
+    *[(c, DTYPES[i % 2], "bhld") for i, c in enumerate(SM90_HARD)],
+    # GQA packed rows straddling heads (the loaders' plain path), key lengths incl. 0, causal,
+    # several key blocks adding into each row tile
+    ((2, 8, 2, 45, 300, 128, 128, True, (260, 0)), torch.bfloat16, "bhld"),
+    ((2, 8, 2, 45, 300, 64, 64, True, (197, 0)), torch.float16, "blhd"),
+    # more queries than keys, causal: leading rows see no key (zero dQ from the untouched sums)
+    ((1, 2, 1, 200, 70, 64, 64, True, (70,)), torch.bfloat16, "bhld"),
+    # fewer queries than keys, causal: row tiles skipped before the diagonal, 3 key blocks, the
+    # Q/dO ring and both dS^T buffers wrap
+    ((1, 1, 1, 150, 300, 128, 128, True, None), torch.float16, "blhd"),
+    ((1, 2, 2, 300, 300, 64, 64, False, None), torch.bfloat16, "bhld"),
+]
+
+
+@pytest.mark.parametrize("i_case", range(len(FUSED_CASES)),
+                         ids=[f"{case_id(c)}-{str(d)[6:]}-{lay}" for c, d, lay in FUSED_CASES])
+def test_sm90_fused_backward_against_reference(rnd, i_case):
+    case, dtype, layout = FUSED_CASES[i_case]
+    _run(rnd, case, dtype, layout=layout, fused=True)
+
+
+def test_sm90_fused_backward_nondeterministic_mode(rnd):
+    # The unordered adds: the same numbers up to the order of fp32 additions.
+    _run(rnd, (1, 4, 2, 70, 400, 64, 64, False, (400,)), torch.bfloat16, fused=True, deterministic=False)
+
+
+def test_sm90_fused_backward_large_logits(rnd):
+    _run(rnd, (1, 2, 2, 70, 150, 128, 128, False, None), torch.bfloat16, layout="blhd", scale_inputs=30.0,
+         large_logits=True, fused=True)
+
+
+def test_sm90_fused_backward_hidden_keys_never_leak(emu):
+    # Keys past key_lengths hold garbage (NaN in K, inf in V): no gradient may see them, theirs are 0.
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 40, 300, 64
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, D, dtype=torch.float16, requires_grad=False)
+    kl = torch.tensor([150, 37], dtype=torch.int32)
+    for bb, n in enumerate(kl.tolist()):
+        k[bb, :, n:] = float("nan")
+        v[bb, :, n:] = float("inf")
+    kc, vc = k.clone(), v.clone()
+    for bb, n in enumerate(kl.tolist()):
+        kc[bb, :, n:] = 0
+        vc[bb, :, n:] = 0
+    o64, lse = reference.attention_forward(q.double(), kc.double(), vc.double(), 0.125, True, kl, upcast=True)
+    out, lse = padded(o64.to(q.dtype)), lse.float().contiguous()
+    dout = padded(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(q.dtype))
+    emu.schedule(5)
+    dq, dk, dv = emu.backward(dout, padded(q), padded(k), padded(v), out, lse, 0.125, True, kl, fused=True)
+    emu.schedule(None)
+    assert torch.isfinite(dq).all()
+    for bb, n in enumerate(kl.tolist()):
+        assert torch.isfinite(dk[bb, :, :n]).all() and torch.isfinite(dv[bb, :, :n]).all()
+        assert (dk[bb, :, n:] == 0).all() and (dv[bb, :, n:] == 0).all()
+
+
+# Three row tiles (64 rows) per head group that 4 key blocks each add into: an add left in flight
+# at one tile is overtaken while its block works on the next.
+_ORDER_SHAPE = dict(B=1, H=2, Hkv=2, Lq=130, Lk=500, D=128)
+_ORDER_SEEDS = (21, 22, 23, 24, 25, 26)
+
+
+def _order_runs(emu, seeds, shape=_ORDER_SHAPE, causal=False, **bwd):
+    s = shape
+    q, k, v = make_inputs(s["B"], s["H"], s["Hkv"], s["Lq"], s["Lk"], s["D"], s["D"], dtype=torch.bfloat16,
+                          requires_grad=False)
+    qp, kp, vp = padded(q), padded(k), padded(v)
+    emu.schedule(None)
+    out, lse = emu.forward(qp, kp, vp, 0.1, causal, None)
+    dout = padded(torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(q.dtype))
+    runs = []
+    try:
+        for seed in seeds:
+            emu.schedule(seed)
+            ws = []
+            grads = emu.backward(dout, qp, kp, vp, out, lse, 0.1, causal, None, fused=True, workspace=ws, **bwd)
+            # [fp32 dQ sums, dq, dk, dv]: the sums' bits first (a bf16 dq rounds most of them away)
+            runs.append([ws[0]] + [g.clone() for g in grads])
+    finally:
+        emu.schedule(None)
+    return runs
+
+
+def test_sm90_fused_backward_is_bit_identical_across_schedules(emu):
+    # Schedules with 1 to 3 CTAs in flight, the bulk adds landing at random moments: the ordered
+    # adds give the same bits every time, and the same as the fixed schedule (one CTA at a time).
+    runs = _order_runs(emu, (None,) + _ORDER_SEEDS)
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+
+
+def _differs_across_schedules(runs):
+    return any(not torch.equal(r[0], runs[0][0]) for r in runs[1:])
+
+
+def test_sm90_fused_backward_unordered_adds_differ_across_schedules(emu):
+    # The check above can fail: the same seeds without the ordering (the non-deterministic mode,
+    # and the deliberate bugs 1 "no wait" and 2 "released before the adds complete") give
+    # different fp32 dQ sums for some schedule. (dK and dV have no cross-CTA sums: always identical.)
+    for bwd in (dict(deterministic=False), dict(fault=1), dict(fault=2)):
+        runs = _order_runs(emu, _ORDER_SEEDS, **bwd)
+        assert _differs_across_schedules(runs), bwd
+        for r in runs[1:]:
+            assert torch.equal(r[2], runs[0][2]) and torch.equal(r[3], runs[0][3])
+
+
+def test_sm90_fused_backward_early_buffer_release_fails(emu):
+    # Deliberate bug 3: the dQ writer frees the shared dQ tile before its bulk add has read it.
+    # Causal, Lq = Lk: key block 1 starts at row tile 2 and waits there for block 0 to add tiles
+    # 0-2 first; meanwhile its consumers finish tile 3 and overwrite the shared tile, so a
+    # schedule with both blocks in flight adds tile 3's numbers as tile 2's. The ordered kernel
+    # is bit-identical across schedules (above), so any difference from its sums is a wrong read.
+    shape = dict(B=1, H=1, Hkv=1, Lq=320, Lk=320, D=64)
+    good = _order_runs(emu, (None,), shape, True)[0][0]
+    bad = _order_runs(emu, _ORDER_SEEDS, shape, True, fault=3)
+    assert any(not torch.equal(r[0], good) for r in bad)
+    # wrong numbers, not a rounding: some sum off by far more than fp32 reordering could make
+    assert max((r[0] - good).abs().max().item() for r in bad) > 1e-3 * good.abs().max().item()
+
+
+# ---------------------------------------------------------------------------------------------
 # Which family serves a backward call
 # ---------------------------------------------------------------------------------------------
 
@@ -323,3 +464,56 @@ def test_sass_check_guards_the_backward_kernels(body, smem, needle):
         assert problems == [], problems
     else:
         assert any(needle in p for p in problems), problems
+
+
+_FUSED = "_ZN7mhakern4cuda4sm9026attn_bwd_fused_sm90_kernelI6__halfLi64EEEvNS1_18BwdFusedParamsSm90E"
+_CONVERT = "_ZN7mhakern4cuda4sm9031attn_bwd_dq_convert_sm90_kernelI6__halfLi64EEEvNS1_18BwdFusedParamsSm90E"
+
+
+@pytest.mark.parametrize(
+    "kernel,n_loop_hgmma,loop_extra,needle",
+    [
+        (_FUSED, 32, [], None),
+        (_FUSED, 40, [], "the config's 5 products per tile are 32"),  # a product recomputed (7 per tile)
+        (_FUSED, 24, [], "the config's 5 products per tile are 32"),  # a product left out of the loop
+        (_FUSED, 32, ["STL [R1], R2"], "local-memory instructions"),
+        (_CONVERT, 0, [], None),  # the conversion kernel: no wgmma, no loop required
+    ],
+    ids=["good", "seven-products", "product-outside-loop", "local-memory", "convert-helper"],
+)
+def test_sass_check_guards_the_fused_backward(kernel, n_loop_hgmma, loop_extra, needle):
+    # The fused kernel's main loop must hold exactly its 5 products' HGMMA (the config printer's
+    # kHgmmaPerStage; 32 here), no local memory; the conversion kernel is exempt from HGMMA.
+    tool = _check_tool()
+    body = ["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24, gsb0"] * n_loop_hgmma + loop_extra + ["@!P0 BRA 0x00", "EXIT"]
+    sass = "\n".join(["\tcode for sm_90a", f"\t\tFunction : {kernel}"]
+                     + [f"        /*{16 * i:04x}*/                   {ins} ;" for i, ins in enumerate(body)])
+    log = (f"ptxas info    : Compiling entry function '{kernel}' for 'sm_90a'\n"
+           f"ptxas info    : Function properties for {kernel}\n"
+           "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+           "ptxas info    : Used 168 registers, used 1 barriers\n")
+    result = {"src": "attn_bwd_sm90_fp16_d64.cu", "rc": 0, "log": log, "facts": tool.sass_facts_text(sass)}
+    smem = {("attn_bwd_fused_sm90_kernel", 64): 200 * 1024, ("attn_bwd_dq_convert_sm90_kernel", 64): 0,
+            ("hgmma", "attn_bwd_fused_sm90_kernel", 64): 32}
+    rows, problems, _ = tool.check_sm90([result], smem)
+    assert len(rows) == 1
+    if needle is None:
+        assert problems == [], problems
+    else:
+        assert any(needle in p for p in problems), problems
+
+
+def test_fused_backward_config_states_five_products():
+    # The gate's expectation comes from the kernel's config (one fact): 5 products per stage.
+    from test_cuda_host import cuda_include_dir
+
+    inc = cuda_include_dir()
+    if inc is None:
+        pytest.skip(missing_toolchain())
+    smem = _check_tool().sm90_dynamic_smem(inc)
+    assert smem is not None
+    for D in BWD_DIMS:
+        # S^T, dP^T over D; dV, dK over the 64 rows; dQ over the keys of one consumer's part
+        # (all 128 at D 128, its own 64 at D 64)
+        assert smem[("hgmma", "attn_bwd_fused_sm90_kernel", D)] == 2 * (D // 16) + 2 * 4 + (128 if D > 64 else 64) // 16
+        assert smem[("attn_bwd_fused_sm90_kernel", D)] <= 227 * 1024

@@ -23,8 +23,10 @@ The sm90 family (csrc/cuda/sm90/*.cu) is compiled on its own with
 and its SASS is read: the main loop of each kernel (the SASS loop holding its HGMMA) must hold
 HGMMA at all, no kernel may touch local memory (LDL/STL), use more than 255 registers per thread
 at launch or more than 227 KB of shared memory (static + what its launcher asks for), and every
-setmaxnreg target (USETMAXREG) must stay within 256. One row per kernel gives the main loop's
-instruction mix (``--no-sm90`` skips it).
+setmaxnreg target (USETMAXREG) must stay within 256; the fused backward's main loop must hold
+exactly the HGMMA of its 5 products per tile (the config's kHgmmaPerStage; the dQ conversion
+kernel, a memory-bound helper, is exempt from the HGMMA rule). One row per kernel gives the main
+loop's instruction mix (``--no-sm90`` skips it).
 
 Usage: python tools/check_cuda_build.py [-j N] [--arch 80,90] [--only fwd_fp16_d64,...]
        [--allow-spills] [--no-host] [--no-sm90] [--json out.json]
@@ -72,6 +74,8 @@ SM90_MAX_REGS = 255
 #   bound is what this kernel reaches now, kept so that it cannot grow back; the issue's 3.7
 #   (~474) needs what docs/performance.md lists as left.
 SM90_FWD_MAX_EXECUTED_PER_KEY = {128: 4.06}
+# sm90-namespace kernels without wgmma (memory-bound helpers): not held to HGMMA in a loop.
+SM90_HELPER_KERNELS = ("attn_bwd_dq_convert_sm90_kernel",)
 SMEM_LIMIT = 99 * 1024  # opt-in shared memory per block on sm_86 / sm_89 (sm_80: 163 KB, sm_90: 227 KB)
 # Kernels whose inner loop is the product: a spill there is a defect. The small helper kernels
 # (delta, combine, dq reduce) are memory-bound one-pass loops. The *_modes_kernel twins (attn_mask,
@@ -413,18 +417,23 @@ _SM90_CONFIG_PROGRAM = r"""
 #include "sm90/attn_fwd_sm90_kernel.cuh"
 using namespace mhakern::cuda::sm90;
 #include "sm90/attn_bwd_sm90_kernel.cuh"
+#include "sm90/attn_bwd_fused_sm90_kernel.cuh"
 #define MHK_ROW_(tag, D) std::printf("%d %d %d\n", D, FwdConfigSm90<D>::kSmemAlloc, FwdConfigSm90<D>::kBlockN);
 #define MHK_BWD_ROW_(tag, D) \
   std::printf("attn_bwd_dkdv_sm90_kernel %d %d\nattn_bwd_dq_sm90_kernel %d %d\n", D, \
-              BwdConfigSm90<D>::kDkvSmemAlloc, D, BwdConfigSm90<D>::kDqSmemAlloc);
+              BwdConfigSm90<D>::kDkvSmemAlloc, D, BwdConfigSm90<D>::kDqSmemAlloc); \
+  std::printf("attn_bwd_fused_sm90_kernel %d %d\nattn_bwd_dq_convert_sm90_kernel %d 0\n", D, \
+              BwdFusedConfigSm90<D>::kSmemAlloc, D); \
+  std::printf("hgmma attn_bwd_fused_sm90_kernel %d %d\n", D, BwdFusedConfigSm90<D>::kHgmmaPerStage);
 int main() { MHK_SM90_FOR_EACH_HEAD_DIM(MHK_ROW_, _) MHK_SM90_BWD_FOR_EACH_HEAD_DIM(MHK_BWD_ROW_, _) }
 """
 
 
 def sm90_dynamic_smem(include: Path) -> dict | None:
     """{head dim: dynamic shared memory} the sm90 forward's launcher requests, {("fwd_block_n",
-    head dim): keys per stage} of its tiles, and {(kernel, head dim): ...} for the backward's
-    kernels."""
+    head dim): keys per stage} of its tiles, {(kernel, head dim): ...} for the backward's
+    kernels, and {("hgmma", kernel, head dim): HGMMA its main loop must hold} where the config
+    states it (the fused backward: 5 products per tile)."""
     if shutil.which("g++") is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
@@ -441,6 +450,8 @@ def sm90_dynamic_smem(include: Path) -> dict | None:
         if f[0].isdigit():
             out[int(f[0])] = int(f[1])
             out[("fwd_block_n", int(f[0]))] = int(f[2])
+        elif f[0] == "hgmma":
+            out[("hgmma", f[1], int(f[2]))] = int(f[3])
         else:
             out[(f[0], int(f[1]))] = int(f[2])
     return out
@@ -549,8 +560,14 @@ def check_sm90(results: list[dict], smem: dict[int, int] | None) -> tuple[list[d
         if f is None:
             problems.append(f"{label}: no SASS read (cuobjdump missing): HGMMA and local memory unchecked")
         else:
-            if f["loop_hgmma"] == 0:
+            want_hgmma = (smem or {}).get(("hgmma", kern, D))
+            if f["loop_hgmma"] == 0 and kern not in SM90_HELPER_KERNELS:
                 problems.append(f"{label}: no HGMMA inside any loop of its SASS (wgmma not emitted in the main loop)")
+            elif want_hgmma is not None and f["loop_hgmma"] != want_hgmma:
+                # The fused backward's 5 products per tile (BwdFusedConfigSm90::kHgmmaPerStage): more
+                # is a product recomputed, fewer a loop the compiler split or a product left out.
+                problems.append(f"{label}: {f['loop_hgmma']} HGMMA in its main loop, the config's 5 products "
+                                f"per tile are {want_hgmma}")
             if f["local_ins"]:
                 problems.append(f"{label}: {f['local_ins']} local-memory instructions (LDL/STL)")
             if any(n > 256 for n in f["setmaxnreg"]):

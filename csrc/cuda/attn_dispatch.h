@@ -91,8 +91,9 @@ inline FwdFamily choose_fwd_family(int major, int minor, bool sm90_compiled, con
 }
 
 // ---- the sm90 backward (csrc/cuda/sm90/attn_bwd_sm90_*, capabilities.h) ---------------------
-#define MHK_DECLARE_SM90_BWD_INSTANCE_(tag, D) \
-  cudaError_t run_attn_bwd_sm90_##tag##_d##D(const BwdParams& p, cudaStream_t s);
+#define MHK_DECLARE_SM90_BWD_INSTANCE_(tag, D)                                    \
+  cudaError_t run_attn_bwd_sm90_##tag##_d##D(const BwdParams& p, cudaStream_t s); \
+  cudaError_t run_attn_bwd_sm90_fused_##tag##_d##D(const BwdParams& p, float* ws, bool det, cudaStream_t s);
 MHK_SM90_BWD_FOR_EACH_INSTANCE(MHK_DECLARE_SM90_BWD_INSTANCE_)
 #undef MHK_DECLARE_SM90_BWD_INSTANCE_
 
@@ -102,6 +103,17 @@ inline cudaError_t dispatch_attn_bwd_sm90(ElemType t, int D, const BwdParams& p,
   if (t == ElemType::tag && D == DD) return run_attn_bwd_sm90_##tag##_d##DD(p, s);
   MHK_SM90_BWD_FOR_EACH_INSTANCE(MHK_BWD_SM90_CASE_)
 #undef MHK_BWD_SM90_CASE_
+  return cudaErrorInvalidValue;
+}
+
+// Runs delta, the fused sm90 kernel and the dQ conversion on `stream`; workspace: zeros of
+// caps::sm90_bwd_fused_workspace_floats (fp32), deterministic: the ordered dQ adds.
+inline cudaError_t dispatch_attn_bwd_sm90_fused(ElemType t, int D, const BwdParams& p, float* workspace,
+                                                bool deterministic, cudaStream_t s) {
+#define MHK_BWD_SM90_FUSED_CASE_(tag, DD) \
+  if (t == ElemType::tag && D == DD) return run_attn_bwd_sm90_fused_##tag##_d##DD(p, workspace, deterministic, s);
+  MHK_SM90_BWD_FOR_EACH_INSTANCE(MHK_BWD_SM90_FUSED_CASE_)
+#undef MHK_BWD_SM90_FUSED_CASE_
   return cudaErrorInvalidValue;
 }
 

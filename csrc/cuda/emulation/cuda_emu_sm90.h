@@ -102,6 +102,7 @@ struct WgmmaOp {
   bool a_regs = false;
   float a[64][16];  // A taken at issue when from registers
   uint64_t desc_a = 0, desc_b = 0;
+  bool trans_a = false;  // A from its descriptor MN-major (imm-trans-a = 1)
   bool trans_b = false;
   bool accumulate = true;
   float* acc[kWarpgroup];
@@ -456,7 +457,7 @@ inline void perform(WgmmaOp& op) {
     std::memcpy(A, op.a, sizeof A);
   } else {
     for (int m = 0; m < 64; ++m)
-      for (int k = 0; k < 16; ++k) A[m][k] = desc_element(op.desc_a, false, m, k, op.bf16);
+      for (int k = 0; k < 16; ++k) A[m][k] = desc_element(op.desc_a, op.trans_a, m, k, op.bf16);
   }
   std::vector<float> B(16 * op.n);
   for (int k = 0; k < 16; ++k)
@@ -481,9 +482,9 @@ inline void perform(WgmmaOp& op) {
 // wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}: d (N / 2 floats per thread) = A B (+ d).
 // a_regs: A from registers (4 per thread, the mma.m16n8k16 A layout per warp, warp w holding
 // rows 16 w..16 w + 15), else from the K-major descriptor desc_a. B from desc_b, N-major when
-// trans_b (imm-trans-b = 1).
+// trans_b (imm-trans-b = 1); A from desc_a MN-major when trans_a (imm-trans-a = 1).
 inline void wgmma(float* d, int n, bool bf16, const uint32_t* a, uint64_t desc_a, uint64_t desc_b, bool trans_b,
-                  bool accumulate) {
+                  bool accumulate, bool trans_a = false) {
   State& s = state();
   Sm90State& x = st();
   const int T = s.current;
@@ -509,6 +510,7 @@ inline void wgmma(float* d, int n, bool bf16, const uint32_t* a, uint64_t desc_a
     op.a_regs = a != nullptr;
     op.desc_a = desc_a;
     op.desc_b = desc_b;
+    op.trans_a = trans_a && a == nullptr;
     op.trans_b = trans_b;
     op.accumulate = accumulate;
     op.group = g.committed;
@@ -639,10 +641,187 @@ inline void step() {
   land(c);
 }
 
-// Hooks the per-block reset and the random landing into the launcher (idempotent).
+// The fused backward's section (below) adds per-block state of its own.
+inline void bulk_block_start();
+inline void bulk_step();
+inline void block_swap(int slot);
+inline void block_start_all() {
+  block_start();
+  bulk_block_start();
+}
+inline void step_all() {
+  step();
+  bulk_step();
+}
+
+// Hooks the per-block reset, the random landing and the exchange of a resident block's state
+// into the launcher (idempotent).
 inline void install() {
-  state().sm90_block_start = &block_start;
-  state().sm90_step = &step;
+  state().sm90_block_start = &block_start_all;
+  state().sm90_step = &step_all;
+  state().block_swap = &block_swap;
+}
+
+// ==== The fused backward's pieces (csrc/cuda/sm90/attn_bwd_fused_sm90_kernel.cuh) ============
+// cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [dst], [src], bytes with its
+// cp.async.bulk.commit_group and cp.async.bulk.wait_group{,.read} 0 (PTX ISA "cp.reduce.async.bulk"):
+// an asynchronous element-wise fp32 add of `bytes` of shared memory into global memory, by one
+// thread, in two phases the random schedule places independently:
+//  * the read of the shared source, at a random moment after the issue (at once with the seed's
+//    p_land_now, after any fiber slice with p_land_step) and at the latest at the issuing
+//    thread's wait_group.read or wait_group. A kernel that lets the source be rewritten before
+//    its wait_group.read adds the new contents.
+//  * the adds into global memory, after the read, at a random moment (after any fiber slice of
+//    any resident block, with p_land_step / 256, among the operations of every block in flight:
+//    rare, as a slice is short and there are hundreds per round, so that an operation may stay
+//    in flight while other blocks go on) and at the latest at the thread's wait_group (not
+//    .read); never through a release (a generic-proxy release does not order the async proxy's
+//    writes). A kernel that signals
+//    another CTA before that wait lets the other CTA's adds land first: the fp32 sum's order,
+//    and its bits, then depend on the schedule. An operation still in flight when its launch
+//    ends is never performed (the sums lack it).
+// ASSUMPTION (as for wgmma, the latest moment the ISA allows): the adds of one operation are
+// performed together; the hardware's element order within one operation is not modelled (two
+// operations never overlap in a correct kernel of this project: the deterministic mode orders
+// them, the other mode accepts any order).
+// Resident blocks (cuda_emu.h's concurrent blocks): each slot keeps its own Sm90State and commit
+// counts, exchanged by block_swap; the operations in flight are one list for the launch.
+struct BulkReduce {
+  float* dst = nullptr;
+  uint32_t src = 0;  // shared address
+  uint32_t bytes = 0;
+  int64_t block = 0;
+  int thread = 0;
+  uint64_t group = 0;  // the issuing thread's commit group
+  bool read = false;
+  uint64_t launch = 0;
+  std::vector<float> data;  // the source, once read
+};
+
+struct BulkState {
+  std::vector<uint64_t> committed = std::vector<uint64_t>(1024, 0);  // per thread of the block
+};
+
+inline BulkState& bulk() {  // the running block's
+  static BulkState b;
+  return b;
+}
+inline std::vector<BulkReduce>& bulk_ops() {  // issued, not yet performed (every block's)
+  static std::vector<BulkReduce> v;
+  return v;
+}
+inline uint64_t& bulk_launch() {  // launches so far (bulk_block_start)
+  static uint64_t n = 0;
+  return n;
+}
+
+inline void bulk_read(BulkReduce& op) {
+  if (op.read) return;
+  op.data.resize(op.bytes / 4);
+  std::memcpy(op.data.data(), shared_pointer(op.src), op.bytes);
+  op.read = true;
+  ++state().events;
+}
+
+inline void bulk_perform(BulkReduce& op) {
+  bulk_read(op);
+  for (size_t i = 0; i < op.data.size(); ++i) op.dst[i] += op.data[i];
+  ++state().events;  // a landing can satisfy a waiting block
+}
+
+inline void bulk_reduce_add_f32(float* dst, const void* src, uint32_t bytes) {
+  State& s = state();
+  preempt_point();
+  const uint32_t a = shared_address(src);
+  if (bytes == 0 || bytes % 16 || a % 16 || reinterpret_cast<uintptr_t>(dst) % 16)
+    fail("cp.reduce.async.bulk: size, shared and global addresses must be multiples of 16 bytes");
+  if (!check_shared(a, bytes, "cp.reduce.async.bulk source") || !s.error.empty()) return;
+  BulkReduce op;
+  op.dst = dst;
+  op.src = a;
+  op.bytes = bytes;
+  op.block = s.block;
+  op.thread = s.current;
+  op.group = bulk().committed[s.current];
+  op.launch = bulk_launch();
+  if (!s.sched.random) {
+    if (!s.defer_async) bulk_perform(op);
+    else bulk_ops().push_back(op);
+    return;
+  }
+  if (chance(s.sched.p_land_now)) bulk_read(op);
+  bulk_ops().push_back(op);
+}
+
+inline void bulk_commit() { ++bulk().committed[state().current]; }
+
+// cp.async.bulk.wait_group[.read] 0: every committed operation of the calling thread has read its
+// source (read_only) or completed.
+inline void bulk_wait(bool read_only) {
+  State& s = state();
+  preempt_point();
+  auto& v = bulk_ops();
+  const uint64_t limit = bulk().committed[s.current];
+  for (size_t i = 0; i < v.size();) {
+    if (v[i].block == s.block && v[i].thread == s.current && v[i].group < limit) {
+      if (read_only) {
+        bulk_read(v[i]);
+      } else {
+        bulk_perform(v[i]);
+        v.erase(v.begin() + static_cast<long>(i));
+        continue;
+      }
+    }
+    ++i;
+  }
+}
+
+// Random schedule: after a fiber slice, one operation in flight may advance a phase: a read
+// (only the running block's: its shared memory is the one swapped in) or, rarely, the adds of
+// any block's read operation.
+inline void bulk_step() {
+  State& s = state();
+  auto& v = bulk_ops();
+  if (v.empty() || !chance(s.sched.p_land_step)) return;
+  const size_t i = next_random() % v.size();
+  if (!v[i].read) {
+    if (v[i].block == s.block) bulk_read(v[i]);
+  } else if (next_random() % 256 == 0) {
+    bulk_perform(v[i]);
+    v.erase(v.begin() + static_cast<long>(i));
+  }
+}
+
+// A new launch drops what an earlier one left in flight (its sums lacked it: a failed launch, or
+// a kernel without its final wait_group); each block starts with no commit group.
+inline void bulk_block_start() {
+  if (state().block == 0) {  // block 0 starts every launch first
+    ++bulk_launch();
+    auto& v = bulk_ops();
+    v.erase(std::remove_if(v.begin(), v.end(), [](const BulkReduce& op) { return op.launch != bulk_launch(); }),
+            v.end());
+  }
+  std::fill(bulk().committed.begin(), bulk().committed.end(), 0);
+}
+
+// The deliberate bug the fused backward's next launches make (BwdFusedParamsSm90::fault; 0 none).
+inline int& fused_bwd_fault() {
+  static int f = 0;
+  return f;
+}
+
+inline void block_swap(int slot) {
+  static std::vector<Sm90State> sm90_slots;
+  static std::vector<BulkState> bulk_slots;
+  if (static_cast<int>(sm90_slots.size()) <= slot) {
+    sm90_slots.resize(slot + 1);
+    bulk_slots.resize(slot + 1);
+  }
+  // The register plan is the launch's (set before it), not a block's.
+  const int regs = st().launch_regs;
+  std::swap(st(), sm90_slots[slot]);
+  st().launch_regs = sm90_slots[slot].launch_regs = regs;
+  std::swap(bulk(), bulk_slots[slot]);
 }
 
 }  // namespace sm90

@@ -113,9 +113,14 @@ struct BwdDqParamsSm90 {
 // 64 pn.., ROWS x 128 bytes at dst + pn ROWS 128) with plain 16-byte loads by threads
 // [0, nthreads) of the caller (thread `me`); row_ptr(r) is the row's first element or nullptr
 // (zeros). The same layout TMA writes with CU_TENSOR_MAP_SWIZZLE_128B.
+// Not unrolled: the producers run it at 24-40 registers, and unrolled copies of the loop keep
+// their hoisted swizzle terms live (the fused kernel's 64 loaders spilled them).
 template <typename Elem, int ROWS, int D, typename RowPtr>
 MHK_DEVICE void load_rows_sw128(unsigned char* dst, int me, int nthreads, RowPtr row_ptr) {
   constexpr int kChunks = D / 8;
+#if !defined(MHAKERN_CUDA_EMULATE)
+#pragma unroll 1
+#endif
   for (int c = me; c < ROWS * kChunks; c += nthreads) {
     const int row = c / kChunks, ch = c % kChunks;
     const Elem* src = row_ptr(row);

@@ -74,12 +74,18 @@ cudaError_t run_attn_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
 }  // namespace cuda
 }  // namespace mhakern
 
-// One instantiation per generated file (tools/generate_kernels.py).
+#include "attn_bwd_fused_sm90_launch.cuh"
+
+// One instantiation per generated file (tools/generate_kernels.py): the split kernels and the
+// fused one.
 #define MHK_DEFINE_ATTN_BWD_SM90(tag, D)                                                            \
   namespace mhakern {                                                                               \
   namespace cuda {                                                                                  \
   cudaError_t run_attn_bwd_sm90_##tag##_d##D(const BwdParams& p, cudaStream_t s) {                 \
     return sm90::run_attn_bwd_sm90<MHK_CUDA_ELEM_TYPE_##tag, D>(p, s);                             \
+  }                                                                                                 \
+  cudaError_t run_attn_bwd_sm90_fused_##tag##_d##D(const BwdParams& p, float* ws, bool det, cudaStream_t s) { \
+    return sm90::run_attn_bwd_sm90_fused<MHK_CUDA_ELEM_TYPE_##tag, D>(p, ws, det, s);              \
   }                                                                                                 \
   }                                                                                                 \
   }
