@@ -212,6 +212,46 @@ def test_softcap_is_refused_naming_the_option():
         model(torch.randint(1, V, (1, 5)))
 
 
+def test_sinks_are_refused_naming_the_parameter():
+    class WithSinks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sinks = torch.nn.Parameter(torch.zeros(2))
+
+    module = WithSinks()
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match=r"sinks.*WithSinks\.sinks"):
+        mkt.attention_forward(module, q, q, q, None, s_aux=module.sinks)
+
+
+def test_t5_position_bias_matches_sdpa():
+    # T5's learned relative position bias is an additive mask that mhakern differentiates.
+    from transformers import AutoModelForSeq2SeqLM, T5Config
+
+    cfg = T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                   relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0)
+    ids, mask, real = _batch("right")
+    dec = torch.randint(1, V, (3, 5), generator=torch.Generator().manual_seed(3))
+    runs = []
+    for impl, backend in (("sdpa", "cpu"), ("mhakern", "reference")):
+        torch.manual_seed(0)
+        model = AutoModelForSeq2SeqLM.from_config(copy.deepcopy(cfg), attn_implementation=impl,
+                                                  dtype=torch.float64).eval()
+        if runs:
+            model.load_state_dict(runs[0][2])
+        mkt.register(backend)
+        logits = model(ids, attention_mask=mask, decoder_input_ids=dec).logits
+        w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        (logits * w).sum().backward()
+        runs.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                     model.state_dict()))
+    (l0, g0, _), (l1, g1, _) = runs
+    assert _err(l1, l0) <= 1e-10
+    assert g0.keys() == g1.keys() and any("relative_attention_bias" in n for n in g0)
+    for n in g0:
+        assert _err(g1[n], g0[n]) <= _grad_tol64(g0[n]), n
+
+
 def test_register_is_idempotent_and_extra_pins_the_checked_version():
     mkt.register()
     mkt.register()

@@ -36,8 +36,9 @@ Packed training (several sequences in one row, positions restarting) is thus a b
 per-document causal bool mask; the flash-attention kwargs ``cu_seq_lens_q``/``cu_seq_lens_k``
 (a padding-free data collator's) are honoured the same way. GQA models pass their fewer KV
 heads as they are (no ``repeat_kv`` copy). ``scaling`` and ``dropout`` go to mhakern as they
-come. Options mhakern does not have (logit ``softcap``, attention sinks ``s_aux``, T5's
-``position_bias``, a ``head_mask``) raise ``ValueError`` naming the model's option.
+come; T5's learned ``position_bias`` becomes an additive float mask, which mhakern
+differentiates. Options mhakern does not have (logit ``softcap``, attention sinks ``s_aux``, a
+``head_mask``) raise ``ValueError`` naming the model's option.
 """
 from __future__ import annotations
 
@@ -290,11 +291,6 @@ def _refuse_unsupported(module, softcap, s_aux, kwargs) -> None:
             f"attn_implementation='mhakern': attention sinks (s_aux, the learned {where}) are not implemented by "
             "mhakern; use attn_implementation='eager' or 'sdpa' for this model"
         )
-    if kwargs.get("position_bias") is not None:
-        raise ValueError(
-            "attn_implementation='mhakern': an additive position_bias (T5-style relative attention bias) is not "
-            "mapped by this integration yet; use attn_implementation='sdpa'"
-        )
     if kwargs.get("head_mask") is not None:
         raise ValueError("attn_implementation='mhakern': head_mask is not supported; use attn_implementation='eager'")
 
@@ -375,8 +371,7 @@ def attention_forward(
     Returns:
         (attn_output (B, Lq, H, Dv) contiguous, None): transformers' convention.
     """
-    if softcap is not None or s_aux is not None or kwargs.get("position_bias") is not None \
-            or kwargs.get("head_mask") is not None:
+    if softcap is not None or s_aux is not None or kwargs.get("head_mask") is not None:
         _refuse_unsupported(module, softcap, s_aux, kwargs)
     if kwargs.get("output_attentions", False):
         warnings.warn("attn_implementation='mhakern' returns no attention weights (output_attentions=True ignored)",
@@ -424,6 +419,16 @@ def attention_forward(
         else:
             mask = _and(mask, seg)
 
+    bias = kwargs.get("position_bias")
+    if bias is not None:
+        # T5-style relative position bias (B|1, H, Lq, Lk): an additive float mask, which
+        # mhakern differentiates (the bias is learned). A bool mask is folded in as -inf.
+        if mask is None:
+            mask = bias
+        elif mask.dtype == torch.bool:
+            mask = bias.masked_fill(~mask, float("-inf"))
+        else:
+            mask = bias + mask
     out = mhakern.attention(
         query, key, value,
         attn_mask=mask, dropout_p=dropout, causal=causal, causal_align=align, window=window, scale=scaling,
