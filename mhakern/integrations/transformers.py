@@ -371,14 +371,11 @@ def attention_forward(
     Returns:
         (attn_output (B, Lq, H, Dv) contiguous, None): transformers' convention.
     """
-    if softcap is not None or s_aux is not None or kwargs.get("head_mask") is not None:
+    if softcap is not None or s_aux is not None:
         _refuse_unsupported(module, softcap, s_aux, kwargs)
-    if kwargs.get("output_attentions", False):
-        warnings.warn("attn_implementation='mhakern' returns no attention weights (output_attentions=True ignored)",
-                      stacklevel=2)
     Lq, Lk = query.shape[2], key.shape[2]
     vis = attention_mask
-    if isinstance(vis, Visibility):
+    if type(vis) is Visibility:
         if vis.q_length != Lq or vis.kv_length != Lk:
             raise ValueError(
                 f"attention_mask: made for {vis.q_length} queries and {vis.kv_length} keys, but this layer has {Lq} "
@@ -400,7 +397,30 @@ def attention_forward(
         causal, align, window, key_lengths, mask = False, "bottom_right", None, None, vis
     else:
         raise TypeError(f"attention_mask: expected None, a tensor or a Visibility, got {type(vis).__name__}")
+    # Most calls carry only kwargs that do not change attention (position_ids in a decode step,
+    # use_cache): one set intersection decides whether any of the others need looking at.
+    if kwargs and not (_KWARGS_PACKED if Lq > 1 else _KWARGS).isdisjoint(kwargs):
+        mask = _from_kwargs(module, query, Lq, Lk, mask, key_lengths, kwargs)
+    out = mhakern.attention(
+        query, key, value,
+        attn_mask=mask, dropout_p=dropout, causal=causal, causal_align=align, window=window, scale=scaling,
+        key_lengths=key_lengths, backend=_state["backend"],
+    )
+    return out.transpose(1, 2).contiguous(), None
 
+
+# kwargs that change what a layer computes; position_ids only matter to a packed (Lq > 1) call.
+_KWARGS = frozenset({"head_mask", "output_attentions", "cu_seq_lens_q", "cu_seq_lens_k", "position_bias"})
+_KWARGS_PACKED = _KWARGS | {"position_ids"}
+
+
+def _from_kwargs(module, query, Lq, Lk, mask, key_lengths, kwargs):
+    """The mask after the kwargs that refine it (packing, position bias); refuses head_mask."""
+    if kwargs.get("head_mask") is not None:
+        _refuse_unsupported(module, None, None, kwargs)
+    if kwargs.get("output_attentions", False):
+        warnings.warn("attn_implementation='mhakern' returns no attention weights (output_attentions=True ignored)",
+                      stacklevel=3)
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     position_ids = kwargs.get("position_ids")
     if (position_ids is not None and cu_q is None and mask is None and key_lengths is None and Lq == Lk > 1
@@ -418,7 +438,6 @@ def attention_forward(
             mask = mask.masked_fill(~seg, float("-inf"))
         else:
             mask = _and(mask, seg)
-
     bias = kwargs.get("position_bias")
     if bias is not None:
         # T5-style relative position bias (B|1, H, Lq, Lk): an additive float mask, which
@@ -429,12 +448,7 @@ def attention_forward(
             mask = bias.masked_fill(~mask, float("-inf"))
         else:
             mask = bias + mask
-    out = mhakern.attention(
-        query, key, value,
-        attn_mask=mask, dropout_p=dropout, causal=causal, causal_align=align, window=window, scale=scaling,
-        key_lengths=key_lengths, backend=_state["backend"],
-    )
-    return out.transpose(1, 2).contiguous(), None
+    return mask
 
 
 __all__ = ["register", "NAME", "MIN_TRANSFORMERS", "Visibility", "attention_forward", "mask_interface"]
