@@ -122,6 +122,18 @@ def test_generate_gives_sdpa_tokens(name):
     assert torch.equal(mine.generate(ids, **kw), ref.generate(ids, **kw))
 
 
+def test_generate_with_a_static_cache():
+    # A static cache holds more key slots than tokens seen: queries sit at the cache position,
+    # neither top-left nor bottom-right of the keys (key_lengths = position + 1 align them).
+    ids, mask, _ = _batch("left", L=7)
+    ref, mine = _pair("llama", torch.float32, "cpu")
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static")
+    assert torch.equal(mine.generate(ids, **kw), ref.generate(ids, **kw))
+    vis = mkt.mask_interface(1, 1, 16, q_offset=5, mask_function=mu.causal_mask_function,
+                             attention_mask=torch.ones(1, 6, dtype=torch.bool))
+    assert vis.causal_align == "bottom_right" and vis.key_lengths.tolist() == [6] and vis.attn_mask is None
+
+
 @pytest.mark.parametrize("name", ["llama", "mistral"])
 def test_packed_matches_padded(name):
     # Three sequences (9, 6, 4 tokens) packed in one row, positions restarting at 0, no mask:

@@ -128,6 +128,11 @@ class Visibility:
     q_length: int
     kv_length: int
 
+    # generate() with a static cache builds the masks ahead and hands them to the model's forward,
+    # whose mask creation then sees a Visibility where a 2-D mask would be converted: ndim 4
+    # marks it as prepared, and mask_interface passes it through.
+    ndim = 4
+
 
 def _pattern(mask_function, local_size, allow_causal_skip, allow_bidirectional_skip):
     """("causal" | "bidirectional", window) for the patterns mapped without a mask, else None.
@@ -212,6 +217,14 @@ def mask_interface(
 
     if mask_function is None:
         mask_function = mu.causal_mask_function
+    if isinstance(attention_mask, Visibility):  # built ahead by generate() (see Visibility.ndim)
+        if attention_mask.kv_length != kv_length or (
+                not isinstance(q_length, torch.Tensor) and attention_mask.q_length != q_length):
+            raise ValueError(
+                f"attention_mask: a prepared mask for {attention_mask.q_length} queries and {attention_mask.kv_length} "
+                f"keys does not fit this call's {q_length} and {kv_length}"
+            )
+        return attention_mask
     if isinstance(q_length, torch.Tensor):  # older callers pass cache_position in q_length's place
         q_offset, q_length = q_length[0], q_length.shape[0]
     sdpa_args = dict(
@@ -256,7 +269,10 @@ def _place(positional: bool, off: int, Lq: int, Lk: int, pad, B: int, device):
     if off == 0:
         return "top_left", None, mask
     if 0 < off and Lq + off <= Lk:
-        # Keys at or past Lq + off are after every query: hiding them changes nothing else.
+        # Keys at or past Lq + off are after every query: hiding them changes nothing else. A
+        # static cache's unwritten tail is exactly that padding: then no mask is needed.
+        if prefix is not None and bool((prefix == Lq + off).all()):
+            mask = None
         return "bottom_right", torch.full((B,), Lq + off, dtype=torch.int32, device=device), mask
     return None
 
