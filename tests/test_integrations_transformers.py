@@ -77,7 +77,8 @@ def _logits_and_grads(model, ids, mask, real, **kw):
     logits = model(ids, attention_mask=mask, **kw).logits
     w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(logits.dtype)
     (logits * w)[real].sum().backward()
-    return logits.detach()[real], {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach()[real], grads
 
 
 def _err(a, b):

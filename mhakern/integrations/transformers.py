@@ -33,16 +33,18 @@ work. transformers describes a mask by a *mask function* over absolute positions
   bytes built once per forward, and kernels that visit every key block.
 
 Packed training (several sequences in one row, positions restarting) is thus a block-diagonal,
-per-document causal bool mask; the flash-attention kwargs ``cu_seq_lens_q``/``cu_seq_lens_k``
-(a padding-free data collator's) are honoured the same way. GQA models pass their fewer KV
-heads as they are (no ``repeat_kv`` copy). ``scaling`` and ``dropout`` go to mhakern as they
-come; T5's learned ``position_bias`` becomes an additive float mask, which mhakern
-differentiates. Options mhakern does not have (logit ``softcap``, attention sinks ``s_aux``, a
+per-document causal bool mask. transformers finds packing while building masks only when no
+cache object exists (``use_cache=False``); otherwise the attention call finds it from
+``position_ids`` as the flash-attention path does (any batch size, only without a padding mask;
+one host read per forward, cached across layers). The flash-attention kwargs
+``cu_seq_lens_q``/``cu_seq_lens_k`` (a padding-free data collator's) are honoured the same way.
+GQA models pass their fewer KV heads as they are (no ``repeat_kv`` copy). ``scaling`` and
+``dropout`` go to mhakern as they come; T5's learned ``position_bias`` becomes an additive float
+mask, which mhakern differentiates. Options mhakern does not have (logit ``softcap``, attention sinks ``s_aux``, a
 ``head_mask``) raise ``ValueError`` naming the model's option.
 """
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -295,10 +297,10 @@ def _config_option(module, value) -> str:
 def _refuse_unsupported(module, softcap, s_aux, kwargs) -> None:
     if softcap is not None:
         opt = _config_option(module, softcap)
+        what = opt if opt.startswith("config.") else "it"
         raise ValueError(
             f"attn_implementation='mhakern': attention logit soft-capping (softcap={softcap}, set by {opt}) is not "
-            f"implemented by mhakern; set {opt if opt.startswith('config.') else 'it'} = None to run without it, or use "
-            "attn_implementation='eager'"
+            f"implemented by mhakern; set {what} = None to run without it, or use attn_implementation='eager'"
         )
     if s_aux is not None:
         names = [n for n, p in module.named_parameters(recurse=False) if p is s_aux]
@@ -397,7 +399,8 @@ def attention_forward(
                 f"attention_mask: made for {vis.q_length} queries and {vis.kv_length} keys, but this layer has {Lq} "
                 f"and {Lk}; the model changed the sizes after building the mask"
             )
-        causal, align, window, key_lengths, mask = vis.causal, vis.causal_align, vis.window, vis.key_lengths, vis.attn_mask
+        causal, align, window = vis.causal, vis.causal_align, vis.window
+        key_lengths, mask = vis.key_lengths, vis.attn_mask
     elif vis is None:
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         align, key_lengths, mask = "bottom_right", None, None
