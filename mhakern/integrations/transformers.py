@@ -181,7 +181,11 @@ def _padding(attention_mask, batch_size, kv_length, kv_offset, device):
     """
     if attention_mask is None:
         return None
-    pad = attention_mask.to(device=device, dtype=torch.bool)[:, kv_offset:kv_offset + kv_length]
+    pad = attention_mask
+    if pad.dtype != torch.bool or pad.device != torch.device(device):
+        pad = pad.to(device=device, dtype=torch.bool)
+    if kv_offset or pad.shape[-1] != kv_length:
+        pad = pad[:, kv_offset:kv_offset + kv_length]
     if pad.shape[-1] < kv_length:
         pad = torch.nn.functional.pad(pad, (0, kv_length - pad.shape[-1]), value=False)
     if pad.shape[0] != batch_size:
