@@ -1,0 +1,285 @@
+"""mhakern.integrations.transformers: tiny random models from configs, "mhakern" against "sdpa".
+
+Each model is built twice from one config on the same weights, once per implementation, and
+compared on logits and parameter gradients at the real (non-padding) positions, with right and
+left padding; greedy generate() must give SDPA's tokens; a packed batch (position_ids restarting
+at 0) must give the padded batch's logits and gradients. Oracle and tolerance (the contract's
+rule, at model level): float64 SDPA; the float32 "cpu" backend may be off by at most twice
+float32 SDPA's own error plus 1e-5 (3x for gradients); the float64 "reference" backend by 1e-10
+in the logits, and in the gradients by 1e-6 of their largest magnitude: mhakern keeps the lse in
+float32 for every dtype (docs/contract.md, "Shapes and layout") and the backward recomputes the
+probabilities from it, so float64 gradients carry float32's relative rounding (~1e-7).
+No network: configs only, random input ids.
+"""
+import copy
+import pathlib
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", minversion="5.4.0",
+    reason="transformers>=5.4.0 is not installed (pip install 'mhakern[transformers]')",
+)
+
+import mhakern.integrations.transformers as mkt  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM  # noqa: E402
+from transformers import masking_utils as mu  # noqa: E402
+
+V = 128
+SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=64)
+
+
+def _configs():
+    from transformers import BertConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    return {
+        "llama": (LlamaConfig(**SMALL, num_key_value_heads=2), AutoModelForCausalLM),
+        "mistral": (MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=4), AutoModelForCausalLM),
+        "gpt2": (GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64), AutoModelForCausalLM),
+        "bert": (BertConfig(**SMALL), AutoModelForMaskedLM),
+        "qwen2": (Qwen2Config(**SMALL, num_key_value_heads=1, use_sliding_window=True, sliding_window=4,
+                              max_window_layers=1), AutoModelForCausalLM),
+    }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    mkt.register()
+    yield
+    mkt.register("auto")
+
+
+def _pair(name, dtype, backend):
+    cfg, auto = _configs()[name]
+    torch.manual_seed(0)
+    ref = auto.from_config(copy.deepcopy(cfg), attn_implementation="sdpa", dtype=dtype).eval()
+    mine = auto.from_config(copy.deepcopy(cfg), attn_implementation="mhakern", dtype=dtype).eval()
+    mine.load_state_dict(ref.state_dict())
+    mkt.register(backend)
+    return ref, mine
+
+
+def _batch(padding, B=3, L=9):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, V, (B, L), generator=g)
+    lengths = torch.tensor([L, 6, 4])
+    real = torch.arange(L)[None, :] < lengths[:, None]
+    if padding == "left":
+        real = real.flip(-1)
+    return ids, real.long(), real
+
+
+def _logits_and_grads(model, ids, mask, real, **kw):
+    model.zero_grad(set_to_none=True)
+    logits = model(ids, attention_mask=mask, **kw).logits
+    w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(logits.dtype)
+    (logits * w)[real].sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach()[real], grads
+
+
+def _err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+def _grad_tol64(g):
+    # float32 lse behind float64 gradients: see the module docstring
+    return 1e-6 * g.abs().max().item() + 1e-10
+
+
+MODELS = ["llama", "mistral", "gpt2", "bert", "qwen2"]
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_and_gradients_match_sdpa(name, padding):
+    ids, mask, real = _batch(padding)
+    ref64, mine64 = _pair(name, torch.float64, "reference")
+    l64, g64 = _logits_and_grads(ref64, ids, mask, real)
+    m64, gm64 = _logits_and_grads(mine64, ids, mask, real)
+    assert _err(m64, l64) <= 1e-10
+    assert g64.keys() == gm64.keys()
+    for n in g64:
+        assert _err(gm64[n], g64[n]) <= _grad_tol64(g64[n]), n
+
+    ref32, mine32 = _pair(name, torch.float32, "cpu")
+    l32, g32 = _logits_and_grads(ref32, ids, mask, real)
+    m32, gm32 = _logits_and_grads(mine32, ids, mask, real)
+    assert _err(m32, l64) <= 2 * _err(l32, l64) + 1e-5
+    for n in g64:
+        assert _err(gm32[n], g64[n]) <= 3 * _err(g32[n], g64[n]) + 1e-5, n
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gpt2"])
+def test_generate_gives_sdpa_tokens(name):
+    # Left padding (as generation wants) and a prompt + 10 new tokens longer than the sliding
+    # window (4): decode steps use the bottom-right alignment and the sliding cache.
+    ids, mask, _ = _batch("left", L=7)
+    ref, mine = _pair(name, torch.float32, "cpu")
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert torch.equal(mine.generate(ids, **kw), ref.generate(ids, **kw))
+
+
+def test_generate_with_a_static_cache():
+    # A static cache holds more key slots than tokens seen: queries sit at the cache position,
+    # neither top-left nor bottom-right of the keys (key_lengths = position + 1 align them).
+    ids, mask, _ = _batch("left", L=7)
+    ref, mine = _pair("llama", torch.float32, "cpu")
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static")
+    assert torch.equal(mine.generate(ids, **kw), ref.generate(ids, **kw))
+    vis = mkt.mask_interface(1, 1, 16, q_offset=5, mask_function=mu.causal_mask_function,
+                             attention_mask=torch.ones(1, 6, dtype=torch.bool))
+    assert vis.causal_align == "bottom_right" and vis.key_lengths.tolist() == [6] and vis.attn_mask is None
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_packed_matches_padded(name):
+    # Three sequences (9, 6, 4 tokens) packed in one row, positions restarting at 0, no mask:
+    # block-diagonal causal attention; must equal the right-padded batch at its real tokens.
+    ids, mask, real = _batch("right")
+    lengths = real.sum(-1).tolist()
+    packed = torch.cat([ids[b, :n] for b, n in enumerate(lengths)])[None]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    ref, mine = _pair(name, torch.float64, "reference")
+    pad_logits, pad_grads = _logits_and_grads(mine, ids, mask, real)
+
+    def packed_run(**kw):
+        mine.zero_grad(set_to_none=True)
+        logits = mine(packed, position_ids=pos, **kw).logits[0]
+        w = torch.randn((3, 9, V), generator=torch.Generator().manual_seed(2), dtype=torch.float64)[real]
+        (logits * w).sum().backward()
+        return logits.detach(), {n: p.grad.detach().clone() for n, p in mine.named_parameters() if p.grad is not None}
+
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+    for kw in ({}, dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9)):
+        logits, grads = packed_run(**kw)
+        assert _err(logits, pad_logits) <= 1e-10
+        for n in pad_grads:
+            assert _err(grads[n], pad_grads[n]) <= _grad_tol64(pad_grads[n]), n
+    # and the padded batch itself is SDPA's
+    sdpa_logits, _ = _logits_and_grads(ref, ids, mask, real)
+    assert _err(pad_logits, sdpa_logits) <= 1e-10
+
+
+def test_cu_seq_lens_alone_restrict_attention():
+    # The padding-free collator's cu_seq_lens, without position_ids showing the packing, must
+    # still keep the sequences apart (mhakern's per-layer block-diagonal mask).
+    q, k, v = (torch.randn(1, 2, 7, 8, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    plain = mkt.mask_interface(1, 7, 7, mask_function=mu.causal_mask_function)
+    module = torch.nn.Module()
+    out, _ = mkt.attention_forward(module, q, k, v, plain, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    parts = [torch.nn.functional.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True)
+             for a, b in ((0, 3), (3, 7))]
+    assert _err(out, torch.cat(parts, 2).transpose(1, 2)) <= 1e-12
+
+
+def test_mask_fast_paths():
+    # Right padding -> key_lengths; left padding -> a (B, 1, 1, Lk) mask; decode -> bottom-right;
+    # sliding windows -> window; anything else (chunked attention) -> transformers' full mask.
+    real = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+    vis = mkt.mask_interface(2, 4, 4, mask_function=mu.causal_mask_function, attention_mask=real)
+    assert vis.causal and vis.causal_align == "top_left" and vis.attn_mask is None
+    assert vis.key_lengths.tolist() == [4, 2]
+    vis = mkt.mask_interface(2, 4, 4, mask_function=mu.causal_mask_function, attention_mask=real.flip(-1))
+    assert vis.key_lengths is None and vis.attn_mask.shape == (2, 1, 1, 4)
+    vis = mkt.mask_interface(2, 1, 5, q_offset=4, mask_function=mu.causal_mask_function,
+                             attention_mask=torch.ones(2, 5, dtype=torch.bool))
+    assert vis.causal and vis.causal_align == "bottom_right" and vis.attn_mask is None and vis.key_lengths is None
+    vis = mkt.mask_interface(2, 6, 6, mask_function=mu.sliding_window_causal_mask_function(3), local_size=3)
+    assert vis.causal and vis.window == (2, 0) and vis.attn_mask is None
+    chunked = mu.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))
+    vis = mkt.mask_interface(2, 7, 7, mask_function=chunked, local_size=3)
+    want = mu.sdpa_mask(2, 7, 7, mask_function=chunked, allow_is_causal_skip=False)
+    assert not vis.causal and vis.window is None and torch.equal(vis.attn_mask, want)
+
+
+def test_dropout_reaches_mhakern():
+    # Training-mode attention dropout goes to mhakern: the keep mask is the contract's hash of
+    # one seed, so the cpu and reference backends drop the same positions.
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(**SMALL, num_key_value_heads=2, attention_dropout=0.5)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="mhakern").train()
+    ids = torch.randint(1, V, (2, 8), generator=torch.Generator().manual_seed(1))
+    outs = []
+    for backend in ("cpu", "reference"):
+        mkt.register(backend)
+        torch.manual_seed(5)
+        outs.append(model(ids).logits)
+    model.eval()
+    assert _err(outs[0], outs[1]) <= 1e-4
+    assert _err(outs[0], model(ids).logits) > 1e-2
+
+
+def test_softcap_is_refused_naming_the_option():
+    from transformers import Gemma2Config
+
+    cfg = Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=8, attn_logit_softcapping=50.0, sliding_window=4)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="mhakern")
+    with pytest.raises(ValueError, match=r"soft-capping.*config\.attn_logit_softcapping"):
+        model(torch.randint(1, V, (1, 5)))
+
+
+def test_sinks_are_refused_naming_the_parameter():
+    class WithSinks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sinks = torch.nn.Parameter(torch.zeros(2))
+
+    module = WithSinks()
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match=r"sinks.*WithSinks\.sinks"):
+        mkt.attention_forward(module, q, q, q, None, s_aux=module.sinks)
+
+
+def test_t5_position_bias_matches_sdpa():
+    # T5's learned relative position bias is an additive mask that mhakern differentiates.
+    from transformers import AutoModelForSeq2SeqLM, T5Config
+
+    cfg = T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                   relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0)
+    ids, mask, real = _batch("right")
+    dec = torch.randint(1, V, (3, 5), generator=torch.Generator().manual_seed(3))
+    runs = []
+    for impl, backend in (("sdpa", "cpu"), ("mhakern", "reference")):
+        torch.manual_seed(0)
+        model = AutoModelForSeq2SeqLM.from_config(copy.deepcopy(cfg), attn_implementation=impl,
+                                                  dtype=torch.float64).eval()
+        if runs:
+            model.load_state_dict(runs[0][2])
+        mkt.register(backend)
+        logits = model(ids, attention_mask=mask, decoder_input_ids=dec).logits
+        w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        (logits * w).sum().backward()
+        runs.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                     model.state_dict()))
+    (l0, g0, _), (l1, g1, _) = runs
+    assert _err(l1, l0) <= 1e-10
+    assert g0.keys() == g1.keys() and any("relative_attention_bias" in n for n in g0)
+    for n in g0:
+        assert _err(g1[n], g0[n]) <= _grad_tol64(g0[n]), n
+
+
+def test_register_is_idempotent_and_extra_pins_the_checked_version():
+    mkt.register()
+    mkt.register()
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    assert AttentionInterface._global_mapping[mkt.NAME] is mkt.attention_forward
+    assert AttentionMaskInterface._global_mapping[mkt.NAME] is mkt.mask_interface
+    with pytest.raises(ValueError, match="backend"):
+        mkt.register("no-such-backend")
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        root = pathlib.Path(__file__).resolve().parents[1]
+        extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+        pin = f"transformers>={mkt.MIN_TRANSFORMERS}"
+        assert extras["transformers"] == [pin]
+        assert pin in extras["test"]
