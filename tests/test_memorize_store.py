@@ -21,6 +21,22 @@ from mhakern.memorize.train import RunResult, train_stack
 
 TINY = RunConfig(heads=1, context=2, d_model=4, T=8, steps=2, eval_every=1)
 TINY_FLAGS = ["-H", "1", "-n", "2", "-d", "4", "--eval-every", "1", "--no-progress"]
+# A stack holds the seeds of one configuration (RunConfig.stack_key), so its runs share a step
+# budget; tests that need runs of one stack to finish at different steps get that from the
+# trainer's early stop (at 100% training accuracy, as the paper). With this configuration, on
+# the CPU with one thread, seed 0 memorizes its 2 examples after 3 of its 6 steps and seeds 1
+# and 2 do not, so they train to step 6 (checked by _check_early_stop: if a change of the
+# trainer moves this, the check says so and the seeds are to be picked again).
+EARLY = dataclasses.replace(TINY, T=2, steps=6, lr=0.2)
+EARLY_FLAGS = TINY_FLAGS + ["-T", "2", "--steps", "6", "--lr", "0.2"]
+EARLY_STEPS = [3, 6, 6]  # steps_done of seeds 0, 1, 2
+
+
+def _check_early_stop(steps_done, stopped_early) -> None:
+    n = len(steps_done)
+    assert (list(steps_done), list(stopped_early)) == (EARLY_STEPS[:n], [True] + [False] * (n - 1)), (
+        f"the trainer's early stop moved (seeds 0..{n - 1} of EARLY finished after steps {list(steps_done)}, "
+        f"expected {EARLY_STEPS[:n]}): pick a configuration whose first seed stops early and whose others do not")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -64,8 +80,12 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-def _one_error_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
+def _one_error_line(capsys, out=None) -> str:
+    """The one line on stderr (``out``, a list: the stdout is appended to it)."""
+    cap = capsys.readouterr()
+    if out is not None:
+        out.append(cap.out)
+    err = cap.err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mhakern-memorize: error: --db: "), err
     return err[0]
 
@@ -119,12 +139,16 @@ def test_damage_during_a_sweep_loses_no_finished_run(tmp_path, capsys, monkeypat
         return real(stack, **kw)
 
     monkeypatch.setattr(S, "train_stack", train_then_damage)
-    # Two runs in one stack that finish at different steps: the second finishes after the
-    # damage was found, and is kept as well.
-    argv = ["sweep"] + TINY_FLAGS + ["-T", "8", "--steps", "2,4", "--db", db, "--out", str(tmp_path)]
+    # Two runs in one stack (two seeds) that finish at different steps (seed 0 stops early): the
+    # second trains on after the damage was found, finishes, and is kept as well.
+    argv = ["sweep"] + EARLY_FLAGS + ["--seeds", "0,1", "--db", db, "--out", str(tmp_path)]
     rc = cli.main(argv)
-    line = _one_error_line(capsys)
+    out = []
+    line = _one_error_line(capsys, out)
     assert rc == 2 and f"{db} is damaged" in line and f"2 finished results are kept in {side_path(db)}" in line, line
+    # Found when seed 0 (stopped early) was stored, seed 1 still training.
+    assert "T=2 seed=0 is kept in" in out[0], out
+    assert "finishing the 1 run in flight first" in out[0], out
     assert _read(db) == damaged["bytes"]  # nothing written since the damage
     with open(side_path(db)) as f:
         assert len(f.readlines()) == 2
@@ -138,7 +162,9 @@ def test_damage_during_a_sweep_loses_no_finished_run(tmp_path, capsys, monkeypat
     store = ResultStore(db)
     assert store.imported == 2 and not os.path.exists(side_path(db))
     new = store.runs("sweep")
-    assert sorted(r["steps"] for r in new) == [2, 4] and all(r["steps_done"] == r["steps"] for r in new)
+    new.sort(key=lambda r: r["seed"])
+    assert [r["seed"] for r in new] == [0, 1] and all(r["steps"] == 6 for r in new)
+    _check_early_stop([r["steps_done"] for r in new], [bool(r["stopped_early"]) for r in new])
     store.close()
     assert ResultStore(db).imported == 0  # added once
     monkeypatch.setattr(S, "train_stack", real)
@@ -177,15 +203,16 @@ class _Clock:
 
 
 def _paused_sweep(tmp_path, monkeypatch, take_over):
-    """Run a sweep of one stack of 3 runs (finishing at steps 2, 6, 6) that is 'paused' for ten
-    leases right after claiming it; ``take_over(other, keys, results)`` is what another sweep
-    does meanwhile. Returns (summary, log lines, runs this sweep stored, other, keys, results)."""
+    """Run a sweep of one stack of 3 runs (seeds 0, 1, 2 of EARLY: finishing at steps 3, 6, 6)
+    that is 'paused' for ten leases right after claiming it; ``take_over(other, keys, results)``
+    is what another sweep does meanwhile. Returns (summary, log lines, runs this sweep stored, other, keys, results)."""
     db = str(tmp_path / "r.sqlite")
     clock = _Clock()
-    cfgs = [dataclasses.replace(TINY, T=8, steps=2), dataclasses.replace(TINY, T=9, steps=6),
-            dataclasses.replace(TINY, T=10, steps=6)]
+    cfgs = [dataclasses.replace(EARLY, seed=s) for s in range(3)]
     keys = [c.key() for c in cfgs]
-    results = {r.config.key(): r for r in train_stack(cfgs, progress=False)}
+    trained = train_stack(cfgs, progress=False)
+    _check_early_stop([r.steps_done for r in trained], [r.stopped_early for r in trained])
+    results = {r.config.key(): r for r in trained}
     other = ResultStore(db, clock=clock)
     real = S.train_stack
 
@@ -279,7 +306,7 @@ class _FakePool:
 def test_a_ray_driver_paused_past_its_lease_cancels_the_task_taken_over(tmp_path):
     db = str(tmp_path / "r.sqlite")
     clock = _Clock()
-    cfgs = [dataclasses.replace(TINY, T=8 + i, steps=2) for i in range(3)]
+    cfgs = [dataclasses.replace(EARLY, seed=s) for s in range(3)]
     keys = [c.key() for c in cfgs]
     theirs = {r.config.key(): r for r in train_stack(cfgs, progress=False)}
     other = ResultStore(db, clock=clock)
