@@ -471,10 +471,11 @@ def test_family_choice_by_compute_capability(emu, cc, compiled, D, splits, mode,
 
 
 @pytest.mark.parametrize("grad", [False, True])
-def test_cuda_backend_serves_d256_forward_only_on_hopper(monkeypatch, grad):
-    # D 256 has the sm_90a forward only (capabilities: sm90.fwd_only_head_dims): the cuda backend
-    # takes it on a 9.0 device of a build with the sm_90a pass when no gradient is needed, and
-    # says why not otherwise (so that auto falls back). Faked device and table.
+def test_cuda_backend_serves_d256_on_hopper_only(monkeypatch, grad):
+    # D 256's forward is the sm_90a family's only (capabilities: sm90.fwd_only_head_dims) and its
+    # backward the fused mma.sync kernel (cuda.bwd.head_dims): the cuda backend takes it on a 9.0
+    # device of a build with the sm_90a pass, gradient or not, and says why not on other devices
+    # or builds (so that auto falls back). Faked device and table.
     from test_cuda_host import _compiled_table, _FakeCudaTensor, _fresh_backend
 
     class Fake(_FakeCudaTensor):
@@ -486,8 +487,8 @@ def test_cuda_backend_serves_d256_forward_only_on_hopper(monkeypatch, grad):
     assert be.unavailable() is None
     be._caps = {0: (9, 0)}
     qkv = lambda D: (Fake((1, 4, 64, D)), Fake((1, 2, 64, D)), Fake((1, 2, 64, D)))  # noqa: E731
-    why = be.supports(*qkv(256), False, None)
-    assert (why is None) if not grad else "no backward" in why
+    assert 256 in table["cuda"]["bwd"]["head_dims"]
+    assert be.supports(*qkv(256), False, None) is None
     with torch.no_grad():
         assert be.supports(*qkv(256), True, None) is None
         assert "no compiled cuda kernel" in be.supports(*qkv(80), False, None)

@@ -212,36 +212,16 @@ def fused_bwd_config(include: Path) -> dict[int, dict] | None:
 
 def fused_bwd_sass(cuobjdump: str, obj: Path) -> dict[tuple[str, int], dict]:
     """{(mangled, sm): {hmma_loop, hmma, local}} for the fused backward kernels of one object:
-    HMMA inside the loop holding the most of them, HMMA in the kernel, LDL/STL in the kernel."""
+    HMMA inside the loop holding the most of them (loops by the reader's rule), HMMA in the
+    kernel, LDL/STL in the kernel."""
     res = subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True)
     out: dict[tuple[str, int], dict] = {}
-    arch, func, ins = 0, None, []
-
-    def flush():
-        if func is None or "attn_bwd_fused_kernel" not in func:
-            return
-        loops = [(int(m.group(1), 16), a) for a, t in ins for m in [_SASS_BRA.search(t)] if m and int(m.group(1), 16) < a]
-        hmma = [a for a, t in ins if re.match(r"(@!?U?P\w+\s+)?HMMA\b", t)]
-        best = max((sum(1 for a in hmma if lo <= a <= hi) for lo, hi in loops), default=0)
-        local = sum(1 for _, t in ins if re.match(r"(@!?U?P\w+\s+)?(LDL|STL)\b", t))
-        out[(func, arch)] = {"hmma_loop": best, "hmma": len(hmma), "local": local}
-
-    for line in res.stdout.splitlines():
-        m = _SASS_ARCH.search(line)
-        if m:
-            flush()
-            func, ins = None, []
-            arch = int(m.group(1))
+    for (func, arch), ins in sass_reader.parse_functions(res.stdout).items():
+        if "attn_bwd_fused_kernel" not in func:
             continue
-        m = _SASS_FUNC.search(line)
-        if m:
-            flush()
-            func, ins = m.group(1), []
-            continue
-        m = _SASS_INS.search(line)
-        if m and func is not None:
-            ins.append((int(m.group(1), 16), m.group(2).strip()))
-    flush()
+        hmma = [a for a, t in ins if sass_reader.opcode(t).split(".")[0] == "HMMA"]
+        best = max((sum(1 for a in hmma if lo <= a <= hi) for lo, hi in sass_reader.loops_of(ins)), default=0)
+        out[(func, arch)] = {"hmma_loop": best, "hmma": len(hmma), "local": sum(1 for _, t in ins if _is_local(t))}
     return out
 
 
