@@ -168,10 +168,16 @@ def test_sm90_backward_kernel_hook_round_trips_and_capabilities_report_the_choic
     def sm90():
         return json.loads(torch.ops.mhakern_C.capabilities())["cuda"]["sm90"]
 
+    import re
+    from pathlib import Path
+
+    header = (Path(__file__).resolve().parents[1] / "csrc" / "capabilities.h").read_text()
+    names = re.findall(r'"(\w+)"', re.search(r"kSm90BwdKernelNames\[\] = \{([^}]*)\}", header).group(1))
+    default = "fused" if re.search(r"constexpr bool kSm90BwdFused = (true|false);", header).group(1) == "true" else "split"
     table = sm90()
-    assert set(table["bwd_kernels"]) == {"split", "fused"}
+    assert list(table["bwd_kernels"]) == names and "split" in names and "fused" in names
+    assert table["bwd_kernel_default"] == default
     assert all(isinstance(k["deterministic"], bool) for k in table["bwd_kernels"].values())
-    default = table["bwd_kernel_default"]
     prev = torch.ops.mhakern_C.cuda_force_sm90_bwd_kernel("fused")
     try:
         for name in ("split", "fused", "default"):
