@@ -191,7 +191,7 @@ def cmd_bitident(args) -> int:
             try:
                 q2, k2, v2 = make_inputs(2, 8, 2, 333, 777, D, D, dtype=torch.bfloat16, device=dev)
                 check_against_reference(lambda *a, **kw: mhakern.attention(*a, backend=backend, **kw), q2, k2, v2,
-                                        True, torch.tensor([777, 400], device=dev, dtype=torch.int32))
+                                        True, torch.tensor([777, 400], device=dev))
             except AssertionError as e:
                 rule = "FAILED: " + str(e).splitlines()[0][:200]
         finally:
