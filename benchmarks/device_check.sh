@@ -2,13 +2,18 @@
 # The device check: one run on a fresh CUDA machine (torch, triton and nvcc installed, no
 # network) that verifies and diagnoses: it installs mhakern and builds its kernels for this GPU,
 # runs a smoke stage (each GPU backend once against the reference, bad calls at the C++ boundary
-# that must raise), the GPU tests (the sm_90a family with its backward opted in, its backward run
-# twice for bit-identity, the cuda backend's hard cases), the headline benchmarks with the chip's
-# matmul and copy ceilings measured in the same run, the compile-time variants of the sm_90a
-# forward at L 16k whose differences split a step into load wait, softmax and overlap
-# (benchmarks/diag_fwd_sm90.cu), decode with forced split counts on both kernel families
-# (benchmarks/diag_gpu.py), and Nsight Compute on each main kernel (--clock-control none: the
-# clocks as the run finds them), and leaves everything in OUTDIR. The whole run fits 6 minutes
+# that must raise), the GPU tests under each backward kernel's run-time setting, each in its own
+# child process under its own cap (the sm_90a family with its backward opted in, split and fused
+# -- MHAKERN_CUDA_SM90_BWD=fused --; the cuda backend's hard cases, and again with the fused
+# mma.sync backward -- MHAKERN_CUDA_MMA_BWD=fused --; the Triton GPU file under its default
+# fused deterministic backward), every backward kernel run twice for bit-identity and against
+# its family's split kernel and the tolerance rule (benchmarks/diag_gpu.py bitident), and the
+# headline benchmarks (a row per backward kernel on the backward rows) with the chip's matmul
+# and copy ceilings measured in the same run, and leaves everything in OUTDIR. By name (not in
+# the default stages): the compile-time variants of the sm_90a forward at L 16k whose
+# differences split a step into load wait, softmax and overlap (benchmarks/diag_fwd_sm90.cu),
+# decode with forced split counts on both kernel families (benchmarks/diag_gpu.py), and Nsight
+# Compute on each main kernel (--clock-control none: the clocks as the run finds them). The whole run fits 6 minutes
 # on one H200 by its own accounting (DEVICE_CHECK_BUDGET_S, default 360): each step runs under
 # a time limit (its cap, less what the later steps reserve), and a step whose allowance is spent
 # is skipped and says so; so a second run (after fixes, or with DEVICE_CHECK_STAGES naming only
@@ -19,7 +24,7 @@
 # OUTDIR receives at most 8 files (what the device machine gives back):
 #   setup.log    environment, GPU, the install and extension build, the variants' builds, the
 #                ceilings and the smoke stage
-#   tests.log    the GPU tests and the bit-identity run
+#   tests.log    the GPU tests and the backward kernels' bit-identity run
 #   bench.log    pytest-benchmark output of the headline rows and the report's log
 #   bench.json   pytest-benchmark JSON (input of python -m benchmarks.report, which also draws
 #                the plots from it elsewhere)
@@ -32,9 +37,10 @@
 #
 # Without a GPU it records the environment, then stops with a clear message and exit status 3.
 # Environment knobs: PYTHON (default python3), DEVICE_CHECK_BUDGET_S (default 360 s for the
-# whole run), DEVICE_CHECK_STAGES (default "smoke sm90 cuda bench variants decode ncu": the
-# stages after the install, in this order; "triton other trainer" are the older run's extra
-# stages, still available by name), TORCH_CUDA_ARCH_LIST (default: this GPU's), MAX_JOBS
+# whole run), DEVICE_CHECK_STAGES (default "smoke sm90 cuda triton bitident bench": the stages
+# after the install, in this order; "variants decode ncu" (the forward's diagnostics, out of the
+# default since the backward kernels' verification needs their time) and "triton_suite other
+# trainer" are available by name), TORCH_CUDA_ARCH_LIST (default: this GPU's), MAX_JOBS
 # (default: all cores), TRAINER_CMD (default: the quick preset through python -m mhakern.memorize).
 # DEVICE_CHECK_INSTALL=0 skips the install (a rerun on a machine that still has the build);
 # DEVICE_CHECK_VARIANTS="production no_loads" builds only those forward variants (default: all
@@ -57,7 +63,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 2
 PY=${PYTHON:-python3}
 BUDGET=${DEVICE_CHECK_BUDGET_S:-360}
-STAGES=" ${DEVICE_CHECK_STAGES:-smoke sm90 cuda bench variants decode ncu} "
+STAGES=" ${DEVICE_CHECK_STAGES:-smoke sm90 cuda triton bitident bench} "
 DRY=${DEVICE_CHECK_DRY_RUN:-0}
 stage() { [[ "$STAGES" == *" $1 "* ]]; }
 T0=$SECONDS
@@ -170,18 +176,30 @@ fi
 # the later steps are the ones skipped (each says so).
 # Measured on the last H200 run (348 s for the older set of stages): install 46 s, smoke 52 s
 # (now capped lower: it skips checks past its own budget), sm_90a tests 9 s, cuda tests 21 s,
-# the headline benchmarks 61 s with 8 providers (5 now).
+# the headline benchmarks 61 s with 8 providers; the Triton suite ran past 68 s with xdist (its
+# GPU file alone now, with a narrower second pass).
+# Each backward kernel's GPU tests run under its run-time setting (sm90_fused: the sm90 family's
+# fused kernel, cuda_fused: the mma.sync family's, triton: its default deterministic fused
+# kernel), then the bit-identity step runs every backward kernel; the forward's diagnostics
+# (variants 25 s, decode 25 s, ncu 4 x 18 s) left the default stages to pay for them and for the
+# larger build.
 # The environment step before them takes a few seconds (not capped; it counts against the budget).
-STEP_ORDER=(install ceilings smoke sm90 bitident cuda bench variants decode ncu_fwd ncu_bwd ncu_decode ncu_decode_mma triton other trainer report)
-declare -A CAP=([install]=50 [ceilings]=15 [smoke]=25 [sm90]=30 [bitident]=15 [cuda]=30 [bench]=50 [variants]=25
-                [decode]=25 [ncu_fwd]=18 [ncu_bwd]=18 [ncu_decode]=18 [ncu_decode_mma]=18 [triton]=70 [other]=25 [trainer]=25
-                [report]=10)
+STEP_ORDER=(install ceilings smoke sm90 sm90_fused cuda cuda_fused triton bitident bench variants decode ncu_fwd ncu_bwd ncu_decode ncu_decode_mma triton_suite other trainer report)
+# install: 46 s measured with fewer kernels; since then the nvcc work of the 9.0 build (one
+# sm_90a pass per .cu) grew by about 45 CPU-s to about 150 CPU-s (28 files timed one at a time
+# on a 2-core Xeon: backward files 8-10 s, forwards 4-5 s, sm90 files 2-4 s), i.e. +3 s on 16
+# cores, +11 s at a poor 4-way overlap: about 50-57 s expected; cap 90 s, a build killed by its
+# cap costs the whole session.
+declare -A CAP=([install]=90 [ceilings]=10 [smoke]=20 [sm90]=15 [sm90_fused]=15 [cuda]=25 [cuda_fused]=20
+                [triton]=45 [bitident]=35 [bench]=60 [variants]=25 [decode]=25 [ncu_fwd]=18 [ncu_bwd]=18
+                [ncu_decode]=18 [ncu_decode_mma]=18 [triton_suite]=70 [other]=25 [trainer]=25 [report]=10)
 step_enabled() {
     case $1 in
         install) [ "${DEVICE_CHECK_INSTALL:-1}" != "0" ] ;;
         report) stage bench ;;
         ceilings) stage bench ;;
-        bitident) stage sm90 ;;
+        sm90_fused) stage sm90 ;;
+        cuda_fused) stage cuda ;;
         ncu_*) stage ncu ;;
         *) stage "$1" ;;
     esac
@@ -307,9 +325,9 @@ if stage smoke; then
         say "the sm90 forward hung or crashed in the smoke stage: later stages (not tests/test_cuda_sm90_gpu.py) run with MHAKERN_CUDA_FWD_FAMILY=mma_sync"
     fi
     if grep -q '^smoke-decision: skip the sm90 backward' "$OUT/.smoke.log"; then
-        BENCH_SKIP=(--bench-skip "sm90 bwd")
+        BENCH_SKIP=(--bench-skip "sm90 bwd" --bench-skip "sm90 fused bwd")
         SKIP_SM90_BWD=1
-        say "the opt-in sm90 backward hung or crashed in the smoke stage: the benchmarks and the bit-identity run leave it out"
+        say "the opt-in sm90 backward hung or crashed in the smoke stage: its fused-kernel tests, the benchmarks and the bit-identity run leave it out"
     fi
     rm -f "$OUT/.smoke.log"
 fi
@@ -333,23 +351,63 @@ gpu_tests() {
     return "$rc"
 }
 rc1=0
+# hung_kernel RC LABEL PROVIDER: a fused backward's tests stopped at their time limit (a kernel
+# that waits on a dQ counter forever hangs the process): the bit-identity step and the
+# benchmarks leave that kernel out rather than hang on it again.
+BI_SKIP_LABELS=""
+hung_kernel() {
+    if [ "$1" -eq 124 ] || [ "$1" -eq 137 ]; then
+        BI_SKIP_LABELS="$BI_SKIP_LABELS${BI_SKIP_LABELS:+,}$2"
+        BENCH_SKIP+=(--bench-skip "$3")
+        say "the $2 backward's tests stopped at their time limit: the bit-identity step and the benchmarks leave it out"
+    fi
+}
 # The sm_90a family's own GPU file first, with both passes as the host picks them and the sm90
 # backward opted in (MHAKERN_CUDA_BWD_FAMILY=auto; kSm90BwdByDefault is off until this passes),
-# alone: a hang there costs this step only. Then the backward's bit-identity on a large shape.
+# alone: a hang there costs this step only; then the same file with the fused sm90 backward
+# (MHAKERN_CUDA_SM90_BWD=fused), each in its own child process under its own cap.
 if stage sm90; then
     MHAKERN_CUDA_FWD_FAMILY=auto MHAKERN_CUDA_BWD_FAMILY=auto gpu_tests sm90 "sm_90a family, backward opted in (tests/test_cuda_sm90_gpu.py)" tests/test_cuda_sm90_gpu.py || rc1=1
     if [ "${SKIP_SM90_BWD:-0}" != "1" ]; then
-        : >"$OUT/.b.log"
-        step bitident "sm90 backward: two runs bit-identical (L 4k, causal)" "$OUT/.b.log" "$PY" benchmarks/diag_gpu.py bitident --causal "${DIAG_FLAGS[@]}" --json "$DIAG_JSON" || rc1=1
-        cat "$OUT/.b.log" >>"$TESTS"
-        while IFS= read -r line; do say "${line#diag: }"; done < <(grep '^diag: ' "$OUT/.b.log")
-        rm -f "$OUT/.b.log"
+        MHAKERN_CUDA_FWD_FAMILY=auto MHAKERN_CUDA_BWD_FAMILY=auto MHAKERN_CUDA_SM90_BWD=fused gpu_tests sm90_fused "sm_90a family, fused sm90 backward (MHAKERN_CUDA_SM90_BWD=fused, tests/test_cuda_sm90_gpu.py)" tests/test_cuda_sm90_gpu.py
+        rc=$?
+        [ "$rc" -ne 0 ] && rc1=1
+        hung_kernel "$rc" "sm90 fused" "sm90 fused bwd"
     fi
 fi
 # The cuda backend: its GPU file (the hard cases under both forward families on a 9.0 device),
-# then the conformance suite (hard cases in every dtype, modes, NaN/inf contract) restricted to it.
+# then the conformance suite (hard cases in every dtype, modes, NaN/inf contract) restricted to it;
+# then its GPU file with the mma.sync family's fused backward (MHAKERN_CUDA_MMA_BWD=fused; its
+# atomic twin is not deterministic, so the determinism tests would fail by design: the
+# bit-identity step checks it against the tolerance rule instead).
 if stage cuda; then
     gpu_tests cuda "cuda backend (tests/test_cuda.py, conformance -k cuda)" tests/test_cuda.py tests/test_conformance.py -k "cuda or not conformance" || rc1=1
+    MHAKERN_CUDA_MMA_BWD=fused gpu_tests cuda_fused "cuda backend, fused mma.sync backward (MHAKERN_CUDA_MMA_BWD=fused, tests/test_cuda.py)" tests/test_cuda.py
+    rc=$?
+    [ "$rc" -ne 0 ] && rc1=1
+    hung_kernel "$rc" "mma.sync fused" "mma fused bwd"
+fi
+# The Triton backend's GPU file under its default backward (the fused deterministic kernel,
+# MHAKERN_TRITON_BWD unset), compiled by xdist workers sharing one kernel cache; its atomic
+# mode is checked by the bit-identity step (tolerance rule), its split mode ran on the last run.
+XDIST=()
+"$PY" -c "import xdist" 2>/dev/null && XDIST=(-n "$(( $(nproc) / 2 > 8 ? 8 : $(nproc) / 2 ))")
+if stage triton; then
+    # The forward-only decode tests (the Triton forward ran on the last H200 run) stay in the
+    # triton_suite stage.
+    gpu_tests triton "triton backend, fused deterministic backward (tests/test_triton_gpu.py, not the decode tests)" "${XDIST[@]}" tests/test_triton_gpu.py -k "not long_keys_decode and not decode_packing" || rc1=1
+fi
+# Every backward kernel: two runs bit-identical where deterministic, against its family's split
+# kernel, and the tolerance rule on a ragged GQA shape (benchmarks/diag_gpu.py BWD_KERNELS).
+if stage bitident; then
+    [ "${SKIP_SM90_BWD:-0}" = "1" ] && BI_SKIP_LABELS="$BI_SKIP_LABELS${BI_SKIP_LABELS:+,}sm90"
+    BI_SKIP=()
+    [ -n "$BI_SKIP_LABELS" ] && BI_SKIP=(--skip "$BI_SKIP_LABELS")
+    : >"$OUT/.b.log"
+    step bitident "backward kernels: two runs bit-identical, fused against split (L 4k, causal)" "$OUT/.b.log" "$PY" benchmarks/diag_gpu.py bitident --causal "${BI_SKIP[@]}" "${DIAG_FLAGS[@]}" --json "$DIAG_JSON" || rc1=1
+    cat "$OUT/.b.log" >>"$TESTS"
+    while IFS= read -r line; do say "${line#diag: }"; done < <(grep '^diag: ' "$OUT/.b.log")
+    rm -f "$OUT/.b.log"
 fi
 
 # ------------------------------------------------------------------ 5. headline benchmarks
@@ -358,11 +416,14 @@ BENCH=$OUT/bench.log
 if stage bench; then
     BENCH_FILES=(benchmarks/test_bench_attention.py)
     # mhakern's cuda backend as it runs by default, with both passes on mma.sync and with the
-    # opt-in sm90 backward (mhakern:cuda matches all three), and the field's fused kernels.
-    # Triton, auto and SDPA's efficient kernel were measured on the last run (docs/benchmarks/h200)
-    # and are not what this run diagnoses; BENCH_ARGS adds providers back.
-    PROVIDERS=(--bench-provider mhakern:cuda --bench-provider sdpa:flash --bench-provider sdpa:cudnn
-               --bench-provider flash-attn --bench-provider xformers)
+    # opt-in sm90 backward, and on the backward rows each fused backward kernel (mhakern:cuda
+    # matches all five: the mma.sync and sm90 fused kernels), the Triton backward's fused
+    # deterministic and split kernels (mhakern:triton[ matches both; backward rows only), and the
+    # field's fused kernels. Triton's forward, auto and SDPA's efficient kernel were measured on
+    # the last run (docs/benchmarks/h200) and are not what this run diagnoses; BENCH_ARGS adds
+    # providers back.
+    PROVIDERS=(--bench-provider mhakern:cuda --bench-provider "mhakern:triton[" --bench-provider sdpa:flash
+               --bench-provider sdpa:cudnn --bench-provider flash-attn --bench-provider xformers)
     step bench "headline benchmarks" "$BENCH" "$PY" -m pytest "${BENCH_FILES[@]}" --benchmark-only --bench-set headline \
         "${PROVIDERS[@]}" "${BENCH_SKIP[@]}" --benchmark-json "$OUT/bench.json" --benchmark-columns=median,iqr,rounds -q -p no:cacheprovider ${BENCH_ARGS:-}
     rc=$?
@@ -503,11 +564,9 @@ rm -rf "$VDIR"
 # The Triton backend's GPU file and its device-generic suite, compiled (not interpreted; of the
 # ahead-of-time compile file only the tensor-descriptor tests, which run on CUDA tensors here).
 TRITON_TESTS=$(ls tests/test_triton*.py 2>/dev/null | grep -v -e _aot || true)
-if stage triton; then
-    XDIST=()
-    "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n "$(( $(nproc) / 2 > 8 ? 8 : $(nproc) / 2 ))")
+if stage triton_suite; then
     # shellcheck disable=SC2086
-    gpu_tests triton "triton backend ($(echo $TRITON_TESTS | tr '\n' ' '), descriptor tests, conformance -k triton)" "${XDIST[@]}" $TRITON_TESTS tests/test_triton_aot.py tests/test_conformance.py -k "(triton or not conformance) and (not aot or descriptor or modes_never)" || rc1=1
+    gpu_tests triton_suite "triton suite ($(echo $TRITON_TESTS | tr '\n' ' '), descriptor tests, conformance -k triton)" "${XDIST[@]}" $TRITON_TESTS tests/test_triton_aot.py tests/test_conformance.py -k "(triton or not conformance) and (not aot or descriptor or modes_never)" || rc1=1
 fi
 if stage other; then
     OTHER_IGNORE=(--ignore tests/test_conformance.py)

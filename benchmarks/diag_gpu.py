@@ -1,8 +1,9 @@
 """GPU diagnostics of the device check (benchmarks/device_check.sh), one subcommand per stage:
 
-* ``bitident``: the sm90 backward (opted in) and forward at L 4k, run twice on the same inputs:
-  the gradients and outputs must be bit-identical (the backward is deterministic by design), and
-  they must match the mma.sync family's within the tolerance rule's bf16 bound.
+* ``bitident``: every backward kernel (the cuda sm90 and mma.sync families' split and fused
+  kernels, Triton's three modes; BWD_KERNELS) at L 4k, run twice on the same inputs: the
+  gradients must be bit-identical where the kernel is deterministic, within a few bf16 ulps of
+  the same family's split kernel, and within the tolerance rule on a ragged GQA shape.
 * ``decode``: the decode rows of the headline table (B 4, 32 query heads, 4 or 8 KV heads, one
   query, D 128) on the sm90 forward with its planned split count and with forced counts, and on
   the mma.sync decode kernel (forced family): median ms and GB/s of the K/V bytes, so that the
@@ -103,34 +104,108 @@ def _family(torch, fwd=None, bwd=None):
         ops.cuda_force_bwd_family(bwd)
 
 
+# The backward kernels the bit-identity stage runs: (label, family setting, kernel settings,
+# deterministic, the split kernel of the same family it is compared with). Each is selected by
+# its run-time setting (csrc/op_common.h: cuda_force_bwd_family, cuda_force_sm90_bwd_kernel,
+# cuda_force_mma_bwd_kernel; kernels/heuristics.py BWD_MODE for Triton).
+BWD_KERNELS = (
+    ("cuda sm90 split", "auto", {"sm90": "split"}, True, None),
+    ("cuda sm90 fused", "auto", {"sm90": "fused"}, True, "cuda sm90 split"),
+    ("cuda mma.sync split", "mma_sync", {"mma": "split"}, True, None),
+    ("cuda mma.sync fused", "mma_sync", {"mma": "fused"}, True, "cuda mma.sync split"),
+    ("cuda mma.sync fused_atomic", "mma_sync", {"mma": "fused_atomic"}, False, "cuda mma.sync split"),
+    ("triton split", None, {"triton": "split"}, True, None),
+    ("triton deterministic", None, {"triton": "deterministic"}, True, "triton split"),
+    ("triton atomic", None, {"triton": "atomic"}, False, "triton split"),
+)
+
+
+def _bwd_kernel(torch, family, kernels):
+    """Sets one backward kernel (BWD_KERNELS' settings); returns a function that restores the
+    previous settings."""
+    undo = []
+    if family is not None:
+        ops = _ops(torch)
+        prev = (ops.cuda_force_fwd_family("auto" if family == "auto" else "mma_sync"), ops.cuda_force_bwd_family(family))
+        undo.append(lambda: (ops.cuda_force_fwd_family(prev[0]), ops.cuda_force_bwd_family(prev[1])))
+        if "sm90" in kernels:
+            p = ops.cuda_force_sm90_bwd_kernel(kernels["sm90"])
+            undo.append(lambda: ops.cuda_force_sm90_bwd_kernel(p))
+        if "mma" in kernels:
+            p2 = ops.cuda_force_mma_bwd_kernel(kernels["mma"])
+            undo.append(lambda: ops.cuda_force_mma_bwd_kernel(p2))
+    if "triton" in kernels:
+        from mhakern.kernels import heuristics
+
+        p3 = heuristics.BWD_MODE
+        heuristics.BWD_MODE = kernels["triton"]
+        undo.append(lambda: setattr(heuristics, "BWD_MODE", p3))
+    return lambda: [u() for u in reversed(undo)]
+
+
 def cmd_bitident(args) -> int:
+    """Every backward kernel (BWD_KERNELS): on a large shape (B 1, H 16, L 4k, D 128, bf16) two runs
+    on the same inputs must give identical bits where the kernel is deterministic, and its
+    gradients must lie within a few bf16 ulps of its family's split kernel; on a ragged GQA shape
+    (B 2, H 8, Hkv 2, Lq 333, Lk 777, key lengths 777 and 400, D 128) each must pass the tolerance
+    rule against the float64 reference (tests/attn_testing.check_against_reference), which is what
+    "the fused kernel against the split one" means in the project's terms. One row per kernel."""
     torch, mhakern, dev = _setup(args.rehearse)
-    backend = "reference" if args.rehearse else "cuda"
+    sys.path.insert(0, str(ROOT / "tests"))
+    from attn_testing import check_against_reference, make_inputs
+
     B, H, L, D = (1, 2, 64, 64) if args.rehearse else (1, 16, 4096, 128)
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v, do = (torch.randn(B, H, L, D, generator=g).to(dev, torch.bfloat16) for _ in range(4))
-    if not args.rehearse:
-        _family(torch, "auto", "auto")  # the sm90 backward opted in
+    avail = mhakern.available_backends()
+    kernels = [("reference", None, {}, True, None)] if args.rehearse else BWD_KERNELS
+    only = [s for s in (args.only or "").split(",") if s]
+    skip = [s for s in (args.skip or "").split(",") if s]
+    status, grads = 0, {}
+    for label, family, settings, deterministic, peer in kernels:
+        if (only and not any(o in label for o in only)) or any(o in label for o in skip):
+            continue
+        backend = "reference" if args.rehearse else ("cuda" if family is not None else "triton")
+        if avail.get(backend) is not None:
+            _emit(args, {"stage": "bitident", "kernel": label, "skipped": avail[backend]},
+                  f"backward {label}: not run ({backend}: {avail[backend]})")
+            continue
+        restore = _bwd_kernel(torch, family, settings) if not args.rehearse else (lambda: None)
+        t0 = time.perf_counter()
+        try:
+            def run():
+                qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+                o = mhakern.attention(qq, kk, vv, causal=args.causal, backend=backend)
+                o.backward(do)
+                return [qq.grad, kk.grad, vv.grad]
 
-    def run():
-        qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-        o = mhakern.attention(qq, kk, vv, causal=args.causal, backend=backend)
-        o.backward(do)
-        return [o.detach(), qq.grad, kk.grad, vv.grad]
-
-    first, second = run(), run()
-    same = all(torch.equal(a, b) for a, b in zip(first, second))
-    if not args.rehearse:
-        _family(torch, "mma_sync", "mma_sync")
-    ref = run()
-    # Two bf16 kernels of different accumulation orders: within a few bf16 ulps of the outputs' scale.
-    err = max(float((a.float() - b.float()).abs().max() / (b.float().abs().max() + 1e-6)) for a, b in zip(first, ref))
-    ok = same and err < 3e-2
-    _emit(args, {"stage": "bitident", "identical": same, "rel_err_vs_mma_sync": err, "causal": args.causal},
-          f"sm90 fwd+bwd (bwd opted in) B{B}H{H}L{L}D{D}{' causal' if args.causal else ''}: two runs "
-          f"{'bit-identical' if same else 'DIFFER'}; largest error against mma.sync {err:.2e} (relative) "
-          f"-> {'ok' if ok else 'FAILED'}")
-    return 0 if ok else 1
+            first, second = run(), run()
+            same = all(torch.equal(a, b) for a, b in zip(first, second))
+            grads[label] = first
+            err = None
+            if peer in grads:
+                # Two bf16 kernels of different accumulation orders: a few bf16 ulps of the scale.
+                err = max(float((a.float() - b.float()).abs().max() / (b.float().abs().max() + 1e-6))
+                          for a, b in zip(first, grads[peer]))
+            rule = "ok"
+            try:
+                q2, k2, v2 = make_inputs(2, 8, 2, 333, 777, D, D, dtype=torch.bfloat16, device=dev)
+                check_against_reference(lambda *a, **kw: mhakern.attention(*a, backend=backend, **kw), q2, k2, v2,
+                                        True, torch.tensor([777, 400], device=dev))
+            except AssertionError as e:
+                rule = "FAILED: " + str(e).splitlines()[0][:200]
+        finally:
+            restore()
+        ok = (same or not deterministic) and (err is None or err < 3e-2) and rule == "ok"
+        status |= int(not ok)
+        _emit(args, {"stage": "bitident", "kernel": label, "deterministic": deterministic, "identical": same,
+                     "rel_err_vs_split": err, "tolerance_rule": rule, "causal": args.causal,
+                     "seconds": time.perf_counter() - t0},
+              f"backward {label} B{B}H{H}L{L}D{D}{' causal' if args.causal else ''}: two runs "
+              f"{'bit-identical' if same else ('differ (not deterministic by design)' if not deterministic else 'DIFFER')}"
+              f"{'' if err is None else f'; against {peer} {err:.2e} (relative)'}; tolerance rule {rule}"
+              f" -> {'ok' if ok else 'FAILED'}")
+    return status
 
 
 def cmd_decode(args) -> int:
@@ -212,6 +287,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rehearse", action="store_true", help="CPU, tiny shapes, reference backend: plumbing only")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--only", default="", help="bitident: comma-separated parts of kernel labels (e.g. 'fused,triton')")
+    ap.add_argument("--skip", default="", help="bitident: comma-separated parts of kernel labels to leave out")
     ap.add_argument("--json", default="", help="append one JSON object per row to this file")
     args = ap.parse_args(argv)
     return {"ceilings": cmd_ceilings, "bitident": cmd_bitident, "decode": cmd_decode, "one": cmd_one}[args.command](args)

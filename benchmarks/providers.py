@@ -165,15 +165,19 @@ class MhakernProvider(Provider):
 
 class MhakernFamilyProvider(MhakernProvider):
     """The cuda backend with its kernel families set (``torch.ops.mhakern_C.cuda_force_fwd_family``
-    and ``cuda_force_bwd_family``) for the whole measurement (:meth:`scope`):
-    ``mhakern:cuda[mma_sync]`` (both passes on mma.sync, what sm_80-89 devices run) and
-    ``mhakern:cuda[sm90 bwd]`` (the host's choice for both passes, the opt-in sm90 backward
-    included), measured only where the host has another family to pick (a 9.0 device with the
-    sm_90a pass), so that a Hopper run shows the families side by side."""
+    and ``cuda_force_bwd_family``) and optionally a backward kernel of a family
+    (``cuda_force_sm90_bwd_kernel`` / ``cuda_force_mma_bwd_kernel``) for the whole measurement
+    (:meth:`scope`): ``mhakern:cuda[mma_sync]`` (both passes on mma.sync, what sm_80-89 devices
+    run), ``mhakern:cuda[sm90 bwd]`` (the host's choice for both passes, the opt-in sm90 backward
+    included), and the fused backward kernels ``mhakern:cuda[mma fused bwd]`` and
+    ``mhakern:cuda[sm90 fused bwd]`` (backward rows only: their forward is a peer's), measured
+    only where the host has another family to pick (a 9.0 device with the sm_90a pass), so that a
+    Hopper run shows the families and backward kernels side by side."""
 
-    def __init__(self, label: str, fwd: str, bwd: str):
+    def __init__(self, label: str, fwd: str, bwd: str, sm90_bwd: Optional[str] = None, mma_bwd: Optional[str] = None):
         super().__init__("cuda")
         self.fwd, self.bwd = fwd, bwd
+        self.sm90_bwd, self.mma_bwd = sm90_bwd, mma_bwd
         self.name = f"mhakern:cuda[{label}]"
 
     def unavailable(self, device):
@@ -187,18 +191,63 @@ class MhakernFamilyProvider(MhakernProvider):
             return "the cuda backend has one kernel family here (no sm_90a family on this device)"
         return None
 
+    def supports(self, case, device, q=None, k=None, v=None):
+        if (self.sm90_bwd or self.mma_bwd) and case.mode != "fwdbwd":
+            return "a backward kernel's variant: forward rows are its family's provider's"
+        return super().supports(case, device, q, k, v)
+
     @contextlib.contextmanager
     def scope(self):
         ops = torch.ops.mhakern_C
         prev = (ops.cuda_force_fwd_family(self.fwd), ops.cuda_force_bwd_family(self.bwd))
+        kern = []
         try:
+            if self.sm90_bwd:
+                kern.append((ops.cuda_force_sm90_bwd_kernel, ops.cuda_force_sm90_bwd_kernel(self.sm90_bwd)))
+            if self.mma_bwd:
+                kern.append((ops.cuda_force_mma_bwd_kernel, ops.cuda_force_mma_bwd_kernel(self.mma_bwd)))
             yield
         finally:
+            for force, was in kern:
+                force(was)
             ops.cuda_force_fwd_family(prev[0])
             ops.cuda_force_bwd_family(prev[1])
 
     def resolved(self, case, q, k, v):
-        return f"cuda, forward {self.fwd}, backward {self.bwd}"
+        kern = f" ({'sm90' if self.sm90_bwd else 'mma.sync'} kernel {self.sm90_bwd or self.mma_bwd})" if (
+            self.sm90_bwd or self.mma_bwd) else ""
+        return f"cuda, forward {self.fwd}, backward {self.bwd}{kern}"
+
+
+class MhakernTritonBwdProvider(MhakernProvider):
+    """The triton backend with its backward mode set (kernels/heuristics.py ``BWD_MODE``) for the
+    whole measurement: ``mhakern:triton[deterministic bwd]`` (the fused kernel, dQ added in
+    key-block order: the default) and ``mhakern:triton[split bwd]`` (the dK/dV and dQ kernels),
+    backward rows only, so that a run that leaves ``mhakern:triton`` out still has both."""
+
+    def __init__(self, mode: str):
+        super().__init__("triton")
+        self.mode = mode
+        self.name = f"mhakern:triton[{mode} bwd]"
+
+    def supports(self, case, device, q=None, k=None, v=None):
+        if case.mode != "fwdbwd":
+            return "a backward mode's variant: forward rows are mhakern:triton's"
+        return super().supports(case, device, q, k, v)
+
+    @contextlib.contextmanager
+    def scope(self):
+        from mhakern.kernels import heuristics
+
+        prev = heuristics.BWD_MODE
+        heuristics.BWD_MODE = self.mode
+        try:
+            yield
+        finally:
+            heuristics.BWD_MODE = prev
+
+    def resolved(self, case, q, k, v):
+        return f"triton, backward {self.mode}"
 
 
 _SDPA_KERNELS = {
@@ -349,6 +398,9 @@ def all_providers() -> List[Provider]:
     provs.append(MhakernProvider("auto"))
     provs.append(MhakernFamilyProvider("mma_sync", "mma_sync", "mma_sync"))
     provs.append(MhakernFamilyProvider("sm90 bwd", "auto", "auto"))
+    provs.append(MhakernFamilyProvider("mma fused bwd", "mma_sync", "mma_sync", mma_bwd="fused"))
+    provs.append(MhakernFamilyProvider("sm90 fused bwd", "auto", "auto", sm90_bwd="fused"))
+    provs += [MhakernTritonBwdProvider("deterministic"), MhakernTritonBwdProvider("split")]
     provs += [SdpaProvider(k) for k in _SDPA_KERNELS]
     provs += [FlashAttnProvider(2), FlashAttnProvider(3), XformersProvider()]
     return provs

@@ -104,12 +104,22 @@ std::string capabilities() {
   for (int i = 0; i < caps::kSm90BwdNumHeadDims; ++i)
     js << (i ? ", " : "") << '"' << caps::kSm90BwdHeadDims[i] << "\": [" << caps::kSm90BwdDqBlockM << ", "
        << caps::sm90_bwd_dq_n(caps::kSm90BwdHeadDims[i]) << "]";
-  // Which sm90 backward runs (the fused kernel or the split dK/dV + dQ kernels; capabilities.h
-  // kSm90BwdFused), whether its dQ is bit-identical run to run, and the fused kernel's tiles.
+  // Which sm90 backward runs now (the fused kernel or the split dK/dV + dQ kernels: the run-time
+  // setting, op_common.h sm90_bwd_kernel; a bad MHAKERN_CUDA_SM90_BWD reads as the default here
+  // and raises at the first backward) and the default (capabilities.h kSm90BwdFused), whether
+  // each kernel's dQ is bit-identical run to run (bwd_deterministic: the one that runs now), and
+  // the fused kernel's tiles.
+  const int sm90_req = op::sm90_bwd_kernel().value.load();
+  const caps::Sm90BwdKernel sm90_now = op::sm90_bwd_kernel_for(sm90_req >= 0 ? sm90_req : -1);
+  const bool sm90_det[] = {true, caps::kSm90BwdFusedDeterministic};
   js << "}, \"bwd_stages\": " << caps::kSm90BwdStages << ", \"bwd_kernel\": \""
-     << (caps::kSm90BwdFused ? "fused" : "split") << "\", \"bwd_deterministic\": "
-     << (!caps::kSm90BwdFused || caps::kSm90BwdFusedDeterministic ? "true" : "false")
-     << ", \"bwd_fused\": {\"deterministic\": " << (caps::kSm90BwdFusedDeterministic ? "true" : "false")
+     << caps::kSm90BwdKernelNames[sm90_now] << "\", \"bwd_kernel_default\": \""
+     << caps::kSm90BwdKernelNames[op::sm90_bwd_kernel_for(-1)] << "\", \"bwd_deterministic\": "
+     << (sm90_det[sm90_now] ? "true" : "false") << ", \"bwd_kernels\": {";
+  for (int i = 0; i < caps::kSm90NumBwdKernels; ++i)
+    js << (i ? ", " : "") << '"' << caps::kSm90BwdKernelNames[i] << "\": {\"deterministic\": "
+       << (sm90_det[i] ? "true" : "false") << "}";
+  js << "}, \"bwd_fused\": {\"deterministic\": " << (caps::kSm90BwdFusedDeterministic ? "true" : "false")
      << ", \"features\": ";
   json_features(js, caps::kSm90BwdFusedFeatures);
   js << ", \"stages\": " << caps::kSm90BwdFusedStages << ", \"tiles\": {";
@@ -196,14 +206,21 @@ std::string cuda_force_fwd_family(const std::string& family) {
 std::string cuda_force_bwd_family(const std::string& family) {
   return force_family(op::cuda_bwd_family(), "cuda_force_bwd_family", family);
 }
-// Sets which backward the mma.sync family runs ("default", "split", "fused", "fused_atomic";
-// op_common.h MmaBwdKernelSetting); returns the previous setting.
+// Sets which backward a family runs (op_common.h KernelSetting: "default" or one of its names);
+// returns the previous setting. Test and benchmark hooks.
+std::string force_kernel(op::KernelSetting& setting, const char* op_name, const std::string& kernel) {
+  const int i = setting.index(kernel);
+  TORCH_CHECK_VALUE(i >= -1, op_name, ": kernel must be ", setting.choices(), ", got '", kernel, "'");
+  const int prev = setting.value.exchange(i);
+  return prev >= 0 ? setting.names[prev] : "default";
+}
+// The mma.sync family's backward: "default", "split", "fused", "fused_atomic".
 std::string cuda_force_mma_bwd_kernel(const std::string& kernel) {
-  const int i = op::mma_bwd_kernel_index(kernel);
-  TORCH_CHECK_VALUE(i >= -1, "cuda_force_mma_bwd_kernel: kernel must be ", op::mma_bwd_kernel_choices(), ", got '",
-                    kernel, "'");
-  const int prev = op::mma_bwd_kernel().value.exchange(i);
-  return prev >= 0 ? caps::kCudaBwdKernelNames[prev] : "default";
+  return force_kernel(op::mma_bwd_kernel(), "cuda_force_mma_bwd_kernel", kernel);
+}
+// The sm90 family's backward: "default", "split", "fused".
+std::string cuda_force_sm90_bwd_kernel(const std::string& kernel) {
+  return force_kernel(op::sm90_bwd_kernel(), "cuda_force_sm90_bwd_kernel", kernel);
 }
 
 // Meta kernels: the same argument checks as every device (op_common.h), then outputs of the
@@ -260,6 +277,7 @@ TORCH_LIBRARY(mhakern_C, m) {
   m.def("cuda_force_fwd_family(str family) -> str", &mhakern::cuda_force_fwd_family);
   m.def("cuda_force_bwd_family(str family) -> str", &mhakern::cuda_force_bwd_family);
   m.def("cuda_force_mma_bwd_kernel(str kernel) -> str", &mhakern::cuda_force_mma_bwd_kernel);
+  m.def("cuda_force_sm90_bwd_kernel(str kernel) -> str", &mhakern::cuda_force_sm90_bwd_kernel);
 }
 
 TORCH_LIBRARY_IMPL(mhakern_C, Meta, m) {

@@ -290,9 +290,14 @@ constexpr bool sm90_head_dim_supported(int64_t d) {
 // One CTA per (batch, KV head, kSm90BwdFusedBlockN keys) computes dK, dV and dQ with 5 matrix
 // products per tile (the split kernels above take 7); dQ is summed in fp32 by bulk reduce-adds
 // into a zeroed workspace (sm90_bwd_fused_workspace_floats) and converted by a small kernel.
-// kSm90BwdFused is the switch: whether the host runs it in place of the split kernels for the
-// calls the sm90 backward serves (choose_bwd_family, with the same opt-in: kSm90BwdByDefault /
-// MHAKERN_CUDA_BWD_FAMILY). Off: it has run only in the CPU emulator.
+// Which backward the sm90 family runs for the calls it serves (choose_bwd_family, with the same
+// opt-in: kSm90BwdByDefault / MHAKERN_CUDA_BWD_FAMILY): the split dK/dV + dQ kernels or the fused
+// one, chosen at run time by MHAKERN_CUDA_SM90_BWD / torch.ops.mhakern_C.cuda_force_sm90_bwd_kernel
+// (op_common.h sm90_bwd_kernel); kSm90BwdFused is the default ("default" or unset). Off: the
+// fused kernel has run only in the CPU emulator.
+enum Sm90BwdKernel : int { kSm90BwdKernelSplit = 0, kSm90BwdKernelFused = 1 };
+constexpr const char* kSm90BwdKernelNames[] = {"split", "fused"};
+constexpr int kSm90NumBwdKernels = 2;
 constexpr bool kSm90BwdFused = false;
 // Deterministic: each row tile's fp32 dQ adds happen in increasing key-block order (a semaphore
 // per row tile), so two runs, schedules or grid orders give bit-identical dQ. The other mode

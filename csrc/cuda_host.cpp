@@ -304,9 +304,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
   const caps::CudaTiles t = caps::cuda_tiles(static_cast<int>(s.D));
   const int64_t dq_m = on_sm90 ? caps::kSm90BwdDqBlockM : t.dq_m;
   const int64_t dq_n = on_sm90 ? caps::sm90_bwd_dq_n(static_cast<int>(s.D)) : t.dq_n;
-  // The fused sm90 kernel (capabilities.h: kSm90BwdFused) in place of the split ones: no dQ
-  // split; its zeroed fp32 workspace holds the dQ sums and the row tiles' semaphores.
-  if (on_sm90 && caps::kSm90BwdFused) {
+  // The fused sm90 kernel in place of the split ones when chosen (op_common.h sm90_bwd_kernel;
+  // default capabilities.h kSm90BwdFused): no dQ split; its zeroed fp32 workspace holds the dQ
+  // sums and the row tiles' semaphores.
+  if (on_sm90 && op::sm90_bwd_kernel_for(op::sm90_bwd_kernel().get()) == caps::kSm90BwdKernelFused) {
     at::Tensor ws = at::zeros({caps::sm90_bwd_fused_workspace_floats(s.B, s.Hkv, s.H / s.Hkv, s.Lq, s.D)}, f32);
     check_no_pending_error("mhakern_C::bwd");
     check_launch(dispatch_attn_bwd_sm90_fused(elem_type_of(q), p.D, p, ws.data_ptr<float>(),

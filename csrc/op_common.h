@@ -266,40 +266,61 @@ inline FamilySetting& cuda_bwd_family() {
 inline int forced_fwd_family() { return cuda_fwd_family().get(); }
 inline int forced_bwd_family() { return cuda_bwd_family().get(); }
 
-// Which backward the mma.sync family runs (capabilities.h CudaBwdKernel: "split", "fused",
-// "fused_atomic"), set by torch.ops.mhakern_C.cuda_force_mma_bwd_kernel (tests, benchmarks) or
-// at load from MHAKERN_CUDA_MMA_BWD; "default" (or unset) is caps::kCudaMmaBwdDefault. Head dims
-// with only the fused kernel run it whatever is set (ordered unless "fused_atomic").
-inline int mma_bwd_kernel_index(const std::string& name) {  // -1: default, -2: not a name
-  if (name == "default") return -1;
-  for (int i = 0; i < caps::kCudaNumBwdKernels; ++i)
-    if (name == caps::kCudaBwdKernelNames[i]) return i;
-  return -2;
-}
-inline std::string mma_bwd_kernel_choices() {
-  std::string s = "'default'";
-  for (int i = 0; i < caps::kCudaNumBwdKernels; ++i) s += std::string(" or '") + caps::kCudaBwdKernelNames[i] + "'";
-  return s;
-}
-struct MmaBwdKernelSetting {
-  std::atomic<int> value{-1};  // a CudaBwdKernel, -1 the default, -3 a bad environment value
-  MmaBwdKernelSetting() {
-    const char* e = std::getenv("MHAKERN_CUDA_MMA_BWD");
+// A kernel chosen among named ones at run time: the choice is an index of `names`, -1 the
+// default (the name "default", or the variable unset), set by a torch.ops.mhakern_C.cuda_force_*
+// op (tests, benchmarks) or at load from the environment variable `env`; a bad value there raises
+// at the first call that reads it.
+struct KernelSetting {
+  const char* env;
+  const char* const* names;
+  int count;
+  std::atomic<int> value{-1};  // an index of names, -1 the default, -3 a bad environment value
+  KernelSetting(const char* env_name, const char* const* kernel_names, int n)
+      : env(env_name), names(kernel_names), count(n) {
+    const char* e = std::getenv(env_name);
     if (e != nullptr && *e != '\0') {
-      const int i = mma_bwd_kernel_index(e);
+      const int i = index(e);
       value.store(i >= -1 ? i : -3);
     }
   }
+  int index(const std::string& name) const {  // -1: default, -2: not a name
+    if (name == "default") return -1;
+    for (int i = 0; i < count; ++i)
+      if (name == names[i]) return i;
+    return -2;
+  }
+  std::string choices() const {
+    std::string s = "'default'";
+    for (int i = 0; i < count; ++i) s += std::string(" or '") + names[i] + "'";
+    return s;
+  }
   int get() const {  // the request (-1: default); raises when the environment variable was bad
     const int v = value.load(std::memory_order_relaxed);
-    TORCH_CHECK_VALUE(v >= -1, "MHAKERN_CUDA_MMA_BWD: expected ", mma_bwd_kernel_choices(), ", got '",
-                      std::getenv("MHAKERN_CUDA_MMA_BWD") ? std::getenv("MHAKERN_CUDA_MMA_BWD") : "", "'");
+    TORCH_CHECK_VALUE(v >= -1, env, ": expected ", choices(), ", got '", std::getenv(env) ? std::getenv(env) : "", "'");
     return v;
   }
 };
-inline MmaBwdKernelSetting& mma_bwd_kernel() {
-  static MmaBwdKernelSetting s;
+
+// Which backward the mma.sync family runs (capabilities.h CudaBwdKernel: "split", "fused",
+// "fused_atomic"), set by torch.ops.mhakern_C.cuda_force_mma_bwd_kernel or at load from
+// MHAKERN_CUDA_MMA_BWD; the default is caps::kCudaMmaBwdDefault. Head dims with only the fused
+// kernel run it whatever is set (ordered unless "fused_atomic").
+inline KernelSetting& mma_bwd_kernel() {
+  static KernelSetting s("MHAKERN_CUDA_MMA_BWD", caps::kCudaBwdKernelNames, caps::kCudaNumBwdKernels);
   return s;
+}
+
+// Which backward the sm90 family runs (capabilities.h Sm90BwdKernel: "split", "fused"), set by
+// torch.ops.mhakern_C.cuda_force_sm90_bwd_kernel or at load from MHAKERN_CUDA_SM90_BWD; the
+// default is caps::kSm90BwdFused.
+inline KernelSetting& sm90_bwd_kernel() {
+  static KernelSetting s("MHAKERN_CUDA_SM90_BWD", caps::kSm90BwdKernelNames, caps::kSm90NumBwdKernels);
+  return s;
+}
+// The sm90 backward a request (an Sm90BwdKernel, or -1 for the default) runs.
+constexpr caps::Sm90BwdKernel sm90_bwd_kernel_for(int requested) {
+  return requested >= 0 ? static_cast<caps::Sm90BwdKernel>(requested)
+                        : (caps::kSm90BwdFused ? caps::kSm90BwdKernelFused : caps::kSm90BwdKernelSplit);
 }
 
 }  // namespace op

@@ -146,7 +146,7 @@ def test_forward_family_hook_round_trips_and_names_its_choices():
 
 
 def test_mma_backward_kernel_hook_round_trips_and_names_its_choices():
-    # Which backward the mma.sync family runs (op_common.h MmaBwdKernelSetting; the names are
+    # Which backward the mma.sync family runs (op_common.h KernelSetting mma_bwd_kernel; the names are
     # capabilities()["cuda"]["bwd"]["kernels"]): the GPU tests' and benchmarks' switch.
     kernels = json.loads(torch.ops.mhakern_C.capabilities())["cuda"]["bwd"]["kernels"]
     prev = torch.ops.mhakern_C.cuda_force_mma_bwd_kernel("fused")
@@ -159,6 +159,53 @@ def test_mma_backward_kernel_hook_round_trips_and_names_its_choices():
         assert torch.ops.mhakern_C.cuda_force_mma_bwd_kernel("default") == name  # a refused call changes nothing
     finally:
         torch.ops.mhakern_C.cuda_force_mma_bwd_kernel(prev)
+
+
+def test_sm90_backward_kernel_hook_round_trips_and_capabilities_report_the_choice():
+    # Which backward the sm90 family runs (op_common.h KernelSetting sm90_bwd_kernel; the names
+    # are capabilities()["cuda"]["sm90"]["bwd_kernels"]): the JSON reports the current choice
+    # and its determinism, the default stays capabilities.h kSm90BwdFused's.
+    def sm90():
+        return json.loads(torch.ops.mhakern_C.capabilities())["cuda"]["sm90"]
+
+    import re
+    from pathlib import Path
+
+    header = (Path(__file__).resolve().parents[1] / "csrc" / "capabilities.h").read_text()
+    names = re.findall(r'"(\w+)"', re.search(r"kSm90BwdKernelNames\[\] = \{([^}]*)\}", header).group(1))
+    default = "fused" if re.search(r"constexpr bool kSm90BwdFused = (true|false);", header).group(1) == "true" else "split"
+    table = sm90()
+    assert list(table["bwd_kernels"]) == names and "split" in names and "fused" in names
+    assert table["bwd_kernel_default"] == default
+    assert all(isinstance(k["deterministic"], bool) for k in table["bwd_kernels"].values())
+    prev = torch.ops.mhakern_C.cuda_force_sm90_bwd_kernel("fused")
+    try:
+        for name in ("split", "fused", "default"):
+            torch.ops.mhakern_C.cuda_force_sm90_bwd_kernel(name)
+            assert torch.ops.mhakern_C.cuda_force_sm90_bwd_kernel(name) == name
+            now = sm90()
+            assert now["bwd_kernel"] == (default if name == "default" else name)
+            assert now["bwd_deterministic"] == now["bwd_kernels"][now["bwd_kernel"]]["deterministic"]
+        with pytest.raises(ValueError, match=r"kernel must be 'default' or 'split' or 'fused', got 'fused_atomic'"):
+            torch.ops.mhakern_C.cuda_force_sm90_bwd_kernel("fused_atomic")
+        assert torch.ops.mhakern_C.cuda_force_sm90_bwd_kernel("split") == "default"  # a refused call changes nothing
+    finally:
+        torch.ops.mhakern_C.cuda_force_sm90_bwd_kernel(prev)
+
+
+def test_sm90_backward_kernel_reads_its_environment_variable_at_load():
+    # MHAKERN_CUDA_SM90_BWD=fused selects the fused kernel in a fresh process (read once, at load).
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, torch, mhakern; mhakern.available_backends(); "
+            "print(json.loads(torch.ops.mhakern_C.capabilities())['cuda']['sm90']['bwd_kernel'], "
+            "torch.ops.mhakern_C.cuda_force_sm90_bwd_kernel('default'))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, MHAKERN_CUDA_SM90_BWD="fused"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split("\n")[-2] == "fused fused", r.stdout
 
 
 def test_backward_family_hook_round_trips_and_names_its_choices():

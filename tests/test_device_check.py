@@ -10,11 +10,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "device_check.sh"
-# One step per stage of the default run (and of the issue's list: build, GPU tests with the
-# backward's bit-identity, ceilings and headline table, forward variants, decode splits, ncu).
-DEFAULT_STEPS = ("install and build", "ceilings", "smoke", "sm_90a family, backward opted in", "bit-identical",
-                 "cuda backend", "headline benchmarks", "forward variants", "decode: planned and forced splits",
-                 "ncu: fwd", "ncu: bwd", "ncu: decode ", "ncu: decode_mma", "benchmark report")
+# One step per stage of the default run: the build, the GPU tests under each backward kernel's
+# setting, the backward kernels' bit-identity, the ceilings and the headline table.
+DEFAULT_STEPS = ("install and build", "ceilings", "smoke", "sm_90a family, backward opted in",
+                 "fused sm90 backward (MHAKERN_CUDA_SM90_BWD=fused", "cuda backend (",
+                 "fused mma.sync backward (MHAKERN_CUDA_MMA_BWD=fused", "triton backend, fused deterministic backward",
+                 "bit-identical, fused against split", "headline benchmarks", "benchmark report")
 
 
 def _dry_run(tmp_path, budget=None):
@@ -41,7 +42,33 @@ def test_dry_run_fits_six_minutes_with_every_stage(tmp_path):
 def test_dry_run_skips_what_a_smaller_budget_cannot_hold(tmp_path):
     r, acc = _dry_run(tmp_path, budget=150)
     skipped = re.findall(r"^\s+(.*?)\s+cap\s+\d+s\s+SKIPPED", acc, re.M)
-    assert skipped and any("ncu" in n for n in skipped), acc  # the last steps go first
+    assert skipped and any("headline benchmarks" in n for n in skipped), acc  # the last steps go first
     assert "install and build" not in " ".join(skipped), acc  # the first steps still run
     assert int(re.search(r"total: (\d+)s of 150s", acc).group(1)) <= 150, acc
     assert "SKIPPED (the time budget was spent)" in r.stdout
+
+
+def test_bit_identity_step_covers_every_backward_kernel():
+    # benchmarks/diag_gpu.py BWD_KERNELS names each backward kernel with its setting: every kernel
+    # the capabilities and the Triton heuristics list must be there, with the determinism they claim.
+    import json
+
+    import torch
+
+    import mhakern
+    from mhakern.kernels import heuristics
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import diag_gpu
+
+    mhakern.available_backends()
+    caps = json.loads(torch.ops.mhakern_C.capabilities())["cuda"]
+    got = {}
+    for label, family, settings, deterministic, peer in diag_gpu.BWD_KERNELS:
+        (kind, name), = settings.items()
+        got[(kind, name)] = deterministic
+        assert peer is None or peer in {k[0] for k in diag_gpu.BWD_KERNELS}, label
+    want = {("sm90", n): k["deterministic"] for n, k in caps["sm90"]["bwd_kernels"].items()}
+    want.update({("mma", n): k["deterministic"] for n, k in caps["bwd"]["kernels"].items()})
+    want.update({("triton", n): n != "atomic" for n in heuristics.BWD_MODES})
+    assert got == want

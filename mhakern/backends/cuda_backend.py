@@ -14,7 +14,8 @@ group, dQ in its own kernel); opt-in (``MHAKERN_CUDA_MMA_BWD=fused``) a fused ke
 products per tile whose dQ adds (fp32 ``red.global.add``) come in a fixed key order, or
 ``fused_atomic`` without that order. Head dim 256 has only the fused backward (its forward is
 the sm_90a family's); the table's ``bwd`` entry says which backward runs and whether it is
-deterministic.
+deterministic. The sm_90a family's backward (opt-in) is likewise split or fused
+(``MHAKERN_CUDA_SM90_BWD``; the table's ``sm90.bwd_kernel`` and ``sm90.bwd_kernels``).
 Query rows of the heads that share a KV head are packed into one tile, so decode (Lq = 1 with
 many query heads per KV head) reads each key block once per group. Where those packed rows are
 few (H / Hkv * Lq up to the table's ``decode.max_rows``, no attn_mask or dropout) the mma.sync
