@@ -58,12 +58,8 @@ if __name__ == "__main__":
     _build = _load_build_module()
     ext_modules, cmdclass = _build.extension_modules(os.environ, ROOT)
     cmdclass["build_py"] = BuildPyWithSources
-    # The Triton kernels live in kernels/ at the top of the tree but install as mhakern.kernels: a
-    # top-level package named "kernels" would collide with an unrelated one on PyPI.
-    packages = find_packages(include=["mhakern", "mhakern.*"]) + ["mhakern.kernels"]
     setup(
-        packages=packages,
-        package_dir={"mhakern.kernels": "kernels"},
+        packages=find_packages(include=["mhakern", "mhakern.*"]),
         ext_modules=ext_modules,
         cmdclass=cmdclass,
     )

@@ -46,7 +46,7 @@ def test_head_dims(D):
 
 @pytest.mark.parametrize("Lq,n_rep", [(1, 20), (3, 8), (1, 64)])
 def test_decode_packs_query_heads_of_a_kv_head(Lq, n_rep):
-    from mhakern.kernels.attention_fwd import launch_geometry
+    from mhakern.kernels.launch import launch_geometry
     from mhakern.kernels.heuristics import fwd_config
 
     B, Hkv, Lk, D = 3, 2, 45, 64
@@ -178,7 +178,7 @@ def test_on_device_guard_selects_the_tensors_device():
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from mhakern.kernels.attention_fwd import on_device
+    from mhakern.kernels.launch import on_device
 
     with FakeTensorMode():
         t = torch.empty(2, device="cuda:1")
@@ -403,7 +403,7 @@ def test_launchers_refuse_bad_mode_arguments():
 
 
 # ---------------------------------------------------------------------------------------------
-# Split-K forward (decode: few row tiles over long keys; kernels/attention_fwd.py _split_forward)
+# Split-K forward (decode: few row tiles over long keys; mhakern/kernels/attention_fwd.py _split_forward)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -478,7 +478,7 @@ def test_split_forward_is_refused_a_bad_forced_count():
 
 
 # ---------------------------------------------------------------------------------------------
-# The fused backward (kernels/attention_bwd.py: one program per key block computes dK, dV and
+# The fused backward (mhakern/kernels/attention_bwd.py: one program per key block computes dK, dV and
 # dQ's fp32 shares). The conformance suite runs it (the default, deterministic) on every hard
 # case and mode; here the other two kernels on hard combinations, and the order of dQ's adds.
 

@@ -2,7 +2,7 @@
 tiles the heuristics give that architecture, and fits the chip (no GPU needed: triton.compile
 with a GPUTarget, then the SASS read back with the cuobjdump Triton ships):
 
-* no register spills in a loop, and at most aot.STACK_SLACK bytes of stack (kernels/sass.py);
+* no register spills in a loop, and at most aot.STACK_SLACK bytes of stack (mhakern/kernels/sass.py);
   for head dims that are not multiples of 16 (strides the JIT cannot mark divisible), no
   spills in a loop;
 * on sm_90, every loop that multiplies matrices uses the warpgroup MMA (HGMMA), except the
@@ -205,7 +205,7 @@ def test_sass_refuses_a_listing_without_resource_usage():
         sass.analyse(_listing((0, "EXIT")), "nothing useful")
 
 
-# --- The tensor-descriptor forward (kernels/attention_fwd_desc.py), through the interpreter ----
+# --- The tensor-descriptor forward (mhakern/kernels/attention_fwd_desc.py), through the interpreter ----
 # On CPU the predicate is forced (heuristics.DESC_MODE = "1"): the calls then take the
 # descriptor kernel, which the interpreter runs like the GPU (rows past L and columns past the
 # head dim read as zeros, stores clipped to the tensor).

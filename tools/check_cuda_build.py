@@ -60,7 +60,7 @@ SM90_DIR = CUDA_DIR / "sm90"
 SM90_GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
 SM90_SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on sm_90
 SM90_MAX_REGS = 255
-# Gates on the sm_90a forward's main loop (kernels/sass.py reads it; docs/performance.md gives
+# Gates on the sm_90a forward's main loop (mhakern/kernels/sass.py reads it; docs/performance.md gives
 # the model behind each number):
 # - the softmax overlaps P V: at least BN / 2 of the loop's MUFU.EX2 (BN keys per stage, BN / 2
 #   exps per thread) between its "S landed" wait (DEPBAR.LE gsb0, 1) and its "P V landed" wait
@@ -134,11 +134,11 @@ def find_cuobjdump(nvcc: str) -> str | None:
 
 
 def _load_sass_reader():
-    """kernels/sass.py, the project's one SASS reader (listings, functions, loops, waits), loaded
+    """mhakern/kernels/sass.py, the project's one SASS reader (listings, functions, loops, waits), loaded
     by path: the kernels package itself imports the Triton kernels, which this check needs not."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("mhakern_sass_reader", ROOT / "kernels" / "sass.py")
+    spec = importlib.util.spec_from_file_location("mhakern_sass_reader", ROOT / "mhakern" / "kernels" / "sass.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up while it loads
     spec.loader.exec_module(mod)
@@ -154,7 +154,7 @@ def _is_local(text: str) -> bool:
 
 def loop_local_memory(cuobjdump: str, obj: Path) -> dict[tuple[str, int], tuple[int, int]]:
     """{(mangled kernel, sm): (local-memory instructions, how many of them inside a loop)}, loops
-    by the reader's rule (kernels/sass.py: loops_of)."""
+    by the reader's rule (mhakern/kernels/sass.py: loops_of)."""
     res = subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True)
     out: dict[tuple[str, int], tuple[int, int]] = {}
     for key, ins in sass_reader.parse_functions(res.stdout).items():
@@ -449,7 +449,7 @@ def sass_facts(cuobjdump: str, obj: Path) -> dict[str, dict]:
 
 
 def sass_facts_text(sass: str) -> dict[str, dict]:
-    """sass_facts of cuobjdump -sass output (kernels/sass.py reads it)."""
+    """sass_facts of cuobjdump -sass output (mhakern/kernels/sass.py reads it)."""
     R = sass_reader
     out = {}
     for (name, _arch), ins in R.parse_functions(sass).items():

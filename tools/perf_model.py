@@ -16,7 +16,7 @@ Per 128-key step of one CTA (two consumer warpgroups taking turns, S stages of K
 
 T_g comes from the FLOPs at the measured matmul rate; I (instructions one warp executes per
 unmasked tile) and C (cycles from "P V landed" to the next batch's first HGMMA) from the SASS of
-the main loop (kernels/sass.py reads it; the chain through a one-warp in-order issue model
+the main loop (mhakern/kernels/sass.py reads it; the chain through a one-warp in-order issue model
 below); lam (the exposed copy latency) and F (the fixed cost per CTA) are fitted on the two
 non-causal rows of the measured run, which was the 2-stage build with the hoisted wait (the SASS
 of that build, 'measured', is compiled from the commit the run used or given). Decode: the
@@ -70,7 +70,7 @@ _NO_DEST = ("ISETP", "FSETP", "PLOP3", "SYNCS", "BAR", "HGMMA", "WARPGROUP", "ST
 
 
 def _reader():
-    spec = importlib.util.spec_from_file_location("mhakern_sass_reader", ROOT / "kernels" / "sass.py")
+    spec = importlib.util.spec_from_file_location("mhakern_sass_reader", ROOT / "mhakern" / "kernels" / "sass.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)

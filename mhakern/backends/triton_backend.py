@@ -63,7 +63,7 @@ class TritonBackend(Backend):
         return None
 
     def supports(self, q, k, v, causal, key_lengths):
-        from mhakern.kernels.attention_fwd import MAX_PROGRAMS
+        from mhakern.kernels.launch import MAX_PROGRAMS
         from mhakern.kernels.heuristics import MAX_HEAD_DIM
 
         interp = _interpreting()

@@ -35,242 +35,41 @@ to the code above and nothing more:
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
-from .heuristics import MAX_SPLITS, desc_eligible, fwd_config, head_block, packed_rows, plan_fwd_splits, row_block
-
-
-@triton.jit
-def _unfold_rows_grid(H, Lq, heads_per_prog, BLOCK_M: tl.constexpr):
-    """(row tile, head group, batch element) of this program in the one-dimensional grid.
-
-    The grid is flat, row tiles fastest, then head groups, then batch elements: CUDA limits grid
-    axes 1 and 2 to 65,535, and batches (the trainer's runs x batch) go beyond that; axis 0
-    takes 2**31 - 1 programs. Consecutive programs share a head and so its keys and values in L2.
-    """
-    pid = tl.program_id(0)
-    n_m = tl.cdiv(heads_per_prog * Lq, BLOCK_M)
-    n_h = H // heads_per_prog
-    pid_m = pid % n_m
-    rest = pid // n_m
-    return pid_m, rest % n_h, rest // n_h
-
-
-@triton.jit
-def _row_tile(pid_m, pid_h, heads_per_prog, n_rep, Lq, BLOCK_M: tl.constexpr):
-    """This program's rows: index ``r``, validity, query head ``hh`` and position ``i`` of each,
-    the range [i_lo, i_hi] of positions they cover, and the KV head they all read."""
-    head0 = pid_h * heads_per_prog
-    rows_total = heads_per_prog * Lq
-    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    r0 = pid_m * BLOCK_M
-    r1 = tl.minimum(r0 + BLOCK_M, rows_total) - 1
-    # A tile spanning two heads covers positions that wrap around: take the whole range.
-    same_head = (r0 // Lq) == (r1 // Lq)
-    i_lo = tl.where(same_head, r0 % Lq, 0)
-    i_hi = tl.where(same_head, r1 % Lq, Lq - 1)
-    hh = head0 + r // Lq
-    return r, r < rows_total, hh, r % Lq, i_lo, i_hi, head0 // n_rep
-
-
-@triton.jit
-def _key_length(KL, b, Lk, HAS_KL: tl.constexpr):
-    """Key length of batch element ``b``, clamped to [0, Lk]: callers validate key_lengths, but a
-    value out of range must never make a kernel read outside k and v."""
-    if HAS_KL:
-        return tl.minimum(tl.maximum(tl.load(KL + b), 0), Lk)
-    return Lk
-
-
-@triton.jit
-def _last_visible_key(i, lk_b, Lq, CAUSAL: tl.constexpr):
-    """Per row, the last key it sees (bottom-right causal alignment)."""
-    if CAUSAL:
-        return i + lk_b - Lq
-    return i * 0 + lk_b - 1
-
-
-@triton.jit
-def _idx(x, IDX64: tl.constexpr):
-    """Element offsets inside one batch element in 32 bits, unless the launcher found a tensor
-    whose batch element spans 2**31 elements or more (IDX64). Batch offsets are always 64-bit;
-    32-bit offsets halve the registers a tile of addresses takes."""
-    if IDX64:
-        return x.to(tl.int64)
-    return x
-
-
-@triton.jit
-def _tile_ptrs(base, row_off, BLOCK: tl.constexpr):
-    """Pointers to a (rows, BLOCK) tile: row r starts at ``base + row_off[r]``, columns are unit-stride."""
-    return base + row_off[:, None] + tl.arange(0, BLOCK)[None, :]
-
-
-@triton.jit
-def _load_tile(base, row_off, row_ok, COLS: tl.constexpr, BLOCK: tl.constexpr, ROW_MASK: tl.constexpr):
-    """A (rows, BLOCK) tile of a slab with COLS columns, zero outside. Masks only what can be out
-    of range: the columns when COLS < BLOCK (padded head dims), the rows when ROW_MASK (a key
-    block wholly inside the visible keys needs none)."""
-    ptrs = _tile_ptrs(base, row_off, BLOCK)
-    cols = tl.arange(0, BLOCK)
-    if ROW_MASK:
-        if COLS < BLOCK:
-            x = tl.load(ptrs, mask=row_ok[:, None] & (cols[None, :] < COLS), other=0.0)
-        else:
-            x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
-    else:
-        if COLS < BLOCK:
-            x = tl.load(ptrs, mask=cols[None, :] < COLS, other=0.0)
-        else:
-            x = tl.load(ptrs)
-    return x
-
-
-@triton.jit
-def _store_tile(base, row_off, row_ok, x, COLS: tl.constexpr, BLOCK: tl.constexpr):
-    ptrs = _tile_ptrs(base, row_off, BLOCK)
-    cols = tl.arange(0, BLOCK)
-    if COLS < BLOCK:
-        tl.store(ptrs, x, mask=row_ok[:, None] & (cols[None, :] < COLS))
-    else:
-        tl.store(ptrs, x, mask=row_ok[:, None])
-
-
-@triton.jit
-def _load_rows(base, hh, i, stride_h, stride_m, row_ok, DIM: tl.constexpr, BLOCK: tl.constexpr,
-               IDX64: tl.constexpr):
-    """Rows (hh, i) of a (heads, length, DIM) slab, zero-padded to BLOCK columns."""
-    return _load_tile(base, _idx(hh, IDX64) * stride_h + _idx(i, IDX64) * stride_m, row_ok, DIM, BLOCK, True)
-
-
-@triton.jit
-def _key_range(i_lo, i_hi, lk_b, Lq, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys [0, full) are visible to every row of the tile; [full, hi) need the mask."""
-    if CAUSAL:
-        hi = tl.minimum(lk_b, tl.maximum(i_hi + lk_b - Lq + 1, 0))
-        full = tl.minimum(lk_b, tl.maximum(i_lo + lk_b - Lq + 1, 0))
-    else:
-        hi = lk_b
-        full = lk_b
-    full = (full // BLOCK_N) * BLOCK_N
-    return full, hi
-
-
-@triton.jit
-def _diag(i, lk_b, Lq, TOP_LEFT: tl.constexpr):
-    """Per row, the key on its causal diagonal: ``i + off`` (docs/contract.md, "Visibility")."""
-    if TOP_LEFT:
-        return i
-    return i + lk_b - Lq
-
-
-@triton.jit
-def _band(i, lk_b, Lq, win_l, win_r, TOP_LEFT: tl.constexpr):
-    """Per row, the first and last key of its band ``[i + off - L, i + off + R]`` (BAND mode;
-    not clipped to [0, lk_b): callers test ``j < lk_b`` anyway)."""
-    d = _diag(i, lk_b, Lq, TOP_LEFT)
-    return d - win_l, d + win_r
-
-
-@triton.jit
-def _band_key_range(i_lo, i_hi, lk_b, Lq, win_l, win_r, TOP_LEFT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(start, full_lo, full_hi, stop) for a row tile of positions [i_lo, i_hi] in BAND mode:
-    keys [start, full_lo) and [full_hi, stop) need the mask, [full_lo, full_hi) are seen by every
-    row of the tile, keys outside [start, stop) by none. start, full_lo, full_hi are multiples
-    of BLOCK_N. Both band edges grow with i, so the tile's first and last rows bound them."""
-    kmin_lo, kmax_lo = _band(i_lo, lk_b, Lq, win_l, win_r, TOP_LEFT)
-    kmin_hi, kmax_hi = _band(i_hi, lk_b, Lq, win_l, win_r, TOP_LEFT)
-    stop = tl.minimum(lk_b, tl.maximum(kmax_hi + 1, 0))
-    start = (tl.maximum(kmin_lo, 0) // BLOCK_N) * BLOCK_N
-    full_hi = (tl.minimum(lk_b, tl.maximum(kmax_lo + 1, 0)) // BLOCK_N) * BLOCK_N
-    full_lo = ((tl.maximum(kmin_hi, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
-    full_hi = tl.maximum(full_hi, start)
-    full_lo = tl.minimum(tl.maximum(full_lo, start), full_hi)
-    return start, full_lo, full_hi, stop
-
-
-@triton.jit
-def _mask_scores(s, ptrs, ld_mask, MASK_KIND: tl.constexpr):
-    """Apply attn_mask to a tile of scaled scores: (scores, visible-by-the-mask).
-
-    Bool (stored as bytes): hidden where 0. Float: the bias is added, and a -inf bias hides the
-    pair whatever the score (a NaN score plus -inf must not leak). Out-of-range entries
-    (``ld_mask`` False) read as hidden."""
-    if MASK_KIND == 1:
-        mv = tl.load(ptrs, mask=ld_mask, other=0)
-        mvis = mv != 0
-        s = tl.where(mvis, s, float("-inf"))
-    else:
-        bias = tl.load(ptrs, mask=ld_mask, other=float("-inf")).to(tl.float32)
-        mvis = bias != float("-inf")
-        s = tl.where(mvis, s + bias, float("-inf"))
-    return s, mvis
-
-
-@triton.jit
-def _mix32(x):
-    """lowbias32 finaliser on uint32 (docs/contract.md, "Dropout"); multiplies wrap mod 2**32."""
-    x ^= x >> 16
-    x = x * 0x21F0AAAD
-    x ^= x >> 15
-    x = x * 0x735A2D97
-    x ^= x >> 15
-    return x
-
-
-@triton.jit
-def _drop_rows(seed_lo, seed_hi, b, H, hh, i):
-    """Per row (query head ``hh``, position ``i``): ``r_i`` of the contract's keep hash. The
-    seed halves arrive as int32 holding the uint32 bits."""
-    lo = seed_lo.to(tl.uint32, bitcast=True)
-    hi = seed_hi.to(tl.uint32, bitcast=True)
-    bh = (b * H + hh).to(tl.uint32)  # b is int64: (b * H + h) mod 2**32
-    s_bh = _mix32(lo ^ _mix32(hi ^ bh))
-    return _mix32(s_bh ^ i.to(tl.uint32))
-
-
-@triton.jit
-def _row_tile_modes(
-    i, i_lo, i_hi, hh, b, lk_b, H, Lq, win_l, win_r, seed_lo, seed_hi, MASK, stride_mb, stride_mh, stride_mm,
-    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IDX64: tl.constexpr, BAND: tl.constexpr,
-    TOP_LEFT: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-):
-    """What a row tile of the forward and the dQ pass needs of the call's modes, per row and for
-    the tile: (kmin, kmax) each row's first and last visible key (kmin = kmax without BAND,
-    unused then), (start, full_lo, full_hi, stop) the tile's key range (_band_key_range's
-    meaning; start = full_lo = 0 without BAND), the mask's scalar base and per-row offsets, and
-    the rows' dropout hashes r_i (``i`` and ``MASK`` pass through where the mode is off)."""
-    if BAND:
-        kmin, kmax = _band(i, lk_b, Lq, win_l, win_r, TOP_LEFT)
-        start, full_lo, full, hi = _band_key_range(i_lo, i_hi, lk_b, Lq, win_l, win_r, TOP_LEFT, BLOCK_N)
-    else:
-        kmax = _last_visible_key(i, lk_b, Lq, CAUSAL)
-        kmin = kmax
-        full, hi = _key_range(i_lo, i_hi, lk_b, Lq, CAUSAL, BLOCK_N)
-        start = 0
-        full_lo = 0
-    # The mask's address splits into a scalar base and per-element offsets (int32 unless IDX64),
-    # so that no (rows x keys) tile of 64-bit pointers stays live across the loop.
-    m_base = MASK
-    m_off = i
-    if MASK_KIND != 0:
-        m_base = MASK + b * stride_mb
-        m_off = _idx(hh, IDX64) * stride_mh + _idx(i, IDX64) * stride_mm
-    r_drop = i
-    if DROPOUT:
-        r_drop = _drop_rows(seed_lo, seed_hi, b, H, hh, i)
-    return kmin, kmax, start, full_lo, full, hi, m_base, m_off, r_drop
-
-
-@triton.jit
-def _keep(r_i, j, drop_thr):
-    """Keep bits of the (rows, keys) tile given per-row ``r_i`` and per-key ``j`` laid out for
-    broadcasting (``r_i[:, None]`` and ``j[None, :]`` or transposed)."""
-    return _mix32(r_i + j.to(tl.uint32)) >= drop_thr.to(tl.uint32, bitcast=True)
+from .heuristics import (
+    MAX_SPLITS,
+    desc_eligible,
+    fwd_config,
+    head_block,
+    plan_fwd_splits,
+)
+from .launch import (
+    MAX_PROGRAMS,
+    ModeArgs,
+    arch_of,
+    check_buffer,
+    launch_geometry,
+    needs_64bit_offsets,
+    num_sms_of,
+    on_device,
+    precision,
+    tile_modes,
+)
+from .tiles import (
+    _idx,
+    _keep,
+    _key_length,
+    _load_rows,
+    _load_tile,
+    _mask_scores,
+    _row_tile,
+    _row_tile_modes,
+    _store_tile,
+    _unfold_rows_grid,
+)
 
 
 @triton.jit
@@ -403,7 +202,7 @@ def _attn_fwd_kernel(
     HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
 ):
     """The forward without optional modes: the body with every mode flag off (its code and
-    parameters are the plain kernel's, which kernels/aot.py builds)."""
+    parameters are the plain kernel's, which mhakern/kernels/aot.py builds)."""
     _attn_fwd_body(
         Q, K, V, O, LSE, KL, LSE, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, 0, 0, 0, 0, H, Lq, Lk, n_rep,
@@ -455,25 +254,6 @@ def _attn_fwd_modes_kernel(
 
 
 
-def precision(dtype: torch.dtype) -> str:
-    """fp32 inputs multiply in full fp32 ("ieee"), never silently in tf32: exactness first."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-MAX_PROGRAMS = 2**31 - 1  # CUDA's limit on grid axis 0, which carries every launch here
-
-
-def needs_64bit_offsets(*tensors) -> bool:
-    """Whether some tensor's batch element spans 2**31 elements or more, so that offsets inside
-    one batch element (what the kernels compute per row) need 64 bits."""
-    for t in tensors:
-        if t.dim() and sum((n - 1) * abs(st) for n, st in zip(t.shape[1:], t.stride()[1:]) if n > 0) >= 2**31 - 1:
-            return True
-    return False
-
-
-_ARCH = {}
-_SMS = {}
 _FORCED_SPLITS = 0
 
 
@@ -487,129 +267,12 @@ def force_splits(n: int) -> int:
     return prev
 
 
-def num_sms_of(t: torch.Tensor) -> int:
-    """Multiprocessors of ``t``'s device, cached; 0 off CUDA (nothing to fill)."""
-    if t.device.type != "cuda":
-        return 0
-    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
-
-
 def fwd_splits(q: torch.Tensor, Lk: int, Dv: int, programs: int, block_n: int) -> int:
     """Key splits of a plain forward (the hook's count when forced, else heuristics' plan)."""
     if _FORCED_SPLITS:
         return _FORCED_SPLITS
     B, H, Lq = q.shape[0], q.shape[1], q.shape[2]
     return plan_fwd_splits(programs, triton.cdiv(Lk, block_n), B * H * Lq, Dv, num_sms_of(q))
-
-
-def arch_of(t: torch.Tensor) -> int:
-    """Compute capability of ``t``'s device as an int (90 for sm_90), cached; 80 off CUDA (the
-    interpreter), which only picks the tile table's row."""
-    if t.device.type != "cuda":
-        return 80
-    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if idx not in _ARCH:
-        major, minor = torch.cuda.get_device_capability(idx)
-        _ARCH[idx] = 10 * major + minor
-    return _ARCH[idx]
-
-
-def launch_geometry(B: int, H: int, Hkv: int, Lq: int, block_m: int):
-    """(heads per program, row tile, grid) of the forward and dQ kernels: a flat grid of
-    row tiles x head groups x batch elements (see ``_unfold_rows_grid``)."""
-    n_rep = H // Hkv
-    hpp = packed_rows(Lq, n_rep, block_m)
-    bm = row_block(hpp * Lq, block_m)
-    grid = (triton.cdiv(hpp * Lq, bm) * (H // hpp) * B,)
-    return hpp, bm, grid
-
-
-def on_device(t: torch.Tensor):
-    """Make ``t``'s device current for a launch: Triton launches on the current device and its
-    current stream, so without this a tensor on cuda:1 while cuda:0 is current would be read
-    from the wrong device (the CUDA host code holds a CUDAGuard for the same reason)."""
-    if t.device.type == "cuda":
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
-
-
-def check_buffer(name: str, t: torch.Tensor, shape, dtype, like: torch.Tensor, contiguous: bool = False):
-    """Refuse an output buffer the kernels cannot write as given (launchers take the buffers
-    their caller allocates)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != like.device:
-        raise ValueError(
-            f"{name}: expected a {dtype} tensor of shape {tuple(shape)} on {like.device}, "
-            f"got {t.dtype} {tuple(t.shape)} on {t.device}"
-        )
-    if contiguous and not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{name}: expected unit stride on the last dim, got strides {t.stride()}")
-
-
-class ModeArgs:
-    """The launch arguments of the optional modes (docs/contract.md), shared by the forward and
-    backward launchers: what the kernels read at run time and the constexpr flags that select
-    their variant. The plain call gives BAND, TOP_LEFT, MASK_KIND, DROPOUT all off."""
-
-    def __init__(self, Lq: int, Lk: int, causal: bool, attn_mask, dropout_p: float, seed: int,
-                 top_left: bool, window_left: int, window_right: int):
-        self.band = bool(top_left) or window_left >= 0 or window_right >= 0
-        self.top_left = bool(top_left) and self.band
-        # An unbounded side becomes Lq + Lk, wider than any row can reach, and bounded sides are
-        # capped there too, so that i + off +- L, R stays far inside int32.
-        big = Lq + Lk
-        self.win_l = big if window_left < 0 else min(int(window_left), big)
-        win_r = big if window_right < 0 else min(int(window_right), big)
-        self.win_r = min(win_r, 0) if causal else win_r  # causal is the band's right edge at 0
-        self.mask = attn_mask
-        self.mask_kind = 0
-        self.mask_strides = (0, 0, 0, 0)
-        if attn_mask is not None:
-            if attn_mask.dim() != 4:
-                raise ValueError(f"attn_mask: expected a 4-D (B, H, Lq, Lk) view, got {attn_mask.dim()}-D")
-            if attn_mask.dtype == torch.bool:
-                self.mask_kind = 1
-                self.mask = attn_mask.view(torch.uint8)  # same bytes and strides; loads compare with 0
-            elif attn_mask.dtype == torch.float32:
-                self.mask_kind = 2
-            else:
-                raise ValueError(f"attn_mask: expected bool or float32, got {attn_mask.dtype}")
-            self.mask_strides = tuple(attn_mask.stride())
-        if not 0.0 <= dropout_p < 1.0:
-            raise ValueError(f"dropout_p: expected 0 <= p < 1, got {dropout_p}")
-        self.dropout = dropout_p > 0.0
-        thr = min(int(dropout_p * 4294967296.0), 0xFFFFFFFF)
-        seed = int(seed)
-        # uint32 values travel as int32 with the same bits (the kernels bitcast them back).
-        self.seed_lo, self.seed_hi, self.drop_thr = (
-            _as_i32(x) for x in (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, thr))
-        self.drop_scale = 1.0 / (1.0 - dropout_p)
-
-    def any(self) -> bool:
-        """Whether some mode is on (the launch takes the modes kernel, not the plain one)."""
-        return self.band or self.mask_kind != 0 or self.dropout
-
-    def runtime(self):
-        return (self.win_l, self.win_r, self.seed_lo, self.seed_hi, self.drop_thr, self.drop_scale)
-
-    def constexprs(self):
-        return dict(BAND=self.band, TOP_LEFT=self.top_left, MASK_KIND=self.mask_kind, DROPOUT=self.dropout)
-
-
-def tile_modes(modes: "ModeArgs") -> dict:
-    """The modes that choose a launch's tile (heuristics.tile_config's keywords): the table in
-    heuristics.py narrows the plain tile for them, per architecture."""
-    return dict(band=modes.band, mask_kind=modes.mask_kind, dropout=modes.dropout)
-
-
-def _as_i32(x: int) -> int:
-    return x - (1 << 32) if x >= (1 << 31) else x
 
 
 def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths=None, *, attn_mask=None,

@@ -5,7 +5,7 @@ Runs with no GPU: ``triton.compile`` with a ``GPUTarget`` lowers each variant to
 sm_80 / sm_90 with the tiles heuristics.py gives that architecture, and with the
 specialisation the JIT applies on a typical launch: 16-byte aligned pointers, and strides
 divisible by 16 when the head dims are multiples of 16 (see ``divisible_args``; ``--unaligned``
-drops it all). kernels/sass.py then reads the cubin back with Triton's cuobjdump. A variant
+drops it all). mhakern/kernels/sass.py then reads the cubin back with Triton's cuobjdump. A variant
 fails when a local-memory load or store (a register spill) sits inside a loop, when it keeps
 more stack than ``STACK_SLACK`` bytes (head dims multiples of 16), when on sm_90 a loop
 multiplies matrices without HGMMA (unless heuristics.MMA_SYNC_ON_SM90, or for a mode variant
@@ -25,8 +25,9 @@ Prints one row per variant: tile, warps/stages, shared memory, registers, stack 
 count, LDL/STL inside loops, loops with HGMMA / loops with a matrix instruction, TMA loads.
 fp32 variants (FMA code, no tensor cores) take one to three minutes each on a busy two-core
 machine: ``--dtypes fp32`` builds them, the CI test does not.
-kernels/ imports nothing from mhakern, so the same module runs against another triton version
-by path (``sys.path.insert(0, checkout); from kernels import aot; aot.main([...])``).
+mhakern/kernels/ imports nothing from the rest of mhakern, so the same module runs against another
+triton version by path (``sys.path.insert(0, checkout + "/mhakern"); from kernels import aot;
+aot.main([...])``).
 
 Must run without TRITON_INTERPRET (the interpreter replaces the kernels by Python functions);
 the tests run it in a subprocess.
@@ -140,7 +141,8 @@ def variants(arch: int, dtypes=("fp16", "bf16", "fp32"), dims=ALL_DIMS, flags=((
     from .attention_bwd import (_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_modes_kernel, _attn_bwd_dq_kernel,
                                 _attn_bwd_dq_modes_kernel, _attn_bwd_fused_kernel, _attn_bwd_fused_modes_kernel,
                                 _bwd_delta_kernel)
-    from .attention_fwd import _attn_fwd_kernel, _attn_fwd_modes_kernel, _attn_fwd_split_kernel, precision
+    from .attention_fwd import _attn_fwd_kernel, _attn_fwd_modes_kernel, _attn_fwd_split_kernel
+    from .launch import precision
     from .attention_fwd_desc import _attn_fwd_desc_kernel
     from .heuristics import desc_config, dkdv_config, dq_config, fused_config, fwd_config, head_block
 

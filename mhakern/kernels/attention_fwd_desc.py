@@ -28,7 +28,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_fwd import (
+from .heuristics import desc_config, head_block
+from .launch import (
+    arch_of,
+    check_buffer,
+    launch_geometry,
+    needs_64bit_offsets,
+    on_device,
+    precision,
+)
+from .tiles import (
     _idx,
     _key_length,
     _key_range,
@@ -37,14 +46,7 @@ from .attention_fwd import (
     _row_tile,
     _store_tile,
     _unfold_rows_grid,
-    arch_of,
-    check_buffer,
-    launch_geometry,
-    needs_64bit_offsets,
-    on_device,
-    precision,
 )
-from .heuristics import desc_config, head_block
 
 try:  # triton >= 3.4 (descriptors on the host side)
     from triton.tools.tensor_descriptor import TensorDescriptor

@@ -340,7 +340,7 @@ def fused_config(d: int, dv: int, dtype: torch.dtype, arch: int = 80, **modes) -
     return tile_config("fused", d, dv, dtype, arch, **modes)
 
 
-# --- Which backward kernel (kernels/attention_bwd.py) -------------------------------------------
+# --- Which backward kernel (mhakern/kernels/attention_bwd.py) -------------------------------------------
 # "deterministic": the fused kernel (5 products per tile; dQ's fp32 shares added in a fixed
 # key-block order per row tile, so two runs give the same bits); "atomic": the same kernel with
 # dQ added by atomics in arrival order (no waits; the bits depend on the schedule); "split": the
@@ -382,7 +382,7 @@ def row_block(rows: int, block_m: int) -> int:
     return max(16, min(block_m, next_pow2(rows)))
 
 
-# --- The tensor-descriptor forward (kernels/attention_fwd_desc.py) -----------------------------
+# --- The tensor-descriptor forward (mhakern/kernels/attention_fwd_desc.py) -----------------------------
 
 # "auto": sm_90 and newer where the call qualifies; "1": every qualifying call, on any arch and
 # under the interpreter (how the tests run it on CPU); "0": never. Read once at import from
@@ -436,7 +436,7 @@ def plan_fwd_splits(programs: int, key_blocks: int, rows: int, dv: int, num_sms:
 
 def desc_eligible(q, k, v, out, *, attn_mask=None, dropout_p: float = 0.0, top_left: bool = False,
                   window_left: int = -1, window_right: int = -1) -> bool:
-    """Whether the forward goes through tensor descriptors (kernels/attention_fwd_desc.py).
+    """Whether the forward goes through tensor descriptors (mhakern/kernels/attention_fwd_desc.py).
 
     Only calls without modes (no mask, no dropout, bottom-right alignment, no window: those live
     in the pointer kernel), in fp16/bf16 (fp32 multiplies with FMA, where TMA buys nothing), on

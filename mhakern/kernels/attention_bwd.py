@@ -1,14 +1,18 @@
-"""Fused attention backward in Triton: delta preprocessing, then dK/dV and dQ kernels.
+"""Attention backward in Triton: delta preprocessing, then the gradient kernels.
 
 Probabilities are recomputed from the forward's lse (``p = exp(s - lse)``), never stored.
-``delta = rowsum(dout * out)`` is computed first. No atomics anywhere, so every run gives
-bit-identical gradients:
+``delta = rowsum(dout * out)`` is computed first. Three ways to compute the gradients, chosen
+by ``heuristics.BWD_MODE`` (``MHAKERN_TRITON_BWD``):
 
-* dK/dV: one program per (key block, KV head, batch element) keeps its keys and values
-  resident and streams the query rows of *all* query heads sharing that KV head past them,
-  so the sum over the group happens in registers, in a fixed order.
-* dQ: one program per query row tile (the forward's tiling, decode packing included) streams
-  the keys.
+* ``deterministic`` (the default), fused: one program per (key block, KV head, batch element)
+  keeps its keys and values resident and streams the query rows of *all* query heads sharing
+  that KV head past them (the sum over the group in registers, in a fixed order), computing
+  dK, dV and its share of dQ (5 products per tile); the dQ shares are added into an fp32
+  buffer in key-block order per row tile (a ticketed turn per row tile), so every run gives
+  bit-identical gradients.
+* ``atomic``: the same kernel with unordered atomic dQ adds (bits depend on the schedule).
+* ``split``: no atomics; a dK/dV kernel as above and a dQ kernel, one program per query row
+  tile (the forward's tiling, decode packing included) streaming the keys (7 products).
 
 Masked rows and keys follow the forward exactly; a row that saw no key has lse = -inf, which
 is read as +inf so its probabilities, and so all its gradients, are 0.
@@ -27,30 +31,40 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_fwd import (
+from .heuristics import (
+    bwd_kernel,
+    dkdv_config,
+    dq_config,
+    fused_config,
+    head_block,
+    next_pow2,
+    packed_rows,
+)
+from .launch import (
     ModeArgs,
-    tile_modes,
-    _band,
-    _diag,
-    _drop_rows,
-    _keep,
-    _mask_scores,
-    _key_length,
-    _load_rows,
-    _idx,
-    _load_tile,
-    _row_tile,
-    _row_tile_modes,
-    _store_tile,
-    _unfold_rows_grid,
     arch_of,
     check_buffer,
     launch_geometry,
     needs_64bit_offsets,
     on_device,
     precision,
+    tile_modes,
 )
-from .heuristics import bwd_kernel, dkdv_config, dq_config, fused_config, head_block, next_pow2, packed_rows
+from .tiles import (
+    _band,
+    _diag,
+    _drop_rows,
+    _idx,
+    _keep,
+    _key_length,
+    _load_rows,
+    _load_tile,
+    _mask_scores,
+    _row_tile,
+    _row_tile_modes,
+    _store_tile,
+    _unfold_rows_grid,
+)
 
 
 @triton.jit

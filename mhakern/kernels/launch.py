@@ -1,0 +1,148 @@
+"""Host-side helpers the Triton launchers share: precision, 64-bit offsets, the device's arch
+and multiprocessors, launch geometry, output-buffer checks and the modes' launch arguments."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+
+from .heuristics import packed_rows, row_block
+
+
+def precision(dtype: torch.dtype) -> str:
+    """fp32 inputs multiply in full fp32 ("ieee"), never silently in tf32: exactness first."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+MAX_PROGRAMS = 2**31 - 1  # CUDA's limit on grid axis 0, which carries every launch here
+
+
+def needs_64bit_offsets(*tensors) -> bool:
+    """Whether some tensor's batch element spans 2**31 elements or more, so that offsets inside
+    one batch element (what the kernels compute per row) need 64 bits."""
+    for t in tensors:
+        if t.dim() and sum((n - 1) * abs(st) for n, st in zip(t.shape[1:], t.stride()[1:]) if n > 0) >= 2**31 - 1:
+            return True
+    return False
+
+
+_ARCH = {}
+_SMS = {}
+
+
+def num_sms_of(t: torch.Tensor) -> int:
+    """Multiprocessors of ``t``'s device, cached; 0 off CUDA (nothing to fill)."""
+    if t.device.type != "cuda":
+        return 0
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def arch_of(t: torch.Tensor) -> int:
+    """Compute capability of ``t``'s device as an int (90 for sm_90), cached; 80 off CUDA (the
+    interpreter), which only picks the tile table's row."""
+    if t.device.type != "cuda":
+        return 80
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if idx not in _ARCH:
+        major, minor = torch.cuda.get_device_capability(idx)
+        _ARCH[idx] = 10 * major + minor
+    return _ARCH[idx]
+
+
+def launch_geometry(B: int, H: int, Hkv: int, Lq: int, block_m: int):
+    """(heads per program, row tile, grid) of the forward and dQ kernels: a flat grid of
+    row tiles x head groups x batch elements (see ``_unfold_rows_grid``)."""
+    n_rep = H // Hkv
+    hpp = packed_rows(Lq, n_rep, block_m)
+    bm = row_block(hpp * Lq, block_m)
+    grid = (triton.cdiv(hpp * Lq, bm) * (H // hpp) * B,)
+    return hpp, bm, grid
+
+
+def on_device(t: torch.Tensor):
+    """Make ``t``'s device current for a launch: Triton launches on the current device and its
+    current stream, so without this a tensor on cuda:1 while cuda:0 is current would be read
+    from the wrong device (the CUDA host code holds a CUDAGuard for the same reason)."""
+    if t.device.type == "cuda":
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def check_buffer(name: str, t: torch.Tensor, shape, dtype, like: torch.Tensor, contiguous: bool = False):
+    """Refuse an output buffer the kernels cannot write as given (launchers take the buffers
+    their caller allocates)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != like.device:
+        raise ValueError(
+            f"{name}: expected a {dtype} tensor of shape {tuple(shape)} on {like.device}, "
+            f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+        )
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: expected unit stride on the last dim, got strides {t.stride()}")
+
+
+class ModeArgs:
+    """The launch arguments of the optional modes (docs/contract.md), shared by the forward and
+    backward launchers: what the kernels read at run time and the constexpr flags that select
+    their variant. The plain call gives BAND, TOP_LEFT, MASK_KIND, DROPOUT all off."""
+
+    def __init__(self, Lq: int, Lk: int, causal: bool, attn_mask, dropout_p: float, seed: int,
+                 top_left: bool, window_left: int, window_right: int):
+        self.band = bool(top_left) or window_left >= 0 or window_right >= 0
+        self.top_left = bool(top_left) and self.band
+        # An unbounded side becomes Lq + Lk, wider than any row can reach, and bounded sides are
+        # capped there too, so that i + off +- L, R stays far inside int32.
+        big = Lq + Lk
+        self.win_l = big if window_left < 0 else min(int(window_left), big)
+        win_r = big if window_right < 0 else min(int(window_right), big)
+        self.win_r = min(win_r, 0) if causal else win_r  # causal is the band's right edge at 0
+        self.mask = attn_mask
+        self.mask_kind = 0
+        self.mask_strides = (0, 0, 0, 0)
+        if attn_mask is not None:
+            if attn_mask.dim() != 4:
+                raise ValueError(f"attn_mask: expected a 4-D (B, H, Lq, Lk) view, got {attn_mask.dim()}-D")
+            if attn_mask.dtype == torch.bool:
+                self.mask_kind = 1
+                self.mask = attn_mask.view(torch.uint8)  # same bytes and strides; loads compare with 0
+            elif attn_mask.dtype == torch.float32:
+                self.mask_kind = 2
+            else:
+                raise ValueError(f"attn_mask: expected bool or float32, got {attn_mask.dtype}")
+            self.mask_strides = tuple(attn_mask.stride())
+        if not 0.0 <= dropout_p < 1.0:
+            raise ValueError(f"dropout_p: expected 0 <= p < 1, got {dropout_p}")
+        self.dropout = dropout_p > 0.0
+        thr = min(int(dropout_p * 4294967296.0), 0xFFFFFFFF)
+        seed = int(seed)
+        # uint32 values travel as int32 with the same bits (the kernels bitcast them back).
+        self.seed_lo, self.seed_hi, self.drop_thr = (
+            _as_i32(x) for x in (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, thr))
+        self.drop_scale = 1.0 / (1.0 - dropout_p)
+
+    def any(self) -> bool:
+        """Whether some mode is on (the launch takes the modes kernel, not the plain one)."""
+        return self.band or self.mask_kind != 0 or self.dropout
+
+    def runtime(self):
+        return (self.win_l, self.win_r, self.seed_lo, self.seed_hi, self.drop_thr, self.drop_scale)
+
+    def constexprs(self):
+        return dict(BAND=self.band, TOP_LEFT=self.top_left, MASK_KIND=self.mask_kind, DROPOUT=self.dropout)
+
+
+def tile_modes(modes: "ModeArgs") -> dict:
+    """The modes that choose a launch's tile (heuristics.tile_config's keywords): the table in
+    heuristics.py narrows the plain tile for them, per architecture."""
+    return dict(band=modes.band, mask_kind=modes.mask_kind, dropout=modes.dropout)
+
+
+def _as_i32(x: int) -> int:
+    return x - (1 << 32) if x >= (1 << 31) else x
