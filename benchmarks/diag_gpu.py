@@ -107,7 +107,7 @@ def _family(torch, fwd=None, bwd=None):
 # The backward kernels the bit-identity stage runs: (label, family setting, kernel settings,
 # deterministic, the split kernel of the same family it is compared with). Each is selected by
 # its run-time setting (csrc/op_common.h: cuda_force_bwd_family, cuda_force_sm90_bwd_kernel,
-# cuda_force_mma_bwd_kernel; kernels/heuristics.py BWD_MODE for Triton).
+# cuda_force_mma_bwd_kernel; mhakern/kernels/heuristics.py BWD_MODE for Triton).
 BWD_KERNELS = (
     ("cuda sm90 split", "auto", {"sm90": "split"}, True, None),
     ("cuda sm90 fused", "auto", {"sm90": "fused"}, True, "cuda sm90 split"),

@@ -220,7 +220,7 @@ class MhakernFamilyProvider(MhakernProvider):
 
 
 class MhakernTritonBwdProvider(MhakernProvider):
-    """The triton backend with its backward mode set (kernels/heuristics.py ``BWD_MODE``) for the
+    """The triton backend with its backward mode set (mhakern/kernels/heuristics.py ``BWD_MODE``) for the
     whole measurement: ``mhakern:triton[deterministic bwd]`` (the fused kernel, dQ added in
     key-block order: the default) and ``mhakern:triton[split bwd]`` (the dK/dV and dQ kernels),
     backward rows only, so that a run that leaves ``mhakern:triton`` out still has both."""
