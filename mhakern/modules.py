@@ -9,11 +9,13 @@ masking without a mask tensor, and the choice of ``backend``.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional, Tuple
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.modules.activation import MultiheadAttention as _TorchMHA
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from . import backends, reference
@@ -197,14 +199,34 @@ class FusedMHA(nn.Module):
 
     def __prepare_scriptable__(self):
         # torch.jit.script calls this on every submodule before compiling it. FusedMHA's forward
-        # runs Python (dispatch, the autograd op, nested inputs) that TorchScript cannot
-        # compile; say so in one line instead of TorchScript's frontend error, and never swap
-        # in a scriptable module that would bypass mhakern's kernels without a sign.
-        raise RuntimeError(
-            "mhakern.FusedMHA cannot be compiled by TorchScript (torch.jit.script): use "
-            "torch.compile or torch.export, which run its kernels, or script a model built with "
-            "torch.nn.MultiheadAttention"
+        # runs Python (dispatch, the autograd op, nested inputs) that TorchScript cannot compile.
+        # Where torch.nn.MultiheadAttention computes the same function (no GQA, the default head
+        # dim), that module is scripted instead, sharing this one's parameters, and a warning
+        # says so (the scripted model runs torch's kernels, with torch's is_causal rule);
+        # otherwise one line refuses. Never a silent swap.
+        if self.num_kv_heads != self.num_heads or self.head_dim * self.num_heads != self.embed_dim:
+            raise RuntimeError(
+                "mhakern.FusedMHA with num_kv_heads or head_dim of its own cannot be compiled by "
+                "TorchScript (torch.jit.script): use torch.compile or torch.export, which run its kernels"
+            )
+        warnings.warn(
+            "mhakern.FusedMHA under torch.jit.script: TorchScript cannot run mhakern's kernels, so "
+            "torch.nn.MultiheadAttention with the same parameters is scripted in its place (use "
+            "torch.compile or torch.export to keep mhakern's kernels)",
+            stacklevel=2,
         )
+        # torch's class as imported with this module (code that swaps nn.MultiheadAttention for
+        # FusedMHA must not get FusedMHA back here).
+        twin = _TorchMHA(
+            self.embed_dim, self.num_heads, dropout=self.dropout, bias=self.in_proj_bias is not None,
+            add_bias_kv=self.bias_k is not None, add_zero_attn=self.add_zero_attn, kdim=self.kdim,
+            vdim=self.vdim, batch_first=self.batch_first, device="meta",
+        )
+        for name in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
+                     "bias_k", "bias_v"):
+            setattr(twin, name, getattr(self, name))
+        twin.out_proj = self.out_proj
+        return twin.train(self.training)
 
     def forward(
         self,

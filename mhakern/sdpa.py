@@ -47,7 +47,19 @@ def scaled_dot_product_attention(
     or lower-right, as torch maps it). ``is_causal``: top-left causal (key ``j`` visible to query ``i`` iff
     ``j <= i``); at most one of ``is_causal`` and ``attn_mask``, as in torch. ``scale`` default
     ``1 / sqrt(E)``. Returns (..., Hq, L, Ev) in query's dtype.
+
+    Under TorchScript (a model scripted after ``F.scaled_dot_product_attention`` was replaced by
+    this function) the scripted graph calls torch's own operator: TorchScript cannot compile
+    mhakern's dispatch; torch.compile and torch.export run mhakern's kernels.
     """
+    if torch.jit.is_scripting():
+        return torch._C._nn.scaled_dot_product_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+@torch.jit.unused
+def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")

@@ -795,3 +795,12 @@ def test_compiled_op_names_an_undefined_operand():
         torch.ops.mhakern_C.fwd(None, k, k, 0.3, False, None, None, 0.0, 0, False, -1, -1)
     with pytest.raises(ValueError, match="dout: expected a tensor, got None"):
         torch.ops.mhakern_C.bwd(None, k, k, k, k, k[..., 0], 0.3, False, None, None, 0.0, 0, False, -1, -1, False)
+
+
+def test_sdpa_drop_in_under_torchscript_calls_torchs_operator():
+    # A model scripted after F.scaled_dot_product_attention was swapped for the drop-in
+    # compiles it: TorchScript takes torch's own operator (it cannot compile mhakern's dispatch),
+    # which computes the same function.
+    scripted = torch.jit.script(mhakern.scaled_dot_product_attention)
+    q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))
+    torch.testing.assert_close(scripted(q, k, v, None, 0.0, True), mhakern.scaled_dot_product_attention(q, k, v, is_causal=True))

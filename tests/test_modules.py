@@ -1142,12 +1142,32 @@ def test_second_derivatives_through_fusedmha():
     assert torch.autograd.gradgradcheck(fn, (x,), eps=1e-6, atol=1e-5, rtol=1e-4, fast_mode=True)
 
 
-def test_torchscript_is_refused_in_one_line():
-    # torch.jit.script cannot compile FusedMHA's forward; the refusal names the module and the
-    # ways that do work, also for a FusedMHA inside a torch layer.
-    with pytest.raises(RuntimeError, match="FusedMHA cannot be compiled by TorchScript"):
-        torch.jit.script(mhakern.FusedMHA(16, 2))
-    layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32)
-    layer.self_attn = mhakern.FusedMHA(16, 2)
-    with pytest.raises(RuntimeError, match="FusedMHA cannot be compiled by TorchScript"):
-        torch.jit.script(layer)
+def test_torchscript_scripts_torchs_module_in_its_place_and_says_so():
+    # torch.jit.script cannot compile FusedMHA's forward. Where nn.MultiheadAttention computes
+    # the same function, that module is scripted instead, sharing FusedMHA's parameters, with a
+    # warning; the scripted module gives FusedMHA's outputs (alone and inside a torch layer).
+    torch.manual_seed(0)
+    mha = mhakern.FusedMHA(16, 2, kdim=12, vdim=8, batch_first=True)
+    q, k, v = torch.randn(2, 5, 16), torch.randn(2, 7, 12), torch.randn(2, 7, 8)
+    with pytest.warns(UserWarning, match="torch.nn.MultiheadAttention with the same parameters is scripted"):
+        scripted = torch.jit.script(mha)
+    got, _ = scripted(q, k, v, need_weights=False)
+    want, _ = mha(q, k, v, need_weights=False)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        mha.out_proj.weight.mul_(2)  # shared, not copied
+    torch.testing.assert_close(scripted(q, k, v, need_weights=False)[0], mha(q, k, v, need_weights=False)[0],
+                               rtol=1e-5, atol=1e-6)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    layer.self_attn = mhakern.FusedMHA(16, 2, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    with pytest.warns(UserWarning):
+        torch.testing.assert_close(torch.jit.script(layer)(x), layer(x), rtol=1e-5, atol=1e-6)
+
+
+def test_torchscript_is_refused_in_one_line_where_torch_has_no_equal():
+    # GQA or a head dim of its own: no torch module computes it; the refusal names the ways
+    # that run FusedMHA's kernels.
+    for m in (mhakern.FusedMHA(16, 4, num_kv_heads=2), mhakern.FusedMHA(16, 2, head_dim=4)):
+        with pytest.raises(RuntimeError, match="cannot be compiled by TorchScript"):
+            torch.jit.script(m)
