@@ -24,3 +24,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module's tests (the trainer's tests: its CLI runs one thread by
+    default, and bitwise comparisons must not depend on the machine's core count)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

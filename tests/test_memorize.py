@@ -15,12 +15,7 @@ from mhakern.memorize.optim import BatchedAdam, lr_factor
 from mhakern.memorize.train import _Sampler, _Stack, _saturation, train_stack
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _setup(data, d_v, dtype=torch.float64, Ts=(10, 7), heads=3, d_head=4):

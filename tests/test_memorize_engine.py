@@ -15,12 +15,7 @@ from mhakern.memorize import train as T
 from mhakern.memorize.config import RunConfig
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _same_results(cfgs, **kw):

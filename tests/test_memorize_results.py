@@ -21,12 +21,7 @@ from mhakern.memorize.train import train_stack, versions
 TINY = RunConfig(heads=2, context=3, d_model=8, T=24, steps=60, eval_every=30)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _rows(db):

@@ -10,7 +10,6 @@ import os
 import sqlite3
 
 import pytest
-import torch
 
 from mhakern.memorize import cli
 from mhakern.memorize import sweep as S
@@ -39,12 +38,7 @@ def _check_early_stop(steps_done, stopped_early) -> None:
         f"expected {EARLY_STEPS[:n]}): pick a configuration whose first seed stops early and whose others do not")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _fake(cfg: RunConfig, mem_acc: float = 0.5) -> RunResult:

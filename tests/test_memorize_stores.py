@@ -9,12 +9,7 @@ import mhakern
 from mhakern.memorize import stores as S
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def test_linear_store_isr_matches_its_formula():
