@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import subprocess
-import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Optional, Sequence

@@ -538,7 +538,7 @@ def _fwd_loop(extra=(), hoisted=False):
     """A loop from 0x00: HGMMA, the softmax (its P V wait above the exps when hoisted), extra."""
     soft = ([_SOFTMAX[0], _SOFTMAX[-1]] + _SOFTMAX[1:-1]) if hoisted else _SOFTMAX
     body = ["HGMMA.64x128x16.F32 R24, gdesc[UR16], R24, gsb0"] + soft + list(extra)
-    return body + [f"@!P0 BRA 0x00", "EXIT"]
+    return body + ["@!P0 BRA 0x00", "EXIT"]
 
 
 @pytest.mark.parametrize(

@@ -257,7 +257,6 @@ def plot_capacity(points: List[Dict], var: str, path: str, label: str) -> Option
 
     Returns the fitted constant, or None when ``var`` takes fewer than two values.
     """
-    others = _others(var)
     series = _series(points, var)
     if not series:
         return None

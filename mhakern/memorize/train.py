@@ -21,7 +21,6 @@ of mixed H and T).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import platform
 import sys
