@@ -322,3 +322,29 @@ def test_a_ray_driver_paused_past_its_lease_cancels_the_task_taken_over(tmp_path
     assert len(pool.ray.cancelled) == 1 and sum(s.startswith("claim lost") for s in said) == 1, said
     assert (summary.trained, summary.by_others, summary.dropped) == (0, 3, 1)
     assert {r["experiment"] for r in other.runs()} == {"other"}
+
+
+def test_an_open_that_meets_a_lock_sqlite_will_not_wait_for_tries_again(tmp_path, monkeypatch):
+    """Two sweeps opening one new database at once: where waiting could deadlock, SQLite
+    answers "database is locked" at once instead of waiting out the busy timeout (a real race,
+    seen in CI); the open tries its check-and-schema step again instead of failing."""
+    db = str(tmp_path / "r.sqlite")
+    ResultStore(db).close()
+    real = ResultStore._check
+    calls = []
+
+    def locked_once(self, pragma):
+        calls.append(pragma)
+        if len(calls) == 1:
+            raise sqlite3.OperationalError("database is locked")
+        return real(self, pragma)
+
+    monkeypatch.setattr(ResultStore, "_check", locked_once)
+    store = ResultStore(db)
+    assert calls == ["integrity_check", "integrity_check"] and store.damaged is None
+    store.close()
+    # A lock that outlasts the timeout still fails, naming the file.
+    monkeypatch.setattr(ResultStore, "_check", lambda self, pragma: (_ for _ in ()).throw(
+        sqlite3.OperationalError("database is locked")))
+    with pytest.raises(StoreError, match="database is locked"):
+        ResultStore(db, timeout=0.0)

@@ -268,16 +268,7 @@ class ResultStore:
             raise StoreError(f"--db: cannot open {path} as a database: {e}") from None
         self.conn.row_factory = sqlite3.Row
         try:
-            if not fresh:
-                # Before anything writes (the journal mode, the schema): a damaged file is refused
-                # as it was found.
-                self._check("integrity_check")
-            self.conn.execute("PRAGMA journal_mode=WAL")
-            self.conn.execute("PRAGMA synchronous=FULL")
-            with self.transaction():
-                for stmt in _SCHEMA:
-                    self.conn.execute(stmt)
-                self._add_missing_columns()
+            self._prepare(fresh, timeout)
         except StoreDamaged:
             raise
         except sqlite3.OperationalError as e:
@@ -295,6 +286,30 @@ class ResultStore:
             self.imported = self._import_side()
         except sqlite3.Error as e:
             raise self._error(e) from None
+
+    def _prepare(self, fresh: bool, timeout: float) -> None:
+        """Check the file, then set the journal mode and the schema. Where waiting could deadlock
+        (a reader that must upgrade while another connection writes: two sweeps opening one new
+        database at once) SQLite answers "database is locked" at once instead of waiting out
+        the busy timeout; the whole step is then tried again until the timeout has passed."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if not fresh:
+                    # Before anything writes (the journal mode, the schema): a damaged file is
+                    # refused as it was found.
+                    self._check("integrity_check")
+                self.conn.execute("PRAGMA journal_mode=WAL")
+                self.conn.execute("PRAGMA synchronous=FULL")
+                with self.transaction():
+                    for stmt in _SCHEMA:
+                        self.conn.execute(stmt)
+                    self._add_missing_columns()
+                return
+            except sqlite3.OperationalError as e:
+                if ("locked" not in str(e) and "busy" not in str(e)) or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.02)
 
     def _add_missing_columns(self) -> None:
         """Databases written before a column existed get it (NULL in their old rows)."""
