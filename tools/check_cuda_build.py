@@ -194,17 +194,11 @@ FUSED_ALLOWED_LOCAL = {128: (48, "spill outside every SASS loop (none in the mai
 
 def fused_bwd_config(include: Path) -> dict[int, dict] | None:
     """{D: {mma, smem, smem_modes, n, m, threads}} of FusedBwdConfig, or None without g++."""
-    if shutil.which("g++") is None:
+    stdout = _run_config_program(_FUSED_CONFIG_PROGRAM, include)
+    if stdout is None:
         return None
-    with tempfile.TemporaryDirectory() as tmp:
-        src, exe = Path(tmp) / "cfg.cpp", Path(tmp) / "cfg"
-        src.write_text(_FUSED_CONFIG_PROGRAM)
-        cmd = ["g++", "-std=c++17", "-DMHAKERN_CUDA_EMULATE", f"-I{CUDA_DIR}", f"-I{include}", str(src), "-o", str(exe)]
-        if subprocess.run(cmd, capture_output=True).returncode != 0:
-            return None
-        res = subprocess.run([str(exe)], capture_output=True, text=True)
     out = {}
-    for line in res.stdout.splitlines():
+    for line in stdout.splitlines():
         D, mma, smem, smem_m, n, m, threads = map(int, line.split())
         out[D] = dict(mma=mma, smem=smem, smem_modes=smem_m, n=n, m=m, threads=threads)
     return out
@@ -336,21 +330,30 @@ int main() { MHK_CUDA_FOR_EACH_HEAD_DIM(MHK_ROW_, _) }
 """
 
 
-def dynamic_smem(include: Path) -> dict[tuple[str, int], int] | None:
-    """Dynamic shared memory each main kernel's launcher requests, read off the tile configs
-    (the modes twins: their own tiles plus the per-row mode data, as launch_attn_fwd_main and
-    launch_attn_bwd_main add them)."""
+def _run_config_program(program: str, include: Path, libs: tuple = ()) -> str | None:
+    """The output of a small C++ program that prints the kernels' tile configs (built with g++
+    against the emulator's headers), or None without g++ or when it does not build."""
     if shutil.which("g++") is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         src, exe = Path(tmp) / "cfg.cpp", Path(tmp) / "cfg"
-        src.write_text(_CONFIG_PROGRAM)
-        cmd = ["g++", "-std=c++17", "-DMHAKERN_CUDA_EMULATE", f"-I{CUDA_DIR}", f"-I{include}", str(src), "-o", str(exe)]
+        src.write_text(program)
+        cmd = ["g++", "-std=c++17", "-DMHAKERN_CUDA_EMULATE", f"-I{CUDA_DIR}", f"-I{include}", str(src), "-o", str(exe),
+               *libs]
         if subprocess.run(cmd, capture_output=True).returncode != 0:
             return None
-        res = subprocess.run([str(exe)], capture_output=True, text=True)
+        return subprocess.run([str(exe)], capture_output=True, text=True).stdout
+
+
+def dynamic_smem(include: Path) -> dict[tuple[str, int], int] | None:
+    """Dynamic shared memory each main kernel's launcher requests, read off the tile configs
+    (the modes twins: their own tiles plus the per-row mode data, as launch_attn_fwd_main and
+    launch_attn_bwd_main add them)."""
+    stdout = _run_config_program(_CONFIG_PROGRAM, include)
+    if stdout is None:
+        return None
     table = {}
-    for line in res.stdout.splitlines():
+    for line in stdout.splitlines():
         D, fwd, dkdv, dq, fwd_m, dkdv_m, dq_m, fwd_dec = map(int, line.split())
         table[("attn_fwd_kernel", D)] = fwd
         table[("attn_bwd_dkdv_kernel", D)] = dkdv
@@ -414,18 +417,11 @@ def sm90_dynamic_smem(include: Path) -> dict | None:
     head dim): keys per stage} of its tiles, {(kernel, head dim): ...} for the backward's
     kernels, and {("hgmma", kernel, head dim): HGMMA its main loop must hold} where the config
     states it (the fused backward: 5 products per tile)."""
-    if shutil.which("g++") is None:
+    stdout = _run_config_program(_SM90_CONFIG_PROGRAM, include, ("-ldl",))
+    if stdout is None:
         return None
-    with tempfile.TemporaryDirectory() as tmp:
-        src, exe = Path(tmp) / "cfg.cpp", Path(tmp) / "cfg"
-        src.write_text(_SM90_CONFIG_PROGRAM)
-        cmd = ["g++", "-std=c++17", "-DMHAKERN_CUDA_EMULATE", f"-I{CUDA_DIR}", f"-I{include}", str(src), "-o", str(exe),
-               "-ldl"]
-        if subprocess.run(cmd, capture_output=True).returncode != 0:
-            return None
-        res = subprocess.run([str(exe)], capture_output=True, text=True)
     out: dict = {}
-    for ln in res.stdout.splitlines():
+    for ln in stdout.splitlines():
         f = ln.split()
         if f[0].isdigit():
             out[int(f[0])] = int(f[1])
