@@ -204,18 +204,20 @@ constexpr bool use_cuda_decode_fwd(int64_t group_rows, bool mask_or_dropout) {
 #define MHK_SM90_FOR_EACH_HEAD_DIM_(F, tag) MHK_SM90_FOR_EACH_HEAD_DIM(F, tag)
 constexpr int kSm90CapabilityMajor = 9, kSm90CapabilityMinor = 0;
 // Forward tiles: packed query rows per CTA (2 consumer warpgroups x 64), keys per pipeline
-// stage, stages of the K/V ring (csrc/cuda/sm90/attn_fwd_sm90_kernel.cuh: FwdConfigSm90, which
-// argues them). kSm90FwdBlockN / kSm90FwdStages are those of D 64 and 128 (3 stages: 112 and
-// 224 KB); D 256 keeps 128 rows with 80 keys per stage and 2 stages (Q 64 KB + 2 x (K + V)
-// 160 KB = 224 KB of the 227 KB).
-constexpr int kSm90FwdBlockM = 128, kSm90FwdBlockN = 128, kSm90FwdStages = 3;
-constexpr int kSm90FwdBlockND256 = 80, kSm90FwdStagesD256 = 2;
+// stage, stages of the K ring and of the V ring (separate pipelines: K's stage is released when
+// S has landed, V's when P V has; csrc/cuda/sm90/attn_fwd_sm90_kernel.cuh: FwdConfigSm90, which
+// argues them). kSm90FwdBlockN / kSm90FwdStages (K) / kSm90FwdStagesV are those of D 64 and 128
+// (3 + 3 stages: 112 and 224 KB); D 256 keeps 128 rows with 80 keys per stage and 2 + 2 stages
+// (Q 64 KB + 2 x (K + V) 160 KB = 224 KB of the 227 KB).
+constexpr int kSm90FwdBlockM = 128, kSm90FwdBlockN = 128, kSm90FwdStages = 3, kSm90FwdStagesV = 3;
+constexpr int kSm90FwdBlockND256 = 80, kSm90FwdStagesD256 = 2, kSm90FwdStagesVD256 = 2;
 struct Sm90FwdTiles {
-  int m, n, stages;  // packed query rows per CTA, keys per stage, stages of the K/V ring
+  int m, n, stages;  // packed query rows per CTA, keys per stage, stages of the K ring
+  int v_stages;      // stages of the V ring
 };
 constexpr Sm90FwdTiles sm90_fwd_tiles(int d) {
-  return d <= 128 ? Sm90FwdTiles{kSm90FwdBlockM, kSm90FwdBlockN, kSm90FwdStages}
-                  : Sm90FwdTiles{kSm90FwdBlockM, kSm90FwdBlockND256, kSm90FwdStagesD256};
+  return d <= 128 ? Sm90FwdTiles{kSm90FwdBlockM, kSm90FwdBlockN, kSm90FwdStages, kSm90FwdStagesV}
+                  : Sm90FwdTiles{kSm90FwdBlockM, kSm90FwdBlockND256, kSm90FwdStagesD256, kSm90FwdStagesVD256};
 }
 // The forward tiles split-K planning (plan_splits below) divides: (packed query rows per CTA,
 // keys per step) of the family that runs the call, sm90 or mma.sync (cuda_tiles). A sm90 stage

@@ -65,12 +65,19 @@ class Sm90Emulator:
         lib.mhk_emu_fwd_family.argtypes = [ctypes.c_int] * 7 + [ctypes.c_longlong]
         lib.mhk_emu_fwd_plan_splits.argtypes = [ctypes.c_int] * 10
         lib.mhk_emu_sm90_config.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        lib.mhk_emu_sm90_fwd_fault.argtypes = [ctypes.c_int]
 
     def config(self, D: int) -> tuple:
-        """(query rows, keys per stage, stages, dynamic smem) of the compiled FwdConfigSm90<D>."""
-        out = (ctypes.c_int * 4)()
+        """(query rows, keys per stage, K stages, dynamic smem, V stages) of the compiled
+        FwdConfigSm90<D>."""
+        out = (ctypes.c_int * 5)()
         assert self.lib.mhk_emu_sm90_config(D, out) == 0
         return tuple(out)
+
+    def fault(self, n: int) -> None:
+        """The forward's deliberate defect for the next calls (attn_fwd_sm90_kernel.cuh
+        MHK_SM90_FWD_FAULT: 1 K's stage released before S lands, 2 V's before P V lands)."""
+        self.lib.mhk_emu_sm90_fwd_fault(n)
 
     def error(self) -> str:
         return self.lib.mhk_emu_last_error().decode()
@@ -318,7 +325,7 @@ PLAN_SHAPES = [(64, 128 * 17), (128, 128 * 17), (256, 80 * 17 + 30)]
 
 @pytest.mark.parametrize("D,Lk", PLAN_SHAPES, ids=[f"d{d}" for d, _ in PLAN_SHAPES])
 def test_sm90_split_plan_uses_the_family_tiles(rnd, D, Lk):
-    bm, bn, stages, _ = rnd.config(D)
+    bm, bn, stages, _, _ = rnd.config(D)
     B, H, Hkv, Lq, sms = 1, 8, 1, 1, 132
     splits = rnd.lib.mhk_emu_fwd_plan_splits(9, 0, 1, D, B, Hkv, H // Hkv, Lq, Lk, sms)
     # what capabilities.h's planner gives with the compiled config's tiles
@@ -368,8 +375,8 @@ def test_sm90_config_is_the_capability_table(emu):
     # table reports the same numbers, and the split planner op plans with them.
     caps = _extension_caps()
     for D in SM90_DIMS:
-        bm, bn, stages, smem = emu.config(D)
-        assert smem <= SMEM_LIMIT_SM90
+        bm, bn, stages, smem, v_stages = emu.config(D)
+        assert smem <= SMEM_LIMIT_SM90 and stages >= 2 and v_stages >= 2
         if caps is not None:
             assert caps["cuda"]["sm90"]["fwd_tiles"][str(D)] == [bm, bn, stages]
     if caps is not None:
@@ -429,6 +436,40 @@ def test_sm90_keys_past_a_length_may_hold_garbage(rnd, D, Lk, kl, causal, splits
 def test_sm90_decode_packs_query_heads(rnd):
     # Lq = 1, 16 query heads over 2 KV heads: each group's 8 rows share one tile.
     _run(rnd, (3, 16, 2, 1, 150, 64, 64, False, (150, 1, 77)), torch.bfloat16)
+
+
+# Shapes whose key tiles wrap both rings (more tiles than stages): a stage released early can
+# only be overwritten by the copy of a later tile into it.
+_RING_WRAPS = [
+    ((1, 2, 1, 130, 700, 64, 64, False, None), torch.float16),     # 6 tiles of 128 over 3 + 3 stages
+    ((2, 2, 2, 70, 600, 128, 128, True, (600, 431)), torch.bfloat16),  # causal, a key length
+    ((1, 1, 1, 40, 420, 256, 256, False, None), torch.bfloat16),   # 6 tiles of 80 over 2 + 2 stages
+]
+
+
+@pytest.mark.parametrize("fault", [1, 2], ids=["k-released-before-s-lands", "v-released-before-pv-lands"])
+def test_sm90_forward_early_stage_release_fails(emu, fault):
+    # The deliberate defects of attn_fwd_sm90_kernel.cuh (MHK_SM90_FWD_FAULT): K's stage
+    # released before the wait that S has landed, V's before the wait that P V has. The
+    # emulator performs a wgmma at that wait, so the copy into the released stage could land
+    # after it and the answer still come out right; the in-flight check (cuda_emu_sm90.h: a
+    # copy onto the operand of a wgmma in flight is an error) makes such a schedule fail too.
+    # Under one fixed seed (deterministic: measured with seeds 21-23, 8 and 7 of the 9 runs
+    # caught faults 1 and 2) each fault must be caught on these shapes, by that error: a correct
+    # kernel never raises it, so no clean rerun is needed to tell it from another failure.
+    caught = []
+    try:
+        emu.schedule(21)
+        emu.fault(fault)
+        for case, dtype in _RING_WRAPS:
+            try:
+                _run(emu, case, dtype)
+            except (RuntimeError, AssertionError) as e:
+                caught.append(str(e)[:300])
+    finally:
+        emu.fault(0)
+        emu.schedule(None)
+    assert any("a wgmma in flight still reads" in c for c in caught), (fault, caught)
 
 
 def test_sm90_forward_is_deterministic_across_schedules(emu):

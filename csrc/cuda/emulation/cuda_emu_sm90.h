@@ -654,6 +654,13 @@ inline void step_all() {
   bulk_step();
 }
 
+// The sm90 forward's deliberate defect (attn_fwd_sm90_kernel.cuh MHK_SM90_FWD_FAULT): 0 none,
+// 1 K's stage released before S lands, 2 V's before P V lands. Set by the test entry point.
+inline int& fwd_fault() {
+  static int f = 0;
+  return f;
+}
+
 // Hooks the per-block reset, the random landing and the exchange of a resident block's state
 // into the launcher (idempotent).
 inline void install() {

@@ -177,8 +177,13 @@ int mhk_emu_fwd_plan_splits(int major, int minor, int sm90_compiled, int D, int 
   return static_cast<int>(mhakern::caps::plan_fwd_splits(B, Hkv, group, Lq, Lk, D, num_sms, t));
 }
 
+// The forward's deliberate defect for the next calls (0 none, 1 K's stage released before S
+// lands, 2 V's before P V lands): a suite that still passes with one would not see the bug.
+void mhk_emu_sm90_fwd_fault(int fault) { mhk_emu::sm90::fwd_fault() = fault; }
+
 // What the compiled sm90 forward config (FwdConfigSm90<D>) holds, for tests to compare with
-// capabilities.h: out = {query rows, keys per stage, stages, dynamic shared memory asked}.
+// capabilities.h: out = {query rows, keys per stage, K stages, dynamic shared memory asked,
+// V stages}.
 // Returns 1 for a head dim without an instance.
 int mhk_emu_sm90_config(int d, int* out) {
 #define MHK_SM90_CONFIG_CASE_(tag, D)                          \
@@ -186,8 +191,9 @@ int mhk_emu_sm90_config(int d, int* out) {
     using C = mhakern::cuda::sm90::FwdConfigSm90<D>;           \
     out[0] = C::kBlockM;                                       \
     out[1] = C::kBlockN;                                       \
-    out[2] = C::kStages;                                       \
+    out[2] = C::kStagesK;                                      \
     out[3] = C::kSmemAlloc;                                    \
+    out[4] = C::kStagesV;                                      \
     return 0;                                                  \
   }
   MHK_SM90_FOR_EACH_HEAD_DIM(MHK_SM90_CONFIG_CASE_, _)

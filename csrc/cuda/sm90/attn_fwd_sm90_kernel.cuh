@@ -2,18 +2,21 @@
 //
 // One CTA per (batch b, kv head hkv, tile of kBlockM = 128 packed query rows), 3 warpgroups:
 //   warpgroup 0, the producer: gives up registers (setmaxnreg.dec 24); one thread streams the
-//     K and V tiles of kBlockN keys (128; 80 at D 256, see FwdConfigSm90) through a ring of
-//     kStages shared-memory stages with
-//     cp.async.bulk.tensor (4-D tensor maps over (D, Lk, Hkv, B), 128-byte swizzle, one box per
-//     64 columns of D), each stage guarded by a "full" mbarrier (transaction bytes) and an
-//     "empty" one (the consumers' arrivals); its warp zeroes the values of the keys past a
-//     batch element's key length that a tile brings in (see the producer);
+//     K and V tiles of kBlockN keys (128; 80 at D 256, see FwdConfigSm90) through two rings of
+//     shared-memory stages, kStagesK for K and kStagesV for V, with cp.async.bulk.tensor (4-D
+//     tensor maps over (D, Lk, Hkv, B), 128-byte swizzle, one box per 64 columns of D), each
+//     stage guarded by a "full" mbarrier (transaction bytes) and an "empty" one (the consumers'
+//     arrivals), in the order the consumers need them: K of tile 0, then K of tile it and V of
+//     tile it - 1; its warp zeroes the values of the keys past a batch element's key length
+//     that a tile brings in (see the producer);
 //   warpgroups 1 and 2, the consumers (setmaxnreg.inc 240): 64 query rows each. Per key tile:
 //     S = Q K^T by wgmma m64n{kBlockN}k16 (Q and K from shared memory), the online softmax in fp32
 //     registers (base 2, masked only on tiles that cross a row's visible limit), P converted
 //     in registers into wgmma's A fragment, O += P V by wgmma m64nDk16 (V N-major from shared
-//     memory), then the stage is released. The softmax of one tile runs while the previous
-//     tile's P V is in flight (intra-warpgroup overlap, see the main loop).
+//     memory). K's stage is released as soon as S has landed, V's once P V has (separate
+//     pipelines: a K stage is not held through the P V that follows it). The softmax of one
+//     tile runs while the previous tile's P V is in flight (intra-warpgroup overlap, see the
+//     main loop).
 // Q is loaded once by all threads with plain 16-byte loads (its packed rows span query heads, a
 // shape no tensor map describes) into the same swizzled layout, then fence.proxy.async.
 //
@@ -39,7 +42,10 @@
 // Compile-time diagnostic variants (benchmarks/diag_fwd_sm90.cu builds them, one per binary, to
 // split a step's time on a GPU into load wait, softmax and overlap; the extension never defines
 // them, so with all of them unset the production kernel is exactly the code below):
-//   MHK_SM90_FWD_DIAG_STAGES n   a ring of n stages instead of the capability table's (D <= 128)
+//   MHK_SM90_FWD_DIAG_STAGES n   rings of n K and n V stages instead of the capability table's (D <= 128)
+//   MHK_SM90_FWD_DIAG_COUPLED_KV 1  K's stage released only once P V has landed, with V's (the
+//                                 coupled release of one K/V stage, as before the split; the
+//                                 results stay exact: the variant measures what the split gains)
 //   MHK_SM90_FWD_DIAG_NO_SOFTMAX  P = S packed as it is: no mask, row max, exp, sum or O rescale
 //                                 (the GEMMs and the pipeline alone; the output is meaningless)
 //   MHK_SM90_FWD_DIAG_NO_LOADS    the producer fills each stage once, then completes the later
@@ -49,6 +55,9 @@
 //                                 the production kernel's choice
 #ifndef MHK_SM90_FWD_DIAG_STAGES
 #define MHK_SM90_FWD_DIAG_STAGES 0
+#endif
+#ifndef MHK_SM90_FWD_DIAG_COUPLED_KV
+#define MHK_SM90_FWD_DIAG_COUPLED_KV 0
 #endif
 #ifndef MHK_SM90_FWD_DIAG_NO_SOFTMAX
 #define MHK_SM90_FWD_DIAG_NO_SOFTMAX 0
@@ -64,24 +73,37 @@
 #error "the sm90 forward's diagnostic variants give wrong results: only benchmarks/diag_fwd_sm90.cu builds them"
 #endif
 
+// Deliberate defects for the emulator's suite only (tests/test_cuda_sm90.py sets them at run
+// time, cuda_emu_sm90.h fwd_fault): 1 releases K's stage before the wait that S has landed, 2
+// V's before the wait that P V has. Each must fail the suite; the nvcc build has neither.
+#if defined(MHAKERN_CUDA_EMULATE)
+#define MHK_SM90_FWD_FAULT(n) (::mhk_emu::sm90::fwd_fault() == (n))
+#else
+#define MHK_SM90_FWD_FAULT(n) false
+#endif
+
 namespace mhakern {
 namespace cuda {
 namespace sm90 {
 
 // Tiles (capabilities.h: sm90_fwd_tiles, read here and by the split-K planner).
-//   D 64 and 128: 128 query rows x 128 keys per stage, 3 stages. Why 3 (FlashAttention-3's
-//     pipelining argument: a load must be issued a whole step of math before its tile is needed,
-//     or the copy's latency adds to every step): with the intra-warpgroup overlap below, each
-//     consumer holds TWO stages during a step (K of tile `it` for S, V of tile it - 1 for P V,
-//     released only once that P V lands). A ring of 2 then leaves no stage to prefetch into: the
-//     producer may refill tile it - 1's stage only after both consumers' P V of it - 1, half a
-//     step before the leading consumer waits for tile it + 1, so the TMA latency (of the order
-//     of 1 us from L2 or HBM, against 0.6 us of tensor-core time per 128-key step at D 64 and
-//     1.1 us at D 128) is paid on every step. A third stage gives each copy a whole step.
-//     Shared memory: Q 16 / 32 KB + 3 x (K + V) 96 / 192 KB = 112 / 224 KB (+ barriers and the
-//     1 KB alignment slack) of the 227 KB. One CTA per SM either way (the register plan takes
-//     the whole register file), so the stage costs no occupancy. A fourth (D 64, 144 KB) would
-//     only pay for a latency above two steps.
+//   D 64 and 128: 128 query rows x 128 keys per stage, 3 K stages and 3 V stages. Why rings
+//     this deep (FlashAttention-3's pipelining argument: a load must be issued a whole step of
+//     math before its tile is needed, or the copy's latency adds to every step): with the
+//     intra-warpgroup overlap below, step `it` reads K of tile it (S) and V of tile it - 1
+//     (P V). K's stage is free once both consumers' S has landed, within the step that reads
+//     it; V's once both consumers' P V has, at the end of the step after the one its K served.
+//     A stage freed at the end of step j is needed again S steps of its ring later, so a copy
+//     has (S - 1) steps to land: 2 steps per ring here (docs/performance.md, the load term
+//     lambda / (S - 1)). One coupled K/V stage, released after P V, had S - 2 = 1 step with the
+//     same 3 stages and 192 KB; a ring of 2 coupled stages none (the latency was paid on every
+//     step, measured on an H200). Shared memory: Q 16 / 32 KB + 3 x K + 3 x V = 96 / 192 KB =
+//     112 / 224 KB (+ barriers and the 1 KB alignment slack) of the 227 KB. One CTA per SM
+//     either way (the register plan takes the whole register file), so the stages cost no
+//     occupancy. The other use of the memory the split frees, 176 keys per stage with 2 + 2
+//     stages (FlashAttention-3's hdim-128 tile): 1.5 steps per copy instead of 2 and 20% fewer
+//     per-tile instructions per key, at 196 live accumulator and fragment registers of 240;
+//     the model (tensor-bound either way) prefers the deeper rings.
 //   D 256: Q alone is 128 x 256 x 2 B = 64 KB, and one stage of K and V is 2 x kBlockN x 512 B,
 //     so 2 stages hold at most (227 KB - 64 KB - 1 KB of alignment) / 2 KB = 81 keys: 80 keys
 //     (a multiple of 16, the k of O += P V), 224 KB in all. 96 keys would need 256 KB; 64 keys
@@ -89,8 +111,8 @@ namespace sm90 {
 //     per CTA (one consumer warpgroup) would halve Q but also halve the reuse of every K/V byte
 //     and leave no warpgroup to ping-pong with. This is FlashAttention-3's D 256 tile too. No
 //     third stage: 3 x 80 keys need 304 KB, and 3 x 48 keys (208 KB) would add 5/3 of the
-//     fixed per-step costs (barriers, row maxima, rescales) per key; D 256 keeps the latency
-//     that the third stage hides above, against a longer step (1.4 us of math for 80 keys).
+//     fixed per-step costs (barriers, row maxima, rescales) per key. With separate K and V
+//     rings of 2 each a copy still has one step (1.4 us of math for 80 keys) to land.
 //   Registers per consumer thread (the setmaxnreg plan gives 240): O 64 x D / 128 fp32 = 128 at
 //     D 256, S 64 x kBlockN / 128 = 40, and the previous tile's P in wgmma's A fragment,
 //     kBlockN / 16 x 4 = 20 (the intra-warpgroup overlap keeps S and P live together): 188 and
@@ -100,8 +122,11 @@ struct FwdConfigSm90 {
   static_assert(D == 64 || D == 128 || D == 256, "the sm90 forward is instantiated for head dims 64, 128 and 256");
   static constexpr int kBlockM = caps::sm90_fwd_tiles(D).m;  // packed query rows per CTA (2 consumer warpgroups x 64)
   static constexpr int kBlockN = caps::sm90_fwd_tiles(D).n;  // keys per pipeline stage
-  static constexpr int kStages =
+  static constexpr int kStagesK =
       MHK_SM90_FWD_DIAG_STAGES > 0 && D <= 128 ? MHK_SM90_FWD_DIAG_STAGES : caps::sm90_fwd_tiles(D).stages;
+  static constexpr int kStagesV =
+      MHK_SM90_FWD_DIAG_STAGES > 0 && D <= 128 ? MHK_SM90_FWD_DIAG_STAGES : caps::sm90_fwd_tiles(D).v_stages;
+  static_assert(kStagesK >= 2 && kStagesV >= 2, "a ring of one stage cannot load while it computes");
   static constexpr int kConsumers = 2;
   static_assert(kBlockM == 64 * kConsumers, "one 64-row wgmma strip per consumer warpgroup");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "keys per stage: a multiple of the k of P V, at most wgmma's N");
@@ -115,9 +140,13 @@ struct FwdConfigSm90 {
   static constexpr int kQBytes = kPanels * kPanelBytesQ;
   static constexpr int kTileBytes = kPanels * kPanelBytesKV;  // one K or V stage
   static constexpr int kOffK = kQBytes;
-  static constexpr int kOffV = kOffK + kStages * kTileBytes;
-  static constexpr int kOffBar = kOffV + kStages * kTileBytes;
-  static constexpr int kSmemBytes = kOffBar + (2 * kStages + 1) * 8;  // full, empty, fix
+  static constexpr int kOffV = kOffK + kStagesK * kTileBytes;
+  static constexpr int kOffBar = kOffV + kStagesV * kTileBytes;
+  // Barriers: K full, K empty, V full, V empty (one per stage of each), fix (see the producer).
+  static constexpr int kOffFullK = kOffBar, kOffEmptyK = kOffFullK + 8 * kStagesK;
+  static constexpr int kOffFullV = kOffEmptyK + 8 * kStagesK, kOffEmptyV = kOffFullV + 8 * kStagesV;
+  static constexpr int kOffFix = kOffEmptyV + 8 * kStagesV;
+  static constexpr int kSmemBytes = kOffFix + 8;
   // What the launch asks for: room to round the base up to 1024 bytes, the period of the 128B
   // swizzle that TMA writes and wgmma reads (the declared alignment of dynamic shared memory
   // is not a guarantee of it).
@@ -156,14 +185,20 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   unsigned char* sQ = smem;
   unsigned char* sK = smem + Cfg::kOffK;
   unsigned char* sV = smem + Cfg::kOffV;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kOffBar);
-  uint64_t* empty = full + Cfg::kStages;
-  uint64_t* fix = empty + Cfg::kStages;  // the straddling tile's copies (see the producer)
+  uint64_t* full_k = reinterpret_cast<uint64_t*>(smem + Cfg::kOffFullK);
+  uint64_t* empty_k = reinterpret_cast<uint64_t*>(smem + Cfg::kOffEmptyK);
+  uint64_t* full_v = reinterpret_cast<uint64_t*>(smem + Cfg::kOffFullV);
+  uint64_t* empty_v = reinterpret_cast<uint64_t*>(smem + Cfg::kOffEmptyV);
+  uint64_t* fix = reinterpret_cast<uint64_t*>(smem + Cfg::kOffFix);  // the straddling tile's V copies (see the producer)
 
   if (tid == 0) {
-    for (int s = 0; s < Cfg::kStages; ++s) {
-      mbar_init(&full[s], 1);                        // the producer's arrive.expect_tx
-      mbar_init(&empty[s], Cfg::kConsumers * 128);   // every consumer thread
+    for (int s = 0; s < Cfg::kStagesK; ++s) {
+      mbar_init(&full_k[s], 1);                       // the producer's arrive.expect_tx
+      mbar_init(&empty_k[s], Cfg::kConsumers * 128);  // every consumer thread
+    }
+    for (int s = 0; s < Cfg::kStagesV; ++s) {
+      mbar_init(&full_v[s], 1);
+      mbar_init(&empty_v[s], Cfg::kConsumers * 128);
     }
     mbar_init(fix, 1);
     fence_barrier_init();
@@ -198,7 +233,7 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   fence_proxy_async();  // the generic-proxy stores of Q, before wgmma (async proxy) reads them
   block_sync();         // Q stored and the barriers initialised, for every warpgroup
 
-  const int wg = tid / 128;
+  const int wg = warpgroup_index();
   if (wg == 0) {
     // ---- producer ----
     setmaxnreg_dec<Cfg::kProducerRegs>();
@@ -208,32 +243,51 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
       // docs/contract.md lets hold anything. The consumers mask their scores by selecting -inf
       // (a NaN K there never reaches P), but O += P V multiplies P's zeros by V: an inf or NaN
       // V row would make 0 * inf = NaN in every row of the tile (seen on an H200). So this
-      // tile's copies complete on `fix` instead of full[s], the warp zeroes those V rows, and
-      // lane 0 then arrives on full[s] (a plain arrival: no bytes left in flight). At most one
-      // tile per CTA (none past Lk_b is loaded); -1 or out of [0, n_tiles) when none.
+      // tile's V copies complete on `fix` instead of full_v[s], the warp zeroes those V rows,
+      // and lane 0 then arrives on full_v[s] (a plain arrival: no bytes left in flight). At most
+      // one tile per CTA (none past Lk_b is loaded); -1 or out of [0, n_tiles) when none.
       const int it_clear = Lk_b < p.Lk ? Lk_b / BN - t0 : -1;
-      for (int it = 0; it < n_tiles; ++it) {  // `it` counts this CTA's tiles from t0
-        const int s = it % Cfg::kStages;
-        uint64_t* bar = it == it_clear ? fix : &full[s];
-        if (tid == 0) {
-          // Wait until the consumers released this stage's previous use (passes at once on the
-          // first round: a fresh barrier's phase of parity 1 counts as complete).
-          mbar_wait(&empty[s], ((it / Cfg::kStages) & 1) ^ 1);
-          if (MHK_SM90_FWD_DIAG_NO_LOADS && it >= Cfg::kStages) {
-            mbar_arrive(bar);  // diagnostic: the stage keeps its first tile's bytes
-            continue;
-          }
-          mbar_arrive_expect_tx(bar, 2 * Cfg::kTileBytes);
-          for (int pn = 0; pn < Cfg::kPanels; ++pn) {
-            tma_load_4d(sK + s * Cfg::kTileBytes + pn * Cfg::kPanelBytesKV, &P.tma_k, pn * 64, (t0 + it) * BN, hkv, b, bar);
-            tma_load_4d(sV + s * Cfg::kTileBytes + pn * Cfg::kPanelBytesKV, &P.tma_v, pn * 64, (t0 + it) * BN, hkv, b, bar);
-          }
+      // One ring's next stage: wait until the consumers released its previous use (passes at
+      // once on the first round: a fresh barrier's phase of parity 1 counts as complete), then
+      // copy tile `it` into it. Stage and parity advance as counters (no division); addresses
+      // are shared-memory numbers (24 registers: 64-bit pointers spilled).
+      const uint32_t base = shared_u32(smem);
+      struct Ring {
+        uint32_t full, empty, data;  // shared addresses of stage 0's barriers and tile
+        int s = 0;
+        uint32_t parity = 1;
+      };
+      auto load = [&](Ring& r, int n_stages, const TensorMap* map, int it, bool first_round, uint32_t done) {
+        mbar_wait(r.empty + 8 * r.s, r.parity);
+        const uint32_t bar = done != 0 ? done : r.full + 8 * r.s;
+        if (MHK_SM90_FWD_DIAG_NO_LOADS && !first_round) {
+          mbar_arrive(bar);  // diagnostic: the stage keeps its first tile's bytes
+        } else {
+          mbar_arrive_expect_tx(bar, Cfg::kTileBytes);
+          for (int pn = 0; pn < Cfg::kPanels; ++pn)
+            tma_load_4d(r.data + r.s * Cfg::kTileBytes + pn * Cfg::kPanelBytesKV, map, pn * 64, (t0 + it) * BN, hkv, b,
+                        bar);
+        }
+        if (++r.s == n_stages) {
+          r.s = 0;
+          r.parity ^= 1;
+        }
+      };
+      if (tid == 0) {
+        // In the order the consumers wait for them: K of tile 0; then K of tile it and V of
+        // tile it - 1 (step it's operands); V of the last tile.
+        Ring rk{base + Cfg::kOffFullK, base + Cfg::kOffEmptyK, base + Cfg::kOffK};
+        Ring rv{base + Cfg::kOffFullV, base + Cfg::kOffEmptyV, base + Cfg::kOffV};
+        for (int it = 0; it <= n_tiles; ++it) {
+          if (it < n_tiles) load(rk, Cfg::kStagesK, &P.tma_k, it, it < Cfg::kStagesK, 0);
+          if (it > 0)
+            load(rv, Cfg::kStagesV, &P.tma_v, it - 1, it - 1 < Cfg::kStagesV, it - 1 == it_clear ? base + Cfg::kOffFix : 0);
         }
       }
       if (it_clear >= 0 && it_clear < n_tiles) {
-        // After the loop: the copies of later tiles (none: it is the last tile loaded) do not
-        // wait for this, and the consumers wait on full[s] for it.
-        const int s = it_clear % Cfg::kStages;
+        // After the loop: it is the last tile loaded, so no later copy waits for this, and the
+        // consumers wait on full_v[s] for it.
+        const int s = it_clear % Cfg::kStagesV;
         mbar_wait(fix, 0);  // the copies have landed (the only phase `fix` ever completes)
         // Whole 128-byte rows [Lk_b - n0, BN) of each panel (contiguous: the 128B swizzle
         // permutes 16-byte chunks only within a row).
@@ -244,7 +298,7 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
             *reinterpret_cast<uint4*>(sv + pn * Cfg::kPanelBytesKV + off) = make_uint4(0, 0, 0, 0);
         fence_proxy_async();  // the generic-proxy zeros, before wgmma (async proxy) reads them
         warp_sync_all();
-        if (tid == 0) mbar_arrive(&full[s]);
+        if (tid == 0) mbar_arrive(&full_v[s]);
       }
     }
     return;
@@ -277,7 +331,8 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   // it - 1 as two commit groups, waits for the first only (wait_group 1), and masks and
   // exponentiates tile `it` while the tensor cores still run the previous tile's P V. O is
   // rescaled by this tile's alpha once that P V has landed (wait_group 0), which also frees the
-  // previous tile's stage. The last tile's P V follows the loop.
+  // previous tile's V stage; this tile's K stage is freed as soon as S has landed (wait_group
+  // 1). The last tile's P V follows the loop.
   uint32_t pa[BN / 16][4];  // P of the previous tile in wgmma's A fragment
   // O += P V of the tile in stage s: P's accumulator fragment (two n8 chunks per k16 step) is
   // the A fragment; V's rows are keys (K of this product) in 64-element panels of D (N): 8 keys
@@ -285,9 +340,11 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   // Descriptors built once: the start address is the low 14 bits of a descriptor, in 16-byte
   // units, and every operand address below stays under 228 KB (< 2^14 x 16 B), so the
   // descriptor of base + delta is the base's plus delta / 16 (a constant per k-step and stage).
-  const uint64_t dq0 = desc_bits(shared_u32(sQ + cw * 64 * 128), 16, 1024);
-  const uint64_t dk0 = desc_bits(shared_u32(sK), 16, 1024);
-  const uint64_t dv0 = desc_bits(shared_u32(sV), Cfg::kPanelBytesKV, 1024);
+  // (cw is warp-uniform to ptxas, warpgroup_index: these live in uniform registers.)
+  const uint32_t sbase = warp_uniform(shared_u32(smem));
+  const uint64_t dq0 = desc_bits(sbase + cw * 64 * 128, 16, 1024);
+  const uint64_t dk0 = desc_bits(sbase + Cfg::kOffK, 16, 1024);
+  const uint64_t dv0 = desc_bits(sbase + Cfg::kOffV, Cfg::kPanelBytesKV, 1024);
   auto issue_pv = [&](int s) {
     const uint64_t dv = dv0 + static_cast<uint64_t>(s * (Cfg::kTileBytes >> 4));
     MHK_UNROLL
@@ -300,10 +357,14 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
     MHK_UNROLL
     for (int kk = 0; kk < D / 16; ++kk) {
       const int pn = kk / 4, off = (kk % 4) * 32;  // 16 elements of D = 32 bytes inside a 128-byte row
-      wgmma_ss<BN, Elem>(sc, dq0 + ((pn * Cfg::kPanelBytesQ + off) >> 4), dk + ((pn * Cfg::kPanelBytesKV + off) >> 4),
-                         kk > 0 ? 1 : 0);
+      wgmma_ss<BN, Elem>(sc, dq0 + ((pn * Cfg::kPanelBytesQ + off) >> 4),
+                         dk + ((pn * Cfg::kPanelBytesKV + off) >> 4), kk > 0 ? 1 : 0);
     }
   };
+  // The first of this CTA's tiles that crosses a row's limit: tile t0 + it needs the mask iff
+  // (t0 + it + 1) BN > lim_min, i.e. it >= lim_min / BN - t0 (C++ division; lim_min < BN gives
+  // every tile, as it should). One compare per tile instead of the multiply-add-compare.
+  const int it_mask = lim_min / BN - t0;
   // Mask (only where the tile crosses a row's visible limit) and exponentiate tile t0 + it in
   // place, updating m and l; alpha = exp2(m_old - m_new) rescales what O holds so far.
   // Base 2. A row with every key so far hidden keeps m = -inf and exponentiates against 0, so
@@ -314,8 +375,8 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
       return;
     }
     // Raw scores masked (sl2 > 0: a hidden key's -inf stays -inf once scaled).
-    const int n0 = (t0 + it) * BN;
-    if (n0 + BN > lim_min) {
+    if (it >= it_mask) {
+      const int n0 = (t0 + it) * BN;
       MHK_UNROLL
       for (int i = 0; i < BN / 2; ++i) {
         const int col = n0 + 8 * (i / 4) + 2 * t + (i % 2);
@@ -364,10 +425,14 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   auto pass_turn = [&] { named_bar_arrive(Cfg::kBarTurn + (1 - cw), 2 * 128); };
   if (cw == 1) pass_turn();
 
+  // The barriers by shared address, computed once: from pointers, ptxas rebuilt the aligned
+  // base of shared memory in every iteration (~20 instructions per tile).
+  const uint32_t full_k0 = sbase + Cfg::kOffFullK, empty_k0 = sbase + Cfg::kOffEmptyK;
+  const uint32_t full_v0 = sbase + Cfg::kOffFullV, empty_v0 = sbase + Cfg::kOffEmptyV;
   // The first tile on its own (O is still 0), so that the loop body has no branch around its
   // wgmma: ptxas serialises every wgmma of a loop whose pipeline it cannot follow.
   if (n_tiles > 0) {
-    mbar_wait(&full[0], 0);
+    mbar_wait(full_k0, 0);
     float sc[BN / 2];
     float alpha[2];
     take_turn();
@@ -375,49 +440,61 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
     issue_s(sc, 0);
     wgmma_commit();
     pass_turn();
+    if (MHK_SM90_FWD_FAULT(1)) mbar_arrive(empty_k0);
     wgmma_wait<0>();
+    if (!MHK_SM90_FWD_FAULT(1) && !MHK_SM90_FWD_DIAG_COUPLED_KV) mbar_arrive(empty_k0);  // S landed: K's stage is free
     softmax(sc, 0, alpha);
     pack_p(sc);
   }
-  // The stage of tile `it` and its full barrier's parity, advanced without a division.
-  int s = 0;
-  uint32_t phase = 0;
+  // The K stage of tile `it` and the V stage of tile it - 1, with their full barriers'
+  // parities, advanced as counters (no division).
+  int sk = 0, sv = 0;
+  uint32_t phase_k = 0, phase_v = 0;
   for (int it = 1; it < n_tiles; ++it) {
-    const int s_prev = s;
-    s = s + 1 == Cfg::kStages ? 0 : s + 1;
-    phase ^= s == 0 ? 1u : 0u;
-    mbar_wait(&full[s], phase);
+    const int sk_prev = sk;
+    sk = sk + 1 == Cfg::kStagesK ? 0 : sk + 1;
+    phase_k ^= sk == 0 ? 1u : 0u;
+    mbar_wait(full_k0 + 8 * sk, phase_k);
+    mbar_wait(full_v0 + 8 * sv, phase_v);
     float sc[BN / 2];
     float alpha[2];
     take_turn();
     wgmma_fence();  // one fence for the batch: o was rescaled and pa written since the last wait
-    issue_s(sc, s);
+    issue_s(sc, sk);
     wgmma_commit();
-    issue_pv(s_prev);
+    issue_pv(sv);
     wgmma_commit();
     pass_turn();
+    if (MHK_SM90_FWD_FAULT(1)) mbar_arrive(empty_k0 + 8 * sk);
     wgmma_wait<1>();  // S of this tile is complete; the previous tile's P V may still run
+    if (!MHK_SM90_FWD_FAULT(1) && !MHK_SM90_FWD_DIAG_COUPLED_KV) mbar_arrive(empty_k0 + 8 * sk);  // K's stage is free
     softmax(sc, it, alpha);
     // ptxas otherwise schedules the P V wait above the whole softmax (seen in the SASS: none of
     // the loop's exps ran while P V was in flight): a shared store it cannot prove dead, of a
     // value the softmax computes last, must stay before the wait (tools/check_cuda_build.py
     // counts the exps between the two waits).
     if (MHK_SM90_FWD_PIN_SOFTMAX) pin_before_wait(l[0] + l[1], p.num_splits);
-    wgmma_wait<0>();              // the previous tile's P V has landed in o
-    mbar_arrive(&empty[s_prev]);  // and its stage is free
+    if (MHK_SM90_FWD_FAULT(2)) mbar_arrive(empty_v0 + 8 * sv);
+    wgmma_wait<0>();  // the previous tile's P V has landed in o
+    if (!MHK_SM90_FWD_FAULT(2)) mbar_arrive(empty_v0 + 8 * sv);  // and its V stage is free
+    if (MHK_SM90_FWD_DIAG_COUPLED_KV) mbar_arrive(empty_k0 + 8 * sk_prev);  // diagnostic: K held as long as V
+    sv = sv + 1 == Cfg::kStagesV ? 0 : sv + 1;
+    phase_v ^= sv == 0 ? 1u : 0u;
     MHK_UNROLL
     for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i % 4) / 2];
     pack_p(sc);
   }
   if (n_tiles > 0) {
-    const int s_last = s;  // the stage of tile n_tiles - 1
+    mbar_wait(full_v0 + 8 * sv, phase_v);  // V of the last tile
     take_turn();
     wgmma_fence();
-    issue_pv(s_last);
+    issue_pv(sv);
     wgmma_commit();
     pass_turn();
+    if (MHK_SM90_FWD_FAULT(2)) mbar_arrive(empty_v0 + 8 * sv);
     wgmma_wait<0>();
-    mbar_arrive(&empty[s_last]);
+    if (!MHK_SM90_FWD_FAULT(2)) mbar_arrive(empty_v0 + 8 * sv);
+    if (MHK_SM90_FWD_DIAG_COUPLED_KV) mbar_arrive(empty_k0 + 8 * sk);
   }
 
   // ---- epilogue: normalise, store O and lse (or this split's fp32 partials) ----

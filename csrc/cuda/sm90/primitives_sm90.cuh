@@ -64,6 +64,14 @@ inline void fence_barrier_init() {}
 inline void mbar_arrive(uint64_t* bar) { ::mhk_emu::sm90::mbar_arrive(bar); }
 inline void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) { ::mhk_emu::sm90::mbar_arrive_expect_tx(bar, bytes); }
 inline void mbar_wait(uint64_t* bar, uint32_t parity) { ::mhk_emu::sm90::mbar_wait_parity(bar, parity); }
+// The same on a barrier's shared address (shared_u32), for loops that keep addresses as numbers.
+inline void mbar_arrive(uint32_t bar) { ::mhk_emu::sm90::mbar_arrive(::mhk_emu::sm90::shared_pointer(bar)); }
+inline void mbar_wait(uint32_t bar, uint32_t parity) {
+  ::mhk_emu::sm90::mbar_wait_parity(::mhk_emu::sm90::shared_pointer(bar), parity);
+}
+inline void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  ::mhk_emu::sm90::mbar_arrive_expect_tx(::mhk_emu::sm90::shared_pointer(bar), bytes);
+}
 // Generic-proxy writes to shared memory made visible to the async proxy (wgmma, TMA). The
 // emulator does not model proxies (it has one memory): a missing fence is not detected.
 inline void fence_proxy_async() {}
@@ -71,7 +79,13 @@ inline void tma_load_4d(void* dst, const TensorMap* map, int c0, int c1, int c2,
   const int c[4] = {c0, c1, c2, c3};
   ::mhk_emu::sm90::tma_load(dst, map, c, bar);
 }
+inline void tma_load_4d(uint32_t dst, const TensorMap* map, int c0, int c1, int c2, int c3, uint32_t bar) {
+  tma_load_4d(::mhk_emu::sm90::shared_pointer(dst), map, c0, c1, c2, c3,
+              reinterpret_cast<uint64_t*>(::mhk_emu::sm90::shared_pointer(bar)));
+}
 inline void warp_sync_all() { ::mhk_emu::syncwarp(); }
+inline int warpgroup_index() { return ::mhk_emu::thread_index() / 128; }
+inline uint32_t warp_uniform(uint32_t x) { return x; }
 // The nvcc build's scheduling pin (below); the emulator runs in program order already.
 inline void pin_before_wait(float, int) {}
 inline void named_bar_sync(int id, int count) { ::mhk_emu::sm90::named_barrier(id, count, true); }
@@ -111,31 +125,40 @@ MHK_DEVICE void mbar_init(uint64_t* bar, int count) {
 }
 // Makes the initialised barriers visible to the async proxy (TMA completes on them).
 MHK_DEVICE void fence_barrier_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
-MHK_DEVICE void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(shared_u32(bar)) : "memory");
+MHK_DEVICE void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-MHK_DEVICE void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_u32(bar)), "r"(bytes)
-               : "memory");
+MHK_DEVICE void mbar_arrive(uint64_t* bar) { mbar_arrive(shared_u32(bar)); }
+MHK_DEVICE void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
-MHK_DEVICE void mbar_wait(uint64_t* bar, uint32_t parity) {
+MHK_DEVICE void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) { mbar_arrive_expect_tx(shared_u32(bar), bytes); }
+// On the barrier's shared address: a loop that keeps its barriers' addresses as numbers computes
+// them once (from a pointer, ptxas rebuilt the 1024-byte aligned base every iteration).
+MHK_DEVICE void mbar_wait(uint32_t bar, uint32_t parity) {
   asm volatile(
       "{\n"
       ".reg .pred done;\n"
       "mbar_wait_%=:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra mbar_wait_%=;\n"
-      "}\n" ::"r"(shared_u32(bar)),
+      "}\n" ::"r"(bar),
       "r"(parity)
       : "memory");
 }
+MHK_DEVICE void mbar_wait(uint64_t* bar, uint32_t parity) { mbar_wait(shared_u32(bar), parity); }
 MHK_DEVICE void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-MHK_DEVICE void tma_load_4d(void* dst, const TensorMap* map, int c0, int c1, int c2, int c3, uint64_t* bar) {
+// dst and bar by shared address (the producer of a 24-register warpgroup keeps numbers, not
+// 64-bit pointers) or by pointer.
+MHK_DEVICE void tma_load_4d(uint32_t dst, const TensorMap* map, int c0, int c1, int c2, int c3, uint32_t bar) {
   asm volatile(
       "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
-      "[%6];\n" ::"r"(shared_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(shared_u32(bar))
+      "[%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
+}
+MHK_DEVICE void tma_load_4d(void* dst, const TensorMap* map, int c0, int c1, int c2, int c3, uint64_t* bar) {
+  tma_load_4d(shared_u32(dst), map, c0, c1, c2, c3, shared_u32(bar));
 }
 // A shared store that never executes (num_splits >= 1 always) but that ptxas cannot prove dead:
 // placed right before a wgmma wait, it keeps the code that computes `x` above that wait, since
@@ -145,6 +168,16 @@ MHK_DEVICE void pin_before_wait(float x, int num_splits) {
 }
 // __syncwarp over the whole warp (memory ordering among its lanes included).
 MHK_DEVICE void warp_sync_all() { __syncwarp(); }
+// threadIdx.x / 128 through a shuffle from lane 0: the same number, but one ptxas knows to be
+// warp-uniform, so what derives from it (the consumer's Q descriptors) lives in uniform
+// registers; from threadIdx.x directly, each HGMMA's descriptor was rebuilt in per-thread
+// registers and moved over by R2UR (~6 instructions per HGMMA of S = Q K^T).
+MHK_DEVICE int warpgroup_index() { return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0); }
+// x, the same in every lane (the caller's promise), as lane 0's copy: ptxas keeps it in a
+// uniform register and, unable to recompute a shuffle, computes it once. The consumers' shared
+// addresses come from it: derived from the aligned base of shared memory (S2UR of the CTA's
+// window, then the rounding), ptxas rebuilt them in every iteration (~20 instructions a tile).
+MHK_DEVICE uint32_t warp_uniform(uint32_t x) { return __shfl_sync(0xffffffffu, x, 0); }
 // Named barriers (ids 1..15; 0 is __syncthreads): `count` threads, whole warps.
 MHK_DEVICE void named_bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
