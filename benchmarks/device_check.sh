@@ -265,8 +265,9 @@ fi
 PIN_DEFAULT=$(grep -oE '#define MHK_SM90_FWD_PIN_SOFTMAX [01]' csrc/cuda/sm90/attn_fwd_sm90_kernel.cuh | grep -oE '[01]$')
 PIN_OTHER=$((1 - ${PIN_DEFAULT:-0}))
 VARIANTS=()
-for v in "production:" "stages2:-DMHK_SM90_FWD_DIAG_STAGES=2" "no_softmax:-DMHK_SM90_FWD_DIAG_NO_SOFTMAX=1" \
-         "no_loads:-DMHK_SM90_FWD_DIAG_NO_LOADS=1" "pin${PIN_OTHER}:-DMHK_SM90_FWD_PIN_SOFTMAX=${PIN_OTHER}"; do
+for v in "production:" "stages2:-DMHK_SM90_FWD_DIAG_STAGES=2" "coupled_kv:-DMHK_SM90_FWD_DIAG_COUPLED_KV=1" \
+         "no_softmax:-DMHK_SM90_FWD_DIAG_NO_SOFTMAX=1" "no_loads:-DMHK_SM90_FWD_DIAG_NO_LOADS=1" \
+         "pin${PIN_OTHER}:-DMHK_SM90_FWD_PIN_SOFTMAX=${PIN_OTHER}"; do
     # DEVICE_CHECK_VARIANTS="production no_loads" keeps some (default: all)
     [[ " ${DEVICE_CHECK_VARIANTS:-${v%%:*}} " == *" ${v%%:*} "* ]] && VARIANTS+=("$v")
 done
@@ -459,19 +460,21 @@ if stage variants; then
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{"')]
 t = {r["variant"]: r.get("ms") for r in rows}
-print("| variant | stages | ms | TFLOP/s | spread (min-max ms) | check |")
+print("| variant | K + V stages | ms | TFLOP/s | spread (min-max ms) | check |")
 print("|---|---|---|---|---|---|")
 for r in rows:
     if "error" in r:
         print(f"| {r.get('variant', '?')} | | | | | {r['error']} |")
         continue
     chk = "n/a (math changed)" if r["max_abs_err"] < 0 else f"max err {r['max_abs_err']:.3g}"
-    print(f"| {r['variant']} | {r['stages']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['min_ms']:.3f}-{r['max_ms']:.3f} | {chk} |")
+    print(f"| {r['variant']} | {r['stages']} + {r.get('v_stages', r['stages'])} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['min_ms']:.3f}-{r['max_ms']:.3f} | {chk} |")
 p = t.get("production")
 if p:
     print()
     for name, what in (("no_loads", "load wait (production - no_loads)"), ("no_softmax", "softmax on the critical path (production - no_softmax)"),
-                       ("stages2", "third stage's gain (stages2 - production)"), ("pin0", "overlap gained by the pin (pin0 - production)"),
+                       ("stages2", "the third stage of each ring (stages2 - production)"),
+                       ("coupled_kv", "separate K and V pipelines' gain (coupled_kv - production)"),
+                       ("pin0", "overlap gained by the pin (pin0 - production)"),
                        ("pin1", "overlap the pin would gain (production - pin1)")):
         if t.get(name):
             d = (p - t[name]) if name in ("no_loads", "no_softmax", "pin1") else (t[name] - p)

@@ -1,9 +1,10 @@
 // Times one compile-time variant of the sm_90a forward (bf16, D 128) on the GPU, outside torch:
-// the variants of csrc/cuda/sm90/attn_fwd_sm90_kernel.cuh (MHK_SM90_FWD_DIAG_STAGES,
+// the variants of csrc/cuda/sm90/attn_fwd_sm90_kernel.cuh (MHK_SM90_FWD_DIAG_STAGES, _COUPLED_KV,
 // MHK_SM90_FWD_DIAG_NO_SOFTMAX, MHK_SM90_FWD_DIAG_NO_LOADS, MHK_SM90_FWD_PIN_SOFTMAX) are chosen
 // by -D flags, one binary each (benchmarks/device_check.sh builds them on the device, in
 // parallel). Their differences split a step of the production kernel into load wait (production
-// - NO_LOADS), softmax (production - NO_SOFTMAX) and the softmax/P V overlap (PIN 0 - PIN 1).
+// - NO_LOADS), softmax (production - NO_SOFTMAX), the softmax/P V overlap (PIN 0 - PIN 1) and
+// what the separate K and V pipelines gain (COUPLED_KV - production).
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I csrc/cuda -DMHK_SM90_FWD_DIAG_BUILD \
 //        [-DMHK_SM90_FWD_DIAG_...=1] benchmarks/diag_fwd_sm90.cu -o diag
@@ -130,9 +131,9 @@ int main(int argc, char** argv) {
         max_err = std::max(max_err, std::fabs(acc[c] / sum - __bfloat162float(ho[base + size_t(r) * kD + c])));
     }
   }
-  std::printf("{\"variant\": \"%s\", \"B\": %d, \"H\": %d, \"L\": %d, \"causal\": %d, \"stages\": %d, "
+  std::printf("{\"variant\": \"%s\", \"B\": %d, \"H\": %d, \"L\": %d, \"causal\": %d, \"stages\": %d, \"v_stages\": %d, "
               "\"ms\": %.4f, \"min_ms\": %.4f, \"max_ms\": %.4f, \"tflops\": %.1f, \"max_abs_err\": %.3g}\n",
-              name, B, H, L, causal, sm90::FwdConfigSm90<kD>::kStages, med, ms.front(), ms.back(), flop / med / 1e9,
+              name, B, H, L, causal, sm90::FwdConfigSm90<kD>::kStagesK, sm90::FwdConfigSm90<kD>::kStagesV, med, ms.front(), ms.back(), flop / med / 1e9,
               max_err);
   return production && !(max_err >= 0 && max_err < 3e-2) ? 1 : 0;
 }

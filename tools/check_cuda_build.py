@@ -70,10 +70,13 @@ SM90_MAX_REGS = 255
 #   (the main loop less the blocks a forward branch skips, over BN). FlashAttention-3's hdim-128
 #   loop executes 3.4 with the same compiler; this kernel executed 5.11 (654 per 128 keys), 5.14
 #   with the pin of the overlap (658), 4.05 (519) with the scale folded into the exponent's
-#   FFMA, the descriptors built outside the loop and the stage counted without a modulo. The
-#   bound is what this kernel reaches now, kept so that it cannot grow back; the issue's 3.7
-#   (~474) needs what docs/performance.md lists as left.
-SM90_FWD_MAX_EXECUTED_PER_KEY = {128: 4.06}
+#   FFMA, the descriptors built outside the loop and the stage counted without a modulo; 3.88
+#   (496) with the consumers' warpgroup index warp-uniform to ptxas (the Q descriptors in
+#   uniform registers); 3.70 (473) with separate K and V pipelines (a second full-barrier wait
+#   and release per tile) and the shared base warp-uniform (the aligned base computed once);
+#   3.67 (470) with the mask test against a precomputed first masked tile. The bound is the
+#   issue's target (issue 19).
+SM90_FWD_MAX_EXECUTED_PER_KEY = {128: 3.7}
 # sm90-namespace kernels without wgmma (memory-bound helpers): not held to HGMMA in a loop.
 SM90_HELPER_KERNELS = ("attn_bwd_dq_convert_sm90_kernel",)
 SMEM_LIMIT = 99 * 1024  # opt-in shared memory per block on sm_86 / sm_89 (sm_80: 163 KB, sm_90: 227 KB)
@@ -573,7 +576,7 @@ def check_sm90(results: list[dict], smem: dict[int, int] | None) -> tuple[list[d
     return rows, problems, lines
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--arch", default="80,90", help="comma-separated SM versions (default 80,90)")
@@ -582,14 +585,12 @@ def main(argv=None) -> int:
     ap.add_argument("--no-host", action="store_true", help="skip the syntax check of csrc/cuda_host.cpp")
     ap.add_argument("--no-sm90", action="store_true", help="skip the sm_90a family (csrc/cuda/sm90/)")
     ap.add_argument("--json", default="", help="also write the results as JSON to this path")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    nvcc = find_nvcc()
-    if nvcc is None:
-        print("check_cuda_build: nvcc not found (set CUDA_HOME or put nvcc on PATH)", file=sys.stderr)
-        return 2
-    include = cuda_include(nvcc)
-    cuobjdump = find_cuobjdump(nvcc)
+
+def select_sources(args) -> tuple[list[Path], list[Path]] | None:
+    """(mma.sync units, sm90 units) that --only / --no-sm90 select; None (after a message) when
+    --only names a file that does not exist."""
     sources = sorted(CUDA_DIR.glob("*.cu"))
     only_sm90 = args.only.strip() == "sm90"
     if only_sm90:
@@ -600,26 +601,26 @@ def main(argv=None) -> int:
         if len(sources) != len(wanted):
             print(f"check_cuda_build: --only names no .cu file for {sorted(wanted - {s.stem for s in sources})}",
                   file=sys.stderr)
-            return 2
-    archs = [int(a) for a in args.arch.split(",") if a.strip()]
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    print(f"check_cuda_build: {len(sources)} .cu files x sm_{', sm_'.join(map(str, archs))} with {nvcc} "
-          f"({version}), {args.jobs} jobs; SASS loop check: {cuobjdump or 'unavailable (no cuobjdump)'}")
+            return None
+    sm90 = [] if args.no_sm90 or (args.only and not only_sm90) else sorted(SM90_DIR.glob("attn_*.cu"))
+    return sources, sm90
 
-    # The instantiation files are generated from the capability table: a stale set would check
-    # (and build) something else than the table says.
+
+def stale_instantiations() -> list[str]:
+    """The instantiation files that differ from what the capability table generates: a stale set
+    would check (and build) something else than the table says."""
     sys.path.insert(0, str(ROOT / "tools"))
     from generate_kernels import differences
 
-    stale = differences()
-    if stale:
-        print("check_cuda_build: the instantiation files are not current (run tools/generate_kernels.py):\n  "
-              + "\n  ".join(stale), file=sys.stderr)
-        return 1
+    return differences()
 
+
+def compile_all(nvcc: str, include: Path | None, cuobjdump: str | None, sources: list[Path], sm90_sources: list[Path],
+                archs: list[int], args) -> dict:
+    """Every unit compiled in one pool (and the host parsed): {failed, entries (mma.sync kernel
+    builds, their SASS local-memory counts attached), jobs, sm90_results, host, elapsed}."""
     t0 = time.time()
-    failed = []
-    entries = []
+    failed, entries = [], []
     host = ("skipped", "--no-host")
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         host_future = None
@@ -628,7 +629,6 @@ def main(argv=None) -> int:
         # Largest first (the backward files take longest): the pool drains evenly.
         ordered = sorted(sources, key=lambda s: ("bwd" not in s.name, s.name))
         jobs = [pool.submit(compile_unit, nvcc, s, archs, Path(tmp), cuobjdump) for s in ordered]
-        sm90_sources = [] if args.no_sm90 or (args.only and not only_sm90) else sorted(SM90_DIR.glob("attn_*.cu"))
         sm90_jobs = [pool.submit(compile_sm90, nvcc, s, Path(tmp), cuobjdump) for s in sm90_sources]
         for fut in jobs:
             r = fut.result()
@@ -646,18 +646,14 @@ def main(argv=None) -> int:
             host = host_future.result()
         elif not args.no_host:
             host = ("skipped", "CUDA include dir not found")
-    elapsed = time.time() - t0
+    return {"failed": failed, "entries": entries, "jobs": [f.result() for f in jobs], "sm90_results": sm90_results,
+            "host": host, "elapsed": time.time() - t0}
 
-    for r in failed:
-        print(f"\nFAILED: {r['src']}\n  {r['cmd']}\n{r['log'][-6000:]}", file=sys.stderr)
 
-    names = demangle(sorted({e["mangled"] for e in entries}))
-    smem_dyn = dynamic_smem(include) if include is not None else None
-    problems = []
-    if include is not None and smem_dyn is None and entries:
-        # Without the launchers' dynamic sizes the shared-memory limit below would be checked
-        # against the static part alone, and pass blindly.
-        problems.append("dynamic shared memory of the mma.sync kernels not read (the config printer did not build)")
+def check_mma_sync(entries: list[dict], names: dict, smem_dyn: dict | None) -> tuple[list, list, set]:
+    """(table rows, problems, reviewed-spill notes) of the mma.sync kernel builds: local memory in
+    loops, reviewed spills, the no-local-memory kernels, the 99 KB shared-memory limit."""
+    problems: list[str] = []
     notes: set[str] = set()
     rows = []
     for e in entries:
@@ -695,7 +691,10 @@ def main(argv=None) -> int:
         rows.append((kern, dtype, D, e["arch"], e["regs"], e["spill_st"], e["spill_ld"], e["stack"], loop_col,
                      e["smem_static"], dyn, ", ".join(flags)))
     rows.sort(key=lambda r: (r[0], r[2], r[1], r[3]))
+    return rows, problems, notes
 
+
+def print_mma_sync_table(rows: list, smem_dyn: dict | None, notes: set) -> None:
     header = ("kernel", "dtype", "D", "sm", "regs", "spill st", "spill ld", "stack", "LDL/STL in loop", "smem static",
               "smem dyn", "")
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)] if rows else [len(h) for h in header]
@@ -709,29 +708,71 @@ def main(argv=None) -> int:
         print("(dynamic shared memory not read: g++ could not build the config printer)")
     for n in sorted(notes):
         print(f"note: reviewed spill of {n}")
+
+
+def print_section(title: str, lines: list[str]) -> None:
+    if lines:
+        print(f"\n{title}")
+        for ln in lines:
+            print("  " + ln)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    nvcc = find_nvcc()
+    if nvcc is None:
+        print("check_cuda_build: nvcc not found (set CUDA_HOME or put nvcc on PATH)", file=sys.stderr)
+        return 2
+    include = cuda_include(nvcc)
+    cuobjdump = find_cuobjdump(nvcc)
+    selected = select_sources(args)
+    if selected is None:
+        return 2
+    sources, sm90_sources = selected
+    archs = [int(a) for a in args.arch.split(",") if a.strip()]
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    print(f"check_cuda_build: {len(sources)} .cu files x sm_{', sm_'.join(map(str, archs))} with {nvcc} "
+          f"({version}), {args.jobs} jobs; SASS loop check: {cuobjdump or 'unavailable (no cuobjdump)'}")
+    stale = stale_instantiations()
+    if stale:
+        print("check_cuda_build: the instantiation files are not current (run tools/generate_kernels.py):\n  "
+              + "\n  ".join(stale), file=sys.stderr)
+        return 1
+
+    built = compile_all(nvcc, include, cuobjdump, sources, sm90_sources, archs, args)
+    failed, entries, host = built["failed"], built["entries"], built["host"]
+    for r in failed:
+        print(f"\nFAILED: {r['src']}\n  {r['cmd']}\n{r['log'][-6000:]}", file=sys.stderr)
+
+    names = demangle(sorted({e["mangled"] for e in entries}))
+    smem_dyn = dynamic_smem(include) if include is not None else None
+    problems = []
+    if include is not None and smem_dyn is None and entries:
+        # Without the launchers' dynamic sizes the shared-memory limit below would be checked
+        # against the static part alone, and pass blindly.
+        problems.append("dynamic shared memory of the mma.sync kernels not read (the config printer did not build)")
+    rows, mma_problems, notes = check_mma_sync(entries, names, smem_dyn)
+    problems += mma_problems
+    print_mma_sync_table(rows, smem_dyn, notes)
     print(f"\ncuda_host.cpp syntax check: {host[0]} ({host[1] if host[0] != 'FAILED' else 'see below'})")
     if host[0] == "FAILED":
         print(host[1], file=sys.stderr)
 
     fused_facts = {}
-    for fut in jobs:
-        fused_facts.update(fut.result().get("fused") or {})
+    for r in built["jobs"]:
+        fused_facts.update(r.get("fused") or {})
     fused_lines, fused_problems = check_fused_bwd(entries, fused_facts, names,
                                                   fused_bwd_config(include) if include is not None else None)
     problems += fused_problems
-    if fused_lines:
-        print("\nfused mma.sync backward (csrc/cuda/attn_bwd_fused_kernel.cuh), main loop = the SASS loop holding "
-              "the most HMMA:")
-        for ln in fused_lines:
-            print("  " + ln)
+    print_section("fused mma.sync backward (csrc/cuda/attn_bwd_fused_kernel.cuh), main loop = the SASS loop holding "
+                  "the most HMMA:", fused_lines)
 
+    sm90_results = built["sm90_results"]
     sm90_smem = sm90_dynamic_smem(include) if include is not None and sm90_results else None
     sm90_rows, sm90_problems, sm90_lines = check_sm90(sm90_results, sm90_smem)
     problems += sm90_problems
-    if sm90_lines:
-        print("\nsm90 family (-gencode=arch=compute_90a,code=sm_90a), main loop = the SASS loop holding the HGMMA:")
-        for ln in sm90_lines:
-            print("  " + ln)
+    print_section("sm90 family (-gencode=arch=compute_90a,code=sm_90a), main loop = the SASS loop holding the HGMMA:",
+                  sm90_lines)
 
     def tolerated(p: str) -> bool:
         return args.allow_spills and ("spills" in p or "hot-loop" in p)
@@ -744,10 +785,11 @@ def main(argv=None) -> int:
     n_units = len(sources) + len(sm90_sources)
     print(f"\ncheck_cuda_build: {n_units - len(failed)}/{n_units} files compiled for sm_{', sm_'.join(map(str, archs))}, "
           f"{len(entries) + len(sm90_rows)} kernel builds, "
-          f"{elapsed:.0f} s wall, {'PASSED' if ok else 'FAILED'}")
+          f"{built['elapsed']:.0f} s wall, {'PASSED' if ok else 'FAILED'}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"passed": ok, "seconds": elapsed, "failed": [f["src"] for f in failed],
-                                               "host_syntax": host[0], "kernels": entries, "sm90": sm90_rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"passed": ok, "seconds": built["elapsed"],
+                                               "failed": [f["src"] for f in failed], "host_syntax": host[0],
+                                               "kernels": entries, "sm90": sm90_rows}, indent=1))
     return 0 if ok else 1
 
 

@@ -9,8 +9,13 @@ Per 128-key step of one CTA (two consumer warpgroups taking turns, S stages of K
     T_step = max( 2 T_g,                         tensor pipe: both warpgroups' S and P V
                   T_g + C,                       ping-pong: my chain C after my P V lands must
                                                  fit under the other warpgroup's batch
-                  (2 T_g + lam) / (S - 1),       coupled K/V release: a stage is refilled only
-                                                 after both warpgroups' P V, then the copy latency
+                  load,                          coupled K/V release (one stage for both): a
+                                                 stage is refilled only after both warpgroups'
+                                                 P V, then the copy latency: (2 T_g + lam) / (S - 1);
+                                                 separate K and V rings: K's stage refilled once
+                                                 both S have landed, V's once both P V have, each
+                                                 about T_g after its first reader:
+                                                 (T_g + lam) / (min(S_K, S_V) - 1)
                   I x 8 warps / 4 schedulers / f )  issue slots
     T_run  = (sum over CTAs of tiles x T_step + CTAs x F) / SMs
 
@@ -21,7 +26,9 @@ below); lam (the exposed copy latency) and F (the fixed cost per CTA) are fitted
 non-causal rows of the measured run, which was the 2-stage build with the hoisted wait (the SASS
 of that build, 'measured', is compiled from the commit the run used or given). Decode: the
 K/V bytes over the copy bandwidth of the CTAs that run at once, or each CTA's tile latency over
-its stages in flight, whichever binds, in waves of the SMs a family fills.
+its stages in flight, whichever binds, in waves of the SMs a family fills. Which pipeline a
+build has is read from its SASS: two full-barrier waits (SYNCS.PHASECHK) in the executed main
+loop are separate K and V rings, one a coupled stage.
 
 The numbers are predictions until a GPU run measures them (benchmarks/device_check.sh).
 """
@@ -118,7 +125,8 @@ def loop_terms(sass_text: str, D: int = 128) -> dict:
         i0 = next(i for i, n, _ in waits if n == 0 and i > i1)
         first_hgmma = next(i for i, (_, t) in enumerate(path) if R.opcode(t).startswith("HGMMA"))
         between, exps = R.exps_between_waits(path)
-        return {"executed": len(path), "W": chain_cycles(path[i1 + 1:i0]),
+        full_waits = sum(1 for _, t in path if R.opcode(t).startswith("SYNCS.PHASECHK"))
+        return {"executed": len(path), "W": chain_cycles(path[i1 + 1:i0]), "split_kv": full_waits >= 2,
                 "P": chain_cycles(path[i0 + 1:]) + chain_cycles(path[:first_hgmma]),
                 "exps_between": between, "exps": exps}
     raise ValueError(f"no attn_fwd_sm90_kernel<bf16, {D}> in the listing")
@@ -150,10 +158,13 @@ def tg_us(D=128, BM=128, BN=128) -> float:
 
 
 def step_us(t: dict, stages: int, lam: float, pinned: bool) -> tuple[float, dict]:
+    """T_step and its terms; stages: of the coupled ring, or of the smaller of the K and V rings
+    when the build's SASS has separate ones (t["split_kv"])."""
     Tg = tg_us()
     c_cyc = (max(0.0, t["W"] - Tg / 2 * CLOCK_GHZ * 1e3) if pinned else t["W"]) + t["P"] + CHAIN_BARRIER_CYCLES
     C = c_cyc / (CLOCK_GHZ * 1e3)
-    terms = {"tensor": 2 * Tg, "chain": Tg + C, "load": (2 * Tg + lam) / (stages - 1),
+    held = Tg if t.get("split_kv") else 2 * Tg  # from a stage's first reader to its release
+    terms = {"tensor": 2 * Tg, "chain": Tg + C, "load": (held + lam) / (stages - 1),
              "issue": t["executed"] * 8 / 4 / (CLOCK_GHZ * 1e3)}
     return max(terms.values()), terms
 
@@ -273,14 +284,18 @@ def main(argv=None) -> int:
     print(f"calibration (2 non-causal rows, 2-stage build): lam = {lam:.3f} us exposed per step, F = {F:.2f} us per CTA; "
           f"T_g = {tg_us():.3f} us")
     print()
-    print("| build | executed / key | exps overlapping P V | W (cycles) | P (cycles) | tensor | chain | load (3 st) | issue | T_step (us) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| build | executed / key | exps overlapping P V | W (cycles) | P (cycles) | tensor | chain | load | issue | T_step (us) | lam it tolerates (us) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, t in builds.items():
         pinned = t["exps_between"] >= t["exps"] // 2
         st = 2 if name == "measured" else 3
         T, terms = step_us(t, st, lam, pinned)
-        print(f"| {name} ({st} stages) | {t['executed'] / 128:.2f} | {t['exps_between']} of {t['exps']} | {t['W']} | {t['P']} | "
-              f"{terms['tensor']:.2f} | {terms['chain']:.2f} | {terms['load']:.2f} | {terms['issue']:.2f} | {T:.2f} |")
+        held = tg_us() if t["split_kv"] else 2 * tg_us()
+        others = max(v for k, v in terms.items() if k != "load")
+        pipe = f"{st} + {st} stages, split K/V" if t["split_kv"] else f"{st} stages, coupled K/V"
+        print(f"| {name} ({pipe}) | {t['executed'] / 128:.2f} | {t['exps_between']} of {t['exps']} | {t['W']} | {t['P']} | "
+              f"{terms['tensor']:.2f} | {terms['chain']:.2f} | {terms['load']:.2f} | {terms['issue']:.2f} | {T:.2f} | "
+              f"{others * (st - 1) - held:.2f} |")
     print()
     print("| row (bf16, D 128) | measured ms | " + " | ".join(f"{n} ms (TFLOP/s)" for n in builds) + " |")
     print("|---|---|" + "---|" * len(builds))
