@@ -23,9 +23,11 @@ enum Feature : unsigned {
   kDropout = 1u << 2,
   kTopLeft = 1u << 3,
   kWindow = 1u << 4,
+  kSoftcap = 1u << 5,  // tanh capping of the scaled scores (ModeParams::softcap)
+  kAlibi = 1u << 6,    // ALiBi slopes (ModeParams::alibi)
 };
-constexpr const char* kFeatureNames[] = {"attn_mask", "mask_grad", "dropout", "top_left", "window"};
-constexpr int kNumFeatures = 5;
+constexpr const char* kFeatureNames[] = {"attn_mask", "mask_grad", "dropout", "top_left", "window", "softcap", "alibi"};
+constexpr int kNumFeatures = 7;
 
 // ---- cpu family (csrc/cpu/) ------------------------------------------------------------------
 // dtypes float32, bfloat16, float16; any head dims D, Dv in [1, kCpuMaxHeadDim] (D != Dv allowed).
