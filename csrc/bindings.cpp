@@ -229,9 +229,7 @@ constexpr unsigned kAllFeatures = ~0u;
 
 std::tuple<at::Tensor, at::Tensor> fwd_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                             double scale, bool /*causal*/, const std::optional<at::Tensor>& key_lengths,
-                                            const std::optional<at::Tensor>& attn_mask, double dropout_p,
-                                            int64_t seed, bool top_left, int64_t window_left, int64_t window_right) {
-  const op::ModeArgs modes{&attn_mask, dropout_p, seed, top_left, window_left, window_right, false};
+                                            const op::ModeArgs& modes) {
   const op::Sizes s = op::check_qkv(q, k, v, scale);
   op::check_key_lengths_meta(key_lengths, q, s);
   op::check_modes(modes, q, s, kAllFeatures, "meta", false);
@@ -241,9 +239,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_meta(const at::Tensor& q, const at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_meta(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, double scale, bool /*causal*/, const std::optional<at::Tensor>& key_lengths,
-    const std::optional<at::Tensor>& attn_mask, double dropout_p, int64_t seed, bool top_left, int64_t window_left,
-    int64_t window_right, bool mask_grad) {
-  const op::ModeArgs modes{&attn_mask, dropout_p, seed, top_left, window_left, window_right, mask_grad};
+    const op::ModeArgs& modes) {
   const op::Sizes s = op::check_qkv(q, k, v, scale);
   op::check_key_lengths_meta(key_lengths, q, s);
   op::check_modes(modes, q, s, kAllFeatures, "meta", true);
@@ -260,11 +256,13 @@ TORCH_LIBRARY(mhakern_C, m) {
   // allocated by the op.
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float scale, bool causal, Tensor? key_lengths, Tensor? attn_mask, "
-      "float dropout_p, int seed, bool top_left, int window_left, int window_right) -> (Tensor out, Tensor lse)");
+      "float dropout_p, int seed, bool top_left, int window_left, int window_right, float softcap=0.0, "
+      "Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, bool causal, "
       "Tensor? key_lengths, Tensor? attn_mask, float dropout_p, int seed, bool top_left, int window_left, "
-      "int window_right, bool mask_grad) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)");
+      "int window_right, bool mask_grad, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, "
+      "Tensor dv, Tensor dmask)");
   // Small non-tensor helpers (no dispatch key: one kernel for all).
   m.def("capabilities() -> str", &mhakern::capabilities);
   m.def("cpu_kernel_isa() -> str", &mhakern::cpu::kernel_isa);
@@ -281,8 +279,8 @@ TORCH_LIBRARY(mhakern_C, m) {
 }
 
 TORCH_LIBRARY_IMPL(mhakern_C, Meta, m) {
-  m.impl("fwd", &mhakern::fwd_meta);
-  m.impl("bwd", &mhakern::bwd_meta);
+  m.impl("fwd", &mhakern::op::fwd_op<&mhakern::fwd_meta>);
+  m.impl("bwd", &mhakern::op::bwd_op<&mhakern::bwd_meta>);
 }
 
 #define MHK_CONCAT_(a, b) a##b

@@ -23,9 +23,11 @@ enum Feature : unsigned {
   kDropout = 1u << 2,
   kTopLeft = 1u << 3,
   kWindow = 1u << 4,
+  kSoftcap = 1u << 5,  // tanh capping of the scaled scores (ModeParams::softcap)
+  kAlibi = 1u << 6,    // ALiBi slopes (ModeParams::alibi)
 };
-constexpr const char* kFeatureNames[] = {"attn_mask", "mask_grad", "dropout", "top_left", "window"};
-constexpr int kNumFeatures = 5;
+constexpr const char* kFeatureNames[] = {"attn_mask", "mask_grad", "dropout", "top_left", "window", "softcap", "alibi"};
+constexpr int kNumFeatures = 7;
 
 // ---- cpu family (csrc/cpu/) ------------------------------------------------------------------
 // dtypes float32, bfloat16, float16; any head dims D, Dv in [1, kCpuMaxHeadDim] (D != Dv allowed).
@@ -194,11 +196,11 @@ constexpr bool use_cuda_decode_fwd(int64_t group_rows, bool mask_or_dropout) {
 // ---- cuda sm90 family (csrc/cuda/sm90/): Hopper, wgmma + TMA + mbarrier pipeline ----------
 // A second family of CUDA kernels, compiled only in the sm_90a pass of nvcc
 // (-gencode=arch=compute_90a,code=sm_90a: wgmma and setmaxnreg exist only on the "a" target,
-// whose code runs on compute capability 9.0 exactly). Forward only so far (split-K included,
-// merged by the mma.sync family's combine kernel); the host (choose_fwd_family in
-// csrc/cuda/attn_dispatch.h) gives it the forward calls it serves on a 9.0 device (these head
-// dims and dtypes, no mode of kCudaFeatures) and everything else, the backward included, to the
-// mma.sync family above, which is built for sm_90a too. Instances: F(tag, D).
+// whose code runs on compute capability 9.0 exactly). A forward (split-K included, merged by the
+// mma.sync family's combine kernel) and a backward (the sections further down); the host
+// (choose_fwd_family in csrc/cuda/attn_dispatch.h, the backward's family choice in cuda_host.cpp)
+// gives it the calls it serves on a 9.0 device (these head dims and dtypes, the modes its
+// sections declare) and everything else to the mma.sync family above, built for sm_90a too. Instances: F(tag, D).
 #define MHK_SM90_FOR_EACH_HEAD_DIM(F, tag) F(tag, 64) F(tag, 128) F(tag, 256)
 #define MHK_SM90_FOR_EACH_INSTANCE(F) MHK_CUDA_FOR_EACH_ELEM(MHK_SM90_FOR_EACH_HEAD_DIM_, F)
 #define MHK_SM90_FOR_EACH_HEAD_DIM_(F, tag) MHK_SM90_FOR_EACH_HEAD_DIM(F, tag)

@@ -200,9 +200,7 @@ cudaError_t launch_fwd(ElemType t, const FwdParams& p, int device, cudaStream_t 
 
 std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                             double scale, bool causal, const std::optional<at::Tensor>& key_lengths,
-                                            const std::optional<at::Tensor>& attn_mask, double dropout_p,
-                                            int64_t seed, bool top_left, int64_t window_left, int64_t window_right) {
-  const op::ModeArgs modes{&attn_mask, dropout_p, seed, top_left, window_left, window_right, false};
+                                            const op::ModeArgs& modes) {
   const op::Sizes s = check_common(q, k, v, scale, key_lengths, modes, false);
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
@@ -252,9 +250,7 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, double scale, bool causal, const std::optional<at::Tensor>& key_lengths,
-    const std::optional<at::Tensor>& attn_mask, double dropout_p, int64_t seed, bool top_left, int64_t window_left,
-    int64_t window_right, bool mask_grad) {
-  const op::ModeArgs modes{&attn_mask, dropout_p, seed, top_left, window_left, window_right, mask_grad};
+    const op::ModeArgs& modes) {
   const op::Sizes s = check_common(q, k, v, scale, key_lengths, modes, true);
   op::check_bwd_operands(dout, q, out, lse, s);
   check_aligned(dout, "dout");
@@ -282,7 +278,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
                                 lse_c.const_data_ptr<float>(), operand(dq), operand(dk), operand(dv),
                                 delta.data_ptr<float>(), kl_ptr, static_cast<float>(scale), causal, 1, nullptr);
   op::fill_mode_params(p, modes);
-  if (mask_grad) p.dmask = dmask.data_ptr<float>();  // zeros; the dQ kernel writes the visible entries
+  if (modes.mask_grad) p.dmask = dmask.data_ptr<float>();  // zeros; the dQ kernel writes the visible entries
   // The family first (it does not depend on the split count), then the dQ splits planned for the
   // dQ tiles of that family.
   const std::pair<int, int> cc = compute_capability(q.device().index());
@@ -342,6 +338,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
 }  // namespace mhakern
 
 TORCH_LIBRARY_IMPL(mhakern_C, CUDA, m) {
-  m.impl("fwd", &mhakern::cuda::attn_fwd);
-  m.impl("bwd", &mhakern::cuda::attn_bwd);
+  m.impl("fwd", &mhakern::op::fwd_op<&mhakern::cuda::attn_fwd>);
+  m.impl("bwd", &mhakern::op::bwd_op<&mhakern::cuda::attn_bwd>);
 }

@@ -6,6 +6,6 @@
 //
 // Beyond the checks every device shares (op_common.h), the cuda kernels need float16 or
 // bfloat16, D == Dv among the compiled head dims, 16-byte aligned rows and the index limits of
-// capabilities.h; they implement none of the optional modes yet (kCudaFeatures), which the op
-// refuses by name. Split-K is planned here (capabilities.h: plan_splits).
+// capabilities.h; the optional modes they implement are kCudaFeatures, and the op refuses the
+// others by name. Split-K is planned here (capabilities.h: plan_splits).
 #pragma once

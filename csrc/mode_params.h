@@ -21,6 +21,14 @@ struct ModeParams {
   // double: the keep threshold floor(p * 2^32) must equal the reference's exactly.
   double dropout_p = 0.0;
   uint64_t seed = 0;
+  // Score modifiers (docs/contract.md, "Score modifiers"), in the order a score meets them:
+  //   s = scale * q.k;  s = softcap * tanh(s / softcap) when softcap > 0;
+  //   s += -slope(b, h) * |i + off - j| when alibi (off as for causal: top_left ? 0 : Lk_b - Lq);
+  //   then the additive mask. The backward chains through the cap: dS_pre = dS * (1 - tanh^2),
+  //   and dmask is dS (the gradient at the capped score, where the mask is added).
+  float softcap = 0.f;          // 0 = off
+  const float* alibi = nullptr;  // float32 slopes, slope(b, h) = alibi[b * alibi_sb + h * alibi_sh]
+  int64_t alibi_sb = 0, alibi_sh = 0;  // element strides (alibi_sb 0: one slope per head)
 };
 
 // The dropout counter hash of docs/contract.md, written once for the cpu and cuda families

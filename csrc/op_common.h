@@ -28,7 +28,9 @@
 namespace mhakern {
 namespace op {
 
-// The optional modes of one call, as the op schemas pass them.
+// The optional modes of one call (the C++ side of the call record, mhakern/modes.py). Built from
+// the op schemas' flattened arguments in exactly one place, fwd_op / bwd_op below; every host
+// function takes this record.
 struct ModeArgs {
   const std::optional<at::Tensor>* attn_mask = nullptr;
   double dropout_p = 0.0;
@@ -36,9 +38,15 @@ struct ModeArgs {
   bool top_left = false;
   int64_t window_left = -1, window_right = -1;
   bool mask_grad = false;
+  double softcap = 0.0;  // 0 = off
+  const std::optional<at::Tensor>* alibi_slopes = nullptr;  // float32 (B, H) view, or none
 
   bool has_mask() const { return attn_mask != nullptr && attn_mask->has_value() && (*attn_mask)->defined(); }
   const at::Tensor& mask() const { return **attn_mask; }
+  bool has_alibi() const {
+    return alibi_slopes != nullptr && alibi_slopes->has_value() && (*alibi_slopes)->defined();
+  }
+  const at::Tensor& alibi() const { return **alibi_slopes; }
 
   // caps::Feature bits this call needs.
   unsigned required() const {
@@ -48,6 +56,8 @@ struct ModeArgs {
     if (dropout_p > 0.0) need |= caps::kDropout;
     if (top_left) need |= caps::kTopLeft;
     if (window_left >= 0 || window_right >= 0) need |= caps::kWindow;
+    if (softcap > 0.0) need |= caps::kSoftcap;
+    if (has_alibi()) need |= caps::kAlibi;
     return need;
   }
 };
@@ -143,6 +153,16 @@ inline void check_modes(const ModeArgs& m, const at::Tensor& q, const Sizes& s, 
                     "mask_grad: True needs a float32 attn_mask (the gradient of an additive mask), got ",
                     m.has_mask() ? "a bool mask" : "no mask");
   TORCH_CHECK_VALUE(!m.mask_grad || backward, "mask_grad: only the backward takes it");
+  TORCH_CHECK_VALUE(std::isfinite(m.softcap) && m.softcap >= 0.0,
+                    "softcap: expected 0 (off) or a finite positive number, got ", m.softcap);
+  if (m.has_alibi()) {
+    const at::Tensor& a = m.alibi();
+    TORCH_CHECK_TYPE(a.scalar_type() == at::kFloat, "alibi_slopes: expected dtype float32, got ", a.scalar_type());
+    TORCH_CHECK_VALUE(a.dim() == 2, "alibi_slopes: expected a 2-D view (batch, heads) = (", s.B, ", ", s.H,
+                      ") (expand() a (heads,) tensor), got shape ", a.sizes());
+    check_shape(a, "alibi_slopes", {s.B, s.H}, "(batch, heads; expand() to broadcast)");
+    check_same_device(a, "alibi_slopes", q);
+  }
   const unsigned missing = m.required() & ~family_features;
   for (int f = 0; f < caps::kNumFeatures; ++f)
     TORCH_CHECK_NOT_IMPLEMENTED(!(missing & (1u << f)), op_name(backward), ": the ", family,
@@ -168,6 +188,43 @@ void fill_mode_params(Params& p, const ModeArgs& m) {
     p.mask_sq = mk.stride(2);
     p.mask_sk = mk.stride(3);
   }
+  p.softcap = static_cast<float>(m.softcap);
+  if (m.has_alibi()) {
+    const at::Tensor& a = m.alibi();
+    p.alibi = a.const_data_ptr<float>();
+    p.alibi_sb = a.stride(0);
+    p.alibi_sh = a.stride(1);
+  }
+}
+
+// The C++ adapter of the call record: the op schemas (csrc/bindings.cpp) pass the modes flattened,
+// in this order; these wrappers gather them into a ModeArgs, once, for every device's kernel
+// (registered as fwd_op<f> / bwd_op<f>).
+using FwdFn = std::tuple<at::Tensor, at::Tensor> (*)(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     double scale, bool causal,
+                                                     const std::optional<at::Tensor>& key_lengths, const ModeArgs& m);
+using BwdFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> (*)(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, double scale, bool causal, const std::optional<at::Tensor>& key_lengths, const ModeArgs& m);
+
+template <FwdFn F>
+std::tuple<at::Tensor, at::Tensor> fwd_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                                          bool causal, const std::optional<at::Tensor>& key_lengths,
+                                          const std::optional<at::Tensor>& attn_mask, double dropout_p, int64_t seed,
+                                          bool top_left, int64_t window_left, int64_t window_right, double softcap,
+                                          const std::optional<at::Tensor>& alibi_slopes) {
+  const ModeArgs m{&attn_mask, dropout_p, seed, top_left, window_left, window_right, false, softcap, &alibi_slopes};
+  return F(q, k, v, scale, causal, key_lengths, m);
+}
+
+template <BwdFn F>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_op(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, double scale, bool causal, const std::optional<at::Tensor>& key_lengths,
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, int64_t seed, bool top_left, int64_t window_left,
+    int64_t window_right, bool mask_grad, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+  const ModeArgs m{&attn_mask, dropout_p, seed, top_left, window_left, window_right, mask_grad, softcap, &alibi_slopes};
+  return F(dout, q, k, v, out, lse, scale, causal, key_lengths, m);
 }
 
 // True when x (B, H, L, D) is a (B, L, H, D) tensor seen through a transpose

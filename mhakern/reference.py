@@ -160,12 +160,36 @@ def _mask4(attn_mask: Optional[Tensor]) -> Optional[Tensor]:
     return attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
 
 
-def _scores(q, kk, scale, r0, rows, Lq, Lk, causal, key_lengths, modes, wdt):
-    """Scaled scores (B, H, rows, Lk) with the float mask added, and the visibility (or None).
+def _alibi_bias(modes, B, H, r0, rows, Lq, Lk, key_lengths, device, wdt) -> Tensor:
+    """``-slope[b, h] * |i + off - j|`` (B, H, rows, Lk), ``off = 0`` top-left, else ``Lk_b - Lq``."""
+    a = modes.alibi_slopes.to(device=device, dtype=wdt)
+    a = a.reshape(1, -1) if a.dim() == 1 else a
+    i = torch.arange(r0, r0 + rows, device=device, dtype=wdt).view(1, 1, rows, 1)
+    j = torch.arange(Lk, device=device, dtype=wdt).view(1, 1, 1, Lk)
+    if modes.top_left:
+        off = torch.zeros((1, 1, 1, 1), device=device, dtype=wdt)
+    else:
+        lk = torch.full((1,), Lk, device=device) if key_lengths is None else key_lengths.to(device)
+        off = (lk.to(wdt) - Lq).view(-1, 1, 1, 1)
+    return -a.expand(B, H).reshape(B, H, 1, 1) * (i + off - j).abs()
+
+
+def _scores(q, kk, scale, r0, rows, Lq, Lk, causal, key_lengths, modes, wdt, want_cap_grad=False):
+    """Scaled scores (B, H, rows, Lk) after the score modifiers (softcap, then ALiBi) with the
+    float mask added, and the visibility (or None); with ``want_cap_grad`` also the derivative of
+    the cap ``1 - tanh^2`` (None without softcap).
 
     Hidden positions hold -inf in the scores whatever q and k hold there.
     """
     s = torch.matmul(q[:, :, r0 : r0 + rows].to(wdt), kk.transpose(-1, -2)) * scale
+    cap_grad = None
+    if modes.softcap > 0.0:
+        t = torch.tanh(s / modes.softcap)
+        s = t * modes.softcap
+        if want_cap_grad:
+            cap_grad = 1.0 - t * t
+    if modes.alibi_slopes is not None:
+        s = s + _alibi_bias(modes, q.shape[0], q.shape[1], r0, rows, Lq, Lk, key_lengths, q.device, wdt)
     vis = visible_mask(
         Lq, Lk, causal, key_lengths, q.device, r0, rows,
         top_left=modes.top_left, window_left=modes.window_left, window_right=modes.window_right,
@@ -183,7 +207,23 @@ def _scores(q, kk, scale, r0, rows, Lq, Lk, causal, key_lengths, modes, wdt):
     if vis is not None:
         vis = vis.expand(s.shape)
         s = s.masked_fill(~vis, float("-inf"))
+    if want_cap_grad:
+        return s, vis, cap_grad
     return s, vis
+
+
+def _sink_column(modes, B, H, wdt, device) -> Tensor:
+    """The sinks as a (B, H, 1, 1) score column."""
+    return modes.sinks.to(device=device, dtype=wdt).view(1, H, 1, 1).expand(B, H, 1, 1)
+
+
+def sink_grad(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
+    """dL/dsink[h] = -sum over (b, i) of ``exp(sink[h] - lse) * delta``, with ``lse`` the
+    sink-inclusive log-sum-exp (B, H, Lq) and ``delta = rowsum(dout * out)`` (B, H, Lq); 0 for a
+    sink of -inf. In ``lse``'s dtype."""
+    sk = sinks.to(lse.dtype).view(1, -1, 1)
+    p_sink = torch.exp(sk - lse).masked_fill(torch.isneginf(sk).expand_as(lse), 0.0)
+    return -(p_sink * delta.to(lse.dtype)).sum((0, 2))
 
 
 def _support_matmul(a: Tensor, b: Tensor, present: Optional[Tensor]) -> Tensor:
@@ -254,6 +294,8 @@ def attention_forward(
         # lse is NaN, as a NaN score's is (docs/contract.md, "NaN and inf").
         lse = torch.logsumexp(s, dim=-1)
         lse = lse.masked_fill(lse == math.inf, math.nan)
+        if modes.sinks is not None:  # the sink joins the denominator (docs/contract.md)
+            lse = torch.logaddexp(lse, _sink_column(modes, B, H, wdt, q.device).view(B, H, 1))
         # Rows that see no key (lse = -inf) give exactly 0: subtract 0 there instead of -inf.
         safe = lse.masked_fill(torch.isneginf(lse), 0.0)
         p = torch.exp(s - safe.unsqueeze(-1))
@@ -315,7 +357,7 @@ def attention_backward_modes(
     kk = _expand_kv(k, n_rep).to(wdt)
     vv = _expand_kv(v, n_rep).to(wdt)
     delta = (dow * out.to(wdt)).sum(-1, keepdim=True)
-    s, vis = _scores(q, kk, scale, 0, Lq, Lq, Lk, causal, key_lengths, modes, wdt)
+    s, vis, cap_grad = _scores(q, kk, scale, 0, Lq, Lq, Lk, causal, key_lengths, modes, wdt, want_cap_grad=True)
     # In the backward a pair whose score is -inf is hidden, whatever made it -inf (a mask, or an
     # infinite entry of q or k): no 0 * inf from it, and 0 in P even on a NaN row
     # (docs/contract.md, "NaN and inf"). Hidden pairs already hold -inf.
@@ -337,6 +379,9 @@ def attention_backward_modes(
         # where, not a product: dp may be NaN at a hidden key (a NaN in v there).
         ds = ds.masked_fill(~vis, 0.0)
     ds = ds.masked_fill(dead, 0.0)
+    dmask_ds = ds  # dL/d(capped score): where the mask and the ALiBi bias are added
+    if cap_grad is not None:
+        ds = ds * cap_grad  # through the cap to the raw scaled score
     vis_t = None if vis is None else vis.transpose(-1, -2)
     dv = _support_matmul(pd.transpose(-1, -2), dow, vis_t)
     dq = _support_matmul(ds, kk, vis) * scale
@@ -346,7 +391,7 @@ def attention_backward_modes(
         dv = dv.view(B, Hkv, n_rep, Lk, v.shape[-1]).sum(2)
     dmask = None
     if modes.mask_grad:
-        dmask = ds if upcast else ds.float()
+        dmask = dmask_ds if upcast else dmask_ds.float()
     if upcast:
         return dq, dk, dv, dmask
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask
@@ -383,7 +428,14 @@ def attention(
         k, v = torch.where(live, k, 0.0), torch.where(live, v, 0.0)
     kk, vv = _expand_kv(k, H // Hkv), _expand_kv(v, H // Hkv)
     s, vis = _scores(q, kk, scale, 0, Lq, Lq, Lk, causal, key_lengths, modes, wdt)
-    if vis is not None:
+    if modes.sinks is not None:
+        # The sink as one more score column with no value: softmax over Lk + 1, then dropped.
+        z = torch.cat([s, _sink_column(modes, B, H, wdt, q.device).expand(B, H, Lq, 1)], dim=-1)
+        dead = torch.isneginf(z).all(-1, keepdim=True)
+        p = torch.softmax(z.masked_fill(dead, 0.0), dim=-1)[..., :Lk].masked_fill(dead, 0.0)
+        if vis is not None:
+            p = p.masked_fill(~vis, 0.0)
+    elif vis is not None:
         dead = ~vis.any(-1, keepdim=True)
         # softmax of an all -inf row is NaN; give those rows zero weights instead.
         p = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead | ~vis, 0.0)

@@ -206,3 +206,77 @@ def test_nonfinite_visible_values_follow_ieee():
     v[0, 0, 3, 0] = -math.inf  # inf + -inf in one column
     out, _ = reference.attention_forward(q, k, v, None, False, None, upcast=True)
     assert torch.isnan(out[..., 0]).all()
+
+
+# --- score modifiers (docs/contract.md, "Score modifiers") ------------------------------------
+
+
+def _brute_modified_scores(q, k, scale, softcap, slopes, key_lengths, top_left):
+    """The modified scores by the definition, one pair at a time (float64)."""
+    B, H, Lq, _ = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    s = torch.empty(B, H, Lq, Lk, dtype=torch.float64)
+    for b in range(B):
+        lk = Lk if key_lengths is None else int(key_lengths[b])
+        off = 0 if top_left else lk - Lq
+        for h in range(H):
+            for i in range(Lq):
+                for j in range(Lk):
+                    x = scale * float(q[b, h, i].detach() @ k[b, h // (H // Hkv), j].detach())
+                    if softcap:
+                        x = softcap * math.tanh(x / softcap)
+                    if slopes is not None:
+                        x -= float(slopes[b, h]) * abs(i + off - j)
+                    s[b, h, i, j] = x
+    return s
+
+
+@pytest.mark.parametrize("top_left", [False, True])
+def test_modifiers_forward_and_backward_match_autograd_and_the_definition(top_left):
+    torch.manual_seed(0)
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 5, 7, 8
+    q = torch.randn(B, H, Lq, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, Hkv, Lk, D, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, Hkv, Lk, D, dtype=torch.float64, requires_grad=True)
+    sinks = torch.randn(H, dtype=torch.float64, requires_grad=True)
+    slopes = torch.rand(B, H, dtype=torch.float64)
+    kl = torch.tensor([7, 4], dtype=torch.int32)
+    mask = torch.randn(1, H, Lq, Lk, dtype=torch.float64, requires_grad=True)
+    modes = Modes(top_left=top_left, softcap=1.5, alibi_slopes=slopes, sinks=sinks)
+    scale = 0.9
+    # the scores, against the definition
+    s, _ = reference._scores(q, reference._expand_kv(k, 2).double(), scale, 0, Lq, Lq, Lk, False, kl, modes, torch.float64)
+    brute = _brute_modified_scores(q, k, scale, 1.5, slopes, kl, top_left)
+    live = torch.arange(Lk).view(1, 1, 1, Lk) < kl.view(B, 1, 1, 1)
+    torch.testing.assert_close(s.masked_fill(~live, 0), brute.masked_fill(~live, 0))
+    # the hand-written forward/backward against autograd of the differentiable formula (with a
+    # float mask that gets its gradient: dL/d(capped score))
+    modes = modes._replace(attn_mask=mask, mask_grad=True)
+    out = reference.attention(q, k, v, scale, True, kl, modes=modes)
+    dout = torch.randn_like(out)
+    gq, gk, gv, gs, gm = torch.autograd.grad(out, (q, k, v, sinks, mask), dout)
+    o2, lse = reference.attention_forward(q, k, v, scale, True, kl, upcast=True, modes=modes)
+    torch.testing.assert_close(o2, out)
+    dq, dk, dv, dm = reference.attention_backward_modes(dout, q, k, v, o2, lse, scale, True, kl, upcast=True, modes=modes)
+    torch.testing.assert_close((dq, dk, dv, dm.sum(0, keepdim=True)), (gq, gk, gv, gm))
+    modes = modes._replace(attn_mask=mask.detach(), mask_grad=False)
+    torch.testing.assert_close(reference.sink_grad(sinks, lse, (dout * o2).sum(-1)), gs)
+    # sinks' gradient by finite differences
+    assert torch.autograd.gradcheck(
+        lambda sk: reference.attention(q.detach(), k.detach(), v.detach(), scale, True, kl, modes=modes._replace(sinks=sk)),
+        (sinks.detach().clone().requires_grad_(),),
+    )
+
+
+def test_c_op_refuses_a_modifier_no_family_serves_yet():
+    ext = pytest.importorskip("mhakern._C")
+    del ext
+    caps = torch.ops.mhakern_C.capabilities()
+    q = torch.randn(1, 2, 3, 8)
+    if '"softcap"' not in caps.split('"cuda"')[0]:
+        with pytest.raises(NotImplementedError, match="softcap"):
+            torch.ops.mhakern_C.fwd(q, q, q, 0.3, False, None, None, 0.0, 0, False, -1, -1, 2.0, None)
+    with pytest.raises(ValueError, match="softcap"):
+        torch.ops.mhakern_C.fwd(q, q, q, 0.3, False, None, None, 0.0, 0, False, -1, -1, -1.0, None)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        torch.ops.mhakern_C.fwd(q, q, q, 0.3, False, None, None, 0.0, 0, False, -1, -1, 0.0, torch.ones(2))

@@ -125,9 +125,7 @@ at::Tensor check_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k,
 
 std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                             double scale, bool causal, const std::optional<at::Tensor>& key_lengths,
-                                            const std::optional<at::Tensor>& attn_mask, double dropout_p,
-                                            int64_t seed, bool top_left, int64_t window_left, int64_t window_right) {
-  const op::ModeArgs modes{&attn_mask, dropout_p, seed, top_left, window_left, window_right, false};
+                                            const op::ModeArgs& modes) {
   AttnParams p;
   const at::Tensor kl = check_common(p, q, k, v, scale, causal, key_lengths, modes, false);
   at::Tensor o = op::empty_like_heads(q, p.Dv);
@@ -141,9 +139,7 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, double scale, bool causal, const std::optional<at::Tensor>& key_lengths,
-    const std::optional<at::Tensor>& attn_mask, double dropout_p, int64_t seed, bool top_left, int64_t window_left,
-    int64_t window_right, bool mask_grad) {
-  const op::ModeArgs modes{&attn_mask, dropout_p, seed, top_left, window_left, window_right, mask_grad};
+    const op::ModeArgs& modes) {
   AttnParams p;
   const at::Tensor kl = check_common(p, q, k, v, scale, causal, key_lengths, modes, true);
   const op::Sizes s{p.B, p.H, p.Hkv, p.Lq, p.Lk, p.D, p.Dv};
@@ -160,7 +156,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
   p.dq = mut_view_of(gq);
   p.dk = mut_view_of(gk);
   p.dv = mut_view_of(gv);
-  if (mask_grad) p.dmask = dmask.data_ptr<float>();
+  if (modes.mask_grad) p.dmask = dmask.data_ptr<float>();
   kernels().backward(p);
   return {gq, gk, gv, dmask};
 }
@@ -184,6 +180,6 @@ int64_t parallel_threads_probe(int64_t tasks) {
 
 // The CPU kernels of the ops whose schemas csrc/bindings.cpp defines.
 TORCH_LIBRARY_IMPL(mhakern_C, CPU, m) {
-  m.impl("fwd", &mhakern::cpu::attn_fwd);
-  m.impl("bwd", &mhakern::cpu::attn_bwd);
+  m.impl("fwd", &mhakern::op::fwd_op<&mhakern::cpu::attn_fwd>);
+  m.impl("bwd", &mhakern::op::bwd_op<&mhakern::cpu::attn_bwd>);
 }

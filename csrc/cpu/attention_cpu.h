@@ -9,6 +9,8 @@
 #include <string>
 #include <tuple>
 
+#include "../op_common.h"
+
 namespace mhakern::cpu {
 
 // Forward: q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), CPU, one dtype among
@@ -17,8 +19,7 @@ namespace mhakern::cpu {
 // key. The modes follow docs/contract.md.
 std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                             double scale, bool causal, const std::optional<at::Tensor>& key_lengths,
-                                            const std::optional<at::Tensor>& attn_mask, double dropout_p,
-                                            int64_t seed, bool top_left, int64_t window_left, int64_t window_right);
+                                            const op::ModeArgs& modes);
 
 // Backward from lse: returns (dq, dk, dv) shaped and laid out like q, k, v (dk and dv summed
 // over the query heads sharing a KV head) and dmask ((B, H, Lq, Lk) float32 dL/dscore when
@@ -26,8 +27,7 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, double scale, bool causal, const std::optional<at::Tensor>& key_lengths,
-    const std::optional<at::Tensor>& attn_mask, double dropout_p, int64_t seed, bool top_left, int64_t window_left,
-    int64_t window_right, bool mask_grad);
+    const op::ModeArgs& modes);
 
 // Name of the instruction-set variant in use: "AVX512", "AVX2" or "DEFAULT".
 std::string kernel_isa();

@@ -41,7 +41,9 @@ from .._errors import ArgumentError, FallbackError
 Tensor = torch.Tensor
 
 #: Every optional mode a backend may implement (the names used in ``Backend.features``).
-ALL_FEATURES: FrozenSet[str] = frozenset({"attn_mask", "mask_grad", "dropout", "top_left", "window"})
+ALL_FEATURES: FrozenSet[str] = frozenset(
+    {"attn_mask", "mask_grad", "dropout", "top_left", "window", "softcap", "alibi"}
+)
 
 
 class Modes(NamedTuple):
@@ -53,6 +55,13 @@ class Modes(NamedTuple):
     ``top_left``: causal (and window) offset 0 instead of ``Lk_b - Lq``.
     ``window_left`` / ``window_right``: sliding window sizes, -1 for unbounded.
     ``mask_grad``: a float mask requires grad; the backward returns dL/dscore.
+    ``softcap``: 0 (off) or > 0: the scaled score ``s`` becomes ``softcap * tanh(s / softcap)``,
+    before the ALiBi bias and the mask are added.
+    ``alibi_slopes``: None or a float32 (B, H) view (stride 0 on B for per-head slopes): the bias
+    ``-slope[b, h] * |i + off - j|`` is added to the (capped) score, ``off`` as for causal.
+    ``sinks``: None or a float (H,) tensor of logits that join every row's softmax denominator
+    (no value): ``lse' = logaddexp(lse, sink[h])``, ``out' = out * exp(lse - lse')``. Backends
+    never see it: the op layer applies it around their forward and gives its gradient.
     """
 
     attn_mask: Optional[Tensor] = None
@@ -62,6 +71,9 @@ class Modes(NamedTuple):
     window_left: int = -1
     window_right: int = -1
     mask_grad: bool = False
+    softcap: float = 0.0
+    alibi_slopes: Optional[Tensor] = None
+    sinks: Optional[Tensor] = None
 
     def required_features(self) -> FrozenSet[str]:
         """The names of the modes this call uses (empty for the default call)."""
@@ -76,7 +88,23 @@ class Modes(NamedTuple):
             need.add("top_left")
         if self.window_left >= 0 or self.window_right >= 0:
             need.add("window")
+        if self.softcap > 0.0:
+            need.add("softcap")
+        if self.alibi_slopes is not None:
+            need.add("alibi")
         return frozenset(need)
+
+    def c_op_args(self) -> tuple:
+        """The mode arguments of ``torch.ops.mhakern_C.fwd`` in schema order (after
+        ``key_lengths``); ``bwd`` takes ``mask_grad`` after ``window_right``
+        (:meth:`c_op_bwd_args`)."""
+        return (self.attn_mask, float(self.dropout_p), int(self.seed), bool(self.top_left), int(self.window_left),
+                int(self.window_right), float(self.softcap), self.alibi_slopes)
+
+    def c_op_bwd_args(self) -> tuple:
+        """The mode arguments of ``torch.ops.mhakern_C.bwd`` in schema order."""
+        return (self.attn_mask, float(self.dropout_p), int(self.seed), bool(self.top_left), int(self.window_left),
+                int(self.window_right), bool(self.mask_grad), float(self.softcap), self.alibi_slopes)
 
 
 DEFAULT_MODES = Modes()

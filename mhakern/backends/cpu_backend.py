@@ -63,12 +63,6 @@ def kernel_isa() -> Optional[str]:
     return None if _load() is None else torch.ops.mhakern_C.cpu_kernel_isa()
 
 
-def _mode_args(modes):
-    """The mode arguments of the mhakern_C ops, in schema order (after key_lengths)."""
-    return (modes.attn_mask, float(modes.dropout_p), int(modes.seed), bool(modes.top_left),
-            int(modes.window_left), int(modes.window_right))
-
-
 class CpuBackend(Backend):
     name = "cpu"
     priority = 20
@@ -99,11 +93,11 @@ class CpuBackend(Backend):
         return None
 
     def forward(self, q, k, v, scale, causal, key_lengths, modes=DEFAULT_MODES):
-        return torch.ops.mhakern_C.fwd(q, k, v, float(scale), bool(causal), key_lengths, *_mode_args(modes))
+        return torch.ops.mhakern_C.fwd(q, k, v, float(scale), bool(causal), key_lengths, *modes.c_op_args())
 
     def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, modes=DEFAULT_MODES):
         dq, dk, dv, dmask = torch.ops.mhakern_C.bwd(
-            dout, q, k, v, out, lse, float(scale), bool(causal), key_lengths, *_mode_args(modes), bool(modes.mask_grad)
+            dout, q, k, v, out, lse, float(scale), bool(causal), key_lengths, *modes.c_op_bwd_args()
         )
         return dq, dk, dv, (dmask if modes.mask_grad else None)
 

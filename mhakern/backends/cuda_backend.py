@@ -40,7 +40,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from . import DEFAULT_MODES, Backend, register
-from .cpu_backend import _mode_args, capabilities
+from .cpu_backend import capabilities
 
 _BUILD_HINT = "pip install -e . --no-build-isolation"
 
@@ -199,12 +199,12 @@ class CudaBackend(Backend):
     # argument (csrc/cuda_host.cpp); inputs at an odd offset or stride are copied first.
     def forward(self, q, k, v, scale, causal, key_lengths, modes=DEFAULT_MODES):
         q, k, v = _aligned(q), _aligned(k), _aligned(v)
-        return torch.ops.mhakern_C.fwd(q, k, v, float(scale), bool(causal), key_lengths, *_mode_args(modes))
+        return torch.ops.mhakern_C.fwd(q, k, v, float(scale), bool(causal), key_lengths, *modes.c_op_args())
 
     def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, modes=DEFAULT_MODES):
         dout, q, k, v, out = (_aligned(x) for x in (dout, q, k, v, out))
         dq, dk, dv, dmask = torch.ops.mhakern_C.bwd(
-            dout, q, k, v, out, lse, float(scale), bool(causal), key_lengths, *_mode_args(modes), bool(modes.mask_grad)
+            dout, q, k, v, out, lse, float(scale), bool(causal), key_lengths, *modes.c_op_bwd_args()
         )
         return dq, dk, dv, (dmask if modes.mask_grad else None)
 
