@@ -44,7 +44,8 @@
 # (default: all cores), TRAINER_CMD (default: the quick preset through python -m mhakern.memorize).
 # DEVICE_CHECK_INSTALL=0 skips the install (a rerun on a machine that still has the build);
 # DEVICE_CHECK_VARIANTS="production no_loads" builds only those forward variants (default: all
-# five: production, stages2, no_softmax, no_loads, and the pin flipped).
+# six: production, stages2, coupled_kv (K held until P V lands, as one coupled K/V stage was),
+# no_softmax, no_loads, and the pin flipped).
 # DEVICE_CHECK_REHEARSAL=1 runs every step even without a GPU (CPU rows; a developer's dry run
 # of this script in a scratch environment -- it installs the package into PYTHON's environment).
 # DEVICE_CHECK_DRY_RUN=1 runs nothing but the environment step: each later step is accounted
