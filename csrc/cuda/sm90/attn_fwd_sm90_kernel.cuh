@@ -101,9 +101,10 @@ namespace sm90 {
 //     112 / 224 KB (+ barriers and the 1 KB alignment slack) of the 227 KB. One CTA per SM
 //     either way (the register plan takes the whole register file), so the stages cost no
 //     occupancy. The other use of the memory the split frees, 176 keys per stage with 2 + 2
-//     stages (FlashAttention-3's hdim-128 tile): 1.5 steps per copy instead of 2 and 20% fewer
-//     per-tile instructions per key, at 196 live accumulator and fragment registers of 240;
-//     the model (tensor-bound either way) prefers the deeper rings.
+//     stages (FlashAttention-3's hdim-128 tile): one step per copy instead of two (0.98 us of
+//     latency absorbed instead of 2.1, docs/performance.md) and ~10% fewer instructions per
+//     key, at 196 live accumulator and fragment registers of 240; the model (tensor-bound
+//     either way) prefers the deeper rings.
 //   D 256: Q alone is 128 x 256 x 2 B = 64 KB, and one stage of K and V is 2 x kBlockN x 512 B,
 //     so 2 stages hold at most (227 KB - 64 KB - 1 KB of alignment) / 2 KB = 81 keys: 80 keys
 //     (a multiple of 16, the k of O += P V), 224 KB in all. 96 keys would need 256 KB; 64 keys
