@@ -44,8 +44,8 @@
 # (default: all cores), TRAINER_CMD (default: the quick preset through python -m mhakern.memorize).
 # DEVICE_CHECK_INSTALL=0 skips the install (a rerun on a machine that still has the build);
 # DEVICE_CHECK_VARIANTS="production no_loads" builds only those forward variants (default: all
-# six: production, stages2, coupled_kv (K held until P V lands, as one coupled K/V stage was),
-# no_softmax, no_loads, and the pin flipped).
+# seven: production, stages2, coupled_kv (K held until P V lands, as one coupled K/V stage was),
+# persistent0 (one CTA per work item), no_softmax, no_loads, and the pin flipped).
 # DEVICE_CHECK_REHEARSAL=1 runs every step even without a GPU (CPU rows; a developer's dry run
 # of this script in a scratch environment -- it installs the package into PYTHON's environment).
 # DEVICE_CHECK_DRY_RUN=1 runs nothing but the environment step: each later step is accounted
@@ -267,6 +267,7 @@ PIN_DEFAULT=$(grep -oE '#define MHK_SM90_FWD_PIN_SOFTMAX [01]' csrc/cuda/sm90/at
 PIN_OTHER=$((1 - ${PIN_DEFAULT:-0}))
 VARIANTS=()
 for v in "production:" "stages2:-DMHK_SM90_FWD_DIAG_STAGES=2" "coupled_kv:-DMHK_SM90_FWD_DIAG_COUPLED_KV=1" \
+         "persistent0:-DMHK_SM90_FWD_PERSISTENT=0" \
          "no_softmax:-DMHK_SM90_FWD_DIAG_NO_SOFTMAX=1" "no_loads:-DMHK_SM90_FWD_DIAG_NO_LOADS=1" \
          "pin${PIN_OTHER}:-DMHK_SM90_FWD_PIN_SOFTMAX=${PIN_OTHER}"; do
     # DEVICE_CHECK_VARIANTS="production no_loads" keeps some (default: all)
@@ -444,6 +445,11 @@ if stage variants; then
             if [ ! -x "$VDIR/$name" ]; then echo "{\"variant\": \"$name\", \"error\": \"not built (see setup.log)\"}"; continue; fi
             timeout 30 "$VDIR/$name" "$name" 1 16 16384 0 || echo "exit status $? of $name"
         done
+        # The persistent grid's gain where the model puts it largest (per-item fixed cost
+        # against 32 key tiles): L 4k causal, production and persistent0 only.
+        for name in production persistent0; do
+            [ -x "$VDIR/$name" ] && { timeout 30 "$VDIR/$name" "${name}_L4k_causal" 4 16 4096 1 || echo "exit status $? of $name"; }
+        done
     }
     if [ "$DRY" = "1" ]; then
         step variants "forward variants at L 16k (${#VARIANTS[@]} binaries)" "$OUT/.v.log" true
@@ -455,7 +461,7 @@ if stage variants; then
     grep -v '^{"' "$OUT/.v.log" >>"$SETUP"
     grep '^{"' "$OUT/.v.log" | sed 's/^{/{"stage": "variant", /' >>"$DIAG_JSON"
     {
-        echo "## sm_90a forward variants (bf16, B 1, H 16, L 16384, D 128, non-causal; median of 20)"
+        echo "## sm_90a forward variants (bf16, D 128, median of 20; B 1, H 16, L 16384, non-causal, and B 4, H 16, L 4096, causal for the rows named L4k_causal)"
         echo
         "$PY" - "$OUT/.v.log" <<'EOF'
 import json, sys
@@ -475,11 +481,15 @@ if p:
     for name, what in (("no_loads", "load wait (production - no_loads)"), ("no_softmax", "softmax on the critical path (production - no_softmax)"),
                        ("stages2", "the third stage of each ring (stages2 - production)"),
                        ("coupled_kv", "separate K and V pipelines' gain (coupled_kv - production)"),
+                       ("persistent0", "the persistent grid's gain at L 16k (persistent0 - production)"),
                        ("pin0", "overlap gained by the pin (pin0 - production)"),
                        ("pin1", "overlap the pin would gain (production - pin1)")):
         if t.get(name):
             d = (p - t[name]) if name in ("no_loads", "no_softmax", "pin1") else (t[name] - p)
             print(f"- {what}: {d:+.3f} ms ({100 * d / p:+.1f}% of the production step)")
+p4, n4 = t.get("production_L4k_causal"), t.get("persistent0_L4k_causal")
+if p4 and n4:
+    print(f"- the persistent grid's gain at L 4k causal (B 4): {n4 - p4:+.3f} ms ({100 * (n4 - p4) / p4:+.1f}%)")
 EOF
         echo
     } >>"$DIAG_MD" 2>>"$SETUP"

@@ -4,7 +4,8 @@
 // by -D flags, one binary each (benchmarks/device_check.sh builds them on the device, in
 // parallel). Their differences split a step of the production kernel into load wait (production
 // - NO_LOADS), softmax (production - NO_SOFTMAX), the softmax/P V overlap (PIN 0 - PIN 1) and
-// what the separate K and V pipelines gain (COUPLED_KV - production).
+// what the separate K and V pipelines gain (COUPLED_KV - production); MHK_SM90_FWD_PERSISTENT=0
+// (attn_fwd_sm90_launch.cuh) one CTA per work item, what the persistent grid gains.
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I csrc/cuda -DMHK_SM90_FWD_DIAG_BUILD \
 //        [-DMHK_SM90_FWD_DIAG_...=1] benchmarks/diag_fwd_sm90.cu -o diag

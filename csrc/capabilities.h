@@ -236,6 +236,12 @@ constexpr Sm90FwdTiles sm90_fwd_tiles(int d) {
 //     holds 3 CTAs per SM on a 9.0 device, 2 on sm_80, 1 on sm_86/89 with 99 KB: a constexpr
 //     table cannot tell them apart, and about two per SM keeps a latency-bound kernel fed).
 constexpr int kSm90FwdCtasPerSm = 1;
+// Whether the sm90 forward runs a persistent grid: kSm90FwdCtasPerSm CTAs per SM, each looping
+// over work items (row tile, KV head, batch, split) heaviest first, its K/V rings running on from
+// item to item and the producer's idle warps loading the next item's Q under the current one's
+// last P V and epilogue (docs/performance.md, prediction 6); false: one CTA per item, the same
+// kernel (its item loop runs once).
+constexpr bool kSm90FwdPersistent = true;
 struct FwdPlanTiles {
   int m, n;
   int ctas_per_sm = 0;

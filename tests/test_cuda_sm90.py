@@ -7,10 +7,12 @@
   the register file, a named barrier nobody arrives at and one named with two thread counts
   are errors.
 * The forward kernels (csrc/cuda/sm90/, every instantiation) under the emulator's seeded random
-  schedule, on the hard cases and on shapes that wrap the two-stage K/V ring, cross the causal
+  schedule, on the hard cases and on shapes that wrap the K and V rings, cross the causal
   diagonal in several query tiles and straddle heads with packed GQA rows, split-K, negative
-  and zero scales, against the float64 reference by the project's tolerance rule. Tensors sit in NaN-padded buffers: a read outside
-  them poisons the result, a write outside them is detected.
+  and zero scales, against the float64 reference by the project's tolerance rule, on the
+  persistent grid (2 emulated SMs: most calls loop over several work items per CTA). Tensors
+  sit in NaN-padded buffers: a read outside them poisons the result, a write outside them is
+  detected. Deliberate defects (a K, V or Q buffer released early) must fail.
 * The family choice by compute capability (faked capabilities).
 
 What emulation cannot show (speed, register allocation, whether the hardware matches the
@@ -66,6 +68,7 @@ class Sm90Emulator:
         lib.mhk_emu_fwd_plan_splits.argtypes = [ctypes.c_int] * 10
         lib.mhk_emu_sm90_config.argtypes = [ctypes.c_int, ctypes.c_void_p]
         lib.mhk_emu_sm90_fwd_fault.argtypes = [ctypes.c_int]
+        lib.mhk_emu_sm90_set_sms.argtypes = [ctypes.c_int]
 
     def config(self, D: int) -> tuple:
         """(query rows, keys per stage, K stages, dynamic smem, V stages) of the compiled
@@ -205,7 +208,9 @@ def test_mbarrier_waits_for_every_transaction_byte(emu, seed):
 
 def test_setmaxnreg_checks_the_register_plan(emu):
     f = emu.lib.mhk_sm90_selftest_setmaxnreg
-    # the forward's plan: 3 warpgroups from 168, producer to 24, consumers to 240
+    # the forward's plan: 3 warpgroups from 168, producer to 40, consumers to 232 (and the
+    # backward's, producer to 24, consumers to 240)
+    assert f(3, 168, 40, 232) == 0, emu.error()
     assert f(3, 168, 24, 240) == 0, emu.error()
     # every consumer at 240 and no producer dec: 384 x 240 > 65536 can never be granted
     assert f(3, 168, 240, 240) == 1 and "deadlock" in emu.error()
@@ -470,6 +475,39 @@ def test_sm90_forward_early_stage_release_fails(emu, fault):
         emu.fault(0)
         emu.schedule(None)
     assert any("a wgmma in flight still reads" in c for c in caught), (fault, caught)
+
+
+def test_sm90_persistent_grid_is_the_one_item_per_cta_grid(rnd):
+    # The persistent grid (capabilities.h kSm90FwdPersistent): CTAs loop over work items
+    # heaviest first, their K/V rings, Q halves and barrier phases running on from item to item.
+    # On one emulated SM a single CTA takes every item (16 here: 2 batches x 2 KV heads x 2 row
+    # tiles x 2 splits); with as many SMs as items each CTA takes one. Causal with Lq not a
+    # multiple of the tile, GQA rows straddling heads, a key length inside a tile (the V rows
+    # cleared on every item that holds it), split-K: the same bits either way, and right.
+    case = (2, 6, 2, 70, 300, 64, 64, True, (300, 171))
+    q, k, v = make_inputs(*case[:7], dtype=torch.bfloat16, requires_grad=False)
+    kl = torch.tensor(case[8], dtype=torch.int32)
+    runs = []
+    old = rnd.lib.mhk_emu_sm90_set_sms(1)
+    try:
+        for sms in (1, 1000):
+            rnd.lib.mhk_emu_sm90_set_sms(sms)
+            out, lse = rnd.forward(padded(q), padded(k), padded(v), 0.125, True, kl, 2)
+            runs.append((out.clone(), lse.clone()))
+        check_against_reference(sm90_attention(rnd, 2), q, k, v, True, kl, scale=0.125, grads=False)
+    finally:
+        rnd.lib.mhk_emu_sm90_set_sms(old)
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    # Deliberate defect 3: a consumer releases its Q half as soon as it has it, so the loaders
+    # write the next item's Q while this item's products read it: wrong numbers on one SM.
+    rnd.lib.mhk_emu_sm90_set_sms(1)
+    rnd.fault(3)
+    try:
+        bad, _ = rnd.forward(padded(q), padded(k), padded(v), 0.125, True, kl, 2)
+    finally:
+        rnd.fault(0)
+        rnd.lib.mhk_emu_sm90_set_sms(old)
+    assert not torch.equal(bad, runs[0][0])
 
 
 def test_sm90_forward_is_deterministic_across_schedules(emu):

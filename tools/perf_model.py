@@ -50,6 +50,12 @@ MATMUL_TFLOPS = 782.0   # bf16 8192^3 product
 COPY_TBS = 4.24         # device-to-device copy, read + write
 CLOCK_GHZ = 1.83        # SM clock under load (assumed: the sustained clock of that product's rate / peak)
 CHAIN_BARRIER_CYCLES = 80  # bar.sync/arrive round trip of the ping-pong (assumed)
+# The fixed cost per work item of the persistent grid (capabilities.h kSm90FwdPersistent), an
+# assumption bracketing what it keeps of the fitted per-CTA F (11.5 us): the CTA's start (barrier
+# init, setmaxnreg), the K/V fill (the producer runs on into the next item) and Q's load (under
+# the previous item's last P V and epilogue) go; the first step's lone S, the last's lone P V
+# and the epilogue's scattered stores stay.
+PERSISTENT_F_US = (8.0, 4.0)
 
 # Measured rows (ms) of that run, mhakern:cuda, bf16, D 128 (report.md).
 MEASURED = {
@@ -297,8 +303,9 @@ def main(argv=None) -> int:
               f"{terms['tensor']:.2f} | {terms['chain']:.2f} | {terms['load']:.2f} | {terms['issue']:.2f} | {T:.2f} | "
               f"{others * (st - 1) - held:.2f} |")
     print()
-    print("| row (bf16, D 128) | measured ms | " + " | ".join(f"{n} ms (TFLOP/s)" for n in builds) + " |")
-    print("|---|---|" + "---|" * len(builds))
+    persistent = ["head, persistent (F per item 8-4 us)"] if "head" in builds else []
+    print("| row (bf16, D 128) | measured ms | " + " | ".join(f"{n} ms (TFLOP/s)" for n in [*builds, *persistent]) + " |")
+    print("|---|---|" + "---|" * (len(builds) + len(persistent)))
     for key in MEASURED:
         kind, B, H, L, causal = key
         Hkv = 8 if kind == "gqa" else None
@@ -308,6 +315,11 @@ def main(argv=None) -> int:
             st = 2 if name == "measured" else 3
             ms = run_ms(kind, B, H, L, causal, t, st, lam, F, t["exps_between"] >= t["exps"] // 2, Hkv)
             cells.append(f"{ms:.3f} ({flop / ms / 1e9:.0f})")
+        if "head" in builds:  # the persistent grid: the head build's step with F per item bracketed
+            t = builds["head"]
+            pin = t["exps_between"] >= t["exps"] // 2
+            slow, fast = (run_ms(kind, B, H, L, causal, t, 3, lam, f, pin, Hkv) for f in PERSISTENT_F_US)
+            cells.append(f"{fast:.3f}-{slow:.3f} ({flop / slow / 1e9:.0f}-{flop / fast / 1e9:.0f})")
         m = MEASURED[key]
         print(f"| {kind} B{B}H{H}{'kv8' if Hkv else ''} L{L}{' causal' if causal else ''} | {m:.3f} ({flop / m / 1e9:.0f}) | "
               + " | ".join(cells) + " |")

@@ -654,8 +654,17 @@ inline void step_all() {
   bulk_step();
 }
 
+// The multiprocessors the sm90 forward's persistent grid is sized for under emulation: few, so
+// that the hard cases' small grids already loop over several work items per CTA (rings and
+// barrier phases running on from item to item).
+inline int& emulated_sms() {
+  static int n = 2;
+  return n;
+}
+
 // The sm90 forward's deliberate defect (attn_fwd_sm90_kernel.cuh MHK_SM90_FWD_FAULT): 0 none,
-// 1 K's stage released before S lands, 2 V's before P V lands. Set by the test entry point.
+// 1 K's stage released before S lands, 2 V's before P V lands, 3 Q's half released before its
+// products. Set by the test entry point.
 inline int& fwd_fault() {
   static int f = 0;
   return f;

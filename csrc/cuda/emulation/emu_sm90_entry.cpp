@@ -178,8 +178,17 @@ int mhk_emu_fwd_plan_splits(int major, int minor, int sm90_compiled, int D, int 
 }
 
 // The forward's deliberate defect for the next calls (0 none, 1 K's stage released before S
-// lands, 2 V's before P V lands): a suite that still passes with one would not see the bug.
+// lands, 2 V's before P V lands, 3 a consumer's Q half before its products read it): a suite
+// that still passes with one would not see the bug.
 void mhk_emu_sm90_fwd_fault(int fault) { mhk_emu::sm90::fwd_fault() = fault; }
+
+// The multiprocessors the forward's persistent grid is sized for (cuda_emu_sm90.h
+// emulated_sms; 2 by default). Returns the previous count.
+int mhk_emu_sm90_set_sms(int n) {
+  const int old = mhk_emu::sm90::emulated_sms();
+  mhk_emu::sm90::emulated_sms() = n;
+  return old;
+}
 
 // What the compiled sm90 forward config (FwdConfigSm90<D>) holds, for tests to compare with
 // capabilities.h: out = {query rows, keys per stage, K stages, dynamic shared memory asked,

@@ -75,7 +75,8 @@
 
 // Deliberate defects for the emulator's suite only (tests/test_cuda_sm90.py sets them at run
 // time, cuda_emu_sm90.h fwd_fault): 1 releases K's stage before the wait that S has landed, 2
-// V's before the wait that P V has. Each must fail the suite; the nvcc build has neither.
+// V's before the wait that P V has, 3 a consumer's Q half as soon as it has it (before its
+// products read it). Each must fail the suite; the nvcc build has none.
 #if defined(MHAKERN_CUDA_EMULATE)
 #define MHK_SM90_FWD_FAULT(n) (::mhk_emu::sm90::fwd_fault() == (n))
 #else
@@ -132,9 +133,11 @@ struct FwdConfigSm90 {
   static_assert(kBlockM == 64 * kConsumers, "one 64-row wgmma strip per consumer warpgroup");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "keys per stage: a multiple of the k of P V, at most wgmma's N");
   static constexpr int kThreads = 128 * (1 + kConsumers);
-  // Register plan (setmaxnreg): 128 x 24 + 256 x 240 = 64512 <= 65536, one CTA per SM.
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  // Register plan (setmaxnreg): 128 x 40 + 256 x 232 = 64512 (what 384 x 168 at launch gives the
+  // CTA), one CTA per SM. The producer loops over work items (persistent grid): at 24 registers
+  // it spilled its item count; the consumers fit 232 without a spill (ptxas, every head dim).
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
   static constexpr int kPanels = D / 64;        // 128-byte (64-element) column panels of D
   static constexpr int kPanelBytesQ = kBlockM * 128;
   static constexpr int kPanelBytesKV = kBlockN * 128;
@@ -147,7 +150,11 @@ struct FwdConfigSm90 {
   static constexpr int kOffFullK = kOffBar, kOffEmptyK = kOffFullK + 8 * kStagesK;
   static constexpr int kOffFullV = kOffEmptyK + 8 * kStagesK, kOffEmptyV = kOffFullV + 8 * kStagesV;
   static constexpr int kOffFix = kOffEmptyV + 8 * kStagesV;
-  static constexpr int kSmemBytes = kOffFix + 8;
+  // Q's halves (one per consumer): full (the producer's Q loaders arrive), empty (the consumer).
+  static constexpr int kOffQFull = kOffFix + 8, kOffQEmpty = kOffQFull + 8 * kConsumers;
+  static constexpr int kSmemBytes = kOffQEmpty + 8 * kConsumers;
+  // Producer threads that load Q (warps 1-3; warp 0 streams K and V).
+  static constexpr int kQLoaders = 96;
   // What the launch asks for: room to round the base up to 1024 bytes, the period of the 128B
   // swizzle that TMA writes and wgmma reads (the declared alignment of dynamic shared memory
   // is not a guarantee of it).
@@ -164,7 +171,23 @@ struct FwdParamsSm90 {  // CUtensorMap is 64-byte aligned, so is this
   TensorMap tma_k;
   TensorMap tma_v;
   FwdParams p;
+  int grid = 1;  // CTAs launched: CTA c takes work items c, c + grid, ... (fwd_work_block)
 };
+
+// The work items of the grid, heaviest first: item w -> the block index row_tile_work reads
+// (split fastest, then row tile, KV head, batch). Items run in rounds of `grid` (one per CTA,
+// persistent or not), and the row tiles go from the last to the first: under causal masking the
+// last row tiles see the most keys (bottom-right alignment, and packed GQA rows grow with the
+// query index within a head), so the longest items start first and the short ones fill the
+// tail (FlashAttention-3's order for causal). Without causal masking every item is as long.
+// Items number fewer than 2^31 (the launcher checks): 32-bit arithmetic.
+MHK_DEVICE int fwd_work_block(const FwdParams& p, int n_mtiles, int w) {
+  const int per_mtile = p.B * p.Hkv * p.num_splits;
+  const int mt = n_mtiles - 1 - w / per_mtile;
+  const int rest = w % per_mtile;
+  const int split = rest % p.num_splits, bh = rest / p.num_splits;
+  return (bh * n_mtiles + mt) * p.num_splits + split;
+}
 
 template <typename Elem, int D>
 __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
@@ -178,10 +201,20 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   unsigned char* smem = smem_raw + (1024 - shared_u32(smem_raw) % 1024) % 1024;
   const int tid = thread_index();
 
-  // This CTA's rows and key tiles (primitives_sm90.cuh: row_tile_work).
-  const RowTileWork w = row_tile_work<BM, BN>(p, block_index());
-  const int split = w.split, hkv = w.hkv, b = w.b, group_rows = w.group_rows, r0 = w.r0, Lk_b = w.Lk_b;
-  const int lim_min = w.lim_min, t0 = w.t0, n_tiles = w.n_tiles;
+  // The work items (primitives_sm90.cuh: row_tile_work) this CTA takes: item0, item0 + grid,
+  // ..., fewer than n_items; every role walks the same sequence. One item per CTA when the grid
+  // holds them all; a persistent grid (capabilities.h kSm90FwdPersistent) loops, its rings and
+  // barrier phases running on from item to item.
+  // (Computed where each role needs them: nothing of this lives across setmaxnreg.)
+  auto n_mtiles = [&] { return ceil_div(p.group * p.Lq, BM); };
+  auto n_items = [&] { return p.B * p.Hkv * n_mtiles() * p.num_splits; };  // < 2^31 (the launcher checks)
+  auto item0 = [] { return static_cast<int>(block_index()); };
+  int split = 0, hkv = 0, b = 0, group_rows = 0, r0 = 0, Lk_b = 0, lim_min = 0, t0 = 0, n_tiles = 0;
+  auto begin_item = [&](int item) {
+    const RowTileWork w = row_tile_work<BM, BN>(p, fwd_work_block(p, n_mtiles(), item));
+    split = w.split, hkv = w.hkv, b = w.b, group_rows = w.group_rows, r0 = w.r0, Lk_b = w.Lk_b;
+    lim_min = w.lim_min, t0 = w.t0, n_tiles = w.n_tiles;
+  };
 
   unsigned char* sQ = smem;
   unsigned char* sK = smem + Cfg::kOffK;
@@ -191,6 +224,8 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   uint64_t* full_v = reinterpret_cast<uint64_t*>(smem + Cfg::kOffFullV);
   uint64_t* empty_v = reinterpret_cast<uint64_t*>(smem + Cfg::kOffEmptyV);
   uint64_t* fix = reinterpret_cast<uint64_t*>(smem + Cfg::kOffFix);  // the straddling tile's V copies (see the producer)
+  uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + Cfg::kOffQFull);
+  uint64_t* q_empty = reinterpret_cast<uint64_t*>(smem + Cfg::kOffQEmpty);
 
   if (tid == 0) {
     for (int s = 0; s < Cfg::kStagesK; ++s) {
@@ -202,104 +237,129 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
       mbar_init(&empty_v[s], Cfg::kConsumers * 128);
     }
     mbar_init(fix, 1);
+    for (int c = 0; c < Cfg::kConsumers; ++c) {
+      mbar_init(&q_full[c], Cfg::kQLoaders);
+      mbar_init(&q_empty[c], 128);
+    }
     fence_barrier_init();
   }
 
-  // Q: 16-byte chunks of packed rows into the 128-byte swizzled panels; rows past the group are
-  // zeros (their results are never stored).
-  const uint32_t q_sign = p.scale_log2 < 0.f ? 0x80008000u : 0u;
-  {
-    const Elem* q = static_cast<const Elem*>(p.q);
-    constexpr int kChunks = D / 8;
-    for (int c = tid; c < BM * kChunks; c += Cfg::kThreads) {
-      const int row = c / kChunks, ch = c % kChunks;
-      const int r = r0 + row;
-      uint4 val = make_uint4(0, 0, 0, 0);
-      if (r < group_rows) {
-        const Elem* src = q + packed_row_offset(p.q_stride, b, hkv, p.group, p.Lq, r) + ch * 8;
-        val = *reinterpret_cast<const uint4*>(src);
-        // A negative scale: Q negated here (the sign bit of each 16-bit element, exact), so
-        // that the softmax below scales by |scale| and takes its row maxima on raw scores.
-        if (q_sign) {
-          val.x ^= q_sign;
-          val.y ^= q_sign;
-          val.z ^= q_sign;
-          val.w ^= q_sign;
-        }
-      }
-      const int panel = ch / 8, cc = ch % 8;
-      *reinterpret_cast<uint4*>(sQ + panel * Cfg::kPanelBytesQ + row * 128 + ((cc ^ (row % 8)) * 16)) = val;
-    }
-  }
-  fence_proxy_async();  // the generic-proxy stores of Q, before wgmma (async proxy) reads them
-  block_sync();         // Q stored and the barriers initialised, for every warpgroup
+  block_sync();  // the barriers initialised, for every warpgroup
 
   const int wg = warpgroup_index();
   if (wg == 0) {
     // ---- producer ----
     setmaxnreg_dec<Cfg::kProducerRegs>();
+    const uint32_t base = shared_u32(smem);
     if (tid < 32) {  // warp 0: lane 0 issues the copies, the whole warp clears a straddling tile
-      // The tile that holds this batch element's key length Lk_b < Lk: the tensor map
-      // zero-fills only past Lk, so its keys [Lk_b, Lk) arrive as they are in memory, which
-      // docs/contract.md lets hold anything. The consumers mask their scores by selecting -inf
-      // (a NaN K there never reaches P), but O += P V multiplies P's zeros by V: an inf or NaN
-      // V row would make 0 * inf = NaN in every row of the tile (seen on an H200). So this
-      // tile's V copies complete on `fix` instead of full_v[s], the warp zeroes those V rows,
-      // and lane 0 then arrives on full_v[s] (a plain arrival: no bytes left in flight). At most
-      // one tile per CTA (none past Lk_b is loaded); -1 or out of [0, n_tiles) when none.
-      const int it_clear = Lk_b < p.Lk ? Lk_b / BN - t0 : -1;
       // One ring's next stage: wait until the consumers released its previous use (passes at
       // once on the first round: a fresh barrier's phase of parity 1 counts as complete), then
-      // copy tile `it` into it. Stage and parity advance as counters (no division); addresses
-      // are shared-memory numbers (24 registers: 64-bit pointers spilled).
-      const uint32_t base = shared_u32(smem);
+      // copy tile `it` into it. Stage and parity advance as counters (no division), in every
+      // lane (only lane 0 copies; the warp needs the straddling tile's stage); addresses are
+      // shared-memory numbers (24 registers: 64-bit pointers spilled).
+      // (A ring's state is its stage and parity only: its addresses are base + constants.)
       struct Ring {
-        uint32_t full, empty, data;  // shared addresses of stage 0's barriers and tile
         int s = 0;
         uint32_t parity = 1;
       };
-      auto load = [&](Ring& r, int n_stages, const TensorMap* map, int it, bool first_round, uint32_t done) {
-        mbar_wait(r.empty + 8 * r.s, r.parity);
-        const uint32_t bar = done != 0 ? done : r.full + 8 * r.s;
-        if (MHK_SM90_FWD_DIAG_NO_LOADS && !first_round) {
-          mbar_arrive(bar);  // diagnostic: the stage keeps its first tile's bytes
-        } else {
-          mbar_arrive_expect_tx(bar, Cfg::kTileBytes);
-          for (int pn = 0; pn < Cfg::kPanels; ++pn)
-            tma_load_4d(r.data + r.s * Cfg::kTileBytes + pn * Cfg::kPanelBytesKV, map, pn * 64, (t0 + it) * BN, hkv, b,
-                        bar);
+      auto load = [&](Ring& r, int n_stages, int off_full, int off_empty, int off_data, const TensorMap* map, int it,
+                      bool first_round, uint32_t done) {
+        if (tid == 0) {
+          mbar_wait(base + off_empty + 8 * r.s, r.parity);
+          const uint32_t bar = done != 0 ? done : base + off_full + 8 * r.s;
+          if (MHK_SM90_FWD_DIAG_NO_LOADS && !first_round) {
+            mbar_arrive(bar);  // diagnostic: the stage keeps its first tile's bytes
+          } else {
+            mbar_arrive_expect_tx(bar, Cfg::kTileBytes);
+            for (int pn = 0; pn < Cfg::kPanels; ++pn)
+              tma_load_4d(base + off_data + r.s * Cfg::kTileBytes + pn * Cfg::kPanelBytesKV, map, pn * 64,
+                          (t0 + it) * BN, hkv, b, bar);
+          }
         }
         if (++r.s == n_stages) {
           r.s = 0;
           r.parity ^= 1;
         }
       };
-      if (tid == 0) {
+      Ring rk, rv;
+      uint32_t fix_phase = 0;
+      int round = 0;  // items this CTA has loaded (the diagnostic NO_LOADS copies round 0 only)
+      for (int item = item0(), n = n_items(); item < n; item += P.grid, ++round) {
+        begin_item(item);
+        // The tile that holds this batch element's key length Lk_b < Lk: the tensor map
+        // zero-fills only past Lk, so its keys [Lk_b, Lk) arrive as they are in memory, which
+        // docs/contract.md lets hold anything. The consumers mask their scores by selecting -inf
+        // (a NaN K there never reaches P), but O += P V multiplies P's zeros by V: an inf or NaN
+        // V row would make 0 * inf = NaN in every row of the tile (seen on an H200). So this
+        // tile's V copies complete on `fix` instead of full_v[s], the warp zeroes those V rows,
+        // and lane 0 then arrives on full_v[s] (a plain arrival: no bytes left in flight). At
+        // most one tile per item (none past Lk_b is loaded); -1 or out of [0, n_tiles) when none.
+        const int it_clear = Lk_b < p.Lk ? Lk_b / BN - t0 : -1;
+        int s_clear = -1;
         // In the order the consumers wait for them: K of tile 0; then K of tile it and V of
         // tile it - 1 (step it's operands); V of the last tile.
-        Ring rk{base + Cfg::kOffFullK, base + Cfg::kOffEmptyK, base + Cfg::kOffK};
-        Ring rv{base + Cfg::kOffFullV, base + Cfg::kOffEmptyV, base + Cfg::kOffV};
         for (int it = 0; it <= n_tiles; ++it) {
-          if (it < n_tiles) load(rk, Cfg::kStagesK, &P.tma_k, it, it < Cfg::kStagesK, 0);
-          if (it > 0)
-            load(rv, Cfg::kStagesV, &P.tma_v, it - 1, it - 1 < Cfg::kStagesV, it - 1 == it_clear ? base + Cfg::kOffFix : 0);
+          if (it < n_tiles)
+            load(rk, Cfg::kStagesK, Cfg::kOffFullK, Cfg::kOffEmptyK, Cfg::kOffK, &P.tma_k, it,
+                 round == 0 && it < Cfg::kStagesK, 0);
+          if (it > 0) {
+            if (it - 1 == it_clear) s_clear = rv.s;
+            load(rv, Cfg::kStagesV, Cfg::kOffFullV, Cfg::kOffEmptyV, Cfg::kOffV, &P.tma_v, it - 1,
+                 round == 0 && it - 1 < Cfg::kStagesV, it - 1 == it_clear ? base + Cfg::kOffFix : 0);
+          }
+        }
+        if (s_clear >= 0) {
+          // It is the item's last tile loaded, so no later copy of the item waits for this, and
+          // the consumers wait on full_v[s_clear] for it (the next item's copies wait for this
+          // warp, which costs the next item's first load the clearing's time).
+          mbar_wait(base + Cfg::kOffFix, fix_phase);  // the copies have landed
+          fix_phase ^= 1;
+          // Whole 128-byte rows [Lk_b - n0, BN) of each panel (contiguous: the 128B swizzle
+          // permutes 16-byte chunks only within a row).
+          const int lo = (Lk_b - (t0 + it_clear) * BN) * 128;
+          unsigned char* sv = sV + s_clear * Cfg::kTileBytes;
+          for (int pn = 0; pn < Cfg::kPanels; ++pn)
+            for (int off = lo + tid * 16; off < Cfg::kPanelBytesKV; off += 32 * 16)
+              *reinterpret_cast<uint4*>(sv + pn * Cfg::kPanelBytesKV + off) = make_uint4(0, 0, 0, 0);
+          fence_proxy_async();  // the generic-proxy zeros, before wgmma (async proxy) reads them
+          warp_sync_all();
+          if (tid == 0) mbar_arrive(base + Cfg::kOffFullV + 8 * s_clear);
         }
       }
-      if (it_clear >= 0 && it_clear < n_tiles) {
-        // After the loop: it is the last tile loaded, so no later copy waits for this, and the
-        // consumers wait on full_v[s] for it.
-        const int s = it_clear % Cfg::kStagesV;
-        mbar_wait(fix, 0);  // the copies have landed (the only phase `fix` ever completes)
-        // Whole 128-byte rows [Lk_b - n0, BN) of each panel (contiguous: the 128B swizzle
-        // permutes 16-byte chunks only within a row).
-        const int lo = (Lk_b - (t0 + it_clear) * BN) * 128;
-        unsigned char* sv = sV + s * Cfg::kTileBytes;
-        for (int pn = 0; pn < Cfg::kPanels; ++pn)
-          for (int off = lo + tid * 16; off < Cfg::kPanelBytesKV; off += 32 * 16)
-            *reinterpret_cast<uint4*>(sv + pn * Cfg::kPanelBytesKV + off) = make_uint4(0, 0, 0, 0);
-        fence_proxy_async();  // the generic-proxy zeros, before wgmma (async proxy) reads them
-        warp_sync_all();
-        if (tid == 0) mbar_arrive(&full_v[s]);
+    } else {
+      // Warps 1-3: each item's Q, one consumer's half (64 packed rows) at a time, as soon as
+      // that consumer has released the previous item's (its last S landed), so that the load
+      // runs under the previous item's last P V and epilogue. 16-byte chunks of packed rows
+      // into the 128-byte swizzled panels (its packed rows span query heads, a shape no tensor
+      // map describes); rows past the group are zeros (their results are never stored).
+      const int lt = tid - 32;
+      const Elem* q = static_cast<const Elem*>(p.q);
+      const uint32_t q_sign = p.scale_log2 < 0.f ? 0x80008000u : 0u;
+      constexpr int kChunks = D / 8;
+      uint32_t parity = 1;
+      for (int item = item0(), n = n_items(); item < n; item += P.grid, parity ^= 1) {
+        begin_item(item);
+        for (int c = 0; c < Cfg::kConsumers; ++c) {
+          mbar_wait(base + Cfg::kOffQEmpty + 8 * c, parity);
+          for (int k = lt; k < 64 * kChunks; k += Cfg::kQLoaders) {
+            const int row = c * 64 + k / kChunks, ch = k % kChunks;
+            const int r = r0 + row;
+            uint4 val = make_uint4(0, 0, 0, 0);
+            if (r < group_rows) {
+              val = *reinterpret_cast<const uint4*>(q + packed_row_offset(p.q_stride, b, hkv, p.group, p.Lq, r) + ch * 8);
+              // A negative scale: Q negated here (the sign bit of each 16-bit element, exact),
+              // so that the softmax scales by |scale| and takes its row maxima on raw scores.
+              val.x ^= q_sign;
+              val.y ^= q_sign;
+              val.z ^= q_sign;
+              val.w ^= q_sign;
+            }
+            const int panel = ch / 8, cc = ch % 8;
+            *reinterpret_cast<uint4*>(sQ + panel * Cfg::kPanelBytesQ + row * 128 + ((cc ^ (row % 8)) * 16)) = val;
+          }
+          fence_proxy_async();  // the generic-proxy stores of Q, before wgmma (async proxy) reads them
+          mbar_arrive(base + Cfg::kOffQFull + 8 * c);
+        }
       }
     }
     return;
@@ -309,18 +369,12 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   setmaxnreg_inc<Cfg::kConsumerRegs>();
   const int cw = wg - 1;
   const int t128 = tid % 128, warp = t128 / 32, lane = t128 % 32, g = lane / 4, t = lane % 4;
-  // This thread's two rows (accumulator rows g and g + 8 of its warp's 16).
+  // This thread's two rows of the item (accumulator rows g and g + 8 of its warp's 16), its
+  // output and row state (set per item, below).
   int lim[2];
   int rows[2];
-  MHK_UNROLL
-  for (int h = 0; h < 2; ++h) {
-    rows[h] = r0 + cw * 64 + warp * 16 + g + 8 * h;
-    lim[h] = rows[h] < group_rows ? visible_limit(rows[h] % p.Lq, Lk_b, p.Lq, p.causal) : 0;
-  }
   float o[D / 2];
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY};
-  float l[2] = {0.f, 0.f};
+  float m[2], l[2];
   // The scale folded into the exponent (exp2(s * sl2 - m) by one FFMA per score, the row maxima
   // taken on raw scores): sl2 > 0 always, Q having been negated for a negative scale; a zero
   // scale becomes the smallest normal float, which changes no exponent by more than 2^-100
@@ -365,7 +419,7 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   // The first of this CTA's tiles that crosses a row's limit: tile t0 + it needs the mask iff
   // (t0 + it + 1) BN > lim_min, i.e. it >= lim_min / BN - t0 (C++ division; lim_min < BN gives
   // every tile, as it should). One compare per tile instead of the multiply-add-compare.
-  const int it_mask = lim_min / BN - t0;
+  int it_mask = 0;  // per item, below
   // Mask (only where the tile crosses a row's visible limit) and exponentiate tile t0 + it in
   // place, updating m and l; alpha = exp2(m_old - m_new) rescales what O holds so far.
   // Base 2. A row with every key so far hidden keeps m = -inf and exponentiates against 0, so
@@ -430,104 +484,131 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   // base of shared memory in every iteration (~20 instructions per tile).
   const uint32_t full_k0 = sbase + Cfg::kOffFullK, empty_k0 = sbase + Cfg::kOffEmptyK;
   const uint32_t full_v0 = sbase + Cfg::kOffFullV, empty_v0 = sbase + Cfg::kOffEmptyV;
-  // The first tile on its own (O is still 0), so that the loop body has no branch around its
-  // wgmma: ptxas serialises every wgmma of a loop whose pipeline it cannot follow.
-  if (n_tiles > 0) {
-    mbar_wait(full_k0, 0);
-    float sc[BN / 2];
-    float alpha[2];
-    take_turn();
-    wgmma_fence();
-    issue_s(sc, 0);
-    wgmma_commit();
-    pass_turn();
-    if (MHK_SM90_FWD_FAULT(1)) mbar_arrive(empty_k0);
-    wgmma_wait<0>();
-    if (!MHK_SM90_FWD_FAULT(1) && !MHK_SM90_FWD_DIAG_COUPLED_KV) mbar_arrive(empty_k0);  // S landed: K's stage is free
-    softmax(sc, 0, alpha);
-    pack_p(sc);
-  }
-  // The K stage of tile `it` and the V stage of tile it - 1, with their full barriers'
-  // parities, advanced as counters (no division).
+  const uint32_t q_full0 = sbase + Cfg::kOffQFull + 8 * cw, q_empty0 = sbase + Cfg::kOffQEmpty + 8 * cw;
+  // The K stage of the next K tile and the V stage of the next V tile, with their full
+  // barriers' parities, advanced as counters (no division), from item to item.
   int sk = 0, sv = 0;
-  uint32_t phase_k = 0, phase_v = 0;
-  for (int it = 1; it < n_tiles; ++it) {
-    const int sk_prev = sk;
+  uint32_t phase_k = 0, phase_v = 0, phase_q = 0;
+  auto next_k = [&] {
     sk = sk + 1 == Cfg::kStagesK ? 0 : sk + 1;
     phase_k ^= sk == 0 ? 1u : 0u;
-    mbar_wait(full_k0 + 8 * sk, phase_k);
-    mbar_wait(full_v0 + 8 * sv, phase_v);
-    float sc[BN / 2];
-    float alpha[2];
-    take_turn();
-    wgmma_fence();  // one fence for the batch: o was rescaled and pa written since the last wait
-    issue_s(sc, sk);
-    wgmma_commit();
-    issue_pv(sv);
-    wgmma_commit();
-    pass_turn();
-    if (MHK_SM90_FWD_FAULT(1)) mbar_arrive(empty_k0 + 8 * sk);
-    wgmma_wait<1>();  // S of this tile is complete; the previous tile's P V may still run
-    if (!MHK_SM90_FWD_FAULT(1) && !MHK_SM90_FWD_DIAG_COUPLED_KV) mbar_arrive(empty_k0 + 8 * sk);  // K's stage is free
-    softmax(sc, it, alpha);
-    // ptxas otherwise schedules the P V wait above the whole softmax (seen in the SASS: none of
-    // the loop's exps ran while P V was in flight): a shared store it cannot prove dead, of a
-    // value the softmax computes last, must stay before the wait (tools/check_cuda_build.py
-    // counts the exps between the two waits).
-    if (MHK_SM90_FWD_PIN_SOFTMAX) pin_before_wait(l[0] + l[1], p.num_splits);
-    if (MHK_SM90_FWD_FAULT(2)) mbar_arrive(empty_v0 + 8 * sv);
-    wgmma_wait<0>();  // the previous tile's P V has landed in o
-    if (!MHK_SM90_FWD_FAULT(2)) mbar_arrive(empty_v0 + 8 * sv);  // and its V stage is free
-    if (MHK_SM90_FWD_DIAG_COUPLED_KV) mbar_arrive(empty_k0 + 8 * sk_prev);  // diagnostic: K held as long as V
-    sv = sv + 1 == Cfg::kStagesV ? 0 : sv + 1;
-    phase_v ^= sv == 0 ? 1u : 0u;
+  };
+  for (int item = item0(), n = n_items(); item < n; item += P.grid) {
+    begin_item(item);
     MHK_UNROLL
-    for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i % 4) / 2];
-    pack_p(sc);
-  }
-  if (n_tiles > 0) {
-    mbar_wait(full_v0 + 8 * sv, phase_v);  // V of the last tile
-    take_turn();
-    wgmma_fence();
-    issue_pv(sv);
-    wgmma_commit();
-    pass_turn();
-    if (MHK_SM90_FWD_FAULT(2)) mbar_arrive(empty_v0 + 8 * sv);
-    wgmma_wait<0>();
-    if (!MHK_SM90_FWD_FAULT(2)) mbar_arrive(empty_v0 + 8 * sv);
-    if (MHK_SM90_FWD_DIAG_COUPLED_KV) mbar_arrive(empty_k0 + 8 * sk);
-  }
-
-  // ---- epilogue: normalise, store O and lse (or this split's fp32 partials) ----
-  Elem* out = static_cast<Elem*>(p.o);
-  const int64_t n_rows = static_cast<int64_t>(p.B) * p.H * p.Lq;
-  MHK_UNROLL
-  for (int h = 0; h < 2; ++h) {
-    const float lsum = quad_sum(l[h]);
-    const int r = rows[h];
-    if (r >= group_rows) continue;
-    const bool seen = lsum > 0.f;
-    const float inv = seen ? 1.f / lsum : 0.f;
-    const float lse = seen ? (m[h] + log2f(lsum)) * kLn2 : -INFINITY;
-    const int64_t lin = packed_row_linear(b, p.H, hkv, p.group, p.Lq, r);
-    if (p.num_splits > 1) {
-      float* dst = p.o_partial + (split * n_rows + lin) * D;
-      MHK_UNROLL
-      for (int j = 0; j < D / 8; ++j) {
-        dst[8 * j + 2 * t] = o[4 * j + 2 * h] * inv;
-        dst[8 * j + 2 * t + 1] = o[4 * j + 2 * h + 1] * inv;
-      }
-      if (t == 0) p.lse_partial[split * n_rows + lin] = lse;
-    } else {
-      Elem* dst = out + packed_row_offset(p.o_stride, b, hkv, p.group, p.Lq, r);
-      MHK_UNROLL
-      for (int j = 0; j < D / 8; ++j) {
-        const uint32_t v = Tr::pack2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-        *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * t) = v;
-      }
-      if (t == 0) p.lse[lin] = lse;
+    for (int h = 0; h < 2; ++h) {
+      rows[h] = r0 + cw * 64 + warp * 16 + g + 8 * h;
+      lim[h] = rows[h] < group_rows ? visible_limit(rows[h] % p.Lq, Lk_b, p.Lq, p.causal) : 0;
     }
-  }
+    it_mask = lim_min / BN - t0;
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.f;
+    mbar_wait(q_full0, phase_q);  // this item's Q half
+    phase_q ^= 1;
+    if (MHK_SM90_FWD_FAULT(3)) mbar_arrive(q_empty0);
+    // The first tile on its own (O is still 0), so that the loop body has no branch around its
+    // wgmma: ptxas serialises every wgmma of a loop whose pipeline it cannot follow.
+    int sk_prev = sk;  // (the coupled_kv diagnostic: the previous K stage, released after P V)
+    if (n_tiles > 0) {
+      mbar_wait(full_k0 + 8 * sk, phase_k);
+      float sc[BN / 2];
+      float alpha[2];
+      take_turn();
+      wgmma_fence();
+      issue_s(sc, sk);
+      wgmma_commit();
+      pass_turn();
+      if (MHK_SM90_FWD_FAULT(1)) mbar_arrive(empty_k0 + 8 * sk);
+      wgmma_wait<0>();
+      if (!MHK_SM90_FWD_FAULT(1) && !MHK_SM90_FWD_DIAG_COUPLED_KV) mbar_arrive(empty_k0 + 8 * sk);  // S landed: K's stage is free
+      softmax(sc, 0, alpha);
+      pack_p(sc);
+      sk_prev = sk;
+      next_k();
+    }
+    for (int it = 1; it < n_tiles; ++it) {
+      mbar_wait(full_k0 + 8 * sk, phase_k);
+      mbar_wait(full_v0 + 8 * sv, phase_v);
+      float sc[BN / 2];
+      float alpha[2];
+      take_turn();
+      wgmma_fence();  // one fence for the batch: o was rescaled and pa written since the last wait
+      issue_s(sc, sk);
+      wgmma_commit();
+      issue_pv(sv);
+      wgmma_commit();
+      pass_turn();
+      if (MHK_SM90_FWD_FAULT(1)) mbar_arrive(empty_k0 + 8 * sk);
+      wgmma_wait<1>();  // S of this tile is complete; the previous tile's P V may still run
+      if (!MHK_SM90_FWD_FAULT(1) && !MHK_SM90_FWD_DIAG_COUPLED_KV) mbar_arrive(empty_k0 + 8 * sk);  // K's stage is free
+      softmax(sc, it, alpha);
+      // ptxas otherwise schedules the P V wait above the whole softmax (seen in the SASS: none of
+      // the loop's exps ran while P V was in flight): a shared store it cannot prove dead, of a
+      // value the softmax computes last, must stay before the wait (tools/check_cuda_build.py
+      // counts the exps between the two waits).
+      if (MHK_SM90_FWD_PIN_SOFTMAX) pin_before_wait(l[0] + l[1], p.num_splits);
+      if (MHK_SM90_FWD_FAULT(2)) mbar_arrive(empty_v0 + 8 * sv);
+      wgmma_wait<0>();  // the previous tile's P V has landed in o
+      if (!MHK_SM90_FWD_FAULT(2)) mbar_arrive(empty_v0 + 8 * sv);  // and its V stage is free
+      if (MHK_SM90_FWD_DIAG_COUPLED_KV) mbar_arrive(empty_k0 + 8 * sk_prev);  // diagnostic: K held as long as V
+      sv = sv + 1 == Cfg::kStagesV ? 0 : sv + 1;
+      phase_v ^= sv == 0 ? 1u : 0u;
+      if (MHK_SM90_FWD_DIAG_COUPLED_KV) sk_prev = sk;
+      next_k();
+      MHK_UNROLL
+      for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i % 4) / 2];
+      pack_p(sc);
+    }
+    // Every S of the item has landed: its Q half may be refilled with the next item's, under the
+    // last P V and the epilogue.
+    if (!MHK_SM90_FWD_FAULT(3)) mbar_arrive(q_empty0);
+    if (n_tiles > 0) {
+      mbar_wait(full_v0 + 8 * sv, phase_v);  // V of the last tile
+      take_turn();
+      wgmma_fence();
+      issue_pv(sv);
+      wgmma_commit();
+      pass_turn();
+      if (MHK_SM90_FWD_FAULT(2)) mbar_arrive(empty_v0 + 8 * sv);
+      wgmma_wait<0>();
+      if (!MHK_SM90_FWD_FAULT(2)) mbar_arrive(empty_v0 + 8 * sv);
+      if (MHK_SM90_FWD_DIAG_COUPLED_KV) mbar_arrive(empty_k0 + 8 * sk_prev);
+      sv = sv + 1 == Cfg::kStagesV ? 0 : sv + 1;
+      phase_v ^= sv == 0 ? 1u : 0u;
+    }
+
+    // ---- epilogue: normalise, store O and lse (or this split's fp32 partials) ----
+    Elem* out = static_cast<Elem*>(p.o);
+    const int64_t n_rows = static_cast<int64_t>(p.B) * p.H * p.Lq;
+    MHK_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const float lsum = quad_sum(l[h]);
+      const int r = rows[h];
+      if (r >= group_rows) continue;
+      const bool seen = lsum > 0.f;
+      const float inv = seen ? 1.f / lsum : 0.f;
+      const float lse = seen ? (m[h] + log2f(lsum)) * kLn2 : -INFINITY;
+      const int64_t lin = packed_row_linear(b, p.H, hkv, p.group, p.Lq, r);
+      if (p.num_splits > 1) {
+        float* dst = p.o_partial + (split * n_rows + lin) * D;
+        MHK_UNROLL
+        for (int j = 0; j < D / 8; ++j) {
+          dst[8 * j + 2 * t] = o[4 * j + 2 * h] * inv;
+          dst[8 * j + 2 * t + 1] = o[4 * j + 2 * h + 1] * inv;
+        }
+        if (t == 0) p.lse_partial[split * n_rows + lin] = lse;
+      } else {
+        Elem* dst = out + packed_row_offset(p.o_stride, b, hkv, p.group, p.Lq, r);
+        MHK_UNROLL
+        for (int j = 0; j < D / 8; ++j) {
+          const uint32_t v = Tr::pack2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+          *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * t) = v;
+        }
+        if (t == 0) p.lse[lin] = lse;
+      }
+    }
+  }  // items
 #endif  // MHK_SM90_ENABLED
 }
 

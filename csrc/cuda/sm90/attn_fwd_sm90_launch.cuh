@@ -1,8 +1,17 @@
 // Host side of the sm_90a forward: the tensor maps of K and V, the grid, the launch.
 #pragma once
 
+#include <algorithm>
+
 #include "../attn_fwd_kernel.cuh"  // the split-K combine kernel (attn_fwd_combine_kernel)
 #include "attn_fwd_sm90_kernel.cuh"
+
+// A diagnostic override of capabilities.h kSm90FwdPersistent (benchmarks/diag_fwd_sm90.cu builds
+// MHK_SM90_FWD_PERSISTENT=0, one CTA per work item, to measure what the persistent grid gains;
+// the results are the same either way). The extension never defines it.
+#ifndef MHK_SM90_FWD_PERSISTENT
+#define MHK_SM90_FWD_PERSISTENT (::mhakern::caps::kSm90FwdPersistent ? 1 : 0)
+#endif
 
 namespace mhakern {
 namespace cuda {
@@ -61,9 +70,25 @@ cudaError_t run_attn_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   if (!encode_kv_map<Elem>(&P.tma_k, p.k, p.k_stride, p, Cfg::kBlockN) ||
       !encode_kv_map<Elem>(&P.tma_v, p.v, p.v_stride, p, Cfg::kBlockN))
     return cudaErrorInvalidValue;
-  const int64_t grid = static_cast<int64_t>(p.B) * p.Hkv * ceil_div(p.group * p.Lq, Cfg::kBlockM) * p.num_splits;
-  if (grid == 0) return cudaSuccess;
-  if (grid > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  const int64_t items = static_cast<int64_t>(p.B) * p.Hkv * ceil_div(p.group * p.Lq, Cfg::kBlockM) * p.num_splits;
+  if (items == 0) return cudaSuccess;
+  if (items > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  // Persistent (capabilities.h kSm90FwdPersistent): one CTA per SM (the register plan's
+  // occupancy), each looping over its items; otherwise one CTA per item.
+  int64_t grid = items;
+  if (MHK_SM90_FWD_PERSISTENT) {
+    int sms = 0;
+#if defined(MHAKERN_CUDA_EMULATE)
+    sms = ::mhk_emu::sm90::emulated_sms();
+#else
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (e != cudaSuccess) return e;
+#endif
+    grid = std::min<int64_t>(items, static_cast<int64_t>(sms) * caps::kSm90FwdCtasPerSm);
+  }
+  P.grid = static_cast<int>(grid);
   auto kernel = attn_fwd_sm90_kernel<Elem, D>;
   cudaError_t err = set_max_dynamic_smem(kernel, Cfg::kSmemAlloc);
   if (err != cudaSuccess) return err;

@@ -237,17 +237,21 @@ MHK_DEVICE void wgmma_rs_tb(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t 
 struct RowTileWork {
   int split, hkv, b, group_rows, r0, Lk_b, lim_min, t0, n_tiles;
 };
+// bid < 2^31 (a grid's x extent, or a work item of one): 32-bit divisions, a few instructions
+// each where 64-bit ones call a subroutine (the sm90 forward's producer, at 24 registers, spilled
+// around them).
 template <int BM, int BN, typename Params>
-MHK_DEVICE RowTileWork row_tile_work(const Params& p, int64_t bid) {
+MHK_DEVICE RowTileWork row_tile_work(const Params& p, int64_t block) {
   RowTileWork w;
   w.group_rows = p.group * p.Lq;
   const int n_mtiles = ceil_div(w.group_rows, BM);
-  w.split = static_cast<int>(bid % p.num_splits);
+  int bid = static_cast<int>(block);
+  w.split = bid % p.num_splits;
   bid /= p.num_splits;
-  const int mt = static_cast<int>(bid % n_mtiles);
+  const int mt = bid % n_mtiles;
   bid /= n_mtiles;
-  w.hkv = static_cast<int>(bid % p.Hkv);
-  w.b = static_cast<int>(bid / p.Hkv);
+  w.hkv = bid % p.Hkv;
+  w.b = bid / p.Hkv;
   w.r0 = mt * BM;
   w.Lk_b = key_length_of(p, w.b);
   int i_lo, i_hi;
