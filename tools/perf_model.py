@@ -215,9 +215,11 @@ def fit(t_measured: dict) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------------------------- decode
-def decode_ms(B, Hq, Hkv, Lk, family, splits, lam_hbm, F, stages=None, D=128):
+def decode_ms(B, Hq, Hkv, Lk, family, splits, lam_hbm, F, stages=None, D=128, split_kv=False):
     """Decode time of one family: 'sm90' (128-row tile, 128-key stages, 1 CTA per SM) or
-    'mma_sync' (the decode kernel: 16-row CTAs, 64-key tiles, 3 CTAs per SM on a 9.0 device)."""
+    'mma_sync' (the decode kernel: 16-row CTAs, 64-key tiles, 3 CTAs per SM on a 9.0 device);
+    split_kv: the sm90 forward's separate K and V rings (a stage held for half the tile's
+    products, not all of them)."""
     rows = Hq // Hkv
     if family == "sm90":
         per_sm, tile_keys, st = 1, 128, stages or 3
@@ -235,7 +237,8 @@ def decode_ms(B, Hq, Hkv, Lk, family, splits, lam_hbm, F, stages=None, D=128):
     # bandwidth: the resident CTAs share the copy rate (K/V bytes read once from HBM; rows of
     # other row blocks of the same KV head read them again from L2)
     t_bw = tile_bytes * resident / blocks / (COPY_TBS * 1e12) * 1e6
-    t_lat = (compute + lam_hbm) / max(1, st - 1) if family == "sm90" else (compute + lam_hbm) / max(1, st - 1)
+    held = compute / 2 if family == "sm90" and split_kv else compute
+    t_lat = (held + lam_hbm) / max(1, st - 1)
     t_tile = max(t_bw, t_lat, compute)
     return waves * (tiles * t_tile + F) / 1e3
 
@@ -328,7 +331,7 @@ def main(argv=None) -> int:
     print(f"decode calibration (the kv-8 row, 2 stages, 9 splits, 3 waves): HBM latency exposed per tile {lam_hbm:.2f} us")
     print()
     print("| decode row (B4 H32, 1 query, D 128) | measured GB/s (sm90, 2 st, old plan) | model of that build | "
-          "sm90, old plan, 3 st | sm90, wave-efficiency plan, 3 st | mma.sync decode kernel, its plan |")
+          "sm90, old plan, 3 st | sm90, wave-efficiency plan, 3 + 3 split K/V (now) | mma.sync decode kernel, its plan |")
     print("|---|---|---|---|---|---|")
     for (B, Hq, Hkv, Lk), m in MEASURED_DECODE.items():
         nbytes = 2 * B * Hkv * Lk * 128 * 2
@@ -337,8 +340,9 @@ def main(argv=None) -> int:
         s_new = planner_splits(B, Hkv, rows, Lk, "sm90")
         s_mma = planner_splits(B, Hkv, rows, Lk, "mma_sync")
         cells = []
-        for fam, s, st in (("sm90", s_old, 2), ("sm90", s_old, 3), ("sm90", s_new, 3), ("mma_sync", s_mma, 2)):
-            ms = decode_ms(B, Hq, Hkv, Lk, fam, s, lam_hbm, F, stages=st)
+        for fam, s, st, sp in (("sm90", s_old, 2, False), ("sm90", s_old, 3, False), ("sm90", s_new, 3, True),
+                               ("mma_sync", s_mma, 2, False)):
+            ms = decode_ms(B, Hq, Hkv, Lk, fam, s, lam_hbm, F, stages=st, split_kv=sp)
             cells.append(f"{nbytes / ms / 1e6:.0f} ({s} splits)")
         print(f"| kv{Hkv} Lk {Lk} | {nbytes / m / 1e6:.0f} | " + " | ".join(cells) + " |")
     return 0
