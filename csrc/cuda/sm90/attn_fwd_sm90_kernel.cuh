@@ -1,15 +1,17 @@
 // Forward attention for sm_90a (Hopper): wgmma, TMA and an mbarrier pipeline, warp-specialised.
 //
-// One CTA per (batch b, kv head hkv, tile of kBlockM = 128 packed query rows), 3 warpgroups:
-//   warpgroup 0, the producer: gives up registers (setmaxnreg.dec 24); one thread streams the
+// Work items: (batch b, kv head hkv, tile of kBlockM = 128 packed query rows, key split). A
+// persistent grid (capabilities.h kSm90FwdPersistent) of one CTA per SM loops over them, heaviest
+// first (fwd_work_block); 3 warpgroups:
+//   warpgroup 0, the producer: gives up registers (setmaxnreg.dec 40); one thread streams the
 //     K and V tiles of kBlockN keys (128; 80 at D 256, see FwdConfigSm90) through two rings of
 //     shared-memory stages, kStagesK for K and kStagesV for V, with cp.async.bulk.tensor (4-D
 //     tensor maps over (D, Lk, Hkv, B), 128-byte swizzle, one box per 64 columns of D), each
 //     stage guarded by a "full" mbarrier (transaction bytes) and an "empty" one (the consumers'
 //     arrivals), in the order the consumers need them: K of tile 0, then K of tile it and V of
 //     tile it - 1; its warp zeroes the values of the keys past a batch element's key length
-//     that a tile brings in (see the producer);
-//   warpgroups 1 and 2, the consumers (setmaxnreg.inc 240): 64 query rows each. Per key tile:
+//     that a tile brings in (see the producer); its other three warps load each item's Q;
+//   warpgroups 1 and 2, the consumers (setmaxnreg.inc 232): 64 query rows each. Per key tile:
 //     S = Q K^T by wgmma m64n{kBlockN}k16 (Q and K from shared memory), the online softmax in fp32
 //     registers (base 2, masked only on tiles that cross a row's visible limit), P converted
 //     in registers into wgmma's A fragment, O += P V by wgmma m64nDk16 (V N-major from shared
@@ -17,17 +19,20 @@
 //     pipelines: a K stage is not held through the P V that follows it). The softmax of one
 //     tile runs while the previous tile's P V is in flight (intra-warpgroup overlap, see the
 //     main loop).
-// Q is loaded once by all threads with plain 16-byte loads (its packed rows span query heads, a
-// shape no tensor map describes) into the same swizzled layout, then fence.proxy.async.
+// Q is loaded per item by the producer's warps 1-3 with plain 16-byte loads (its packed rows span
+// query heads, a shape no tensor map describes) into the same swizzled layout, then
+// fence.proxy.async, one consumer's half at a time, as soon as that consumer's last S of the
+// previous item has landed (a full and an empty mbarrier per half). The rings and all barrier
+// phases run on from item to item, so the next item's first K/V tiles load under this one's end.
 //
 // Semantics are those of the mma.sync family (../attn_params.h): bottom-right causal per batch
 // element, key_lengths clamped into [0, Lk], the query heads of a GQA/MQA group packed into rows
 // (r = (h - hkv * group) * Lq + i), lse in natural log, rows that see no key give 0 and -inf.
 // Key tiles past every row's visible limit are never loaded (causal tiles skipped).
 //
-// Split-K (long keys, few query tiles): CTA `split` of num_splits takes an equal share of the
-// key tiles and writes fp32 partials (o_partial, lse_partial of ../attn_params.h), merged by
-// the mma.sync family's combine kernel (../attn_fwd_kernel.cuh), which only reads them.
+// Split-K (long keys, few query tiles): the item of split `split` of num_splits takes an equal
+// share of the key tiles and writes fp32 partials (o_partial, lse_partial of ../attn_params.h),
+// merged by the mma.sync family's combine kernel (../attn_fwd_kernel.cuh), which only reads them.
 //
 // The two consumer warpgroups take turns issuing their products (ping-pong, named barriers).
 //
