@@ -25,9 +25,13 @@ enum Feature : unsigned {
   kWindow = 1u << 4,
   kSoftcap = 1u << 5,  // tanh capping of the scaled scores (ModeParams::softcap)
   kAlibi = 1u << 6,    // ALiBi slopes (ModeParams::alibi)
+  kVarlen = 1u << 7,   // packed variable-length sequences (ModeParams::cu_seqlens_q / _k)
+  kCacheBatchIdx = 1u << 8,  // K/V batch rows chosen per batch element (ModeParams::kv_batch_idx)
+  kPaged = 1u << 9,    // paged K/V through a block table (ModeParams::block_table)
 };
-constexpr const char* kFeatureNames[] = {"attn_mask", "mask_grad", "dropout", "top_left", "window", "softcap", "alibi"};
-constexpr int kNumFeatures = 7;
+constexpr const char* kFeatureNames[] = {"attn_mask", "mask_grad", "dropout", "top_left", "window",
+                                         "softcap",   "alibi",     "varlen",  "cache_batch_idx", "paged"};
+constexpr int kNumFeatures = 10;
 
 // ---- cpu family (csrc/cpu/) ------------------------------------------------------------------
 // dtypes float32, bfloat16, float16; any head dims D, Dv in [1, kCpuMaxHeadDim] (D != Dv allowed).
