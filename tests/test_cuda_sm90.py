@@ -69,6 +69,7 @@ class Sm90Emulator:
         lib.mhk_emu_sm90_config.argtypes = [ctypes.c_int, ctypes.c_void_p]
         lib.mhk_emu_sm90_fwd_fault.argtypes = [ctypes.c_int]
         lib.mhk_emu_sm90_set_sms.argtypes = [ctypes.c_int]
+        lib.mhk_emu_sm90_work_tiles.argtypes = [ctypes.c_int] * 7 + [ctypes.c_void_p, ctypes.c_int]
 
     def config(self, D: int) -> tuple:
         """(query rows, keys per stage, K stages, dynamic smem, V stages) of the compiled
@@ -475,6 +476,19 @@ def test_sm90_forward_early_stage_release_fails(emu, fault):
         emu.fault(0)
         emu.schedule(None)
     assert any("a wgmma in flight still reads" in c for c in caught), (fault, caught)
+
+
+def test_sm90_work_items_run_heaviest_first(emu):
+    # Causal self-attention, Lq = Lk = 1000 (8 row tiles of 128), 2 batches x 3 KV heads: the
+    # grid takes the row tiles from the last (8 key tiles) to the first (1), every item of one
+    # row tile together; without causal masking every item is as long (8 tiles).
+    out = (ctypes.c_int * 64)()
+    n = emu.lib.mhk_emu_sm90_work_tiles(2, 3, 1, 1000, 1000, 1, 1, out, 64)
+    tiles = list(out[:n])
+    assert n == 48 and tiles == sorted(tiles, reverse=True) and tiles[0] == 8 and tiles[-1] == 1, tiles
+    assert sorted(tiles) == sorted([t for t in range(1, 9) for _ in range(6)])
+    n = emu.lib.mhk_emu_sm90_work_tiles(2, 3, 1, 1000, 1000, 0, 1, out, 64)
+    assert set(out[:n]) == {8}
 
 
 def test_sm90_persistent_grid_is_the_one_item_per_cta_grid(rnd):

@@ -190,6 +190,29 @@ int mhk_emu_sm90_set_sms(int n) {
   return old;
 }
 
+// The key tiles of each work item of the sm90 forward (D 128 tiles), in the order the grid
+// takes them (attn_fwd_sm90_kernel.cuh fwd_work_block): out[w] for w < n_items. Returns the
+// number of items (at most cap written).
+int mhk_emu_sm90_work_tiles(int B, int Hkv, int group, int Lq, int Lk, int causal, int num_splits, int* out, int cap) {
+  using C = mhakern::cuda::sm90::FwdConfigSm90<128>;
+  FwdParams p;
+  p.B = B;
+  p.Hkv = Hkv;
+  p.H = Hkv * group;
+  p.group = group;
+  p.Lq = Lq;
+  p.Lk = Lk;
+  p.D = 128;
+  p.causal = causal != 0;
+  p.num_splits = num_splits;
+  const int n_mtiles = (group * Lq + C::kBlockM - 1) / C::kBlockM;
+  const int n = B * Hkv * n_mtiles * num_splits;
+  for (int w = 0; w < n && w < cap; ++w)
+    out[w] = mhakern::cuda::sm90::row_tile_work<C::kBlockM, C::kBlockN>(
+                 p, mhakern::cuda::sm90::fwd_work_block(p, n_mtiles, w)).n_tiles;
+  return n;
+}
+
 // What the compiled sm90 forward config (FwdConfigSm90<D>) holds, for tests to compare with
 // capabilities.h: out = {query rows, keys per stage, K stages, dynamic shared memory asked,
 // V stages}.
