@@ -261,7 +261,7 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
       // once on the first round: a fresh barrier's phase of parity 1 counts as complete), then
       // copy tile `it` into it. Stage and parity advance as counters (no division), in every
       // lane (only lane 0 copies; the warp needs the straddling tile's stage); addresses are
-      // shared-memory numbers (24 registers: 64-bit pointers spilled).
+      // shared-memory numbers (with 64-bit pointers the producer spilled at 24 registers).
       // (A ring's state is its stage and parity only: its addresses are base + constants.)
       struct Ring {
         int s = 0;
