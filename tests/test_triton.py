@@ -123,6 +123,39 @@ def test_kernels_import_nothing_from_mhakern():
                 assert name.split(".")[0] != "mhakern", f"{path.name}:{node.lineno} imports {name}"
 
 
+def test_kernel_modules_import_one_way_and_no_private_names():
+    # tiles.py (jit helpers) and launch.py (host helpers) serve the kernel modules; no module
+    # takes another's underscored names, and the graph of imports inside kernels/ has no cycle
+    # (the package's __init__ counts as the module "__init__").
+    import ast
+
+    graph = {}
+    for path in _kernel_sources():
+        deps = graph.setdefault(path.stem, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                for alias in node.names:
+                    if node.module:
+                        deps.add(node.module)
+                        assert not alias.name.startswith("_"), f"{path.name}:{node.lineno} imports {alias.name}"
+                    else:
+                        deps.add(alias.name if (path.parent / f"{alias.name}.py").exists() else "__init__")
+    seen, done = set(), set()
+
+    def visit(mod, trail):
+        assert mod not in seen - done, f"import cycle: {' -> '.join(trail + [mod])}"
+        if mod in done:
+            return
+        seen.add(mod)
+        for dep in graph.get(mod, ()):
+            visit(dep, trail + [mod])
+        done.add(mod)
+
+    for mod in graph:
+        visit(mod, [])
+    assert graph["attention_fwd"] >= {"tiles", "launch"} and not graph["tiles"] & {"attention_fwd", "attention_bwd"}
+
+
 class _GridRecorder:
     """Stands in for a kernel: records each launch's grid instead of running it."""
 

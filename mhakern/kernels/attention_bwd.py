@@ -41,6 +41,7 @@ from .heuristics import (
     packed_rows,
 )
 from .launch import (
+    INTERPRET,
     ModeArgs,
     arch_of,
     check_buffer,
@@ -51,19 +52,19 @@ from .launch import (
     tile_modes,
 )
 from .tiles import (
-    _band,
-    _diag,
-    _drop_rows,
-    _idx,
-    _keep,
-    _key_length,
-    _load_rows,
-    _load_tile,
-    _mask_scores,
-    _row_tile,
-    _row_tile_modes,
-    _store_tile,
-    _unfold_rows_grid,
+    band_edges,
+    diagonal,
+    drop_rows,
+    elem_idx,
+    keep_bits,
+    key_length,
+    load_rows,
+    load_tile,
+    mask_scores,
+    row_tile,
+    row_tile_modes,
+    store_tile,
+    unfold_rows_grid,
 )
 
 
@@ -72,15 +73,15 @@ def _bwd_delta_kernel(
     O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_db, stride_dh, stride_dm, H, Lq,
     DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, IDX64: tl.constexpr,
 ):
-    # Flat grid: row tiles fastest, then heads, then batch elements (see _unfold_rows_grid).
-    pid_m, h, b = _unfold_rows_grid(H, Lq, 1, BLOCK_M)
+    # Flat grid: row tiles fastest, then heads, then batch elements (see unfold_rows_grid).
+    pid_m, h, b = unfold_rows_grid(H, Lq, 1, BLOCK_M)
     b = b.to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < Lq
-    h = _idx(h, IDX64)
-    rows = _idx(offs_m, IDX64)
-    o = _load_tile(O + b * stride_ob, h * stride_oh + rows * stride_om, row_ok, DV, BLOCK_DV, True)
-    do = _load_tile(DO + b * stride_db, h * stride_dh + rows * stride_dm, row_ok, DV, BLOCK_DV, True)
+    h = elem_idx(h, IDX64)
+    rows = elem_idx(offs_m, IDX64)
+    o = load_tile(O + b * stride_ob, h * stride_oh + rows * stride_om, row_ok, DV, BLOCK_DV, True)
+    do = load_tile(DO + b * stride_db, h * stride_dh + rows * stride_dm, row_ok, DV, BLOCK_DV, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + (b * H + h) * Lq + offs_m, delta, mask=offs_m < Lq)
 
@@ -123,22 +124,22 @@ def _dkdv_rows(
         row_ok = r < rows_total
         hh = head0 + r // Lq
         i = r % Lq
-        q = _load_rows(Q + q_base_b, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
-        do = _load_rows(DO + do_base_b, hh, i, stride_dh, stride_dm, row_ok, DV, BLOCK_DV, IDX64)
+        q = load_rows(Q + q_base_b, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
+        do = load_rows(DO + do_base_b, hh, i, stride_dh, stride_dm, row_ok, DV, BLOCK_DV, IDX64)
         row_idx = (b * H + hh) * Lq + i
         lse = _load_lse(LSE, row_idx, row_ok)
         delta = tl.load(DELTA + row_idx, mask=row_ok, other=0.0)
         # Transposed scores (keys x rows): keeps dK and dV as (BLOCK_N, D) accumulators.
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * sm_scale
         if MASK_KIND != 0:
-            m_off = _idx(hh, IDX64) * stride_mh + _idx(i, IDX64) * stride_mm
-            ptrs = MASK + b * stride_mb + (m_off[None, :] + _idx(offs_n, IDX64)[:, None] * stride_mn)
-            s_t, mvis = _mask_scores(s_t, ptrs, (offs_n[:, None] < lk_b) & row_ok[None, :], MASK_KIND)
+            m_off = elem_idx(hh, IDX64) * stride_mh + elem_idx(i, IDX64) * stride_mm
+            ptrs = MASK + b * stride_mb + (m_off[None, :] + elem_idx(offs_n, IDX64)[:, None] * stride_mn)
+            s_t, mvis = mask_scores(s_t, ptrs, (offs_n[:, None] < lk_b) & row_ok[None, :], MASK_KIND)
         if MASKED:
             # Hidden pairs get -inf before exp: a hidden logit far above lse would overflow.
             vis = (offs_n[:, None] < lk_b) & row_ok[None, :]
             if BAND:
-                kmin, kmax = _band(i, lk_b, Lq, win_l, win_r, TOP_LEFT)
+                kmin, kmax = band_edges(i, lk_b, Lq, win_l, win_r, TOP_LEFT)
                 vis = vis & (offs_n[:, None] <= kmax[None, :]) & (offs_n[:, None] >= kmin[None, :])
             elif CAUSAL:
                 vis = vis & (offs_n[:, None] <= (i + lk_b - Lq)[None, :])
@@ -150,7 +151,7 @@ def _dkdv_rows(
         live = s_t != float("-inf")
         p_t = tl.where(live, tl.exp(s_t - lse[None, :]), 0.0)
         if DROPOUT:
-            keep_t = _keep(_drop_rows(seed_lo, seed_hi, b, H, hh, i)[None, :], offs_n[:, None], drop_thr)
+            keep_t = keep_bits(drop_rows(seed_lo, seed_hi, b, H, hh, i)[None, :], offs_n[:, None], drop_thr)
             dv += tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, input_precision=PREC)
         else:
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
@@ -223,7 +224,7 @@ def _band_row_range(n0, lk_b, Lq, rows_total, heads_per_prog, win_l, win_r,
     with i), so it meets the block when n0 - off - R <= i <= n1 - off + L and covers it when
     n1 - off - R <= i <= n0 - off + L. Tiles packing several heads take every row, masked."""
     n1 = n0 + BLOCK_N - 1
-    off = _diag(0, lk_b, Lq, TOP_LEFT)
+    off = diagonal(0, lk_b, Lq, TOP_LEFT)
     m_lo = (tl.maximum(n0 - off - win_r, 0) // BLOCK_M) * BLOCK_M
     m_hi = tl.minimum(n1 - off + win_l + 1, rows_total)
     m_hi = tl.where(n0 < lk_b, tl.maximum(m_hi, m_lo), m_lo)
@@ -261,7 +262,7 @@ def _attn_bwd_dkdv_body(
     DROPOUT: tl.constexpr = False, DQACC=None, SEM=None, DMASK=None, FUSED: tl.constexpr = False,
     DETERMINISTIC: tl.constexpr = False, SEQUENTIAL: tl.constexpr = False, MASK_GRAD: tl.constexpr = False,
 ):
-    # Flat grid: key blocks fastest, then KV heads, then batch elements (see _unfold_rows_grid).
+    # Flat grid: key blocks fastest, then KV heads, then batch elements (see unfold_rows_grid).
     pid = tl.program_id(0)
     if FUSED:
         if DETERMINISTIC:
@@ -278,15 +279,15 @@ def _attn_bwd_dkdv_body(
     pid_n = pid % n_blocks
     kvh = ((pid // n_blocks) % Hkv).to(tl.int64)
     b = (pid // n_blocks // Hkv).to(tl.int64)
-    lk_b = _key_length(KL, b, Lk, HAS_KL)
+    lk_b = key_length(KL, b, Lk, HAS_KL)
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     key_in = offs_n < Lk
     # Keys past this element's length are loaded as zeros: their gradients are 0 whatever they
     # hold (a NaN value would otherwise reach dK through dP).
     key_vis = offs_n < lk_b
-    k = _load_tile(K + b * stride_kb + kvh * stride_kh, _idx(offs_n, IDX64) * stride_kn, key_vis, D, BLOCK_D, True)
-    v = _load_tile(V + b * stride_vb + kvh * stride_vh, _idx(offs_n, IDX64) * stride_vn, key_vis, DV, BLOCK_DV, True)
+    k = load_tile(K + b * stride_kb + kvh * stride_kh, elem_idx(offs_n, IDX64) * stride_kn, key_vis, D, BLOCK_D, True)
+    v = load_tile(V + b * stride_vb + kvh * stride_vh, elem_idx(offs_n, IDX64) * stride_vn, key_vis, DV, BLOCK_DV, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     rows_total = heads_per_prog * Lq
@@ -360,9 +361,9 @@ def _attn_bwd_dkdv_body(
     dk = dk * sm_scale
     if DROPOUT:
         dv = dv * drop_scale
-    _store_tile(DK + b * stride_dkb + kvh * stride_dkh, _idx(offs_n, IDX64) * stride_dkn, key_in,
+    store_tile(DK + b * stride_dkb + kvh * stride_dkh, elem_idx(offs_n, IDX64) * stride_dkn, key_in,
                 dk.to(DK.dtype.element_ty), D, BLOCK_D)
-    _store_tile(DV_ + b * stride_dvb + kvh * stride_dvh, _idx(offs_n, IDX64) * stride_dvn, key_in,
+    store_tile(DV_ + b * stride_dvb + kvh * stride_dvh, elem_idx(offs_n, IDX64) * stride_dvn, key_in,
                 dv.to(DV_.dtype.element_ty), DV, BLOCK_DV)
 
 
@@ -467,15 +468,15 @@ def _dq_inner(
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + offs_n0
         key_ok = offs_n < lk_b
-        k = _load_tile(k_base, _idx(offs_n, IDX64) * stride_kn, key_ok, D, BLOCK_D, MASKED)
-        v = _load_tile(v_base, _idx(offs_n, IDX64) * stride_vn, key_ok, DV, BLOCK_DV, MASKED)
+        k = load_tile(k_base, elem_idx(offs_n, IDX64) * stride_kn, key_ok, D, BLOCK_D, MASKED)
+        v = load_tile(v_base, elem_idx(offs_n, IDX64) * stride_vn, key_ok, DV, BLOCK_DV, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale
         if MASK_KIND != 0:
-            ptrs = m_base + (m_off[:, None] + _idx(offs_n, IDX64)[None, :] * stride_mn)
+            ptrs = m_base + (m_off[:, None] + elem_idx(offs_n, IDX64)[None, :] * stride_mn)
             if MASKED:
-                s, mvis = _mask_scores(s, ptrs, row_ok[:, None] & key_ok[None, :], MASK_KIND)
+                s, mvis = mask_scores(s, ptrs, row_ok[:, None] & key_ok[None, :], MASK_KIND)
             else:
-                s, mvis = _mask_scores(s, ptrs, row_ok[:, None], MASK_KIND)
+                s, mvis = mask_scores(s, ptrs, row_ok[:, None], MASK_KIND)
         if MASKED:
             vis = key_ok[None, :] & (offs_n[None, :] <= kmax[:, None])
             if BAND:
@@ -484,7 +485,7 @@ def _dq_inner(
         p = tl.exp(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         if DROPOUT:
-            dp = tl.where(_keep(r_drop[:, None], offs_n[None, :], drop_thr), dp * drop_scale, 0.0)
+            dp = tl.where(keep_bits(r_drop[:, None], offs_n[None, :], drop_thr), dp * drop_scale, 0.0)
         # As in dK/dV: pairs with a -inf score give exactly 0, even against a NaN or inf in a
         # value the row does not see; k's non-finite entries are zeroed as q's are there.
         ds = tl.where(s != float("-inf"), p * (dp - delta[:, None]), 0.0)
@@ -515,16 +516,16 @@ def _attn_bwd_dq_body(
     BAND: tl.constexpr = False, TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
     DROPOUT: tl.constexpr = False, MASK_GRAD: tl.constexpr = False,
 ):
-    pid_m, pid_h, b = _unfold_rows_grid(H, Lq, heads_per_prog, BLOCK_M)
+    pid_m, pid_h, b = unfold_rows_grid(H, Lq, heads_per_prog, BLOCK_M)
     b = b.to(tl.int64)
-    r, row_ok, hh, i, i_lo, i_hi, kvh = _row_tile(pid_m, pid_h, heads_per_prog, n_rep, Lq, BLOCK_M)
-    lk_b = _key_length(KL, b, Lk, HAS_KL)
-    q = _load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
-    do = _load_rows(DO + b * stride_db, hh, i, stride_dh, stride_dm, row_ok, DV, BLOCK_DV, IDX64)
+    r, row_ok, hh, i, i_lo, i_hi, kvh = row_tile(pid_m, pid_h, heads_per_prog, n_rep, Lq, BLOCK_M)
+    lk_b = key_length(KL, b, Lk, HAS_KL)
+    q = load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
+    do = load_rows(DO + b * stride_db, hh, i, stride_dh, stride_dm, row_ok, DV, BLOCK_DV, IDX64)
     row_idx = (b * H + hh) * Lq + i
     lse = _load_lse(LSE, row_idx, row_ok)
     delta = tl.load(DELTA + row_idx, mask=row_ok, other=0.0)
-    kmin, kmax, start, full_lo, full, hi, m_base, m_off, r_drop = _row_tile_modes(
+    kmin, kmax, start, full_lo, full, hi, m_base, m_off, r_drop = row_tile_modes(
         i, i_lo, i_hi, hh, b, lk_b, H, Lq, win_l, win_r, seed_lo, seed_hi, MASK, stride_mb, stride_mh, stride_mm,
         BLOCK_N, CAUSAL, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT)
     dm_row = DMASK
@@ -550,7 +551,7 @@ def _attn_bwd_dq_body(
         D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC, IDX64, BAND, MASK_KIND, DROPOUT, MASK_GRAD,
     )
     dq = dq * sm_scale
-    _store_tile(DQ + b * stride_dqb, _idx(hh, IDX64) * stride_dqh + _idx(i, IDX64) * stride_dqm, row_ok,
+    store_tile(DQ + b * stride_dqb, elem_idx(hh, IDX64) * stride_dqh + elem_idx(i, IDX64) * stride_dqm, row_ok,
                 dq.to(DQ.dtype.element_ty), D, BLOCK_D)
 
 
@@ -696,8 +697,6 @@ def _fused_backward(q, k, v, dout, lse, delta, dq, dk, dv, kl, mask, dmask, kv_a
     Deterministic: a zeroed int32 buffer holds the ticket counter (slot 0), the interpreter's
     order-error flag (slot 1) and one lock per row tile of dQ (see _fused_dq_add); the adds of
     each row tile follow the key-block order."""
-    from . import INTERPRET
-
     B, H, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
     n_rep = H // Hkv
@@ -731,3 +730,14 @@ def _lock_buffer(n: int, device) -> torch.Tensor:
     """The fused kernel's zeroed int32 ticket counter (slot 0) and locks (a function of its own
     so that a test can hand the kernel a schedule that breaks the order)."""
     return torch.zeros((n,), dtype=torch.int32, device=device)
+
+
+#: The kernels of this module by the AOT check's names (mhakern/kernels/aot.py).
+KERNELS = {
+    "delta": _bwd_delta_kernel,
+    "dkdv": _attn_bwd_dkdv_kernel, "dkdv+modes": _attn_bwd_dkdv_modes_kernel,
+    "dq": _attn_bwd_dq_kernel, "dq+modes": _attn_bwd_dq_modes_kernel,
+    "fused": _attn_bwd_fused_kernel, "fused+modes": _attn_bwd_fused_modes_kernel,
+}
+
+__all__ = ["attention_backward", "KERNELS"]

@@ -28,7 +28,7 @@ to the code above and nothing more:
   sees whole run unmasked; only the boundary blocks on either side are masked.
 * ``MASK_KIND`` 1 (bool, True = attend) or 2 (float bias added to the scaled scores, -inf
   hides): read through the four strides of the (B, H, Lq, Lk) expanded view, never copied.
-* ``DROPOUT``: the contract's counter hash (``_mix32``, lowbias32) on (seed, b, h, i, j) in
+* ``DROPOUT``: the contract's counter hash (``mix32``, lowbias32) on (seed, b, h, i, j) in
   uint32 arithmetic, h the query head; probabilities of dropped pairs leave the sum ``l`` (lse
   is that of the undropped softmax) but not the output, which takes ``1 / (1 - p)`` once at
   the end.
@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import attention_fwd_desc
 from .heuristics import (
     MAX_SPLITS,
     desc_eligible,
@@ -59,16 +60,16 @@ from .launch import (
     tile_modes,
 )
 from .tiles import (
-    _idx,
-    _keep,
-    _key_length,
-    _load_rows,
-    _load_tile,
-    _mask_scores,
-    _row_tile,
-    _row_tile_modes,
-    _store_tile,
-    _unfold_rows_grid,
+    elem_idx,
+    keep_bits,
+    key_length,
+    load_rows,
+    load_tile,
+    mask_scores,
+    row_tile,
+    row_tile_modes,
+    store_tile,
+    unfold_rows_grid,
 )
 
 
@@ -84,14 +85,14 @@ def _fwd_inner(
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + offs_n0
         key_ok = offs_n < lk_b
-        k = _load_tile(k_base, _idx(offs_n, IDX64) * stride_kn, key_ok, D, BLOCK_D, MASKED)
+        k = load_tile(k_base, elem_idx(offs_n, IDX64) * stride_kn, key_ok, D, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale
         if MASK_KIND != 0:
-            ptrs = m_base + (m_off[:, None] + _idx(offs_n, IDX64)[None, :] * stride_mn)
+            ptrs = m_base + (m_off[:, None] + elem_idx(offs_n, IDX64)[None, :] * stride_mn)
             if MASKED:
-                s, mvis = _mask_scores(s, ptrs, row_ok[:, None] & key_ok[None, :], MASK_KIND)
+                s, mvis = mask_scores(s, ptrs, row_ok[:, None] & key_ok[None, :], MASK_KIND)
             else:
-                s, mvis = _mask_scores(s, ptrs, row_ok[:, None], MASK_KIND)
+                s, mvis = mask_scores(s, ptrs, row_ok[:, None], MASK_KIND)
         if MASKED:
             vis = key_ok[None, :] & (offs_n[None, :] <= kmax[:, None])
             if BAND:
@@ -103,7 +104,7 @@ def _fwd_inner(
         p = tl.math.exp2((s - m_safe[:, None]) * 1.4426950408889634)
         alpha = tl.math.exp2((m_i - m_safe) * 1.4426950408889634)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(v_base, _idx(offs_n, IDX64) * stride_vn, key_ok, DV, BLOCK_DV, MASKED)
+        v = load_tile(v_base, elem_idx(offs_n, IDX64) * stride_vn, key_ok, DV, BLOCK_DV, MASKED)
         if MASK_KIND != 0:
             # Values of keys that no row of the tile sees (a masked column, or outside every
             # row's band) become 0, so that a NaN there cannot reach the output through 0 * NaN.
@@ -118,7 +119,7 @@ def _fwd_inner(
             seen_any = (offs_n >= tl.min(kmin, 0)) & (offs_n <= tl.max(kmax, 0)) & key_ok
             v = tl.where(seen_any[:, None], v, 0.0)
         if DROPOUT:
-            p = tl.where(_keep(r_drop[:, None], offs_n[None, :], drop_thr), p, 0.0)
+            p = tl.where(keep_bits(r_drop[:, None], offs_n[None, :], drop_thr), p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -140,14 +141,14 @@ def _attn_fwd_body(
     BAND: tl.constexpr = False, TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
     DROPOUT: tl.constexpr = False, split=0, num_splits=1, SPLIT: tl.constexpr = False,
 ):
-    pid_m, pid_h, b = _unfold_rows_grid(H, Lq, heads_per_prog, BLOCK_M)
+    pid_m, pid_h, b = unfold_rows_grid(H, Lq, heads_per_prog, BLOCK_M)
     b = b.to(tl.int64)
-    r, row_ok, hh, i, i_lo, i_hi, kvh = _row_tile(pid_m, pid_h, heads_per_prog, n_rep, Lq, BLOCK_M)
-    lk_b = _key_length(KL, b, Lk, HAS_KL)
-    q = _load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
+    r, row_ok, hh, i, i_lo, i_hi, kvh = row_tile(pid_m, pid_h, heads_per_prog, n_rep, Lq, BLOCK_M)
+    lk_b = key_length(KL, b, Lk, HAS_KL)
+    q = load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
     k_base = K + b * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = V + b * stride_vb + kvh.to(tl.int64) * stride_vh
-    kmin, kmax, start, full_lo, full, hi, m_base, m_off, r_drop = _row_tile_modes(
+    kmin, kmax, start, full_lo, full, hi, m_base, m_off, r_drop = row_tile_modes(
         i, i_lo, i_hi, hh, b, lk_b, H, Lq, win_l, win_r, seed_lo, seed_hi, MASK, stride_mb, stride_mh, stride_mm,
         BLOCK_N, CAUSAL, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT)
     if SPLIT:
@@ -188,7 +189,7 @@ def _attn_fwd_body(
     else:
         out = acc / l_safe[:, None]
     lse = tl.where(seen, m_i + tl.log(l_safe), float("-inf"))
-    _store_tile(O + b * stride_ob, _idx(hh, IDX64) * stride_oh + _idx(i, IDX64) * stride_om, row_ok,
+    store_tile(O + b * stride_ob, elem_idx(hh, IDX64) * stride_oh + elem_idx(i, IDX64) * stride_om, row_ok,
                 out.to(O.dtype.element_ty), DV, BLOCK_DV)
     tl.store(LSE + (b * H + hh) * Lq + i, lse, mask=row_ok)
 
@@ -298,8 +299,7 @@ def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths
     # the call is split (one program per row tile would leave most multiprocessors idle).
     if splits == 1 and desc_eligible(q, k, v, out, attn_mask=attn_mask, dropout_p=dropout_p, top_left=top_left,
                                      window_left=window_left, window_right=window_right):
-        from .attention_fwd_desc import desc_forward
-        return desc_forward(q, k, v, out, lse, scale, causal, key_lengths)
+        return attention_fwd_desc.desc_forward(q, k, v, out, lse, scale, causal, key_lengths)
     check_buffer("out", out, (B, H, Lq, Dv), q.dtype, q)
     check_buffer("lse", lse, (B, H, Lq), torch.float32, q, contiguous=True)
     kl = key_lengths if key_lengths is not None else lse  # unused pointer when HAS_KL is False
@@ -359,5 +359,7 @@ def _split_forward(q, k, v, out, lse, kl, scale, splits, hpp, grid, common):
     lse.copy_(total)
 
 
-__all__ = ["attention_forward", "force_splits", "fwd_splits", "ModeArgs", "tile_modes", "launch_geometry", "precision", "on_device", "check_buffer", "MAX_PROGRAMS",
-           "needs_64bit_offsets", "arch_of"]
+#: The kernels of this module by the AOT check's names (mhakern/kernels/aot.py).
+KERNELS = {"fwd": _attn_fwd_kernel, "fwdsplit": _attn_fwd_split_kernel, "fwd+modes": _attn_fwd_modes_kernel}
+
+__all__ = ["attention_forward", "force_splits", "fwd_splits", "KERNELS"]

@@ -3,11 +3,17 @@ and multiprocessors, launch geometry, output-buffer checks and the modes' launch
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import triton
 
 from .heuristics import packed_rows, row_block
+
+
+# Whether Triton runs in interpreter mode: read here, before any kernel module defines its
+# kernels, which is when Triton reads the switch.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -55,7 +61,7 @@ def arch_of(t: torch.Tensor) -> int:
 
 def launch_geometry(B: int, H: int, Hkv: int, Lq: int, block_m: int):
     """(heads per program, row tile, grid) of the forward and dQ kernels: a flat grid of
-    row tiles x head groups x batch elements (see ``_unfold_rows_grid``)."""
+    row tiles x head groups x batch elements (see ``unfold_rows_grid``)."""
     n_rep = H // Hkv
     hpp = packed_rows(Lq, n_rep, block_m)
     bm = row_block(hpp * Lq, block_m)
