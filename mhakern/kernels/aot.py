@@ -75,7 +75,8 @@ class Variant:
 # Pointer arguments of the kernels by name (the rest are i32 sizes and strides, or fp32 scales).
 _FP32_PTRS = {"LSE", "DELTA", "OP", "LSEP", "DQACC"}
 _DATA_PTRS = {"Q", "K", "V", "O", "DO", "DK", "DV_", "DQ"}
-_OTHER_PTRS = {"KL": "*i32", "MASK": "*u8", "DMASK": "*fp32", "SEM": "*i32"}
+_OTHER_PTRS = {"KL": "*i32", "MASK": "*u8", "DMASK": "*fp32", "SEM": "*i32", "SLOPES": "*fp32"}
+_FP32_SCALARS = {"softcap"}  # besides the ``*scale*`` ones
 # The mask pointer's type per MASK_KIND: without a mask the launchers pass an fp32 buffer
 # (lse or delta) in its place, a bool mask travels as its uint8 view, a float mask is fp32.
 _MASK_PTR = {0: "*fp32", 1: "*u8", 2: "*fp32"}
@@ -89,7 +90,12 @@ MODE_SETS = {
     "mask2": dict(MASK_KIND=2),
     "mask2grad": dict(MASK_KIND=2, MASK_GRAD=True),
     "dropout": dict(DROPOUT=True),
-    "all": dict(BAND=True, TOP_LEFT=True, MASK_KIND=2, DROPOUT=True, MASK_GRAD=True),
+    # The score modifiers (softcap, ALiBi): switches of the modes kernels and of the split-K
+    # forward ("fwdsplit+modifiers"), which is built for the sets whose switches it has.
+    "softcap": dict(SOFTCAP=True),
+    "alibi": dict(ALIBI=True),
+    "modifiers": dict(SOFTCAP=True, ALIBI=True),
+    "all": dict(BAND=True, TOP_LEFT=True, MASK_KIND=2, DROPOUT=True, MASK_GRAD=True, SOFTCAP=True, ALIBI=True),
 }
 
 _SIZES = {"H"}  # upper-case names that are not pointers
@@ -116,7 +122,7 @@ def signature_of(kernel, dtype, descs=None) -> dict:
         elif name.isupper() and name not in _SIZES:
             raise ValueError(f"aot: {kernel.fn.__name__} takes {name}, a pointer of unknown type: name it in _OTHER_PTRS")
         else:
-            sig[name] = "fp32" if "scale" in name else "i32"
+            sig[name] = "fp32" if ("scale" in name or name in _FP32_SCALARS) else "i32"
     return sig
 
 
@@ -168,12 +174,15 @@ def variants(arch: int, dtypes=("fp16", "bf16", "fp32"), dims=ALL_DIMS, flags=((
             ms = MODE_SETS[mode]
             kw = dict(band=ms.get("BAND", False), mask_kind=ms.get("MASK_KIND", 0), dropout=ms.get("DROPOUT", False))
             for name, kernel, config in (("fwd", K["fwd+modes"], fwd_config),
+                                         ("fwdsplit", K["fwdsplit"], fwd_config),
                                          ("dkdv", K["dkdv+modes"], dkdv_config),
                                          ("dq", K["dq+modes"], dq_config),
                                          ("fused", K["fused+modes"], fused_config)):
                 ce = {n: val for n, val in ms.items() if n in constexpr_defaults(kernel)}
                 if mode == "mask2grad" and "MASK_GRAD" not in ce:
                     continue  # the mask's gradient is the dQ kernel's (or the fused one's)
+                if name == "fwdsplit" and len(ce) < len(ms):
+                    continue  # the split forward takes the score modifiers only
                 cfg = tile or config(d, d, dtype, arch, **kw)
                 yield make(f"{name}/{ty}/d{d}{tag}+{mode}", kernel, cfg,
                            dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **ce))

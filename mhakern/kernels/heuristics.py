@@ -434,18 +434,16 @@ def plan_fwd_splits(programs: int, key_blocks: int, rows: int, dv: int, num_sms:
     return max(1, min(by_occupancy, by_keys, by_memory, MAX_SPLITS))
 
 
-def desc_eligible(q, k, v, out, *, attn_mask=None, dropout_p: float = 0.0, top_left: bool = False,
-                  window_left: int = -1, window_right: int = -1) -> bool:
+def desc_eligible(q, k, v, out, *, plain: bool = True) -> bool:
     """Whether the forward goes through tensor descriptors (mhakern/kernels/attention_fwd_desc.py).
 
-    Only calls without modes (no mask, no dropout, bottom-right alignment, no window: those live
-    in the pointer kernel), in fp16/bf16 (fp32 multiplies with FMA, where TMA buys nothing), on
-    sm_90 or newer (TMA) unless DESC_MODE forces it, with a triton that has descriptors and
-    tensors TMA can address. Everything else takes the pointer path of attention_fwd.py.
+    Only ``plain`` calls (no mode and no score modifier: those live in the pointer kernels; the
+    launcher's ModeArgs says which a call has), in fp16/bf16 (fp32 multiplies with FMA, where
+    TMA buys nothing), on sm_90 or newer (TMA) unless DESC_MODE forces it, with a triton that
+    has descriptors and tensors TMA can address. Everything else takes the pointer path of
+    attention_fwd.py.
     """
-    if DESC_MODE == "0" or q.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    if attn_mask is not None or dropout_p > 0.0 or top_left or window_left >= 0 or window_right >= 0:
+    if not plain or DESC_MODE == "0" or q.dtype not in (torch.float16, torch.bfloat16):
         return False
     if DESC_MODE != "1":
         if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9:

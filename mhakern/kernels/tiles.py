@@ -1,7 +1,8 @@
 """Triton device helpers shared by the forward and backward kernels: the row-tile geometry, key
-lengths and visibility (causal, bands, windows), tile loads and stores, the mask's scores and
-the dropout hash (docs/contract.md). Every function here is ``@triton.jit``; the kernels that
-use them live in attention_fwd.py, attention_fwd_desc.py and attention_bwd.py."""
+lengths and visibility (causal, bands, windows), tile loads and stores, the mask's scores, the
+dropout hash and the score modifiers (softcap, ALiBi; docs/contract.md). Every function here is
+``@triton.jit``; the kernels that use them live in attention_fwd.py, attention_fwd_desc.py and
+attention_bwd.py."""
 import triton
 import triton.language as tl
 
@@ -233,3 +234,57 @@ def keep_bits(r_i, j, drop_thr):
     """Keep bits of the (rows, keys) tile given per-row ``r_i`` and per-key ``j`` laid out for
     broadcasting (``r_i[:, None]`` and ``j[None, :]`` or transposed)."""
     return mix32(r_i + j.to(tl.uint32)) >= drop_thr.to(tl.uint32, bitcast=True)
+
+
+# tanh in fp32 to about an ulp, from what every Triton version and the interpreter have (no
+# libdevice: triton 3.9's interpreter returns None for libdevice.tanh). |x| < 0.625:
+# x + x z P(z), z = x^2, P of degree 4 fitted (least squares, relative error) for this file;
+# max error 1.4 * 2**-24 relative in fp32. Beyond: (1 - e) / (1 + e), e = exp(-2|x|) <= 0.29, so
+# no cancellation; 2.8 * 2**-24 with an exact exp2 (the GPU's ex2.approx adds about 2 ulp).
+# +-inf give +-1, NaN stays NaN.
+@triton.jit
+def tanh_f32(x):
+    a = tl.abs(x)
+    z = x * x
+    small = x + x * z * (-0.333332896 + z * (0.133316174 + z * (-0.0537544340 + z * (0.0206870623
+                                                                                    + z * -0.00575835211))))
+    e = tl.math.exp2(a * -2.8853900817779268)  # exp(-2|x|)
+    big = (1.0 - e) / (1.0 + e)
+    big = tl.where(x < 0, -big, big)
+    return tl.where(a < 0.625, small, big)
+
+
+@triton.jit
+def alibi_rows(SLOPES, slope_sb, slope_sh, b, hh, i, lk_b, Lq, row_ok, TOP_LEFT: tl.constexpr):
+    """Per row (query head ``hh``, position ``i`` of batch element ``b``): its ALiBi slope
+    ``slope[b, hh]`` and its diagonal ``i + off`` in fp32 (exact: positions stay below 2**24)."""
+    slope = tl.load(SLOPES + b * slope_sb + hh * slope_sh, mask=row_ok, other=0.0)
+    return slope, diagonal(i, lk_b, Lq, TOP_LEFT).to(tl.float32)
+
+
+@triton.jit
+def modify_scores(s, softcap, inv_cap, slope, diag, j, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                  KEYS_FIRST: tl.constexpr):
+    """The score modifiers on a tile of scaled scores ``s`` (docs/contract.md, "Score
+    modifiers"): softcap ``s = softcap * tanh(s / softcap)``, then ALiBi ``s -= slope * |diag - j|``
+    with the rows' ``slope`` and ``diag`` (alibi_rows) and the keys ``j``; the tile is (rows,
+    keys), or (keys, rows) with KEYS_FIRST. Returns (scores, tanh): the backward's cap
+    derivative is ``1 - tanh^2``, from the capped value (``tanh`` is ``s`` itself without SOFTCAP)."""
+    t = s
+    if SOFTCAP:
+        t = tanh_f32(s * inv_cap)
+        s = softcap * t
+    if ALIBI:
+        if KEYS_FIRST:
+            s = s - slope[None, :] * tl.abs(diag[None, :] - j.to(tl.float32)[:, None])
+        else:
+            s = s - slope[:, None] * tl.abs(diag[:, None] - j.to(tl.float32)[None, :])
+    return s, t
+
+
+@triton.jit
+def cap_inverse(softcap, SOFTCAP: tl.constexpr):
+    """1 / softcap for modify_scores (computed once per program; unused without SOFTCAP)."""
+    if SOFTCAP:
+        return 1.0 / softcap
+    return softcap
