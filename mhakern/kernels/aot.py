@@ -14,12 +14,14 @@ memory exceeds the chip's limit. A kernel that would not build or fit on a GPU t
 here, in CI.
 
     python -m mhakern.kernels.aot [--arch 80 90] [--dtypes fp16 bf16 fp32] [--dims 16 32 40 64 ...]
-                                  [--all-flags] [--only fwd fwdsplit desc delta dkdv dq fused] [--tile M N WARPS STAGES]
-                                  [--modes [band mask1 mask2 mask2grad dropout all]] [--no-plain]
+                                  [--all-flags] [--only fwd fwdsplit desc delta dkdv dq fused KERNEL+MODE]
+                                  [--tile M N WARPS STAGES] [--no-plain]
+                                  [--modes [band mask1 mask2 mask2grad dropout softcap alibi modifiers all]]
 
 ``--modes`` also builds the mode variants (``_attn_fwd_modes_kernel`` and the three backward
-ones) with the tiles heuristics.tile_config gives those modes on each arch (``--modes`` alone:
-every set in MODE_SETS); ``--no-plain`` leaves out the plain kernels.
+ones; the split-K forward for the score modifiers' sets) with the tiles heuristics.tile_config
+gives those modes on each arch (``--modes`` alone: every set in MODE_SETS); ``--no-plain``
+leaves out the plain kernels.
 
 Prints one row per variant: tile, warps/stages, shared memory, registers, stack bytes, LDL
 count, LDL/STL inside loops, loops with HGMMA / loops with a matrix instruction, TMA loads, the
@@ -172,7 +174,8 @@ def variants(arch: int, dtypes=("fp16", "bf16", "fp32"), dims=ALL_DIMS, flags=((
 
         for mode in modes:
             ms = MODE_SETS[mode]
-            kw = dict(band=ms.get("BAND", False), mask_kind=ms.get("MASK_KIND", 0), dropout=ms.get("DROPOUT", False))
+            kw = dict(band=ms.get("BAND", False), mask_kind=ms.get("MASK_KIND", 0), dropout=ms.get("DROPOUT", False),
+                      modified=ms.get("SOFTCAP", False) or ms.get("ALIBI", False))
             for name, kernel, config in (("fwd", K["fwd+modes"], fwd_config),
                                          ("fwdsplit", K["fwdsplit"], fwd_config),
                                          ("dkdv", K["dkdv+modes"], dkdv_config),
@@ -288,7 +291,8 @@ def check(v: Variant, arch: int, compiled, aligned: bool = True) -> Tuple[List[s
            head_bucket(v.constexprs.get("D", 0), v.constexprs.get("DV", 0)), strides_aligned(v.constexprs))
     modes = mode_class(v.constexprs.get("BAND", False), v.constexprs.get("MASK_KIND", 0),
                        v.constexprs.get("DROPOUT", False))
-    wants_hgmma = v.constexprs.get("PREC") != "ieee" and not allows_mma_sync(*key, modes)
+    modified = v.constexprs.get("SOFTCAP", False) or v.constexprs.get("ALIBI", False)
+    wants_hgmma = v.constexprs.get("PREC") != "ieee" and not allows_mma_sync(*key, modes, modified)
     if arch >= 90 and wants_hgmma and rep.mma_loops > rep.hgmma_loops:
         problems.append(f"{rep.mma_loops - rep.hgmma_loops} matrix loop(s) without HGMMA")
     # The descriptor forward exists for TMA: its key loops must load through it (a triton that
@@ -305,7 +309,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", type=int, nargs="+", default=list(ALL_DIMS), help="head dims (default: %(default)s)")
     ap.add_argument("--all-flags", action="store_true",
                     help="every (causal, key lengths) combination, not only both on")
-    ap.add_argument("--only", nargs="+", default=None, help="kernels to build (fwd fwdsplit desc delta dkdv dq fused; default: all)")
+    ap.add_argument("--only", nargs="+", default=None,
+                    help="kernels to build (fwd fwdsplit desc delta dkdv dq fused, in every mode built; or "
+                         "KERNEL+MODE, that mode variant alone; default: all)")
     ap.add_argument("--unaligned", action="store_true",
                     help="compile without the JIT's divisibility specialisation (strides not multiples of 16)")
     ap.add_argument("--modes", nargs="*", default=None, choices=list(MODE_SETS),
@@ -327,7 +333,8 @@ def main(argv=None) -> int:
         trial = TileConfig(*args.tile) if args.tile else None
         modes = list(MODE_SETS) if args.modes == [] else (args.modes or [])
         for v in variants(arch, args.dtypes, args.dims, flags, trial, modes, plain=not args.no_plain):
-            if args.only and v.name.split("/")[0] not in args.only:
+            kernel, mode = v.name.split("/")[0], v.name.partition("+")[2]
+            if args.only and kernel not in args.only and f"{kernel}+{mode}" not in args.only:
                 continue
             t0 = time.time()
             tile = f"{v.constexprs.get('BLOCK_M', '')}x{v.constexprs.get('BLOCK_N', '-')}"

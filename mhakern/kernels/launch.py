@@ -196,7 +196,7 @@ class ModeArgs:
 def tile_modes(modes: "ModeArgs") -> dict:
     """The modes that choose a launch's tile (heuristics.tile_config's keywords): the table in
     heuristics.py narrows the plain tile for them, per architecture."""
-    return dict(band=modes.band, mask_kind=modes.mask_kind, dropout=modes.dropout)
+    return dict(band=modes.band, mask_kind=modes.mask_kind, dropout=modes.dropout, modified=modes.modified())
 
 
 def _as_i32(x: int) -> int:
