@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import types
 
 import torch
 import triton
@@ -96,6 +97,11 @@ def check_buffer(name: str, t: torch.Tensor, shape, dtype, like: torch.Tensor, c
         raise ValueError(f"{name}: expected unit stride on the last dim, got strides {t.stride()}")
 
 
+# The plain call's record (what ``modes=None`` means), read like mhakern.backends.Modes.
+_PLAIN = types.SimpleNamespace(attn_mask=None, dropout_p=0.0, seed=0, top_left=False, window_left=-1, window_right=-1,
+                               softcap=0.0, alibi_slopes=None, sinks=None)
+
+
 class ModeArgs:
     """The launch arguments of a call's modes, shared by the forward and backward launchers:
     what the kernels read at run time and the constexpr flags that select their variant.
@@ -114,15 +120,11 @@ class ModeArgs:
     """
 
     def __init__(self, B: int, H: int, Lq: int, Lk: int, causal: bool, modes=None, device=None):
-        attn_mask = None if modes is None else modes.attn_mask
-        dropout_p = 0.0 if modes is None else float(modes.dropout_p)
-        seed = 0 if modes is None else int(modes.seed)
-        top_left = False if modes is None else bool(modes.top_left)
-        window_left = -1 if modes is None else int(modes.window_left)
-        window_right = -1 if modes is None else int(modes.window_right)
-        softcap = 0.0 if modes is None else float(modes.softcap)
-        slopes = None if modes is None else modes.alibi_slopes
-        if modes is not None and getattr(modes, "sinks", None) is not None:
+        m = _PLAIN if modes is None else modes
+        attn_mask, slopes = m.attn_mask, m.alibi_slopes
+        dropout_p, seed, softcap = float(m.dropout_p), int(m.seed), float(m.softcap)
+        top_left, window_left, window_right = bool(m.top_left), int(m.window_left), int(m.window_right)
+        if getattr(m, "sinks", None) is not None:
             raise ValueError("sinks: the kernels never see them (the op layer applies them around the forward); "
                              "pass a record without sinks")
         self.band = top_left or window_left >= 0 or window_right >= 0
