@@ -173,7 +173,7 @@ def _attn_fwd_body(
     if ALIBI:
         slope, diag = alibi_rows(SLOPES, slope_sb, slope_sh, b, hh, i, lk_b, Lq, row_ok, TOP_LEFT)
     if SPLIT:
-        # Split-K (plain calls only, so start = full_lo = 0 here): this program takes the split-th
+        # Split-K (no modes, so start = full_lo = 0 here): this program takes the split-th
         # of num_splits equal shares of the tile's key blocks [0, hi), unmasked up to `full` as
         # before. A share past the tile's last key is empty: l stays 0 and its lse -inf.
         per = tl.cdiv(tl.cdiv(hi, BLOCK_N), num_splits) * BLOCK_N

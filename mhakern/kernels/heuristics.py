@@ -339,7 +339,10 @@ def mode_tiles(kernel: str, cfg: TileConfig, *, arch: int = 80, width: str = "16
 # class's row, else the "mask+" one (measured with every mode on: the most code). Kernel names
 # are the kernels' own here (the fused backward spills where dK/dV does not). Each row says
 # what the tile it replaces cost (stack B / local accesses in loops). Registers at the capped
-# tiles: sm_80 fused d128 187, d256 254; sm_90 fused d128 190, dq d128 227, dq d256 156.
+# tiles: sm_80 fused d128 187, d256 254, dq d256 180; sm_90 fused d128 190, dq d128 227,
+# dq d256 128. Known gap: the unaligned d200 fused backward on sm_80 with every mode and a
+# modifier keeps 10 local accesses in its loop at 16x16 (the smallest tile; 4 warps: 77,
+# 16 warps: 36).
 MODIFIER_CAPS: Dict[Tuple[str, int, str, int, str], TileConfig] = {
     # 16x64 one stage with every mode: 56 B, 9 in the loop
     ("fused", 80, "16", 128, "mask+"): _T(16, 32, 8, 1),
@@ -350,6 +353,9 @@ MODIFIER_CAPS: Dict[Tuple[str, int, str, int, str], TileConfig] = {
     ("fused", 90, "16", 128, ""): _T(16, 32, 8, 1),
     # 64x32 with every mode: 56 B outside the loop (one stage: 64 B, 2 in the loop)
     ("dq", 90, "16", 128, "mask+"): _T(64, 16, 8, 2),
+    # 64x32 (the plain tile): d200 576 B, 3 in the loop; d256 255 registers and 8 B, no margin
+    # for triton 3.6. 32x32: d256 180 registers, d200 64 B outside the loop (allowed unaligned)
+    ("dq", 80, "16", 256, ""): _T(32, 32, 8, 1),
     # 64x16 (the plain tile): 72 B outside the loop; one stage 104 B, 1 in the loop; 16 rows,
     # below wgmma's 64: mma.sync
     ("dq", 90, "16", 256, ""): _T(16, 32, 8, 1),
