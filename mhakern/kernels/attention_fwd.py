@@ -57,7 +57,6 @@ from .heuristics import (
     plan_fwd_splits,
 )
 from .launch import (
-    MAX_PROGRAMS,
     ModeArgs,
     arch_of,
     check_buffer,
