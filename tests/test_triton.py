@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import mhakern
+from mhakern.backends import Modes
 from attn_testing import check_against_reference, make_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -121,6 +122,39 @@ def test_kernels_import_nothing_from_mhakern():
                 names = [node.module or ""]
             for name in names:
                 assert name.split(".")[0] != "mhakern", f"{path.name}:{node.lineno} imports {name}"
+
+
+def test_kernel_modules_import_one_way_and_no_private_names():
+    # tiles.py (jit helpers) and launch.py (host helpers) serve the kernel modules; no module
+    # takes another's underscored names, and the graph of imports inside kernels/ has no cycle
+    # (the package's __init__ counts as the module "__init__").
+    import ast
+
+    graph = {}
+    for path in _kernel_sources():
+        deps = graph.setdefault(path.stem, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                for alias in node.names:
+                    if node.module:
+                        deps.add(node.module)
+                        assert not alias.name.startswith("_"), f"{path.name}:{node.lineno} imports {alias.name}"
+                    else:
+                        deps.add(alias.name if (path.parent / f"{alias.name}.py").exists() else "__init__")
+    seen, done = set(), set()
+
+    def visit(mod, trail):
+        assert mod not in seen - done, f"import cycle: {' -> '.join(trail + [mod])}"
+        if mod in done:
+            return
+        seen.add(mod)
+        for dep in graph.get(mod, ()):
+            visit(dep, trail + [mod])
+        done.add(mod)
+
+    for mod in graph:
+        visit(mod, [])
+    assert graph["attention_fwd"] >= {"tiles", "launch"} and not graph["tiles"] & {"attention_fwd", "attention_bwd"}
 
 
 class _GridRecorder:
@@ -300,13 +334,13 @@ def test_window_skips_key_tiles_no_row_of_a_tile_sees(bwd):
     B, H, L, D = 1, 1, 130, 16
     q, k, v = make_inputs(B, H, H, L, L, D, device=DEVICE, requires_grad=False)
     bias = torch.zeros(B, H, L, L, device=DEVICE)
-    modes = dict(attn_mask=bias, window_left=2, window_right=2)
+    modes = Modes(attn_mask=bias, window_left=2, window_right=2)
     out, lse = torch.empty(B, H, L, D, device=DEVICE), torch.empty(B, H, L, device=DEVICE)
-    attention_forward(q, k, v, out, lse, 0.25, False, None, **modes)
+    attention_forward(q, k, v, out, lse, 0.25, False, None, modes)
     dmask = torch.full((B, H, L, L), 7.0, device=DEVICE)
     grads = [torch.empty_like(x) for x in (q, k, v)]
-    attention_backward(torch.randn_like(out), q, k, v, out, lse, *grads, 0.25, False, None, dmask=dmask,
-                       bwd_mode=bwd, **modes)
+    attention_backward(torch.randn_like(out), q, k, v, out, lse, *grads, 0.25, False, None, modes, dmask=dmask,
+                       bwd_mode=bwd)
     assert dmask[0, 0, 0, L - 1] == 7.0, "a key tile past every row's band was visited"
     assert dmask[0, 0, L - 1, 0] == 7.0, "a key tile before every row's band was visited"
     i = torch.arange(L).view(L, 1)
@@ -327,7 +361,7 @@ def test_dropout_keep_bits_match_the_reference_for_any_seed(seed):
     k = torch.zeros(B, Hkv, Lk, 16, device=DEVICE)  # uniform probabilities: none underflows
     v = torch.eye(Lk, device=DEVICE).expand(B, Hkv, Lk, Lk).contiguous()
     out, lse = torch.empty(B, H, Lq, Lk, device=DEVICE), torch.empty(B, H, Lq, device=DEVICE)
-    attention_forward(q, k, v, out, lse, 0.25, False, None, dropout_p=p, seed=seed)
+    attention_forward(q, k, v, out, lse, 0.25, False, None, Modes(dropout_p=p, seed=seed))
     keep = mhakern.reference.dropout_keep_mask(seed, B, H, Lq, Lk, p, DEVICE)
     assert torch.equal(out != 0, keep)
     torch.testing.assert_close(out[keep], torch.full_like(out[keep], 1 / (Lk * (1 - p))))
@@ -395,11 +429,11 @@ def test_launchers_refuse_bad_mode_arguments():
     q, k, v = make_inputs(1, 2, 1, 5, 6, 16, device=DEVICE, requires_grad=False)
     out, lse = torch.empty(1, 2, 5, 16), torch.empty(1, 2, 5)
     with pytest.raises(ValueError, match="dropout_p: expected 0 <= p < 1"):
-        attention_forward(q, k, v, out, lse, 0.25, False, dropout_p=1.0)
+        attention_forward(q, k, v, out, lse, 0.25, False, None, Modes(dropout_p=1.0))
     with pytest.raises(ValueError, match="attn_mask: expected bool or float32"):
-        attention_forward(q, k, v, out, lse, 0.25, False, attn_mask=torch.zeros(1, 2, 5, 6, dtype=torch.int32))
+        attention_forward(q, k, v, out, lse, 0.25, False, None, Modes(attn_mask=torch.zeros(1, 2, 5, 6, dtype=torch.int32)))
     with pytest.raises(ValueError, match="attn_mask: expected a 4-D"):
-        attention_forward(q, k, v, out, lse, 0.25, False, attn_mask=torch.zeros(5, 6))
+        attention_forward(q, k, v, out, lse, 0.25, False, None, Modes(attn_mask=torch.zeros(5, 6)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -569,3 +603,191 @@ def test_a_dq_add_out_of_key_block_order_is_caught(monkeypatch):
     q, k, v = make_inputs(*_ORDER_SHAPE[:5], _ORDER_SHAPE[5], device=DEVICE, requires_grad=False)
     with pytest.raises(RuntimeError, match="dQ add out of key-block order"):
         _fused_grads("deterministic", q, k, v)
+
+
+# ---------------------------------------------------------------------------------------------
+# Score modifiers (softcap, ALiBi; docs/contract.md): the backend called directly with a Modes
+# record, against the float64 reference by the tolerance rule, forward and backward (the mask's
+# gradient included), on the hard cases: tanh bending (softcap 2) and barely (50), large logits
+# under the cap, slopes per head and per batch element, both causal alignments, key lengths with
+# rows that see no key, windows, GQA and decode packing, float and bool masks, dropout, Lq != Lk,
+# D != Dv; the three backward kernels and the split-K forward.
+
+def _slopes(B, H, per_batch, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if per_batch:
+        return torch.rand(B, H, generator=g).to(DEVICE)
+    return torch.rand(H, generator=g).to(DEVICE).expand(B, H)  # per head: stride 0 over B
+
+
+def _check_modified(q, k, v, causal, kl, modes, scale=0.3):
+    """out, lse, dq, dk, dv (and dmask with modes.mask_grad) of the triton backend against the
+    reference (float64 for the oracle, the input dtype for the rule's torch math)."""
+    from attn_testing import rule_check
+
+    from mhakern import backends, reference
+
+    be = backends.get("triton")
+    dtype = q.dtype
+    out, lse = be.forward(q, k, v, scale, causal, kl, modes)
+    g = torch.Generator().manual_seed(7)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    dq, dk, dv, dmask = be.backward(dout.to(DEVICE, dtype), q, k, v, out, lse, scale, causal, kl, modes)
+    klc = None if kl is None else kl.cpu()
+    m = modes.attn_mask
+    results = {}
+    for wdt, upcast in ((torch.float64, True), (dtype, False)):
+        leaves = [x.detach().cpu().to(wdt).requires_grad_() for x in (q, k, v)]
+        mw = None
+        if m is not None:
+            mw = m.detach().cpu().to(wdt).requires_grad_(modes.mask_grad) if m.is_floating_point() else m.cpu()
+        mods = modes._replace(attn_mask=mw, alibi_slopes=None if modes.alibi_slopes is None else modes.alibi_slopes.cpu())
+        o = reference.attention(*leaves, scale, causal, klc, upcast=upcast, modes=mods)
+        o.backward(dout.to(wdt))
+        results[upcast] = (o, *(x.grad for x in leaves), None if not modes.mask_grad else mw.grad, mods)
+    ref, math = results[True], results[False]
+    rule_check("out", out, ref[0], math[0], dtype, 2.0)
+    _, ref_lse = reference.attention_forward(*(x.detach().cpu().double() for x in (q, k, v)), scale, causal, klc,
+                                             upcast=True, modes=ref[5]._replace(
+                                                 attn_mask=None if ref[5].attn_mask is None else ref[5].attn_mask.detach()))
+    dead = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse.cpu()), dead), "lse: -inf pattern differs from the reference"
+    if (~dead).any():
+        err = (lse.cpu().double() - ref_lse)[~dead].abs().max().item()
+        assert err <= (1e-3 if dtype == torch.float32 else 2e-2) * max(1.0, ref_lse[~dead].abs().max().item()), err
+    for name, got, i in (("dq", dq, 1), ("dk", dk, 2), ("dv", dv, 3)):
+        rule_check(name, got, ref[i], math[i], dtype, 3.0)
+    if modes.mask_grad:
+        # dmask is dL/d(capped score) per (b, h, i, j); the reference's mask gradient is its sum
+        # over the mask's broadcast dims.
+        got = dmask.cpu().double().sum_to_size(m.shape)
+        rule_check("dmask", got, ref[4], math[4], dtype, 3.0)
+    assert (dmask is None) == (not modes.mask_grad)
+    return out, lse
+
+
+MODIFIER_CASES = {
+    # id: (dtype, (B, H, Hkv, Lq, Lk, D, Dv), causal, key_lengths, input scale, Modes builder)
+    # softcap 2 bends every score (inputs x4), slopes per batch element, bottom-right causal with
+    # Lq > Lk (the leading rows see no key) and a batch element of length 0, GQA, D != Dv
+    "cap2-alibi-per-b-causal-kl0-gqa": (torch.float32, (2, 4, 2, 23, 17, 16, 24), True, (17, 0), 4.0,
+                                        lambda B, H, Lq, Lk: Modes(softcap=2.0, alibi_slopes=_slopes(B, H, True))),
+    # softcap 50 (barely bends), per-head slopes, top-left window, a float mask with its gradient
+    "cap50-alibi-per-h-topleft-window-floatgrad": (
+        torch.float16, (2, 2, 2, 19, 30, 16, 16), True, (30, 12), 1.0,
+        lambda B, H, Lq, Lk: Modes(softcap=50.0, alibi_slopes=_slopes(B, H, False, 1), top_left=True, window_left=5,
+                                   attn_mask=_mask((1, H, Lq, Lk), 8, "float").expand(B, H, Lq, Lk),
+                                   mask_grad=True)),
+    # decode packing (the 4 query heads of a KV head in one tile), a bool mask, dropout, softcap 2
+    # and per-batch slopes, no causal
+    "decode-cap2-alibi-boolmask-dropout": (torch.float32, (2, 8, 2, 3, 37, 16, 16), False, (37, 20), 2.0,
+                                           lambda B, H, Lq, Lk: Modes(softcap=2.0, alibi_slopes=_slopes(B, H, True, 2),
+                                                                      attn_mask=_mask((B, 1, 1, Lk), 9, "bool").expand(B, H, Lq, Lk),
+                                                                      dropout_p=0.3, seed=11)),
+    # ALiBi alone on the plain path (no mode), fp16, Lq < Lk bottom-right causal
+    "alibi-only-fp16-causal": (torch.float16, (1, 2, 1, 9, 33, 32, 32), True, None, 1.0,
+                               lambda B, H, Lq, Lk: Modes(alibi_slopes=_slopes(B, H, True, 3))),
+}
+
+
+def _modifier_inputs(case):
+    dtype, (B, H, Hkv, Lq, Lk, D, Dv), causal, kl, s, build = MODIFIER_CASES[case]
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype=dtype, device=DEVICE, scale_inputs=s, requires_grad=False)
+    kl = None if kl is None else torch.tensor(kl, dtype=torch.int32, device=DEVICE)
+    return q, k, v, causal, kl, build(B, H, Lq, Lk)
+
+
+@pytest.mark.parametrize("case", list(MODIFIER_CASES))
+def test_score_modifiers_against_the_reference(case):
+    _check_modified(*_modifier_inputs(case))
+
+
+@pytest.mark.parametrize("bwd", ["atomic", "split"])
+@pytest.mark.parametrize("case", ["cap2-alibi-per-b-causal-kl0-gqa", "cap50-alibi-per-h-topleft-window-floatgrad"])
+def test_score_modifiers_in_the_other_backward_kernels(bwd, case, monkeypatch):
+    from mhakern.kernels import heuristics
+
+    monkeypatch.setattr(heuristics, "BWD_MODE", bwd)
+    _check_modified(*_modifier_inputs(case))
+
+
+@pytest.mark.parametrize("forced_splits", [3], indirect=True)
+def test_split_forward_takes_the_score_modifiers(forced_splits, monkeypatch):
+    # Decode with long keys: the split-K kernel with softcap and ALiBi (slopes per batch element),
+    # key lengths cutting the shares unevenly.
+    from mhakern.kernels import attention_fwd
+
+    calls = []
+    real = attention_fwd._split_forward
+    monkeypatch.setattr(attention_fwd, "_split_forward", lambda *a: calls.append(1) or real(*a))
+    B, H, Hkv, Lq, Lk, D = 2, 4, 1, 1, 300, 16
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, device=DEVICE, scale_inputs=3.0, requires_grad=False)
+    modes = Modes(softcap=2.0, alibi_slopes=_slopes(B, H, True, 4) * 0.05)
+    _check_modified(q, k, v, True, torch.tensor([300, 77], dtype=torch.int32, device=DEVICE), modes)
+    assert calls, "the split kernel did not run"
+
+
+def test_score_modifiers_keep_hidden_nans_out():
+    # NaN in keys and values past a key length, and a NaN in a key outside some rows' window,
+    # change nothing for the rows that do not see them, with softcap and ALiBi on (the cap turns
+    # an infinite raw score finite, so hiding must not rest on the score being -inf, and a NaN
+    # raw score must not reach dS through the cap's derivative).
+    from mhakern import backends
+
+    be = backends.get("triton")
+    B, H, L, D = 2, 2, 16, 16
+    q, k, v = make_inputs(B, H, H, L, L, D, device=DEVICE, requires_grad=False)
+    kl = torch.tensor([16, 12], dtype=torch.int32, device=DEVICE)
+    modes = Modes(softcap=2.0, alibi_slopes=_slopes(B, H, True, 5), window_left=3, window_right=0)
+    dout = torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+
+    def run(k, v):
+        out, lse = be.forward(q, k, v, 0.25, False, kl, modes)
+        return (out, lse, *be.backward(dout, q, k, v, out, lse, 0.25, False, kl, modes)[:3])
+
+    clean = run(k, v)
+    k2, v2 = k.clone(), v.clone()
+    for x in (k2, v2):
+        x[1, :, 12:] = float("nan")  # past element 1's length
+    k2[0, :, 5, 3] = float("nan")  # key 5: outside the window of rows 9..15
+    got = run(k2, v2)
+    rows = slice(9, 16)
+    for label, a, b in zip(("out", "lse", "dq"), clean, got):
+        assert torch.equal(a[1], b[1]), f"{label}: a NaN past the key length changed the result"
+        assert torch.equal(a[0][:, rows], b[0][:, rows]), f"{label}: a NaN outside the window changed the result"
+    assert torch.all(got[3][1, :, 12:] == 0) and torch.all(got[4][1, :, 12:] == 0)
+
+
+def test_launchers_refuse_bad_modifier_arguments():
+    from mhakern.kernels import attention_backward, attention_forward
+
+    q, k, v = make_inputs(2, 2, 1, 5, 6, 16, device=DEVICE, requires_grad=False)
+    out, lse = torch.empty(2, 2, 5, 16, device=DEVICE), torch.empty(2, 2, 5, device=DEVICE)
+    for bad, match in [(Modes(softcap=-1.0), "softcap: expected a finite value >= 0"),
+                       (Modes(softcap=float("nan")), "softcap: expected a finite value >= 0"),
+                       (Modes(alibi_slopes=torch.ones(2, device=DEVICE)), r"alibi_slopes: expected a float32 \(B, H\)"),
+                       (Modes(alibi_slopes=torch.ones(2, 2, dtype=torch.float64, device=DEVICE)), "alibi_slopes"),
+                       (Modes(sinks=torch.zeros(2, device=DEVICE)), "sinks: the kernels never see them")]:
+        with pytest.raises(ValueError, match=match):
+            attention_forward(q, k, v, out, lse, 0.25, False, None, bad)
+        with pytest.raises(ValueError, match=match):
+            attention_backward(out, q, k, v, out, lse, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                               0.25, False, None, bad)
+
+
+def test_score_modifiers_never_take_the_descriptor_kernel(monkeypatch):
+    from mhakern import backends
+    from mhakern.kernels import attention_fwd_desc, heuristics
+
+    if not heuristics._descriptors_available():
+        pytest.skip("this triton has no tensor descriptors")
+    monkeypatch.setattr(heuristics, "DESC_MODE", "1")
+    calls = []
+    monkeypatch.setattr(attention_fwd_desc, "desc_forward", lambda *a, **kw: calls.append(1))
+    q, k, v = (torch.randn(1, 2, 12, 16, dtype=torch.float16, device=DEVICE) for _ in range(3))
+    be = backends.get("triton")
+    for modes in (Modes(softcap=5.0), Modes(alibi_slopes=_slopes(1, 2, True))):
+        out, _ = be.forward(q, k, v, 0.25, True, None, modes)
+        assert out is not None and not calls, "a call with a score modifier went through the descriptor kernel"
+    be.forward(q, k, v, 0.25, True, None, Modes())
+    assert calls, "the forced descriptor path is not taken by a plain call: the check above is blind"

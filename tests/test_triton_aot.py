@@ -49,8 +49,20 @@ def _aot(*args, arches=("80", "90"), per_arch=None):
     return "\n".join(outs)
 
 
-def test_kernels_compile_for_sm80_and_sm90_without_spills_within_shared_memory():
-    report = _aot("--dtypes", "fp16", "--dims", "64", "128", "256")
+@pytest.fixture(scope="module")
+def plain_report():
+    """The AOT report of the plain kernels, fp16, head dims 64, 128, 256, both arches."""
+    return _aot("--dtypes", "fp16", "--dims", "64", "128", "256")
+
+
+@pytest.fixture(scope="module")
+def unaligned_report():
+    """The AOT report of the plain kernels at head dims 40 and 200 (strides not multiples of 16)."""
+    return _aot("--dtypes", "fp16", "--dims", "40", "200", "--only", "fwd", "desc", "dq", "dkdv", "fused")
+
+
+def test_kernels_compile_for_sm80_and_sm90_without_spills_within_shared_memory(plain_report):
+    report = plain_report
     # fwd, split fwd, delta, dK/dV, dQ, fused backward per dim and arch, and the descriptor
     # forward on sm_90
     assert report.count(" ok (") == 2 * 3 * 6 + 3, report
@@ -59,26 +71,110 @@ def test_kernels_compile_for_sm80_and_sm90_without_spills_within_shared_memory()
     assert report.count("desc/fp16/") == 3, report
 
 
-def test_head_dims_not_multiple_of_16_keep_local_memory_out_of_their_loops():
+def test_head_dims_not_multiple_of_16_keep_local_memory_out_of_their_loops(unaligned_report):
     # Head dims 40 and 200: strides the JIT cannot mark divisible by 16 (the worst case of the
     # layouts the dispatcher allocates), so loads go element by element with the tiles of
     # heuristics.UNALIGNED_TILES; a prologue may spill, never a loop, and sm_90 keeps HGMMA
     # except where heuristics.MMA_SYNC_ON_SM90 says why not. D = 40 (80-byte rows) also takes
     # the descriptor forward on sm_90; 200 (400-byte rows) too.
-    report = _aot("--dtypes", "fp16", "--dims", "40", "200", "--only", "fwd", "desc", "dq", "dkdv", "fused")
-    assert report.count(" ok (") == 2 * 2 * 4 + 2, report
+    assert unaligned_report.count(" ok (") == 2 * 2 * 4 + 2, unaligned_report
+
+
+# The plain kernels' SASS (instruction count, digest of the instruction texts: sass.SassReport)
+# as it stood before the score modifiers (softcap, ALiBi) joined the kernels as constexpr
+# switches, compiled by the two fixtures above under this triton. A call without modes or
+# modifiers must keep running exactly these kernels: a change to one (a modifier's code left in
+# the plain path, a reordering) changes its digest. A deliberate change to a plain kernel
+# records the new figures here (the report's insns and digest columns) with its reason.
+PLAIN_SASS_TRITON = "3.9.0"
+PLAIN_SASS = {
+    ("fwd/fp16/d64", 80): (1872, "b2bc0a311ceedd83"),
+    ("fwdsplit/fp16/d64", 80): (2160, "f3ec874815de2469"),
+    ("delta/fp16/d64", 80): (312, "ec0dcc7f88ae5e05"),
+    ("dkdv/fp16/d64", 80): (2432, "0730665edd9fe504"),
+    ("dq/fp16/d64", 80): (2608, "dab8e7394045bdfb"),
+    ("fused/fp16/d64", 80): (2552, "56b5ceb5cda59ad5"),
+    ("fwd/fp16/d128", 80): (1944, "f842c2b7139c01ff"),
+    ("fwdsplit/fp16/d128", 80): (2328, "9324e221f4a1ff4e"),
+    ("delta/fp16/d128", 80): (528, "3112e1b4253b49b7"),
+    ("dkdv/fp16/d128", 80): (2504, "948298dbd0c1be2a"),
+    ("dq/fp16/d128", 80): (2224, "bc47639abb6146b5"),
+    ("fused/fp16/d128", 80): (3696, "f61d6111932f1b55"),
+    ("fwd/fp16/d256", 80): (3016, "072e2e3ee07c2e52"),
+    ("fwdsplit/fp16/d256", 80): (3408, "edc98fa9c05f2669"),
+    ("delta/fp16/d256", 80): (968, "9fde9cb674f927a8"),
+    ("dkdv/fp16/d256", 80): (1888, "06cada0656c39989"),
+    ("dq/fp16/d256", 80): (2848, "bd53b1cc1c73af63"),
+    ("fused/fp16/d256", 80): (3200, "4ba8958c19938a3f"),
+    ("fwd/fp16/d64", 90): (3152, "28103952df20d0dd"),
+    ("fwdsplit/fp16/d64", 90): (3560, "527ee159ae23ee98"),
+    ("desc/fp16/d64", 90): (2944, "c1cf9e8113c30fad"),
+    ("delta/fp16/d64", 90): (328, "0fb019797393c54e"),
+    ("dkdv/fp16/d64", 90): (2040, "ac4d408b7ecd97e7"),
+    ("dq/fp16/d64", 90): (2208, "646a03e471a00eba"),
+    ("fused/fp16/d64", 90): (2864, "1d6b3ed43ca50f7d"),
+    ("fwd/fp16/d128", 90): (2264, "1b1e636f3914c347"),
+    ("fwdsplit/fp16/d128", 90): (2752, "d19a63cbb3dce01e"),
+    ("desc/fp16/d128", 90): (2192, "0f761280e4bd26c6"),
+    ("delta/fp16/d128", 90): (536, "a783a2d0c45faa52"),
+    ("dkdv/fp16/d128", 90): (2008, "963c17858a2a0efa"),
+    ("dq/fp16/d128", 90): (2528, "f462c2523ff72a4e"),
+    ("fused/fp16/d128", 90): (2656, "accbca59087ae782"),
+    ("fwd/fp16/d256", 90): (2512, "8f8c72bf03d12cdd"),
+    ("fwdsplit/fp16/d256", 90): (2856, "0f94e06d8e0f0d77"),
+    ("desc/fp16/d256", 90): (2368, "6b6586d9f520547c"),
+    ("delta/fp16/d256", 90): (984, "51cd1a1491063872"),
+    ("dkdv/fp16/d256", 90): (1984, "440a853c00ec06fc"),
+    ("dq/fp16/d256", 90): (2712, "d05e2565055836a1"),
+    ("fused/fp16/d256", 90): (2704, "289b588879a74d16"),
+    ("fwd/fp16/d40", 80): (3472, "cec03a5cb4781e02"),
+    ("dkdv/fp16/d40", 80): (4320, "16017ded5d433e3a"),
+    ("dq/fp16/d40", 80): (1928, "57bcc4539a0cff29"),
+    ("fused/fp16/d40", 80): (3696, "0b9c36c171286e4c"),
+    ("fwd/fp16/d200", 80): (5960, "8b3a01b2461dcad0"),
+    ("dkdv/fp16/d200", 80): (4224, "28339c705a13fd33"),
+    ("dq/fp16/d200", 80): (6368, "8a0283d019e56125"),
+    ("fused/fp16/d200", 80): (4280, "9e9464af79945bac"),
+    ("fwd/fp16/d40", 90): (3240, "b563d82cb2b0ce04"),
+    ("desc/fp16/d40", 90): (2944, "c1cf9e8113c30fad"),
+    ("dkdv/fp16/d40", 90): (3640, "1a864699be77c499"),
+    ("dq/fp16/d40", 90): (2848, "94ddcba4cda5ea3c"),
+    ("fused/fp16/d40", 90): (4232, "e1d89c154ce7d743"),
+    ("fwd/fp16/d200", 90): (4776, "492c66d8a75c50d8"),
+    ("desc/fp16/d200", 90): (2368, "6b6586d9f520547c"),
+    ("dkdv/fp16/d200", 90): (4696, "c56033499f7c1dd4"),
+    ("dq/fp16/d200", 90): (2200, "cd527d015cdc1c2a"),
+    ("fused/fp16/d200", 90): (4416, "232084f99908c344"),
+}
+_ROW = re.compile(r"^(\S+)\s+(80|90)\s.*\s(\d+)\s([0-9a-f]{16})\s+ok \(", re.M)
+
+
+@pytest.mark.parametrize("which", ["plain_report", "unaligned_report"])
+def test_plain_kernels_compile_to_the_recorded_sass(which, request):
+    import triton
+
+    if triton.__version__ != PLAIN_SASS_TRITON:
+        pytest.skip(f"the SASS digests were recorded with triton {PLAIN_SASS_TRITON}; this is {triton.__version__}")
+    got = {(name, int(arch)): (int(n), digest) for name, arch, n, digest in _ROW.findall(request.getfixturevalue(which))}
+    want = {key: val for key, val in PLAIN_SASS.items() if key in got}
+    assert len(want) == (39 if which == "plain_report" else 18), sorted(got)
+    changed = {key: (want[key], got[key]) for key in want if got[key] != want[key]}
+    assert not changed, f"plain kernels whose SASS changed ((insns, digest) recorded -> now): {changed}"
 
 
 def test_mode_variants_with_all_modes_on_compile_without_spills():
-    # The modes kernels (band + top-left, float mask, dropout, and dQ's mask gradient all at once:
-    # the variant with the most code of each kernel) at the tiles heuristics.tile_config gives
-    # those modes per arch: sm_80 fp16 d64 and sm_90 bf16 d128 (where dK/dV takes mma.sync,
-    # heuristics.MODE_CAPS), about 15 s a variant here, the two arches side by side. Every mode
-    # set at both head dims, dtypes and arches takes ~30 min here: ``--modes`` alone, by hand.
-    report = _aot("--modes", "all", "--no-plain", per_arch={"80": ["--dtypes", "fp16", "--dims", "64"],
-                                                              "90": ["--dtypes", "bf16", "--dims", "128"]})
+    # The modes kernels (band + top-left, float mask, dropout, dQ's mask gradient, softcap and
+    # ALiBi all at once: the variant with the most code of each kernel) at the tiles
+    # heuristics.tile_config gives those modes per arch: sm_80 fp16 d64 and sm_90 bf16 d128
+    # (where dK/dV takes mma.sync, heuristics.MODE_CAPS), about 15 s a variant here, the two
+    # arches side by side; and the split-K forward with both score modifiers. Every mode set at
+    # both head dims, dtypes and arches takes ~30 min here: ``--modes`` alone, by hand.
+    report = _aot("--modes", "all", "modifiers", "--no-plain",
+                  "--only", "fwd+all", "dkdv+all", "dq+all", "fused+all", "fwdsplit+modifiers",
+                  per_arch={"80": ["--dtypes", "fp16", "--dims", "64"], "90": ["--dtypes", "bf16", "--dims", "128"]})
     assert report.count("+all ") == 2 * 4, report
-    assert report.count(" ok (") == 2 * 4, report
+    assert report.count("fwdsplit/") == 2 and report.count("+modifiers ") == 2, report
+    assert report.count(" ok (") == 2 * 5, report
     assert re.search(r"dkdv/bf16/d128\+all\s+90\s+16x32 ", report), report
     assert re.search(r"fused/bf16/d128\+all\s+90\s+16x32 ", report), report
 
@@ -87,16 +183,24 @@ def test_mode_variants_take_the_tables_tiles_and_leave_mask_strides_unmarked():
     from mhakern.kernels import aot, heuristics
 
     built = {v.name: v for v in aot.variants(90, ("fp16",), (128,), modes=list(aot.MODE_SETS), plain=False)}
+    modifiers_only = {m for m, ms in aot.MODE_SETS.items() if set(ms) <= {"SOFTCAP", "ALIBI"}}
+    assert modifiers_only == {"softcap", "alibi", "modifiers"}
     want = {f"{k}/fp16/d128+{m}" for k in ("fwd", "dkdv", "dq", "fused") for m in aot.MODE_SETS
             if k in ("dq", "fused") or m != "mask2grad"}
+    want |= {f"fwdsplit/fp16/d128+{m}" for m in modifiers_only}
     assert set(built) == want
     for name, v in built.items():
         kernel, mode = name.split("/")[0], name.split("+")[1]
         ms = aot.MODE_SETS[mode]
-        cfg = heuristics.tile_config(kernel, 128, 128, torch.float16, 90, band=ms.get("BAND", False),
-                                     mask_kind=ms.get("MASK_KIND", 0), dropout=ms.get("DROPOUT", False))
+        cfg = heuristics.tile_config("fwd" if kernel == "fwdsplit" else kernel, 128, 128, torch.float16, 90,
+                                     band=ms.get("BAND", False), mask_kind=ms.get("MASK_KIND", 0),
+                                     dropout=ms.get("DROPOUT", False), modified="SOFTCAP" in ms or "ALIBI" in ms)
         assert (v.constexprs["BLOCK_M"], v.constexprs["BLOCK_N"], v.num_warps, v.num_stages) == \
             (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages), name
+        assert all(v.constexprs[n] == val for n, val in ms.items() if n in aot.constexpr_defaults(v.kernel)), name
+        assert v.signature["SLOPES"] == "*fp32" and v.signature["softcap"] == "fp32", name
+        if kernel == "fwdsplit":
+            continue
         assert v.signature["MASK"] == ("*u8" if ms.get("MASK_KIND") == 1 else "*fp32"), name
         marked = aot.divisible_args(v.signature)
         assert "stride_qm" in marked and not any(n.startswith("stride_m") for n in marked), name
@@ -135,7 +239,7 @@ def test_launchers_choose_tiles_from_the_table_with_the_calls_modes(monkeypatch)
     q, k, v = (torch.randn(1, 1, 8, 16, device=_DEV, requires_grad=True) for _ in range(3))
     mask = torch.rand(8, 8, device=_DEV) > 0.3
     mhakern.attention(q, k, v, attn_mask=mask, window=(2, 1), backend="triton").sum().backward()
-    want = dict(band=True, mask_kind=1, dropout=False)
+    want = dict(band=True, mask_kind=1, dropout=False, modified=False)
     assert [n for n, _ in asked] == ["fwd", "fused"] and all(kw == want for _, kw in asked), asked
     from mhakern.kernels import heuristics
 
@@ -318,9 +422,6 @@ def test_descriptor_predicate_refuses_what_tma_cannot_address(monkeypatch):
     # one size-1 dim with a stride TMA would refuse is never stepped over
     assert heuristics.desc_eligible(torch.zeros(1, 1, 8, 40, dtype=torch.float16).as_strided((1, 1, 8, 40), (1, 3, 40, 1)),
                                     x, x, x)
-    assert not heuristics.desc_eligible(x, x, x, x, attn_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool))
-    assert not heuristics.desc_eligible(x, x, x, x, dropout_p=0.1)
-    assert not heuristics.desc_eligible(x, x, x, x, window_left=3)
-    assert not heuristics.desc_eligible(x, x, x, x, top_left=True)
+    assert not heuristics.desc_eligible(x, x, x, x, plain=False)  # a mode or a score modifier
     monkeypatch.setattr(heuristics, "DESC_MODE", "auto")
     assert not heuristics.desc_eligible(x, x, x, x)  # CPU tensors: only when forced

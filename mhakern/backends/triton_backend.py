@@ -21,17 +21,10 @@ def _interpreting() -> bool:
     return INTERPRET
 
 
-def _mode_kwargs(modes):
-    """The launchers' keyword arguments for ``modes`` (docs/contract.md)."""
-    return dict(attn_mask=modes.attn_mask, dropout_p=float(modes.dropout_p), seed=int(modes.seed),
-                top_left=bool(modes.top_left), window_left=int(modes.window_left),
-                window_right=int(modes.window_right))
-
-
 class TritonBackend(Backend):
     name = "triton"
     priority = 30
-    features = frozenset({"attn_mask", "mask_grad", "dropout", "top_left", "window"})
+    features = frozenset({"attn_mask", "mask_grad", "dropout", "top_left", "window", "softcap", "alibi"})
 
     def __init__(self):
         self._import_error = None
@@ -95,7 +88,7 @@ class TritonBackend(Backend):
         B, H, Lq, _ = q.shape
         out = empty_like_heads(q, v.shape[-1])
         lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
-        return self._kernels().attention_forward(q, k, v, out, lse, scale, causal, key_lengths, **_mode_kwargs(modes))
+        return self._kernels().attention_forward(q, k, v, out, lse, scale, causal, key_lengths, modes)
 
     def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, modes=DEFAULT_MODES):
         dq = empty_like_heads(q, q.shape[-1])
@@ -106,8 +99,8 @@ class TritonBackend(Backend):
             # Zeros: key blocks no row of a tile sees are never visited, and their gradient is 0.
             B, H, Lq, _ = q.shape
             dmask = torch.zeros((B, H, Lq, k.shape[2]), dtype=torch.float32, device=q.device)
-        self._kernels().attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, key_lengths,
-                                           dmask=dmask, **_mode_kwargs(modes))
+        self._kernels().attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, key_lengths, modes,
+                                           dmask=dmask)
         return dq, dk, dv, dmask
 
 

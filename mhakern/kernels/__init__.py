@@ -5,14 +5,16 @@ caller allocates, and :mod:`mhakern.backends.triton_backend` wraps them in the b
 contract. Tiles per architecture live in :mod:`.heuristics`; ``python -m mhakern.kernels.aot``
 compiles every variant for sm_80 and sm_90 and checks its SASS (:mod:`.sass`).
 
-``INTERPRET`` records whether Triton was put in interpreter mode (TRITON_INTERPRET=1) when the
-kernels were defined, which is when Triton reads that switch.
+``INTERPRET`` (from :mod:`.launch`) records whether Triton was put in interpreter mode
+(TRITON_INTERPRET=1) when the kernels were defined, which is when Triton reads that switch.
+
+Imports go one way: the kernel modules (attention_fwd.py, attention_fwd_desc.py,
+attention_bwd.py) take jit helpers from tiles.py, host helpers from launch.py and tiles from
+heuristics.py, and none of those imports a kernel module; aot.py reads the kernels through each
+module's ``KERNELS`` table. No module imports another's private (underscored) names.
 """
-import os
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-from .attention_bwd import attention_backward  # noqa: E402
-from .attention_fwd import attention_forward  # noqa: E402
+from .attention_bwd import attention_backward
+from .attention_fwd import attention_forward
+from .launch import INTERPRET
 
 __all__ = ["attention_forward", "attention_backward", "INTERPRET"]

@@ -14,15 +14,18 @@ memory exceeds the chip's limit. A kernel that would not build or fit on a GPU t
 here, in CI.
 
     python -m mhakern.kernels.aot [--arch 80 90] [--dtypes fp16 bf16 fp32] [--dims 16 32 40 64 ...]
-                                  [--all-flags] [--only fwd fwdsplit desc delta dkdv dq fused] [--tile M N WARPS STAGES]
-                                  [--modes [band mask1 mask2 mask2grad dropout all]] [--no-plain]
+                                  [--all-flags] [--only fwd fwdsplit desc delta dkdv dq fused KERNEL+MODE]
+                                  [--tile M N WARPS STAGES] [--no-plain]
+                                  [--modes [band mask1 mask2 mask2grad dropout softcap alibi modifiers all]]
 
 ``--modes`` also builds the mode variants (``_attn_fwd_modes_kernel`` and the three backward
-ones) with the tiles heuristics.tile_config gives those modes on each arch (``--modes`` alone:
-every set in MODE_SETS); ``--no-plain`` leaves out the plain kernels.
+ones; the split-K forward for the score modifiers' sets) with the tiles heuristics.tile_config
+gives those modes on each arch (``--modes`` alone: every set in MODE_SETS); ``--no-plain``
+leaves out the plain kernels.
 
 Prints one row per variant: tile, warps/stages, shared memory, registers, stack bytes, LDL
-count, LDL/STL inside loops, loops with HGMMA / loops with a matrix instruction, TMA loads.
+count, LDL/STL inside loops, loops with HGMMA / loops with a matrix instruction, TMA loads, the
+SASS's instruction count and digest (sass.SassReport: equal digests, the same machine code).
 fp32 variants (FMA code, no tensor cores) take one to three minutes each on a busy two-core
 machine: ``--dtypes fp32`` builds them, the CI test does not.
 mhakern/kernels/ imports nothing from the rest of mhakern, so the same module runs against another
@@ -74,7 +77,8 @@ class Variant:
 # Pointer arguments of the kernels by name (the rest are i32 sizes and strides, or fp32 scales).
 _FP32_PTRS = {"LSE", "DELTA", "OP", "LSEP", "DQACC"}
 _DATA_PTRS = {"Q", "K", "V", "O", "DO", "DK", "DV_", "DQ"}
-_OTHER_PTRS = {"KL": "*i32", "MASK": "*u8", "DMASK": "*fp32", "SEM": "*i32"}
+_OTHER_PTRS = {"KL": "*i32", "MASK": "*u8", "DMASK": "*fp32", "SEM": "*i32", "SLOPES": "*fp32"}
+_FP32_SCALARS = {"softcap"}  # besides the ``*scale*`` ones
 # The mask pointer's type per MASK_KIND: without a mask the launchers pass an fp32 buffer
 # (lse or delta) in its place, a bool mask travels as its uint8 view, a float mask is fp32.
 _MASK_PTR = {0: "*fp32", 1: "*u8", 2: "*fp32"}
@@ -88,7 +92,12 @@ MODE_SETS = {
     "mask2": dict(MASK_KIND=2),
     "mask2grad": dict(MASK_KIND=2, MASK_GRAD=True),
     "dropout": dict(DROPOUT=True),
-    "all": dict(BAND=True, TOP_LEFT=True, MASK_KIND=2, DROPOUT=True, MASK_GRAD=True),
+    # The score modifiers (softcap, ALiBi): switches of the modes kernels and of the split-K
+    # forward ("fwdsplit+modifiers"), which is built for the sets whose switches it has.
+    "softcap": dict(SOFTCAP=True),
+    "alibi": dict(ALIBI=True),
+    "modifiers": dict(SOFTCAP=True, ALIBI=True),
+    "all": dict(BAND=True, TOP_LEFT=True, MASK_KIND=2, DROPOUT=True, MASK_GRAD=True, SOFTCAP=True, ALIBI=True),
 }
 
 _SIZES = {"H"}  # upper-case names that are not pointers
@@ -115,7 +124,7 @@ def signature_of(kernel, dtype, descs=None) -> dict:
         elif name.isupper() and name not in _SIZES:
             raise ValueError(f"aot: {kernel.fn.__name__} takes {name}, a pointer of unknown type: name it in _OTHER_PTRS")
         else:
-            sig[name] = "fp32" if "scale" in name else "i32"
+            sig[name] = "fp32" if ("scale" in name or name in _FP32_SCALARS) else "i32"
     return sig
 
 
@@ -138,13 +147,11 @@ def variants(arch: int, dtypes=("fp16", "bf16", "fp32"), dims=ALL_DIMS, flags=((
     instead of the table's. ``modes``: names of MODE_SETS to build as mode variants too (the
     "+name" ones), each with its own tiles; ``plain``: whether to build the plain kernels.
     """
-    from .attention_bwd import (_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_modes_kernel, _attn_bwd_dq_kernel,
-                                _attn_bwd_dq_modes_kernel, _attn_bwd_fused_kernel, _attn_bwd_fused_modes_kernel,
-                                _bwd_delta_kernel)
-    from .attention_fwd import _attn_fwd_kernel, _attn_fwd_modes_kernel, _attn_fwd_split_kernel
-    from .launch import precision
-    from .attention_fwd_desc import _attn_fwd_desc_kernel
+    from . import attention_bwd, attention_fwd, attention_fwd_desc
     from .heuristics import desc_config, dkdv_config, dq_config, fused_config, fwd_config, head_block
+    from .launch import precision
+
+    K = dict(attention_fwd.KERNELS, **attention_fwd_desc.KERNELS, **attention_bwd.KERNELS)
 
     pick = (lambda f: lambda *a, **kw: tile or f(*a, **kw))  # noqa: E731
     dkdv_config, dq_config, fwd_config, desc_config, fused_config = map(
@@ -167,14 +174,18 @@ def variants(arch: int, dtypes=("fp16", "bf16", "fp32"), dims=ALL_DIMS, flags=((
 
         for mode in modes:
             ms = MODE_SETS[mode]
-            kw = dict(band=ms.get("BAND", False), mask_kind=ms.get("MASK_KIND", 0), dropout=ms.get("DROPOUT", False))
-            for name, kernel, config in (("fwd", _attn_fwd_modes_kernel, fwd_config),
-                                         ("dkdv", _attn_bwd_dkdv_modes_kernel, dkdv_config),
-                                         ("dq", _attn_bwd_dq_modes_kernel, dq_config),
-                                         ("fused", _attn_bwd_fused_modes_kernel, fused_config)):
+            kw = dict(band=ms.get("BAND", False), mask_kind=ms.get("MASK_KIND", 0), dropout=ms.get("DROPOUT", False),
+                      modified=ms.get("SOFTCAP", False) or ms.get("ALIBI", False))
+            for name, kernel, config in (("fwd", K["fwd+modes"], fwd_config),
+                                         ("fwdsplit", K["fwdsplit"], fwd_config),
+                                         ("dkdv", K["dkdv+modes"], dkdv_config),
+                                         ("dq", K["dq+modes"], dq_config),
+                                         ("fused", K["fused+modes"], fused_config)):
                 ce = {n: val for n, val in ms.items() if n in constexpr_defaults(kernel)}
                 if mode == "mask2grad" and "MASK_GRAD" not in ce:
                     continue  # the mask's gradient is the dQ kernel's (or the fused one's)
+                if name == "fwdsplit" and len(ce) < len(ms):
+                    continue  # the split forward takes the score modifiers only
                 cfg = tile or config(d, d, dtype, arch, **kw)
                 yield make(f"{name}/{ty}/d{d}{tag}+{mode}", kernel, cfg,
                            dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **ce))
@@ -182,9 +193,9 @@ def variants(arch: int, dtypes=("fp16", "bf16", "fp32"), dims=ALL_DIMS, flags=((
             continue
 
         cfg = fwd_config(d, d, dtype, arch)
-        yield make(f"fwd/{ty}/d{d}{tag}", _attn_fwd_kernel, cfg, dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n))
+        yield make(f"fwd/{ty}/d{d}{tag}", K["fwd"], cfg, dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n))
         # The same forward split over the keys (decode: few row tiles, long keys).
-        yield make(f"fwdsplit/{ty}/d{d}{tag}", _attn_fwd_split_kernel, cfg,
+        yield make(f"fwdsplit/{ty}/d{d}{tag}", K["fwdsplit"], cfg,
                    dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n))
         # TMA: rows of a multiple of 16 bytes (the launcher's predicate, heuristics.desc_eligible)
         if arch >= 90 and ty != "fp32" and (d * dtype.itemsize) % 16 == 0:
@@ -192,20 +203,20 @@ def variants(arch: int, dtypes=("fp16", "bf16", "fp32"), dims=ALL_DIMS, flags=((
             box = lambda rows: f"tensordesc<{ty}[1,1,{rows},{bd}]>"  # noqa: E731
             descs = {"q_desc": box(cfg.block_m), "o_desc": box(cfg.block_m), "k_desc": box(cfg.block_n),
                      "v_desc": box(cfg.block_n)}
-            yield make(f"desc/{ty}/d{d}{tag}", _attn_fwd_desc_kernel, cfg,
+            yield make(f"desc/{ty}/d{d}{tag}", K["desc"], cfg,
                        dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PACKED=False), descs)
         if tag == "":
             ce = {"DV": d, "BLOCK_M": 64, "BLOCK_DV": bd, "IDX64": False}
-            yield make(f"delta/{ty}/d{d}", _bwd_delta_kernel, TileConfig(64, 0, 4, 1), ce)
+            yield make(f"delta/{ty}/d{d}", K["delta"], TileConfig(64, 0, 4, 1), ce)
         cfg = dkdv_config(d, d, dtype, arch)
-        yield make(f"dkdv/{ty}/d{d}{tag}", _attn_bwd_dkdv_kernel, cfg,
+        yield make(f"dkdv/{ty}/d{d}{tag}", K["dkdv"], cfg,
                    dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n))
         cfg = dq_config(d, d, dtype, arch)
-        yield make(f"dq/{ty}/d{d}{tag}", _attn_bwd_dq_kernel, cfg, dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n))
+        yield make(f"dq/{ty}/d{d}{tag}", K["dq"], cfg, dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n))
         # The fused backward, deterministic (its wait and release around each dQ add; the atomic
         # variant is the same code without them).
         cfg = fused_config(d, d, dtype, arch)
-        yield make(f"fused/{ty}/d{d}{tag}", _attn_bwd_fused_kernel, cfg,
+        yield make(f"fused/{ty}/d{d}{tag}", K["fused"], cfg,
                    dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n))
 
 
@@ -280,7 +291,8 @@ def check(v: Variant, arch: int, compiled, aligned: bool = True) -> Tuple[List[s
            head_bucket(v.constexprs.get("D", 0), v.constexprs.get("DV", 0)), strides_aligned(v.constexprs))
     modes = mode_class(v.constexprs.get("BAND", False), v.constexprs.get("MASK_KIND", 0),
                        v.constexprs.get("DROPOUT", False))
-    wants_hgmma = v.constexprs.get("PREC") != "ieee" and not allows_mma_sync(*key, modes)
+    modified = v.constexprs.get("SOFTCAP", False) or v.constexprs.get("ALIBI", False)
+    wants_hgmma = v.constexprs.get("PREC") != "ieee" and not allows_mma_sync(*key, modes, modified)
     if arch >= 90 and wants_hgmma and rep.mma_loops > rep.hgmma_loops:
         problems.append(f"{rep.mma_loops - rep.hgmma_loops} matrix loop(s) without HGMMA")
     # The descriptor forward exists for TMA: its key loops must load through it (a triton that
@@ -297,7 +309,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", type=int, nargs="+", default=list(ALL_DIMS), help="head dims (default: %(default)s)")
     ap.add_argument("--all-flags", action="store_true",
                     help="every (causal, key lengths) combination, not only both on")
-    ap.add_argument("--only", nargs="+", default=None, help="kernels to build (fwd fwdsplit desc delta dkdv dq fused; default: all)")
+    ap.add_argument("--only", nargs="+", default=None,
+                    help="kernels to build (fwd fwdsplit desc delta dkdv dq fused, in every mode built; or "
+                         "KERNEL+MODE, that mode variant alone; default: all)")
     ap.add_argument("--unaligned", action="store_true",
                     help="compile without the JIT's divisibility specialisation (strides not multiples of 16)")
     ap.add_argument("--modes", nargs="*", default=None, choices=list(MODE_SETS),
@@ -306,7 +320,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tile", type=int, nargs=4, metavar=("M", "N", "WARPS", "STAGES"),
                     help="try this tile for every variant instead of the table's (to tune the table)")
     args = ap.parse_args(argv)
-    from . import INTERPRET
+    from .launch import INTERPRET
 
     if INTERPRET:
         print("aot: TRITON_INTERPRET is set; unset it to compile the real kernels", file=sys.stderr)
@@ -314,12 +328,13 @@ def main(argv=None) -> int:
     flags = list(itertools.product((True, False), repeat=2)) if args.all_flags else [(True, True)]
     failures = 0
     print(f"{'variant':<30} {'arch':>4} {'tile':>9} {'w/s':>4} {'smem KiB':>8} {'regs':>4} {'stack':>5} {'LDL':>4} "
-          f"{'inloop':>6} {'HGMMA':>5} {'TMA':>3}  status")
+          f"{'inloop':>6} {'HGMMA':>5} {'TMA':>3} {'insns':>5} {'sass digest':<16}  status")
     for arch in args.arch:
         trial = TileConfig(*args.tile) if args.tile else None
         modes = list(MODE_SETS) if args.modes == [] else (args.modes or [])
         for v in variants(arch, args.dtypes, args.dims, flags, trial, modes, plain=not args.no_plain):
-            if args.only and v.name.split("/")[0] not in args.only:
+            kernel, mode = v.name.split("/")[0], v.name.partition("+")[2]
+            if args.only and kernel not in args.only and f"{kernel}+{mode}" not in args.only:
                 continue
             t0 = time.time()
             tile = f"{v.constexprs.get('BLOCK_M', '')}x{v.constexprs.get('BLOCK_N', '-')}"
@@ -329,11 +344,11 @@ def main(argv=None) -> int:
                 problems, rep = check(v, arch, compiled, aligned=not args.unaligned)
                 smem = compiled.metadata.shared / 1024
                 figures = (f"{smem:>8.1f} {rep.regs:>4} {rep.stack:>5} {rep.ldl:>4} {rep.local_in_loops:>6} "
-                           f"{rep.hgmma_loops:>2}/{rep.mma_loops:<2} {rep.tma_loads:>3}")
+                           f"{rep.hgmma_loops:>2}/{rep.mma_loops:<2} {rep.tma_loads:>3} {rep.insns:>5} {rep.digest:<16}")
                 status = "; ".join(problems) if problems else f"ok ({time.time() - t0:.0f}s)"
             except Exception as e:  # report every failing variant, not just the first
                 problems = [e]
-                figures = f"{'':>8} {'':>4} {'':>5} {'':>4} {'':>6} {'':>5} {'':>3}"
+                figures = f"{'':>8} {'':>4} {'':>5} {'':>4} {'':>6} {'':>5} {'':>3} {'':>5} {'':<16}"
                 status = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
             failures += bool(problems)
             print(f"{v.name:<30} {arch:>4} {tile:>9} {v.num_warps:>2}/{v.num_stages} {figures}  {status}", flush=True)

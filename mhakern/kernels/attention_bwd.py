@@ -24,6 +24,11 @@ the seed: ``dV = (P * keep / (1 - p))^T dO`` and ``dS = P * (dP * keep / (1 - p)
 The float mask's gradient is dS itself (the bias is added after the scale): the dQ kernel, which
 visits each (row, key) pair once, writes it into a zeroed float32 (B, H, Lq, Lk) buffer
 (``MASK_GRAD``), 0 wherever the pair is hidden.
+
+Score modifiers (``SOFTCAP``, ``ALIBI``, as in the forward): the scores are recomputed capped
+and biased; dS is formed at the capped score (the float mask's gradient is that dS), then
+``dS_raw = dS * (1 - tanh^2)`` from the recomputed cap goes into dQ and dK. ALiBi has no
+gradient.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ from .heuristics import (
     packed_rows,
 )
 from .launch import (
+    INTERPRET,
     ModeArgs,
     arch_of,
     check_buffer,
@@ -51,19 +57,22 @@ from .launch import (
     tile_modes,
 )
 from .tiles import (
-    _band,
-    _diag,
-    _drop_rows,
-    _idx,
-    _keep,
-    _key_length,
-    _load_rows,
-    _load_tile,
-    _mask_scores,
-    _row_tile,
-    _row_tile_modes,
-    _store_tile,
-    _unfold_rows_grid,
+    alibi_rows,
+    band_edges,
+    cap_inverse,
+    diagonal,
+    drop_rows,
+    elem_idx,
+    keep_bits,
+    key_length,
+    load_rows,
+    load_tile,
+    mask_scores,
+    modify_scores,
+    row_tile,
+    row_tile_modes,
+    store_tile,
+    unfold_rows_grid,
 )
 
 
@@ -72,15 +81,15 @@ def _bwd_delta_kernel(
     O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_db, stride_dh, stride_dm, H, Lq,
     DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, IDX64: tl.constexpr,
 ):
-    # Flat grid: row tiles fastest, then heads, then batch elements (see _unfold_rows_grid).
-    pid_m, h, b = _unfold_rows_grid(H, Lq, 1, BLOCK_M)
+    # Flat grid: row tiles fastest, then heads, then batch elements (see unfold_rows_grid).
+    pid_m, h, b = unfold_rows_grid(H, Lq, 1, BLOCK_M)
     b = b.to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < Lq
-    h = _idx(h, IDX64)
-    rows = _idx(offs_m, IDX64)
-    o = _load_tile(O + b * stride_ob, h * stride_oh + rows * stride_om, row_ok, DV, BLOCK_DV, True)
-    do = _load_tile(DO + b * stride_db, h * stride_dh + rows * stride_dm, row_ok, DV, BLOCK_DV, True)
+    h = elem_idx(h, IDX64)
+    rows = elem_idx(offs_m, IDX64)
+    o = load_tile(O + b * stride_ob, h * stride_oh + rows * stride_om, row_ok, DV, BLOCK_DV, True)
+    do = load_tile(DO + b * stride_db, h * stride_dh + rows * stride_dm, row_ok, DV, BLOCK_DV, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + (b * H + h) * Lq + offs_m, delta, mask=offs_m < Lq)
 
@@ -113,32 +122,39 @@ def _dkdv_rows(
     MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
     k_dq=None, DQACC=None, SEM=None, DMASK=None, dm_stride=0, sem_base=0, n_self=0, prev_lo=0, prev_hi=0,
     FUSED: tl.constexpr = False, DETERMINISTIC: tl.constexpr = False, SEQUENTIAL: tl.constexpr = False,
-    MASK_GRAD: tl.constexpr = False,
+    MASK_GRAD: tl.constexpr = False, softcap=0.0, inv_cap=0.0, SLOPES=None, slope_sb=0, slope_sh=0,
+    SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
     """Stream the row tiles [start, stop) past the resident key block: dK, dV (and, FUSED, each
     tile's dQ share and the mask's gradient; see _fused_dq_add). The extra arguments of the
-    fused kernel are unused, and compiled away, in the split one."""
+    fused kernel are unused, and compiled away, in the split one; so are the score modifiers'
+    without SOFTCAP and ALIBI."""
     for start_m in range(start, stop, BLOCK_M):
         r = start_m + tl.arange(0, BLOCK_M)
         row_ok = r < rows_total
         hh = head0 + r // Lq
         i = r % Lq
-        q = _load_rows(Q + q_base_b, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
-        do = _load_rows(DO + do_base_b, hh, i, stride_dh, stride_dm, row_ok, DV, BLOCK_DV, IDX64)
+        q = load_rows(Q + q_base_b, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
+        do = load_rows(DO + do_base_b, hh, i, stride_dh, stride_dm, row_ok, DV, BLOCK_DV, IDX64)
         row_idx = (b * H + hh) * Lq + i
         lse = _load_lse(LSE, row_idx, row_ok)
         delta = tl.load(DELTA + row_idx, mask=row_ok, other=0.0)
         # Transposed scores (keys x rows): keeps dK and dV as (BLOCK_N, D) accumulators.
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * sm_scale
+        slope = sm_scale
+        diag = sm_scale
+        if ALIBI:
+            slope, diag = alibi_rows(SLOPES, slope_sb, slope_sh, b, hh, i, lk_b, Lq, row_ok, TOP_LEFT)
+        s_t, t_t = modify_scores(s_t, softcap, inv_cap, slope, diag, offs_n, SOFTCAP, ALIBI, True)
         if MASK_KIND != 0:
-            m_off = _idx(hh, IDX64) * stride_mh + _idx(i, IDX64) * stride_mm
-            ptrs = MASK + b * stride_mb + (m_off[None, :] + _idx(offs_n, IDX64)[:, None] * stride_mn)
-            s_t, mvis = _mask_scores(s_t, ptrs, (offs_n[:, None] < lk_b) & row_ok[None, :], MASK_KIND)
+            m_off = elem_idx(hh, IDX64) * stride_mh + elem_idx(i, IDX64) * stride_mm
+            ptrs = MASK + b * stride_mb + (m_off[None, :] + elem_idx(offs_n, IDX64)[:, None] * stride_mn)
+            s_t, mvis = mask_scores(s_t, ptrs, (offs_n[:, None] < lk_b) & row_ok[None, :], MASK_KIND)
         if MASKED:
             # Hidden pairs get -inf before exp: a hidden logit far above lse would overflow.
             vis = (offs_n[:, None] < lk_b) & row_ok[None, :]
             if BAND:
-                kmin, kmax = _band(i, lk_b, Lq, win_l, win_r, TOP_LEFT)
+                kmin, kmax = band_edges(i, lk_b, Lq, win_l, win_r, TOP_LEFT)
                 vis = vis & (offs_n[:, None] <= kmax[None, :]) & (offs_n[:, None] >= kmin[None, :])
             elif CAUSAL:
                 vis = vis & (offs_n[:, None] <= (i + lk_b - Lq)[None, :])
@@ -150,7 +166,7 @@ def _dkdv_rows(
         live = s_t != float("-inf")
         p_t = tl.where(live, tl.exp(s_t - lse[None, :]), 0.0)
         if DROPOUT:
-            keep_t = _keep(_drop_rows(seed_lo, seed_hi, b, H, hh, i)[None, :], offs_n[:, None], drop_thr)
+            keep_t = keep_bits(drop_rows(seed_lo, seed_hi, b, H, hh, i)[None, :], offs_n[:, None], drop_thr)
             dv += tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, input_precision=PREC)
         else:
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
@@ -160,13 +176,22 @@ def _dkdv_rows(
         # Such pairs contribute exactly 0 to dS too, even against a NaN or inf in a value the row
         # does not see (0 * NaN would be NaN).
         ds_t = tl.where(live, p_t * (dp_t - delta[None, :]), 0.0)
+        if SOFTCAP:
+            # dS so far is at the capped score (where the mask and ALiBi are added: the mask's
+            # gradient); through the cap to the raw scaled score, 1 - tanh^2 from the capped
+            # value. The mask's gradient is stored first, so that one dS tile stays live.
+            if FUSED:
+                if MASK_GRAD:
+                    tl.store(DMASK + row_idx[None, :].to(tl.int64) * dm_stride + offs_n[:, None].to(tl.int64), ds_t,
+                             mask=row_ok[None, :] & (offs_n[:, None] < lk_b))
+            ds_t = tl.where(live, ds_t * (1.0 - t_t * t_t), 0.0)
         # q's non-finite entries are zeroed for dK (docs/contract.md, "NaN and inf"): one makes
         # every score of its row non-finite, so the row either has a NaN lse, and NaN ds on every
         # key it sees, or scores that are all -inf (it sees no key). Zeroing it drops only the
         # 0 * inf of pairs whose ds is 0 (hidden, or a -inf score).
         dk += tl.dot(ds_t.to(q.dtype), _finite_or_zero(q), input_precision=PREC)
         if FUSED:
-            if MASK_GRAD:
+            if MASK_GRAD and not SOFTCAP:
                 # dL/d(bias) = dS (the bias is added after the scale), each visible pair once.
                 tl.store(DMASK + row_idx[None, :].to(tl.int64) * dm_stride + offs_n[:, None].to(tl.int64), ds_t,
                          mask=row_ok[None, :] & (offs_n[:, None] < lk_b))
@@ -223,7 +248,7 @@ def _band_row_range(n0, lk_b, Lq, rows_total, heads_per_prog, win_l, win_r,
     with i), so it meets the block when n0 - off - R <= i <= n1 - off + L and covers it when
     n1 - off - R <= i <= n0 - off + L. Tiles packing several heads take every row, masked."""
     n1 = n0 + BLOCK_N - 1
-    off = _diag(0, lk_b, Lq, TOP_LEFT)
+    off = diagonal(0, lk_b, Lq, TOP_LEFT)
     m_lo = (tl.maximum(n0 - off - win_r, 0) // BLOCK_M) * BLOCK_M
     m_hi = tl.minimum(n1 - off + win_l + 1, rows_total)
     m_hi = tl.where(n0 < lk_b, tl.maximum(m_hi, m_lo), m_lo)
@@ -260,8 +285,10 @@ def _attn_bwd_dkdv_body(
     BAND: tl.constexpr = False, TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
     DROPOUT: tl.constexpr = False, DQACC=None, SEM=None, DMASK=None, FUSED: tl.constexpr = False,
     DETERMINISTIC: tl.constexpr = False, SEQUENTIAL: tl.constexpr = False, MASK_GRAD: tl.constexpr = False,
+    softcap=0.0, SLOPES=None, slope_sb=0, slope_sh=0, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
-    # Flat grid: key blocks fastest, then KV heads, then batch elements (see _unfold_rows_grid).
+    inv_cap = cap_inverse(softcap, SOFTCAP)
+    # Flat grid: key blocks fastest, then KV heads, then batch elements (see unfold_rows_grid).
     pid = tl.program_id(0)
     if FUSED:
         if DETERMINISTIC:
@@ -278,15 +305,15 @@ def _attn_bwd_dkdv_body(
     pid_n = pid % n_blocks
     kvh = ((pid // n_blocks) % Hkv).to(tl.int64)
     b = (pid // n_blocks // Hkv).to(tl.int64)
-    lk_b = _key_length(KL, b, Lk, HAS_KL)
+    lk_b = key_length(KL, b, Lk, HAS_KL)
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     key_in = offs_n < Lk
     # Keys past this element's length are loaded as zeros: their gradients are 0 whatever they
     # hold (a NaN value would otherwise reach dK through dP).
     key_vis = offs_n < lk_b
-    k = _load_tile(K + b * stride_kb + kvh * stride_kh, _idx(offs_n, IDX64) * stride_kn, key_vis, D, BLOCK_D, True)
-    v = _load_tile(V + b * stride_vb + kvh * stride_vh, _idx(offs_n, IDX64) * stride_vn, key_vis, DV, BLOCK_DV, True)
+    k = load_tile(K + b * stride_kb + kvh * stride_kh, elem_idx(offs_n, IDX64) * stride_kn, key_vis, D, BLOCK_D, True)
+    v = load_tile(V + b * stride_vb + kvh * stride_vh, elem_idx(offs_n, IDX64) * stride_vn, key_vis, DV, BLOCK_DV, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     rows_total = heads_per_prog * Lq
@@ -337,7 +364,7 @@ def _attn_bwd_dkdv_body(
             MASK, stride_mb, stride_mh, stride_mm, stride_mn, win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale,
             D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL, PREC, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT,
             k_dq, DQACC, SEM, DMASK, Lk, sem_base, pid_n, prev_lo, prev_hi, FUSED, DETERMINISTIC, SEQUENTIAL,
-            MASK_GRAD,
+            MASK_GRAD, softcap, inv_cap, SLOPES, slope_sb, slope_sh, SOFTCAP, ALIBI,
         )
         dk, dv = _dkdv_rows(
             dk, dv, k, v, Q, DO, LSE, DELTA, b * stride_qb, b * stride_db, head0, rows_total,
@@ -345,7 +372,7 @@ def _attn_bwd_dkdv_body(
             MASK, stride_mb, stride_mh, stride_mm, stride_mn, win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale,
             D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, CAUSAL, PREC, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT,
             k_dq, DQACC, SEM, DMASK, Lk, sem_base, pid_n, prev_lo, prev_hi, FUSED, DETERMINISTIC, SEQUENTIAL,
-            MASK_GRAD,
+            MASK_GRAD, softcap, inv_cap, SLOPES, slope_sb, slope_sh, SOFTCAP, ALIBI,
         )
         if BAND:
             dk, dv = _dkdv_rows(
@@ -355,14 +382,14 @@ def _attn_bwd_dkdv_body(
                 drop_scale,
                 D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL, PREC, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT,
                 k_dq, DQACC, SEM, DMASK, Lk, sem_base, pid_n, prev_lo, prev_hi, FUSED, DETERMINISTIC, SEQUENTIAL,
-                MASK_GRAD,
+                MASK_GRAD, softcap, inv_cap, SLOPES, slope_sb, slope_sh, SOFTCAP, ALIBI,
             )
     dk = dk * sm_scale
     if DROPOUT:
         dv = dv * drop_scale
-    _store_tile(DK + b * stride_dkb + kvh * stride_dkh, _idx(offs_n, IDX64) * stride_dkn, key_in,
+    store_tile(DK + b * stride_dkb + kvh * stride_dkh, elem_idx(offs_n, IDX64) * stride_dkn, key_in,
                 dk.to(DK.dtype.element_ty), D, BLOCK_D)
-    _store_tile(DV_ + b * stride_dvb + kvh * stride_dvh, _idx(offs_n, IDX64) * stride_dvn, key_in,
+    store_tile(DV_ + b * stride_dvb + kvh * stride_dvh, elem_idx(offs_n, IDX64) * stride_dvn, key_in,
                 dv.to(DV_.dtype.element_ty), DV, BLOCK_DV)
 
 
@@ -391,19 +418,21 @@ def _attn_bwd_dkdv_modes_kernel(
     stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_mb, stride_mh,
     stride_mm, stride_mn, H, Lq, Lk, n_rep, heads_per_prog, sm_scale, win_l, win_r, seed_lo,
-    seed_hi, drop_thr, drop_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr, BAND: tl.constexpr = False,
-    TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
+    seed_hi, drop_thr, drop_scale, softcap, SLOPES, slope_sb, slope_sh, D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
+    BAND: tl.constexpr = False, TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
+    DROPOUT: tl.constexpr = False, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
-    """dK/dV with optional modes."""
+    """dK/dV with optional modes and score modifiers."""
     _attn_bwd_dkdv_body(
         Q, K, V, DO, LSE, DELTA, DK, DV_, KL, MASK, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
         stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dkb, stride_dkh,
         stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_mb, stride_mh, stride_mm, stride_mn, H, Lq,
         Lk, n_rep, heads_per_prog, sm_scale, win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale, D, DV,
         BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, HAS_KL, PREC, IDX64, BAND=BAND, TOP_LEFT=TOP_LEFT,
-        MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
+        MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, softcap=softcap, SLOPES=SLOPES, slope_sb=slope_sb,
+        slope_sh=slope_sh, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
     )
 
 
@@ -435,13 +464,15 @@ def _attn_bwd_fused_modes_kernel(
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_mb, stride_mh,
     stride_mm, stride_mn, H, Lq, Lk, n_rep, heads_per_prog, sm_scale, win_l, win_r, seed_lo,
-    seed_hi, drop_thr, drop_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr, BAND: tl.constexpr = False,
-    TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
-    MASK_GRAD: tl.constexpr = False, DETERMINISTIC: tl.constexpr = True, SEQUENTIAL: tl.constexpr = False,
+    seed_hi, drop_thr, drop_scale, softcap, SLOPES, slope_sb, slope_sh, D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
+    BAND: tl.constexpr = False, TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
+    DROPOUT: tl.constexpr = False, MASK_GRAD: tl.constexpr = False, DETERMINISTIC: tl.constexpr = True,
+    SEQUENTIAL: tl.constexpr = False, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
-    """The fused backward with optional modes (and the float mask's gradient into DMASK)."""
+    """The fused backward with optional modes and score modifiers (and the float mask's gradient
+    into DMASK)."""
     _attn_bwd_dkdv_body(
         Q, K, V, DO, LSE, DELTA, DK, DV_, KL, MASK, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
         stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dkb, stride_dkh,
@@ -449,7 +480,8 @@ def _attn_bwd_fused_modes_kernel(
         Lk, n_rep, heads_per_prog, sm_scale, win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale, D, DV,
         BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, HAS_KL, PREC, IDX64, BAND=BAND, TOP_LEFT=TOP_LEFT,
         MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, DQACC=DQACC, SEM=SEM, DMASK=DMASK, FUSED=True,
-        DETERMINISTIC=DETERMINISTIC, SEQUENTIAL=SEQUENTIAL, MASK_GRAD=MASK_GRAD,
+        DETERMINISTIC=DETERMINISTIC, SEQUENTIAL=SEQUENTIAL, MASK_GRAD=MASK_GRAD, softcap=softcap, SLOPES=SLOPES,
+        slope_sb=slope_sb, slope_sh=slope_sh, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
     )
 
 
@@ -461,21 +493,23 @@ def _dq_inner(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
     BAND: tl.constexpr = False, MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
-    MASK_GRAD: tl.constexpr = False,
+    MASK_GRAD: tl.constexpr = False, softcap=0.0, inv_cap=0.0, slope=0.0, diag=0.0,
+    SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + offs_n0
         key_ok = offs_n < lk_b
-        k = _load_tile(k_base, _idx(offs_n, IDX64) * stride_kn, key_ok, D, BLOCK_D, MASKED)
-        v = _load_tile(v_base, _idx(offs_n, IDX64) * stride_vn, key_ok, DV, BLOCK_DV, MASKED)
+        k = load_tile(k_base, elem_idx(offs_n, IDX64) * stride_kn, key_ok, D, BLOCK_D, MASKED)
+        v = load_tile(v_base, elem_idx(offs_n, IDX64) * stride_vn, key_ok, DV, BLOCK_DV, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale
+        s, t = modify_scores(s, softcap, inv_cap, slope, diag, offs_n, SOFTCAP, ALIBI, False)
         if MASK_KIND != 0:
-            ptrs = m_base + (m_off[:, None] + _idx(offs_n, IDX64)[None, :] * stride_mn)
+            ptrs = m_base + (m_off[:, None] + elem_idx(offs_n, IDX64)[None, :] * stride_mn)
             if MASKED:
-                s, mvis = _mask_scores(s, ptrs, row_ok[:, None] & key_ok[None, :], MASK_KIND)
+                s, mvis = mask_scores(s, ptrs, row_ok[:, None] & key_ok[None, :], MASK_KIND)
             else:
-                s, mvis = _mask_scores(s, ptrs, row_ok[:, None], MASK_KIND)
+                s, mvis = mask_scores(s, ptrs, row_ok[:, None], MASK_KIND)
         if MASKED:
             vis = key_ok[None, :] & (offs_n[None, :] <= kmax[:, None])
             if BAND:
@@ -484,7 +518,7 @@ def _dq_inner(
         p = tl.exp(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         if DROPOUT:
-            dp = tl.where(_keep(r_drop[:, None], offs_n[None, :], drop_thr), dp * drop_scale, 0.0)
+            dp = tl.where(keep_bits(r_drop[:, None], offs_n[None, :], drop_thr), dp * drop_scale, 0.0)
         # As in dK/dV: pairs with a -inf score give exactly 0, even against a NaN or inf in a
         # value the row does not see; k's non-finite entries are zeroed as q's are there.
         ds = tl.where(s != float("-inf"), p * (dp - delta[:, None]), 0.0)
@@ -494,6 +528,9 @@ def _dq_inner(
             # block of the row inside the buffer.
             tl.store(dm_row[:, None] + offs_n[None, :].to(tl.int64), ds,
                      mask=row_ok[:, None] & (offs_n[None, :] < lk_b))
+        if SOFTCAP:
+            # Through the cap to the raw scaled score (the mask's gradient above is at the capped one).
+            ds = tl.where(s != float("-inf"), ds * (1.0 - t * t), 0.0)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
     return dq
 
@@ -514,22 +551,28 @@ def _attn_bwd_dq_body(
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
     BAND: tl.constexpr = False, TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
     DROPOUT: tl.constexpr = False, MASK_GRAD: tl.constexpr = False,
+    softcap=0.0, SLOPES=None, slope_sb=0, slope_sh=0, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
-    pid_m, pid_h, b = _unfold_rows_grid(H, Lq, heads_per_prog, BLOCK_M)
+    pid_m, pid_h, b = unfold_rows_grid(H, Lq, heads_per_prog, BLOCK_M)
     b = b.to(tl.int64)
-    r, row_ok, hh, i, i_lo, i_hi, kvh = _row_tile(pid_m, pid_h, heads_per_prog, n_rep, Lq, BLOCK_M)
-    lk_b = _key_length(KL, b, Lk, HAS_KL)
-    q = _load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
-    do = _load_rows(DO + b * stride_db, hh, i, stride_dh, stride_dm, row_ok, DV, BLOCK_DV, IDX64)
+    r, row_ok, hh, i, i_lo, i_hi, kvh = row_tile(pid_m, pid_h, heads_per_prog, n_rep, Lq, BLOCK_M)
+    lk_b = key_length(KL, b, Lk, HAS_KL)
+    q = load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
+    do = load_rows(DO + b * stride_db, hh, i, stride_dh, stride_dm, row_ok, DV, BLOCK_DV, IDX64)
     row_idx = (b * H + hh) * Lq + i
     lse = _load_lse(LSE, row_idx, row_ok)
     delta = tl.load(DELTA + row_idx, mask=row_ok, other=0.0)
-    kmin, kmax, start, full_lo, full, hi, m_base, m_off, r_drop = _row_tile_modes(
+    kmin, kmax, start, full_lo, full, hi, m_base, m_off, r_drop = row_tile_modes(
         i, i_lo, i_hi, hh, b, lk_b, H, Lq, win_l, win_r, seed_lo, seed_hi, MASK, stride_mb, stride_mh, stride_mm,
         BLOCK_N, CAUSAL, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT)
     dm_row = DMASK
     if MASK_GRAD:
         dm_row = DMASK + row_idx.to(tl.int64) * Lk  # contiguous float32 (B, H, Lq, Lk)
+    inv_cap = cap_inverse(softcap, SOFTCAP)
+    slope = sm_scale
+    diag = sm_scale
+    if ALIBI:
+        slope, diag = alibi_rows(SLOPES, slope_sb, slope_sh, b, hh, i, lk_b, Lq, row_ok, TOP_LEFT)
     k_base = K + b * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = V + b * stride_vb + kvh.to(tl.int64) * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -538,19 +581,22 @@ def _attn_bwd_dq_body(
             dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start, full_lo, kmax, lk_b, sm_scale,
             kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr, drop_scale, dm_row,
             D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC, IDX64, BAND, MASK_KIND, DROPOUT, MASK_GRAD,
+            softcap, inv_cap, slope, diag, SOFTCAP, ALIBI,
         )
     dq = _dq_inner(
         dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, full_lo, full, kmax, lk_b, sm_scale,
         kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr, drop_scale, dm_row,
         D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, PREC, IDX64, BAND, MASK_KIND, DROPOUT, MASK_GRAD,
+        softcap, inv_cap, slope, diag, SOFTCAP, ALIBI,
     )
     dq = _dq_inner(
         dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, full, hi, kmax, lk_b, sm_scale,
         kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr, drop_scale, dm_row,
         D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC, IDX64, BAND, MASK_KIND, DROPOUT, MASK_GRAD,
+        softcap, inv_cap, slope, diag, SOFTCAP, ALIBI,
     )
     dq = dq * sm_scale
-    _store_tile(DQ + b * stride_dqb, _idx(hh, IDX64) * stride_dqh + _idx(i, IDX64) * stride_dqm, row_ok,
+    store_tile(DQ + b * stride_dqb, elem_idx(hh, IDX64) * stride_dqh + elem_idx(i, IDX64) * stride_dqm, row_ok,
                 dq.to(DQ.dtype.element_ty), D, BLOCK_D)
 
 
@@ -579,33 +625,34 @@ def _attn_bwd_dq_modes_kernel(
     stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm,
     stride_dqb, stride_dqh, stride_dqm, stride_mb, stride_mh, stride_mm, stride_mn, H, Lq, Lk,
     n_rep, heads_per_prog, sm_scale, win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale,
+    softcap, SLOPES, slope_sb, slope_sh,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KL: tl.constexpr,
     PREC: tl.constexpr, IDX64: tl.constexpr, BAND: tl.constexpr = False,
     TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
-    MASK_GRAD: tl.constexpr = False,
+    MASK_GRAD: tl.constexpr = False, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
-    """dQ with optional modes."""
+    """dQ with optional modes and score modifiers."""
     _attn_bwd_dq_body(
         Q, K, V, DO, LSE, DELTA, DQ, KL, MASK, DMASK, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
         stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dqb, stride_dqh,
         stride_dqm, stride_mb, stride_mh, stride_mm, stride_mn, H, Lq, Lk, n_rep, heads_per_prog, sm_scale,
         win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
         CAUSAL, HAS_KL, PREC, IDX64, BAND=BAND, TOP_LEFT=TOP_LEFT, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
-        MASK_GRAD=MASK_GRAD,
+        MASK_GRAD=MASK_GRAD, softcap=softcap, SLOPES=SLOPES, slope_sb=slope_sb, slope_sh=slope_sh,
+        SOFTCAP=SOFTCAP, ALIBI=ALIBI,
     )
 
 
 
-def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal: bool, key_lengths=None, *,
-                       attn_mask=None, dropout_p: float = 0.0, seed: int = 0, top_left: bool = False,
-                       window_left: int = -1, window_right: int = -1, dmask=None, bwd_mode=None):
+def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal: bool, key_lengths=None,
+                       modes=None, *, dmask=None, bwd_mode=None):
     """Launch the backward into the caller's buffers; returns ``(dq, dk, dv)``.
 
     Shapes as the forward's (out and lse are its outputs, dout like out); dq (B, H, Lq, D),
     dk (B, Hkv, Lk, D), dv (B, Hkv, Lk, Dv) in q's dtype with any strides of unit last stride.
     dk and dv are summed over the query heads sharing each KV head. The modes are the
-    forward's, with the same values (the keep mask is regenerated from ``seed``). ``dmask``:
+    forward's record, with the same values (the keep mask is regenerated from its seed). ``dmask``:
     None, or a zeroed contiguous float32 (B, H, Lq, Lk) buffer that receives dL/d(score), the
     gradient of a float ``attn_mask`` before its reduction to the mask's shape.
     ``bwd_mode``: "deterministic", "atomic" or "split" (heuristics.BWD_MODES); None takes
@@ -619,14 +666,15 @@ def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal
     check_buffer("lse", lse, (B, H, Lq), torch.float32, q, contiguous=True)
     if dmask is not None:
         check_buffer("dmask", dmask, (B, H, Lq, Lk), torch.float32, q, contiguous=True)
-    modes = ModeArgs(Lq, Lk, causal, attn_mask, dropout_p, seed, top_left, window_left, window_right)
+    margs = ModeArgs(B, H, Lq, Lk, causal, modes, q.device)
+    plain = not margs.any() and not margs.modified() and dmask is None
     kernel = bwd_kernel(D, Dv, q.dtype, bwd_mode)
     n_rep = H // Hkv
     bd, bdv = head_block(D), head_block(Dv)
     prec = precision(q.dtype)
     has_kl = key_lengths is not None
     arch = arch_of(q)
-    idx64 = needs_64bit_offsets(q, k, v, out, dout, dq, dk, dv, *(() if attn_mask is None else (attn_mask,)))
+    idx64 = needs_64bit_offsets(q, k, v, out, dout, dq, dk, dv, *(() if margs.mask is None else (margs.mask,)))
     with on_device(q):
         delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
         bm_delta = min(64, next_pow2(Lq))
@@ -636,7 +684,7 @@ def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal
             DV=Dv, BLOCK_M=bm_delta, BLOCK_DV=bdv, IDX64=idx64,
         )
         kl = key_lengths if has_kl else delta  # unused pointer when HAS_KL is False
-        mask = modes.mask if modes.mask is not None else delta  # unused pointer when MASK_KIND is 0
+        mask = margs.mask if margs.mask is not None else delta  # unused pointer when MASK_KIND is 0
         kv_args = (
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
@@ -646,26 +694,27 @@ def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal
             dv.stride(0), dv.stride(1), dv.stride(2),
         )
         if kernel != "split":
-            _fused_backward(q, k, v, dout, lse, delta, dq, dk, dv, kl, mask, dmask, kv_args, modes, scale,
+            _fused_backward(q, k, v, dout, lse, delta, dq, dk, dv, kl, mask, dmask, kv_args, margs, scale,
                             causal, has_kl, prec, idx64, arch, deterministic=kernel == "deterministic")
             return dq, dk, dv
 
-        cfg = dkdv_config(D, Dv, q.dtype, arch, **tile_modes(modes))
+        cfg = dkdv_config(D, Dv, q.dtype, arch, **tile_modes(margs))
         hpp = packed_rows(Lq, n_rep, cfg.block_m)
         common = dict(D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       CAUSAL=causal, HAS_KL=has_kl, PREC=prec, IDX64=idx64,
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         grid = (triton.cdiv(Lk, cfg.block_n) * Hkv * B,)
-        if not modes.any():
+        if plain:
             _attn_bwd_dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, kl, *kv_args, H, Lq, Lk, n_rep, hpp,
                                         scale, **common)
         else:
             _attn_bwd_dkdv_modes_kernel[grid](
-                q, k, v, dout, lse, delta, dk, dv, kl, mask, *kv_args, *modes.mask_strides,
-                H, Lq, Lk, n_rep, hpp, scale, *modes.runtime(), **modes.constexprs(), **common,
+                q, k, v, dout, lse, delta, dk, dv, kl, mask, *kv_args, *margs.mask_strides,
+                H, Lq, Lk, n_rep, hpp, scale, *margs.runtime(), *margs.modifier_args(delta), **margs.constexprs(),
+                **common,
             )
 
-        cfg = dq_config(D, Dv, q.dtype, arch, **tile_modes(modes))
+        cfg = dq_config(D, Dv, q.dtype, arch, **tile_modes(margs))
         hpp, bm, grid = launch_geometry(B, H, Hkv, Lq, cfg.block_m)
         args = (
             q.stride(0), q.stride(1), q.stride(2),
@@ -677,18 +726,18 @@ def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal
         common = dict(D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=bm, BLOCK_N=cfg.block_n,
                       CAUSAL=causal, HAS_KL=has_kl, PREC=prec, IDX64=idx64,
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        if not modes.any() and dmask is None:
+        if plain:
             _attn_bwd_dq_kernel[grid](q, k, v, dout, lse, delta, dq, kl, *args, H, Lq, Lk, n_rep, hpp, scale, **common)
         else:
             _attn_bwd_dq_modes_kernel[grid](
                 q, k, v, dout, lse, delta, dq, kl, mask, dmask if dmask is not None else delta, *args,
-                *modes.mask_strides, H, Lq, Lk, n_rep, hpp, scale, *modes.runtime(), **modes.constexprs(),
-                MASK_GRAD=dmask is not None, **common,
+                *margs.mask_strides, H, Lq, Lk, n_rep, hpp, scale, *margs.runtime(), *margs.modifier_args(delta),
+                **margs.constexprs(), MASK_GRAD=dmask is not None, **common,
             )
     return dq, dk, dv
 
 
-def _fused_backward(q, k, v, dout, lse, delta, dq, dk, dv, kl, mask, dmask, kv_args, modes, scale, causal, has_kl,
+def _fused_backward(q, k, v, dout, lse, delta, dq, dk, dv, kl, mask, dmask, kv_args, margs, scale, causal, has_kl,
                     prec, idx64, arch, deterministic: bool):
     """The fused kernel (one program per key block, KV head and batch element: dK, dV and dQ's
     fp32 shares), then dQ converted into the caller's buffer: dq = scale * the fp32 sums.
@@ -696,12 +745,10 @@ def _fused_backward(q, k, v, dout, lse, delta, dq, dk, dv, kl, mask, dmask, kv_a
     Deterministic: a zeroed int32 buffer holds the ticket counter (slot 0), the interpreter's
     order-error flag (slot 1) and one lock per row tile of dQ (see _fused_dq_add); the adds of
     each row tile follow the key-block order."""
-    from . import INTERPRET
-
     B, H, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
     n_rep = H // Hkv
-    cfg = fused_config(D, Dv, q.dtype, arch, **tile_modes(modes))
+    cfg = fused_config(D, Dv, q.dtype, arch, **tile_modes(margs))
     hpp = packed_rows(Lq, n_rep, cfg.block_m)
     dq_acc = torch.zeros((B, H, Lq, D), dtype=torch.float32, device=q.device)
     n_locks = 2 + B * (H // hpp) * triton.cdiv(hpp * Lq, cfg.block_m) if deterministic else 1
@@ -712,14 +759,14 @@ def _fused_backward(q, k, v, dout, lse, delta, dq, dk, dv, kl, mask, dmask, kv_a
                   DETERMINISTIC=deterministic, SEQUENTIAL=sequential,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (triton.cdiv(Lk, cfg.block_n) * Hkv * B,)
-    if not modes.any() and dmask is None:
+    if not margs.any() and not margs.modified() and dmask is None:
         _attn_bwd_fused_kernel[grid](q, k, v, dout, lse, delta, dk, dv, kl, dq_acc, sem, *kv_args,
                                      H, Lq, Lk, n_rep, hpp, scale, **common)
     else:
         _attn_bwd_fused_modes_kernel[grid](
             q, k, v, dout, lse, delta, dk, dv, kl, mask, dq_acc, sem, dmask if dmask is not None else delta,
-            *kv_args, *modes.mask_strides, H, Lq, Lk, n_rep, hpp, scale, *modes.runtime(),
-            **modes.constexprs(), MASK_GRAD=dmask is not None, **common,
+            *kv_args, *margs.mask_strides, H, Lq, Lk, n_rep, hpp, scale, *margs.runtime(),
+            *margs.modifier_args(delta), **margs.constexprs(), MASK_GRAD=dmask is not None, **common,
         )
     if sequential and int(sem[1]) != 0:
         raise RuntimeError("fused backward: a dQ add out of key-block order (a key block came before its "
@@ -731,3 +778,14 @@ def _lock_buffer(n: int, device) -> torch.Tensor:
     """The fused kernel's zeroed int32 ticket counter (slot 0) and locks (a function of its own
     so that a test can hand the kernel a schedule that breaks the order)."""
     return torch.zeros((n,), dtype=torch.int32, device=device)
+
+
+#: The kernels of this module by the AOT check's names (mhakern/kernels/aot.py).
+KERNELS = {
+    "delta": _bwd_delta_kernel,
+    "dkdv": _attn_bwd_dkdv_kernel, "dkdv+modes": _attn_bwd_dkdv_modes_kernel,
+    "dq": _attn_bwd_dq_kernel, "dq+modes": _attn_bwd_dq_modes_kernel,
+    "fused": _attn_bwd_fused_kernel, "fused+modes": _attn_bwd_fused_modes_kernel,
+}
+
+__all__ = ["attention_backward", "KERNELS"]

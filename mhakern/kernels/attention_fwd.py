@@ -28,10 +28,19 @@ to the code above and nothing more:
   sees whole run unmasked; only the boundary blocks on either side are masked.
 * ``MASK_KIND`` 1 (bool, True = attend) or 2 (float bias added to the scaled scores, -inf
   hides): read through the four strides of the (B, H, Lq, Lk) expanded view, never copied.
-* ``DROPOUT``: the contract's counter hash (``_mix32``, lowbias32) on (seed, b, h, i, j) in
+* ``DROPOUT``: the contract's counter hash (``mix32``, lowbias32) on (seed, b, h, i, j) in
   uint32 arithmetic, h the query head; probabilities of dropped pairs leave the sum ``l`` (lse
   is that of the undropped softmax) but not the output, which takes ``1 / (1 - p)`` once at
   the end.
+
+Score modifiers (docs/contract.md, "Score modifiers"), constexpr switches of the modes kernel
+and of the split-K one (a call with only these and no mode runs the modes kernel with every
+mode flag off, or the split one):
+
+* ``SOFTCAP``: ``s = softcap * tanh(s / softcap)`` on the scaled score (tiles.tanh_f32: fp32
+  to about an ulp, without libdevice);
+* ``ALIBI``: ``s -= slope[b, h] * |i + off - j|`` after the cap, before the mask, with the
+  row's slope read once per program.
 """
 from __future__ import annotations
 
@@ -39,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import attention_fwd_desc
 from .heuristics import (
     MAX_SPLITS,
     desc_eligible,
@@ -47,7 +57,6 @@ from .heuristics import (
     plan_fwd_splits,
 )
 from .launch import (
-    MAX_PROGRAMS,
     ModeArgs,
     arch_of,
     check_buffer,
@@ -59,16 +68,19 @@ from .launch import (
     tile_modes,
 )
 from .tiles import (
-    _idx,
-    _keep,
-    _key_length,
-    _load_rows,
-    _load_tile,
-    _mask_scores,
-    _row_tile,
-    _row_tile_modes,
-    _store_tile,
-    _unfold_rows_grid,
+    alibi_rows,
+    cap_inverse,
+    elem_idx,
+    keep_bits,
+    key_length,
+    load_rows,
+    load_tile,
+    mask_scores,
+    modify_scores,
+    row_tile,
+    row_tile_modes,
+    store_tile,
+    unfold_rows_grid,
 )
 
 
@@ -79,19 +91,21 @@ def _fwd_inner(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
     BAND: tl.constexpr = False, MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
+    softcap=0.0, inv_cap=0.0, slope=0.0, diag=0.0, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + offs_n0
         key_ok = offs_n < lk_b
-        k = _load_tile(k_base, _idx(offs_n, IDX64) * stride_kn, key_ok, D, BLOCK_D, MASKED)
+        k = load_tile(k_base, elem_idx(offs_n, IDX64) * stride_kn, key_ok, D, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale
+        s, _t = modify_scores(s, softcap, inv_cap, slope, diag, offs_n, SOFTCAP, ALIBI, False)
         if MASK_KIND != 0:
-            ptrs = m_base + (m_off[:, None] + _idx(offs_n, IDX64)[None, :] * stride_mn)
+            ptrs = m_base + (m_off[:, None] + elem_idx(offs_n, IDX64)[None, :] * stride_mn)
             if MASKED:
-                s, mvis = _mask_scores(s, ptrs, row_ok[:, None] & key_ok[None, :], MASK_KIND)
+                s, mvis = mask_scores(s, ptrs, row_ok[:, None] & key_ok[None, :], MASK_KIND)
             else:
-                s, mvis = _mask_scores(s, ptrs, row_ok[:, None], MASK_KIND)
+                s, mvis = mask_scores(s, ptrs, row_ok[:, None], MASK_KIND)
         if MASKED:
             vis = key_ok[None, :] & (offs_n[None, :] <= kmax[:, None])
             if BAND:
@@ -103,7 +117,7 @@ def _fwd_inner(
         p = tl.math.exp2((s - m_safe[:, None]) * 1.4426950408889634)
         alpha = tl.math.exp2((m_i - m_safe) * 1.4426950408889634)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(v_base, _idx(offs_n, IDX64) * stride_vn, key_ok, DV, BLOCK_DV, MASKED)
+        v = load_tile(v_base, elem_idx(offs_n, IDX64) * stride_vn, key_ok, DV, BLOCK_DV, MASKED)
         if MASK_KIND != 0:
             # Values of keys that no row of the tile sees (a masked column, or outside every
             # row's band) become 0, so that a NaN there cannot reach the output through 0 * NaN.
@@ -118,7 +132,7 @@ def _fwd_inner(
             seen_any = (offs_n >= tl.min(kmin, 0)) & (offs_n <= tl.max(kmax, 0)) & key_ok
             v = tl.where(seen_any[:, None], v, 0.0)
         if DROPOUT:
-            p = tl.where(_keep(r_drop[:, None], offs_n[None, :], drop_thr), p, 0.0)
+            p = tl.where(keep_bits(r_drop[:, None], offs_n[None, :], drop_thr), p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -139,19 +153,26 @@ def _attn_fwd_body(
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
     BAND: tl.constexpr = False, TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
     DROPOUT: tl.constexpr = False, split=0, num_splits=1, SPLIT: tl.constexpr = False,
+    softcap=0.0, SLOPES=None, slope_sb=0, slope_sh=0, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
-    pid_m, pid_h, b = _unfold_rows_grid(H, Lq, heads_per_prog, BLOCK_M)
+    pid_m, pid_h, b = unfold_rows_grid(H, Lq, heads_per_prog, BLOCK_M)
     b = b.to(tl.int64)
-    r, row_ok, hh, i, i_lo, i_hi, kvh = _row_tile(pid_m, pid_h, heads_per_prog, n_rep, Lq, BLOCK_M)
-    lk_b = _key_length(KL, b, Lk, HAS_KL)
-    q = _load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
+    r, row_ok, hh, i, i_lo, i_hi, kvh = row_tile(pid_m, pid_h, heads_per_prog, n_rep, Lq, BLOCK_M)
+    lk_b = key_length(KL, b, Lk, HAS_KL)
+    q = load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
     k_base = K + b * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = V + b * stride_vb + kvh.to(tl.int64) * stride_vh
-    kmin, kmax, start, full_lo, full, hi, m_base, m_off, r_drop = _row_tile_modes(
+    kmin, kmax, start, full_lo, full, hi, m_base, m_off, r_drop = row_tile_modes(
         i, i_lo, i_hi, hh, b, lk_b, H, Lq, win_l, win_r, seed_lo, seed_hi, MASK, stride_mb, stride_mh, stride_mm,
         BLOCK_N, CAUSAL, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT)
+    # Score modifiers: 1 / softcap once per program; each row's ALiBi slope and diagonal.
+    inv_cap = cap_inverse(softcap, SOFTCAP)
+    slope = sm_scale
+    diag = sm_scale
+    if ALIBI:
+        slope, diag = alibi_rows(SLOPES, slope_sb, slope_sh, b, hh, i, lk_b, Lq, row_ok, TOP_LEFT)
     if SPLIT:
-        # Split-K (plain calls only, so start = full_lo = 0 here): this program takes the split-th
+        # Split-K (no modes, so start = full_lo = 0 here): this program takes the split-th
         # of num_splits equal shares of the tile's key blocks [0, hi), unmasked up to `full` as
         # before. A share past the tile's last key is empty: l stays 0 and its lse -inf.
         per = tl.cdiv(tl.cdiv(hi, BLOCK_N), num_splits) * BLOCK_N
@@ -168,16 +189,19 @@ def _attn_fwd_body(
             acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start, full_lo, kmax, lk_b, sm_scale,
             kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr,
             D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC, IDX64, BAND, MASK_KIND, DROPOUT,
+            softcap, inv_cap, slope, diag, SOFTCAP, ALIBI,
         )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, full_lo, full, kmax, lk_b, sm_scale,
         kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr,
         D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, PREC, IDX64, BAND, MASK_KIND, DROPOUT,
+        softcap, inv_cap, slope, diag, SOFTCAP, ALIBI,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, full, hi, kmax, lk_b, sm_scale,
         kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr,
         D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC, IDX64, BAND, MASK_KIND, DROPOUT,
+        softcap, inv_cap, slope, diag, SOFTCAP, ALIBI,
     )
     # l = 0 exactly when the row saw no key (a seen key adds exp2(0) = 1); a NaN l (a NaN among
     # the visible scores) must stay NaN in out and lse, so test "!= 0", not "> 0".
@@ -188,7 +212,7 @@ def _attn_fwd_body(
     else:
         out = acc / l_safe[:, None]
     lse = tl.where(seen, m_i + tl.log(l_safe), float("-inf"))
-    _store_tile(O + b * stride_ob, _idx(hh, IDX64) * stride_oh + _idx(i, IDX64) * stride_om, row_ok,
+    store_tile(O + b * stride_ob, elem_idx(hh, IDX64) * stride_oh + elem_idx(i, IDX64) * stride_om, row_ok,
                 out.to(O.dtype.element_ty), DV, BLOCK_DV)
     tl.store(LSE + (b * H + hh) * Lq + i, lse, mask=row_ok)
 
@@ -215,13 +239,15 @@ def _attn_fwd_kernel(
 def _attn_fwd_split_kernel(
     Q, K, V, OP, LSEP, KL, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_os, stride_ob, stride_oh, stride_om, stride_ls, H, Lq, Lk,
-    n_rep, heads_per_prog, sm_scale, num_splits, D: tl.constexpr, DV: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
+    n_rep, heads_per_prog, sm_scale, num_splits, softcap, SLOPES, slope_sb, slope_sh, D: tl.constexpr,
+    DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr,
+    IDX64: tl.constexpr, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
-    """The plain forward split over the keys (grid axis 1: the split): each program writes its
-    share's normalised fp32 output and lse into OP (S, B, H, Lq, DV) and LSEP (S, B, H, Lq),
-    which the launcher merges through their lse."""
+    """The forward without modes split over the keys (grid axis 1: the split): each program
+    writes its share's normalised fp32 output and lse into OP (S, B, H, Lq, DV) and LSEP
+    (S, B, H, Lq), which the launcher merges through their lse. The score modifiers (SOFTCAP,
+    ALIBI) apply per score, so a split call may carry them."""
     split = tl.program_id(1)
     _attn_fwd_body(
         Q, K, V, OP + split.to(tl.int64) * stride_os, LSEP + split.to(tl.int64) * stride_ls, KL, LSEP,
@@ -230,6 +256,7 @@ def _attn_fwd_split_kernel(
         heads_per_prog, sm_scale, 0, 0, 0, 0, 0, 1.0, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL,
         HAS_KL, PREC, IDX64, BAND=False, TOP_LEFT=False, MASK_KIND=0, DROPOUT=False,
         split=split, num_splits=num_splits, SPLIT=True,
+        softcap=softcap, SLOPES=SLOPES, slope_sb=slope_sb, slope_sh=slope_sh, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
     )
 
 
@@ -238,20 +265,22 @@ def _attn_fwd_modes_kernel(
     Q, K, V, O, LSE, KL, MASK, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_mb, stride_mh,
     stride_mm, stride_mn, H, Lq, Lk, n_rep, heads_per_prog, sm_scale, win_l, win_r, seed_lo,
-    seed_hi, drop_thr, drop_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr, BAND: tl.constexpr = False,
-    TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
+    seed_hi, drop_thr, drop_scale, softcap, SLOPES, slope_sb, slope_sh, D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
+    BAND: tl.constexpr = False, TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
+    DROPOUT: tl.constexpr = False, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
-    """The forward with optional modes (flags as constexprs; see the module docstring)."""
+    """The forward with optional modes and score modifiers (flags as constexprs; see the module
+    docstring)."""
     _attn_fwd_body(
         Q, K, V, O, LSE, KL, MASK, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_mb, stride_mh, stride_mm,
         stride_mn, H, Lq, Lk, n_rep, heads_per_prog, sm_scale, win_l, win_r, seed_lo, seed_hi, drop_thr,
         drop_scale, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, HAS_KL, PREC, IDX64, BAND=BAND,
         TOP_LEFT=TOP_LEFT, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
+        softcap=softcap, SLOPES=SLOPES, slope_sb=slope_sb, slope_sh=slope_sh, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
     )
-
 
 
 _FORCED_SPLITS = 0
@@ -275,45 +304,45 @@ def fwd_splits(q: torch.Tensor, Lk: int, Dv: int, programs: int, block_n: int) -
     return plan_fwd_splits(programs, triton.cdiv(Lk, block_n), B * H * Lq, Dv, num_sms_of(q))
 
 
-def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths=None, *, attn_mask=None,
-                      dropout_p: float = 0.0, seed: int = 0, top_left: bool = False, window_left: int = -1,
-                      window_right: int = -1):
+def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths=None, modes=None):
     """Launch the forward kernel into the caller's buffers; returns ``(out, lse)``.
 
     Shapes: q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv); out (B, H, Lq, Dv) in q's
     dtype, any strides with a unit last one; lse contiguous float32 (B, H, Lq), written in
     natural log, -inf on rows that see no key. key_lengths: None or int32 (B,) on q's device.
-    Modes (docs/contract.md): attn_mask None or a (B, H, Lq, Lk) view (bool, or float32 bias;
-    stride 0 on broadcast dims is read as such), dropout_p in [0, 1) with the 64-bit seed,
-    top_left alignment, window_left / window_right (-1 unbounded).
+    ``modes``: the call's record (``mhakern.backends.Modes``; None: the plain call), read as
+    :class:`.launch.ModeArgs` says: attn_mask None or a (B, H, Lq, Lk) view (bool, or float32
+    bias; stride 0 on broadcast dims is read as such), dropout_p in [0, 1) with the 64-bit seed,
+    top_left alignment, window_left / window_right (-1 unbounded), softcap (0 off), alibi_slopes
+    None or a float32 (B, H) view.
     """
     B, H, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    modes = ModeArgs(Lq, Lk, causal, attn_mask, dropout_p, seed, top_left, window_left, window_right)
-    cfg = fwd_config(D, Dv, q.dtype, arch_of(q), **tile_modes(modes))
+    margs = ModeArgs(B, H, Lq, Lk, causal, modes, q.device)
+    cfg = fwd_config(D, Dv, q.dtype, arch_of(q), **tile_modes(margs))
     hpp, bm, grid = launch_geometry(B, H, Hkv, Lq, cfg.block_m)
-    # Few row tiles over long keys (decode): split the keys across programs (plain calls only).
-    splits = 1 if modes.any() else fwd_splits(q, Lk, Dv, grid[0], cfg.block_n)
-    # sm_90 without modes: TMA through tensor descriptors (the predicate refuses any mode), unless
-    # the call is split (one program per row tile would leave most multiprocessors idle).
-    if splits == 1 and desc_eligible(q, k, v, out, attn_mask=attn_mask, dropout_p=dropout_p, top_left=top_left,
-                                     window_left=window_left, window_right=window_right):
-        from .attention_fwd_desc import desc_forward
-        return desc_forward(q, k, v, out, lse, scale, causal, key_lengths)
+    # Few row tiles over long keys (decode): split the keys across programs (no modes; the score
+    # modifiers apply per score, so they may split).
+    splits = 1 if margs.any() else fwd_splits(q, Lk, Dv, grid[0], cfg.block_n)
+    # sm_90 without modes or modifiers: TMA through tensor descriptors, unless the call is split
+    # (one program per row tile would leave most multiprocessors idle).
+    plain = not margs.any() and not margs.modified()
+    if splits == 1 and desc_eligible(q, k, v, out, plain=plain):
+        return attention_fwd_desc.desc_forward(q, k, v, out, lse, scale, causal, key_lengths)
     check_buffer("out", out, (B, H, Lq, Dv), q.dtype, q)
     check_buffer("lse", lse, (B, H, Lq), torch.float32, q, contiguous=True)
     kl = key_lengths if key_lengths is not None else lse  # unused pointer when HAS_KL is False
-    mask = modes.mask if modes.mask is not None else lse  # unused pointer when MASK_KIND is 0
+    mask = margs.mask if margs.mask is not None else lse  # unused pointer when MASK_KIND is 0
     common = dict(
         D=D, DV=Dv, BLOCK_D=head_block(D), BLOCK_DV=head_block(Dv), BLOCK_M=bm, BLOCK_N=cfg.block_n,
         CAUSAL=causal, HAS_KL=key_lengths is not None, PREC=precision(q.dtype),
-        IDX64=needs_64bit_offsets(q, k, v, out, *(() if attn_mask is None else (attn_mask,))),
+        IDX64=needs_64bit_offsets(q, k, v, out, *(() if margs.mask is None else (margs.mask,))),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     with on_device(q):
         if splits > 1:
-            _split_forward(q, k, v, out, lse, kl, scale, splits, hpp, grid, common)
-        elif not modes.any():
+            _split_forward(q, k, v, out, lse, kl, scale, splits, hpp, grid, common, margs)
+        elif plain:
             _attn_fwd_kernel[grid](
                 q, k, v, out, lse, kl,
                 q.stride(0), q.stride(1), q.stride(2),
@@ -329,16 +358,16 @@ def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths
                 k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2),
                 out.stride(0), out.stride(1), out.stride(2),
-                *modes.mask_strides,
+                *margs.mask_strides,
                 H, Lq, Lk, H // Hkv, hpp, scale,
-                *modes.runtime(), **modes.constexprs(), **common,
+                *margs.runtime(), *margs.modifier_args(lse), **margs.constexprs(), **common,
             )
     return out, lse
 
 
-def _split_forward(q, k, v, out, lse, kl, scale, splits, hpp, grid, common):
-    """The plain forward over ``splits`` key shares (grid axis 1), then their merge: with
-    lse_s and o_s the shares' (normalised) results, lse = log sum_s exp(lse_s) and
+def _split_forward(q, k, v, out, lse, kl, scale, splits, hpp, grid, common, margs):
+    """The forward without modes over ``splits`` key shares (grid axis 1), then their merge:
+    with lse_s and o_s the shares' (normalised) results, lse = log sum_s exp(lse_s) and
     out = sum_s exp(lse_s - lse) o_s; a share that saw no key (lse_s = -inf) weighs 0, a row
     that saw none gets 0 and -inf, and a NaN lse_s stays NaN in both."""
     B, H, Lq = q.shape[0], q.shape[1], q.shape[2]
@@ -351,7 +380,8 @@ def _split_forward(q, k, v, out, lse, kl, scale, splits, hpp, grid, common):
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         op.stride(0), op.stride(1), op.stride(2), op.stride(3), lsep.stride(0),
-        H, Lq, Lk, H // Hkv, hpp, scale, splits, **common,
+        H, Lq, Lk, H // Hkv, hpp, scale, splits, *margs.modifier_args(lse),
+        **margs.modifier_constexprs(), **common,
     )
     total = torch.logsumexp(lsep, dim=0)
     w = torch.where(torch.isneginf(lsep), 0.0, torch.exp(lsep - total))
@@ -359,5 +389,7 @@ def _split_forward(q, k, v, out, lse, kl, scale, splits, hpp, grid, common):
     lse.copy_(total)
 
 
-__all__ = ["attention_forward", "force_splits", "fwd_splits", "ModeArgs", "tile_modes", "launch_geometry", "precision", "on_device", "check_buffer", "MAX_PROGRAMS",
-           "needs_64bit_offsets", "arch_of"]
+#: The kernels of this module by the AOT check's names (mhakern/kernels/aot.py).
+KERNELS = {"fwd": _attn_fwd_kernel, "fwdsplit": _attn_fwd_split_kernel, "fwd+modes": _attn_fwd_modes_kernel}
+
+__all__ = ["attention_forward", "force_splits", "fwd_splits", "KERNELS"]

@@ -1,8 +1,8 @@
 """Fused attention forward through tensor descriptors (TMA on sm_90): the Hopper path of calls
 without modes.
 
-Same semantics and row tiles as :mod:`.attention_fwd` (whose jit helpers it uses for the grid,
-the rows of a tile, key lengths, the visible key range and the last visible key); what differs
+Same semantics and row tiles as :mod:`.attention_fwd` (the jit helpers of :mod:`.tiles` give
+both the grid, the rows of a tile, key lengths, the visible key range and the last visible key); what differs
 is how tiles move. Q, K and V are read, and O written, through 4-D descriptors over the caller's
 (B, heads, L, head dim) tensors, with a box of one (batch, head) slab of BLOCK rows by the padded
 head dim. On sm_90 each such load is one TMA copy into shared memory, issued by one thread and
@@ -38,14 +38,14 @@ from .launch import (
     precision,
 )
 from .tiles import (
-    _idx,
-    _key_length,
-    _key_range,
-    _last_visible_key,
-    _load_rows,
-    _row_tile,
-    _store_tile,
-    _unfold_rows_grid,
+    elem_idx,
+    key_length,
+    key_range,
+    last_visible_key,
+    load_rows,
+    row_tile,
+    store_tile,
+    unfold_rows_grid,
 )
 
 try:  # triton >= 3.4 (descriptors on the host side)
@@ -94,16 +94,16 @@ def _attn_fwd_desc_kernel(
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
     PACKED: tl.constexpr,
 ):
-    pid_m, pid_h, b = _unfold_rows_grid(H, Lq, heads_per_prog, BLOCK_M)
-    r, row_ok, hh, i, i_lo, i_hi, kvh = _row_tile(pid_m, pid_h, heads_per_prog, n_rep, Lq, BLOCK_M)
-    lk_b = _key_length(KL, b, Lk, HAS_KL)
+    pid_m, pid_h, b = unfold_rows_grid(H, Lq, heads_per_prog, BLOCK_M)
+    r, row_ok, hh, i, i_lo, i_hi, kvh = row_tile(pid_m, pid_h, heads_per_prog, n_rep, Lq, BLOCK_M)
+    lk_b = key_length(KL, b, Lk, HAS_KL)
     if PACKED:
-        q = _load_rows(Q + b.to(tl.int64) * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
+        q = load_rows(Q + b.to(tl.int64) * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
     else:
         # One head per program: the rows are one box of the (b, head) slab, clipped at Lq.
         q = q_desc.load([b, pid_h, pid_m * BLOCK_M, 0]).reshape(BLOCK_M, BLOCK_D)
-    kmax = _last_visible_key(i, lk_b, Lq, CAUSAL)
-    full, hi = _key_range(i_lo, i_hi, lk_b, Lq, CAUSAL, BLOCK_N)
+    kmax = last_visible_key(i, lk_b, Lq, CAUSAL)
+    full, hi = key_range(i_lo, i_hi, lk_b, Lq, CAUSAL, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -118,7 +118,7 @@ def _attn_fwd_desc_kernel(
     out = (acc / l_safe[:, None]).to(O.dtype.element_ty)
     lse = tl.where(seen, m_i + tl.log(l_safe), float("-inf"))
     if PACKED:
-        _store_tile(O + b.to(tl.int64) * stride_ob, _idx(hh, IDX64) * stride_oh + _idx(i, IDX64) * stride_om,
+        store_tile(O + b.to(tl.int64) * stride_ob, elem_idx(hh, IDX64) * stride_oh + elem_idx(i, IDX64) * stride_om,
                     row_ok, out, DV, BLOCK_DV)
     else:
         o_desc.store([b, pid_h, pid_m * BLOCK_M, 0], out.reshape(1, 1, BLOCK_M, BLOCK_DV))
@@ -160,4 +160,7 @@ def desc_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths=None
     return out, lse
 
 
-__all__ = ["desc_forward"]
+#: The kernel of this module by the AOT check's name (mhakern/kernels/aot.py).
+KERNELS = {"desc": _attn_fwd_desc_kernel}
+
+__all__ = ["desc_forward", "KERNELS"]

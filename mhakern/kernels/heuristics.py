@@ -183,9 +183,13 @@ MMA_SYNC_ON_SM90 = frozenset({
 _AS_DKDV = {"fused": "dkdv"}
 
 
-def allows_mma_sync(kernel: str, width: str, bucket: int, aligned: bool, modes: str = "") -> bool:
+def allows_mma_sync(kernel: str, width: str, bucket: int, aligned: bool, modes: str = "",
+                    modified: bool = False) -> bool:
     """Whether a variant may multiply with mma.sync on sm_90 (the AOT check's exception):
-    MMA_SYNC_ON_SM90 for its tile row, or MMA_SYNC_MODES_ON_SM90 for its ``modes`` (mode_class)."""
+    MMA_SYNC_ON_SM90 for its tile row, MMA_SYNC_MODES_ON_SM90 for its ``modes`` (mode_class), or,
+    ``modified`` (softcap or ALiBi on), MMA_SYNC_MODIFIERS_ON_SM90."""
+    if modified and (kernel, width, bucket) in MMA_SYNC_MODIFIERS_ON_SM90:
+        return True
     kernel = _AS_DKDV.get(kernel, kernel)
     return ((kernel, width, bucket, aligned) in MMA_SYNC_ON_SM90
             or (kernel, width, bucket, modes) in MMA_SYNC_MODES_ON_SM90)
@@ -198,10 +202,11 @@ def strides_aligned(d: int, dv: int) -> bool:
 
 
 def tile_config(kernel: str, d: int, dv: int, dtype: torch.dtype, arch: int = 80, *, band: bool = False,
-                mask_kind: int = 0, dropout: bool = False) -> TileConfig:
+                mask_kind: int = 0, dropout: bool = False, modified: bool = False) -> TileConfig:
     """Tiles of ``kernel`` ("fwd", "dq", "dkdv", "fused" or "fwd_desc") for head dims (d, dv), dtype and
     arch family; with modes (``band``: a window or top-left alignment, ``mask_kind`` 0 none /
-    1 bool / 2 float, ``dropout``), the mode variant's tile (``mode_tiles``)."""
+    1 bool / 2 float, ``dropout``) or a score modifier (``modified``: softcap or ALiBi), the
+    mode variant's tile (``mode_tiles``)."""
     width = "32" if dtype == torch.float32 else "16"
     family = 90 if arch >= 90 else 80
     key = (kernel, family, width, head_bucket(d, dv))
@@ -212,7 +217,7 @@ def tile_config(kernel: str, d: int, dv: int, dtype: torch.dtype, arch: int = 80
     if kernel == "fwd_desc":
         return cfg
     return mode_tiles(kernel, cfg, arch=family, width=width, bucket=key[3], band=band, mask_kind=mask_kind,
-                      dropout=dropout)
+                      dropout=dropout, modified=modified)
 
 
 # --- Tiles of the mode variants (the ``*_modes_kernel`` entry points) --------------------------
@@ -288,10 +293,16 @@ def mode_class(band: bool = False, mask_kind: int = 0, dropout: bool = False) ->
 
 
 def mode_tiles(kernel: str, cfg: TileConfig, *, arch: int = 80, width: str = "16", bucket: int = 64,
-               band: bool = False, mask_kind: int = 0, dropout: bool = False) -> TileConfig:
+               band: bool = False, mask_kind: int = 0, dropout: bool = False, modified: bool = False) -> TileConfig:
     """The tile of ``kernel`` ("fwd", "dkdv", "dq") for a launch with modes, from ``cfg``, the
     plain variant's tile for the same (arch, dtype width, head-dim bucket); see the comment
-    above for the rule. With no mode the plain tile comes back unchanged."""
+    above for the rule, and MODIFIER_CAPS for ``modified``. With no mode and no modifier the
+    plain tile comes back unchanged."""
+    if modified:
+        cfg = _modifier_caps(kernel, mode_tiles(kernel, cfg, arch=arch, width=width, bucket=bucket, band=band,
+                                                mask_kind=mask_kind, dropout=dropout),
+                             arch, width, bucket, mode_class(band, mask_kind, dropout))
+        return cfg
     if kernel == "fwd":
         if mask_kind:
             budget = 8 if (band or dropout) else 16
@@ -315,6 +326,55 @@ def mode_tiles(kernel: str, cfg: TileConfig, *, arch: int = 80, width: str = "16
     if cap is not None:
         cfg = TileConfig(min(cfg.block_m, cap.block_m), min(cfg.block_n, cap.block_n), cap.num_warps,
                          min(cfg.num_stages, cap.num_stages))
+    return cfg
+
+
+# --- The score modifiers (softcap, ALiBi) -----------------------------------------------------------
+# They add per-score work (the cap's tanh, ALiBi's |i + off - j|) and, in the backward, keep the
+# cap's tanh tile live from the scores to dS. The mode tile (or the plain one) stands except
+# where the AOT check (``--modes modifiers all``, fp16, d64/128/256, both arches, triton 3.9)
+# found it spilling; MODIFIER_CAPS caps it there, as MODE_CAPS does for the modes:
+# (kernel, arch family, dtype width, head-dim bucket, mode class) -> cap. The "" row (the
+# modifiers alone) applies to every call with a modifier; a call with modes too then takes its
+# class's row, else the "mask+" one (measured with every mode on: the most code). Kernel names
+# are the kernels' own here (the fused backward spills where dK/dV does not). Each row says
+# what the tile it replaces cost (stack B / local accesses in loops). Registers at the capped
+# tiles: sm_80 fused d128 187, d256 254, dq d256 180; sm_90 fused d128 190, dq d128 227,
+# dq d256 128. Known gap: the unaligned d200 fused backward on sm_80 with every mode and a
+# modifier keeps 10 local accesses in its loop at 16x16 (the smallest tile; 4 warps: 77,
+# 16 warps: 36).
+MODIFIER_CAPS: Dict[Tuple[str, int, str, int, str], TileConfig] = {
+    # 16x64 one stage with every mode: 56 B, 9 in the loop
+    ("fused", 80, "16", 128, "mask+"): _T(16, 32, 8, 1),
+    # 16x32 with every mode: 160 B, 34 in the loop
+    ("fused", 80, "16", 256, "mask+"): _T(16, 16, 8, 1),
+    # 16x64 8 warps, 1 or 2 stages: 104 B, 8 in the loop; 4 warps: 24 in the loop. 32 keys is
+    # below wgmma's 64: mma.sync (MMA_SYNC_MODIFIERS_ON_SM90), as the masked dK/dV row
+    ("fused", 90, "16", 128, ""): _T(16, 32, 8, 1),
+    # 64x32 with every mode: 56 B outside the loop (one stage: 64 B, 2 in the loop)
+    ("dq", 90, "16", 128, "mask+"): _T(64, 16, 8, 2),
+    # 64x32 (the plain tile): d200 576 B, 3 in the loop; d256 255 registers and 8 B, no margin
+    # for triton 3.6. 32x32: d256 180 registers, d200 64 B outside the loop (allowed unaligned)
+    ("dq", 80, "16", 256, ""): _T(32, 32, 8, 1),
+    # 64x16 (the plain tile): 72 B outside the loop; one stage 104 B, 1 in the loop; 16 rows,
+    # below wgmma's 64: mma.sync
+    ("dq", 90, "16", 256, ""): _T(16, 32, 8, 1),
+}
+
+# Variants with a score modifier allowed mma.sync on sm_90, as (kernel, dtype width, bucket):
+# those whose MODIFIER_CAPS row takes fewer than 64 keys (fused) or rows (dq).
+MMA_SYNC_MODIFIERS_ON_SM90 = frozenset({("fused", "16", 128), ("dq", "16", 256)})
+
+
+def _modifier_caps(kernel: str, cfg: TileConfig, arch: int, width: str, bucket: int, cls: str) -> TileConfig:
+    key = (kernel, 90 if arch >= 90 else 80, width, bucket)
+    rows = [MODIFIER_CAPS.get(key + ("",))]
+    if cls:
+        rows.append(MODIFIER_CAPS.get(key + (cls,)) or MODIFIER_CAPS.get(key + ("mask+",)))
+    for cap in rows:
+        if cap is not None:
+            cfg = TileConfig(min(cfg.block_m, cap.block_m), min(cfg.block_n, cap.block_n), cap.num_warps,
+                             min(cfg.num_stages, cap.num_stages))
     return cfg
 
 
@@ -434,18 +494,16 @@ def plan_fwd_splits(programs: int, key_blocks: int, rows: int, dv: int, num_sms:
     return max(1, min(by_occupancy, by_keys, by_memory, MAX_SPLITS))
 
 
-def desc_eligible(q, k, v, out, *, attn_mask=None, dropout_p: float = 0.0, top_left: bool = False,
-                  window_left: int = -1, window_right: int = -1) -> bool:
+def desc_eligible(q, k, v, out, *, plain: bool = True) -> bool:
     """Whether the forward goes through tensor descriptors (mhakern/kernels/attention_fwd_desc.py).
 
-    Only calls without modes (no mask, no dropout, bottom-right alignment, no window: those live
-    in the pointer kernel), in fp16/bf16 (fp32 multiplies with FMA, where TMA buys nothing), on
-    sm_90 or newer (TMA) unless DESC_MODE forces it, with a triton that has descriptors and
-    tensors TMA can address. Everything else takes the pointer path of attention_fwd.py.
+    Only ``plain`` calls (no mode and no score modifier: those live in the pointer kernels; the
+    launcher's ModeArgs says which a call has), in fp16/bf16 (fp32 multiplies with FMA, where
+    TMA buys nothing), on sm_90 or newer (TMA) unless DESC_MODE forces it, with a triton that
+    has descriptors and tensors TMA can address. Everything else takes the pointer path of
+    attention_fwd.py.
     """
-    if DESC_MODE == "0" or q.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    if attn_mask is not None or dropout_p > 0.0 or top_left or window_left >= 0 or window_right >= 0:
+    if not plain or DESC_MODE == "0" or q.dtype not in (torch.float16, torch.bfloat16):
         return False
     if DESC_MODE != "1":
         if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9:

@@ -1,13 +1,22 @@
 """Host-side helpers the Triton launchers share: precision, 64-bit offsets, the device's arch
-and multiprocessors, launch geometry, output-buffer checks and the modes' launch arguments."""
+and multiprocessors, launch geometry, output-buffer checks and the modes' launch arguments
+(``ModeArgs``, from the call's record)."""
 from __future__ import annotations
 
 import contextlib
+import math
+import os
+import types
 
 import torch
 import triton
 
 from .heuristics import packed_rows, row_block
+
+
+# Whether Triton runs in interpreter mode: read here, before any kernel module defines its
+# kernels, which is when Triton reads the switch.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -55,7 +64,7 @@ def arch_of(t: torch.Tensor) -> int:
 
 def launch_geometry(B: int, H: int, Hkv: int, Lq: int, block_m: int):
     """(heads per program, row tile, grid) of the forward and dQ kernels: a flat grid of
-    row tiles x head groups x batch elements (see ``_unfold_rows_grid``)."""
+    row tiles x head groups x batch elements (see ``unfold_rows_grid``)."""
     n_rep = H // Hkv
     hpp = packed_rows(Lq, n_rep, block_m)
     bm = row_block(hpp * Lq, block_m)
@@ -88,20 +97,43 @@ def check_buffer(name: str, t: torch.Tensor, shape, dtype, like: torch.Tensor, c
         raise ValueError(f"{name}: expected unit stride on the last dim, got strides {t.stride()}")
 
 
-class ModeArgs:
-    """The launch arguments of the optional modes (docs/contract.md), shared by the forward and
-    backward launchers: what the kernels read at run time and the constexpr flags that select
-    their variant. The plain call gives BAND, TOP_LEFT, MASK_KIND, DROPOUT all off."""
+# The plain call's record (what ``modes=None`` means), read like mhakern.backends.Modes.
+_PLAIN = types.SimpleNamespace(attn_mask=None, dropout_p=0.0, seed=0, top_left=False, window_left=-1, window_right=-1,
+                               softcap=0.0, alibi_slopes=None, sinks=None)
 
-    def __init__(self, Lq: int, Lk: int, causal: bool, attn_mask, dropout_p: float, seed: int,
-                 top_left: bool, window_left: int, window_right: int):
-        self.band = bool(top_left) or window_left >= 0 or window_right >= 0
-        self.top_left = bool(top_left) and self.band
+
+class ModeArgs:
+    """The launch arguments of a call's modes, shared by the forward and backward launchers:
+    what the kernels read at run time and the constexpr flags that select their variant.
+
+    ``modes`` is the call's record (``mhakern.backends.Modes``, read by attribute: attn_mask,
+    dropout_p, seed, top_left, window_left, window_right, softcap, alibi_slopes, sinks) or None
+    for the plain call. Two groups (docs/contract.md):
+
+    * the **modes** (band: top-left alignment or a window; a mask; dropout) select the modes
+      kernels; ``any()`` says whether one is on;
+    * the **score modifiers** (softcap, ALiBi) are switches of every pointer kernel, the plain
+      forward's split-K one included; ``modified()`` says whether one is on.
+
+    The plain call gives every flag off. ``sinks`` never reaches a kernel (the op layer applies
+    them around the forward): a record carrying them is refused.
+    """
+
+    def __init__(self, B: int, H: int, Lq: int, Lk: int, causal: bool, modes=None, device=None):
+        m = _PLAIN if modes is None else modes
+        attn_mask, slopes = m.attn_mask, m.alibi_slopes
+        dropout_p, seed, softcap = float(m.dropout_p), int(m.seed), float(m.softcap)
+        top_left, window_left, window_right = bool(m.top_left), int(m.window_left), int(m.window_right)
+        if getattr(m, "sinks", None) is not None:
+            raise ValueError("sinks: the kernels never see them (the op layer applies them around the forward); "
+                             "pass a record without sinks")
+        self.band = top_left or window_left >= 0 or window_right >= 0
+        self.top_left = top_left and self.band
         # An unbounded side becomes Lq + Lk, wider than any row can reach, and bounded sides are
         # capped there too, so that i + off +- L, R stays far inside int32.
         big = Lq + Lk
-        self.win_l = big if window_left < 0 else min(int(window_left), big)
-        win_r = big if window_right < 0 else min(int(window_right), big)
+        self.win_l = big if window_left < 0 else min(window_left, big)
+        win_r = big if window_right < 0 else min(window_right, big)
         self.win_r = min(win_r, 0) if causal else win_r  # causal is the band's right edge at 0
         self.mask = attn_mask
         self.mask_kind = 0
@@ -121,27 +153,52 @@ class ModeArgs:
             raise ValueError(f"dropout_p: expected 0 <= p < 1, got {dropout_p}")
         self.dropout = dropout_p > 0.0
         thr = min(int(dropout_p * 4294967296.0), 0xFFFFFFFF)
-        seed = int(seed)
         # uint32 values travel as int32 with the same bits (the kernels bitcast them back).
         self.seed_lo, self.seed_hi, self.drop_thr = (
             _as_i32(x) for x in (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, thr))
         self.drop_scale = 1.0 / (1.0 - dropout_p)
+        if not (softcap >= 0.0 and math.isfinite(softcap)):
+            raise ValueError(f"softcap: expected a finite value >= 0 (0: off), got {softcap}")
+        self.softcap = softcap
+        self.slopes = slopes
+        self.slope_strides = (0, 0)
+        if slopes is not None:
+            if not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32 or tuple(slopes.shape) != (B, H):
+                got = f"{slopes.dtype} {tuple(slopes.shape)}" if isinstance(slopes, torch.Tensor) else type(slopes).__name__
+                raise ValueError(f"alibi_slopes: expected a float32 (B, H) = ({B}, {H}) view, got {got}")
+            if device is not None and slopes.device != device:
+                raise ValueError(f"alibi_slopes: expected a tensor on {device}, got {slopes.device}")
+            self.slope_strides = tuple(slopes.stride())
 
     def any(self) -> bool:
         """Whether some mode is on (the launch takes the modes kernel, not the plain one)."""
         return self.band or self.mask_kind != 0 or self.dropout
 
+    def modified(self) -> bool:
+        """Whether a score modifier (softcap, ALiBi) is on."""
+        return self.softcap > 0.0 or self.slopes is not None
+
     def runtime(self):
+        """The modes kernels' run-time mode arguments, in their order (win_l .. drop_scale)."""
         return (self.win_l, self.win_r, self.seed_lo, self.seed_hi, self.drop_thr, self.drop_scale)
 
+    def modifier_args(self, unused):
+        """The run-time arguments of the score modifiers, in the kernels' order (softcap, SLOPES,
+        slope_sb, slope_sh); ``unused``: a float32 tensor passed as SLOPES when ALiBi is off."""
+        return (self.softcap, self.slopes if self.slopes is not None else unused, *self.slope_strides)
+
+    def modifier_constexprs(self):
+        return dict(SOFTCAP=self.softcap > 0.0, ALIBI=self.slopes is not None)
+
     def constexprs(self):
-        return dict(BAND=self.band, TOP_LEFT=self.top_left, MASK_KIND=self.mask_kind, DROPOUT=self.dropout)
+        return dict(BAND=self.band, TOP_LEFT=self.top_left, MASK_KIND=self.mask_kind, DROPOUT=self.dropout,
+                    **self.modifier_constexprs())
 
 
 def tile_modes(modes: "ModeArgs") -> dict:
     """The modes that choose a launch's tile (heuristics.tile_config's keywords): the table in
     heuristics.py narrows the plain tile for them, per architecture."""
-    return dict(band=modes.band, mask_kind=modes.mask_kind, dropout=modes.dropout)
+    return dict(band=modes.band, mask_kind=modes.mask_kind, dropout=modes.dropout, modified=modes.modified())
 
 
 def _as_i32(x: int) -> int:

@@ -28,6 +28,7 @@ listings, functions, loops and waits by the same rules:
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
@@ -67,6 +68,10 @@ class SassReport:
     tma_loads: int = 0  # UTMALDG: tensor-memory-accelerator copies global -> shared (sm_90)
     tma_loads_in_loops: int = 0
     tma_stores: int = 0  # UTMASTG
+    insns: int = 0  # instructions in the listing
+    # sha256 (first 16 hex digits) of the instruction texts in order, operands and branch
+    # targets included: two compiles with the same digest emitted the same machine code.
+    digest: str = ""
 
 
 _FUNC = re.compile(r"Function : (\S+)")
@@ -230,8 +235,9 @@ def analyse(sass: str, usage: str) -> SassReport:
         has_mma = has_hg or any(re.search(r"\bHMMA\b|\bHMMA\.", t) for t in ops)
         mma += has_mma
         hg += has_hg
+    digest = hashlib.sha256("\n".join(t for _, t in insns).encode()).hexdigest()[:16]
     return SassReport(regs, stack, shared, ldl, stl, in_loops, loops, mma, hg, len(tma_ld),
-                      sum(in_loop(a) for a in tma_ld), tma_st)
+                      sum(in_loop(a) for a in tma_ld), tma_st, len(insns), digest)
 
 
 def inspect_cubin(cubin: bytes) -> SassReport:
