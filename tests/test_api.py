@@ -499,7 +499,7 @@ def test_get_auto_says_it_must_be_selected_not_that_it_is_unknown():
     with pytest.raises(ValueError, match="reserved"):
         backends.register(type("B", (backends.Backend,), {"name": "auto"})())
     with pytest.raises(ValueError, match="unknown features"):
-        backends.register(type("B", (backends.Backend,), {"name": "x", "features": frozenset({"alibi"})})())
+        backends.register(type("B", (backends.Backend,), {"name": "x", "features": frozenset({"no_such_mode"})})())
 
 
 def test_the_op_hands_backends_float32_masks_and_returns_the_mask_gradient_in_its_shape():
