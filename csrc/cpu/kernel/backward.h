@@ -51,12 +51,13 @@ struct DropoutConsts {
 struct BwdTiles {
   float *st, *dst, *dkb, *dvb, *kc, *vc, *lorel, *hirel, *kv, *dqrow;
   uint8_t* vis;
-  static int64_t floats(const BwdLayout& L) {
-    return 2 * Scratch::size_of(kKeyBlock * L.Rp) + 2 * Scratch::size_of(kKeyBlock * L.Dp) +
+  ModScratch ms;
+  static int64_t floats(const BwdLayout& L, const ScoreMods& mods) {
+    return mods.floats(L.Rp, true) + 2 * Scratch::size_of(kKeyBlock * L.Rp) + 2 * Scratch::size_of(kKeyBlock * L.Dp) +
            2 * Scratch::size_of(kKeyBlock * L.Dvp) + 3 * Scratch::size_of(L.Rp) + Scratch::size_of(L.Rp * L.Dp) +
            Scratch::size_of(kKeyBlock * L.Rp / 4);
   }
-  BwdTiles(Scratch& buf, const BwdLayout& L) {
+  BwdTiles(Scratch& buf, const BwdLayout& L, const ScoreMods& mods) {
     st = buf.take(kKeyBlock * L.Rp);
     dst = buf.take(kKeyBlock * L.Rp);
     dkb = buf.take(kKeyBlock * L.Dp);
@@ -68,6 +69,7 @@ struct BwdTiles {
     kv = buf.take(L.Rp);
     dqrow = buf.take(L.Rp * L.Dp);
     vis = reinterpret_cast<uint8_t*>(buf.take(kKeyBlock * L.Rp / 4));
+    ms = ModScratch(buf, mods, L.Rp, true);
   }
 };
 
@@ -134,13 +136,15 @@ MHK_STEP void gather_rows(const AttnParams& p, const RowPlan& rp, int64_t b, int
 }
 
 // Step 2: the score tile S^T = K_blk * Q^T and dP^T = V_blk * dO^T (bk x Rp) of a row block,
-// masked: attn_mask, then the rows' ranges where the block cuts one (-inf scores give P = 0).
-MHK_STEP void score_tiles(const AttnParams& p, int64_t b, const RowSlot& sl, int64_t j0, int64_t bk, const float* Kb,
-                        int64_t ldk, const float* Vb, int64_t ldv, const BwdTiles& t) {
+// with the score modifiers as in the forward (the cap's derivative kept), then masked:
+// attn_mask, then the rows' ranges where the block cuts one (-inf scores give P = 0).
+MHK_STEP void score_tiles(const AttnParams& p, const ScoreMods& mods, int64_t b, const RowSlot& sl, int64_t j0,
+                          int64_t bk, const float* Kb, int64_t ldk, const float* Vb, int64_t ldv, const BwdTiles& t) {
   const int64_t R = sl.rb.rows(), Rp = round_up(R, VL);
   auto row_i = [&](int64_t r) { return sl.rb.i0 + r % sl.rb.nq; };
   gemm<CMode::Store>(bk, Rp, p.D, Kb, ldk, 1, sl.qt, Rp, t.st, Rp);
   gemm<CMode::Store>(bk, Rp, p.Dv, Vb, ldv, 1, sl.dot, Rp, t.dst, Rp);
+  if (mods.any()) apply_score_mods(p, mods, t.ms, t.st, Rp, bk, b, sl.rb, j0);
   const bool ragged = sl.br.ragged(j0, bk);
   if (p.mask) apply_attn_mask(p, t.st, Rp, bk, b, sl.rb, j0);
   if (ragged) {
@@ -189,6 +193,15 @@ MHK_STEP void store_dmask(const AttnParams& p, int64_t b, const RowSlot& sl, int
     float* dm = p.dmask + ((b * p.H + sl.rb.h0 + r / sl.rb.nq) * p.Lq + i) * p.Lk + j0;
     for (int64_t j = 0; j < bk; ++j) dm[j] = dst[j * Rp + r];
   }
+}
+
+// Step 4b (softcap): dS^T of the raw product, dS^T * (1 - tanh^2). After store_dmask: the mask is
+// added to the capped score, so its gradient is the unchained one. In a pairwise tile a hidden
+// pair's factor may be NaN (its raw score was); step 5b never reads hidden pairs.
+MHK_STEP void chain_softcap(const RowSlot& sl, int64_t bk, const BwdTiles& t) {
+  const int64_t Rp = round_up(sl.rb.rows(), VL);
+  for (int64_t e = 0; e < bk * Rp; e += VL)
+    (Vec::loadu(t.dst + e) * Vec::loadu(t.ms.dcap + e)).store(t.dst + e);
 }
 
 // Step 5a: dV_blk += P^T dO ; dK_blk += dS^T Q ; dQ^T += K_blk^T dS^T, as tile products.
@@ -289,6 +302,7 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
   const int64_t D = p.D, Dv = p.Dv;
   const int64_t nblk = rp.blocks();
   const DropoutConsts drop(p);
+  const ScoreMods mods(p);
   float* orow_tmp = buf.take(L.Dvp);
   if (p.dmask) zero_dmask_range(p, rp, b, hkv, kbeg, kend);
 
@@ -298,7 +312,7 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
     kfirst = std::min(kfirst, slots[blk].br.first);
     kstop_all = std::max(kstop_all, slots[blk].br.stop);
   }
-  const BwdTiles t(buf, L);
+  const BwdTiles t(buf, L, mods);
 
   const T* kbase = static_cast<const T*>(p.k.ptr) + b * p.k.sb + hkv * p.k.sh;
   const T* vbase = static_cast<const T*>(p.v.ptr) + b * p.v.sb + hkv * p.v.sh;
@@ -318,7 +332,7 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
         RowSlot& sl = slots[blk];
         if (sl.br.stop <= j0 || sl.br.first >= j0 + bk) continue;
         const int64_t Rp = round_up(sl.rb.rows(), VL);
-        score_tiles(p, b, sl, j0, bk, Kb, ldk, Vb, ldv, t);
+        score_tiles(p, mods, b, sl, j0, bk, Kb, ldk, Vb, ldv, t);
         // Every tile, masked or not: a -inf score hides its pair in the backward whatever made it
         // -inf (an infinite entry of q or k too), and a NaN row's P is NaN only on the pairs it
         // sees (docs/contract.md, "NaN and inf"). The scan is once per key block.
@@ -333,6 +347,7 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
             if (!t.vis[e]) t.st[e] = t.dst[e] = 0.f;
         }
         if (p.dmask) store_dmask(p, b, sl, j0, bk, t.dst);
+        if (mods.softcap) chain_softcap(sl, bk, t);
         if (pairwise)
           accumulate_pairwise(sl, D, Dv, bk, Kb, ldk, L, t, started);
         else
@@ -374,7 +389,7 @@ void backward_impl(const AttnParams& p) {
   L.Dvp = round_up(p.Dv, VL);
   L.Rp = round_up(rp.max_rows(), VL);
   const int64_t nblk = rp.blocks();
-  const int64_t per_thread = Scratch::size_of(L.Dvp) + nblk * L.slot_floats() + BwdTiles::floats(L);
+  const int64_t per_thread = Scratch::size_of(L.Dvp) + nblk * L.slot_floats() + BwdTiles::floats(L, ScoreMods(p));
 
   std::unique_ptr<Scratch> partials;
   float* dq_part = nullptr;

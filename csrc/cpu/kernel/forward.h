@@ -19,12 +19,13 @@ struct FwdScratch {
   float *qr, *qt, *st, *ot, *orow, *m, *l, *alpha, *lorel, *hirel, *kc, *vc, *kv;
   uint32_t* rseed;
   uint8_t* vis;
-  static int64_t floats(int64_t Dp, int64_t Dvp, int64_t Rp) {
-    return Scratch::size_of(Rp * Dp) + Scratch::size_of(Dp * Rp) + Scratch::size_of(kKeyBlock * Rp) +
+  ModScratch ms;
+  static int64_t floats(int64_t Dp, int64_t Dvp, int64_t Rp, const ScoreMods& mods) {
+    return mods.floats(Rp, false) + Scratch::size_of(Rp * Dp) + Scratch::size_of(Dp * Rp) + Scratch::size_of(kKeyBlock * Rp) +
            Scratch::size_of(Dvp * Rp) + Scratch::size_of(Rp * Dvp) + 7 * Scratch::size_of(Rp) +
            Scratch::size_of(kKeyBlock * Dp) + Scratch::size_of(kKeyBlock * Dvp) + Scratch::size_of(kKeyBlock * Rp / 4);
   }
-  FwdScratch(Scratch& s, int64_t Dp, int64_t Dvp, int64_t Rp) {
+  FwdScratch(Scratch& s, int64_t Dp, int64_t Dvp, int64_t Rp, const ScoreMods& mods) {
     qr = s.take(Rp * Dp);
     qt = s.take(Dp * Rp);
     st = s.take(kKeyBlock * Rp);
@@ -40,6 +41,7 @@ struct FwdScratch {
     kc = s.take(kKeyBlock * Dp);
     vc = s.take(kKeyBlock * Dvp);
     vis = reinterpret_cast<uint8_t*>(s.take(kKeyBlock * Rp / 4));  // Rp is a multiple of VL >= 4
+    ms = ModScratch(s, mods, Rp, false);
   }
 };
 
@@ -52,8 +54,8 @@ struct FwdSink {
 };
 
 template <typename T>
-void forward_rows(const AttnParams& p, int64_t b, const RowBlock& rb, int64_t kbeg, int64_t kend, const FwdScratch& s,
-                  const FwdSink& sink) {
+void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const RowBlock& rb, int64_t kbeg,
+                  int64_t kend, const FwdScratch& s, const FwdSink& sink) {
   const int64_t D = p.D, Dv = p.Dv, n_rep = p.H / p.Hkv;
   const int64_t Dp = round_up(D, VL), Dvp = round_up(Dv, VL);
   const int64_t R = rb.rows(), Rp = round_up(R, VL), nvec = Rp / VL;
@@ -92,6 +94,7 @@ void forward_rows(const AttnParams& p, int64_t b, const RowBlock& rb, int64_t kb
     const float* Kb = rows_as_float<T>(kbase + j0 * p.k.sl, bk, D, p.k.sl, s.kc, &ldk);
     // S^T (bk x Rp) = K_blk * Q^T
     gemm<CMode::Store>(bk, Rp, D, Kb, ldk, 1, s.qt, Rp, s.st, Rp);
+    if (mods.any()) apply_score_mods(p, mods, s.ms, s.st, Rp, bk, b, rb, j0);
 
     const bool ragged = br.ragged(j0, bk);
     if (p.mask) apply_attn_mask(p, s.st, Rp, bk, b, rb, j0);
@@ -260,8 +263,9 @@ void forward_impl(const AttnParams& p) {
     n_splits = ceil_div(p.Lk, span);
   }
   const int64_t Rpmax = round_up(rp.max_rows(), VL);
+  const ScoreMods mods(p);
   const int64_t Dp = round_up(p.D, VL), Dvp = round_up(p.Dv, VL);
-  const int64_t per_thread = FwdScratch::floats(Dp, Dvp, Rpmax);
+  const int64_t per_thread = FwdScratch::floats(Dp, Dvp, Rpmax, mods);
 
   std::unique_ptr<Scratch> partials;
   FwdSink sink;
@@ -272,7 +276,7 @@ void forward_impl(const AttnParams& p) {
   }
   at::parallel_for(0, base * n_splits, 1, [&](int64_t t0, int64_t t1) {
     Scratch buf(per_thread);
-    const FwdScratch s(buf, Dp, Dvp, Rpmax);
+    const FwdScratch s(buf, Dp, Dvp, Rpmax, mods);
     auto task = [&](int64_t t, int64_t* b, int64_t* hkv, int64_t* blk, int64_t* sp) {
       *sp = t % n_splits;
       *blk = (t / n_splits) % nblk;
@@ -294,7 +298,7 @@ void forward_impl(const AttnParams& p) {
       FwdSink my = sink;
       my.split = sp;
       const int64_t kbeg = sp * span, kend = std::min(p.Lk, kbeg + span);
-      forward_rows<T>(p, b, row_block(rp, hkv, blk), kbeg, kend, s, my);
+      forward_rows<T>(p, mods, b, row_block(rp, hkv, blk), kbeg, kend, s, my);
     }
   });
   if (n_splits > 1) merge_splits<T>(p, n_splits, sink.part_o, sink.part_l);

@@ -73,6 +73,80 @@ inline void dropout_keep(const uint32_t* rseed, int64_t Rp, int64_t j, uint32_t 
 }
 
 // ---------------------------------------------------------------------------------------------
+// Score modifiers (ModeParams: softcap, alibi), the first thing a score meets after the product:
+// s = c tanh(s / c), then s -= slope(b, h) |i + off - j|, off the causal offset. In the base 2 of
+// the tiles both keep their form with c and the slope times log2(e). The backward chains through
+// the cap with its derivative 1 - tanh^2 at the same pair; ALiBi has no gradient.
+
+struct ScoreMods {
+  bool softcap, alibi;
+  float cap2, inv_cap2;  // softcap * log2(e) and its inverse
+  explicit ScoreMods(const AttnParams& p)
+      : softcap(p.softcap > 0.f),
+        alibi(p.alibi != nullptr),
+        cap2(softcap ? p.softcap * kLog2e : 0.f),
+        inv_cap2(softcap ? 1.f / (p.softcap * kLog2e) : 0.f) {}
+  bool any() const { return softcap || alibi; }
+  // Scratch floats of apply_score_mods for tiles of Rp rows (backward: with the cap's derivative).
+  int64_t floats(int64_t Rp, bool backward) const {
+    return (alibi ? 2 * Scratch::size_of(Rp) : 0) + (softcap && backward ? Scratch::size_of(kKeyBlock * Rp) : 0);
+  }
+};
+
+// Per row buffers of apply_score_mods (slope2: -slope * log2(e); diag: i + off - j0, the row's
+// diagonal key relative to the tile) and, in the backward, the cap's derivative per pair.
+struct ModScratch {
+  float *slope2 = nullptr, *diag = nullptr, *dcap = nullptr;
+  ModScratch() = default;
+  ModScratch(Scratch& s, const ScoreMods& m, int64_t Rp, bool backward) {
+    if (m.alibi) {
+      slope2 = s.take(Rp);
+      diag = s.take(Rp);
+    }
+    if (m.softcap && backward) dcap = s.take(kKeyBlock * Rp);
+  }
+};
+
+// Applies the modifiers to the score tile S^T (bk x Rp, base 2) of the rows of rb and keys j0 ..;
+// with `dcap` (backward), stores 1 - tanh^2 of each pair there, the factor dS_raw / dS. Runs on
+// the raw product, before attn_mask and the range masks: a hidden pair is -inf after it whatever
+// this did. Padding rows (r >= R) get slope 0; their scores are never read.
+inline void apply_score_mods(const AttnParams& p, const ScoreMods& m, const ModScratch& ms, float* st, int64_t Rp,
+                             int64_t bk, int64_t b, const RowBlock& rb, int64_t j0) {
+  const int64_t nvec = Rp / VL;
+  if (m.softcap) {
+    const Vec c(m.cap2), ic(m.inv_cap2);
+    for (int64_t e = 0; e < bk * Rp; e += VL) {
+      const Vec t = tanhv(Vec::loadu(st + e) * ic);
+      (t * c).store(st + e);
+      if (ms.dcap) (Vec(1.f) - t * t).store(ms.dcap + e);
+    }
+  }
+  if (m.alibi) {
+    const int64_t R = rb.rows();
+    const int64_t off = p.top_left ? 0 : key_len(p, b) - p.Lq;
+    for (int64_t r = 0; r < Rp; ++r) {
+      if (r >= R) {
+        ms.slope2[r] = ms.diag[r] = 0.f;
+        continue;
+      }
+      const int64_t h = rb.h0 + r / rb.nq, i = rb.i0 + r % rb.nq;
+      ms.slope2[r] = -p.alibi[b * p.alibi_sb + h * p.alibi_sh] * kLog2e;
+      // Exact in float up to 2^24 keys away; beyond, the distance rounds like the product does.
+      ms.diag[r] = static_cast<float>(i + off - j0);
+    }
+    for (int64_t j = 0; j < bk; ++j) {
+      const Vec jv(static_cast<float>(j));
+      float* sp = st + j * Rp;
+      for (int64_t v = 0; v < nvec; ++v) {
+        const Vec dist = (Vec::loadu(ms.diag + v * VL) - jv).abs();
+        at::vec::fmadd(Vec::loadu(ms.slope2 + v * VL), dist, Vec::loadu(sp + v * VL)).store(sp + v * VL);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Masking a score tile: ranges, attn_mask, and the pairwise fallback.
 
 // Hides (sets to -inf) the scores of keys outside [lorel[r], hirel[r]) (relative to the block,
