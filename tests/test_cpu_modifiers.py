@@ -165,3 +165,28 @@ def test_bad_modifiers_name_the_argument(entry, bad, match):
     out, lse = fwd(q, k, v, 0.25, False, None, Modes())
     with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
         bwd(out, q, k, v, out, lse, 0.25, False, None, m)
+
+
+@pytest.mark.parametrize("where,value", [("q", math.inf), ("k", math.inf), ("q", math.nan), ("v", math.inf)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_nonfinite_inputs_spread_as_the_reference(where, value, causal):
+    # The cap maps an infinite score to +-softcap (finite) and its derivative to 0, so an inf
+    # reaches only what 0 * inf makes NaN: the NaN/inf pattern of every output must be the
+    # oracle's, and the finite values must agree (loosely: the precision is the rule-checked
+    # cases' business; here a gross error is what is looked for).
+    q, k, v = make_inputs(1, 2, 2, 6, 9, 8, requires_grad=False, seed=5)
+    {"q": q, "k": k, "v": v}[where][0, 1, 2, 3] = value
+    m = Modes(softcap=2.0, alibi_slopes=torch.full((1, 2), 0.3))
+    dout = torch.randn(1, 2, 6, 8, generator=torch.Generator().manual_seed(6))
+    out, lse = _be_fwd(q, k, v, 0.35, causal, None, m)
+    got = [out, lse, *_be_bwd(dout, q, k, v, out, lse, 0.35, causal, None, m)[:3]]
+    q64, k64, v64 = (x.double() for x in (q, k, v))
+    o64, l64 = reference.attention_forward(q64, k64, v64, 0.35, causal, None, upcast=True, modes=m)
+    ref = [o64, l64, *reference.attention_backward_modes(dout.double(), q64, k64, v64, o64, l64, 0.35, causal, None,
+                                                         upcast=True, modes=m)[:3]]
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
+        a = a.double()
+        assert torch.equal(torch.isnan(a), torch.isnan(b)), f"{name}: NaN pattern differs"
+        assert torch.equal(torch.isinf(a), torch.isinf(b)), f"{name}: inf pattern differs"
+        fin = torch.isfinite(b)
+        assert torch.allclose(a[fin], b[fin], atol=1e-4, rtol=1e-4), f"{name}: finite values differ"

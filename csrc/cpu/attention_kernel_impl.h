@@ -29,6 +29,10 @@
 // and zero gradients; an inf or NaN in a visible input spreads as in the plain math, and tiles
 // where a hidden pair meets an inf or NaN operand are computed pair by pair so that hidden
 // positions never influence anything.
+// Score modifiers (docs/contract.md): softcap and ALiBi act on each score tile right after its
+// product, before any mask (kernel/modes.h, apply_score_mods); the backward keeps the cap's
+// derivative per pair. A call without them runs the code it ran before they existed (a template
+// flag in the forward, a per-tile branch in the backward).
 // Every decomposition depends on the shapes only, never on the thread count, so results are
 // bitwise reproducible.
 //
