@@ -75,7 +75,7 @@ struct BwdTiles {
 
 // Step 0: this task owns dmask[b, its query heads, :, kbeg:kend); what no key block writes is 0.
 MHK_STEP void zero_dmask_range(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t hkv, int64_t kbeg,
-                             int64_t kend) {
+                               int64_t kend) {
   for (int64_t h = hkv * rp.n_rep; h < (hkv + 1) * rp.n_rep; ++h)
     for (int64_t i = 0; i < p.Lq; ++i) {
       float* dm = p.dmask + ((b * p.H + h) * p.Lq + i) * p.Lk;
@@ -87,8 +87,9 @@ MHK_STEP void zero_dmask_range(const AttnParams& p, const RowPlan& rp, int64_t b
 // base 2 and delta = rowsum(dO * O) (which dropout leaves valid: O is the dropped output), the
 // rows' key ranges and dropout seeds. Rows that see no key (lse -inf) stay zero.
 template <typename T>
-MHK_STEP void gather_rows(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t hkv, int64_t blk, const BwdLayout& L,
-                 const DropoutConsts& drop, Scratch& buf, float* orow_tmp, RowSlot& sl) {
+MHK_STEP void gather_rows(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t hkv, int64_t blk,
+                          const BwdLayout& L, const DropoutConsts& drop, Scratch& buf, float* orow_tmp,
+                          RowSlot& sl) {
   const int64_t D = p.D, Dv = p.Dv, Dp = L.Dp, Dvp = L.Dvp;
   const float qmul = p.scale * kLog2e;
   sl.rb = row_block(rp, hkv, blk);
@@ -156,7 +157,8 @@ MHK_STEP void score_tiles(const AttnParams& p, const ScoreMods& mods, int64_t b,
 // Step 3: P^T = 2^(S^T - lse2); dS^T = P^T * (dP^T - delta), in place. With dropout, P^T is
 // replaced by the dropped Pd^T = P^T * keep / (1 - p) (dV's operand) and
 // dS^T = P^T * (dP^T * keep / (1 - p) - delta), dP^T being the gradient of Pd^T.
-MHK_STEP void probs_and_dscores(const RowSlot& sl, int64_t j0, int64_t bk, const DropoutConsts& drop, const BwdTiles& t) {
+MHK_STEP void probs_and_dscores(const RowSlot& sl, int64_t j0, int64_t bk, const DropoutConsts& drop,
+                                const BwdTiles& t) {
   const int64_t Rp = round_up(sl.rb.rows(), VL), nvec = Rp / VL;
   if (!drop.on) {
     for (int64_t j = 0; j < bk; ++j) {
@@ -207,7 +209,7 @@ MHK_STEP void chain_softcap(const RowSlot& sl, int64_t bk, const BwdTiles& t) {
 // Step 5a: dV_blk += P^T dO ; dK_blk += dS^T Q ; dQ^T += K_blk^T dS^T, as tile products.
 // `started`: dK, dV of this key block already hold a contribution (else they are stored).
 MHK_STEP void accumulate_tiles(RowSlot& sl, int64_t D, int64_t bk, const float* Kb, int64_t ldk, const BwdLayout& L,
-                             const BwdTiles& t, bool& started) {
+                               const BwdTiles& t, bool& started) {
   const int64_t R = sl.rb.rows(), Rp = round_up(R, VL), Dp = L.Dp, Dvp = L.Dvp;
   if (started) {
     gemm<CMode::Accumulate>(bk, Dvp, R, t.st, Rp, 1, sl.dor, Dvp, t.dvb, Dvp);
@@ -228,7 +230,7 @@ MHK_STEP void accumulate_tiles(RowSlot& sl, int64_t D, int64_t bk, const float* 
 // Step 5b: the same products pair by pair, skipping the hidden pairs (see visibility()), for
 // tiles where a hidden pair meets an inf or NaN.
 MHK_STEP void accumulate_pairwise(RowSlot& sl, int64_t D, int64_t Dv, int64_t bk, const float* Kb, int64_t ldk,
-                                const BwdLayout& L, const BwdTiles& t, bool& started) {
+                                  const BwdLayout& L, const BwdTiles& t, bool& started) {
   const int64_t R = sl.rb.rows(), Rp = round_up(R, VL), Dp = L.Dp, Dvp = L.Dvp;
   for (int64_t j = 0; j < bk; ++j) {
     const uint8_t* vj = t.vis + j * Rp;
@@ -260,7 +262,7 @@ MHK_STEP void accumulate_pairwise(RowSlot& sl, int64_t D, int64_t Dv, int64_t bk
 // (scaled Q). Keys no row sees (`started` false) get 0.
 template <typename T>
 MHK_STEP void store_key_block(const AttnParams& p, T* dkbase, T* dvbase, int64_t j0, int64_t bk, const BwdLayout& L,
-                     const BwdTiles& t, bool started) {
+                              const BwdTiles& t, bool started) {
   for (int64_t j = 0; j < bk; ++j) {
     T* dkr = dkbase + (j0 + j) * p.dk.sl;
     T* dvr = dvbase + (j0 + j) * p.dv.sl;
@@ -276,7 +278,8 @@ MHK_STEP void store_key_block(const AttnParams& p, T* dkbase, T* dvbase, int64_t
 
 // Step 7: dQ = scale * dS K of a row block, to the output or to this key range's partial.
 template <typename T>
-MHK_STEP void store_dq(const AttnParams& p, int64_t b, const RowSlot& sl, const BwdLayout& L, float* dqrow, float* dq_part) {
+MHK_STEP void store_dq(const AttnParams& p, int64_t b, const RowSlot& sl, const BwdLayout& L, float* dqrow,
+                       float* dq_part) {
   const int64_t D = p.D, Dp = L.Dp;
   const int64_t R = sl.rb.rows(), Rp = round_up(R, VL);
   if (sl.dq_started)

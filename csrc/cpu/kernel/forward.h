@@ -21,8 +21,9 @@ struct FwdScratch {
   uint8_t* vis;
   ModScratch ms;
   static int64_t floats(int64_t Dp, int64_t Dvp, int64_t Rp, const ScoreMods& mods) {
-    return mods.floats(Rp, false) + Scratch::size_of(Rp * Dp) + Scratch::size_of(Dp * Rp) + Scratch::size_of(kKeyBlock * Rp) +
-           Scratch::size_of(Dvp * Rp) + Scratch::size_of(Rp * Dvp) + 7 * Scratch::size_of(Rp) +
+    return mods.floats(Rp, false) + Scratch::size_of(Rp * Dp) + Scratch::size_of(Dp * Rp) +
+           Scratch::size_of(kKeyBlock * Rp) + Scratch::size_of(Dvp * Rp) + Scratch::size_of(Rp * Dvp) +
+           7 * Scratch::size_of(Rp) +
            Scratch::size_of(kKeyBlock * Dp) + Scratch::size_of(kKeyBlock * Dvp) + Scratch::size_of(kKeyBlock * Rp / 4);
   }
   FwdScratch(Scratch& s, int64_t Dp, int64_t Dvp, int64_t Rp, const ScoreMods& mods) {
