@@ -36,9 +36,9 @@ constexpr int kNumFeatures = 10;
 // ---- cpu family (csrc/cpu/) ------------------------------------------------------------------
 // dtypes float32, bfloat16, float16; any head dims D, Dv in [1, kCpuMaxHeadDim] (D != Dv allowed).
 constexpr int64_t kCpuMaxHeadDim = 256;
-// Modes the cpu kernels implement (csrc/cpu/attention_kernel_impl.h reads the params fields of
-// attention_params.h). The op refuses the others with the mode's name.
-constexpr unsigned kCpuFeatures = kAttnMask | kMaskGrad | kDropout | kTopLeft | kWindow;
+// Modes the cpu kernels implement (csrc/cpu/attention_kernel_impl.h and its kernel/ pieces read
+// the params fields of attention_params.h). The op refuses the others with the mode's name.
+constexpr unsigned kCpuFeatures = kAttnMask | kMaskGrad | kDropout | kTopLeft | kWindow | kSoftcap | kAlibi;
 
 // ---- cuda family (csrc/cuda/) ----------------------------------------------------------------
 // One compiled instantiation per (element type, head dim): F(tag, D) for each. Adding a head dim

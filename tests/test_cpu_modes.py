@@ -539,7 +539,7 @@ def test_nan_in_hidden_key_of_a_long_split_row():
 @pytest.mark.parametrize("isa", ["DEFAULT", "AVX2"])
 def test_other_isa_kernels_run_the_modes(isa):
     # The portable (ATEN_CPU_CAPABILITY=default) and AVX2 variants compile the same code with
-    # other vectors: run a few mode cases there in a fresh process.
+    # other vectors: run a few mode and score-modifier cases there in a fresh process.
     if isa == "AVX2" and kernel_isa() != "AVX512":
         pytest.skip("the AVX2 variant is the one in use here, or the CPU lacks it")
     code = textwrap.dedent(
@@ -555,6 +555,11 @@ def test_other_isa_kernels_run_the_modes(isa):
         t.test_nan_in_hidden_positions_never_influences_anything(dict(window=(3, 2)), "v")
         t.test_nan_in_hidden_positions_never_influences_anything(dict(attn_mask="float"), "q")
         t.test_nan_in_a_visible_key_propagates_to_out_lse_and_gradients()
+        import test_cpu_modifiers as tm  # the score modifiers' vector code (tanh) too
+        cases = dict(tm.CASES)
+        for name in ("cap2", "cap1000", "both-floatmask-grad", "decode-mqa"):
+            tm.run_case(**cases[name])
+        tm.run_case(dtype=torch.bfloat16, **cases["both-window"])
         print("ok")
         """
         % (os.path.dirname(os.path.abspath(__file__)), isa)

@@ -1,0 +1,444 @@
+// The cpu backward: a task owns (batch, KV head, key range); backward_group gathers the query
+// rows of the heads sharing the KV head once, then per key block recomputes P from lse and
+// accumulates dV, dK (owned by the task) and dQ^T (per row block); backward_impl runs the tasks
+// and sums split dQ partials in a fixed order.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <memory>
+
+#include "gemm.h"
+#include "modes.h"
+
+namespace mhakern::cpu {
+namespace CPU_CAPABILITY {
+
+// Per row block: the gathered operands and the dQ^T accumulator.
+struct RowSlot {
+  RowBlock rb;
+  float *qr, *qt, *dor, *dot, *lse2, *delta, *dqt;
+  float* dead;      // 1 for a row that sees no key (lse -inf) and for padding rows, else 0
+  uint32_t* rseed;  // dropout: the rows' r_i
+  BlockRanges br;
+  bool poisoned;  // some live row has an inf or NaN in q, dout, delta or lse
+  bool dq_started;
+};
+
+struct BwdLayout {
+  int64_t Dp, Dvp, Rp;  // Rp: the largest block's
+  int64_t slot_floats() const {
+    return Scratch::size_of(Rp * Dp) + Scratch::size_of(Dp * Rp) + Scratch::size_of(Rp * Dvp) +
+           Scratch::size_of(Dvp * Rp) + 4 * Scratch::size_of(Rp) + Scratch::size_of(Dp * Rp);
+  }
+};
+
+// The dropout constants of a call, shared by every step.
+struct DropoutConsts {
+  bool on;
+  uint32_t threshold;
+  float keep_scale;  // 1 / (1 - p)
+  explicit DropoutConsts(const AttnParams& p)
+      : on(p.dropout_p > 0.f),
+        threshold(on ? dropout_threshold(p.dropout_p) : 0),
+        keep_scale(on ? static_cast<float>(1.0 / (1.0 - static_cast<double>(p.dropout_p))) : 1.f) {}
+};
+
+// A task's per key block tiles: S^T / P^T and dP^T / dS^T (keys x rows), the block's dK and dV
+// accumulators, K and V converted to fp32, the rows' range limits and keep factors, the rows of
+// dQ on the way out, and the pairwise visibility.
+struct BwdTiles {
+  float *st, *dst, *dkb, *dvb, *kc, *vc, *lorel, *hirel, *kv, *dqrow;
+  uint8_t* vis;
+  ModScratch ms;
+  static int64_t floats(const BwdLayout& L, const ScoreMods& mods) {
+    return mods.floats(L.Rp, true) + 2 * Scratch::size_of(kKeyBlock * L.Rp) + 2 * Scratch::size_of(kKeyBlock * L.Dp) +
+           2 * Scratch::size_of(kKeyBlock * L.Dvp) + 3 * Scratch::size_of(L.Rp) + Scratch::size_of(L.Rp * L.Dp) +
+           Scratch::size_of(kKeyBlock * L.Rp / 4);
+  }
+  BwdTiles(Scratch& buf, const BwdLayout& L, const ScoreMods& mods) {
+    st = buf.take(kKeyBlock * L.Rp);
+    dst = buf.take(kKeyBlock * L.Rp);
+    dkb = buf.take(kKeyBlock * L.Dp);
+    dvb = buf.take(kKeyBlock * L.Dvp);
+    kc = buf.take(kKeyBlock * L.Dp);
+    vc = buf.take(kKeyBlock * L.Dvp);
+    lorel = buf.take(L.Rp);
+    hirel = buf.take(L.Rp);
+    kv = buf.take(L.Rp);
+    dqrow = buf.take(L.Rp * L.Dp);
+    vis = reinterpret_cast<uint8_t*>(buf.take(kKeyBlock * L.Rp / 4));
+    ms = ModScratch(buf, mods, L.Rp, true);
+  }
+};
+
+// Step 0: this task owns dmask[b, its query heads, :, kbeg:kend); what no key block writes is 0.
+MHK_STEP void zero_dmask_range(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t hkv, int64_t kbeg,
+                               int64_t kend) {
+  for (int64_t h = hkv * rp.n_rep; h < (hkv + 1) * rp.n_rep; ++h)
+    for (int64_t i = 0; i < p.Lq; ++i) {
+      float* dm = p.dmask + ((b * p.H + h) * p.Lq + i) * p.Lk;
+      std::fill(dm + kbeg, dm + kend, 0.f);
+    }
+}
+
+// Step 1, once per row block of the group: Q (scaled) and dO as rows and transposed, lse in
+// base 2 and delta = rowsum(dO * O) (which dropout leaves valid: O is the dropped output), the
+// rows' key ranges and dropout seeds. Rows that see no key (lse -inf) stay zero.
+template <typename T>
+MHK_STEP void gather_rows(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t hkv, int64_t blk,
+                          const BwdLayout& L, const DropoutConsts& drop, Scratch& buf, float* orow_tmp,
+                          RowSlot& sl) {
+  const int64_t D = p.D, Dv = p.Dv, Dp = L.Dp, Dvp = L.Dvp;
+  const float qmul = p.scale * kLog2e;
+  sl.rb = row_block(rp, hkv, blk);
+  const int64_t R = sl.rb.rows(), Rp = round_up(R, VL);
+  sl.qr = buf.take(L.Rp * Dp);
+  sl.qt = buf.take(Dp * L.Rp);
+  sl.dor = buf.take(L.Rp * Dvp);
+  sl.dot = buf.take(Dvp * L.Rp);
+  sl.lse2 = buf.take(L.Rp);
+  sl.delta = buf.take(L.Rp);
+  sl.dead = buf.take(L.Rp);
+  sl.rseed = reinterpret_cast<uint32_t*>(buf.take(L.Rp));
+  sl.dqt = buf.take(Dp * L.Rp);
+  sl.dq_started = false;
+  sl.poisoned = false;
+  sl.br = BlockRanges{};
+  for (int64_t r = 0; r < Rp; ++r) {
+    float* qd = sl.qr + r * Dp;
+    float* dd = sl.dor + r * Dvp;
+    sl.lse2[r] = 0.f;
+    sl.delta[r] = 0.f;
+    const int64_t h = sl.rb.h0 + r / sl.rb.nq, i = sl.rb.i0 + r % sl.rb.nq;
+    const float lse = r < R ? p.lse[(b * p.H + h) * p.Lq + i] : kNegInf;
+    // Only lse = -inf marks a row that saw nothing: a NaN lse (NaN among the visible inputs)
+    // is live, and spreads its NaN through the gradients it touches.
+    const bool dead = lse == kNegInf;
+    sl.dead[r] = dead ? 1.f : 0.f;
+    sl.rseed[r] = drop.on && r < R ? dropout_row_seed(p, b, h, i) : 0u;
+    if (r < R) sl.br.add(dead ? KeyRange{0, 0} : row_range(p, b, i));
+    if (dead) {
+      std::fill(qd, qd + Dp, 0.f);
+      std::fill(dd, dd + Dvp, 0.f);
+      continue;
+    }
+    sl.lse2[r] = static_cast<float>(static_cast<double>(lse) * kLog2ed);
+    load_row(static_cast<const T*>(p.q.ptr) + b * p.q.sb + h * p.q.sh + i * p.q.sl, D, qmul, qd, Dp);
+    load_row(static_cast<const T*>(p.dout.ptr) + b * p.dout.sb + h * p.dout.sh + i * p.dout.sl, Dv, 1.f, dd, Dvp);
+    load_row(static_cast<const T*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + i * p.out.sl, Dv, 1.f, orow_tmp, Dvp);
+    sl.delta[r] = dot(dd, orow_tmp, Dv);
+    sl.poisoned = sl.poisoned || !std::isfinite(sl.lse2[r]) || !std::isfinite(sl.delta[r]) ||
+                  any_nonfinite(qd, 1, D, Dp) || any_nonfinite(dd, 1, Dv, Dvp);
+  }
+  transpose(sl.qr, Dp, sl.qt, Rp, Rp, Dp);
+  transpose(sl.dor, Dvp, sl.dot, Rp, Rp, Dvp);
+}
+
+// Step 2: the score tile S^T = K_blk * Q^T and dP^T = V_blk * dO^T (bk x Rp) of a row block,
+// with the score modifiers as in the forward (the cap's derivative kept), then masked:
+// attn_mask, then the rows' ranges where the block cuts one (-inf scores give P = 0).
+MHK_STEP void score_tiles(const AttnParams& p, const ScoreMods& mods, int64_t b, const RowSlot& sl, int64_t j0,
+                          int64_t bk, const float* Kb, int64_t ldk, const float* Vb, int64_t ldv, const BwdTiles& t) {
+  const int64_t R = sl.rb.rows(), Rp = round_up(R, VL);
+  auto row_i = [&](int64_t r) { return sl.rb.i0 + r % sl.rb.nq; };
+  gemm<CMode::Store>(bk, Rp, p.D, Kb, ldk, 1, sl.qt, Rp, t.st, Rp);
+  gemm<CMode::Store>(bk, Rp, p.Dv, Vb, ldv, 1, sl.dot, Rp, t.dst, Rp);
+  if (mods.any()) apply_score_mods(p, mods, t.ms, t.st, Rp, bk, b, sl.rb, j0);
+  const bool ragged = sl.br.ragged(j0, bk);
+  if (p.mask) apply_attn_mask(p, t.st, Rp, bk, b, sl.rb, j0);
+  if (ragged) {
+    range_limits(p, b, R, Rp, j0, bk, row_i, sl.dead, t.lorel, t.hirel);
+    mask_block(t.st, Rp, bk, t.lorel, t.hirel, j0 < sl.br.maxlo);
+  }
+}
+
+// Step 3: P^T = 2^(S^T - lse2); dS^T = P^T * (dP^T - delta), in place. With dropout, P^T is
+// replaced by the dropped Pd^T = P^T * keep / (1 - p) (dV's operand) and
+// dS^T = P^T * (dP^T * keep / (1 - p) - delta), dP^T being the gradient of Pd^T.
+MHK_STEP void probs_and_dscores(const RowSlot& sl, int64_t j0, int64_t bk, const DropoutConsts& drop,
+                                const BwdTiles& t) {
+  const int64_t Rp = round_up(sl.rb.rows(), VL), nvec = Rp / VL;
+  if (!drop.on) {
+    for (int64_t j = 0; j < bk; ++j) {
+      float* sp = t.st + j * Rp;
+      float* dp = t.dst + j * Rp;
+      for (int64_t v = 0; v < nvec; ++v) {
+        const Vec pj = exp2v(Vec::loadu(sp + v * VL) - Vec::loadu(sl.lse2 + v * VL));
+        pj.store(sp + v * VL);
+        (pj * (Vec::loadu(dp + v * VL) - Vec::loadu(sl.delta + v * VL))).store(dp + v * VL);
+      }
+    }
+  } else {
+    for (int64_t j = 0; j < bk; ++j) {
+      float* sp = t.st + j * Rp;
+      float* dp = t.dst + j * Rp;
+      dropout_keep(sl.rseed, Rp, j0 + j, drop.threshold, drop.keep_scale, t.kv);
+      for (int64_t v = 0; v < nvec; ++v) {
+        const Vec pj = exp2v(Vec::loadu(sp + v * VL) - Vec::loadu(sl.lse2 + v * VL));
+        const Vec kj = Vec::loadu(t.kv + v * VL);
+        (pj * kj).store(sp + v * VL);
+        (pj * (Vec::loadu(dp + v * VL) * kj - Vec::loadu(sl.delta + v * VL))).store(dp + v * VL);
+      }
+    }
+  }
+}
+
+// Step 4 (mask_grad): dL/dscore of the live rows of the tile into dmask (hidden pairs have
+// exactly 0 there).
+MHK_STEP void store_dmask(const AttnParams& p, int64_t b, const RowSlot& sl, int64_t j0, int64_t bk, const float* dst) {
+  const int64_t R = sl.rb.rows(), Rp = round_up(R, VL);
+  for (int64_t r = 0; r < R; ++r) {
+    if (sl.dead[r] != 0.f) continue;
+    const int64_t i = sl.rb.i0 + r % sl.rb.nq;
+    float* dm = p.dmask + ((b * p.H + sl.rb.h0 + r / sl.rb.nq) * p.Lq + i) * p.Lk + j0;
+    for (int64_t j = 0; j < bk; ++j) dm[j] = dst[j * Rp + r];
+  }
+}
+
+// Step 4b (softcap): dS^T of the raw product, dS^T * (1 - tanh^2). After store_dmask: the mask is
+// added to the capped score, so its gradient is the unchained one. In a pairwise tile a hidden
+// pair's factor may be NaN (its raw score was); step 5b never reads hidden pairs.
+MHK_STEP void chain_softcap(const RowSlot& sl, int64_t bk, const BwdTiles& t) {
+  const int64_t Rp = round_up(sl.rb.rows(), VL);
+  for (int64_t e = 0; e < bk * Rp; e += VL)
+    (Vec::loadu(t.dst + e) * Vec::loadu(t.ms.dcap + e)).store(t.dst + e);
+}
+
+// Step 5a: dV_blk += P^T dO ; dK_blk += dS^T Q ; dQ^T += K_blk^T dS^T, as tile products.
+// `started`: dK, dV of this key block already hold a contribution (else they are stored).
+MHK_STEP void accumulate_tiles(RowSlot& sl, int64_t D, int64_t bk, const float* Kb, int64_t ldk, const BwdLayout& L,
+                               const BwdTiles& t, bool& started) {
+  const int64_t R = sl.rb.rows(), Rp = round_up(R, VL), Dp = L.Dp, Dvp = L.Dvp;
+  if (started) {
+    gemm<CMode::Accumulate>(bk, Dvp, R, t.st, Rp, 1, sl.dor, Dvp, t.dvb, Dvp);
+    gemm<CMode::Accumulate>(bk, Dp, R, t.dst, Rp, 1, sl.qr, Dp, t.dkb, Dp);
+  } else {
+    gemm<CMode::Store>(bk, Dvp, R, t.st, Rp, 1, sl.dor, Dvp, t.dvb, Dvp);
+    gemm<CMode::Store>(bk, Dp, R, t.dst, Rp, 1, sl.qr, Dp, t.dkb, Dp);
+    started = true;
+  }
+  if (sl.dq_started) {
+    gemm<CMode::Accumulate>(D, Rp, bk, Kb, 1, ldk, t.dst, Rp, sl.dqt, Rp);
+  } else {
+    gemm<CMode::Store>(D, Rp, bk, Kb, 1, ldk, t.dst, Rp, sl.dqt, Rp);
+    sl.dq_started = true;
+  }
+}
+
+// Step 5b: the same products pair by pair, skipping the hidden pairs (see visibility()), for
+// tiles where a hidden pair meets an inf or NaN.
+MHK_STEP void accumulate_pairwise(RowSlot& sl, int64_t D, int64_t Dv, int64_t bk, const float* Kb, int64_t ldk,
+                                  const BwdLayout& L, const BwdTiles& t, bool& started) {
+  const int64_t R = sl.rb.rows(), Rp = round_up(R, VL), Dp = L.Dp, Dvp = L.Dvp;
+  for (int64_t j = 0; j < bk; ++j) {
+    const uint8_t* vj = t.vis + j * Rp;
+    for (int64_t d = 0; d < Dv; ++d) {
+      float acc = started ? t.dvb[j * Dvp + d] : 0.f;
+      for (int64_t r = 0; r < R; ++r)
+        if (vj[r]) acc += t.st[j * Rp + r] * sl.dor[r * Dvp + d];
+      t.dvb[j * Dvp + d] = acc;
+    }
+    for (int64_t d = 0; d < D; ++d) {
+      float acc = started ? t.dkb[j * Dp + d] : 0.f;
+      for (int64_t r = 0; r < R; ++r)
+        if (vj[r]) acc += t.dst[j * Rp + r] * sl.qr[r * Dp + d];
+      t.dkb[j * Dp + d] = acc;
+    }
+  }
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t r = 0; r < Rp; ++r) {
+      float acc = sl.dq_started ? sl.dqt[d * Rp + r] : 0.f;
+      for (int64_t j = 0; j < bk; ++j)
+        if (t.vis[j * Rp + r]) acc += Kb[j * ldk + d] * t.dst[j * Rp + r];
+      sl.dqt[d * Rp + r] = acc;
+    }
+  started = true;
+  sl.dq_started = true;
+}
+
+// Step 6: the key block's dK and dV rows. Q was scaled by scale * log2(e): dK = ln(2) * dS^T
+// (scaled Q). Keys no row sees (`started` false) get 0.
+template <typename T>
+MHK_STEP void store_key_block(const AttnParams& p, T* dkbase, T* dvbase, int64_t j0, int64_t bk, const BwdLayout& L,
+                              const BwdTiles& t, bool started) {
+  for (int64_t j = 0; j < bk; ++j) {
+    T* dkr = dkbase + (j0 + j) * p.dk.sl;
+    T* dvr = dvbase + (j0 + j) * p.dv.sl;
+    if (!started) {
+      std::fill(dkr, dkr + p.D, static_cast<T>(0.f));
+      std::fill(dvr, dvr + p.Dv, static_cast<T>(0.f));
+      continue;
+    }
+    store_row(t.dkb + j * L.Dp, p.D, kLn2, dkr);
+    store_row(t.dvb + j * L.Dvp, p.Dv, 1.f, dvr);
+  }
+}
+
+// Step 7: dQ = scale * dS K of a row block, to the output or to this key range's partial.
+template <typename T>
+MHK_STEP void store_dq(const AttnParams& p, int64_t b, const RowSlot& sl, const BwdLayout& L, float* dqrow,
+                       float* dq_part) {
+  const int64_t D = p.D, Dp = L.Dp;
+  const int64_t R = sl.rb.rows(), Rp = round_up(R, VL);
+  if (sl.dq_started)
+    transpose(sl.dqt, Rp, dqrow, Dp, Dp, Rp);  // rows D .. Dp of dQ^T are never read back
+  else
+    std::fill(dqrow, dqrow + Rp * Dp, 0.f);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t h = sl.rb.h0 + r / sl.rb.nq, i = sl.rb.i0 + r % sl.rb.nq;
+    const float* src = dqrow + r * Dp;
+    if (dq_part == nullptr) {
+      store_row(src, D, p.scale, static_cast<T*>(p.dq.ptr) + b * p.dq.sb + h * p.dq.sh + i * p.dq.sl);
+    } else {
+      store_row(src, D, p.scale, dq_part + ((b * p.H + h) * p.Lq + i) * D);
+    }
+  }
+}
+
+// One task: batch element b, KV head hkv, keys [kbeg, kend). dq_part: this key range's dQ
+// partial ((B, H, Lq, D) float32) when the keys are split, else nullptr (dQ written directly).
+template <typename T>
+void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t hkv, int64_t kbeg, int64_t kend,
+                    const BwdLayout& L, Scratch& buf, RowSlot* slots, float* dq_part) {
+  const int64_t D = p.D, Dv = p.Dv;
+  const int64_t nblk = rp.blocks();
+  const DropoutConsts drop(p);
+  const ScoreMods mods(p);
+  float* orow_tmp = buf.take(L.Dvp);
+  if (p.dmask) zero_dmask_range(p, rp, b, hkv, kbeg, kend);
+
+  int64_t kfirst = std::numeric_limits<int64_t>::max(), kstop_all = 0;
+  for (int64_t blk = 0; blk < nblk; ++blk) {
+    gather_rows<T>(p, rp, b, hkv, blk, L, drop, buf, orow_tmp, slots[blk]);
+    kfirst = std::min(kfirst, slots[blk].br.first);
+    kstop_all = std::max(kstop_all, slots[blk].br.stop);
+  }
+  const BwdTiles t(buf, L, mods);
+
+  const T* kbase = static_cast<const T*>(p.k.ptr) + b * p.k.sb + hkv * p.k.sh;
+  const T* vbase = static_cast<const T*>(p.v.ptr) + b * p.v.sb + hkv * p.v.sh;
+  T* dkbase = static_cast<T*>(p.dk.ptr) + b * p.dk.sb + hkv * p.dk.sh;
+  T* dvbase = static_cast<T*>(p.dv.ptr) + b * p.dv.sb + hkv * p.dv.sh;
+  const int64_t kstop = std::min(kend, kstop_all);
+
+  for (int64_t j0 = kbeg; j0 < kend; j0 += kKeyBlock) {
+    const int64_t bk = std::min(kKeyBlock, kend - j0);
+    bool started = false;  // dK, dV of this block received a contribution
+    if (j0 < kstop && j0 + bk > kfirst) {
+      int64_t ldk, ldv;
+      const float* Kb = rows_as_float<T>(kbase + j0 * p.k.sl, bk, D, p.k.sl, t.kc, &ldk);
+      const float* Vb = rows_as_float<T>(vbase + j0 * p.v.sl, bk, Dv, p.v.sl, t.vc, &ldv);
+      int kv_bad = -1;  // inf or NaN in this K or V block: -1 not looked yet
+      for (int64_t blk = 0; blk < nblk; ++blk) {
+        RowSlot& sl = slots[blk];
+        if (sl.br.stop <= j0 || sl.br.first >= j0 + bk) continue;
+        const int64_t Rp = round_up(sl.rb.rows(), VL);
+        score_tiles(p, mods, b, sl, j0, bk, Kb, ldk, Vb, ldv, t);
+        // Every tile, masked or not: a -inf score hides its pair in the backward whatever made it
+        // -inf (an infinite entry of q or k too), and a NaN row's P is NaN only on the pairs it
+        // sees (docs/contract.md, "NaN and inf"). The scan is once per key block.
+        if (!sl.poisoned && kv_bad < 0)
+          kv_bad = any_nonfinite(Kb, bk, D, ldk) || any_nonfinite(Vb, bk, Dv, ldv) ? 1 : 0;
+        const bool pairwise = sl.poisoned || kv_bad == 1;
+        if (pairwise) visibility(t.st, Rp, bk, t.vis);
+        probs_and_dscores(sl, j0, bk, drop, t);
+        if (pairwise) {
+          // Hidden pairs to exactly 0 first: dmask reads them.
+          for (int64_t e = 0; e < bk * Rp; ++e)
+            if (!t.vis[e]) t.st[e] = t.dst[e] = 0.f;
+        }
+        if (p.dmask) store_dmask(p, b, sl, j0, bk, t.dst);
+        if (mods.softcap) chain_softcap(sl, bk, t);
+        if (pairwise)
+          accumulate_pairwise(sl, D, Dv, bk, Kb, ldk, L, t, started);
+        else
+          accumulate_tiles(sl, D, bk, Kb, ldk, L, t, started);
+      }
+    }
+    store_key_block<T>(p, dkbase, dvbase, j0, bk, L, t, started);
+  }
+  for (int64_t blk = 0; blk < nblk; ++blk) store_dq<T>(p, b, slots[blk], L, t.dqrow, dq_part);
+}
+
+template <typename T>
+void backward_impl(const AttnParams& p) {
+  if (p.B == 0 || p.Hkv == 0) return;
+  const int64_t n_rep = p.H / p.Hkv;
+  const int64_t rows = p.B * p.H * p.Lq;
+  if (p.Lq == 0) {
+    // No query: dK and dV are zero.
+    for (int64_t b = 0; b < p.B; ++b)
+      for (int64_t h = 0; h < p.Hkv; ++h)
+        for (int64_t j = 0; j < p.Lk; ++j) {
+          T* dkr = static_cast<T*>(p.dk.ptr) + b * p.dk.sb + h * p.dk.sh + j * p.dk.sl;
+          T* dvr = static_cast<T*>(p.dv.ptr) + b * p.dv.sb + h * p.dv.sh + j * p.dv.sl;
+          std::fill(dkr, dkr + p.D, static_cast<T>(0.f));
+          std::fill(dvr, dvr + p.Dv, static_cast<T>(0.f));
+        }
+    return;
+  }
+  const RowPlan rp = plan_rows(n_rep, p.Lq);
+  const int64_t base = p.B * p.Hkv;
+  int64_t n_ranges = plan_key_splits(base, p.Lk, 512, rows * p.D);
+  int64_t span = std::max<int64_t>(p.Lk, 1);
+  if (n_ranges > 1) {
+    span = round_up(ceil_div(p.Lk, n_ranges), kKeyBlock);
+    n_ranges = ceil_div(p.Lk, span);
+  }
+  BwdLayout L{};
+  L.Dp = round_up(p.D, VL);
+  L.Dvp = round_up(p.Dv, VL);
+  L.Rp = round_up(rp.max_rows(), VL);
+  const int64_t nblk = rp.blocks();
+  const int64_t per_thread = Scratch::size_of(L.Dvp) + nblk * L.slot_floats() + BwdTiles::floats(L, ScoreMods(p));
+
+  std::unique_ptr<Scratch> partials;
+  float* dq_part = nullptr;
+  if (n_ranges > 1) {
+    partials = std::make_unique<Scratch>(n_ranges * rows * p.D);
+    dq_part = partials->take(n_ranges * rows * p.D);
+  }
+  at::parallel_for(0, base * n_ranges, 1, [&](int64_t t0, int64_t t1) {
+    Scratch buf(per_thread);
+    std::unique_ptr<RowSlot[]> slots(new RowSlot[nblk]);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t c = t % n_ranges, hkv = (t / n_ranges) % p.Hkv, b = t / (n_ranges * p.Hkv);
+      const int64_t kbeg = c * span, kend = std::min(p.Lk, kbeg + span);
+      if (t + 1 < t1 && nblk == 1) {
+        // Small groups (decode): fetch the next task's rows and first key block meanwhile.
+        const int64_t c1 = (t + 1) % n_ranges, hkv1 = ((t + 1) / n_ranges) % p.Hkv, b1 = (t + 1) / (n_ranges * p.Hkv);
+        const RowBlock rb1 = row_block(rp, hkv1, 0);
+        const int64_t j1 = c1 * span, n1 = std::min({kKeyBlock, span, p.Lk - j1});
+        prefetch_block_rows<T>(p.q, b1, rb1, p.D);
+        prefetch_block_rows<T>(p.dout, b1, rb1, p.Dv);
+        prefetch_block_rows<T>(p.out, b1, rb1, p.Dv);
+        if (n_ranges == 1) prefetch_block_rows<T, 1>(p.dq, b1, rb1, p.D);
+        prefetch_rows<1>(static_cast<const T*>(p.dk.ptr) + b1 * p.dk.sb + hkv1 * p.dk.sh + j1 * p.dk.sl, n1, p.D, p.dk.sl);
+        prefetch_rows<1>(static_cast<const T*>(p.dv.ptr) + b1 * p.dv.sb + hkv1 * p.dv.sh + j1 * p.dv.sl, n1, p.Dv, p.dv.sl);
+        prefetch_rows(static_cast<const T*>(p.k.ptr) + b1 * p.k.sb + hkv1 * p.k.sh + j1 * p.k.sl, n1, p.D, p.k.sl);
+        prefetch_rows(static_cast<const T*>(p.v.ptr) + b1 * p.v.sb + hkv1 * p.v.sh + j1 * p.v.sl, n1, p.Dv, p.v.sl);
+      }
+      buf.reset();
+      backward_group<T>(p, rp, b, hkv, kbeg, kend, L, buf, slots.get(), dq_part ? dq_part + c * rows * p.D : nullptr);
+    }
+  });
+  if (n_ranges > 1) {
+    // dQ = sum of the key ranges' partials, in range order.
+    at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+      for (int64_t row = r0; row < r1; ++row) {
+        const int64_t i = row % p.Lq, h = (row / p.Lq) % p.H, b = row / (p.Lq * p.H);
+        T* dqr = static_cast<T*>(p.dq.ptr) + b * p.dq.sb + h * p.dq.sh + i * p.dq.sl;
+        for (int64_t d = 0; d < p.D; ++d) {
+          float acc = 0.f;
+          for (int64_t c = 0; c < n_ranges; ++c) acc += dq_part[(c * rows + row) * p.D + d];
+          dqr[d] = static_cast<T>(acc);
+        }
+      }
+    });
+  }
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace mhakern::cpu

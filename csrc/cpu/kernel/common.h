@@ -1,0 +1,76 @@
+// What every piece of the cpu kernels stands on: the instruction set's vector type, the numeric
+// constants of the base-2 softmax, index helpers and the per-thread scratch buffer. Compiled once
+// per instruction set (see ../attention_kernel_impl.h): CPU_CAPABILITY names the namespace, so
+// Vectorized<float> is the AVX-512, AVX2 or portable one.
+#pragma once
+
+#ifndef CPU_CAPABILITY
+#error "define CPU_CAPABILITY (and CPU_CAPABILITY_<ISA>) before including the cpu kernel headers"
+#endif
+
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <new>
+
+#include "../attention_params.h"
+
+namespace mhakern::cpu {
+namespace CPU_CAPABILITY {
+
+using Vec = at::vec::Vectorized<float>;
+using IVec = at::vec::Vectorized<int32_t>;
+constexpr int64_t VL = Vec::size();
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr double kLn2d = 0.6931471805599453094;
+constexpr double kLog2ed = 1.4426950408889634074;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// The named steps of the forward and backward are functions for the reader, not for the
+// call: forced inline, so the split leaves the code the compiler emits as it was (a call per
+// step and tile costs measurably on decode-sized tasks).
+#if defined(__GNUC__)
+#define MHK_STEP inline __attribute__((always_inline))
+#else
+#define MHK_STEP inline
+#endif
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// Scratch memory: one zeroed, 64-byte aligned float buffer per thread chunk.
+
+class Scratch {
+ public:
+  explicit Scratch(int64_t n) : n_(std::max<int64_t>(n, 1)) {
+    p_ = static_cast<float*>(::operator new[](n_ * sizeof(float), std::align_val_t(64)));
+    std::memset(p_, 0, n_ * sizeof(float));
+  }
+  ~Scratch() { ::operator delete[](p_, std::align_val_t(64)); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  // Hands out consecutive pieces, each rounded up to whole cache lines.
+  float* take(int64_t n) {
+    float* r = p_ + used_;
+    used_ += size_of(n);
+    TORCH_INTERNAL_ASSERT(used_ <= n_, "mhakern cpu kernel: scratch overflow");
+    return r;
+  }
+  // Starts handing out from the beginning again (the contents are kept).
+  void reset() { used_ = 0; }
+  static int64_t size_of(int64_t n) { return round_up(std::max<int64_t>(n, 0), 16); }
+
+ private:
+  int64_t n_;
+  int64_t used_ = 0;
+  float* p_ = nullptr;
+};
+
+}  // namespace CPU_CAPABILITY
+}  // namespace mhakern::cpu

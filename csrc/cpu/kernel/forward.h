@@ -1,0 +1,314 @@
+// The cpu forward: for one row block and one key range, the online softmax over key blocks
+// (forward_rows); the merge of split key ranges by their lse (merge_splits); and the task loop
+// over (batch, KV head, row block, key range) (forward_impl).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <memory>
+
+#include "gemm.h"
+#include "modes.h"
+
+namespace mhakern::cpu {
+namespace CPU_CAPABILITY {
+
+// A thread's scratch tiles for one row block (Rp: the largest block's padded rows).
+struct FwdScratch {
+  float *qr, *qt, *st, *ot, *orow, *m, *l, *alpha, *lorel, *hirel, *kc, *vc, *kv;
+  uint32_t* rseed;
+  uint8_t* vis;
+  ModScratch ms;
+  static int64_t floats(int64_t Dp, int64_t Dvp, int64_t Rp, const ScoreMods& mods) {
+    return mods.floats(Rp, false) + Scratch::size_of(Rp * Dp) + Scratch::size_of(Dp * Rp) +
+           Scratch::size_of(kKeyBlock * Rp) + Scratch::size_of(Dvp * Rp) + Scratch::size_of(Rp * Dvp) +
+           7 * Scratch::size_of(Rp) +
+           Scratch::size_of(kKeyBlock * Dp) + Scratch::size_of(kKeyBlock * Dvp) + Scratch::size_of(kKeyBlock * Rp / 4);
+  }
+  FwdScratch(Scratch& s, int64_t Dp, int64_t Dvp, int64_t Rp, const ScoreMods& mods) {
+    qr = s.take(Rp * Dp);
+    qt = s.take(Dp * Rp);
+    st = s.take(kKeyBlock * Rp);
+    ot = s.take(Dvp * Rp);
+    orow = s.take(Rp * Dvp);
+    m = s.take(Rp);
+    l = s.take(Rp);
+    alpha = s.take(Rp);
+    lorel = s.take(Rp);
+    hirel = s.take(Rp);
+    kv = s.take(Rp);
+    rseed = reinterpret_cast<uint32_t*>(s.take(Rp));
+    kc = s.take(kKeyBlock * Dp);
+    vc = s.take(kKeyBlock * Dvp);
+    vis = reinterpret_cast<uint8_t*>(s.take(kKeyBlock * Rp / 4));  // Rp is a multiple of VL >= 4
+    ms = ModScratch(s, mods, Rp, false);
+  }
+};
+
+// Where a forward task puts its rows: the outputs, or (split key ranges) partial buffers
+// holding the normalised output and the base-2 lse of the range.
+struct FwdSink {
+  float* part_o = nullptr;  // (splits, B, H, Lq, Dv) or nullptr for the final outputs
+  float* part_l = nullptr;  // (splits, B, H, Lq)
+  int64_t split = 0;
+};
+
+// kMods: the call has a score modifier (mods.any()); a template flag, so the plain call's
+// instance has no trace of them (a runtime branch per tile cost 3% on decode-sized tasks).
+template <typename T, bool kMods>
+void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const RowBlock& rb, int64_t kbeg,
+                  int64_t kend, const FwdScratch& s, const FwdSink& sink) {
+  const int64_t D = p.D, Dv = p.Dv, n_rep = p.H / p.Hkv;
+  const int64_t Dp = round_up(D, VL), Dvp = round_up(Dv, VL);
+  const int64_t R = rb.rows(), Rp = round_up(R, VL), nvec = Rp / VL;
+  const int64_t hkv = rb.h0 / n_rep;
+  auto row_i = [&](int64_t r) { return rb.i0 + r % rb.nq; };
+
+  BlockRanges br;
+  for (int64_t r = 0; r < R; ++r) br.add(row_range(p, b, row_i(r)));
+  const int64_t kstop = std::min(kend, br.stop);
+  const int64_t jstart = br.first_block(kbeg, kKeyBlock);
+  const bool dropout = p.dropout_p > 0.f;
+  const uint32_t threshold = dropout ? dropout_threshold(p.dropout_p) : 0;
+  if (dropout) {
+    for (int64_t r = 0; r < Rp; ++r) s.rseed[r] = r < R ? dropout_row_seed(p, b, rb.h0 + r / rb.nq, row_i(r)) : 0u;
+  }
+
+  // Q rows (scaled by scale * log2(e), so scores come out in base 2), then Q^T (Dp x Rp).
+  const float qmul = p.scale * kLog2e;
+  const T* q = static_cast<const T*>(p.q.ptr) + b * p.q.sb;
+  for (int64_t r = 0; r < R; ++r)
+    load_row(q + (rb.h0 + r / rb.nq) * p.q.sh + row_i(r) * p.q.sl, D, qmul, s.qr + r * Dp, Dp);
+  std::fill(s.qr + R * Dp, s.qr + Rp * Dp, 0.f);
+  transpose(s.qr, Dp, s.qt, Rp, Rp, Dp);
+  for (int64_t v = 0; v < nvec; ++v) {
+    Vec(kNegInf).store(s.m + v * VL);
+    Vec(0.f).store(s.l + v * VL);
+  }
+  if (jstart >= kstop) std::fill(s.ot, s.ot + Dvp * Rp, 0.f);  // no key block will write it
+
+  const T* kbase = static_cast<const T*>(p.k.ptr) + b * p.k.sb + hkv * p.k.sh;
+  const T* vbase = static_cast<const T*>(p.v.ptr) + b * p.v.sb + hkv * p.v.sh;
+  bool first = true;
+  for (int64_t j0 = jstart; j0 < kstop; j0 += kKeyBlock) {
+    const int64_t bk = std::min(kKeyBlock, kstop - j0);
+    int64_t ldk, ldv;
+    const float* Kb = rows_as_float<T>(kbase + j0 * p.k.sl, bk, D, p.k.sl, s.kc, &ldk);
+    // S^T (bk x Rp) = K_blk * Q^T
+    gemm<CMode::Store>(bk, Rp, D, Kb, ldk, 1, s.qt, Rp, s.st, Rp);
+    if constexpr (kMods) apply_score_mods(p, mods, s.ms, s.st, Rp, bk, b, rb, j0);
+
+    const bool ragged = br.ragged(j0, bk);
+    if (p.mask) apply_attn_mask(p, s.st, Rp, bk, b, rb, j0);
+    if (ragged) {
+      // Some row's visible range starts or ends inside this block.
+      range_limits(p, b, R, Rp, j0, bk, row_i, nullptr, s.lorel, s.hirel);
+      mask_block(s.st, Rp, bk, s.lorel, s.hirel, j0 < br.maxlo);
+    }
+    const float* Vb = rows_as_float<T>(vbase + j0 * p.v.sl, bk, Dv, p.v.sl, s.vc, &ldv);
+    // A hidden pair next to an inf or NaN in V: accumulate pair by pair (see visibility()).
+    const bool pairwise = (ragged || p.mask) && any_nonfinite(Vb, bk, Dv, ldv);
+    if (pairwise) visibility(s.st, Rp, bk, s.vis);
+
+    // Online softmax. Loops run over keys outside and row vectors inside, so the max and sum
+    // reductions of the row vectors are independent chains rather than one serial one.
+    Vec mx[kRowVecs], muse[kRowVecs], sum[kRowVecs];
+    for (int64_t v = 0; v < nvec; ++v) {
+      mx[v] = Vec(kNegInf);
+      sum[v] = Vec(0.f);
+    }
+    for (int64_t j = 0; j < bk; ++j) {
+      const float* sp = s.st + j * Rp;
+      for (int64_t v = 0; v < nvec; ++v) mx[v] = at::vec::clamp_min(mx[v], Vec::loadu(sp + v * VL));
+    }
+    for (int64_t v = 0; v < nvec; ++v) {
+      const Vec mold = Vec::loadu(s.m + v * VL);
+      const Vec mnew = at::vec::clamp_min(mold, mx[v]);
+      // A row with nothing visible yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+      muse[v] = Vec::blendv(mnew, Vec(0.f), mnew == Vec(kNegInf));
+      exp2v(mold - muse[v]).store(s.alpha + v * VL);
+      mnew.store(s.m + v * VL);
+    }
+    if (!dropout) {
+      for (int64_t j = 0; j < bk; ++j) {
+        float* sp = s.st + j * Rp;
+        for (int64_t v = 0; v < nvec; ++v) {
+          const Vec pj = exp2v(Vec::loadu(sp + v * VL) - muse[v]);
+          pj.store(sp + v * VL);
+          sum[v] = sum[v] + pj;
+        }
+      }
+    } else {
+      // l sums the undropped probabilities (lse is the plain softmax's); the output gets the
+      // kept ones, and 1 / (1 - p) when it is normalised.
+      for (int64_t j = 0; j < bk; ++j) {
+        float* sp = s.st + j * Rp;
+        dropout_keep(s.rseed, Rp, j0 + j, threshold, 1.f, s.kv);
+        for (int64_t v = 0; v < nvec; ++v) {
+          const Vec pj = exp2v(Vec::loadu(sp + v * VL) - muse[v]);
+          (pj * Vec::loadu(s.kv + v * VL)).store(sp + v * VL);
+          sum[v] = sum[v] + pj;
+        }
+      }
+    }
+    for (int64_t v = 0; v < nvec; ++v)
+      (Vec::loadu(s.l + v * VL) * Vec::loadu(s.alpha + v * VL) + sum[v]).store(s.l + v * VL);
+
+    // O^T (Dv x Rp) = alpha * O^T + V_blk^T * P^T
+    if (pairwise) {
+      for (int64_t d = 0; d < Dv; ++d) {
+        float* od = s.ot + d * Rp;
+        for (int64_t r = 0; r < Rp; ++r) {
+          float acc = first ? 0.f : od[r] * s.alpha[r];
+          for (int64_t j = 0; j < bk; ++j)
+            if (s.vis[j * Rp + r]) acc += s.st[j * Rp + r] * Vb[j * ldv + d];
+          od[r] = acc;
+        }
+      }
+    } else if (first) {
+      gemm<CMode::Store>(Dv, Rp, bk, Vb, 1, ldv, s.st, Rp, s.ot, Rp);
+    } else {
+      gemm<CMode::Rescale>(Dv, Rp, bk, Vb, 1, ldv, s.st, Rp, s.ot, Rp, s.alpha);
+    }
+    first = false;
+  }
+
+  // Rows of O (the padding rows of O^T, Dv .. Dvp, are never read back).
+  transpose(s.ot, Rp, s.orow, Dvp, Dvp, Rp);
+  const float keep_scale = dropout ? static_cast<float>(1.0 / (1.0 - static_cast<double>(p.dropout_p))) : 1.f;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t h = rb.h0 + r / rb.nq, i = row_i(r);
+    const float l = s.l[r];
+    // Only a row that saw no key has l = 0 (any visible key adds its 2^0 = 1 at the max); a NaN
+    // l (a NaN or inf among the visible inputs) is not dead: it gives lse NaN, as the math does.
+    const bool dead = l == 0.f;
+    const float inv = dead ? 0.f : keep_scale / l;
+    // lse leaves in natural log and comes back in base 2 in the backward: round once each way
+    // (in double), so the probabilities recomputed from it stay as exact as the scores. l >= 1
+    // (the row's max contributes 1), so log2f's ulp-level error stays below 1e-6.
+    const double lse2 = dead ? -std::numeric_limits<double>::infinity() : static_cast<double>(s.m[r]) + std::log2(l);
+    const float* src = s.orow + r * Dvp;
+    if (sink.part_o == nullptr) {
+      T* orow = static_cast<T*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + i * p.out.sl;
+      if (dead)
+        std::fill(orow, orow + Dv, static_cast<T>(0.f));
+      else
+        store_row(src, Dv, inv, orow);
+      p.lse[(b * p.H + h) * p.Lq + i] = dead ? kNegInf : static_cast<float>(lse2 * kLn2d);
+    } else {
+      const int64_t row = ((sink.split * p.B + b) * p.H + h) * p.Lq + i;
+      float* po = sink.part_o + row * Dv;
+      for (int64_t dv = 0; dv < Dv; ++dv) po[dv] = dead ? 0.f : src[dv] * inv;
+      sink.part_l[row] = static_cast<float>(lse2);
+    }
+  }
+}
+
+// Merges the key-range partials of every row, in range order.
+template <typename T>
+void merge_splits(const AttnParams& p, int64_t n_splits, const float* part_o, const float* part_l) {
+  const int64_t rows = p.B * p.H * p.Lq, Dv = p.Dv;
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    Scratch buf(Dv + n_splits + 32);
+    float* acc = buf.take(Dv);
+    float* w = buf.take(n_splits);
+    for (int64_t row = r0; row < r1; ++row) {
+      const int64_t i = row % p.Lq, h = (row / p.Lq) % p.H, b = row / (p.Lq * p.H);
+      float mx = kNegInf;
+      bool nan = false;  // a range's lse is NaN: so is the row's softmax, hence out and lse
+      for (int64_t sp = 0; sp < n_splits; ++sp) {
+        const float ls = part_l[sp * rows + row];
+        nan = nan || ls != ls;
+        mx = std::max(mx, ls);
+      }
+      T* orow = static_cast<T*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + i * p.out.sl;
+      if (nan) {
+        for (int64_t dv = 0; dv < Dv; ++dv) orow[dv] = static_cast<T>(std::numeric_limits<float>::quiet_NaN());
+        p.lse[row] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      if (mx == kNegInf) {
+        for (int64_t dv = 0; dv < Dv; ++dv) orow[dv] = static_cast<T>(0.f);
+        p.lse[row] = kNegInf;
+        continue;
+      }
+      float wsum = 0.f;
+      for (int64_t sp = 0; sp < n_splits; ++sp) {
+        w[sp] = std::exp2(part_l[sp * rows + row] - mx);
+        wsum += w[sp];
+      }
+      std::fill(acc, acc + Dv, 0.f);
+      for (int64_t sp = 0; sp < n_splits; ++sp) {
+        if (w[sp] == 0.f) continue;
+        const float* po = part_o + (sp * rows + row) * Dv;
+        for (int64_t dv = 0; dv < Dv; ++dv) acc[dv] += w[sp] * po[dv];
+      }
+      const float inv = 1.f / wsum;
+      for (int64_t dv = 0; dv < Dv; ++dv) orow[dv] = static_cast<T>(acc[dv] * inv);
+      p.lse[row] = static_cast<float>((static_cast<double>(mx) + std::log2(static_cast<double>(wsum))) * kLn2d);
+    }
+  });
+}
+
+template <typename T>
+void forward_impl(const AttnParams& p) {
+  if (p.B == 0 || p.H == 0 || p.Lq == 0) return;
+  const int64_t n_rep = p.H / p.Hkv;
+  const RowPlan rp = plan_rows(n_rep, p.Lq);
+  const int64_t nblk = rp.blocks();
+  const int64_t base = p.B * p.Hkv * nblk;
+  const int64_t rows = p.B * p.H * p.Lq;
+  int64_t n_splits = plan_key_splits(base, p.Lk, 1024, rows * (p.Dv + 1));
+  int64_t span = p.Lk;
+  if (n_splits > 1) {
+    span = round_up(ceil_div(p.Lk, n_splits), kKeyBlock);
+    n_splits = ceil_div(p.Lk, span);
+  }
+  const int64_t Rpmax = round_up(rp.max_rows(), VL);
+  const ScoreMods mods(p);
+  const int64_t Dp = round_up(p.D, VL), Dvp = round_up(p.Dv, VL);
+  const int64_t per_thread = FwdScratch::floats(Dp, Dvp, Rpmax, mods);
+
+  std::unique_ptr<Scratch> partials;
+  FwdSink sink;
+  if (n_splits > 1) {
+    partials = std::make_unique<Scratch>(n_splits * rows * (p.Dv + 1) + 32);
+    sink.part_o = partials->take(n_splits * rows * p.Dv);
+    sink.part_l = partials->take(n_splits * rows);
+  }
+  at::parallel_for(0, base * n_splits, 1, [&](int64_t t0, int64_t t1) {
+    Scratch buf(per_thread);
+    const FwdScratch s(buf, Dp, Dvp, Rpmax, mods);
+    auto task = [&](int64_t t, int64_t* b, int64_t* hkv, int64_t* blk, int64_t* sp) {
+      *sp = t % n_splits;
+      *blk = (t / n_splits) % nblk;
+      *hkv = (t / (n_splits * nblk)) % p.Hkv;
+      *b = t / (n_splits * nblk * p.Hkv);
+    };
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t b, hkv, blk, sp;
+      if (t + 1 < t1) {
+        int64_t b1, hkv1, blk1, sp1;
+        task(t + 1, &b1, &hkv1, &blk1, &sp1);
+        const int64_t j1 = sp1 * span, n1 = std::min({kKeyBlock, span, p.Lk - j1});
+        prefetch_block_rows<T>(p.q, b1, row_block(rp, hkv1, blk1), p.D);
+        if (n_splits == 1) prefetch_block_rows<T, 1>(p.out, b1, row_block(rp, hkv1, blk1), p.Dv);
+        prefetch_rows(static_cast<const T*>(p.k.ptr) + b1 * p.k.sb + hkv1 * p.k.sh + j1 * p.k.sl, n1, p.D, p.k.sl);
+        prefetch_rows(static_cast<const T*>(p.v.ptr) + b1 * p.v.sb + hkv1 * p.v.sh + j1 * p.v.sl, n1, p.Dv, p.v.sl);
+      }
+      task(t, &b, &hkv, &blk, &sp);
+      FwdSink my = sink;
+      my.split = sp;
+      const int64_t kbeg = sp * span, kend = std::min(p.Lk, kbeg + span);
+      if (mods.any())
+        forward_rows<T, true>(p, mods, b, row_block(rp, hkv, blk), kbeg, kend, s, my);
+      else
+        forward_rows<T, false>(p, mods, b, row_block(rp, hkv, blk), kbeg, kend, s, my);
+    }
+  });
+  if (n_splits > 1) merge_splits<T>(p, n_splits, sink.part_o, sink.part_l);
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace mhakern::cpu
