@@ -136,8 +136,9 @@ def test_the_ops_accept_auto_and_match_the_api():
     ref, ref_lse = mhakern.attention(q, k, v, causal=True, scale=0.25, key_lengths=torch.tensor([6, 2]), return_lse=True)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(lse, ref_lse)
-    dq, dk, dv, dmask = torch.ops.mhakern.attn_bwd(out, q, k, v, out, lse, 0.25, True, torch.tensor([6, 2]), "auto")
-    assert dq.shape == q.shape and dk.shape == k.shape and dmask.numel() == 0
+    dq, dk, dv, dmask, dsinks = torch.ops.mhakern.attn_bwd(out, q, k, v, out, lse, 0.25, True, torch.tensor([6, 2]),
+                                                           "auto")
+    assert dq.shape == q.shape and dk.shape == k.shape and dmask.numel() == 0 and dsinks.numel() == 0
 
 
 @pytest.mark.parametrize(
@@ -499,7 +500,7 @@ def test_get_auto_says_it_must_be_selected_not_that_it_is_unknown():
     with pytest.raises(ValueError, match="reserved"):
         backends.register(type("B", (backends.Backend,), {"name": "auto"})())
     with pytest.raises(ValueError, match="unknown features"):
-        backends.register(type("B", (backends.Backend,), {"name": "x", "features": frozenset({"alibi"})})())
+        backends.register(type("B", (backends.Backend,), {"name": "x", "features": frozenset({"sinks"})})())
 
 
 def test_the_op_hands_backends_float32_masks_and_returns_the_mask_gradient_in_its_shape():
@@ -508,8 +509,8 @@ def test_the_op_hands_backends_float32_masks_and_returns_the_mask_gradient_in_it
     out, lse = torch.ops.mhakern.attn_fwd(q, k, v, 0.25, False, None, "reference", m)
     ref = mhakern.attention(q, k, v, scale=0.25, attn_mask=m.float(), backend="reference")
     torch.testing.assert_close(out, ref)
-    dq, dk, dv, dmask = torch.ops.mhakern.attn_bwd(out, q, k, v, out, lse, 0.25, False, None, "reference", m,
-                                                   mask_grad=True)
+    dq, dk, dv, dmask, _ = torch.ops.mhakern.attn_bwd(out, q, k, v, out, lse, 0.25, False, None, "reference", m,
+                                                      mask_grad=True)
     assert dmask.shape == m.shape and dmask.dtype == torch.float32
 
 
