@@ -17,21 +17,18 @@ from .modes import DEFAULT_MODES, Modes, mask_4d
 from .ops import (
     CAUSAL_ALIGNS,
     alibi_slopes_bh,
-    attn_fwd,
-    check_key_lengths_meta,
+    call_attention,
     check_mask,
     check_qkv,
     check_scale,
     check_sinks,
     check_softcap,
     draw_seed,
-    expand_mask,
     forward_impl,
     is_causal_bias,
     mask_dtype,
-    prepare_key_lengths,
+    prepare,
     resolve_causal_bias,
-    _unit_last_stride,
 )
 
 Tensor = torch.Tensor
@@ -158,30 +155,22 @@ def attention(
     scale = check_scale(scale, D)
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
-    check_key_lengths_meta(key_lengths, B, q.device)
-    compiling = torch.compiler.is_compiling()
-    # Under torch.compile the values are checked by the op, on real tensors.
-    kl = key_lengths if compiling else prepare_key_lengths(key_lengths, Lk, q.device)
-    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-
     plain = (attn_mask is None and dropout_p == 0.0 and window is None and causal_align == "bottom_right"
              and softcap is None and alibi_slopes is None and sinks is None)
     modes = DEFAULT_MODES if plain else _parse_modes(q, B, H, Lq, Lk, attn_mask, dropout_p, generator, causal,
                                                      causal_align, window, softcap, alibi_slopes, sinks)
-    be = backends.select(backend, q, k, v, causal, kl, modes.required_features())
-
     needs_grad = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or modes.mask_grad
         or (modes.sinks is not None and modes.sinks.requires_grad)
     )
-    if not needs_grad and not compiling:
-        # Nothing to differentiate: the backend directly, without the operator's round trip
-        # through the dispatcher (the same implementation, already checked here).
-        if modes.attn_mask is not None:
-            modes = modes._replace(attn_mask=expand_mask(modes.attn_mask, B, H, Lq, Lk))
-        out, lse = forward_impl(be, q, k, v, scale, causal, kl, modes)
+    if needs_grad or torch.compiler.is_compiling():
+        # The operator checks the rest (once) and carries the autograd.
+        out, lse = call_attention(q, k, v, scale, causal, key_lengths, backend, modes)
     else:
-        out, lse = attn_fwd(q, k, v, scale, causal, kl, be.name, *modes.op_args())
+        # Nothing to differentiate: the operator's implementation directly, without its round
+        # trip through the dispatcher.
+        q, k, v, kl, be, modes = prepare(q, k, v, scale, causal, key_lengths, backend, modes, qkv_checked=True)
+        out, lse = forward_impl(be, q, k, v, scale, causal, kl, modes)
     return (out, lse) if return_lse else out
 
 

@@ -360,15 +360,20 @@ def _unit_last_stride(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
 
-def prepare(q, k, v, scale, causal, key_lengths, backend, modes: Modes):
+def prepare(q, k, v, scale, causal, key_lengths, backend, modes: Modes, qkv_checked: bool = False,
+            grad: Optional[bool] = None):
     """The checks of one call as the operators receive it; returns (q, k, v, key_lengths int32,
-    backend, modes with the mask as its (B, H, Lq, Lk) view in the kernels' dtype)."""
-    check_qkv(q, k, v)
-    B, H, Lq, D = q.shape
+    backend, modes with the mask as its (B, H, Lq, Lk) view in the kernels' dtype).
+    ``qkv_checked``: the caller (:func:`mhakern.attention`) has checked q, k, v, scale and
+    causal already;
+    ``grad``: whether a gradient will be needed, for the backend's selection (default: grad
+    mode and the inputs' requires_grad)."""
+    B, H, Lq, D = q.shape if qkv_checked else check_qkv(q, k, v) or q.shape
     Lk = k.shape[2]
-    check_scale(scale, D)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    if not qkv_checked:
+        check_scale(scale, D)
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     check_key_lengths_meta(key_lengths, B, q.device)
     check_modes(modes, B, H, Lq, Lk, q.device)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
@@ -378,7 +383,7 @@ def prepare(q, k, v, scale, causal, key_lengths, backend, modes: Modes):
         if mask.is_floating_point():
             mask = mask.to(mask_dtype(q.dtype))
         modes = modes._replace(attn_mask=expand_mask(mask, B, H, Lq, Lk))
-    be = backends.select(backend, q, k, v, causal, kl, modes.required_features())
+    be = backends.select(backend, q, k, v, causal, kl, modes.required_features(), grad=grad)
     return q, k, v, kl, be, modes
 
 
@@ -479,16 +484,33 @@ _MASK_AT, _SINKS_AT = 7 + Modes._fields.index("attn_mask"), 7 + Modes._fields.in
 
 class _AttnFunction(torch.autograd.Function):
     """attn_fwd's autograd: saves q, k, v, out, lse and the record's tensors; the backward is
-    attn_bwd (probabilities recomputed from lse, the dropout keep mask from the saved seed)."""
+    attn_bwd (probabilities recomputed from lse, the dropout keep mask from the saved seed).
+
+    Eager calls run the operators' implementations directly in here (the forward's checks
+    done once, the backward from what they produced): the dispatcher's round trip to attn_fwd's
+    own kernel, and attn_bwd's, with attn_bwd's second round of checks, cost about 60 us of the
+    160 us of a tiny call's forward + backward (benchmarks/bench_call_overhead.py). While
+    torch.compile traces, the graph must hold the operators themselves.
+    """
 
     @staticmethod
     def forward(ctx, keyset, q, k, v, scale, causal, key_lengths, backend, *mode_args):
-        with torch._C._AutoDispatchBelowAutograd():
-            out, lse = attn_fwd.redispatch(keyset & _AFTER_AUTOGRAD, q, k, v, scale, causal, key_lengths, backend,
-                                           *mode_args)
-        modes = Modes.from_op_args(*mode_args)
-        ctx.save_for_backward(q, k, v, out, lse, key_lengths, modes.attn_mask, modes.alibi_slopes, modes.sinks)
-        ctx.args = (scale, causal, backend, modes._replace(attn_mask=None, alibi_slopes=None, sinks=None))
+        given = Modes.from_op_args(*mode_args)
+        if torch.compiler.is_compiling():
+            with torch._C._AutoDispatchBelowAutograd():
+                out, lse = attn_fwd.redispatch(keyset & _AFTER_AUTOGRAD, q, k, v, scale, causal, key_lengths,
+                                               backend, *mode_args)
+            ctx.be = None
+        else:
+            # keyset None: called by mhakern.attention(), which checked q, k, v (call_attention).
+            qc, kc, vc, key_lengths, be, modes = prepare(q, k, v, scale, causal, key_lengths, backend, given,
+                                                         qkv_checked=keyset is None, grad=True)
+            out, lse = forward_impl(be, qc, kc, vc, float(scale), causal, key_lengths, modes)
+            ctx.be = be
+        # The inputs themselves (not the checked copies): create_graph's math backward must
+        # differentiate through them to the caller's tensors.
+        ctx.save_for_backward(q, k, v, out, lse, key_lengths, given.attn_mask, given.alibi_slopes, given.sinks)
+        ctx.args = (scale, causal, backend, given)
         # lse never receives a gradient: no zeros tensor for it on every backward.
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(lse)
@@ -500,15 +522,29 @@ class _AttnFunction(torch.autograd.Function):
         if dout is None:  # only lse was used downstream: nothing flows back
             return (None,) * n_in
         q, k, v, out, lse, kl, mask, alibi, sinks = ctx.saved_tensors
-        scale, causal, backend, scalars = ctx.args
+        scale, causal, backend, modes = ctx.args
         need = ctx.needs_input_grad
-        modes = scalars._replace(attn_mask=mask, alibi_slopes=alibi, sinks=sinks, mask_grad=need[1 + _MASK_AT])
+        if modes is not DEFAULT_MODES:  # the tensors as saved (version-checked), mask_grad as asked
+            modes = modes._replace(attn_mask=mask, alibi_slopes=alibi, sinks=sinks, mask_grad=need[1 + _MASK_AT])
         grads = [None] * n_in
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
             # create_graph=True: the gradients must themselves be differentiable, which no
             # kernel's backward is. They come from the math formula instead (docs/contract.md,
             # "Second derivatives").
             dq, dk, dv, dmask, dsinks = _differentiable_backward(need, dout, q, k, v, scale, causal, kl, modes)
+        elif ctx.be is not None:
+            # kl was checked and converted by the forward; q, k, v and the mask take the same
+            # (free) steps again.
+            B, H, Lq, _ = q.shape
+            if mask is not None:
+                m = mask.to(mask_dtype(q.dtype)) if mask.is_floating_point() else mask
+                modes = modes._replace(attn_mask=expand_mask(m, B, H, Lq, k.shape[2]))
+            dq, dk, dv, dmask, dsinks = backward_impl(ctx.be, dout.to(q.dtype), _unit_last_stride(q),
+                                                      _unit_last_stride(k), _unit_last_stride(v), out, lse,
+                                                      float(scale), causal, kl, modes)
+            if modes.mask_grad:
+                dmask = reduce_mask_grad(dmask, mask_4d(mask).shape).reshape(mask.shape).to(mask.dtype)
+            dsinks = dsinks.to(sinks.dtype) if need[1 + _SINKS_AT] else None
         else:
             dq, dk, dv, dmask, dsinks = attn_bwd(dout, q, k, v, out, lse, scale, causal, kl, backend,
                                                  *modes.op_args())
@@ -534,6 +570,25 @@ def _attn_fwd_autograd(keyset, q, k, v, scale, causal, key_lengths, backend, *mo
 
 
 _LIB.impl("attn_fwd", _attn_fwd_autograd, "Autograd", with_keyset=True)
+
+
+def call_attention(q, k, v, scale, causal, key_lengths, backend, modes: Modes) -> Tuple[Tensor, Tensor]:
+    """``attn_fwd(q, k, v, scale, causal, key_lengths, backend, *modes.op_args())`` for
+    :func:`mhakern.attention`, which has checked q, k and v: eager calls that need a gradient
+    enter the operator's autograd (:class:`_AttnFunction`) directly, the rest the operator.
+
+    The direct entry skips the dispatcher's round trip to the Autograd kernel and a second
+    check of q, k, v: a tiny call's forward + backward took 207 us through the operator against
+    166 us for the autograd.Function this layer replaced, and takes about the latter directly
+    (2-core Xeon, torch 2.13, benchmarks/bench_call_overhead.py, same run).
+    """
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return attn_fwd(q, k, v, scale, causal, key_lengths, backend, *modes.op_args())
+    if k is q:  # as in _attn_fwd_autograd
+        k = k.view(k.shape)
+    if v is q or v is k:
+        v = v.view(v.shape)
+    return _AttnFunction.apply(None, q, k, v, scale, causal, key_lengths, backend, *modes)
 
 
 def _differentiable_backward(need, dout, q, k, v, scale, causal, key_lengths, modes: Modes):

@@ -223,14 +223,16 @@ def available_backends() -> Dict[str, Optional[str]]:
     return {n: _REGISTRY[n].unavailable() for n in names()}
 
 
-def _signature(name, q, k, v, causal, key_lengths, needed) -> tuple:
+def _signature(name, q, k, v, causal, key_lengths, needed, grad) -> tuple:
     # Everything supports() may look at (module docstring): the cache key of a selection.
+    if grad is None:
+        grad = torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v))
     return (
         name, q.device, q.dtype, k.dtype, v.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape),
         q.stride(), k.stride(), v.stride(), bool(causal), key_lengths is None, needed,
         # whether a gradient is needed: the cuda backend serves its forward-only head dims
         # (sm_90a, D 256) only without one
-        torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v)),
+        grad,
     )
 
 
@@ -242,13 +244,16 @@ def select(
     causal: bool,
     key_lengths: Optional[Tensor],
     needed: FrozenSet[str] = frozenset(),
+    grad: Optional[bool] = None,
 ) -> Backend:
     """Resolve ``name`` ("auto" or a backend name) to the backend that will serve these tensors.
 
     ``needed``: the optional modes of the call (:meth:`Modes.required_features`). Raises
     ValueError with every backend's reason when none can serve the call. Answers are cached per
     call signature when the tensors are real (fake tensors under torch.compile may carry
-    symbolic shapes, which are not hashed).
+    symbolic shapes, which are not hashed). ``grad``: whether the call will need a gradient
+    (default: grad mode on and an input requiring grad); the operator layer says it from inside
+    its autograd.Function, where grad mode is off.
     """
     if not isinstance(name, str):
         raise TypeError(f"backend: expected a string ('auto' or one of {names()}), got {type(name).__name__}")
@@ -257,7 +262,7 @@ def select(
     # (tests' duck-typed tensors) need not have strides.
     plain = all(type(x) is torch.Tensor or type(x) is torch.nn.Parameter for x in (q, k, v))
     if plain and not torch.compiler.is_compiling():
-        key = _signature(name, q, k, v, causal, key_lengths, frozenset(needed))
+        key = _signature(name, q, k, v, causal, key_lengths, frozenset(needed), grad)
         hit = _SELECTED.get(key)
         if hit is not None:
             if isinstance(hit, Backend):
@@ -267,7 +272,13 @@ def select(
                 return hit
             raise ArgumentError(hit)
     try:
-        be = _select(name, q, k, v, causal, key_lengths, frozenset(needed))
+        if grad and not torch.is_grad_enabled():
+            # supports() reads grad mode for "a gradient is needed" (the cuda backend's
+            # forward-only head dims); a miss is rare, so the context costs nothing per call.
+            with torch.enable_grad():
+                be = _select(name, q, k, v, causal, key_lengths, frozenset(needed))
+        else:
+            be = _select(name, q, k, v, causal, key_lengths, frozenset(needed))
     except ValueError as e:
         if key is not None and (name in _REGISTRY or name == "auto"):
             _remember(key, str(e))
