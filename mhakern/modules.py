@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from . import backends, reference
 from ._errors import ArgumentError, ShapeAssertionError
 from .attention import attention
-from .ops import draw_seed, is_causal_bias, resolve_causal_bias
+from .ops import check_softcap, draw_seed, is_causal_bias, resolve_causal_bias
 
 Tensor = torch.Tensor
 
@@ -53,6 +53,15 @@ class FusedMHA(nn.Module):
             attention; Hkv = 1 is multi-query attention).
         head_dim: hd, the size of each head (default E // H, and then E must be divisible by H).
         backend: "auto" or a name from :func:`mhakern.available_backends`.
+        softcap: None, or a positive number: the scores are capped, ``softcap * tanh(s / softcap)``
+            (Gemma 2; :func:`mhakern.attention`'s ``softcap``).
+        alibi: None; True for the standard ALiBi slopes ``2^(-8 (h + 1) / H)`` of head ``h``; or
+            a tensor of slopes, (H,) or (N, H) (a non-persistent buffer ``alibi_slopes``,
+            float32): ``-slope * |i + off - j|`` is added to the scores, ``off`` the causal
+            alignment's offset.
+        sinks: True adds a learnable logit per query head, the Parameter ``sinks`` (H,),
+            initialised to 0, that joins every row's softmax denominator (gpt-oss' attention
+            sinks; :func:`mhakern.attention`'s ``sinks``).
 
     Parameters (with Q = H * hd and K = Hkv * hd; with the defaults Q = K = E and every shape
     is exactly nn.MultiheadAttention's):
@@ -89,6 +98,9 @@ class FusedMHA(nn.Module):
         num_kv_heads: Optional[int] = None,
         head_dim: Optional[int] = None,
         backend: str = "auto",
+        softcap: Optional[float] = None,
+        alibi: Union[None, bool, Tensor] = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads)):
@@ -121,6 +133,8 @@ class FusedMHA(nn.Module):
             raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
         if backend != "auto":
             backends.get(backend)  # raises ValueError naming the known backends
+        _check_flag("sinks", sinks)
+        self.softcap = None if softcap is None else check_softcap(softcap)
 
         factory = {"device": device, "dtype": dtype}
         self.embed_dim = embed_dim
@@ -159,6 +173,11 @@ class FusedMHA(nn.Module):
             # Plain attributes, as in nn.MultiheadAttention (code that reads them finds None).
             self.bias_k = self.bias_v = None
         self.add_zero_attn = add_zero_attn
+        self.register_buffer("alibi_slopes", _alibi_slopes(alibi, num_heads, device), persistent=False)
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads, **factory))
+        else:
+            self.register_parameter("sinks", None)
         self._reset_parameters()
         # torch's TransformerEncoderLayer takes its inference fast path (one fused aten op fed
         # with self_attn's weights, which would bypass mhakern) when self_attn looks like an
@@ -180,6 +199,8 @@ class FusedMHA(nn.Module):
         if self.bias_k is not None:
             nn.init.xavier_normal_(self.bias_k)
             nn.init.xavier_normal_(self.bias_v)
+        if self.sinks is not None:
+            nn.init.zeros_(self.sinks)
 
     def extra_repr(self) -> str:
         s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}"
@@ -195,6 +216,12 @@ class FusedMHA(nn.Module):
             s += ", add_bias_kv=True"
         if self.add_zero_attn:
             s += ", add_zero_attn=True"
+        if self.softcap is not None:
+            s += f", softcap={self.softcap}"
+        if self.alibi_slopes is not None:
+            s += ", alibi=True"
+        if self.sinks is not None:
+            s += ", sinks=True"
         return s + f", batch_first={self.batch_first}, backend={self.backend!r}"
 
     def __prepare_scriptable__(self):
@@ -204,9 +231,10 @@ class FusedMHA(nn.Module):
         # dim), that module is scripted instead, sharing this one's parameters, and a warning
         # says so (the scripted model runs torch's kernels, with torch's is_causal rule);
         # otherwise one line refuses. Never a silent swap.
-        if self.num_kv_heads != self.num_heads or self.head_dim * self.num_heads != self.embed_dim:
+        if (self.num_kv_heads != self.num_heads or self.head_dim * self.num_heads != self.embed_dim
+                or self.softcap is not None or self.alibi_slopes is not None or self.sinks is not None):
             raise RuntimeError(
-                "mhakern.FusedMHA with num_kv_heads or head_dim of its own cannot be compiled by "
+                "mhakern.FusedMHA with num_kv_heads, head_dim, softcap, alibi or sinks of its own cannot be compiled by "
                 "TorchScript (torch.jit.script): use torch.compile or torch.export, which run its kernels"
             )
         warnings.warn(
@@ -372,6 +400,8 @@ class FusedMHA(nn.Module):
 
         p = self.dropout if self.training else 0.0
         kw = {"causal": causal, "key_lengths": lengths, "backend": self.backend}
+        modifiers = self._modifiers(N)
+        kw.update(modifiers)
         if mask is not None:
             kw["attn_mask"] = mask
         if top_left:
@@ -405,7 +435,8 @@ class FusedMHA(nn.Module):
             if dropout_seed is not None:
                 seed = draw_seed(torch.Generator().manual_seed(dropout_seed))
                 keep = reference.dropout_keep_mask(seed, N, H, L, Sx, p, dev)
-            weights = _attention_weights(q, k, lse, 1.0 / math.sqrt(hd), mask, lengths, causal, top_left, keep, p)
+            weights = _attention_weights(q, k, lse, 1.0 / math.sqrt(hd), mask, lengths, causal, top_left, keep, p,
+                                         **modifiers)
             if p >= 1.0:
                 weights = weights * 0.0
             if average_attn_weights:
@@ -419,6 +450,20 @@ class FusedMHA(nn.Module):
         if not self.batch_first:
             return out.transpose(0, 1), weights
         return out, weights
+
+    def _modifiers(self, N: int) -> dict:
+        """The score modifiers' keyword arguments of attention() (none when unset)."""
+        kw = {}
+        if self.softcap is not None:
+            kw["softcap"] = self.softcap
+        if self.alibi_slopes is not None:
+            a = self.alibi_slopes
+            if a.dim() == 2 and a.shape[0] != N:
+                raise ArgumentError(f"alibi: the module's (N, H) slopes have N = {a.shape[0]}, the batch has {N}")
+            kw["alibi_slopes"] = a
+        if self.sinks is not None:
+            kw["sinks"] = self.sinks
+        return kw
 
     def _forward_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal, key_lengths):
         """Nested (ragged batch) inputs, as torch's TransformerEncoder hands its layers in
@@ -476,6 +521,20 @@ class FusedMHA(nn.Module):
         else:
             wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
         return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
+
+
+def _alibi_slopes(alibi, H: int, device) -> Optional[Tensor]:
+    """The module's ALiBi slopes (float32, (H,) or (N, H)) from its ``alibi`` option."""
+    if alibi is None or alibi is False:
+        return None
+    if alibi is True:
+        # The standard geometric sequence (ALiBi's, exact for power-of-two head counts).
+        return torch.pow(2.0, -8.0 * torch.arange(1, H + 1, dtype=torch.float64, device=device) / H).float()
+    if not isinstance(alibi, Tensor) or not alibi.is_floating_point():
+        raise TypeError(f"alibi: expected None, a bool or a floating tensor of slopes, got {alibi!r}")
+    if alibi.dim() not in (1, 2) or alibi.shape[-1] != H:
+        raise ValueError(f"alibi: expected slopes of shape (H,) = ({H},) or (N, H), got {tuple(alibi.shape)}")
+    return alibi.detach().to(device=device if device is not None else alibi.device, dtype=torch.float32)
 
 
 def _decline_torch_fast_path(module, args):
@@ -697,7 +756,8 @@ class _SoftmaxFromLse(torch.autograd.Function):
         return p * (dp - (dp * p).sum(dim=-1, keepdim=True)), None
 
 
-def _attention_weights(q, k, lse, scale, mask, lengths, causal, top_left, keep, p) -> Tensor:
+def _attention_weights(q, k, lse, scale, mask, lengths, causal, top_left, keep, p, softcap=None, alibi_slopes=None,
+                       sinks=None) -> Tensor:
     """The attention probabilities (N, H, L, S) of one attention() call, from its lse.
 
     q (N, H, L, hd), k (N, Hkv, S, hd); ``mask``, ``lengths``, ``causal``, ``top_left`` as passed
@@ -711,12 +771,23 @@ def _attention_weights(q, k, lse, scale, mask, lengths, causal, top_left, keep, 
     # Query head h reads kv head h // (H // Hkv): group the query heads instead of copying k.
     qg = q.to(wdt).unflatten(1, (Hkv, H // Hkv))
     s = torch.matmul(qg, k.to(wdt).unsqueeze(2).transpose(-1, -2)).flatten(1, 2) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.float().expand(N, H) if alibi_slopes.dim() == 1 else alibi_slopes.float()
+        s = s + reference.alibi_bias(slopes, N, H, 0, L, L, S, lengths, top_left, q.device, wdt)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(wdt)
     vis = reference.visible_mask(L, S, causal, lengths, q.device, top_left=top_left)
     if vis is not None:
         s = s.masked_fill(~vis, float("-inf"))
-    w = _SoftmaxFromLse.apply(s, lse)
+    if sinks is not None:
+        # The sink as one more score column: a softmax differentiable in the sinks too.
+        z = torch.cat([s, sinks.to(wdt).view(1, H, 1, 1).expand(N, H, L, 1)], dim=-1)
+        dead = torch.isneginf(z).all(-1, keepdim=True)
+        w = torch.softmax(z.masked_fill(dead, 0.0), dim=-1)[..., :S].masked_fill(dead, 0.0)
+    else:
+        w = _SoftmaxFromLse.apply(s, lse)
     if keep is not None:
         w = w * keep * (1.0 / (1.0 - p))
     return w

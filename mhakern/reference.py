@@ -153,13 +153,14 @@ def _expand_kv(x: Tensor, n_rep: int) -> Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
-def _alibi_bias(modes, B, H, r0, rows, Lq, Lk, key_lengths, device, wdt) -> Tensor:
-    """``-slope[b, h] * |i + off - j|`` (B, H, rows, Lk), ``off = 0`` top-left, else ``Lk_b - Lq``."""
-    a = modes.alibi_slopes.to(device=device, dtype=wdt)
+def alibi_bias(slopes, B, H, r0, rows, Lq, Lk, key_lengths, top_left, device, wdt) -> Tensor:
+    """``-slope[b, h] * |i + off - j|`` (B, H, rows, Lk) for query rows ``r0 ..``, slopes (H,) or
+    (B, H); ``off = 0`` top-left, else ``Lk_b - Lq``."""
+    a = slopes.to(device=device, dtype=wdt)
     a = a.reshape(1, -1) if a.dim() == 1 else a
     i = torch.arange(r0, r0 + rows, device=device, dtype=wdt).view(1, 1, rows, 1)
     j = torch.arange(Lk, device=device, dtype=wdt).view(1, 1, 1, Lk)
-    if modes.top_left:
+    if top_left:
         off = torch.zeros((1, 1, 1, 1), device=device, dtype=wdt)
     else:
         lk = torch.full((1,), Lk, device=device) if key_lengths is None else key_lengths.to(device)
@@ -182,7 +183,8 @@ def _scores(q, kk, scale, r0, rows, Lq, Lk, causal, key_lengths, modes, wdt, wan
         if want_cap_grad:
             cap_grad = 1.0 - t * t
     if modes.alibi_slopes is not None:
-        s = s + _alibi_bias(modes, q.shape[0], q.shape[1], r0, rows, Lq, Lk, key_lengths, q.device, wdt)
+        s = s + alibi_bias(modes.alibi_slopes, q.shape[0], q.shape[1], r0, rows, Lq, Lk, key_lengths, modes.top_left,
+                           q.device, wdt)
     vis = visible_mask(
         Lq, Lk, causal, key_lengths, q.device, r0, rows,
         top_left=modes.top_left, window_left=modes.window_left, window_right=modes.window_right,
