@@ -342,53 +342,9 @@ class FusedMHA(nn.Module):
         else:
             N, L, S = 1, query.shape[0], key.shape[0]
         dev = query.device
-        bias_causal = None  # (top_left,) of a CausalBias attn_mask read as causal masking
-        if attn_mask is not None and is_causal_bias(attn_mask):
-            appended = self.bias_k is not None or self.add_zero_attn
-            exact = key_padding_mask is None and key_lengths is None and not appended
-            mask, tl = resolve_causal_bias(attn_mask, L, S, exact_bottom_right=exact)
-            if mask is None and appended:  # the appended keys stay visible, as with any attn_mask
-                mask = torch.ones(L, S, dtype=torch.bool, device=dev).tril()
-            if mask is not None:
-                attn_mask = ~mask.view(L, S)  # nn.MultiheadAttention's convention: True = hidden
-            else:
-                attn_mask, bias_causal = None, (tl,)
-        # Both masks in SDPA's convention (True or a finite value: may attend).
-        pad = _padding_mask(key_padding_mask, N, S, batched, dev)
-        amask = _attn_mask_4d(attn_mask, N, H, L, S, batched, dev)
-        if key_lengths is not None and not batched:
-            if isinstance(key_lengths, Tensor) and key_lengths.dim() == 0:
-                key_lengths = key_lengths.reshape(1)
-
-        # is_causal, as nn.MultiheadAttention reads it (F.multi_head_attention_forward): a hint
-        # that replaces the mask by SDPA's top-left causal rule only without key_padding_mask
-        # and without weights; otherwise the mask speaks.
-        causal = top_left = False
-        if bias_causal is not None:
-            causal, top_left = True, bias_causal[0]
-        elif is_causal:
-            if amask is None:
-                causal = True
-            elif key_padding_mask is None and not need_weights:
-                amask, causal, top_left = None, True, True
-
-        # Project in the inputs' own layout (no copy of them), sharing a GEMM where the inputs
-        # are one tensor; then see the projections as (N, L, features).
-        q, k, v = self._in_projection(query, key, value, query is key and key is value, key is value)
-        if not batched:
-            q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-        elif not self.batch_first:
-            # (L, N, F) memory seen as (N, L, F); mhakern.attention takes such strides as they are.
-            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        extra = 0
-        if self.bias_k is not None:
-            k = torch.cat([k, self.bias_k.expand(N, 1, -1)], dim=1)
-            v = torch.cat([v, self.bias_v.expand(N, 1, -1)], dim=1)
-            extra += 1
-        if self.add_zero_attn:
-            k = torch.cat([k, k.new_zeros(N, 1, k.shape[-1])], dim=1)
-            v = torch.cat([v, v.new_zeros(N, 1, v.shape[-1])], dim=1)
-            extra += 1
+        pad, amask, causal, top_left, key_lengths = self._visibility(
+            attn_mask, key_padding_mask, key_lengths, is_causal, need_weights, N, L, S, batched, dev)
+        q, k, v, extra = self._project(query, key, value, N, batched)
         Sx = S + extra
 
         lengths, kmask = _kept_keys(pad, key_lengths, N, S, extra > 0, self.backend)
@@ -431,25 +387,87 @@ class FusedMHA(nn.Module):
 
         weights = None
         if need_weights:
-            keep = None
-            if dropout_seed is not None:
-                seed = draw_seed(torch.Generator().manual_seed(dropout_seed))
-                keep = reference.dropout_keep_mask(seed, N, H, L, Sx, p, dev)
-            weights = _attention_weights(q, k, lse, 1.0 / math.sqrt(hd), mask, lengths, causal, top_left, keep, p,
-                                         **modifiers)
-            if p >= 1.0:
-                weights = weights * 0.0
-            if average_attn_weights:
-                weights = weights.mean(dim=1)
-            weights = weights.to(query.dtype)
-            if not batched:
-                weights = weights.squeeze(0)
+            weights = self._weights(q, k, lse, mask, lengths, causal, top_left, dropout_seed, p, modifiers,
+                                    average_attn_weights, batched).to(query.dtype)
 
         if not batched:
             return out.squeeze(0), weights
         if not self.batch_first:
             return out.transpose(0, 1), weights
         return out, weights
+
+    def _visibility(self, attn_mask, key_padding_mask, key_lengths, is_causal, need_weights, N, L, S, batched, dev):
+        """The masks in SDPA's convention and the causal rule, as nn.MultiheadAttention reads its
+        arguments: ``(pad (N, S) or None, amask (1|N, 1|H, L, S) or None, causal, top_left,
+        key_lengths)``."""
+        H = self.num_heads
+        bias_causal = None  # (top_left,) of a CausalBias attn_mask read as causal masking
+        if attn_mask is not None and is_causal_bias(attn_mask):
+            appended = self.bias_k is not None or self.add_zero_attn
+            exact = key_padding_mask is None and key_lengths is None and not appended
+            mask, tl = resolve_causal_bias(attn_mask, L, S, exact_bottom_right=exact)
+            if mask is None and appended:  # the appended keys stay visible, as with any attn_mask
+                mask = torch.ones(L, S, dtype=torch.bool, device=dev).tril()
+            if mask is not None:
+                attn_mask = ~mask.view(L, S)  # nn.MultiheadAttention's convention: True = hidden
+            else:
+                attn_mask, bias_causal = None, (tl,)
+        # Both masks in SDPA's convention (True or a finite value: may attend).
+        pad = _padding_mask(key_padding_mask, N, S, batched, dev)
+        amask = _attn_mask_4d(attn_mask, N, H, L, S, batched, dev)
+        if key_lengths is not None and not batched:
+            if isinstance(key_lengths, Tensor) and key_lengths.dim() == 0:
+                key_lengths = key_lengths.reshape(1)
+
+        # is_causal, as nn.MultiheadAttention reads it (F.multi_head_attention_forward): a hint
+        # that replaces the mask by SDPA's top-left causal rule only without key_padding_mask
+        # and without weights; otherwise the mask speaks.
+        causal = top_left = False
+        if bias_causal is not None:
+            causal, top_left = True, bias_causal[0]
+        elif is_causal:
+            if amask is None:
+                causal = True
+            elif key_padding_mask is None and not need_weights:
+                amask, causal, top_left = None, True, True
+
+        return pad, amask, causal, top_left, key_lengths
+
+    def _project(self, query, key, value, N: int, batched: bool):
+        """(q (N, L, H*hd), k, v (N, S', Hkv*hd), the number of appended keys)."""
+        # Project in the inputs' own layout (no copy of them), sharing a GEMM where the inputs
+        # are one tensor; then see the projections as (N, L, features).
+        q, k, v = self._in_projection(query, key, value, query is key and key is value, key is value)
+        if not batched:
+            q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        elif not self.batch_first:
+            # (L, N, F) memory seen as (N, L, F); mhakern.attention takes such strides as they are.
+            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        extra = 0
+        if self.bias_k is not None:
+            k = torch.cat([k, self.bias_k.expand(N, 1, -1)], dim=1)
+            v = torch.cat([v, self.bias_v.expand(N, 1, -1)], dim=1)
+            extra += 1
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(N, 1, k.shape[-1])], dim=1)
+            v = torch.cat([v, v.new_zeros(N, 1, v.shape[-1])], dim=1)
+            extra += 1
+        return q, k, v, extra
+
+    def _weights(self, q, k, lse, mask, lengths, causal, top_left, dropout_seed, p, modifiers, average, batched):
+        """The attention weights of the call that returned ``lse`` (need_weights)."""
+        N, H, L, hd = q.shape
+        keep = None
+        if dropout_seed is not None:
+            seed = draw_seed(torch.Generator().manual_seed(dropout_seed))
+            keep = reference.dropout_keep_mask(seed, N, H, L, k.shape[2], p, q.device)
+        weights = _attention_weights(q, k, lse, 1.0 / math.sqrt(hd), mask, lengths, causal, top_left, keep, p,
+                                     **modifiers)
+        if p >= 1.0:
+            weights = weights * 0.0
+        if average:
+            weights = weights.mean(dim=1)
+        return weights if batched else weights.squeeze(0)
 
     def _modifiers(self, N: int) -> dict:
         """The score modifiers' keyword arguments of attention() (none when unset)."""
