@@ -93,7 +93,8 @@ class CudaBackend(Backend):
             )
         caps = self._capabilities()
         if caps is None:
-            return f"the extension mhakern._C is not built or failed to import ({load_error()})"
+            return (f"the extension mhakern._C is not built or failed to import ({load_error()}); rebuild with "
+                    f"{_BUILD_HINT}")
         cuda = caps["cuda"]
         if not cuda["compiled"]:
             return (
