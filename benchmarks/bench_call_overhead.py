@@ -16,7 +16,8 @@ Cases (CPU tensors, fp32, the ``cpu`` backend):
                                                                # tree, interleaved, as ratios
 
 The machine is shared and noisy: ``--compare`` alternates the two trees process by process and
-reports the ratio of the medians of each case (this tree / OTHER; below 1 is faster).
+reports the ratio of the medians of each case (this tree / OTHER; below 1 is faster), also
+normalised per process by its ``raw`` case.
 """
 from __future__ import annotations
 
@@ -143,14 +144,18 @@ def main() -> None:
     for _ in range(args.pairs):
         theirs.append(_run_tree(os.path.abspath(args.compare), args.rounds, args.calls))
         ours.append(_run_tree(ROOT, args.rounds, args.calls))
-    print(f"{'case':16s} {'other us':>9s} {'this us':>9s} {'this/other':>10s}")
+    # Each process's speed also drifts with the machine's load: the last column divides every
+    # case by that process's ``raw`` (the same C++ call in both trees) before taking the ratio.
+    print(f"{'case':16s} {'other us':>9s} {'this us':>9s} {'this/other':>10s} {'per raw':>8s}")
     for n in ours[0]:
         if n not in theirs[0]:
             print(f"{n:16s} {'-':>9s} {statistics.median(r[n] for r in ours):9.1f}")
             continue
         a = statistics.median(r[n] for r in theirs)
         b = statistics.median(r[n] for r in ours)
-        print(f"{n:16s} {a:9.1f} {b:9.1f} {b / a:10.2f}")
+        an = statistics.median(r[n] / r["raw"] for r in theirs)
+        bn = statistics.median(r[n] / r["raw"] for r in ours)
+        print(f"{n:16s} {a:9.1f} {b:9.1f} {b / a:10.2f} {bn / an:8.2f}")
 
 
 if __name__ == "__main__":
