@@ -197,4 +197,6 @@ def _parse_modes(q, B, H, Lq, Lk, attn_mask, dropout_p, generator, causal, causa
     cap = 0.0 if softcap is None else check_softcap(softcap)
     slopes = None if alibi_slopes is None else alibi_slopes_bh(alibi_slopes, B, H, q.device)
     check_sinks(sinks, H, q.device)
-    return Modes(mask, float(dropout_p), seed, top_left, wl, wr, mask_grad, cap, slopes, sinks)
+    # The default record itself when every field is at its default (the SDPA drop-in's plain
+    # call names an alignment): later steps skip their checks for it.
+    return Modes.from_op_args(mask, float(dropout_p), seed, top_left, wl, wr, mask_grad, cap, slopes, sinks)

@@ -474,13 +474,15 @@ class FusedMHA(nn.Module):
         kw = {}
         if self.softcap is not None:
             kw["softcap"] = self.softcap
-        if self.alibi_slopes is not None:
-            a = self.alibi_slopes
+        # The registries directly: nn.Module.__getattr__ costs a microsecond a lookup per call.
+        a = self._buffers.get("alibi_slopes")
+        if a is not None:
             if a.dim() == 2 and a.shape[0] != N:
                 raise ArgumentError(f"alibi: the module's (N, H) slopes have N = {a.shape[0]}, the batch has {N}")
             kw["alibi_slopes"] = a
-        if self.sinks is not None:
-            kw["sinks"] = self.sinks
+        sinks = self._parameters.get("sinks")
+        if sinks is not None:
+            kw["sinks"] = sinks
         return kw
 
     def _forward_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal, key_lengths):
