@@ -3,7 +3,8 @@
 Public API:
 
 * :func:`attention` -- functional, SDPA-like shapes (B, H, L, D), GQA/MQA, causal (either
-  alignment), sliding windows, key lengths, bool or additive masks, dropout.
+  alignment), sliding windows, key lengths, bool or additive masks, dropout, and the score
+  modifiers softcap, ALiBi slopes and (learnable) attention sinks.
 * :func:`scaled_dot_product_attention` -- torch's SDPA signature and semantics on mhakern.
 * :class:`FusedMHA` -- a module mirroring ``torch.nn.MultiheadAttention``.
 * :func:`available_backends` -- each backend with None (usable) or the reason it is not.
@@ -14,7 +15,7 @@ Importing mhakern touches no device and compiles nothing. Semantics and the back
 docs/contract.md.
 """
 from ._errors import ArgumentError, ArgumentTypeError, FallbackError, ShapeAssertionError
-from .attention import FusedAttentionFunction, attention
+from .attention import attention
 from .backends import available_backends, last_backend, set_strict
 from .sdpa import scaled_dot_product_attention
 
@@ -22,7 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "attention", "scaled_dot_product_attention", "available_backends", "last_backend", "set_strict",
-    "FusedAttentionFunction", "FusedMHA", "ArgumentError", "ArgumentTypeError", "ShapeAssertionError",
+    "FusedMHA", "ArgumentError", "ArgumentTypeError", "ShapeAssertionError",
     "FallbackError", "__version__",
 ]
 

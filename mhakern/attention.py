@@ -1,6 +1,9 @@
-"""Public functional API: argument checks, dispatch, and the one autograd Function.
+"""Public functional API: argument parsing into the call record, dispatch, and the call.
 
-Semantics (visibility, modes, dropout hash, NaN/inf rule): docs/contract.md.
+The call itself goes through the operator ``torch.ops.mhakern.attn_fwd`` (mhakern/ops.py), the
+one autograd boundary; a call that needs no gradient goes straight to the backend (the same
+implementation, without the dispatcher's round trip). Semantics (visibility, modes, dropout
+hash, NaN/inf rule, score modifiers): docs/contract.md.
 """
 from __future__ import annotations
 
@@ -9,108 +12,26 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from . import backends
-from .backends import DEFAULT_MODES
 from ._errors import ArgumentError
+from .modes import DEFAULT_MODES, Modes, mask_4d
 from .ops import (
     CAUSAL_ALIGNS,
-    backward_impl,
-    check_key_lengths_meta,
+    alibi_slopes_bh,
+    call_attention,
     check_mask,
-    check_modes,
     check_qkv,
     check_scale,
+    check_sinks,
+    check_softcap,
     draw_seed,
-    expand_mask,
     forward_impl,
     is_causal_bias,
-    make_modes,
     mask_dtype,
-    prepare_key_lengths,
-    reduce_mask_grad,
+    prepare,
     resolve_causal_bias,
-    _unit_last_stride,
 )
-from .reference import attention as _math_attention
 
 Tensor = torch.Tensor
-
-
-class FusedAttentionFunction(torch.autograd.Function):
-    """Autograd over one backend's forward and backward, for every backend.
-
-    Saves q, k, v, out, lse (and the mask); the backward recomputes the probabilities from lse,
-    and the dropout keep mask from the saved seed. ``lse`` is a non-differentiable output. A
-    floating ``attn_mask`` (4-D, size 1 on its broadcast dims) gets its gradient, reduced to
-    its shape. While torch.compile traces, it calls the custom ops ``torch.ops.mhakern.*``
-    (opaque graph nodes); in eager mode it calls the same implementations directly.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, attn_mask, scale, causal, key_lengths, backend, dropout_p, seed, top_left,
-                window_left, window_right, mask_grad):
-        if torch.compiler.is_compiling():
-            out, lse = torch.ops.mhakern.attn_fwd(
-                q, k, v, scale, causal, key_lengths, backend, attn_mask, dropout_p, seed, top_left,
-                window_left, window_right,
-            )
-        else:
-            B, H, Lq, _ = q.shape
-            modes = make_modes(expand_mask(attn_mask, B, H, Lq, k.shape[2]), dropout_p, seed, top_left,
-                               window_left, window_right, False)
-            out, lse = forward_impl(backends.get(backend), q, k, v, scale, causal, key_lengths, modes)
-        ctx.save_for_backward(q, k, v, out, lse, key_lengths, attn_mask)
-        # lse never receives a gradient: no zeros tensor for it on every backward.
-        ctx.set_materialize_grads(False)
-        ctx.args = (scale, causal, backend, dropout_p, seed, top_left, window_left, window_right, mask_grad)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, key_lengths, attn_mask = ctx.saved_tensors
-        if dout is None:  # only lse was used downstream: nothing flows back
-            return (None,) * 14
-        scale, causal, backend, dropout_p, seed, top_left, wl, wr, mask_grad = ctx.args
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            # create_graph=True: the gradients must themselves be differentiable, which no
-            # kernel's backward is. They come from the math formula instead (docs/contract.md,
-            # "Second derivatives").
-            return _differentiable_backward(ctx, dout, q, k, v, attn_mask, key_lengths)
-        if torch.compiler.is_compiling():
-            dq, dk, dv, dmask = torch.ops.mhakern.attn_bwd(
-                dout, q, k, v, out, lse, scale, causal, key_lengths, backend, attn_mask, dropout_p, seed,
-                top_left, wl, wr, mask_grad,
-            )
-        else:
-            B, H, Lq, _ = q.shape
-            modes = make_modes(expand_mask(attn_mask, B, H, Lq, k.shape[2]), dropout_p, seed, top_left, wl, wr,
-                               mask_grad)
-            dq, dk, dv, dmask = backward_impl(backends.get(backend), dout, q, k, v, out, lse, scale, causal,
-                                              key_lengths, modes)
-            if mask_grad:
-                dmask = reduce_mask_grad(dmask, attn_mask.shape)
-        gmask = dmask.to(attn_mask.dtype) if mask_grad else None
-        return dq, dk, dv, gmask, None, None, None, None, None, None, None, None, None, None
-
-
-def _differentiable_backward(ctx, dout, q, k, v, attn_mask, key_lengths):
-    """The backward of :class:`FusedAttentionFunction` as a graph of differentiable torch ops:
-    the gradients of the math formula (:func:`mhakern.reference.attention`, with the same
-    visibility, mask and dropout keep mask), so that second derivatives are exact. Costs the
-    (Lq x Lk) score matrix; used only under ``create_graph=True``."""
-    scale, causal, _backend, dropout_p, seed, top_left, wl, wr, mask_grad = ctx.args
-    wanted = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2], mask_grad]
-    modes = make_modes(attn_mask, dropout_p, seed, top_left, wl, wr, mask_grad)
-    # fp32 work for half inputs, as every backend accumulates; the casts are part of the graph.
-    wdt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    inputs = [x for x, w in zip((q, k, v, attn_mask), wanted) if w]
-    with torch.enable_grad():
-        out = _math_attention(q.to(wdt), k.to(wdt), v.to(wdt), scale, causal, key_lengths, upcast=False, modes=modes)
-        grads = torch.autograd.grad(out, inputs, dout.to(wdt), create_graph=True, allow_unused=True)
-    it = iter(grads)
-    res = [next(it) if w else None for w in wanted]
-    res = [torch.zeros_like(x) if w and g is None else g for x, g, w in zip((q, k, v, attn_mask), res, wanted)]
-    return (res[0], res[1], res[2], res[3]) + (None,) * 10
 
 
 def _window(window, causal: bool) -> Tuple[int, int]:
@@ -156,6 +77,9 @@ def attention(
     window: Optional[Sequence[int]] = None,
     scale: Optional[float] = None,
     key_lengths: Optional[Tensor] = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
     backend: str = "auto",
     return_lse: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
@@ -179,20 +103,30 @@ def attention(
             generator), identical on every backend; lse stays that of the undropped softmax.
         causal: key ``j`` is visible to query ``i`` iff ``j <= i + off``.
         causal_align: "bottom_right" (``off = Lk_b - Lq`` per batch element, the default) or
-            "top_left" (``off = 0``, SDPA's ``is_causal``); also aligns ``window``.
+            "top_left" (``off = 0``, SDPA's ``is_causal``); also aligns ``window`` and ALiBi.
         window: ``(left, right)`` sliding window, -1 = unbounded on that side (FlashAttention's
             ``window_size``): ``i + off - left <= j <= i + off + right``.
         scale: multiplies ``q @ k^T``; default ``1 / sqrt(D)``.
         key_lengths: optional integer tensor (B,); keys at positions >= key_lengths[b] are
             hidden. Values must lie in [0, Lk] (checked in their own dtype).
+        softcap: None, or a positive number: each scaled score ``s`` becomes
+            ``softcap * tanh(s / softcap)`` (Gemma 2's logit capping) before ALiBi and the mask.
+        alibi_slopes: None, or (H,) or (B, H) slopes (any floating dtype, computed in float32):
+            ``-slope[b, h] * |i + off - j|`` is added to the (capped) score (FlashAttention's
+            convention; ``off`` as for causal). Not differentiable.
+        sinks: None, or (H,) floating logits (gpt-oss' attention sinks): each query head's
+            ``exp(sink[h])`` joins every row's softmax denominator without a value, so rows
+            may attend to "nothing". Differentiable (a learnable parameter gets its gradient);
+            the returned lse includes it.
         backend: "auto" (the fastest backend able to serve this call) or a name from
             :func:`mhakern.available_backends`.
         return_lse: also return the log-sum-exp of the visible scaled (and masked) scores.
 
     Any strides with unit stride on the last dim are used without a copy, so (B, L, H, D)
     tensors viewed through ``.transpose(1, 2)`` work as they are. A query row that sees no key
-    gets output 0, lse = -inf and zero gradients. A NaN or inf in a visible input propagates;
-    hidden positions never influence anything. Computation accumulates in fp32.
+    gets output 0, lse = -inf (the sink's value with sinks) and zero gradients. A NaN or inf in
+    a visible input propagates; hidden positions never influence anything. Computation
+    accumulates in fp32.
 
     Returns:
         ``out`` (B, H, Lq, Dv) in q's dtype, and with ``return_lse`` also ``lse`` float32
@@ -213,61 +147,56 @@ def attention(
         # Every probability dropped, as torch's dropout does it: the output times 0 (zeros,
         # NaN stays NaN), zero gradients; lse stays that of the undropped softmax.
         res = attention(q, k, v, attn_mask=attn_mask, causal=causal, causal_align=causal_align, window=window,
-                        scale=scale, key_lengths=key_lengths, backend=backend, return_lse=True)
+                        scale=scale, key_lengths=key_lengths, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                        backend=backend, return_lse=True)
         return (res[0] * 0.0, res[1]) if return_lse else res[0] * 0.0
     if attn_mask is not None and is_causal_bias(attn_mask):
         attn_mask, causal, causal_align = _causal_from_bias(attn_mask, causal, causal_align, window, key_lengths, Lq, Lk)
     scale = check_scale(scale, D)
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
-    check_key_lengths_meta(key_lengths, B, q.device)
-    compiling = torch.compiler.is_compiling()
-    # Under torch.compile the values are checked by the op, on real tensors.
-    kl = key_lengths if compiling else prepare_key_lengths(key_lengths, Lk, q.device)
-    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-
-    plain = attn_mask is None and dropout_p == 0.0 and window is None and causal_align == "bottom_right"
-    if plain:
-        top_left, wl, wr, mask, mask_grad, seed, dropout_p = False, -1, -1, None, False, 0, 0.0
-        modes = DEFAULT_MODES
-    else:
-        if causal_align not in CAUSAL_ALIGNS:
-            raise ArgumentError(f"causal_align: expected one of {CAUSAL_ALIGNS}, got {causal_align!r}")
-        wl, wr = _window(window, causal)
-        top_left = causal_align == "top_left" and (causal or wl >= 0 or wr >= 0)
-        check_modes(dropout_p, top_left, wl, wr)
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator: expected None or a torch.Generator, got {type(generator).__name__}")
-        check_mask(attn_mask, B, H, Lq, Lk, q.device)
-        mask, mask_grad = attn_mask, False
-        if mask is not None:
-            if mask.is_floating_point():
-                # Kernels take float32 masks (float64 for float64 inputs); converted before the
-                # broadcast so that a small mask stays small.
-                mask = mask.to(mask_dtype(q.dtype))
-                mask_grad = mask.requires_grad and torch.is_grad_enabled()
-            if mask.dim() < 4:
-                mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-        seed = 0
-        if dropout_p > 0.0:
-            seed = draw_seed(generator)
-        dropout_p = float(dropout_p)
-        modes = make_modes(None if mask is None else expand_mask(mask, B, H, Lq, Lk), dropout_p, seed, top_left,
-                           wl, wr, mask_grad)
-    be = backends.select(backend, q, k, v, causal, kl, modes.required_features())
-
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or mask_grad)
-    if not needs_grad and not compiling:
-        # Nothing to differentiate: the backend directly, without the autograd Function.
-        out, lse = forward_impl(be, q, k, v, scale, causal, kl, modes)
-        return (out, lse) if return_lse else out
-    # Self-attention callers may pass one tensor as q, k and v; torch.compile refuses an
-    # autograd.Function given the same tensor twice, so distinct views (free) stand in.
-    if k is q:
-        k = k.view(k.shape)
-    if v is q or v is k:
-        v = v.view(v.shape)
-    out, lse = FusedAttentionFunction.apply(
-        q, k, v, mask, scale, causal, kl, be.name, dropout_p, seed, top_left, wl, wr, mask_grad
+    plain = (attn_mask is None and dropout_p == 0.0 and window is None and causal_align == "bottom_right"
+             and softcap is None and alibi_slopes is None and sinks is None)
+    modes = DEFAULT_MODES if plain else _parse_modes(q, B, H, Lq, Lk, attn_mask, dropout_p, generator, causal,
+                                                     causal_align, window, softcap, alibi_slopes, sinks)
+    needs_grad = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or modes.mask_grad
+        or (modes.sinks is not None and modes.sinks.requires_grad)
     )
+    if needs_grad or torch.compiler.is_compiling():
+        # The operator checks the rest (once) and carries the autograd.
+        out, lse = call_attention(q, k, v, scale, causal, key_lengths, backend, modes)
+    else:
+        # Nothing to differentiate: the operator's implementation directly, without its round
+        # trip through the dispatcher.
+        q, k, v, kl, be, modes = prepare(q, k, v, scale, causal, key_lengths, backend, modes, qkv_checked=True)
+        out, lse = forward_impl(be, q, k, v, scale, causal, kl, modes)
     return (out, lse) if return_lse else out
+
+
+def _parse_modes(q, B, H, Lq, Lk, attn_mask, dropout_p, generator, causal, causal_align, window, softcap,
+                 alibi_slopes, sinks) -> Modes:
+    """The call record of attention()'s public mode arguments (checked, named on error); the
+    mask 4-D (not yet broadcast) in the kernels' dtype, the slopes float32 (B, H)."""
+    if causal_align not in CAUSAL_ALIGNS:
+        raise ArgumentError(f"causal_align: expected one of {CAUSAL_ALIGNS}, got {causal_align!r}")
+    wl, wr = _window(window, causal)
+    top_left = causal_align == "top_left" and (causal or wl >= 0 or wr >= 0 or alibi_slopes is not None)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected None or a torch.Generator, got {type(generator).__name__}")
+    check_mask(attn_mask, B, H, Lq, Lk, q.device)
+    mask, mask_grad = attn_mask, False
+    if mask is not None:
+        if mask.is_floating_point():
+            # Kernels take float32 masks (float64 for float64 inputs); converted before the
+            # broadcast so that a small mask stays small.
+            mask = mask.to(mask_dtype(q.dtype))
+            mask_grad = mask.requires_grad and torch.is_grad_enabled()
+        mask = mask_4d(mask)
+    seed = draw_seed(generator) if dropout_p > 0.0 else 0
+    cap = 0.0 if softcap is None else check_softcap(softcap)
+    slopes = None if alibi_slopes is None else alibi_slopes_bh(alibi_slopes, B, H, q.device)
+    check_sinks(sinks, H, q.device)
+    # The default record itself when every field is at its default (the SDPA drop-in's plain
+    # call names an alignment): later steps skip their checks for it.
+    return Modes.from_op_args(mask, float(dropout_p), seed, top_left, wl, wr, mask_grad, cap, slopes, sinks)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from . import backends, reference
 from ._errors import ArgumentError, ShapeAssertionError
 from .attention import attention
-from .ops import draw_seed, is_causal_bias, resolve_causal_bias
+from .ops import check_softcap, draw_seed, is_causal_bias, resolve_causal_bias
 
 Tensor = torch.Tensor
 
@@ -53,6 +53,15 @@ class FusedMHA(nn.Module):
             attention; Hkv = 1 is multi-query attention).
         head_dim: hd, the size of each head (default E // H, and then E must be divisible by H).
         backend: "auto" or a name from :func:`mhakern.available_backends`.
+        softcap: None, or a positive number: the scores are capped, ``softcap * tanh(s / softcap)``
+            (Gemma 2; :func:`mhakern.attention`'s ``softcap``).
+        alibi: None; True for the standard ALiBi slopes ``2^(-8 (h + 1) / H)`` of head ``h``; or
+            a tensor of slopes, (H,) or (N, H) (a non-persistent buffer ``alibi_slopes``,
+            float32): ``-slope * |i + off - j|`` is added to the scores, ``off`` the causal
+            alignment's offset.
+        sinks: True adds a learnable logit per query head, the Parameter ``sinks`` (H,),
+            initialised to 0, that joins every row's softmax denominator (gpt-oss' attention
+            sinks; :func:`mhakern.attention`'s ``sinks``).
 
     Parameters (with Q = H * hd and K = Hkv * hd; with the defaults Q = K = E and every shape
     is exactly nn.MultiheadAttention's):
@@ -89,6 +98,9 @@ class FusedMHA(nn.Module):
         num_kv_heads: Optional[int] = None,
         head_dim: Optional[int] = None,
         backend: str = "auto",
+        softcap: Optional[float] = None,
+        alibi: Union[None, bool, Tensor] = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads)):
@@ -121,6 +133,8 @@ class FusedMHA(nn.Module):
             raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
         if backend != "auto":
             backends.get(backend)  # raises ValueError naming the known backends
+        _check_flag("sinks", sinks)
+        self.softcap = None if softcap is None else check_softcap(softcap)
 
         factory = {"device": device, "dtype": dtype}
         self.embed_dim = embed_dim
@@ -159,6 +173,11 @@ class FusedMHA(nn.Module):
             # Plain attributes, as in nn.MultiheadAttention (code that reads them finds None).
             self.bias_k = self.bias_v = None
         self.add_zero_attn = add_zero_attn
+        self.register_buffer("alibi_slopes", _alibi_slopes(alibi, num_heads, device), persistent=False)
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads, **factory))
+        else:
+            self.register_parameter("sinks", None)
         self._reset_parameters()
         # torch's TransformerEncoderLayer takes its inference fast path (one fused aten op fed
         # with self_attn's weights, which would bypass mhakern) when self_attn looks like an
@@ -180,6 +199,8 @@ class FusedMHA(nn.Module):
         if self.bias_k is not None:
             nn.init.xavier_normal_(self.bias_k)
             nn.init.xavier_normal_(self.bias_v)
+        if self.sinks is not None:
+            nn.init.zeros_(self.sinks)
 
     def extra_repr(self) -> str:
         s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}"
@@ -195,6 +216,12 @@ class FusedMHA(nn.Module):
             s += ", add_bias_kv=True"
         if self.add_zero_attn:
             s += ", add_zero_attn=True"
+        if self.softcap is not None:
+            s += f", softcap={self.softcap}"
+        if self.alibi_slopes is not None:
+            s += ", alibi=True"
+        if self.sinks is not None:
+            s += ", sinks=True"
         return s + f", batch_first={self.batch_first}, backend={self.backend!r}"
 
     def __prepare_scriptable__(self):
@@ -204,9 +231,10 @@ class FusedMHA(nn.Module):
         # dim), that module is scripted instead, sharing this one's parameters, and a warning
         # says so (the scripted model runs torch's kernels, with torch's is_causal rule);
         # otherwise one line refuses. Never a silent swap.
-        if self.num_kv_heads != self.num_heads or self.head_dim * self.num_heads != self.embed_dim:
+        if (self.num_kv_heads != self.num_heads or self.head_dim * self.num_heads != self.embed_dim
+                or self.softcap is not None or self.alibi_slopes is not None or self.sinks is not None):
             raise RuntimeError(
-                "mhakern.FusedMHA with num_kv_heads or head_dim of its own cannot be compiled by "
+                "mhakern.FusedMHA with num_kv_heads, head_dim, softcap, alibi or sinks of its own cannot be compiled by "
                 "TorchScript (torch.jit.script): use torch.compile or torch.export, which run its kernels"
             )
         warnings.warn(
@@ -314,6 +342,65 @@ class FusedMHA(nn.Module):
         else:
             N, L, S = 1, query.shape[0], key.shape[0]
         dev = query.device
+        pad, amask, causal, top_left, key_lengths = self._visibility(
+            attn_mask, key_padding_mask, key_lengths, is_causal, need_weights, N, L, S, batched, dev)
+        q, k, v, extra = self._project(query, key, value, N, batched)
+        Sx = S + extra
+
+        lengths, kmask = _kept_keys(pad, key_lengths, N, S, extra > 0, self.backend)
+        if kmask is not None:
+            kmask = kmask[:, None, None, :]
+        mask = _merge_masks(_append_visible(amask, extra), _append_visible(kmask, extra))
+        if causal and top_left and lengths is None and L == Sx:
+            top_left = False  # the same rule either way; bottom-right leaves every backend a choice
+
+        p = self.dropout if self.training else 0.0
+        kw = {"causal": causal, "key_lengths": lengths, "backend": self.backend}
+        modifiers = self._modifiers(N)
+        kw.update(modifiers)
+        if mask is not None:
+            kw["attn_mask"] = mask
+        if top_left:
+            kw["causal_align"] = "top_left"
+        dropout_seed = None
+        if 0.0 < p < 1.0:
+            # One draw from torch's default generator, as nn.MultiheadAttention's dropout makes;
+            # it seeds the generator handed to attention(), so that the weights pass can repeat
+            # attention()'s own seed draw and regenerate its keep mask.
+            dropout_seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+            kw["dropout_p"] = p
+            kw["generator"] = torch.Generator().manual_seed(dropout_seed)
+
+        # Split the features into heads and see them as (N, H, L, hd): views, no copy. The output
+        # comes back laid out like q, i.e. (N, L, H, hd) in memory, so merging heads is a view.
+        q = q.unflatten(-1, (H, hd)).transpose(1, 2)
+        k = k.unflatten(-1, (Hkv, hd)).transpose(1, 2)
+        v = v.unflatten(-1, (Hkv, hd)).transpose(1, 2)
+        if need_weights:
+            o, lse = attention(q, k, v, return_lse=True, **kw)
+        else:
+            o = attention(q, k, v, **kw)
+        if p >= 1.0:
+            # Every probability dropped: torch's dropout multiplies by zero (NaN stays NaN).
+            o = o * 0.0
+        out = self.out_proj(o.transpose(1, 2).reshape(N, L, H * hd))
+
+        weights = None
+        if need_weights:
+            weights = self._weights(q, k, lse, mask, lengths, causal, top_left, dropout_seed, p, modifiers,
+                                    average_attn_weights, batched).to(query.dtype)
+
+        if not batched:
+            return out.squeeze(0), weights
+        if not self.batch_first:
+            return out.transpose(0, 1), weights
+        return out, weights
+
+    def _visibility(self, attn_mask, key_padding_mask, key_lengths, is_causal, need_weights, N, L, S, batched, dev):
+        """The masks in SDPA's convention and the causal rule, as nn.MultiheadAttention reads its
+        arguments: ``(pad (N, S) or None, amask (1|N, 1|H, L, S) or None, causal, top_left,
+        key_lengths)``."""
+        H = self.num_heads
         bias_causal = None  # (top_left,) of a CausalBias attn_mask read as causal masking
         if attn_mask is not None and is_causal_bias(attn_mask):
             appended = self.bias_k is not None or self.add_zero_attn
@@ -344,6 +431,10 @@ class FusedMHA(nn.Module):
             elif key_padding_mask is None and not need_weights:
                 amask, causal, top_left = None, True, True
 
+        return pad, amask, causal, top_left, key_lengths
+
+    def _project(self, query, key, value, N: int, batched: bool):
+        """(q (N, L, H*hd), k, v (N, S', Hkv*hd), the number of appended keys)."""
         # Project in the inputs' own layout (no copy of them), sharing a GEMM where the inputs
         # are one tensor; then see the projections as (N, L, features).
         q, k, v = self._in_projection(query, key, value, query is key and key is value, key is value)
@@ -361,64 +452,38 @@ class FusedMHA(nn.Module):
             k = torch.cat([k, k.new_zeros(N, 1, k.shape[-1])], dim=1)
             v = torch.cat([v, v.new_zeros(N, 1, v.shape[-1])], dim=1)
             extra += 1
-        Sx = S + extra
+        return q, k, v, extra
 
-        lengths, kmask = _kept_keys(pad, key_lengths, N, S, extra > 0, self.backend)
-        if kmask is not None:
-            kmask = kmask[:, None, None, :]
-        mask = _merge_masks(_append_visible(amask, extra), _append_visible(kmask, extra))
-        if causal and top_left and lengths is None and L == Sx:
-            top_left = False  # the same rule either way; bottom-right leaves every backend a choice
-
-        p = self.dropout if self.training else 0.0
-        kw = {"causal": causal, "key_lengths": lengths, "backend": self.backend}
-        if mask is not None:
-            kw["attn_mask"] = mask
-        if top_left:
-            kw["causal_align"] = "top_left"
-        dropout_seed = None
-        if 0.0 < p < 1.0:
-            # One draw from torch's default generator, as nn.MultiheadAttention's dropout makes;
-            # it seeds the generator handed to attention(), so that the weights pass can repeat
-            # attention()'s own seed draw and regenerate its keep mask.
-            dropout_seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-            kw["dropout_p"] = p
-            kw["generator"] = torch.Generator().manual_seed(dropout_seed)
-
-        # Split the features into heads and see them as (N, H, L, hd): views, no copy. The output
-        # comes back laid out like q, i.e. (N, L, H, hd) in memory, so merging heads is a view.
-        q = q.unflatten(-1, (H, hd)).transpose(1, 2)
-        k = k.unflatten(-1, (Hkv, hd)).transpose(1, 2)
-        v = v.unflatten(-1, (Hkv, hd)).transpose(1, 2)
-        if need_weights:
-            o, lse = attention(q, k, v, return_lse=True, **kw)
-        else:
-            o = attention(q, k, v, **kw)
+    def _weights(self, q, k, lse, mask, lengths, causal, top_left, dropout_seed, p, modifiers, average, batched):
+        """The attention weights of the call that returned ``lse`` (need_weights)."""
+        N, H, L, hd = q.shape
+        keep = None
+        if dropout_seed is not None:
+            seed = draw_seed(torch.Generator().manual_seed(dropout_seed))
+            keep = reference.dropout_keep_mask(seed, N, H, L, k.shape[2], p, q.device)
+        weights = _attention_weights(q, k, lse, 1.0 / math.sqrt(hd), mask, lengths, causal, top_left, keep, p,
+                                     **modifiers)
         if p >= 1.0:
-            # Every probability dropped: torch's dropout multiplies by zero (NaN stays NaN).
-            o = o * 0.0
-        out = self.out_proj(o.transpose(1, 2).reshape(N, L, H * hd))
+            weights = weights * 0.0
+        if average:
+            weights = weights.mean(dim=1)
+        return weights if batched else weights.squeeze(0)
 
-        weights = None
-        if need_weights:
-            keep = None
-            if dropout_seed is not None:
-                seed = draw_seed(torch.Generator().manual_seed(dropout_seed))
-                keep = reference.dropout_keep_mask(seed, N, H, L, Sx, p, dev)
-            weights = _attention_weights(q, k, lse, 1.0 / math.sqrt(hd), mask, lengths, causal, top_left, keep, p)
-            if p >= 1.0:
-                weights = weights * 0.0
-            if average_attn_weights:
-                weights = weights.mean(dim=1)
-            weights = weights.to(query.dtype)
-            if not batched:
-                weights = weights.squeeze(0)
-
-        if not batched:
-            return out.squeeze(0), weights
-        if not self.batch_first:
-            return out.transpose(0, 1), weights
-        return out, weights
+    def _modifiers(self, N: int) -> dict:
+        """The score modifiers' keyword arguments of attention() (none when unset)."""
+        kw = {}
+        if self.softcap is not None:
+            kw["softcap"] = self.softcap
+        # The registries directly: nn.Module.__getattr__ costs a microsecond a lookup per call.
+        a = self._buffers.get("alibi_slopes")
+        if a is not None:
+            if a.dim() == 2 and a.shape[0] != N:
+                raise ArgumentError(f"alibi: the module's (N, H) slopes have N = {a.shape[0]}, the batch has {N}")
+            kw["alibi_slopes"] = a
+        sinks = self._parameters.get("sinks")
+        if sinks is not None:
+            kw["sinks"] = sinks
+        return kw
 
     def _forward_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal, key_lengths):
         """Nested (ragged batch) inputs, as torch's TransformerEncoder hands its layers in
@@ -476,6 +541,20 @@ class FusedMHA(nn.Module):
         else:
             wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
         return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
+
+
+def _alibi_slopes(alibi, H: int, device) -> Optional[Tensor]:
+    """The module's ALiBi slopes (float32, (H,) or (N, H)) from its ``alibi`` option."""
+    if alibi is None or alibi is False:
+        return None
+    if alibi is True:
+        # The standard geometric sequence (ALiBi's, exact for power-of-two head counts).
+        return torch.pow(2.0, -8.0 * torch.arange(1, H + 1, dtype=torch.float64, device=device) / H).float()
+    if not isinstance(alibi, Tensor) or not alibi.is_floating_point():
+        raise TypeError(f"alibi: expected None, a bool or a floating tensor of slopes, got {alibi!r}")
+    if alibi.dim() not in (1, 2) or alibi.shape[-1] != H:
+        raise ValueError(f"alibi: expected slopes of shape (H,) = ({H},) or (N, H), got {tuple(alibi.shape)}")
+    return alibi.detach().to(device=device if device is not None else alibi.device, dtype=torch.float32)
 
 
 def _decline_torch_fast_path(module, args):
@@ -697,7 +776,8 @@ class _SoftmaxFromLse(torch.autograd.Function):
         return p * (dp - (dp * p).sum(dim=-1, keepdim=True)), None
 
 
-def _attention_weights(q, k, lse, scale, mask, lengths, causal, top_left, keep, p) -> Tensor:
+def _attention_weights(q, k, lse, scale, mask, lengths, causal, top_left, keep, p, softcap=None, alibi_slopes=None,
+                       sinks=None) -> Tensor:
     """The attention probabilities (N, H, L, S) of one attention() call, from its lse.
 
     q (N, H, L, hd), k (N, Hkv, S, hd); ``mask``, ``lengths``, ``causal``, ``top_left`` as passed
@@ -711,12 +791,23 @@ def _attention_weights(q, k, lse, scale, mask, lengths, causal, top_left, keep, 
     # Query head h reads kv head h // (H // Hkv): group the query heads instead of copying k.
     qg = q.to(wdt).unflatten(1, (Hkv, H // Hkv))
     s = torch.matmul(qg, k.to(wdt).unsqueeze(2).transpose(-1, -2)).flatten(1, 2) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.float().expand(N, H) if alibi_slopes.dim() == 1 else alibi_slopes.float()
+        s = s + reference.alibi_bias(slopes, N, H, 0, L, L, S, lengths, top_left, q.device, wdt)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(wdt)
     vis = reference.visible_mask(L, S, causal, lengths, q.device, top_left=top_left)
     if vis is not None:
         s = s.masked_fill(~vis, float("-inf"))
-    w = _SoftmaxFromLse.apply(s, lse)
+    if sinks is not None:
+        # The sink as one more score column: a softmax differentiable in the sinks too.
+        z = torch.cat([s, sinks.to(wdt).view(1, H, 1, 1).expand(N, H, L, 1)], dim=-1)
+        dead = torch.isneginf(z).all(-1, keepdim=True)
+        w = torch.softmax(z.masked_fill(dead, 0.0), dim=-1)[..., :S].masked_fill(dead, 0.0)
+    else:
+        w = _SoftmaxFromLse.apply(s, lse)
     if keep is not None:
         w = w * keep * (1.0 / (1.0 - p))
     return w

@@ -1,11 +1,12 @@
-"""The raw forward and backward as PyTorch custom ops (``torch.ops.mhakern.*``), and the
-argument checks every entry point shares.
+"""The operators ``torch.ops.mhakern.attn_fwd`` / ``attn_bwd``: the one autograd boundary of
+every entry point, and the argument checks every entry point shares.
 
-Registering them through ``torch.library.custom_op`` with fake (meta) implementations makes
-them opaque, shape-known nodes for ``torch.compile``: compiled graphs neither break on them
-nor trace into the kernels. The autograd Function in :mod:`mhakern.attention` calls these ops
-while tracing, and the same implementations (:func:`forward_impl`, :func:`backward_impl`)
-directly in eager mode, where the custom-op dispatch would only add per-call cost.
+``attn_fwd`` carries autograd on the operator itself (its backward is ``attn_bwd``), and both
+have fake (meta) implementations, so compiled graphs hold them as opaque, shape-known nodes
+that neither break nor trace into the kernels. Their schemas end with the call record's fields
+(:meth:`mhakern.modes.Modes.op_args`). Around every backend they apply the attention sinks
+(forward rescale, backward from the sink-inclusive (out, lse), the sinks' gradient), which no
+backend sees.
 
 The ops are public entry points: they validate every argument (and name it) on their own,
 accept ``backend="auto"``, and check the values of ``key_lengths`` in the forward and the
@@ -18,10 +19,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import backends
+from . import backends, reference
 from ._errors import ArgumentError, ArgumentTypeError
 from ._layout import empty_like_heads, same_layout
-from .backends import DEFAULT_MODES, Modes
+from .modes import DEFAULT_MODES, OP_SCHEMA_MODES, Modes, mask_4d
+from .reference import sink_grad
 
 Tensor = torch.Tensor
 
@@ -178,14 +180,78 @@ def resolve_causal_bias(bias, Lq: int, Lk: int, exact_bottom_right: bool) -> Tup
     return bias._materialize(bias.device).view(1, 1, Lq, Lk), False
 
 
-def check_modes(dropout_p, top_left, window_left, window_right) -> None:
+def check_modes(modes: Modes, B: int, H: int, Lq: int, Lk: int, device) -> None:
+    """Every field of the call record, as the operators receive it: raise naming the field.
+
+    ``attn_mask`` broadcastable to (B, H, Lq, Lk) (any of 1 to 4 dims); ``alibi_slopes`` a
+    float32 (B, H) tensor (a view of (H,) slopes expanded is fine); ``sinks`` a floating (H,)
+    tensor; all on ``device``.
+    """
+    if modes is DEFAULT_MODES:
+        return
+    dropout_p = modes.dropout_p
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ArgumentError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
-    if not isinstance(top_left, bool):
-        raise TypeError(f"top_left: expected a bool, got {type(top_left).__name__}")
-    for name, w in (("window_left", window_left), ("window_right", window_right)):
+    if not isinstance(modes.top_left, bool):
+        raise TypeError(f"top_left: expected a bool, got {type(modes.top_left).__name__}")
+    for name, w in (("window_left", modes.window_left), ("window_right", modes.window_right)):
         if isinstance(w, bool) or not isinstance(w, int) or w < -1:
             raise ArgumentError(f"{name}: expected an int >= -1 (-1 = unbounded), got {w!r}")
+    check_mask(modes.attn_mask, B, H, Lq, Lk, device)
+    if modes.mask_grad and (modes.attn_mask is None or not modes.attn_mask.is_floating_point()):
+        raise ArgumentError("mask_grad: True needs a floating attn_mask (a bool mask has no gradient)")
+    check_softcap(modes.softcap, allow_zero=True)
+    a = modes.alibi_slopes
+    if a is not None:
+        if not isinstance(a, torch.Tensor):
+            raise TypeError(f"alibi_slopes: expected None or a tensor, got {type(a).__name__}")
+        if a.dtype != torch.float32 or tuple(a.shape) != (B, H) or a.device != device:
+            raise ArgumentError(f"alibi_slopes: expected float32 of shape (B, H) = {(B, H)} on {device}, got "
+                                f"{a.dtype} {tuple(a.shape)} on {a.device}")
+    check_sinks(modes.sinks, H, device)
+
+
+def check_softcap(softcap, allow_zero: bool = False) -> float:
+    """A positive finite number (``allow_zero``: 0 too, the record's "off") as a float."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap: expected None or a positive float, got {type(softcap).__name__}")
+    softcap = float(softcap)
+    if not math.isfinite(softcap) or softcap < 0.0 or (softcap == 0.0 and not allow_zero):
+        raise ArgumentError(f"softcap: expected a positive finite number (None = no capping), got {softcap!r}")
+    return softcap
+
+
+def check_sinks(sinks, H: int, device) -> None:
+    """``sinks``: None or a floating (H,) tensor on ``device`` (one logit per query head)."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks: expected None or a tensor, got {type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise ArgumentTypeError(f"sinks: expected a floating dtype, got {sinks.dtype}")
+    if tuple(sinks.shape) != (H,) or sinks.device != device:
+        raise ArgumentError(f"sinks: expected shape (H,) = ({H},) (one logit per query head) on {device}, got "
+                            f"{tuple(sinks.shape)} on {sinks.device}")
+
+
+def alibi_slopes_bh(alibi_slopes, B: int, H: int, device) -> Tensor:
+    """The public ``alibi_slopes`` ((H,) or (B, H), any floating dtype, on ``device``) as the
+    record's float32 (B, H) view; raise naming the argument."""
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes: expected None or a tensor, got {type(alibi_slopes).__name__}")
+    if not alibi_slopes.is_floating_point():
+        raise ArgumentTypeError(f"alibi_slopes: expected a floating dtype, got {alibi_slopes.dtype}")
+    if tuple(alibi_slopes.shape) not in ((H,), (B, H)):
+        raise ArgumentError(f"alibi_slopes: expected shape (H,) = ({H},) or (B, H) = {(B, H)}, got "
+                            f"{tuple(alibi_slopes.shape)}")
+    if alibi_slopes.device != device:
+        raise ArgumentError(f"alibi_slopes: must be on q's device ({device}), got {alibi_slopes.device}")
+    if alibi_slopes.requires_grad and torch.is_grad_enabled():
+        # No kernel differentiates the bias: refusing beats a silently missing gradient.
+        raise ArgumentError("alibi_slopes: the ALiBi bias has no gradient; pass a tensor that does not require "
+                            "grad (detach() it)")
+    a = alibi_slopes.to(torch.float32)
+    return a.expand(B, H) if a.dim() == 1 else a
 
 
 def mask_dtype(q_dtype: torch.dtype) -> torch.dtype:
@@ -198,9 +264,7 @@ def expand_mask(attn_mask: Optional[Tensor], B: int, H: int, Lq: int, Lk: int) -
     never a copy."""
     if attn_mask is None:
         return None
-    if attn_mask.dim() < 4:
-        attn_mask = attn_mask.view((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
-    return attn_mask.expand(B, H, Lq, Lk)
+    return mask_4d(attn_mask).expand(B, H, Lq, Lk)
 
 
 def reduce_mask_grad(dmask: Tensor, shape) -> Tensor:
@@ -214,12 +278,6 @@ def draw_seed(generator: Optional[torch.Generator] = None) -> int:
     default CPU generator) on the generator's device (docs/contract.md, "Dropout")."""
     dev = generator.device if generator is not None else "cpu"
     return int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, generator=generator, device=dev).item())
-
-
-def make_modes(attn_mask, dropout_p, seed, top_left, window_left, window_right, mask_grad) -> Modes:
-    if attn_mask is None and dropout_p == 0.0 and not top_left and window_left < 0 and window_right < 0 and not mask_grad:
-        return DEFAULT_MODES
-    return Modes(attn_mask, float(dropout_p), int(seed), top_left, window_left, window_right, mask_grad)
 
 
 def _empty(B, H, Lq, Lk, Dv) -> bool:
@@ -236,7 +294,19 @@ def _head_dim_zero(q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
     return q.new_zeros(q.shape[:3] + (1,)), k.new_zeros(k.shape[:3] + (1,))
 
 
+def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> Tuple[Tensor, Tensor]:
+    """(out', lse') of a softmax whose denominator also holds ``exp(sink[h])`` (docs/contract.md,
+    "Score modifiers"): ``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')``."""
+    sk = sinks.detach().to(torch.float32).view(1, -1, 1)
+    lse2 = torch.logaddexp(lse, sk)
+    # A row with lse = lse' = -inf (no key, sink -inf) keeps its zeros: factor 0, not exp(nan).
+    factor = torch.exp(lse - lse2).masked_fill(torch.isneginf(lse2), 0.0)
+    return (out * factor.unsqueeze(-1).to(out.dtype)), lse2
+
+
 def forward_impl(be, q, k, v, scale, causal, key_lengths, modes: Modes) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of one checked call: ``be``'s forward on the record without sinks, then the
+    sinks' rescaling (``lse`` then includes the sink)."""
     B, H, Lq, D = q.shape
     Lk, Dv = k.shape[2], v.shape[3]
     if D == 0:
@@ -244,29 +314,45 @@ def forward_impl(be, q, k, v, scale, causal, key_lengths, modes: Modes) -> Tuple
     if _empty(B, H, Lq, Lk, Dv):
         out = empty_like_heads(q, Dv).zero_()
         lse = torch.full((B, H, Lq), -math.inf, dtype=torch.float32, device=q.device)
-        return out, lse
-    out, lse = be.forward(q, k, v, scale, causal, key_lengths, modes)
-    return same_layout(out, q), lse.contiguous()
+    else:
+        bmodes = modes.for_backend()
+        if bmodes.mask_grad:  # a backward matter: the forward is the same either way
+            bmodes = bmodes._replace(mask_grad=False)
+        out, lse = be.forward(q, k, v, scale, causal, key_lengths, bmodes)
+        out, lse = same_layout(out, q), lse.contiguous()
+    if modes.sinks is not None:
+        out, lse = _with_sinks(out, lse, modes.sinks)
+        out = same_layout(out, q)
+    return out, lse
 
 
 def backward_impl(be, dout, q, k, v, out, lse, scale, causal, key_lengths, modes: Modes):
-    """(dq, dk, dv, dmask): dmask None unless ``modes.mask_grad``, else float32 (B, H, Lq, Lk)."""
+    """(dq, dk, dv, dmask, dsinks) of one checked call, from the forward's (out, lse) (both
+    sink-inclusive: the softmax the backend recomputes from lse is then the one with the sink).
+    ``dmask`` None unless ``modes.mask_grad``, else float32 (B, H, Lq, Lk); ``dsinks`` None
+    without sinks, else float32 (H,)."""
     B, H, Lq, D = q.shape
     Lk, Dv = k.shape[2], v.shape[3]
+    dsinks = None
+    if modes.sinks is not None:
+        delta = (dout.float() * out.float()).sum(-1)
+        dsinks = sink_grad(modes.sinks.detach(), lse, delta)
     if _empty(B, H, Lq, Lk, Dv):
         dmask = None
         if modes.mask_grad:
             dmask = torch.zeros((B, H, Lq, Lk), dtype=torch.float32, device=q.device)
-        return empty_like_heads(q, D).zero_(), empty_like_heads(k, D).zero_(), empty_like_heads(v, Dv).zero_(), dmask
+        return (empty_like_heads(q, D).zero_(), empty_like_heads(k, D).zero_(), empty_like_heads(v, Dv).zero_(),
+                dmask, dsinks)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
+    bmodes = modes.for_backend()
     if D == 0:  # the scores do not depend on q and k: their (empty) gradients are zeros
         q0, k0 = q, k
         q, k = _head_dim_zero(q, k)
-        _, _, dv, dmask = be.backward(dout, q, k, v, out, lse, scale, causal, key_lengths, modes)
-        return empty_like_heads(q0, 0), empty_like_heads(k0, 0), same_layout(dv, v), dmask
-    dq, dk, dv, dmask = be.backward(dout, q, k, v, out, lse, scale, causal, key_lengths, modes)
-    return same_layout(dq, q), same_layout(dk, k), same_layout(dv, v), dmask
+        _, _, dv, dmask = be.backward(dout, q, k, v, out, lse, scale, causal, key_lengths, bmodes)
+        return empty_like_heads(q0, 0), empty_like_heads(k0, 0), same_layout(dv, v), dmask, dsinks
+    dq, dk, dv, dmask = be.backward(dout, q, k, v, out, lse, scale, causal, key_lengths, bmodes)
+    return same_layout(dq, q), same_layout(dk, k), same_layout(dv, v), dmask, dsinks
 
 
 def _unit_last_stride(x: Tensor) -> Tensor:
@@ -274,96 +360,82 @@ def _unit_last_stride(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
 
-def _op_prologue(q, k, v, scale, causal, key_lengths, backend, attn_mask, dropout_p, top_left, wl, wr, mask_grad=False):
-    """Shared checks of both ops; returns (q, k, v, key_lengths int32, backend, modes-ready mask)."""
-    check_qkv(q, k, v)
-    B, H, Lq, D = q.shape
+def prepare(q, k, v, scale, causal, key_lengths, backend, modes: Modes, qkv_checked: bool = False,
+            grad: Optional[bool] = None):
+    """The checks of one call as the operators receive it; returns (q, k, v, key_lengths int32,
+    backend, modes with the mask as its (B, H, Lq, Lk) view in the kernels' dtype).
+    ``qkv_checked``: the caller (:func:`mhakern.attention`) has checked q, k, v, scale and
+    causal already;
+    ``grad``: whether a gradient will be needed, for the backend's selection (default: grad
+    mode and the inputs' requires_grad)."""
+    B, H, Lq, D = q.shape if qkv_checked else check_qkv(q, k, v) or q.shape
     Lk = k.shape[2]
-    check_scale(scale, D)
+    if not qkv_checked:
+        check_scale(scale, D)
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     check_key_lengths_meta(key_lengths, B, q.device)
-    check_mask(attn_mask, B, H, Lq, Lk, q.device)
-    check_modes(dropout_p, top_left, wl, wr)
-    if mask_grad and (attn_mask is None or not attn_mask.is_floating_point()):
-        raise ArgumentError("mask_grad: True needs a floating attn_mask (a bool mask has no gradient)")
+    check_modes(modes, B, H, Lq, Lk, q.device)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     kl = prepare_key_lengths(key_lengths, Lk, q.device)
-    if attn_mask is not None and attn_mask.is_floating_point():
-        attn_mask = attn_mask.to(mask_dtype(q.dtype))
-    mask4 = expand_mask(attn_mask, B, H, Lq, Lk)
-    modes = make_modes(mask4, dropout_p, 0, top_left, wl, wr, mask_grad)
-    be = backends.select(backend, q, k, v, causal, kl, modes.required_features())
-    return q, k, v, kl, be, mask4
+    mask = modes.attn_mask
+    if mask is not None:
+        if mask.is_floating_point():
+            mask = mask.to(mask_dtype(q.dtype))
+        modes = modes._replace(attn_mask=expand_mask(mask, B, H, Lq, Lk))
+    be = backends.select(backend, q, k, v, causal, kl, modes.required_features(), grad=grad)
+    return q, k, v, kl, be, modes
 
 
 # ---------------------------------------------------------------------------------------------
-# Custom ops
+# The operators: the autograd boundary of every entry point.
+#
+# Defined through torch.library (schema, CPU/CUDA implementation, fake implementation for
+# torch.compile, and an Autograd kernel), so that compiled graphs hold them as opaque,
+# shape-known nodes and autograd is registered on the op itself, as pytorch/extension-cpp
+# does. The Autograd kernel is written here rather than by torch.library.register_autograd:
+# that helper re-fills the schema's defaults on every call, 110 us of Python per call on this
+# schema (2-core Xeon, torch 2.13), where this kernel costs the autograd.Function it wraps.
+
+_LIB = torch.library.Library("mhakern", "DEF")
+_LIB.define(
+    "attn_fwd(Tensor q, Tensor k, Tensor v, float scale, bool causal, Tensor? key_lengths, str backend, "
+    f"{OP_SCHEMA_MODES}) -> (Tensor, Tensor)"
+)
+_LIB.define(
+    "attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, bool causal, "
+    f"Tensor? key_lengths, str backend, {OP_SCHEMA_MODES}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+# The mode arguments' defaults, for the calls whose trailing defaults the dispatcher dropped.
+_DEFAULT_TAIL = DEFAULT_MODES.op_args()
+_N_MODES = len(_DEFAULT_TAIL)
 
 
-@torch.library.custom_op("mhakern::attn_fwd", mutates_args=())
-def attn_fwd(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    scale: float,
-    causal: bool,
-    key_lengths: Optional[Tensor],
-    backend: str,
-    attn_mask: Optional[Tensor] = None,
-    dropout_p: float = 0.0,
-    seed: int = 0,
-    top_left: bool = False,
-    window_left: int = -1,
-    window_right: int = -1,
-) -> Tuple[Tensor, Tensor]:
-    """Forward: ``out`` (B, H, Lq, Dv) in q's dtype and ``lse`` float32 (B, H, Lq).
+def _mode_tail(mode_args: tuple) -> tuple:
+    n = len(mode_args)
+    return mode_args if n == _N_MODES else mode_args + _DEFAULT_TAIL[n:]
 
-    ``attn_mask``: None or a tensor broadcastable to (B, H, Lq, Lk); the modes as in
-    :class:`mhakern.backends.Modes`; ``backend``: "auto" or a registered name.
-    """
-    q, k, v, kl, be, mask4 = _op_prologue(
-        q, k, v, scale, causal, key_lengths, backend, attn_mask, dropout_p, top_left, window_left, window_right
-    )
-    modes = make_modes(mask4, dropout_p, seed, top_left, window_left, window_right, False)
+
+def _attn_fwd(q, k, v, scale, causal, key_lengths, backend, *mode_args):
+    """Forward: ``out`` (B, H, Lq, Dv) in q's dtype, laid out like q, and ``lse`` float32
+    (B, H, Lq) (including the sinks when given); the modes as in :class:`mhakern.modes.Modes`
+    (``attn_mask`` any shape broadcastable to (B, H, Lq, Lk)); ``backend``: "auto" or a
+    registered name."""
+    modes = Modes.from_op_args(*_mode_tail(mode_args))
+    q, k, v, kl, be, modes = prepare(q, k, v, scale, causal, key_lengths, backend, modes)
     return forward_impl(be, q, k, v, float(scale), causal, kl, modes)
 
 
-@attn_fwd.register_fake
-def _attn_fwd_fake(q, k, v, scale, causal, key_lengths, backend, attn_mask=None, dropout_p=0.0, seed=0,
-                   top_left=False, window_left=-1, window_right=-1):
-    B, H, Lq, _ = q.shape
-    return empty_like_heads(q, v.shape[3]), q.new_empty((B, H, Lq), dtype=torch.float32)
-
-
-@torch.library.custom_op("mhakern::attn_bwd", mutates_args=())
-def attn_bwd(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    scale: float,
-    causal: bool,
-    key_lengths: Optional[Tensor],
-    backend: str,
-    attn_mask: Optional[Tensor] = None,
-    dropout_p: float = 0.0,
-    seed: int = 0,
-    top_left: bool = False,
-    window_left: int = -1,
-    window_right: int = -1,
-    mask_grad: bool = False,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Backward: ``(dq, dk, dv, dmask)``, dq/dk/dv shaped and laid out like ``q``, ``k``, ``v``;
-    ``dmask`` the gradient of a floating ``attn_mask`` in its (given) shape, float32, when
-    ``mask_grad``, else an empty (0,) float32 tensor."""
+def _attn_bwd(dout, q, k, v, out, lse, scale, causal, key_lengths, backend, *mode_args):
+    """Backward from the forward's (out, lse): ``(dq, dk, dv, dmask, dsinks)``, dq/dk/dv shaped
+    and laid out like ``q``, ``k``, ``v``; ``dmask`` the gradient of a floating ``attn_mask`` in
+    its (given) shape, float32, when ``mask_grad``, else an empty (0,) float32 tensor; ``dsinks``
+    float32 (H,) with ``sinks``, else empty (0,)."""
     for name, x in (("dout", dout), ("out", out), ("lse", lse)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    q, k, v, kl, be, mask4 = _op_prologue(
-        q, k, v, scale, causal, key_lengths, backend, attn_mask, dropout_p, top_left, window_left, window_right,
-        mask_grad,
-    )
+    given = Modes.from_op_args(*_mode_tail(mode_args))
+    q, k, v, kl, be, modes = prepare(q, k, v, scale, causal, key_lengths, backend, given)
     B, H, Lq, _ = q.shape
     Dv = v.shape[3]
     if tuple(out.shape) != (B, H, Lq, Dv) or out.device != q.device:
@@ -372,21 +444,167 @@ def attn_bwd(
         raise ArgumentError(f"dout: expected a floating tensor of shape {(B, H, Lq, Dv)} on {q.device}, got {tuple(dout.shape)} {dout.dtype} on {dout.device}")
     if tuple(lse.shape) != (B, H, Lq) or lse.dtype != torch.float32 or lse.device != q.device:
         raise ArgumentError(f"lse: expected float32 of shape {(B, H, Lq)} on {q.device}, got {lse.dtype} {tuple(lse.shape)} on {lse.device}")
-    modes = make_modes(mask4, dropout_p, seed, top_left, window_left, window_right, mask_grad)
-    dq, dk, dv, dmask = backward_impl(be, dout.to(q.dtype), q, k, v, out, lse, float(scale), causal, kl, modes)
-    if mask_grad:
-        dmask = reduce_mask_grad(dmask.float(), _mask_shape4(attn_mask)).reshape(attn_mask.shape)
+    dq, dk, dv, dmask, dsinks = backward_impl(be, dout.to(q.dtype), q, k, v, out, lse, float(scale), causal, kl, modes)
+    if modes.mask_grad:
+        m = given.attn_mask
+        dmask = reduce_mask_grad(dmask.float(), mask_4d(m).shape).reshape(m.shape)
     else:
         dmask = q.new_empty((0,), dtype=torch.float32)
-    return dq, dk, dv, dmask
+    if dsinks is None:
+        dsinks = q.new_empty((0,), dtype=torch.float32)
+    return dq, dk, dv, dmask, dsinks.float()
 
 
-def _mask_shape4(attn_mask: Tensor) -> Tuple[int, ...]:
-    return (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)
+_LIB.impl("attn_fwd", _attn_fwd, "CompositeExplicitAutograd")
+_LIB.impl("attn_bwd", _attn_bwd, "CompositeExplicitAutograd")
 
 
-@attn_bwd.register_fake
-def _attn_bwd_fake(dout, q, k, v, out, lse, scale, causal, key_lengths, backend, attn_mask=None, dropout_p=0.0,
-                   seed=0, top_left=False, window_left=-1, window_right=-1, mask_grad=False):
-    dmask = attn_mask.new_empty(attn_mask.shape, dtype=torch.float32) if mask_grad else q.new_empty((0,), dtype=torch.float32)
-    return empty_like_heads(q, q.shape[3]), empty_like_heads(k, k.shape[3]), empty_like_heads(v, v.shape[3]), dmask
+@torch.library.register_fake("mhakern::attn_fwd", lib=_LIB)
+def _attn_fwd_fake(q, k, v, scale, causal, key_lengths, backend, *mode_args):
+    B, H, Lq, _ = q.shape
+    return empty_like_heads(q, v.shape[3]), q.new_empty((B, H, Lq), dtype=torch.float32)
+
+
+@torch.library.register_fake("mhakern::attn_bwd", lib=_LIB)
+def _attn_bwd_fake(dout, q, k, v, out, lse, scale, causal, key_lengths, backend, *mode_args):
+    modes = Modes.from_op_args(*_mode_tail(mode_args))
+    m, sinks = modes.attn_mask, modes.sinks
+    dmask = m.new_empty(m.shape, dtype=torch.float32) if modes.mask_grad else q.new_empty((0,), dtype=torch.float32)
+    dsinks = q.new_empty((0,), dtype=torch.float32) if sinks is None else sinks.new_empty(sinks.shape, dtype=torch.float32)
+    return (empty_like_heads(q, q.shape[3]), empty_like_heads(k, k.shape[3]), empty_like_heads(v, v.shape[3]), dmask,
+            dsinks)
+
+
+attn_fwd = torch.ops.mhakern.attn_fwd.default
+attn_bwd = torch.ops.mhakern.attn_bwd.default
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+# Positions in attn_fwd's arguments (after the Autograd kernel's keyset): 7 before the modes.
+_MASK_AT, _SINKS_AT = 7 + Modes._fields.index("attn_mask"), 7 + Modes._fields.index("sinks")
+
+
+class _AttnFunction(torch.autograd.Function):
+    """attn_fwd's autograd: saves q, k, v, out, lse and the record's tensors; the backward is
+    attn_bwd (probabilities recomputed from lse, the dropout keep mask from the saved seed).
+
+    Eager calls run the operators' implementations directly in here (the forward's checks
+    done once, the backward from what they produced): the dispatcher's round trip to attn_fwd's
+    own kernel, and attn_bwd's, with attn_bwd's second round of checks, cost about 60 us of the
+    160 us of a tiny call's forward + backward (benchmarks/bench_call_overhead.py). While
+    torch.compile traces, the graph must hold the operators themselves.
+    """
+
+    @staticmethod
+    def forward(ctx, keyset, q, k, v, scale, causal, key_lengths, backend, *mode_args):
+        given = Modes.from_op_args(*mode_args)
+        if torch.compiler.is_compiling():
+            with torch._C._AutoDispatchBelowAutograd():
+                out, lse = attn_fwd.redispatch(keyset & _AFTER_AUTOGRAD, q, k, v, scale, causal, key_lengths,
+                                               backend, *mode_args)
+            ctx.be = None
+        else:
+            # keyset None: called by mhakern.attention(), which checked q, k, v (call_attention).
+            qc, kc, vc, key_lengths, be, modes = prepare(q, k, v, scale, causal, key_lengths, backend, given,
+                                                         qkv_checked=keyset is None, grad=True)
+            out, lse = forward_impl(be, qc, kc, vc, float(scale), causal, key_lengths, modes)
+            ctx.be = be
+        # The inputs themselves (not the checked copies): create_graph's math backward must
+        # differentiate through them to the caller's tensors.
+        ctx.save_for_backward(q, k, v, out, lse, key_lengths, given.attn_mask, given.alibi_slopes, given.sinks)
+        ctx.args = (scale, causal, backend, given)
+        # lse never receives a gradient: no zeros tensor for it on every backward.
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        n_in = 1 + 7 + _N_MODES
+        if dout is None:  # only lse was used downstream: nothing flows back
+            return (None,) * n_in
+        q, k, v, out, lse, kl, mask, alibi, sinks = ctx.saved_tensors
+        scale, causal, backend, modes = ctx.args
+        need = ctx.needs_input_grad
+        if modes is not DEFAULT_MODES:  # the tensors as saved (version-checked), mask_grad as asked
+            modes = modes._replace(attn_mask=mask, alibi_slopes=alibi, sinks=sinks, mask_grad=need[1 + _MASK_AT])
+        grads = [None] * n_in
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # create_graph=True: the gradients must themselves be differentiable, which no
+            # kernel's backward is. They come from the math formula instead (docs/contract.md,
+            # "Second derivatives").
+            dq, dk, dv, dmask, dsinks = _differentiable_backward(need, dout, q, k, v, scale, causal, kl, modes)
+        elif ctx.be is not None:
+            # kl was checked and converted by the forward; q, k, v and the mask take the same
+            # (free) steps again.
+            B, H, Lq, _ = q.shape
+            if mask is not None:
+                m = mask.to(mask_dtype(q.dtype)) if mask.is_floating_point() else mask
+                modes = modes._replace(attn_mask=expand_mask(m, B, H, Lq, k.shape[2]))
+            dq, dk, dv, dmask, dsinks = backward_impl(ctx.be, dout.to(q.dtype), _unit_last_stride(q),
+                                                      _unit_last_stride(k), _unit_last_stride(v), out, lse,
+                                                      float(scale), causal, kl, modes)
+            if modes.mask_grad:
+                dmask = reduce_mask_grad(dmask, mask_4d(mask).shape).reshape(mask.shape).to(mask.dtype)
+            dsinks = dsinks.to(sinks.dtype) if need[1 + _SINKS_AT] else None
+        else:
+            dq, dk, dv, dmask, dsinks = attn_bwd(dout, q, k, v, out, lse, scale, causal, kl, backend,
+                                                 *modes.op_args())
+            dmask = dmask.to(mask.dtype) if modes.mask_grad else None
+            dsinks = dsinks.to(sinks.dtype) if need[1 + _SINKS_AT] else None
+        grads[1], grads[2], grads[3] = dq, dk, dv
+        grads[1 + _MASK_AT], grads[1 + _SINKS_AT] = dmask, dsinks
+        return tuple(grads)
+
+
+def _attn_fwd_autograd(keyset, q, k, v, scale, causal, key_lengths, backend, *mode_args):
+    mode_args = _mode_tail(mode_args)
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(q, k, v, mode_args[0], mode_args[-1]):
+        # Self-attention callers may pass one tensor as q, k and v; torch.compile refuses an
+        # autograd.Function given the same tensor twice, so distinct views (free) stand in.
+        if k is q:
+            k = k.view(k.shape)
+        if v is q or v is k:
+            v = v.view(v.shape)
+        return _AttnFunction.apply(keyset, q, k, v, scale, causal, key_lengths, backend, *mode_args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return attn_fwd.redispatch(keyset & _AFTER_AUTOGRAD, q, k, v, scale, causal, key_lengths, backend, *mode_args)
+
+
+_LIB.impl("attn_fwd", _attn_fwd_autograd, "Autograd", with_keyset=True)
+
+
+def call_attention(q, k, v, scale, causal, key_lengths, backend, modes: Modes) -> Tuple[Tensor, Tensor]:
+    """``attn_fwd(q, k, v, scale, causal, key_lengths, backend, *modes.op_args())`` for
+    :func:`mhakern.attention`, which has checked q, k and v: eager calls that need a gradient
+    enter the operator's autograd (:class:`_AttnFunction`) directly, the rest the operator.
+
+    The direct entry skips the dispatcher's round trip to the Autograd kernel and a second
+    check of q, k, v: a tiny call's forward + backward took 207 us through the operator against
+    166 us for the autograd.Function this layer replaced, and takes about the latter directly
+    (2-core Xeon, torch 2.13, benchmarks/bench_call_overhead.py, same run).
+    """
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return attn_fwd(q, k, v, scale, causal, key_lengths, backend, *modes.op_args())
+    if k is q:  # as in _attn_fwd_autograd
+        k = k.view(k.shape)
+    if v is q or v is k:
+        v = v.view(v.shape)
+    return _AttnFunction.apply(None, q, k, v, scale, causal, key_lengths, backend, *modes)
+
+
+def _differentiable_backward(need, dout, q, k, v, scale, causal, key_lengths, modes: Modes):
+    """attn_fwd's backward as a graph of differentiable torch ops: the gradients of the math
+    formula (:func:`mhakern.reference.attention`, with the same visibility, modifiers, mask,
+    sinks and dropout keep mask), so that second derivatives are exact. Costs the (Lq x Lk)
+    score matrix; used only under ``create_graph=True``."""
+    wanted = [need[1], need[2], need[3], modes.mask_grad, need[1 + _SINKS_AT]]
+    sources = (q, k, v, modes.attn_mask, modes.sinks)
+    # fp32 work for half inputs, as every backend accumulates; the casts are part of the graph.
+    wdt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    inputs = [x for x, w in zip(sources, wanted) if w]
+    with torch.enable_grad():
+        out = reference.attention(q.to(wdt), k.to(wdt), v.to(wdt), scale, causal, key_lengths, upcast=False,
+                                  modes=modes)
+        grads = torch.autograd.grad(out, inputs, dout.to(wdt), create_graph=True, allow_unused=True)
+    it = iter(grads)
+    res = [next(it) if w else None for w in wanted]
+    return tuple(torch.zeros_like(x) if w and g is None else g for x, g, w in zip(sources, res, wanted))

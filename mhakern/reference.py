@@ -26,7 +26,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .backends import DEFAULT_MODES, Modes
+from .modes import DEFAULT_MODES, Modes, mask_4d
 
 Tensor = torch.Tensor
 
@@ -153,20 +153,14 @@ def _expand_kv(x: Tensor, n_rep: int) -> Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
-def _mask4(attn_mask: Optional[Tensor]) -> Optional[Tensor]:
-    """A mask broadcastable to (B, H, Lq, Lk) as a 4-D tensor (SDPA's right-aligned rule)."""
-    if attn_mask is None:
-        return None
-    return attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
-
-
-def _alibi_bias(modes, B, H, r0, rows, Lq, Lk, key_lengths, device, wdt) -> Tensor:
-    """``-slope[b, h] * |i + off - j|`` (B, H, rows, Lk), ``off = 0`` top-left, else ``Lk_b - Lq``."""
-    a = modes.alibi_slopes.to(device=device, dtype=wdt)
+def alibi_bias(slopes, B, H, r0, rows, Lq, Lk, key_lengths, top_left, device, wdt) -> Tensor:
+    """``-slope[b, h] * |i + off - j|`` (B, H, rows, Lk) for query rows ``r0 ..``, slopes (H,) or
+    (B, H); ``off = 0`` top-left, else ``Lk_b - Lq``."""
+    a = slopes.to(device=device, dtype=wdt)
     a = a.reshape(1, -1) if a.dim() == 1 else a
     i = torch.arange(r0, r0 + rows, device=device, dtype=wdt).view(1, 1, rows, 1)
     j = torch.arange(Lk, device=device, dtype=wdt).view(1, 1, 1, Lk)
-    if modes.top_left:
+    if top_left:
         off = torch.zeros((1, 1, 1, 1), device=device, dtype=wdt)
     else:
         lk = torch.full((1,), Lk, device=device) if key_lengths is None else key_lengths.to(device)
@@ -189,12 +183,13 @@ def _scores(q, kk, scale, r0, rows, Lq, Lk, causal, key_lengths, modes, wdt, wan
         if want_cap_grad:
             cap_grad = 1.0 - t * t
     if modes.alibi_slopes is not None:
-        s = s + _alibi_bias(modes, q.shape[0], q.shape[1], r0, rows, Lq, Lk, key_lengths, q.device, wdt)
+        s = s + alibi_bias(modes.alibi_slopes, q.shape[0], q.shape[1], r0, rows, Lq, Lk, key_lengths, modes.top_left,
+                           q.device, wdt)
     vis = visible_mask(
         Lq, Lk, causal, key_lengths, q.device, r0, rows,
         top_left=modes.top_left, window_left=modes.window_left, window_right=modes.window_right,
     )
-    m = _mask4(modes.attn_mask)
+    m = mask_4d(modes.attn_mask)
     if m is not None:
         m = m[:, :, r0 : r0 + rows] if m.shape[2] != 1 else m
         if m.dtype == torch.bool:
@@ -276,7 +271,7 @@ def attention_forward(
     ``lse``: float32 (float64 with ``upcast``) of shape (B, H, Lq), natural log, -inf for rows
     that see no key. Work dtype is float64 with ``upcast``, float32 for half inputs otherwise
     (accumulation in fp32, as every backend), else the input dtype. ``modes``: the optional
-    modes (:class:`mhakern.backends.Modes`); its ``attn_mask`` may have any shape broadcastable
+    modes (:class:`mhakern.modes.Modes`); its ``attn_mask`` may have any shape broadcastable
     to (B, H, Lq, Lk).
     """
     B, H, Lq, D = q.shape

@@ -113,10 +113,12 @@ def _max_visible_logit(q64, k64, scale, causal, kl, modes=Modes()) -> float:
     return s.max().item() if s.numel() else 0.0
 
 
-def oracle_modes(attn_mask=None, dropout_p=0.0, generator=None, causal_align="bottom_right", window=None) -> Modes:
+def oracle_modes(attn_mask=None, dropout_p=0.0, generator=None, causal_align="bottom_right", window=None,
+                 softcap=None, alibi_slopes=None, sinks=None) -> Modes:
     """The reference's Modes for the public arguments of one call, written from the contract
     (not from the API's own normalisation). ``generator`` is read without being advanced: the
-    seed is drawn from a copy, as ``mhakern.attention`` will draw it."""
+    seed is drawn from a copy, as ``mhakern.attention`` will draw it. ``alibi_slopes`` (H,) or
+    (B, H) as given (the reference broadcasts them); ``sinks`` as given."""
     seed = 0
     if dropout_p > 0.0:
         g = None
@@ -128,7 +130,8 @@ def oracle_modes(attn_mask=None, dropout_p=0.0, generator=None, causal_align="bo
             g.set_state(torch.random.get_rng_state())
         seed = draw_seed(g)
     wl, wr = (-1, -1) if window is None else window
-    return Modes(attn_mask, dropout_p, seed, causal_align == "top_left", wl, wr, False)
+    return Modes(attn_mask, dropout_p, seed, causal_align == "top_left", wl, wr, False,
+                 0.0 if softcap is None else float(softcap), alibi_slopes, sinks)
 
 
 def check_against_reference(
@@ -148,14 +151,18 @@ def check_against_reference(
     generator: Optional[torch.Generator] = None,
     causal_align: str = "bottom_right",
     window=None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
     roundoff_floor: bool = False,
 ) -> None:
     """Run ``fn(q, k, v, causal=..., key_lengths=..., scale=..., return_lse=True)`` and check
     out, lse and (with ``grads``) dq, dk, dv against the float64 reference by the rule.
 
     The modes (``attn_mask``, ``dropout_p`` with ``generator``, ``causal_align``, ``window``)
-    are passed on to ``fn`` only when set; a floating ``attn_mask`` that requires grad has its
-    gradient checked too (float64 oracle: the same mask in float64). Dropout is compared
+    and the score modifiers (``softcap``, ``alibi_slopes``, ``sinks``) are passed on to ``fn``
+    only when set; a floating ``attn_mask`` or ``sinks`` that requires grad has its gradient
+    checked too (float64 oracle: the same tensor in float64; torch math in T: in T). Dropout is compared
     exactly: the oracle regenerates the keep mask from the seed the call will draw.
 
     ``large_logits`` widens the gradient bound by the error that one rounding of the largest
@@ -187,7 +194,11 @@ def check_against_reference(
         kw["causal_align"] = causal_align
     if window is not None:
         kw["window"] = window
-    modes = oracle_modes(None, dropout_p, generator, causal_align, window)
+    for name, val in (("softcap", softcap), ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if val is not None:
+            kw[name] = val
+    a64 = None if alibi_slopes is None else alibi_slopes.detach().cpu().double()
+    modes = oracle_modes(None, dropout_p, generator, causal_align, window, softcap, a64)
     out, lse = fn(q, k, v, causal=causal, key_lengths=key_lengths, scale=scale, return_lse=True, **kw)
     assert out.dtype == dtype and lse.dtype == torch.float32
     kl = None if key_lengths is None else key_lengths.cpu()
@@ -196,18 +207,24 @@ def check_against_reference(
         return x.detach().cpu().to(dt).requires_grad_(True)
 
     mask_grad = attn_mask is not None and attn_mask.is_floating_point() and attn_mask.requires_grad
+    sink_grad = sinks is not None and sinks.requires_grad
+    s64 = sT = None
+    if sinks is not None:
+        s64, sT = leaf(sinks, torch.float64), leaf(sinks, dtype)
     m64 = mT = None
     if attn_mask is not None:
         m64 = leaf(attn_mask, torch.float64) if attn_mask.is_floating_point() else attn_mask.cpu()
         mT = leaf(attn_mask, dtype) if attn_mask.is_floating_point() else attn_mask.cpu()
     q64, k64, v64 = (leaf(x, torch.float64) for x in (q, k, v))
-    ref = reference.attention(q64, k64, v64, scale, causal, kl, upcast=True, modes=modes._replace(attn_mask=m64))
+    ref = reference.attention(q64, k64, v64, scale, causal, kl, upcast=True,
+                              modes=modes._replace(attn_mask=m64, sinks=s64))
     _, ref_lse = reference.attention_forward(
         q64.detach(), k64.detach(), v64.detach(), scale, causal, kl, upcast=True,
-        modes=modes._replace(attn_mask=None if m64 is None else m64.detach()),
+        modes=modes._replace(attn_mask=None if m64 is None else m64.detach(), sinks=None if s64 is None else s64.detach()),
     )
     qT, kT, vT = (leaf(x, dtype) for x in (q, k, v))
-    math_out = reference.attention(qT, kT, vT, scale, causal, kl, upcast=False, modes=modes._replace(attn_mask=mT))
+    math_out = reference.attention(qT, kT, vT, scale, causal, kl, upcast=False,
+                                   modes=modes._replace(attn_mask=mT, sinks=sT))
     u = torch.finfo(dtype).eps / 2
 
     def floor(ref_t):
@@ -229,15 +246,15 @@ def check_against_reference(
         return
     g = torch.Generator().manual_seed(seed)
     dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
-    inputs = [q, k, v] + ([attn_mask] if mask_grad else [])
+    inputs = [q, k, v] + ([attn_mask] if mask_grad else []) + ([sinks] if sink_grad else [])
     for x in inputs:
         x.grad = None
     out.backward(dout.to(device=out.device, dtype=dtype))
     ref.backward(dout)
     math_out.backward(dout.to(dtype))
-    names = ["dq", "dk", "dv"] + (["dmask"] if mask_grad else [])
-    refs = [q64, k64, v64] + ([m64] if mask_grad else [])
-    maths = [qT, kT, vT] + ([mT] if mask_grad else [])
+    names = ["dq", "dk", "dv"] + (["dmask"] if mask_grad else []) + (["dsinks"] if sink_grad else [])
+    refs = [q64, k64, v64] + ([m64] if mask_grad else []) + ([s64] if sink_grad else [])
+    maths = [qT, kT, vT] + ([mT] if mask_grad else []) + ([sT] if sink_grad else [])
     extra = 0.0
     if large_logits:
         extra = 8 * torch.finfo(dtype).eps / 2 * _max_visible_logit(q64.detach(), k64.detach(), scale, causal, kl, modes)

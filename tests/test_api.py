@@ -136,8 +136,9 @@ def test_the_ops_accept_auto_and_match_the_api():
     ref, ref_lse = mhakern.attention(q, k, v, causal=True, scale=0.25, key_lengths=torch.tensor([6, 2]), return_lse=True)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(lse, ref_lse)
-    dq, dk, dv, dmask = torch.ops.mhakern.attn_bwd(out, q, k, v, out, lse, 0.25, True, torch.tensor([6, 2]), "auto")
-    assert dq.shape == q.shape and dk.shape == k.shape and dmask.numel() == 0
+    dq, dk, dv, dmask, dsinks = torch.ops.mhakern.attn_bwd(out, q, k, v, out, lse, 0.25, True, torch.tensor([6, 2]),
+                                                           "auto")
+    assert dq.shape == q.shape and dk.shape == k.shape and dmask.numel() == 0 and dsinks.numel() == 0
 
 
 @pytest.mark.parametrize(
@@ -499,7 +500,8 @@ def test_get_auto_says_it_must_be_selected_not_that_it_is_unknown():
     with pytest.raises(ValueError, match="reserved"):
         backends.register(type("B", (backends.Backend,), {"name": "auto"})())
     with pytest.raises(ValueError, match="unknown features"):
-        backends.register(type("B", (backends.Backend,), {"name": "x", "features": frozenset({"no_such_mode"})})())
+        # sinks is no backend feature (the op layer applies them around every backend)
+        backends.register(type("B", (backends.Backend,), {"name": "x", "features": frozenset({"sinks"})})())
 
 
 def test_the_op_hands_backends_float32_masks_and_returns_the_mask_gradient_in_its_shape():
@@ -508,8 +510,8 @@ def test_the_op_hands_backends_float32_masks_and_returns_the_mask_gradient_in_it
     out, lse = torch.ops.mhakern.attn_fwd(q, k, v, 0.25, False, None, "reference", m)
     ref = mhakern.attention(q, k, v, scale=0.25, attn_mask=m.float(), backend="reference")
     torch.testing.assert_close(out, ref)
-    dq, dk, dv, dmask = torch.ops.mhakern.attn_bwd(out, q, k, v, out, lse, 0.25, False, None, "reference", m,
-                                                   mask_grad=True)
+    dq, dk, dv, dmask, _ = torch.ops.mhakern.attn_bwd(out, q, k, v, out, lse, 0.25, False, None, "reference", m,
+                                                      mask_grad=True)
     assert dmask.shape == m.shape and dmask.dtype == torch.float32
 
 
@@ -804,3 +806,57 @@ def test_sdpa_drop_in_under_torchscript_calls_torchs_operator():
     scripted = torch.jit.script(mhakern.scaled_dot_product_attention)
     q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))
     torch.testing.assert_close(scripted(q, k, v, None, 0.0, True), mhakern.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+@pytest.mark.parametrize(
+    "kw,exc,words",
+    [
+        (dict(softcap=0.0), ValueError, ["softcap", "positive"]),
+        (dict(softcap=-1.0), ValueError, ["softcap"]),
+        (dict(softcap=float("inf")), ValueError, ["softcap", "finite"]),
+        (dict(softcap="2"), TypeError, ["softcap"]),
+        (dict(alibi_slopes=torch.ones(3)), ValueError, ["alibi_slopes", "(H,)"]),
+        (dict(alibi_slopes=torch.ones(2, 4, dtype=torch.int32)), TypeError, ["alibi_slopes", "floating"]),
+        (dict(alibi_slopes=torch.ones(4, requires_grad=True)), ValueError, ["alibi_slopes", "no gradient"]),
+        (dict(alibi_slopes=[0.5] * 4), TypeError, ["alibi_slopes"]),
+        (dict(sinks=torch.zeros(2, 4)), ValueError, ["sinks", "(H,)"]),
+        (dict(sinks=torch.zeros(4, dtype=torch.int64)), TypeError, ["sinks", "floating"]),
+        (dict(sinks=0.0), TypeError, ["sinks"]),
+    ],
+)
+def test_bad_score_modifiers_are_refused_naming_the_argument(kw, exc, words):
+    q, k, v = make_inputs(2, 4, 2, 5, 6, 16)
+    with pytest.raises(exc) as info:
+        mhakern.attention(q, k, v, backend="reference", **kw)
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_the_op_refuses_bad_modifier_values_and_takes_good_ones():
+    q, k, v = make_inputs(2, 4, 2, 5, 6, 16, requires_grad=False)
+    with pytest.raises(ValueError, match="alibi_slopes: expected float32 of shape"):
+        torch.ops.mhakern.attn_fwd(q, k, v, 0.25, False, None, "reference", alibi_slopes=torch.ones(4))
+    with pytest.raises(ValueError, match="softcap"):
+        torch.ops.mhakern.attn_fwd(q, k, v, 0.25, False, None, "reference", softcap=-2.0)
+    sinks = torch.randn(4)
+    out, lse = torch.ops.mhakern.attn_fwd(q, k, v, 0.25, False, None, "reference", softcap=2.0,
+                                          alibi_slopes=torch.ones(4).expand(2, 4), sinks=sinks)
+    ref, ref_lse = mhakern.attention(q, k, v, scale=0.25, softcap=2.0, alibi_slopes=torch.ones(4), sinks=sinks,
+                                     backend="reference", return_lse=True)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
+    *_, dsinks = torch.ops.mhakern.attn_bwd(out, q, k, v, out, lse, 0.25, False, None, "reference", sinks=sinks)
+    assert dsinks.shape == (4,) and dsinks.dtype == torch.float32
+
+
+def test_second_derivatives_with_the_score_modifiers_and_sinks():
+    # create_graph=True takes the math formula's gradients: exact with every modifier too.
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, L, 4, generator=g, dtype=torch.float64).requires_grad_() for L in (3, 4, 4))
+    sinks = torch.randn(2, generator=g, dtype=torch.float64).requires_grad_()
+    slopes = torch.tensor([0.5, 0.25])
+
+    def fn(q, k, v, sinks):
+        return mhakern.attention(q, k, v, causal=True, softcap=2.0, alibi_slopes=slopes, sinks=sinks,
+                                 backend="reference")
+
+    assert torch.autograd.gradgradcheck(fn, (q, k, v, sinks))

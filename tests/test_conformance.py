@@ -130,6 +130,17 @@ def _gen(seed):
     return torch.Generator(device="cpu").manual_seed(seed)
 
 
+def _slopes(shape, seed, dtype=torch.float32):
+    """ALiBi slopes in (0.1, 1): steep enough to reorder a row's scores."""
+    g = torch.Generator().manual_seed(seed)
+    return (0.1 + 0.9 * torch.rand(shape, generator=g)).to(device=DEVICE, dtype=dtype)
+
+
+def _sinks(H, seed, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(H, generator=g) * 2.0).to(DEVICE).requires_grad_(grad)
+
+
 # Each builder: (B, H, Lq, Lk) -> dict of check_against_reference keyword arguments.
 MODE_CASES = {
     "mask-bool-2d": ("cross", lambda B, H, Lq, Lk: dict(attn_mask=_bool_mask((Lq, Lk), 1))),
@@ -149,6 +160,27 @@ MODE_CASES = {
     "all-modes": ("cross", lambda B, H, Lq, Lk: dict(
         attn_mask=_float_mask((1, H, Lq, Lk), 9, grad=True), dropout_p=0.2, generator=_gen(10), causal=True,
         causal_align="top_left", window=(6, -1), key_lengths=(20, 29))),
+    # Score modifiers (docs/contract.md, "Score modifiers"): softcap where tanh bends (2) and
+    # where it barely does (30); ALiBi per head and per batch element, with both alignments;
+    # sinks (the op layer's, so every backend) with their gradient, on rows that see no key too.
+    "softcap-small": ("self", lambda B, H, Lq, Lk: dict(softcap=2.0)),
+    "softcap-large-causal-kl": ("cross", lambda B, H, Lq, Lk: dict(softcap=30.0, causal=True, key_lengths=(29, 4))),
+    "softcap-mask-grad": ("self", lambda B, H, Lq, Lk: dict(
+        softcap=2.0, attn_mask=_float_mask((B, H, Lq, Lk), 11, grad=True))),
+    "alibi-heads-top-left": ("longq", lambda B, H, Lq, Lk: dict(
+        alibi_slopes=_slopes((H,), 12, torch.float16), causal=True, causal_align="top_left")),
+    "alibi-batch-window-kl": ("cross", lambda B, H, Lq, Lk: dict(
+        alibi_slopes=_slopes((B, H), 13), window=(5, -1), causal=True, key_lengths=(29, 9))),
+    "alibi-bottom-right-nocausal": ("longq", lambda B, H, Lq, Lk: dict(alibi_slopes=_slopes((H,), 14))),
+    "softcap-alibi-bool-mask": ("cross", lambda B, H, Lq, Lk: dict(
+        softcap=2.0, alibi_slopes=_slopes((H,), 15), attn_mask=_bool_mask((Lq, Lk), 16))),
+    "sinks": ("self", lambda B, H, Lq, Lk: dict(sinks=_sinks(H, 17))),
+    "sinks-dead-rows-causal-kl": ("cross", lambda B, H, Lq, Lk: dict(
+        sinks=_sinks(H, 18), causal=True, key_lengths=(29, 0))),
+    "sinks-dropout-mask-grad": ("self", lambda B, H, Lq, Lk: dict(
+        sinks=_sinks(H, 19), dropout_p=0.3, generator=_gen(20), attn_mask=_float_mask((H, Lq, Lk), 21, grad=True))),
+    "all-modifiers-decode": ("decode", lambda B, H, Lq, Lk: dict(
+        softcap=2.0, alibi_slopes=_slopes((B, H), 22), sinks=_sinks(H, 23), window=(8, 0), key_lengths=(40, 3, 0))),
 }
 
 
@@ -159,10 +191,12 @@ def _needed(kw) -> frozenset:
     return Modes(
         attn_mask=m,
         dropout_p=kw.get("dropout_p", 0.0),
-        top_left=kw.get("causal_align") == "top_left" and causal_or_window,
+        top_left=kw.get("causal_align") == "top_left" and (causal_or_window or kw.get("alibi_slopes") is not None),
         window_left=w[0],
         window_right=w[1],
         mask_grad=m is not None and m.is_floating_point() and m.requires_grad,
+        softcap=kw.get("softcap") or 0.0,
+        alibi_slopes=kw.get("alibi_slopes"),
     ).required_features()
 
 
@@ -390,8 +424,48 @@ def test_registered_backend_declares_known_features_and_refuses_what_it_lacks(na
     assert be.features <= backends.ALL_FEATURES
     q, k, v = make_inputs(1, 2, 2, 3, 4, 16, device=DEVICE, requires_grad=False)
     for feat, kw in (("window", dict(window=(1, 1))), ("top_left", dict(causal=True, causal_align="top_left")),
-                     ("dropout", dict(dropout_p=0.5)), ("attn_mask", dict(attn_mask=torch.ones(3, 4, dtype=torch.bool)))):
+                     ("dropout", dict(dropout_p=0.5)), ("attn_mask", dict(attn_mask=torch.ones(3, 4, dtype=torch.bool))),
+                     ("softcap", dict(softcap=5.0)), ("alibi", dict(alibi_slopes=torch.ones(2, device=DEVICE)))):
         if feat in be.features:
             continue
         with pytest.raises(ValueError, match=f"backend={name!r} cannot serve.*does not implement {feat}"):
             mhakern.attention(q, k, v, backend=name, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sinks: the gradient by finite differences, and the identities that pin the composition
+
+
+def test_sinks_gradient_by_finite_differences_in_float64():
+    # The op layer's analytic dsinks (and dq, dk, dv from the sink-inclusive lse) against
+    # central differences, on the reference backend in float64; rows 0..2 of element 1 see no
+    # key (key length 0) and so attend to the sink alone.
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, L, 8, generator=g, dtype=torch.float64, device=DEVICE).requires_grad_()
+               for L in (3, 5, 5))
+    sinks = torch.randn(2, generator=g, dtype=torch.float64, device=DEVICE).requires_grad_()
+    kl = torch.tensor([5, 0], device=DEVICE)
+
+    def fn(q, k, v, sinks):
+        return mhakern.attention(q, k, v, causal=True, key_lengths=kl, sinks=sinks, softcap=3.0, backend="reference")
+
+    # eps 1e-3, tolerance 1e-3: lse is float32 by contract, and the sinks' rescaling
+    # out * exp(lse - lse') carries its rounding (~6e-8 relative) into the float64 output, which
+    # central differences divide by eps; a wrong dsinks or sink-blind dq is off by O(1).
+    assert torch.autograd.gradcheck(fn, (q, k, v, sinks), eps=1e-3, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("name,dtype", MAIN, ids=MAIN_IDS)
+def test_sinks_of_minus_inf_change_nothing_and_large_sinks_take_the_mass(name, dtype):
+    q, k, v = make_inputs(2, 4, 2, 5, 7, 16, dtype=dtype, device=DEVICE, requires_grad=False)
+    kl = torch.tensor([7, 0], device=DEVICE)
+    run = _run(name)
+    out, lse = run(q, k, v, key_lengths=kl, return_lse=True)
+    none = torch.full((4,), -math.inf, device=DEVICE)
+    out2, lse2 = run(q, k, v, key_lengths=kl, sinks=none, return_lse=True)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2), "a sink of -inf must be no sink"
+    big = torch.full((4,), 60.0, device=DEVICE)
+    out3, lse3 = run(q, k, v, key_lengths=kl, sinks=big, return_lse=True)
+    assert out3.abs().max().item() < 1e-12 + 0.0 * out.abs().max().item() + 1e-6, "the sink takes the mass"
+    assert torch.allclose(lse3, torch.full_like(lse3, 60.0), atol=1e-4), "lse includes the sink"
+    assert torch.all(out3[1] == 0) and torch.all(lse3[1] == 60.0), "a row with no key attends to the sink alone"

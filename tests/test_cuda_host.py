@@ -769,9 +769,9 @@ def _fresh_backend(monkeypatch, cuda_version, table, device=True, caps=((9, 0),)
     monkeypatch.setattr(torch.version, "cuda", cuda_version)
     monkeypatch.setattr(be, "_capabilities", lambda: table)
     if ext_error is not None:
-        from mhakern.backends import cpu_backend
+        from mhakern import _extension
 
-        monkeypatch.setattr(cpu_backend, "_ext_error", ext_error)
+        monkeypatch.setattr(_extension, "_error", ext_error)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: device)
     return be
 

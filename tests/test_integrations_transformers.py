@@ -216,25 +216,50 @@ def test_dropout_reaches_mhakern():
     assert _err(outs[0], model(ids).logits) > 1e-2
 
 
-def test_softcap_is_refused_naming_the_option():
+def test_gemma2_softcap_matches_eager():
+    # Gemma 2 caps its logits (softcap = config.attn_logit_softcapping): mhakern's softcap.
     from transformers import Gemma2Config
 
-    cfg = Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=8, attn_logit_softcapping=50.0, sliding_window=4)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="mhakern")
-    with pytest.raises(ValueError, match=r"soft-capping.*config\.attn_logit_softcapping"):
-        model(torch.randint(1, V, (1, 5)))
+    cfg = Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=8, attn_logit_softcapping=0.05, sliding_window=4,
+                       query_pre_attn_scalar=8)
+    mkt.register("reference")  # the backend serving softcap on every branch
+    try:
+        torch.manual_seed(0)
+        ours = AutoModelForCausalLM.from_config(cfg, attn_implementation="mhakern").eval()
+        theirs = copy.deepcopy(ours)
+        theirs.config._attn_implementation = "eager"
+        ids = torch.randint(1, V, (2, 7), generator=torch.Generator().manual_seed(1))
+        assert _err(ours(ids).logits, theirs(ids).logits) <= 1e-4
+        cfg_bad = copy.deepcopy(cfg)
+        cfg_bad.attn_logit_softcapping = -1.0
+        bad = AutoModelForCausalLM.from_config(cfg_bad, attn_implementation="mhakern")
+        with pytest.raises(ValueError, match=r"softcap=-1\.0.*config\.attn_logit_softcapping"):
+            bad(ids)
+    finally:
+        mkt.register("auto")
 
 
-def test_sinks_are_refused_naming_the_parameter():
+def test_sinks_from_s_aux_match_the_eager_formula_with_their_gradient():
+    # gpt-oss passes its learned per-head sinks as s_aux: a score column with no value.
     class WithSinks(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.sinks = torch.nn.Parameter(torch.zeros(2))
+            self.sinks = torch.nn.Parameter(torch.tensor([0.5, -1.0]))
 
     module = WithSinks()
-    q = torch.randn(1, 2, 3, 4)
-    with pytest.raises(ValueError, match=r"sinks.*WithSinks\.sinks"):
-        mkt.attention_forward(module, q, q, q, None, s_aux=module.sinks)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, L, 4, generator=g, dtype=torch.float64) for L in (3, 5, 5))
+    out, _ = mkt.attention_forward(module, q, k, v, None, s_aux=module.sinks, is_causal=False)
+    out.sum().backward()
+    sinks = module.sinks.detach().clone().double().requires_grad_()
+    s = q @ k.transpose(-1, -2) * 0.5
+    z = torch.cat([s, sinks.view(1, 2, 1, 1).expand(1, 2, 3, 1)], dim=-1)
+    ref = (torch.softmax(z, -1)[..., :5] @ v).transpose(1, 2)
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref.to(out.dtype))
+    torch.testing.assert_close(module.sinks.grad.double(), sinks.grad, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"sinks \(s_aux, WithSinks's s_aux\).*\(2,\)"):
+        mkt.attention_forward(module, q, k, v, None, s_aux=torch.zeros(3))
 
 
 def test_t5_position_bias_matches_sdpa():

@@ -1171,3 +1171,58 @@ def test_torchscript_is_refused_in_one_line_where_torch_has_no_equal():
     for m in (mhakern.FusedMHA(16, 4, num_kv_heads=2), mhakern.FusedMHA(16, 2, head_dim=4)):
         with pytest.raises(RuntimeError, match="cannot be compiled by TorchScript"):
             torch.jit.script(m)
+
+
+# ---------------------------------------------------------------------------------------------
+# Score modifiers: softcap, ALiBi slopes, learnable sinks
+
+
+def _manual_mha(m, x, causal):
+    """mhakern.FusedMHA(softcap, alibi, sinks)'s function written out from its parameters (float64)."""
+    N, L, E = x.shape
+    H, hd = m.num_heads, m.head_dim
+    q, k, v = torch.nn.functional.linear(x, m.in_proj_weight, m.in_proj_bias).split(E, dim=-1)
+    q, k, v = (t.view(N, L, H, hd).transpose(1, 2) for t in (q, k, v))
+    s = q @ k.transpose(-1, -2) / math.sqrt(hd)
+    s = m.softcap * torch.tanh(s / m.softcap)
+    i = torch.arange(L, dtype=torch.float64)
+    s = s - m.alibi_slopes.double().view(1, H, 1, 1) * (i.view(L, 1) - i.view(1, L)).abs()
+    if causal:
+        s = s.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), -math.inf)
+    z = torch.cat([s, m.sinks.view(1, H, 1, 1).expand(N, H, L, 1)], dim=-1)
+    p = torch.softmax(z, dim=-1)[..., :L]
+    o = (p @ v).transpose(1, 2).reshape(N, L, E)
+    return m.out_proj(o), p
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_mha_modifiers_match_their_formula_forward_and_backward(causal):
+    torch.manual_seed(0)
+    m = mhakern.FusedMHA(16, 2, batch_first=True, softcap=2.0, alibi=True, sinks=True, backend="reference",
+                 dtype=torch.float64)
+    with torch.no_grad():
+        m.sinks.copy_(torch.tensor([0.5, -1.0]))
+    assert torch.equal(m.alibi_slopes, torch.tensor([2.0 ** -4, 2.0 ** -8]))  # 2^(-8 (h + 1) / H)
+    assert "sinks" in m.state_dict() and "alibi_slopes" not in m.state_dict()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    out, w = m(x, x, x, is_causal=causal, need_weights=True, average_attn_weights=False)
+    (out.sum() + w.sum()).backward()
+    got = [p.grad.clone() for p in (m.sinks, m.in_proj_weight)]
+    m.zero_grad()
+    ref, p = _manual_mha(m, x, causal)
+    (ref.sum() + p.sum()).backward()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)  # lse is float32 (contract)
+    torch.testing.assert_close(w, p, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got, (m.sinks.grad, m.in_proj_weight.grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_mha_given_slopes_and_bad_options_name_the_option():
+    m = mhakern.FusedMHA(8, 2, alibi=torch.tensor([0.5, 0.25], dtype=torch.float64))
+    assert m.alibi_slopes.dtype == torch.float32 and m.alibi_slopes.tolist() == [0.5, 0.25]
+    assert "alibi=True" in repr(m)
+    for kw, exc, word in ((dict(softcap=0.0), ValueError, "softcap"), (dict(softcap=float("nan")), ValueError, "softcap"),
+                          (dict(alibi=torch.ones(3)), ValueError, "alibi"), (dict(alibi="yes"), TypeError, "alibi"),
+                          (dict(sinks=1), TypeError, "sinks")):
+        with pytest.raises(exc, match=word):
+            mhakern.FusedMHA(8, 2, **kw)

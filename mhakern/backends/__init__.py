@@ -6,7 +6,7 @@ A backend implements the raw contract of docs/contract.md on tensors in logical
 * ``forward(q, k, v, scale, causal, key_lengths, modes=DEFAULT_MODES) -> (out, lse)``
 * ``backward(dout, q, k, v, out, lse, scale, causal, key_lengths, modes=DEFAULT_MODES)
   -> (dq, dk, dv, dmask)``, ``dmask`` None unless ``modes.mask_grad``
-* ``features``: the optional modes (fields of :class:`Modes`) the backend implements. Dispatch
+* ``features``: the optional modes (fields of :class:`mhakern.modes.Modes`) the backend implements. Dispatch
   never hands a backend a mode outside its ``features``: such a backend sees DEFAULT_MODES only.
 * ``unavailable() -> None | str``: None when the backend can run at all in this process,
   otherwise why not (missing library, no device, failed build).
@@ -32,82 +32,15 @@ from __future__ import annotations
 
 import importlib
 import threading
-from typing import Dict, FrozenSet, List, NamedTuple, Optional, Tuple
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 
 from .._errors import ArgumentError, FallbackError
+# The call record lives in mhakern.modes; re-exported here, where backends and tests import it.
+from ..modes import ALL_FEATURES, DEFAULT_MODES, Modes  # noqa: F401
 
 Tensor = torch.Tensor
-
-#: Every optional mode a backend may implement (the names used in ``Backend.features``).
-ALL_FEATURES: FrozenSet[str] = frozenset(
-    {"attn_mask", "mask_grad", "dropout", "top_left", "window", "softcap", "alibi"}
-)
-
-
-class Modes(NamedTuple):
-    """The optional attention modes of one call, beyond causal and key_lengths.
-
-    ``attn_mask``: None, or a 4-D view broadcast to (B, H, Lq, Lk) (stride 0 on broadcast dims),
-    bool (True = the key may be attended) or float (added to the scaled scores).
-    ``dropout_p`` in [0, 1) with the 64-bit ``seed`` of the counter-based keep mask.
-    ``top_left``: causal (and window) offset 0 instead of ``Lk_b - Lq``.
-    ``window_left`` / ``window_right``: sliding window sizes, -1 for unbounded.
-    ``mask_grad``: a float mask requires grad; the backward returns dL/dscore.
-    ``softcap``: 0 (off) or > 0: the scaled score ``s`` becomes ``softcap * tanh(s / softcap)``,
-    before the ALiBi bias and the mask are added.
-    ``alibi_slopes``: None or a float32 (B, H) view (stride 0 on B for per-head slopes): the bias
-    ``-slope[b, h] * |i + off - j|`` is added to the (capped) score, ``off`` as for causal.
-    ``sinks``: None or a float (H,) tensor of logits that join every row's softmax denominator
-    (no value): ``lse' = logaddexp(lse, sink[h])``, ``out' = out * exp(lse - lse')``. Backends
-    never see it: the op layer applies it around their forward and gives its gradient.
-    """
-
-    attn_mask: Optional[Tensor] = None
-    dropout_p: float = 0.0
-    seed: int = 0
-    top_left: bool = False
-    window_left: int = -1
-    window_right: int = -1
-    mask_grad: bool = False
-    softcap: float = 0.0
-    alibi_slopes: Optional[Tensor] = None
-    sinks: Optional[Tensor] = None
-
-    def required_features(self) -> FrozenSet[str]:
-        """The names of the modes this call uses (empty for the default call)."""
-        need = set()
-        if self.attn_mask is not None:
-            need.add("attn_mask")
-        if self.mask_grad:
-            need.add("mask_grad")
-        if self.dropout_p > 0.0:
-            need.add("dropout")
-        if self.top_left:
-            need.add("top_left")
-        if self.window_left >= 0 or self.window_right >= 0:
-            need.add("window")
-        if self.softcap > 0.0:
-            need.add("softcap")
-        if self.alibi_slopes is not None:
-            need.add("alibi")
-        return frozenset(need)
-
-    def c_op_args(self) -> tuple:
-        """The mode arguments of ``torch.ops.mhakern_C.fwd`` in schema order (after
-        ``key_lengths``); ``bwd`` takes ``mask_grad`` after ``window_right``
-        (:meth:`c_op_bwd_args`)."""
-        return (self.attn_mask, float(self.dropout_p), int(self.seed), bool(self.top_left), int(self.window_left),
-                int(self.window_right), float(self.softcap), self.alibi_slopes)
-
-    def c_op_bwd_args(self) -> tuple:
-        """The mode arguments of ``torch.ops.mhakern_C.bwd`` in schema order."""
-        return (self.attn_mask, float(self.dropout_p), int(self.seed), bool(self.top_left), int(self.window_left),
-                int(self.window_right), bool(self.mask_grad), float(self.softcap), self.alibi_slopes)
-
-
-DEFAULT_MODES = Modes()
 
 
 class Backend:
@@ -290,14 +223,16 @@ def available_backends() -> Dict[str, Optional[str]]:
     return {n: _REGISTRY[n].unavailable() for n in names()}
 
 
-def _signature(name, q, k, v, causal, key_lengths, needed) -> tuple:
+def _signature(name, q, k, v, causal, key_lengths, needed, grad) -> tuple:
     # Everything supports() may look at (module docstring): the cache key of a selection.
+    if grad is None:
+        grad = torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v))
     return (
         name, q.device, q.dtype, k.dtype, v.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape),
         q.stride(), k.stride(), v.stride(), bool(causal), key_lengths is None, needed,
         # whether a gradient is needed: the cuda backend serves its forward-only head dims
         # (sm_90a, D 256) only without one
-        torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v)),
+        grad,
     )
 
 
@@ -309,13 +244,16 @@ def select(
     causal: bool,
     key_lengths: Optional[Tensor],
     needed: FrozenSet[str] = frozenset(),
+    grad: Optional[bool] = None,
 ) -> Backend:
     """Resolve ``name`` ("auto" or a backend name) to the backend that will serve these tensors.
 
     ``needed``: the optional modes of the call (:meth:`Modes.required_features`). Raises
     ValueError with every backend's reason when none can serve the call. Answers are cached per
     call signature when the tensors are real (fake tensors under torch.compile may carry
-    symbolic shapes, which are not hashed).
+    symbolic shapes, which are not hashed). ``grad``: whether the call will need a gradient
+    (default: grad mode on and an input requiring grad); the operator layer says it from inside
+    its autograd.Function, where grad mode is off.
     """
     if not isinstance(name, str):
         raise TypeError(f"backend: expected a string ('auto' or one of {names()}), got {type(name).__name__}")
@@ -324,7 +262,7 @@ def select(
     # (tests' duck-typed tensors) need not have strides.
     plain = all(type(x) is torch.Tensor or type(x) is torch.nn.Parameter for x in (q, k, v))
     if plain and not torch.compiler.is_compiling():
-        key = _signature(name, q, k, v, causal, key_lengths, frozenset(needed))
+        key = _signature(name, q, k, v, causal, key_lengths, frozenset(needed), grad)
         hit = _SELECTED.get(key)
         if hit is not None:
             if isinstance(hit, Backend):
@@ -334,7 +272,13 @@ def select(
                 return hit
             raise ArgumentError(hit)
     try:
-        be = _select(name, q, k, v, causal, key_lengths, frozenset(needed))
+        if grad and not torch.is_grad_enabled():
+            # supports() reads grad mode for "a gradient is needed" (the cuda backend's
+            # forward-only head dims); a miss is rare, so the context costs nothing per call.
+            with torch.enable_grad():
+                be = _select(name, q, k, v, causal, key_lengths, frozenset(needed))
+        else:
+            be = _select(name, q, k, v, causal, key_lengths, frozenset(needed))
     except ValueError as e:
         if key is not None and (name in _REGISTRY or name == "auto"):
             _remember(key, str(e))

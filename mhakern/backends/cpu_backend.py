@@ -13,54 +13,22 @@ The kernels are the dispatcher operators ``torch.ops.mhakern_C.fwd`` / ``bwd`` (
 csrc/bindings.cpp; outputs allocated by the op, laid out like the input they mirror); what they
 serve is read from ``torch.ops.mhakern_C.capabilities()``, never restated here.
 
-When ``mhakern._C`` is missing (not built, build skipped or failed), the backend stays
-registered and ``available_backends()["cpu"]`` says why.
+When ``mhakern._C`` is missing (not built, build skipped or failed; mhakern/_extension.py),
+the backend stays registered and ``available_backends()["cpu"]`` says why.
 """
 from __future__ import annotations
 
-import importlib
-import json
-from typing import Optional
-
 import torch
 
+from .._extension import capabilities, kernel_isa, load_error  # noqa: F401 (re-exported)
 from . import DEFAULT_MODES, Backend, register
 
-_BUILD_HINT = (
-    "build it with `pip install -e . --no-build-isolation` (torch must be importable at build time; "
-    "MHAKERN_NO_EXTENSION=1 skips it, and a failed compile prints a warning in the build log)"
-)
 
-_ext = None
-_ext_error: Optional[str] = None
-_caps: Optional[dict] = None
-
-
-def _load():
-    """The extension module, or None (with the reason in ``_ext_error``). Importing it registers
-    the ``torch.ops.mhakern_C`` operators."""
-    global _ext, _ext_error
-    if _ext is None and _ext_error is None:
-        try:
-            _ext = importlib.import_module("mhakern._C")
-        except ImportError as e:  # not built, or built against another torch
-            _ext_error = f"mhakern._C is not available ({e}); {_BUILD_HINT}"
-    return _ext
-
-
-def capabilities() -> Optional[dict]:
-    """What the compiled kernel families serve (csrc/capabilities.h, the one place it is written):
-    ``{"cpu": {...}, "cuda": {...}}`` with dtypes, head dims, tiles, limits and features, or None
-    when mhakern._C is not available."""
-    global _caps
-    if _caps is None and _load() is not None:
-        _caps = json.loads(torch.ops.mhakern_C.capabilities())
-    return _caps
-
-
-def kernel_isa() -> Optional[str]:
-    """The instruction-set variant the cpu kernels run ('AVX512', 'AVX2', 'DEFAULT'), or None."""
-    return None if _load() is None else torch.ops.mhakern_C.cpu_kernel_isa()
+def __getattr__(name):
+    # The loader's error under its former name, for callers that read it here.
+    if name == "_ext_error":
+        return load_error()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class CpuBackend(Backend):
@@ -75,7 +43,7 @@ class CpuBackend(Backend):
     def unavailable(self):
         caps = capabilities()
         if caps is None:
-            return _ext_error
+            return load_error()
         cpu = caps["cpu"]
         self._dtypes = tuple(getattr(torch, n) for n in cpu["dtypes"])
         self._max_head_dim = cpu["max_head_dim"]

@@ -40,9 +40,8 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from . import DEFAULT_MODES, Backend, register
-from .cpu_backend import capabilities
-
-_BUILD_HINT = "pip install -e . --no-build-isolation"
+from .._build import INSTALL_HINT as _BUILD_HINT
+from .._extension import capabilities, load_error
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:
@@ -94,10 +93,8 @@ class CudaBackend(Backend):
             )
         caps = self._capabilities()
         if caps is None:
-            from . import cpu_backend
-
-            return (f"the extension mhakern._C is not built or failed to import ({cpu_backend._ext_error}); "
-                    f"rebuild with {_BUILD_HINT}")
+            return (f"the extension mhakern._C is not built or failed to import ({load_error()}); rebuild with "
+                    f"{_BUILD_HINT}")
         cuda = caps["cuda"]
         if not cuda["compiled"]:
             return (

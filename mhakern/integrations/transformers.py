@@ -40,8 +40,11 @@ one host read per forward, cached across layers). The flash-attention kwargs
 ``cu_seq_lens_q``/``cu_seq_lens_k`` (a padding-free data collator's) are honoured the same way.
 GQA models pass their fewer KV heads as they are (no ``repeat_kv`` copy). ``scaling`` and
 ``dropout`` go to mhakern as they come; T5's learned ``position_bias`` becomes an additive float
-mask, which mhakern differentiates. Options mhakern does not have (logit ``softcap``, attention sinks ``s_aux``, a
-``head_mask``) raise ``ValueError`` naming the model's option.
+mask, which mhakern differentiates. Gemma 2's logit ``softcap`` becomes mhakern's ``softcap`` and
+gpt-oss' attention sinks ``s_aux`` (the learned per-head ``sinks``) mhakern's ``sinks``, with
+their gradient; an option mhakern does not have (a ``head_mask``), or one it cannot take as
+given (a non-positive softcap, sinks not of shape (H,)), raises ``ValueError`` naming the
+model's option.
 """
 from __future__ import annotations
 
@@ -298,21 +301,32 @@ def _config_option(module, value) -> str:
     return " or ".join(f"config.{n}" for n in names) if names else "the model's option"
 
 
-def _refuse_unsupported(module, softcap, s_aux, kwargs) -> None:
+def _modifiers(module, query, softcap, s_aux) -> dict:
+    """mhakern.attention's softcap / sinks for the model's ``softcap`` / ``s_aux``; a value that
+    cannot be taken raises naming the model's option."""
+    kw = {}
     if softcap is not None:
-        opt = _config_option(module, softcap)
-        what = opt if opt.startswith("config.") else "it"
-        raise ValueError(
-            f"attn_implementation='mhakern': attention logit soft-capping (softcap={softcap}, set by {opt}) is not "
-            f"implemented by mhakern; set {what} = None to run without it, or use attn_implementation='eager'"
-        )
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0.0 < softcap < float("inf"):
+            raise ValueError(
+                f"attn_implementation='mhakern': softcap={softcap!r} (set by {_config_option(module, softcap)}) must be "
+                "a positive finite number, or None for no capping"
+            )
+        kw["softcap"] = float(softcap)
     if s_aux is not None:
-        names = [n for n, p in module.named_parameters(recurse=False) if p is s_aux]
-        where = f"{type(module).__name__}.{names[0]}" if names else f"{type(module).__name__}'s s_aux"
-        raise ValueError(
-            f"attn_implementation='mhakern': attention sinks (s_aux, the learned {where}) are not implemented by "
-            "mhakern; use attn_implementation='eager' or 'sdpa' for this model"
-        )
+        H = query.shape[1]
+        if not isinstance(s_aux, Tensor) or not s_aux.is_floating_point() or s_aux.reshape(-1).shape != (H,):
+            names = [n for n, p in module.named_parameters(recurse=False) if p is s_aux]
+            where = f"{type(module).__name__}.{names[0]}" if names else f"{type(module).__name__}'s s_aux"
+            shape = tuple(s_aux.shape) if isinstance(s_aux, Tensor) else type(s_aux).__name__
+            raise ValueError(
+                f"attn_implementation='mhakern': attention sinks (s_aux, {where}) must be one floating logit per query "
+                f"head, ({H},); got {shape}"
+            )
+        kw["sinks"] = s_aux.reshape(H)
+    return kw
+
+
+def _refuse_head_mask(kwargs) -> None:
     if kwargs.get("head_mask") is not None:
         raise ValueError("attn_implementation='mhakern': head_mask is not supported; use attn_implementation='eager'")
 
@@ -387,14 +401,16 @@ def attention_forward(
             ``position_ids``.
         dropout: attention dropout probability (transformers passes 0 in eval mode).
         scaling: the score scale (default 1/sqrt(D)).
+        softcap: Gemma 2's logit cap (mhakern's ``softcap``), or None.
+        s_aux: gpt-oss' attention sinks, one learned logit per query head (mhakern's
+            ``sinks``; differentiable), or None.
         kwargs: ``cu_seq_lens_q``/``cu_seq_lens_k`` (packed, one row) restrict attention to each
             sequence; ``position_ids`` (see above); others not affecting attention are ignored.
 
     Returns:
         (attn_output (B, Lq, H, Dv) contiguous, None): transformers' convention.
     """
-    if softcap is not None or s_aux is not None:
-        _refuse_unsupported(module, softcap, s_aux, kwargs)
+    modifiers = _modifiers(module, query, softcap, s_aux) if softcap is not None or s_aux is not None else {}
     Lq, Lk = query.shape[2], key.shape[2]
     vis = attention_mask
     if type(vis) is Visibility:
@@ -427,7 +443,7 @@ def attention_forward(
     out = mhakern.attention(
         query, key, value,
         attn_mask=mask, dropout_p=dropout, causal=causal, causal_align=align, window=window, scale=scaling,
-        key_lengths=key_lengths, backend=_state["backend"],
+        key_lengths=key_lengths, backend=_state["backend"], **modifiers,
     )
     return out.transpose(1, 2).contiguous(), None
 
@@ -439,8 +455,7 @@ _KWARGS_PACKED = _KWARGS | {"position_ids"}
 
 def _from_kwargs(module, query, Lq, Lk, mask, key_lengths, kwargs):
     """The mask after the kwargs that refine it (packing, position bias); refuses head_mask."""
-    if kwargs.get("head_mask") is not None:
-        _refuse_unsupported(module, None, None, kwargs)
+    _refuse_head_mask(kwargs)
     if kwargs.get("output_attentions", False):
         warnings.warn("attn_implementation='mhakern' returns no attention weights (output_attentions=True ignored)",
                       stacklevel=3)

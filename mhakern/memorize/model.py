@@ -201,46 +201,14 @@ def _folded_queries(P: StackedParams, t0: Tensor) -> Tensor:
     return torch.einsum("rbhe,rhfe->rbhf", qh, W_K)
 
 
-class _ContextAttention(torch.autograd.Function):
-    """``attention(q, C, C)`` straight on the compiled ops ``torch.ops.mhakern_C.fwd/bwd``.
-
-    The same kernels, arguments and numbers as ``mhakern.attention(q, C, C, scale=scale)`` on
-    the ``cpu`` and ``cuda`` backends (plain attention: no mask, dropout, window or key lengths),
-    without its per-call work (argument checks, mode plumbing, the generic Function's saved
-    state). Measured at the trainer's benchmark shape on one CPU thread, inside the model's
-    forward + backward: 9.28 ms against 9.38 ms through ``mhakern.attention`` (medians of 9
-    interleaved rounds; the ops themselves take about 3.3 ms of it): a small saving, kept because
-    it is exact. The keys and values are one tensor, so its gradient is dk + dv, the sum autograd
-    would form.
-    """
-
-    @staticmethod
-    def forward(ctx, q: Tensor, C: Tensor, scale: float) -> Tensor:
-        out, lse = torch.ops.mhakern_C.fwd(q, C, C, scale, False, None, None, 0.0, 0, False, -1, -1)
-        ctx.save_for_backward(q, C, out, lse)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout: Tensor):
-        q, C, out, lse = ctx.saved_tensors
-        if dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        dq, dk, dv, _ = torch.ops.mhakern_C.bwd(
-            dout, q, C, C, out, lse, ctx.scale, False, None, None, 0.0, 0, False, -1, -1, False
-        )
-        return dq, dk.add_(dv), None
-
-
-# Backends whose kernels are the mhakern_C operators (the direct path above serves them).
-_OP_BACKENDS = ("cpu", "cuda")
-
-
 def _context_attention(q: Tensor, C: Tensor, scale: float, backend: str) -> Tensor:
-    """(B, 1, Lq, d) queries over keys = values = C (B, 1, n, d), by ``backend``."""
-    be = mhakern.backends.select(backend, q, C, C, False, None)
-    if be.name in _OP_BACKENDS and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        return _ContextAttention.apply(q, C, scale)
+    """(B, 1, Lq, d) queries over keys = values = C (B, 1, n, d), by ``backend``.
+
+    Through mhakern.attention like every caller: a direct path on the compiled ops (no checks,
+    no operator layer) measured 4.53 ms against 4.54 ms through it for the trainer's context call
+    forward + backward (B 256, Lq 20, n 32, d 64, one CPU thread, medians of 15 interleaved
+    rounds), too little to keep a second path for.
+    """
     return mhakern.attention(q, C, C, scale=scale, backend=backend)
 
 
