@@ -149,12 +149,14 @@ def check_against_reference(
     causal_align: str = "bottom_right",
     window=None,
     roundoff_floor: bool = False,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ) -> None:
     """Run ``fn(q, k, v, causal=..., key_lengths=..., scale=..., return_lse=True)`` and check
     out, lse and (with ``grads``) dq, dk, dv against the float64 reference by the rule.
 
-    The modes (``attn_mask``, ``dropout_p`` with ``generator``, ``causal_align``, ``window``)
-    are passed on to ``fn`` only when set; a floating ``attn_mask`` that requires grad has its
+    The modes (``attn_mask``, ``dropout_p`` with ``generator``, ``causal_align``, ``window``,
+    ``softcap``, ``alibi_slopes``) are passed on to ``fn`` only when set; a floating ``attn_mask`` that requires grad has its
     gradient checked too (float64 oracle: the same mask in float64). Dropout is compared
     exactly: the oracle regenerates the keep mask from the seed the call will draw.
 
@@ -187,7 +189,13 @@ def check_against_reference(
         kw["causal_align"] = causal_align
     if window is not None:
         kw["window"] = window
-    modes = oracle_modes(None, dropout_p, generator, causal_align, window)
+    if softcap:
+        kw["softcap"] = softcap
+    if alibi_slopes is not None:
+        kw["alibi_slopes"] = alibi_slopes
+    # the score modifiers (softcap, ALiBi slopes (H,) or (B, H)) as the reference reads them
+    modes = oracle_modes(None, dropout_p, generator, causal_align, window)._replace(
+        softcap=float(softcap), alibi_slopes=None if alibi_slopes is None else alibi_slopes.detach().cpu())
     out, lse = fn(q, k, v, causal=causal, key_lengths=key_lengths, scale=scale, return_lse=True, **kw)
     assert out.dtype == dtype and lse.dtype == torch.float32
     kl = None if key_lengths is None else key_lengths.cpu()
