@@ -339,7 +339,21 @@ MHK_DEVICE void attn_bwd_fused_body(const BwdParams& p) {
       }
     }
 
-    // P^T (dropped, for dV) and dS^T = P o (dP o keep / (1 - p) - delta), in place.
+    if constexpr (kModes) {
+      if (em.softcap) {  // S^T -> tanh, in place (cap_pass): the loop reads it for the chain factor
+        MHK_UNROLL
+        for (int nt = 0; nt < NT; ++nt) {
+          MHK_UNROLL
+          for (int e = 0; e < 4; ++e) st[nt][e] = softcap_tanh(em, st[nt][e]);
+        }
+      }
+    }
+    // P^T (dropped, for dV) and dS^T = P o (dP o keep / (1 - p) - delta), in place. With a cap,
+    // dS^T times its chain factor, read from the tanh in S^T either before the score (D <= 128)
+    // or after dS (D 256): the order that fits 255 registers without local memory on sm_80 and
+    // sm_90 (the other spilled 12 B at D 96 on sm_80, 4 B at D 256 on sm_90; the gate of
+    // tools/check_cuda_build.py fails on either).
+    constexpr bool kChainLast = Cfg::kDSplit > 1;
     MHK_UNROLL
     for (int nt = 0; nt < NT; ++nt) {
       MHK_UNROLL
@@ -350,11 +364,11 @@ MHK_DEVICE void attn_bwd_fused_body(const BwdParams& p) {
         if (masked && key >= sLimit[so + qc]) hidden = true;
         if (masked && lo_masks && key < sLo[so + qc]) hidden = true;
         float x = st[nt][e] * p.scale_log2;
-        float f = 1.f, c = 0.f;
+        float f = 1.f, chain = 1.f;
         if constexpr (kModes) {
+          if (!kChainLast && em.softcap) chain = cap_chain(em, st[nt][e], hidden);
           const ModeRows rows{nullptr, nullptr, nullptr, sAlibiSlope + so, sAlibiPos + so};
-          c = cap_pass(em, st[nt][e]);
-          x = modified_score_log2(em, c, p.scale_log2, rows, qc, key);
+          x = modified_score_log2(em, st[nt][e], p.scale_log2, rows, qc, key);
           if (em.mask_kind != 0 && !hidden) x += mask_bias_log2(em, sMaskRow[so + qc], key);
           f = em.dropout ? dropout_factor(em, sDrop[so + qc], key) : 1.f;
         }
@@ -365,7 +379,8 @@ MHK_DEVICE void attn_bwd_fused_body(const BwdParams& p) {
           // whatever dP holds.
           if (em.dmask != nullptr && ds == 0 && sDmaskRow[so + qc] >= 0 && key < em.Lk)
             em.dmask[sDmaskRow[so + qc] + key] = prob != 0.f ? dsv : 0.f;
-          if (em.softcap) dsv *= cap_chain(em, c, hidden);  // through the cap
+          if (kChainLast && em.softcap) chain = cap_chain(em, st[nt][e], hidden);
+          dsv *= chain;  // through the cap
         }
         st[nt][e] = prob * f;
         dpt[nt][e] = dsv;

@@ -369,9 +369,10 @@ MHK_DEVICE float softcap_tanh(const ExtraModes& m, float s) {
 }
 
 // The cap's first step on a raw product s: its tanh when capped, else s itself. The backward
-// takes it over a whole score tile in a pass of its own, before the dP product (whose tile would
-// otherwise be live beside the ex2 / rcp chains: the D 64 dK/dV kernel spilled in its loop), and
-// keeps it for the chain factor 1 - tanh^2.
+// kernels take the tanh over a whole score tile in a pass of their own (in place, so that the
+// tile then holds what the chain factor 1 - tanh^2 reads; inline, with the dP tile live beside
+// the ex2 / rcp chains and the tanh kept apart, the D 64 dK/dV kernel spilled in its loop and the
+// D 96 fused kernel on sm_90).
 MHK_DEVICE float cap_pass(const ExtraModes& m, float s) { return m.softcap ? softcap_tanh(m, s) : s; }
 
 // The score modifiers of query row `row` (a tile row of ModeRows) and key j, in base 2
