@@ -80,9 +80,10 @@ constexpr int kCudaMinCapabilityMajor = 8, kCudaMinCapabilityMinor = 0;
 // the end never overflow an int.
 constexpr int64_t kCudaMaxGroupRows = int64_t{1} << 30;
 constexpr int64_t kCudaMaxKeys = int64_t{1} << 30;  // Lk < kCudaMaxKeys
-// Modes the cuda kernels implement (csrc/cuda/primitives.cuh: Visibility, ExtraModes); the op
-// refuses the others with the mode's name, and auto falls back for them.
-constexpr unsigned kCudaFeatures = kAttnMask | kMaskGrad | kDropout | kTopLeft | kWindow;
+// Modes the cuda kernels implement (csrc/cuda/primitives.cuh: Visibility, ExtraModes; softcap and
+// ALiBi in the kModes kernels, modified_score_log2); the op refuses the others with the mode's
+// name, and auto falls back for them.
+constexpr unsigned kCudaFeatures = kAttnMask | kMaskGrad | kDropout | kTopLeft | kWindow | kSoftcap | kAlibi;
 
 // Tiles of each pass, per head dim: (packed query rows, keys) per CTA and step. The forward
 // keeps 2 strips of 16 rows per warp x 4 warps; above D = 64 the keys per step halve so that
@@ -169,7 +170,7 @@ constexpr int64_t cuda_fused_bwd_counters(int64_t batch, int64_t kv_heads, int64
 // warp runs its own online softmax; the warps' (max, sum, output) merge in shared memory at the
 // end, in warp order: deterministic), with `stages` K/V tiles of 16-byte cp.async in flight:
 // 8x less mma work per K/V byte than the 128-row tile.
-// Served: forward calls without attn_mask and dropout (key_lengths, causal, window, top-left
+// Served: forward calls without attn_mask, dropout, softcap and ALiBi (key_lengths, causal, window, top-left
 // are in the kernel's Visibility masking) whose group * Lq <= kCudaDecodeMaxRows. Up to 32
 // rows the CTAs of the 2 row blocks of a (batch, KV head, split) run next to each other and
 // read the same K/V tiles, the second from L2 (2x the L2 traffic of one read, still 4x less
@@ -192,9 +193,10 @@ constexpr CudaDecodeTiles cuda_decode_tiles(int d) {
   return CudaDecodeTiles{16, d <= 32 ? 128 : 64, d <= 64 ? 4 : (d <= 96 ? 3 : 2)};
 }
 // Whether a mma.sync forward call runs the decode kernel: group_rows = H / Hkv * Lq;
-// mask_or_dropout: the call has attn_mask or dropout (the modes kernel serves those).
-constexpr bool use_cuda_decode_fwd(int64_t group_rows, bool mask_or_dropout) {
-  return !mask_or_dropout && group_rows <= kCudaDecodeMaxRows;
+// modes_kernel: the call needs the modes kernel (attn_mask, dropout, softcap or ALiBi:
+// csrc/cuda/attn_params.h needs_modes_kernel), which serves those.
+constexpr bool use_cuda_decode_fwd(int64_t group_rows, bool modes_kernel) {
+  return !modes_kernel && group_rows <= kCudaDecodeMaxRows;
 }
 
 // ---- cuda sm90 family (csrc/cuda/sm90/): Hopper, wgmma + TMA + mbarrier pipeline ----------
@@ -209,6 +211,11 @@ constexpr bool use_cuda_decode_fwd(int64_t group_rows, bool mask_or_dropout) {
 #define MHK_SM90_FOR_EACH_INSTANCE(F) MHK_CUDA_FOR_EACH_ELEM(MHK_SM90_FOR_EACH_HEAD_DIM_, F)
 #define MHK_SM90_FOR_EACH_HEAD_DIM_(F, tag) MHK_SM90_FOR_EACH_HEAD_DIM(F, tag)
 constexpr int kSm90CapabilityMajor = 9, kSm90CapabilityMinor = 0;
+// Modes (Feature bits) the sm90 forward and backward serve beyond key_lengths and bottom-right
+// causal: none (choose_fwd_family / choose_bwd_family in csrc/cuda/attn_dispatch.h give every call
+// with another mode, softcap and ALiBi included, to the mma.sync family, which serves
+// kCudaFeatures).
+constexpr unsigned kSm90FwdFeatures = 0, kSm90BwdFeatures = 0;
 // Forward tiles: packed query rows per CTA (2 consumer warpgroups x 64), keys per pipeline
 // stage, stages of the K ring and of the V ring (separate pipelines: K's stage is released when
 // S has landed, V's when P V has; csrc/cuda/sm90/attn_fwd_sm90_kernel.cuh: FwdConfigSm90, which
@@ -256,8 +263,8 @@ constexpr FwdPlanTiles fwd_plan_tiles(bool sm90_family, int d) {
 }
 // The tiles of one forward call: those of the family, and for a mma.sync call the decode
 // kernel serves (use_cuda_decode_fwd) the decode tiles (the host plans its splits with these).
-constexpr FwdPlanTiles fwd_plan_tiles(bool sm90_family, int d, int64_t group_rows, bool mask_or_dropout) {
-  return !sm90_family && use_cuda_decode_fwd(group_rows, mask_or_dropout)
+constexpr FwdPlanTiles fwd_plan_tiles(bool sm90_family, int d, int64_t group_rows, bool modes_kernel) {
+  return !sm90_family && use_cuda_decode_fwd(group_rows, modes_kernel)
              ? FwdPlanTiles{cuda_decode_tiles(d).m, cuda_decode_tiles(d).n, 0}
              : fwd_plan_tiles(sm90_family, d);
 }

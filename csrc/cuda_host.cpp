@@ -224,10 +224,10 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tenso
   const bool sm90 = fwd_runs_sm90(p, q.device().index());
   TORCH_CHECK_VALUE(sm90 || caps::cuda_head_dim_supported(s.D), "q: head dim ", s.D,
                     " is served only by the sm_90a forward (a compute capability 9.0 device, a build with the "
-                    "sm_90a pass, no attn_mask, dropout, window or top_left, K/V without a stride-0 dim, the "
+                    "sm_90a pass, no attn_mask, dropout, window, top_left, softcap or alibi_slopes, K/V without a stride-0 dim, the "
                     "family not forced to mma_sync); the cuda kernels otherwise take ", head_dim_list());
   const caps::FwdPlanTiles t = caps::fwd_plan_tiles(sm90, static_cast<int>(s.D), s.H / s.Hkv * s.Lq,
-                                                    p.mask != nullptr || p.dropout_p > 0.0);
+                                                    needs_modes_kernel(p));
   const int64_t forced = op::cuda_forced_splits().load();
   const int64_t splits = forced > 0 ? forced
                                     : caps::plan_fwd_splits(s.B, s.Hkv, s.H / s.Hkv, s.Lq,

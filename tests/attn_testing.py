@@ -155,6 +155,8 @@ def check_against_reference(
     alibi_slopes: Optional[torch.Tensor] = None,
     sinks: Optional[torch.Tensor] = None,
     roundoff_floor: bool = False,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ) -> None:
     """Run ``fn(q, k, v, causal=..., key_lengths=..., scale=..., return_lse=True)`` and check
     out, lse and (with ``grads``) dq, dk, dv against the float64 reference by the rule.

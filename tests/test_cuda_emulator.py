@@ -1,6 +1,6 @@
 """The CUDA emulator's own checks (csrc/cuda/emulation/), and the kernels under them.
 
-The emulator (tests/test_cuda_host.py builds it) runs the CUDA kernels' source on CPU fibers. Its
+The emulator (tests/cuda_emulator_harness.py builds it) runs the CUDA kernels' source on CPU fibers. Its
 checks must be able to fail, so each one meets a toy kernel with the defect it claims to catch
 (csrc/cuda/emulation/emu_selftest.cpp) next to a correct twin:
 
@@ -35,7 +35,7 @@ import torch
 from attn_testing import HARD_CASES, case_id, check_against_reference, make_inputs
 from mhakern import reference
 from mhakern.backends import Modes
-from test_cuda_host import (
+from cuda_emulator_harness import (
     ALL_INSTANCES,
     BWD_ONLY_HEAD_DIMS,
     DTYPE_FOR_D,
@@ -729,7 +729,7 @@ def test_fused_backward_defects_break_bit_identity(emu, defect):
 def test_fused_tiles_are_the_capability_table(emu):
     # FusedBwdConfig as compiled against capabilities.h's cuda_fused_bwd_tiles (the JSON's
     # cuda.bwd.fused_tiles), and within the 99 KB of the smallest sm_80+ part.
-    from test_cuda_host import _real_table
+    from cuda_emulator_harness import _real_table
 
     table = _real_table()["cuda"]["bwd"]["fused_tiles"]
     out = (ctypes.c_int * 5)()
@@ -738,3 +738,105 @@ def test_fused_tiles_are_the_capability_table(emu):
         n, m, d_split, threads, smem = out
         assert [n, m, d_split] == table[str(D)] and threads == 128 and smem <= 99 * 1024
     assert set(BWD_ONLY_HEAD_DIMS) <= {int(d) for d in table}
+
+
+# ---------------------------------------------------------------------------------------------
+# The score modifiers (docs/contract.md "Score modifiers"): softcap and ALiBi in the kModes
+# kernels (forward, split and fused backward), against the float64 reference
+# ---------------------------------------------------------------------------------------------
+
+
+def _slopes(shape, seed):
+    """ALiBi slopes: per head (H,) or per batch element (B, H), FlashAttention's range (2^-8..1)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.exp2(-8 * torch.rand(shape, generator=g))
+
+
+# (name, (B, H, Hkv, Lq, Lk, D), dtype, causal, key_lengths, modes of the call, backward kernel,
+# (forward splits, backward splits), inputs scale). Between them: a cap that bends (2.0) and one
+# that saturates only large logits (50 with inputs x30), slopes per head and per batch element,
+# causal in both alignments, key lengths with 0, windows, GQA straddling heads, Lq > Lk (rows that
+# see no key), float and bool masks with the float mask's gradient, dropout, split-K, decode
+# shapes (the modes kernel serves them), D 64, 128 and 256 (its forward is the reference's).
+MODIFIER_CASES = [
+    ("cap2-gqa-kl-split", (2, 4, 2, 37, 90, 64), torch.float16, True, (90, 41), dict(softcap=2.0), "split", (2, 2), 1.0),
+    ("cap50-x30-d128-fused", (1, 2, 1, 33, 65, 128), torch.bfloat16, True, None, dict(softcap=50.0), "fused", (1, 1), 30.0),
+    ("alibi-head-topleft-deadrows", (1, 4, 2, 45, 30, 64), torch.bfloat16, True, None,
+     dict(alibi=(4,), causal_align="top_left"), "fused", (1, 1), 1.0),
+    ("alibi-batch-window-kl0-d128", (3, 2, 2, 40, 64, 128), torch.float16, False, (64, 0, 23),
+     dict(alibi=(3, 2), window=(16, 8)), "split", (1, 2), 1.0),
+    ("all-float-mask-dropout", (2, 4, 2, 37, 90, 64), torch.bfloat16, False, (90, 41),
+     dict(softcap=3.0, alibi=(2, 4), mask="float", dropout_p=0.2), "split", (1, 1), 1.0),
+    ("all-float-mask-dropout-fused", (2, 4, 2, 37, 90, 64), torch.float16, False, (90, 41),
+     dict(softcap=3.0, alibi=(4,), mask="float", dropout_p=0.2), "fused", (1, 1), 1.0),
+    ("cap-bool-mask-topleft-d128", (1, 2, 2, 45, 30, 128), torch.bfloat16, True, None,
+     dict(softcap=4.0, mask="bool", causal_align="top_left"), "split", (1, 1), 1.0),
+    ("decode-cap-alibi", (2, 8, 2, 1, 150, 64), torch.float16, False, (150, 9),
+     dict(softcap=2.0, alibi=(2, 8)), "split", (3, 1), 1.0),
+    ("d256-cap-alibi-fused", (2, 2, 1, 20, 45, 256), torch.bfloat16, True, (45, 17),
+     dict(softcap=2.0, alibi=(2, 2)), "fused", (1, 1), 1.0),
+]
+
+
+@pytest.mark.parametrize("case", MODIFIER_CASES, ids=[c[0] for c in MODIFIER_CASES])
+def test_score_modifiers_against_the_reference(scheduled, case):
+    _, (B, H, Hkv, Lq, Lk, D), dtype, causal, kl, mods, bwd, (splits, bwd_splits), xs = case
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, dtype=dtype, scale_inputs=xs, seed=Lq + D)
+    kw = {key: val for key, val in mods.items() if key in ("softcap", "causal_align", "window", "dropout_p")}
+    if "alibi" in mods:
+        kw["alibi_slopes"] = _slopes(mods["alibi"], seed=D)
+    if mods.get("mask") == "float":
+        kw["attn_mask"] = _mask("float", (B, 1, Lq, Lk), seed=3, requires_grad=True)
+    elif mods.get("mask") == "bool":
+        kw["attn_mask"] = _mask("bool", (1, H, Lq, Lk), seed=4)
+    if "dropout_p" in mods:
+        kw["generator"] = torch.Generator().manual_seed(9)
+    scheduled.bwd_kernel(bwd)
+    try:
+        check_against_reference(emulated_attention(scheduled, splits, bwd_splits), q, k, v, causal,
+                                None if kl is None else torch.tensor(kl, dtype=torch.int32),
+                                large_logits=xs > 1, **kw)
+    finally:
+        scheduled.bwd_kernel(None)
+
+
+def test_score_modifiers_hidden_keys_hold_garbage(scheduled):
+    # Keys past key_lengths[b] (NaN keys, inf values) reach no result through the cap or the
+    # ALiBi bias, in the forward and in both backward kernels: bit-identical to clean padding.
+    B, H, Lq, Lk, D = 2, 2, 20, 80, 64
+    q, k, v = make_inputs(B, H, H, Lq, Lk, D, dtype=torch.float16, requires_grad=False)
+    kl = torch.tensor([50, 80], dtype=torch.int32)
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[0, :, 50:] = float("nan")
+    v_bad[0, :, 50:] = float("inf")
+    slopes = _slopes((B, H), seed=1)
+    for bwd in ("split", "fused"):
+        scheduled.bwd_kernel(bwd)
+        try:
+            runs = []
+            for kk, vv in ((k_bad, v_bad), (k, v)):
+                xs = [x.clone().requires_grad_(True) for x in (q, kk, vv)]
+                out, lse = emulated_attention(scheduled)(*xs, causal=True, key_lengths=kl, return_lse=True,
+                                                         softcap=2.0, alibi_slopes=slopes)
+                out.float().sum().backward()
+                runs.append([out, lse] + [x.grad for x in xs])
+        finally:
+            scheduled.bwd_kernel(None)
+        for a, b in zip(*runs):
+            assert torch.equal(a, b) and torch.isfinite(a).all(), bwd
+
+
+def test_score_modifiers_never_go_to_the_sm90_family(emu):
+    # capabilities.h kSm90FwdFeatures / kSm90BwdFeatures: the sm90 family serves neither, so a 9.0
+    # device with the sm_90a pass gives such calls to mma.sync (its kModes kernels); a plain call
+    # of the same shape goes to sm90 (so the answer is not mma.sync for every call).
+    lib = emu.lib
+    lib.mhk_emu_modifier_family.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+                                            ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    modes_kernel = ctypes.c_int(-1)
+    for backward in (0, 1):
+        assert lib.mhk_emu_modifier_family(9, 0, 1, 64, 0.0, 0, backward, ctypes.byref(modes_kernel)) == 1
+        assert modes_kernel.value == 0
+        for softcap, alibi in ((30.0, 0), (0.0, 1), (30.0, 1)):
+            assert lib.mhk_emu_modifier_family(9, 0, 1, 64, softcap, alibi, backward, ctypes.byref(modes_kernel)) == 0
+            assert modes_kernel.value == 1

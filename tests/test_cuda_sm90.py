@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from attn_testing import HARD_CASES, case_id, check_against_reference, make_inputs
-from test_cuda_host import (
+from cuda_emulator_harness import (
     CUDA_SRC,
     ELEM,
     _generator,
@@ -51,7 +51,7 @@ UNITS = ("emu_entry.cpp", "emu_schedule.cpp", "emu_sm90_entry.cpp")
 def build_sm90(cache_dir: Path) -> Path:
     units = [CUDA_SRC / "emulation" / u for u in UNITS]
     units += [CUDA_SRC / "sm90" / f"attn_fwd_sm90_{t}_d{d}.cu" for t, d in SM90_INSTANCES]
-    # The directory tests/test_cuda_host.py builds in: the runtime objects are shared.
+    # The directory tests/cuda_emulator_harness.py builds in: the runtime objects are shared.
     return build_units(cache_dir, units, "libmhk_emu_sm90.so")
 
 
@@ -569,7 +569,7 @@ def test_cuda_backend_serves_d256_on_hopper_only(monkeypatch, grad):
     # backward the fused mma.sync kernel (cuda.bwd.head_dims): the cuda backend takes it on a 9.0
     # device of a build with the sm_90a pass, gradient or not, and says why not on other devices
     # or builds (so that auto falls back). Faked device and table.
-    from test_cuda_host import _compiled_table, _FakeCudaTensor, _fresh_backend
+    from cuda_emulator_harness import _compiled_table, _FakeCudaTensor, _fresh_backend
 
     class Fake(_FakeCudaTensor):
         requires_grad = grad

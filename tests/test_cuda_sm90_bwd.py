@@ -26,7 +26,7 @@ import torch
 from mhakern import reference
 
 from attn_testing import HARD_CASES, case_id, check_against_reference, make_inputs
-from test_cuda_host import (
+from cuda_emulator_harness import (
     CUDA_SRC,
     ELEM,
     _generator,
@@ -505,7 +505,7 @@ def test_sass_check_guards_the_fused_backward(kernel, n_loop_hgmma, loop_extra, 
 
 def test_fused_backward_config_states_five_products():
     # The gate's expectation comes from the kernel's config (one fact): 5 products per stage.
-    from test_cuda_host import cuda_include_dir
+    from cuda_emulator_harness import cuda_include_dir
 
     inc = cuda_include_dir()
     if inc is None:

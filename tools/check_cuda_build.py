@@ -253,6 +253,65 @@ def check_fused_bwd(entries: list[dict], fused: dict, names: dict, config: dict 
     return lines, problems
 
 
+# ---- the plain kernels' SASS (calls without attn_mask, dropout, softcap, ALiBi) --------------
+# The modes (attn_mask, dropout, the score modifiers) live in the kModes instantiations only, so
+# a call without them runs exactly the kernel it ran before a mode was added. Gate: every plain
+# mma.sync kernel (not a *_modes_kernel, not attn_bwd_fused_kernel[modes,...]) has the SASS
+# recorded in PLAIN_SASS_BASELINE for this nvcc release: the same instruction count and the same
+# instruction text (digest). A deliberate change to a plain kernel re-records it
+# (--record-plain-sass) in the same commit, with its reason and measurement.
+PLAIN_SASS_BASELINE = CUDA_DIR / "plain_kernels_sass.json"
+
+
+def _is_plain_kernel(short: str) -> bool:
+    return not short.endswith("_modes_kernel") and "[modes," not in short
+
+
+def plain_kernel_digests(cuobjdump: str, obj: Path) -> dict[str, list]:
+    """{'<mangled>@sm_<arch>': [instructions, digest]} of every kernel in an object (the caller
+    keeps the plain ones); digest: sha256 of the instruction texts, addresses left out."""
+    import hashlib
+
+    res = subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True)
+    out = {}
+    for (name, arch), ins in sass_reader.parse_functions(res.stdout).items():
+        text = "\n".join(re.sub(r"\s+", " ", t.split(";")[0]).strip() for _, t in ins)
+        out[f"{name}@sm_{arch}"] = [len(ins), hashlib.sha256(text.encode()).hexdigest()[:16]]
+    return out
+
+
+def check_plain_kernels(digests: dict[str, list], names: dict[str, str], version: str,
+                        record: bool) -> tuple[list[str], list[str]]:
+    """(report lines, problems) of the plain-kernel gate; with ``record`` the baseline of this
+    nvcc release is rewritten from ``digests`` instead."""
+    plain = {k: v for k, v in digests.items() if _is_plain_kernel(short_name(names.get(k.split("@")[0], k))[0])}
+    if not plain:
+        return [], []
+    book = json.loads(PLAIN_SASS_BASELINE.read_text()) if PLAIN_SASS_BASELINE.exists() else {}
+    if record:
+        book.setdefault(version, {}).update(plain)
+        book[version] = dict(sorted(book[version].items()))
+        PLAIN_SASS_BASELINE.write_text(json.dumps(book, indent=1) + "\n")
+        return [f"recorded {len(plain)} plain kernels for {version} in {PLAIN_SASS_BASELINE.name}"], []
+    base = book.get(version)
+    if base is None:
+        return [f"no baseline for {version} in {PLAIN_SASS_BASELINE.name}: {len(plain)} plain kernels not compared"], []
+    lines, problems, same, unknown = [], [], 0, 0
+    for key, (n, dig) in sorted(plain.items()):
+        if key not in base:
+            unknown += 1
+            continue
+        if base[key] == [n, dig]:
+            same += 1
+            continue
+        kern, dtype, D = short_name(names.get(key.split("@")[0], key))
+        problems.append(f"plain kernel {kern}<{dtype}, {D}> {key.split('@')[1]}: SASS changed ({n} instructions, "
+                        f"baseline {base[key][0]}): calls without modes must run the kernel they ran before")
+    lines.append(f"{same}/{len(plain)} plain kernels identical to the baseline (count and instruction text)"
+                 + (f", {unknown} not in it" if unknown else ""))
+    return lines, problems
+
+
 def compile_unit(nvcc: str, src: Path, archs: list[int], outdir: Path, cuobjdump: str | None) -> dict:
     """One nvcc run for all archs: the front end runs once (about 15% less work than one run per arch)."""
     obj = outdir / f"{src.stem}.o"
@@ -262,8 +321,9 @@ def compile_unit(nvcc: str, src: Path, archs: list[int], outdir: Path, cuobjdump
     res = subprocess.run(cmd, capture_output=True, text=True)
     sass = loop_local_memory(cuobjdump, obj) if cuobjdump and res.returncode == 0 else None
     fused = fused_bwd_sass(cuobjdump, obj) if cuobjdump and res.returncode == 0 and "_bwd_" in src.name else None
+    plain = plain_kernel_digests(cuobjdump, obj) if cuobjdump and res.returncode == 0 else None
     return {"src": src.name, "archs": archs, "rc": res.returncode, "log": res.stdout + res.stderr,
-            "seconds": time.time() - t0, "cmd": " ".join(cmd), "sass": sass, "fused": fused}
+            "seconds": time.time() - t0, "cmd": " ".join(cmd), "sass": sass, "fused": fused, "plain": plain}
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for 'sm_(\d+)'")
@@ -585,6 +645,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-host", action="store_true", help="skip the syntax check of csrc/cuda_host.cpp")
     ap.add_argument("--no-sm90", action="store_true", help="skip the sm_90a family (csrc/cuda/sm90/)")
     ap.add_argument("--json", default="", help="also write the results as JSON to this path")
+    ap.add_argument("--record-plain-sass", action="store_true",
+                    help=f"rewrite csrc/cuda/{PLAIN_SASS_BASELINE.name} (this nvcc) from the plain kernels compiled")
     return ap.parse_args(argv)
 
 
@@ -766,6 +828,14 @@ def main(argv=None) -> int:
     problems += fused_problems
     print_section("fused mma.sync backward (csrc/cuda/attn_bwd_fused_kernel.cuh), main loop = the SASS loop holding "
                   "the most HMMA:", fused_lines)
+
+    plain_digests = {}
+    for r in built["jobs"]:
+        plain_digests.update(r.get("plain") or {})
+    plain_lines, plain_problems = check_plain_kernels(plain_digests, names, version, args.record_plain_sass)
+    problems += plain_problems
+    for ln in plain_lines:
+        print("\nplain kernels' SASS: " + ln)
 
     sm90_results = built["sm90_results"]
     sm90_smem = sm90_dynamic_smem(include) if include is not None and sm90_results else None

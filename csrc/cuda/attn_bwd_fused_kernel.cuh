@@ -16,7 +16,7 @@
 // GQA: the CTA walks every packed query row of its KV head's group, so dK/dV are summed over the
 // group in registers, no atomics. Masking, key lengths, causal in both alignments and windows
 // are the split kernels' (Visibility, per-element masks only on boundary tiles); the modes
-// (attn_mask, dropout, the float mask's gradient) as in their kModes kernels, dmask written
+// (attn_mask, dropout, the float mask's gradient, softcap, ALiBi) as in their kModes kernels, dmask written
 // here from dS^T (each (row, key) element by exactly one CTA).
 //
 // Head dim 256 (kDSplit = 2): dK and dV of 16 keys x 256 would need 256 fp32 registers per
@@ -67,11 +67,12 @@ struct FusedBwdConfig {
   static constexpr int kDqChunk = 16;
   // Shared memory: K, V; Q and dO with two stages; dS; the D halves' partial S^T and dP^T
   // (kDSplit 2 only: per warp 2 x 16 x kBlockM fp32); per row of each stage lse2, delta, first
-  // and limit key, and with kModes the mask-row and dmask-row offsets and the dropout hash.
+  // and limit key, and with kModes the mask-row and dmask-row offsets, the dropout hash, the
+  // ALiBi slope and diagonal key.
   static constexpr int kExchFloats = kDSplit > 1 ? kWarps * 2 * 16 * kBlockM : 0;
   static constexpr int kTileBytes = (2 * kKTile + 4 * kQTile + kBlockM * kSPitch) * 2;
   static constexpr int kSmemBytes = kTileBytes + kExchFloats * 4 + 2 * kBlockM * 16;
-  static constexpr int kModeSmemBytes = 2 * kBlockM * (8 + 8 + 4);
+  static constexpr int kModeSmemBytes = 2 * kBlockM * (8 + 8 + 4 + 4 + 4);
   static_assert(kTileBytes % 16 == 0, "fp32 areas stay aligned");
   // mma.sync m16n8k16 per warp and step: S^T and dP^T (16 keys x kBlockM over kDW), dV and dK
   // (16 x kDW over kBlockM), dQ_part (16 rows x kDqCols over kBlockN): the five products, which
@@ -180,6 +181,8 @@ MHK_DEVICE void attn_bwd_fused_body(const BwdParams& p) {
   int64_t* sMaskRow = reinterpret_cast<int64_t*>(sLo + 2 * kBlockM);  // kModes only
   int64_t* sDmaskRow = sMaskRow + 2 * kBlockM;                        // kModes only
   uint32_t* sDrop = reinterpret_cast<uint32_t*>(sDmaskRow + 2 * kBlockM);  // kModes only
+  float* sAlibiSlope = reinterpret_cast<float*>(sDrop + 2 * kBlockM);       // kModes only
+  int* sAlibiPos = reinterpret_cast<int*>(sAlibiSlope + 2 * kBlockM);       // kModes only
 
   const int tid = thread_index();
   const int warp = tid / 32, lane = tid % 32;
@@ -255,6 +258,7 @@ MHK_DEVICE void attn_bwd_fused_body(const BwdParams& p) {
         sMaskRow[at] = p.mask != nullptr ? mask_row_offset(p, b, h, i) : 0;
         sDmaskRow[at] = r < rows_total ? ((static_cast<int64_t>(b) * p.H + h) * p.Lq + i) * p.Lk : -1;
         sDrop[at] = dropout_row_hash(p, b, h, i);
+        alibi_row(p, vis, b, h, i, sAlibiSlope[at], sAlibiPos[at]);
       }
     }
   };
@@ -335,7 +339,21 @@ MHK_DEVICE void attn_bwd_fused_body(const BwdParams& p) {
       }
     }
 
-    // P^T (dropped, for dV) and dS^T = P o (dP o keep / (1 - p) - delta), in place.
+    if constexpr (kModes) {
+      if (em.softcap) {  // S^T -> tanh, in place (cap_pass): the loop reads it for the chain factor
+        MHK_UNROLL
+        for (int nt = 0; nt < NT; ++nt) {
+          MHK_UNROLL
+          for (int e = 0; e < 4; ++e) st[nt][e] = softcap_tanh(em, st[nt][e]);
+        }
+      }
+    }
+    // P^T (dropped, for dV) and dS^T = P o (dP o keep / (1 - p) - delta), in place. With a cap,
+    // dS^T times its chain factor, read from the tanh in S^T either before the score (D <= 128)
+    // or after dS (D 256): the order that fits 255 registers without local memory on sm_80 and
+    // sm_90 (the other spilled 12 B at D 96 on sm_80, 4 B at D 256 on sm_90; the gate of
+    // tools/check_cuda_build.py fails on either).
+    constexpr bool kChainLast = Cfg::kDSplit > 1;
     MHK_UNROLL
     for (int nt = 0; nt < NT; ++nt) {
       MHK_UNROLL
@@ -346,17 +364,23 @@ MHK_DEVICE void attn_bwd_fused_body(const BwdParams& p) {
         if (masked && key >= sLimit[so + qc]) hidden = true;
         if (masked && lo_masks && key < sLo[so + qc]) hidden = true;
         float x = st[nt][e] * p.scale_log2;
-        float f = 1.f;
+        float f = 1.f, chain = 1.f;
         if constexpr (kModes) {
+          if (!kChainLast && em.softcap) chain = cap_chain(em, st[nt][e], hidden);
+          const ModeRows rows{nullptr, nullptr, nullptr, sAlibiSlope + so, sAlibiPos + so};
+          x = modified_score_log2(em, st[nt][e], p.scale_log2, rows, qc, key);
           if (em.mask_kind != 0 && !hidden) x += mask_bias_log2(em, sMaskRow[so + qc], key);
           f = em.dropout ? dropout_factor(em, sDrop[so + qc], key) : 1.f;
         }
         const float prob = fast_exp2(hidden ? -INFINITY : x - sLse2[so + qc]);
-        const float dsv = prob * (dpt[nt][e] * f - sDelta[so + qc]);
+        float dsv = prob * (dpt[nt][e] * f - sDelta[so + qc]);
         if constexpr (kModes) {
-          // dL/dscore of the float mask; exactly 0 where hidden (prob 0), whatever dP holds.
+          // dL/dscore of the float mask (at the capped score); exactly 0 where hidden (prob 0),
+          // whatever dP holds.
           if (em.dmask != nullptr && ds == 0 && sDmaskRow[so + qc] >= 0 && key < em.Lk)
             em.dmask[sDmaskRow[so + qc] + key] = prob != 0.f ? dsv : 0.f;
+          if (kChainLast && em.softcap) chain = cap_chain(em, st[nt][e], hidden);
+          dsv *= chain;  // through the cap
         }
         st[nt][e] = prob * f;
         dpt[nt][e] = dsv;
@@ -502,7 +526,7 @@ cudaError_t run_attn_bwd_fused(const BwdParams& p, cudaStream_t stream) {
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
 
-  const bool modes = p.mask != nullptr || p.dropout_p > 0.0;
+  const bool modes = needs_modes_kernel(p);
   const bool ordered = p.bwd_kernel != caps::kBwdFusedAtomic;
   if (modes)
     err = ordered ? launch_attn_bwd_fused_main<Elem, D, true, true>(p, grid, stream)

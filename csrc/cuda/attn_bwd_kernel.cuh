@@ -43,8 +43,9 @@ struct BwdConfig {
   // K, V; Q and dO with two stages each; then lse, delta, the first and one past the last
   // visible key per row, two stages.
   static constexpr int kDkvSmemBytes = (2 * kDkvKTile + 4 * kDkvQTile) * 2 + 2 * kDkvBlockM * (4 + 4 + 4 + 4);
-  // kModes (attn_mask / dropout): each row's mask-row offset and dropout hash, two stages.
-  static constexpr int kDkvModeSmemBytes = 2 * kDkvBlockM * (8 + 4);
+  // kModes (attn_mask / dropout / score modifiers): each row's mask-row offset, dropout hash,
+  // ALiBi slope and diagonal key, two stages.
+  static constexpr int kDkvModeSmemBytes = 2 * kDkvBlockM * (8 + 4 + 4 + 4);
 
   // dQ kernel: 64 query rows per CTA, 64 keys per step (32 above D = 64: registers, and shared
   // memory under the 99 KB per block of sm_86/sm_89).
@@ -55,8 +56,8 @@ struct BwdConfig {
   static constexpr int kDqKTile = kDqBlockN * kPitch;
   // Q and dO; K and V with two stages each.
   static constexpr int kDqSmemBytes = (2 * kDqQTile + 4 * kDqKTile) * 2;
-  // kModes: each row's mask-row offset, dmask-row offset and dropout hash.
-  static constexpr int kDqModeSmemBytes = kDqBlockM * (8 + 8 + 4);
+  // kModes: each row's mask-row offset, dmask-row offset, dropout hash, ALiBi slope and diagonal key.
+  static constexpr int kDqModeSmemBytes = kDqBlockM * (8 + 8 + 4 + 4 + 4);
 };
 
 // delta[b, h, i] = sum_d dout[b, h, i, d] * out[b, h, i, d], fp32; one warp per row.
@@ -87,7 +88,8 @@ __global__ void MHK_LAUNCH_BOUNDS(128, 1) attn_bwd_delta_kernel(const BwdParams 
 // index key0..) against kBlockM query rows staged with their lse (base 2; +inf for rows without
 // keys or past the end, which zeroes their P), delta and visible keys [sLo, sLimit).
 // kMask: MaskKind (primitives.cuh).
-// kModes: also attn_mask (bias or -inf on the score) and dropout (dV takes the dropped
+// kModes: also the score modifiers (modified_score_log2; through the cap dS is multiplied by
+// 1 - tanh^2), attn_mask (bias or -inf on the score) and dropout (dV takes the dropped
 // probabilities; dS = P o (dP_dropped o keep / (1 - p) - delta)).
 template <typename Elem, int D, int kBlockM, int kMask, bool kModes = false>
 MHK_DEVICE void dkdv_step(const Elem* sK, const Elem* sV, int key_row0, const Elem* sQ, const Elem* sdO, const float* sLse2,
@@ -100,10 +102,31 @@ MHK_DEVICE void dkdv_step(const Elem* sK, const Elem* sV, int key_row0, const El
   for (int nt = 0; nt < NT; ++nt) pt[nt][0] = pt[nt][1] = pt[nt][2] = pt[nt][3] = 0.f;
   mma_rows_x_rowsT<Elem, D, NT>(pt, sK, key_row0, sQ, 0, lane);
   if constexpr (kModes) {
+    if (em->softcap) {  // S^T -> tanh, in place, before dP^T is live (cap_pass)
+      MHK_UNROLL
+      for (int nt = 0; nt < NT; ++nt) {
+        MHK_UNROLL
+        for (int e = 0; e < 4; ++e) pt[nt][e] = softcap_tanh(*em, pt[nt][e]);
+      }
+    }
     float dst[NT][4];  // dP^T (of the dropped probabilities), then dS^T
     MHK_UNROLL
     for (int nt = 0; nt < NT; ++nt) dst[nt][0] = dst[nt][1] = dst[nt][2] = dst[nt][3] = 0.f;
     mma_rows_x_rowsT<Elem, D, NT>(dst, sV, key_row0, sdO, 0, lane);  // dP^T = V dO^T
+    if (em->softcap) {
+      // dS^T / P = (dP o keep / (1 - p) - delta) (1 - tanh^2) in a pass of its own, while S^T
+      // still holds the tanh (in the loop below, with everything else live, the D 64 kernel
+      // spilled); the loop then multiplies by P.
+      MHK_UNROLL
+      for (int nt = 0; nt < NT; ++nt) {
+        MHK_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int qc = nt * 8 + 2 * t + (e & 1);
+          const float f = em->dropout ? dropout_factor(*em, rows.drop[qc], key0 + g + 8 * (e >> 1)) : 1.f;
+          dst[nt][e] = (dst[nt][e] * f - sDelta[qc]) * (1.f - pt[nt][e] * pt[nt][e]);
+        }
+      }
+    }
     MHK_UNROLL
     for (int nt = 0; nt < NT; ++nt) {
       MHK_UNROLL
@@ -113,12 +136,13 @@ MHK_DEVICE void dkdv_step(const Elem* sK, const Elem* sV, int key_row0, const El
         bool hidden = false;
         if (kMask != kMaskNone && key >= sLimit[qc]) hidden = true;
         if (kMask == kMaskLoHi && key < sLo[qc]) hidden = true;
-        float x = pt[nt][e] * scale_log2;
+        float x = modified_score_log2(*em, pt[nt][e], scale_log2, rows, qc, key);
         if (em->mask_kind != 0 && !hidden) x += mask_bias_log2(*em, rows.mask_row[qc], key);
         x -= sLse2[qc];
         const float prob = fast_exp2(hidden ? -INFINITY : x);
         const float f = em->dropout ? dropout_factor(*em, rows.drop[qc], key) : 1.f;
-        dst[nt][e] = prob * (dst[nt][e] * f - sDelta[qc]);
+        // Through the cap: a hidden pair's factor is 0 (its raw score, so its tanh, may be NaN).
+        dst[nt][e] = em->softcap ? (hidden ? 0.f : prob * dst[nt][e]) : prob * (dst[nt][e] * f - sDelta[qc]);
         pt[nt][e] = prob * f;
       }
     }
@@ -151,7 +175,8 @@ MHK_DEVICE void dkdv_step(const Elem* sK, const Elem* sV, int key_row0, const El
   mma_regs_x_rows<Elem, D, kBlockM>(dk, dst, sQ, 0, lane);  // dK += dS^T Q (scaled at the end)
 }
 
-// The body of the dK/dV kernels. kModes: the call has attn_mask or dropout (a separate kernel,
+// The body of the dK/dV kernels. kModes: the call has attn_mask, dropout or a score modifier
+// (needs_modes_kernel; a separate kernel,
 // attn_bwd_dkdv_modes_kernel, so that the plain one is exactly the kernel without them).
 template <typename Elem, int D, bool kModes>
 MHK_DEVICE void attn_bwd_dkdv_body(const BwdParams& p) {
@@ -168,6 +193,8 @@ MHK_DEVICE void attn_bwd_dkdv_body(const BwdParams& p) {
   int* sLo = sLimit + 2 * kBlockM;
   int64_t* sMaskRow = reinterpret_cast<int64_t*>(sLo + 2 * kBlockM);  // kModes only; stage s at + s * kBlockM
   uint32_t* sDrop = reinterpret_cast<uint32_t*>(sMaskRow + 2 * kBlockM);  // likewise
+  float* sAlibiSlope = reinterpret_cast<float*>(sDrop + 2 * kBlockM);     // likewise
+  int* sAlibiPos = reinterpret_cast<int*>(sAlibiSlope + 2 * kBlockM);     // likewise
 
   const int tid = thread_index();
   const int warp = tid / 32, lane = tid % 32;
@@ -232,6 +259,7 @@ MHK_DEVICE void attn_bwd_dkdv_body(const BwdParams& p) {
         const int i = r < rows_total ? r % p.Lq : 0;
         sMaskRow[stage * kBlockM + tid] = p.mask != nullptr ? mask_row_offset(p, b, h, i) : 0;
         sDrop[stage * kBlockM + tid] = dropout_row_hash(p, b, h, i);
+        alibi_row(p, vis, b, h, i, sAlibiSlope[stage * kBlockM + tid], sAlibiPos[stage * kBlockM + tid]);
       }
     }
   };
@@ -280,7 +308,8 @@ MHK_DEVICE void attn_bwd_dkdv_body(const BwdParams& p) {
     const float* delta = sDelta + stage * kBlockM;
     const int* limit = sLimit + stage * kBlockM;
     const int* first = sLo + stage * kBlockM;
-    const ModeRows rows{sMaskRow + stage * kBlockM, sDrop + stage * kBlockM, nullptr};
+    const ModeRows rows{sMaskRow + stage * kBlockM, sDrop + stage * kBlockM, nullptr, sAlibiSlope + stage * kBlockM,
+                        sAlibiPos + stage * kBlockM};
     const int key0 = n0 + warp * 16;
     if (!masked)
       dkdv_step<Elem, D, kBlockM, kMaskNone, kModes>(sK, sV, warp * 16, sQs, sdOs, lse2, delta, first, limit, key0,
@@ -330,7 +359,8 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_modes
 
 // One key block of the dQ kernel for one warp's 16 query rows, which see keys [lo, limit).
 // kMask: MaskKind (primitives.cuh).
-// kModes: also attn_mask, dropout, and the float mask's gradient dS written to dmask.
+// kModes: also the score modifiers, attn_mask, dropout, and the float mask's gradient dS (at the
+// capped score, before the cap's chain factor) written to dmask.
 template <typename Elem, int D, int kBlockN, int kMask, bool kModes = false>
 MHK_DEVICE void dq_step(const Elem* sQ, const Elem* sdO, int q_row0, const Elem* sK, const Elem* sV, int n0,
                         const int (&lo)[2], const int (&limit)[2], const float (&lse2)[2], const float (&delta)[2], float scale_log2,
@@ -343,6 +373,13 @@ MHK_DEVICE void dq_step(const Elem* sQ, const Elem* sdO, int q_row0, const Elem*
   mma_rows_x_rowsT<Elem, D, NT>(ps, sQ, q_row0, sK, 0, lane);  // S = Q K^T
   if constexpr (kModes) {
     const int g = lane / 4;
+    if (em->softcap) {  // S -> tanh, in place, before dP is live (cap_pass)
+      MHK_UNROLL
+      for (int nt = 0; nt < NT; ++nt) {
+        MHK_UNROLL
+        for (int e = 0; e < 4; ++e) ps[nt][e] = softcap_tanh(*em, ps[nt][e]);
+      }
+    }
     float ds[NT][4];
     MHK_UNROLL
     for (int nt = 0; nt < NT; ++nt) ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.f;
@@ -356,13 +393,13 @@ MHK_DEVICE void dq_step(const Elem* sQ, const Elem* sdO, int q_row0, const Elem*
         bool hidden = false;
         if (kMask != kMaskNone && col >= limit[e >> 1]) hidden = true;
         if (kMask == kMaskLoHi && col < lo[e >> 1]) hidden = true;
-        float x = ps[nt][e] * scale_log2;
+        float x = modified_score_log2(*em, ps[nt][e], scale_log2, rows, row, col);
         if (em->mask_kind != 0 && !hidden) x += mask_bias_log2(*em, rows.mask_row[row], col);
         x -= lse2[e >> 1];
         const float prob = fast_exp2(hidden ? -INFINITY : x);
         const float f = em->dropout ? dropout_factor(*em, rows.drop[row], col) : 1.f;
         const float d = prob * (ds[nt][e] * f - delta[e >> 1]);
-        ds[nt][e] = d;
+        ds[nt][e] = em->softcap ? d * cap_chain(*em, ps[nt][e], hidden) : d;  // through the cap
         // dL/dscore of the float mask; exactly 0 where hidden (prob 0), whatever dP holds there.
         if (em->dmask != nullptr && rows.dmask_row[row] >= 0 && col < em->Lk)
           em->dmask[rows.dmask_row[row] + col] = prob != 0.f ? d : 0.f;
@@ -406,6 +443,8 @@ MHK_DEVICE void attn_bwd_dq_body(const BwdParams& p) {
   int64_t* sMaskRow = reinterpret_cast<int64_t*>(sV + 2 * Cfg::kDqKTile);  // kModes only
   int64_t* sDmaskRow = sMaskRow + kBlockM;                                 // kModes only
   uint32_t* sDrop = reinterpret_cast<uint32_t*>(sDmaskRow + kBlockM);      // kModes only
+  float* sAlibiSlope = reinterpret_cast<float*>(sDrop + kBlockM);          // kModes only
+  int* sAlibiPos = reinterpret_cast<int*>(sAlibiSlope + kBlockM);          // kModes only
 
   const int tid = thread_index();
   const int warp = tid / 32, lane = tid % 32;
@@ -458,10 +497,11 @@ MHK_DEVICE void attn_bwd_dq_body(const BwdParams& p) {
       sMaskRow[rr] = p.mask != nullptr ? mask_row_offset(p, b, h, i) : 0;
       sDmaskRow[rr] = r < rows_total ? ((static_cast<int64_t>(b) * p.H + h) * p.Lq + i) * p.Lk : -1;
       sDrop[rr] = dropout_row_hash(p, b, h, i);
+      alibi_row(p, vis, b, h, i, sAlibiSlope[rr], sAlibiPos[rr]);
     }
   }
   const ExtraModes em = extra_modes_of(p);
-  const ModeRows mode_rows{sMaskRow, sDrop, sDmaskRow};
+  const ModeRows mode_rows{sMaskRow, sDrop, sDmaskRow, sAlibiSlope, sAlibiPos};
 
   const Elem* q = static_cast<const Elem*>(p.q);
   const Elem* dout = static_cast<const Elem*>(p.dout);
@@ -578,7 +618,7 @@ __global__ void MHK_LAUNCH_BOUNDS(256, 1) attn_bwd_dq_reduce_kernel(const BwdPar
   *reinterpret_cast<uint32_t*>(dst) = ElemTraits<Elem>::pack2(sum.x, sum.y);
 }
 
-// The dK/dV and dQ kernels, plain or with attn_mask / dropout (kModes).
+// The dK/dV and dQ kernels, plain or with attn_mask / dropout / score modifiers (kModes).
 template <typename Elem, int D, bool kModes>
 cudaError_t launch_attn_bwd_main(const BwdParams& p, int64_t grid_kv, int64_t grid_q, cudaStream_t stream) {
   using Cfg = BwdConfig<D>;
@@ -611,7 +651,7 @@ cudaError_t run_attn_bwd(const BwdParams& p, cudaStream_t stream) {
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
 
-  const bool modes = p.mask != nullptr || p.dropout_p > 0.0;
+  const bool modes = needs_modes_kernel(p);
   err = modes ? launch_attn_bwd_main<Elem, D, true>(p, grid_kv, grid_q, stream)
               : launch_attn_bwd_main<Elem, D, false>(p, grid_kv, grid_q, stream);
   if (err != cudaSuccess || p.num_splits == 1) return err;

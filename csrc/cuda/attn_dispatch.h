@@ -72,16 +72,16 @@ enum class FwdFamily : int { mma_sync = 0, sm90 = 1 };
 // Which family runs a forward call (params filled, splits planned) on a device of compute
 // capability major.minor. sm90_compiled: the build has the sm_90a pass (MHAKERN_WITH_SM90A).
 // The sm90 family takes a call only where it implements all of it: a 9.0 device (sm_90a code
-// runs there only), its head dims (both dtypes; split-K included), no mode (mask, dropout,
-// window, top-left), and K/V strides a tensor map can describe (a broadcast dim of stride 0
+// runs there only), its head dims (both dtypes; split-K included), only the modes it serves
+// (capabilities.h kSm90FwdFeatures: none; mask, dropout, window, top-left, softcap and ALiBi
+// go to mma.sync), and K/V strides a tensor map can describe (a broadcast dim of stride 0
 // cannot be). key_lengths included: the kernel zeroes the values of the keys past a length that
 // its tensor-map loads bring in (a NaN/inf there leaked through 0 * inf on an H200 before).
 inline FwdFamily choose_fwd_family(int major, int minor, bool sm90_compiled, const FwdParams& p) {
   if (!sm90_compiled || major != caps::kSm90CapabilityMajor || minor != caps::kSm90CapabilityMinor)
     return FwdFamily::mma_sync;
   if (!caps::sm90_head_dim_supported(p.D) || p.num_splits < 1) return FwdFamily::mma_sync;
-  if (p.mask != nullptr || p.dropout_p > 0.0 || p.top_left || p.window_left >= 0 || p.window_right >= 0)
-    return FwdFamily::mma_sync;
+  if ((mode_features_of(p) & ~caps::kSm90FwdFeatures) != 0) return FwdFamily::mma_sync;
   const HeadStrides* kv[2] = {&p.k_stride, &p.v_stride};
   for (const HeadStrides* st : kv) {
     if ((p.Lk > 1 && st->row == 0) || (p.Hkv > 1 && st->head == 0) || (p.B > 1 && st->batch == 0))
@@ -120,16 +120,14 @@ inline cudaError_t dispatch_attn_bwd_sm90_fused(ElemType t, int D, const BwdPara
 using BwdFamily = FwdFamily;
 
 // Which family runs a backward call (params filled, splits planned), by the forward's rule: a
-// 9.0 device with the sm_90a pass built, the backward's head dims, no mode (mask, its gradient,
-// dropout, window, top-left), and q, k, v, dout strides a tensor map can describe (no stride 0
+// 9.0 device with the sm_90a pass built, the backward's head dims, only the modes it serves
+// (capabilities.h kSm90BwdFeatures: none), and q, k, v, dout strides a tensor map can describe (no stride 0
 // on a dim longer than 1: q and dout are read by TMA too).
 inline BwdFamily choose_bwd_family(int major, int minor, bool sm90_compiled, const BwdParams& p) {
   if (!sm90_compiled || major != caps::kSm90CapabilityMajor || minor != caps::kSm90CapabilityMinor)
     return BwdFamily::mma_sync;
   if (!caps::sm90_bwd_head_dim_supported(p.D) || p.num_splits < 1) return BwdFamily::mma_sync;
-  if (p.mask != nullptr || p.dmask != nullptr || p.dropout_p > 0.0 || p.top_left || p.window_left >= 0 ||
-      p.window_right >= 0)
-    return BwdFamily::mma_sync;
+  if ((mode_features_of(p) & ~caps::kSm90BwdFeatures) != 0) return BwdFamily::mma_sync;
   const struct {
     const HeadStrides* st;
     int rows, heads;

@@ -55,9 +55,9 @@ struct FwdConfig {
   // each query row (read from shared memory on masked steps only: registers saved, which keeps
   // the D = 128 loop free of spills on sm_80).
   static constexpr int kSmemBytes = (kQTile + 4 * kKVTile) * 2 + 2 * kBlockM * 4;
-  // The kernel with attn_mask / dropout (kModes) also stages each row's mask-row offset and
-  // dropout hash.
-  static constexpr int kModeSmemBytes = kBlockM * (8 + 4);
+  // The kernel with attn_mask / dropout / the score modifiers (kModes) also stages each row's
+  // mask-row offset, dropout hash, ALiBi slope and diagonal key.
+  static constexpr int kModeSmemBytes = kBlockM * (8 + 4 + 4 + 4);
   // What the launcher requests (tools/check_cuda_build.py reads it too).
   static constexpr int kLaunchSmemBytes = kSmemBytes + (kModes ? kModeSmemBytes : 0);
 };
@@ -65,8 +65,9 @@ struct FwdConfig {
 
 // One key block for one warp's MT strips of 16 rows (from tile row q_row0): S = Q K^T, masking,
 // online softmax, O += P V. A tile row sees keys [sLo[row], sLimit[row]).
-// kModes: also attn_mask (a bias added to the base-2 score, or -inf) and dropout on the
-// probabilities that multiply V (the row sums keep the undropped ones: lse is undropped).
+// kModes: also the score modifiers (softcap, ALiBi: modified_score_log2), attn_mask (a bias added
+// to the base-2 score, or -inf) and dropout on the probabilities that multiply V (the row sums
+// keep the undropped ones: lse is undropped).
 template <typename Elem, int D, int kBlockN, int MT, int kMask, bool kModes = false>
 MHK_DEVICE void fwd_step(const Elem* sQ, int q_row0, const Elem* sK, const Elem* sV, int n0, const int* sLo,
                          const int* sLimit, float scale_log2, float (&acc)[MT][D / 8][4], float (&m_run)[MT][2], float (&l_run)[MT][2],
@@ -101,8 +102,12 @@ MHK_DEVICE void fwd_step(const Elem* sQ, int q_row0, const Elem* sK, const Elem*
     for (int nt = 0; nt < NT; ++nt) {
       MHK_UNROLL
       for (int e = 0; e < 4; ++e) {
-        const float x = s[mt][nt][e] * scale_log2;
-        s[mt][nt][e] = hidden_at(n0 + nt * 8 + 2 * t + (e & 1), e >> 1) ? -INFINITY : x;
+        const int col = n0 + nt * 8 + 2 * t + (e & 1);
+        float x = s[mt][nt][e] * scale_log2;
+        // kModes: the score modifiers (softcap, ALiBi) instead; a hidden key's -inf overrides them.
+        if constexpr (kModes)
+          x = modified_score_log2(*em, cap_pass(*em, s[mt][nt][e]), scale_log2, rows, q_row0 + 16 * mt + g + 8 * (e >> 1), col);
+        s[mt][nt][e] = hidden_at(col, e >> 1) ? -INFINITY : x;
       }
     }
     // attn_mask in a pass of its own behind one branch: without a branch around each element
@@ -158,8 +163,9 @@ MHK_DEVICE void fwd_step(const Elem* sQ, int q_row0, const Elem* sK, const Elem*
   mma_regs_x_rows_mt<Elem, D, kBlockN, MT>(acc, s, sV, 0, lane);
 }
 
-// The body of the forward kernels. kModes: the call has attn_mask or dropout; it is a separate
-// kernel (attn_fwd_modes_kernel), so that the plain one is exactly the kernel without them.
+// The body of the forward kernels. kModes: the call has attn_mask, dropout or a score modifier
+// (needs_modes_kernel); it is a separate kernel (attn_fwd_modes_kernel), so that the plain one is
+// exactly the kernel without them.
 template <typename Elem, int D, bool kModes>
 MHK_DEVICE void attn_fwd_body(const FwdParams& p) {
   using Cfg = FwdConfig<D, kModes>;
@@ -172,6 +178,8 @@ MHK_DEVICE void attn_fwd_body(const FwdParams& p) {
   int* sLo = sLimit + kBlockM;
   int64_t* sMaskRow = reinterpret_cast<int64_t*>(sLo + kBlockM);  // kModes only
   uint32_t* sDrop = reinterpret_cast<uint32_t*>(sMaskRow + kBlockM);  // kModes only
+  float* sAlibiSlope = reinterpret_cast<float*>(sDrop + kBlockM);     // kModes only
+  int* sAlibiPos = reinterpret_cast<int*>(sAlibiSlope + kBlockM);     // kModes only
 
   const int tid = thread_index();
   const int warp = tid / 32, lane = tid % 32;
@@ -209,10 +217,11 @@ MHK_DEVICE void attn_fwd_body(const FwdParams& p) {
       const int i = r < rows_total ? r % p.Lq : 0;
       sMaskRow[rr] = p.mask != nullptr ? mask_row_offset(p, b, h, i) : 0;
       sDrop[rr] = dropout_row_hash(p, b, h, i);
+      alibi_row(p, vis, b, h, i, sAlibiSlope[rr], sAlibiPos[rr]);
     }
   }
   const ExtraModes em = extra_modes_of(p);
-  const ModeRows mode_rows{sMaskRow, sDrop};
+  const ModeRows mode_rows{sMaskRow, sDrop, nullptr, sAlibiSlope, sAlibiPos};
   // Warps whose rows all lie past the end skip the math (decode: a group of 8 query heads
   // fills part of the first warp's strips only).
   const bool warp_active = r0 + warp_row0 < rows_total;
@@ -629,7 +638,7 @@ cudaError_t run_attn_fwd(const FwdParams& p, cudaStream_t stream) {
   const int64_t grid = n_mblocks * p.Hkv * p.B * p.num_splits;
   if (grid == 0) return cudaSuccess;
   if (grid > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  const bool modes = p.mask != nullptr || p.dropout_p > 0.0;
+  const bool modes = needs_modes_kernel(p);
   cudaError_t err;
   if (caps::use_cuda_decode_fwd(static_cast<int64_t>(p.group) * p.Lq, modes)) {
     using Dc = FwdDecodeConfig<D>;

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 
+#include "../capabilities.h"
 #include "../mode_params.h"
 
 #if defined(__CUDACC__)
@@ -96,6 +97,28 @@ struct BwdParams : ModeParams {  // the modes: ../mode_params.h
   float* dq_accum = nullptr;
   uint32_t* dq_counters = nullptr;
 };
+
+// Whether a call runs the kernels' kModes instantiations (attn_fwd_modes_kernel and the
+// backward's *_modes kernels): attn_mask, dropout or a score modifier (softcap, ALiBi). Windows,
+// top-left causal and key lengths are in every kernel's Visibility masking.
+template <typename Params>
+MHK_PARAMS_HD bool needs_modes_kernel(const Params& p) {
+  return p.mask != nullptr || p.dropout_p > 0.0 || p.softcap > 0.f || p.alibi != nullptr;
+}
+
+// The modes of docs/contract.md a call's parameters use, as capabilities.h feature bits: what a
+// kernel family must serve (its features in capabilities.h) to be given the call.
+inline unsigned mode_features_of(const ModeParams& p) {
+  unsigned f = 0;
+  if (p.mask != nullptr) f |= caps::kAttnMask;
+  if (p.dmask != nullptr) f |= caps::kMaskGrad;
+  if (p.dropout_p > 0.0) f |= caps::kDropout;
+  if (p.top_left) f |= caps::kTopLeft;
+  if (p.window_left >= 0 || p.window_right >= 0) f |= caps::kWindow;
+  if (p.softcap > 0.f) f |= caps::kSoftcap;
+  if (p.alibi != nullptr) f |= caps::kAlibi;
+  return f;
+}
 
 // The key length of batch element b, clamped into [0, Lk]: a length out of range (which the host
 // refuses where it can read the values) must never make a kernel read outside k and v.

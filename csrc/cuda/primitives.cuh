@@ -151,6 +151,13 @@ MHK_DEVICE float fast_exp2(float x) {
   return y;
 }
 
+// 1 / x with the hardware's approximate reciprocal (relative error ~1 ulp); 1 / inf = 0.
+MHK_DEVICE float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 MHK_DEVICE int thread_index() { return static_cast<int>(threadIdx.x); }
 MHK_DEVICE int64_t block_index() { return static_cast<int64_t>(blockIdx.x); }
 
@@ -186,6 +193,7 @@ inline void cp_async_wait() {
 inline void block_sync() { ::mhk_emu::syncthreads(); }
 inline float shfl_xor(float x, int mask) { return ::mhk_emu::shfl_xor(x, mask); }
 inline float fast_exp2(float x) { return std::exp2(x); }
+inline float fast_rcp(float x) { return 1.f / x; }
 inline int thread_index() { return ::mhk_emu::thread_index(); }
 inline int64_t block_index() { return ::mhk_emu::block_index(); }
 template <typename Params>
@@ -300,11 +308,14 @@ MHK_DEVICE void tile_key_range(const Visibility& v, int i_lo, int i_hi, int& fir
 // the row's mask row and the row's dropout hash in shared memory.
 
 // Per query row data of the kModes kernels, staged in shared memory: the element offset of the
-// row's mask row and its dropout hash r_i (dropout_row_hash).
+// row's mask row and its dropout hash r_i (dropout_row_hash); with ALiBi the row's slope in base
+// 2 (-slope(b, h) * log2(e)) and its diagonal key i + off (alibi_row).
 struct ModeRows {
   const int64_t* mask_row;
   const uint32_t* drop;
   const int64_t* dmask_row;  // the backward's dQ kernel: offset of the row in dmask, -1 past the end
+  const float* alibi_slope;
+  const int* alibi_pos;
 };
 
 // Added to a kernel's opt_in_dynamic_smem tag (smem_opt_in.cuh) for its kModes instantiation.
@@ -320,6 +331,11 @@ struct ExtraModes {
   float keep_scale;     // 1 / (1 - dropout_p)
   float* dmask;         // the backward: (B, H, Lq, Lk) float32 dL/dscore, or nullptr
   int Lk;
+  // Score modifiers (mode_params.h): softcap > 0 and its constants (softcap_tanh), ALiBi slopes.
+  bool softcap;
+  float cap_k;    // 2 * log2(e) * scale / softcap: exp2(s * cap_k) = exp(2 * scale * s / softcap)
+  float cap_out;  // softcap * log2(e): the capped score in base 2 is cap_out * tanh
+  bool alibi;
 };
 
 template <typename Params>
@@ -333,7 +349,55 @@ MHK_HD ExtraModes extra_modes_of(const Params& p) {
   m.keep_scale = m.dropout ? static_cast<float>(1.0 / (1.0 - p.dropout_p)) : 1.f;
   m.dmask = p.dmask;
   m.Lk = p.Lk;
+  m.softcap = p.softcap > 0.f;
+  m.cap_k = m.softcap ? 2.f * kLog2e * p.scale / p.softcap : 0.f;
+  m.cap_out = p.softcap * kLog2e;
+  m.alibi = p.alibi != nullptr;
   return m;
+}
+
+// tanh(scale * s / softcap) for the raw product s = q.k, as 1 - 2 / (1 + exp(2 z)): one ex2 and
+// one rcp, absolute error a few ulp of 1 over the whole range; +-inf give +-1, NaN stays NaN.
+// Not tanh.approx.f32: its documented relative error (2^-10.987) times the cap is an error in
+// the logit, and modelled at that bound in the float64 reference (B 2, H 4, 64 x 128 keys,
+// causal, D 64) it breaks the tolerance rule: fp16 out error 1.46e-3 against a bound of 1.48e-3
+// at softcap 20, 0.53 against 0.016 at softcap 50 with logits x30 (bf16 0.54 against 0.135);
+// this formula, in fp32, stays at 2.4e-4 / 7.5e-3 (bf16 6.2e-2). The scaled, capped score is softcap * tanh (base 2:
+// cap_out * tanh), and the backward's chain factor 1 - tanh^2.
+MHK_DEVICE float softcap_tanh(const ExtraModes& m, float s) {
+  return 1.f - 2.f * fast_rcp(1.f + fast_exp2(s * m.cap_k));
+}
+
+// The cap's first step on a raw product s: its tanh when capped, else s itself. The backward
+// kernels take the tanh over a whole score tile in a pass of their own (in place, so that the
+// tile then holds what the chain factor 1 - tanh^2 reads; inline, with the dP tile live beside
+// the ex2 / rcp chains and the tanh kept apart, the D 64 dK/dV kernel spilled in its loop and the
+// D 96 fused kernel on sm_90).
+MHK_DEVICE float cap_pass(const ExtraModes& m, float s) { return m.softcap ? softcap_tanh(m, s) : s; }
+
+// The score modifiers of query row `row` (a tile row of ModeRows) and key j, in base 2
+// (docs/contract.md "Score modifiers"): c is cap_pass of the raw product q.k; the scale and the
+// cap, then the ALiBi bias -slope * |i + off - j|.
+MHK_DEVICE float modified_score_log2(const ExtraModes& m, float c, float scale_log2, const ModeRows& rows, int row,
+                                     int j) {
+  float x = m.softcap ? m.cap_out * c : c * scale_log2;
+  if (m.alibi) {
+    const int d = rows.alibi_pos[row] - j;
+    x += rows.alibi_slope[row] * static_cast<float>(d < 0 ? -d : d);
+  }
+  return x;
+}
+
+// The backward's chain factor through the cap for a pair whose cap_pass is c: dS_raw = dS *
+// (1 - tanh^2). A hidden pair's is 0: its raw score may be NaN (a NaN key a tile loads).
+MHK_DEVICE float cap_chain(const ExtraModes& m, float c, bool hidden) { return hidden ? 0.f : 1.f - c * c; }
+
+// The ALiBi row data of query i of query head h, batch element b: the slope in base 2, negated
+// (0 without ALiBi), and the diagonal key i + off (Visibility::diag).
+template <typename Params>
+MHK_HD void alibi_row(const Params& p, const Visibility& vis, int b, int h, int i, float& slope_log2, int& pos) {
+  slope_log2 = p.alibi != nullptr ? -p.alibi[b * p.alibi_sb + h * p.alibi_sh] * kLog2e : 0.f;
+  pos = i + vis.diag;
 }
 
 // Element offset of the mask row of query i of head h, batch element b.

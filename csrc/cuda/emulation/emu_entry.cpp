@@ -80,8 +80,10 @@ using mhk_emu::operand;
 namespace {
 
 // mask_strides: the (B, H, Lq, Lk) view's element strides; mask_kind 0 none, 1 bool, 2 float32.
+// softcap: 0 off; alibi: float32 slopes, slope(b, h) = alibi[b * alibi_sb + h * alibi_sh], or null.
 void fill_modes(mhakern::ModeParams& p, int top_left, long long window_left, long long window_right, const void* mask,
-                int mask_kind, const int64_t* mask_strides, float* dmask, double dropout_p, unsigned long long seed) {
+                int mask_kind, const int64_t* mask_strides, float* dmask, double dropout_p, unsigned long long seed,
+                float softcap, const float* alibi, long long alibi_sb, long long alibi_sh) {
   p.top_left = top_left != 0;
   p.window_left = window_left;
   p.window_right = window_right;
@@ -96,6 +98,12 @@ void fill_modes(mhakern::ModeParams& p, int top_left, long long window_left, lon
     p.mask_sk = mask_strides[3];
   }
   p.dmask = dmask;
+  p.softcap = softcap;
+  if (alibi != nullptr) {
+    p.alibi = alibi;
+    p.alibi_sb = alibi_sb;
+    p.alibi_sh = alibi_sh;
+  }
 }
 
 // The mma.sync backward the next emulated backward calls request (capabilities.h CudaBwdKernel;
@@ -223,12 +231,41 @@ int mhk_emu_decode_tiles(int d, int* out) {
 // Split count the host plans for a forward on the mma.sync family (cuda_host.cpp attn_fwd: the
 // call's tiles from capabilities.h fwd_plan_tiles, then plan_splits), and whether run_attn_fwd
 // launches the decode kernel for it (*decode).
-int mhk_emu_fwd_plan_mma(int D, int B, int Hkv, int group, int Lq, int Lk, int num_sms, int mask_or_dropout,
+int mhk_emu_fwd_plan_mma(int D, int B, int Hkv, int group, int Lq, int Lk, int num_sms, int modes_kernel,
                          int* decode) {
   const int64_t rows = static_cast<int64_t>(group) * Lq;
-  *decode = mhakern::caps::use_cuda_decode_fwd(rows, mask_or_dropout != 0) ? 1 : 0;
-  const mhakern::caps::FwdPlanTiles t = mhakern::caps::fwd_plan_tiles(false, D, rows, mask_or_dropout != 0);
+  *decode = mhakern::caps::use_cuda_decode_fwd(rows, modes_kernel != 0) ? 1 : 0;
+  const mhakern::caps::FwdPlanTiles t = mhakern::caps::fwd_plan_tiles(false, D, rows, modes_kernel != 0);
   return static_cast<int>(mhakern::caps::plan_fwd_splits(B, Hkv, group, Lq, Lk, D, num_sms, t));
+}
+
+// The family the host gives a call with the score modifiers (0 mma.sync, 1 sm90: attn_dispatch.h
+// choose_fwd_family / choose_bwd_family) on a device of capability major.minor, dense operands of
+// head dim D: softcap > 0 and / or ALiBi slopes (alibi != 0). And the kernels it runs there:
+// *modes_kernel 1 for the kModes instantiations (needs_modes_kernel).
+int mhk_emu_modifier_family(int major, int minor, int sm90_compiled, int D, float softcap, int alibi, int backward,
+                            int* modes_kernel) {
+  static const float slope = 0.5f;
+  auto fill = [&](auto& p) {
+    p.D = D;
+    p.B = 1;
+    p.H = p.Hkv = 1;
+    p.Lq = p.Lk = 100;
+    p.num_splits = 1;
+    p.softcap = softcap;
+    p.alibi = alibi ? &slope : nullptr;
+    p.k_stride = p.v_stride = p.q_stride = {100LL * D, 100LL * D, D};
+    *modes_kernel = mhakern::cuda::needs_modes_kernel(p) ? 1 : 0;
+  };
+  if (backward) {
+    mhakern::cuda::BwdParams p;
+    fill(p);
+    p.do_stride = p.q_stride;
+    return static_cast<int>(mhakern::cuda::choose_bwd_family(major, minor, sm90_compiled != 0, p));
+  }
+  mhakern::cuda::FwdParams p;
+  fill(p);
+  return static_cast<int>(mhakern::cuda::choose_fwd_family(major, minor, sm90_compiled != 0, p));
 }
 
 // Strides are (batch, head, row) in elements. Returns 0 on success, 1 with mhk_emu_last_error().
@@ -266,11 +303,13 @@ int mhk_emu_fwd_modes(int elem, int D, const void* q, const int64_t* q_st, const
                       const int32_t* key_lengths, int B, int H, int Hkv, int Lq, int Lk, float scale, int causal,
                       int num_splits, float* o_partial, float* lse_partial, int top_left, long long window_left,
                       long long window_right, const void* mask, int mask_kind, const int64_t* mask_strides,
-                      double dropout_p, unsigned long long seed) {
+                      double dropout_p, unsigned long long seed, float softcap, const float* alibi, long long alibi_sb,
+                      long long alibi_sh) {
   const CallSizes s{B, H, Hkv, Lq, Lk, D};
   auto p = mhakern::cuda::make_fwd_params(s, operand(q, q_st), operand(k, k_st), operand(v, v_st), operand(o, o_st),
                                           lse, key_lengths, scale, causal != 0, num_splits, o_partial, lse_partial);
-  fill_modes(p, top_left, window_left, window_right, mask, mask_kind, mask_strides, nullptr, dropout_p, seed);
+  fill_modes(p, top_left, window_left, window_right, mask, mask_kind, mask_strides, nullptr, dropout_p, seed, softcap,
+             alibi, alibi_sb, alibi_sh);
   return finish(mhakern::cuda::dispatch_attn_fwd(static_cast<ElemType>(elem), D, p, nullptr));
 }
 
@@ -280,13 +319,15 @@ int mhk_emu_bwd_modes(int elem, int D, const void* dout, const int64_t* do_st, c
                       const int64_t* dk_st, void* dv, const int64_t* dv_st, float* delta, const int32_t* key_lengths,
                       int B, int H, int Hkv, int Lq, int Lk, float scale, int causal, int num_splits, float* dq_partial,
                       int top_left, long long window_left, long long window_right, const void* mask, int mask_kind,
-                      const int64_t* mask_strides, float* dmask, double dropout_p, unsigned long long seed) {
+                      const int64_t* mask_strides, float* dmask, double dropout_p, unsigned long long seed,
+                      float softcap, const float* alibi, long long alibi_sb, long long alibi_sh) {
   const CallSizes s{B, H, Hkv, Lq, Lk, D};
   auto p = mhakern::cuda::make_bwd_params(s, operand(dout, do_st), operand(q, q_st), operand(k, k_st),
                                           operand(v, v_st), operand(o, o_st), lse, operand(dq, dq_st),
                                           operand(dk, dk_st), operand(dv, dv_st), delta, key_lengths, scale,
                                           causal != 0, num_splits, dq_partial);
-  fill_modes(p, top_left, window_left, window_right, mask, mask_kind, mask_strides, dmask, dropout_p, seed);
+  fill_modes(p, top_left, window_left, window_right, mask, mask_kind, mask_strides, dmask, dropout_p, seed, softcap,
+             alibi, alibi_sb, alibi_sh);
   FusedWorkspace ws;
   fill_bwd_kernel(p, ws);
   return finish(mhakern::cuda::dispatch_attn_bwd(static_cast<ElemType>(elem), D, p, nullptr));
