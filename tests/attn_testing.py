@@ -155,8 +155,6 @@ def check_against_reference(
     alibi_slopes: Optional[torch.Tensor] = None,
     sinks: Optional[torch.Tensor] = None,
     roundoff_floor: bool = False,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
 ) -> None:
     """Run ``fn(q, k, v, causal=..., key_lengths=..., scale=..., return_lse=True)`` and check
     out, lse and (with ``grads``) dq, dk, dv against the float64 reference by the rule.
@@ -196,7 +194,8 @@ def check_against_reference(
         kw["causal_align"] = causal_align
     if window is not None:
         kw["window"] = window
-    for name, val in (("softcap", softcap), ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+    # softcap 0 is "off" (callers may pass it), not a value to hand on
+    for name, val in (("softcap", softcap or None), ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if val is not None:
             kw[name] = val
     a64 = None if alibi_slopes is None else alibi_slopes.detach().cpu().double()
