@@ -230,7 +230,7 @@ constexpr unsigned kAllFeatures = ~0u;
 std::tuple<at::Tensor, at::Tensor> fwd_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                             double scale, bool /*causal*/, const std::optional<at::Tensor>& key_lengths,
                                             const op::ModeArgs& modes) {
-  const op::Sizes s = op::check_qkv(q, k, v, scale);
+  const op::Sizes s = op::check_qkv(q, k, v, scale, &modes);
   op::check_key_lengths_meta(key_lengths, q, s);
   op::check_modes(modes, q, s, kAllFeatures, "meta", false);
   return {op::empty_like_heads(q, s.Dv), at::empty({s.B, s.H, s.Lq}, q.options().dtype(at::kFloat))};
@@ -240,7 +240,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_meta(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, double scale, bool /*causal*/, const std::optional<at::Tensor>& key_lengths,
     const op::ModeArgs& modes) {
-  const op::Sizes s = op::check_qkv(q, k, v, scale);
+  const op::Sizes s = op::check_qkv(q, k, v, scale, &modes);
   op::check_key_lengths_meta(key_lengths, q, s);
   op::check_modes(modes, q, s, kAllFeatures, "meta", true);
   op::check_bwd_operands(dout, q, out, lse, s);
@@ -257,12 +257,14 @@ TORCH_LIBRARY(mhakern_C, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float scale, bool causal, Tensor? key_lengths, Tensor? attn_mask, "
       "float dropout_p, int seed, bool top_left, int window_left, int window_right, float softcap=0.0, "
-      "Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
+      "Tensor? alibi_slopes=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, "
+      "int max_seqlen_k=0, Tensor? cache_batch_idx=None, Tensor? block_table=None) -> (Tensor out, Tensor lse)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, bool causal, "
       "Tensor? key_lengths, Tensor? attn_mask, float dropout_p, int seed, bool top_left, int window_left, "
-      "int window_right, bool mask_grad, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, "
-      "Tensor dv, Tensor dmask)");
+      "int window_right, bool mask_grad, float softcap=0.0, Tensor? alibi_slopes=None, Tensor? cu_seqlens_q=None, "
+      "Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, Tensor? cache_batch_idx=None, "
+      "Tensor? block_table=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)");
   // Small non-tensor helpers (no dispatch key: one kernel for all).
   m.def("capabilities() -> str", &mhakern::capabilities);
   m.def("cpu_kernel_isa() -> str", &mhakern::cpu::kernel_isa);

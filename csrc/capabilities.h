@@ -25,9 +25,13 @@ enum Feature : unsigned {
   kWindow = 1u << 4,
   kSoftcap = 1u << 5,  // tanh capping of the scaled scores (ModeParams::softcap)
   kAlibi = 1u << 6,    // ALiBi slopes (ModeParams::alibi)
+  kVarlen = 1u << 7,   // packed variable-length sequences (ModeParams::cu_seqlens_q / _k)
+  kCacheBatchIdx = 1u << 8,  // K/V batch rows chosen per batch element (ModeParams::kv_batch_idx)
+  kPaged = 1u << 9,    // paged K/V through a block table (ModeParams::block_table)
 };
-constexpr const char* kFeatureNames[] = {"attn_mask", "mask_grad", "dropout", "top_left", "window", "softcap", "alibi"};
-constexpr int kNumFeatures = 7;
+constexpr const char* kFeatureNames[] = {"attn_mask", "mask_grad", "dropout", "top_left", "window",
+                                         "softcap",   "alibi",     "varlen",  "cache_batch_idx", "paged"};
+constexpr int kNumFeatures = 10;
 
 // ---- cpu family (csrc/cpu/) ------------------------------------------------------------------
 // dtypes float32, bfloat16, float16; any head dims D, Dv in [1, kCpuMaxHeadDim] (D != Dv allowed).
@@ -196,11 +200,11 @@ constexpr bool use_cuda_decode_fwd(int64_t group_rows, bool mask_or_dropout) {
 // ---- cuda sm90 family (csrc/cuda/sm90/): Hopper, wgmma + TMA + mbarrier pipeline ----------
 // A second family of CUDA kernels, compiled only in the sm_90a pass of nvcc
 // (-gencode=arch=compute_90a,code=sm_90a: wgmma and setmaxnreg exist only on the "a" target,
-// whose code runs on compute capability 9.0 exactly). Forward only so far (split-K included,
-// merged by the mma.sync family's combine kernel); the host (choose_fwd_family in
-// csrc/cuda/attn_dispatch.h) gives it the forward calls it serves on a 9.0 device (these head
-// dims and dtypes, no mode of kCudaFeatures) and everything else, the backward included, to the
-// mma.sync family above, which is built for sm_90a too. Instances: F(tag, D).
+// whose code runs on compute capability 9.0 exactly). A forward (split-K included, merged by the
+// mma.sync family's combine kernel) and a backward (the sections further down); the host
+// (choose_fwd_family in csrc/cuda/attn_dispatch.h, the backward's family choice in cuda_host.cpp)
+// gives it the calls it serves on a 9.0 device (these head dims and dtypes, the modes its
+// sections declare) and everything else to the mma.sync family above, built for sm_90a too. Instances: F(tag, D).
 #define MHK_SM90_FOR_EACH_HEAD_DIM(F, tag) F(tag, 64) F(tag, 128) F(tag, 256)
 #define MHK_SM90_FOR_EACH_INSTANCE(F) MHK_CUDA_FOR_EACH_ELEM(MHK_SM90_FOR_EACH_HEAD_DIM_, F)
 #define MHK_SM90_FOR_EACH_HEAD_DIM_(F, tag) MHK_SM90_FOR_EACH_HEAD_DIM(F, tag)

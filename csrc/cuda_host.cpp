@@ -79,7 +79,7 @@ void check_aligned(const at::Tensor& x, const char* name) {
 op::Sizes check_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                        const std::optional<at::Tensor>& key_lengths, const op::ModeArgs& modes, bool backward) {
   // check_qkv first: it names an undefined operand (None from Python) before anything reads its device.
-  const op::Sizes s = op::check_qkv(q, k, v, scale);
+  const op::Sizes s = op::check_qkv(q, k, v, scale, &modes);
   TORCH_CHECK_VALUE(q.is_cuda(), "q: expected a CUDA tensor, got one on ", q.device());
   elem_type_of(q);
   TORCH_CHECK_VALUE(s.Dv == s.D, "v: head dim ", s.Dv, " differs from q's (", s.D,

@@ -29,6 +29,26 @@ struct ModeParams {
   float softcap = 0.f;          // 0 = off
   const float* alibi = nullptr;  // float32 slopes, slope(b, h) = alibi[b * alibi_sb + h * alibi_sh]
   int64_t alibi_sb = 0, alibi_sh = 0;  // element strides (alibi_sb 0: one slope per head)
+  // Packed variable-length sequences (docs/contract.md, "Packed sequences"). q, k, v are one batch
+  // element (B = 1, the params' Lq / Lk are the token counts Tq / Tk); sequence s holds the query
+  // tokens cu_seqlens_q[s] .. cu_seqlens_q[s + 1] - 1 and the key tokens cu_seqlens_k[s] ..
+  // cu_seqlens_k[s + 1] - 1 (int32 prefix sums, num_seqs + 1 entries, first 0, last Tq / Tk, each
+  // length at most max_seqlen_q / max_seqlen_k). Within a sequence everything is as for batch
+  // element s of a dense call of lengths (Lq_s, Lk_s): local positions i, j, the causal offset
+  // Lk_s - Lq_s (bottom-right), the dropout hash and the ALiBi slope of (s, h); lse and out rows are
+  // the query tokens. nullptr: no packing.
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+  int64_t num_seqs = 0, max_seqlen_q = 0, max_seqlen_k = 0;
+  // KV cache addressing (forward only). kv_batch_idx: the K/V batch row that batch element b reads
+  // (int32 (B,), values in [0, k.size(0))); nullptr: row b.
+  const int32_t* kv_batch_idx = nullptr;
+  // Paged K/V: k, v are (num_pages, Hkv, page_size, D) and key j of batch element b lives in page
+  // block_table[b * block_table_stride + j / page_size], row j % page_size; the logical key length
+  // (the params' Lk, set by the host: op::paged_key_len) is pages_per_seq * page_size, and
+  // key_lengths (the cache's fill per batch element) hides the rest. nullptr: dense K/V.
+  const int32_t* block_table = nullptr;
+  int64_t block_table_stride = 0, page_size = 0;
 };
 
 // The dropout counter hash of docs/contract.md, written once for the cpu and cuda families

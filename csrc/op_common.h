@@ -40,6 +40,13 @@ struct ModeArgs {
   bool mask_grad = false;
   double softcap = 0.0;  // 0 = off
   const std::optional<at::Tensor>* alibi_slopes = nullptr;  // float32 (B, H) view, or none
+  // Packed sequences: int32 (num_seqs + 1,) prefix sums, and the longest sequence of each side.
+  const std::optional<at::Tensor>* cu_seqlens_q = nullptr;
+  const std::optional<at::Tensor>* cu_seqlens_k = nullptr;
+  int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+  // KV cache (forward only): int32 (B,) K/V batch rows, int32 (B, pages) block table.
+  const std::optional<at::Tensor>* cache_batch_idx = nullptr;
+  const std::optional<at::Tensor>* block_table = nullptr;
 
   bool has_mask() const { return attn_mask != nullptr && attn_mask->has_value() && (*attn_mask)->defined(); }
   const at::Tensor& mask() const { return **attn_mask; }
@@ -47,6 +54,12 @@ struct ModeArgs {
     return alibi_slopes != nullptr && alibi_slopes->has_value() && (*alibi_slopes)->defined();
   }
   const at::Tensor& alibi() const { return **alibi_slopes; }
+  static bool given(const std::optional<at::Tensor>* t) { return t != nullptr && t->has_value() && (*t)->defined(); }
+  bool varlen() const { return given(cu_seqlens_q) || given(cu_seqlens_k); }
+  bool has_cache_batch_idx() const { return given(cache_batch_idx); }
+  bool paged() const { return given(block_table); }
+  // K/V rows chosen per batch element: k's batch dim need not be q's.
+  bool kv_indexed() const { return has_cache_batch_idx() || paged(); }
 
   // caps::Feature bits this call needs.
   unsigned required() const {
@@ -58,6 +71,9 @@ struct ModeArgs {
     if (window_left >= 0 || window_right >= 0) need |= caps::kWindow;
     if (softcap > 0.0) need |= caps::kSoftcap;
     if (has_alibi()) need |= caps::kAlibi;
+    if (varlen()) need |= caps::kVarlen;
+    if (has_cache_batch_idx()) need |= caps::kCacheBatchIdx;
+    if (paged()) need |= caps::kPaged;
     return need;
   }
 };
@@ -92,7 +108,8 @@ inline void check_shape(const at::Tensor& x, const char* name, at::IntArrayRef w
 }
 
 // q, k, v: ranks, relations between their shapes, one dtype, one device, finite scale.
-inline Sizes check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+inline Sizes check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                       const ModeArgs* m = nullptr) {
   check_rank4(q, "q");
   check_rank4(k, "k");
   check_rank4(v, "v");
@@ -101,11 +118,13 @@ inline Sizes check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   check_same_dtype(k, "k", q);
   check_same_dtype(v, "v", q);
   const Sizes s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
-  TORCH_CHECK_VALUE(k.size(0) == s.B, "k: expected batch size ", s.B, " (q's), got ", k.size(0));
+  // With a KV cache's batch index or block table, k's batch dim holds cache rows or pages.
+  const bool kv_indexed = m != nullptr && m->kv_indexed();
+  TORCH_CHECK_VALUE(kv_indexed || k.size(0) == s.B, "k: expected batch size ", s.B, " (q's), got ", k.size(0));
   TORCH_CHECK_VALUE(k.size(3) == s.D, "k: expected head dim ", s.D, " (q's), got ", k.size(3));
-  TORCH_CHECK_VALUE(v.size(0) == s.B && v.size(1) == s.Hkv && v.size(2) == s.Lk,
-                    "v: expected (batch, kv heads, length) = (", s.B, ", ", s.Hkv, ", ", s.Lk, ") (k's), got shape ",
-                    v.sizes());
+  TORCH_CHECK_VALUE(v.size(0) == k.size(0) && v.size(1) == s.Hkv && v.size(2) == s.Lk,
+                    "v: expected (batch, kv heads, length) = (", k.size(0), ", ", s.Hkv, ", ", s.Lk,
+                    ") (k's), got shape ", v.sizes());
   TORCH_CHECK_VALUE(s.Hkv > 0 && s.H % s.Hkv == 0, "k: number of kv heads (", s.Hkv,
                     ") must be positive and divide q's number of heads (", s.H, ")");
   TORCH_CHECK_VALUE(std::isfinite(scale), "scale: expected a finite number, got ", scale);
@@ -129,6 +148,90 @@ inline void check_key_length_values(const int32_t* lens, const Sizes& s) {
   for (int64_t b = 0; b < s.B; ++b)
     TORCH_CHECK_VALUE(lens[b] >= 0 && lens[b] <= s.Lk, "key_lengths: values must lie in [0, Lk=", s.Lk, "], got ",
                       lens[b], " at index ", b);
+}
+
+// An int32 index tensor of the modes: defined, int32, `dims` dims, on q's device.
+inline void check_index_tensor(const at::Tensor& t, const char* name, int64_t dims, const at::Tensor& q) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kInt, name, ": expected dtype int32, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == dims, name, ": expected ", dims, " dim(s), got shape ", t.sizes());
+  check_same_device(t, name, q);
+}
+
+// Packed sequences and the KV cache: shapes, dtypes, devices and how they combine (values are
+// checked where reading them is free: check_packing_values, on the CPU).
+inline void check_packing_and_cache(const ModeArgs& m, const at::Tensor& q, const Sizes& s, bool backward) {
+  if (m.varlen()) {
+    TORCH_CHECK_VALUE(ModeArgs::given(m.cu_seqlens_q) && ModeArgs::given(m.cu_seqlens_k),
+                      "cu_seqlens_q, cu_seqlens_k: packed sequences need both (got only ",
+                      ModeArgs::given(m.cu_seqlens_q) ? "cu_seqlens_q" : "cu_seqlens_k", ")");
+    const at::Tensor& cq = **m.cu_seqlens_q;
+    const at::Tensor& ck = **m.cu_seqlens_k;
+    check_index_tensor(cq, "cu_seqlens_q", 1, q);
+    check_index_tensor(ck, "cu_seqlens_k", 1, q);
+    TORCH_CHECK_VALUE(cq.numel() >= 1 && cq.numel() == ck.numel(), "cu_seqlens_q, cu_seqlens_k: expected one entry "
+                      "more than there are sequences on both sides, got ", cq.numel(), " and ", ck.numel());
+    TORCH_CHECK_VALUE(s.B == 1, "q: packed sequences are one batch element of tokens (batch size 1), got ", s.B);
+    TORCH_CHECK_VALUE(m.max_seqlen_q >= 0 && m.max_seqlen_q <= s.Lq, "max_seqlen_q: expected a length in [0, ",
+                      s.Lq, "] (the query tokens), got ", m.max_seqlen_q);
+    TORCH_CHECK_VALUE(m.max_seqlen_k >= 0 && m.max_seqlen_k <= s.Lk, "max_seqlen_k: expected a length in [0, ",
+                      s.Lk, "] (the key tokens), got ", m.max_seqlen_k);
+    TORCH_CHECK_VALUE(!m.has_mask(), "attn_mask: not with packed sequences (cu_seqlens_q); use causal, a window "
+                      "or key padding per sequence instead");
+    TORCH_CHECK_VALUE(!m.kv_indexed(), "cache_batch_idx, block_table: not with packed sequences");
+  }
+  if (m.has_cache_batch_idx()) {
+    check_index_tensor(**m.cache_batch_idx, "cache_batch_idx", 1, q);
+    TORCH_CHECK_VALUE((*m.cache_batch_idx)->size(0) == s.B, "cache_batch_idx: expected shape (", s.B,
+                      ",) (one K/V row per batch element), got ", (*m.cache_batch_idx)->sizes());
+    TORCH_CHECK_VALUE(!m.paged(), "cache_batch_idx, block_table: a paged cache picks its pages per batch element "
+                      "already; give one of them");
+  }
+  if (m.paged()) {
+    const at::Tensor& bt = **m.block_table;
+    check_index_tensor(bt, "block_table", 2, q);
+    TORCH_CHECK_VALUE(bt.size(0) == s.B, "block_table: expected (", s.B, ", pages per sequence), got shape ",
+                      bt.sizes());
+  }
+  TORCH_CHECK_VALUE(!backward || !m.kv_indexed(), "cache_batch_idx, block_table: the KV-cache path is forward "
+                    "only (inference); no backward takes them");
+}
+
+// The key length the kernels see: pages per sequence x page size for a paged cache (k is
+// (num_pages, Hkv, page_size, D)), else k's length.
+inline int64_t kernel_key_len(const ModeArgs& m, const at::Tensor& k) {
+  return m.paged() ? (*m.block_table)->size(1) * k.size(2) : k.size(2);
+}
+
+// Values of the packing and cache index tensors, read on the host (CPU tensors): prefix sums from
+// 0 to the token count, non-decreasing, each length within its maximum; cache rows and pages in
+// range. Kernels of other devices clamp instead (the Python layer checks before the call).
+inline void check_packing_values(const ModeArgs& m, const at::Tensor& q, const at::Tensor& k) {
+  auto prefix = [](const at::Tensor& cu_t, const char* name, int64_t total, int64_t max_len, const char* max_name) {
+    const at::Tensor cu_c = cu_t.contiguous();
+    const int32_t* cu = cu_c.const_data_ptr<int32_t>();
+    const int64_t n = cu_c.numel() - 1;
+    TORCH_CHECK_VALUE(cu[0] == 0, name, ": expected 0 first, got ", cu[0]);
+    TORCH_CHECK_VALUE(cu[n] == total, name, ": expected the token count ", total, " last, got ", cu[n]);
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK_VALUE(cu[i + 1] >= cu[i], name, ": expected non-decreasing prefix sums, got ", cu[i], " then ",
+                        cu[i + 1], " at index ", i);
+      TORCH_CHECK_VALUE(cu[i + 1] - cu[i] <= max_len, name, ": sequence ", i, " has ", cu[i + 1] - cu[i], " tokens, more than ",
+                        max_name, " = ", max_len);
+    }
+  };
+  auto rows = [](const at::Tensor& t, const char* name, int64_t bound, const char* what) {
+    const at::Tensor c = t.contiguous();
+    const int32_t* x = c.const_data_ptr<int32_t>();
+    for (int64_t i = 0; i < c.numel(); ++i)
+      TORCH_CHECK_VALUE(x[i] >= 0 && x[i] < bound, name, ": values must lie in [0, ", bound, ") (", what, "), got ",
+                        x[i], " at flat index ", i);
+  };
+  if (m.varlen()) {
+    prefix(**m.cu_seqlens_q, "cu_seqlens_q", q.size(2), m.max_seqlen_q, "max_seqlen_q");
+    prefix(**m.cu_seqlens_k, "cu_seqlens_k", k.size(2), m.max_seqlen_k, "max_seqlen_k");
+  }
+  if (m.has_cache_batch_idx()) rows(**m.cache_batch_idx, "cache_batch_idx", k.size(0), "k's batch rows");
+  if (m.paged()) rows(**m.block_table, "block_table", k.size(0), "k's pages");
 }
 
 // The modes: ranges, the mask's dtype, shape and device, and whether the family implements them.
@@ -163,6 +266,7 @@ inline void check_modes(const ModeArgs& m, const at::Tensor& q, const Sizes& s, 
     check_shape(a, "alibi_slopes", {s.B, s.H}, "(batch, heads; expand() to broadcast)");
     check_same_device(a, "alibi_slopes", q);
   }
+  check_packing_and_cache(m, q, s, backward);
   const unsigned missing = m.required() & ~family_features;
   for (int f = 0; f < caps::kNumFeatures; ++f)
     TORCH_CHECK_NOT_IMPLEMENTED(!(missing & (1u << f)), op_name(backward), ": the ", family,
@@ -195,6 +299,24 @@ void fill_mode_params(Params& p, const ModeArgs& m) {
     p.alibi_sb = a.stride(0);
     p.alibi_sh = a.stride(1);
   }
+  // The index tensors must be contiguous (the Python layer makes them so; checked here).
+  auto index_ptr = [](const std::optional<at::Tensor>* t, const char* name) -> const int32_t* {
+    if (!ModeArgs::given(t)) return nullptr;
+    TORCH_CHECK_VALUE((*t)->is_contiguous(), name, ": expected a contiguous tensor");
+    return (*t)->const_data_ptr<int32_t>();
+  };
+  if (m.varlen()) {
+    p.cu_seqlens_q = index_ptr(m.cu_seqlens_q, "cu_seqlens_q");
+    p.cu_seqlens_k = index_ptr(m.cu_seqlens_k, "cu_seqlens_k");
+    p.num_seqs = (*m.cu_seqlens_q)->numel() - 1;
+    p.max_seqlen_q = m.max_seqlen_q;
+    p.max_seqlen_k = m.max_seqlen_k;
+  }
+  p.kv_batch_idx = index_ptr(m.cache_batch_idx, "cache_batch_idx");
+  if (m.paged()) {
+    p.block_table = index_ptr(m.block_table, "block_table");
+    p.block_table_stride = (*m.block_table)->stride(0);
+  }
 }
 
 // The C++ adapter of the call record: the op schemas (csrc/bindings.cpp) pass the modes flattened,
@@ -212,8 +334,14 @@ std::tuple<at::Tensor, at::Tensor> fwd_op(const at::Tensor& q, const at::Tensor&
                                           bool causal, const std::optional<at::Tensor>& key_lengths,
                                           const std::optional<at::Tensor>& attn_mask, double dropout_p, int64_t seed,
                                           bool top_left, int64_t window_left, int64_t window_right, double softcap,
-                                          const std::optional<at::Tensor>& alibi_slopes) {
-  const ModeArgs m{&attn_mask, dropout_p, seed, top_left, window_left, window_right, false, softcap, &alibi_slopes};
+                                          const std::optional<at::Tensor>& alibi_slopes,
+                                          const std::optional<at::Tensor>& cu_seqlens_q,
+                                          const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
+                                          int64_t max_seqlen_k, const std::optional<at::Tensor>& cache_batch_idx,
+                                          const std::optional<at::Tensor>& block_table) {
+  const ModeArgs m{&attn_mask,    dropout_p,    seed,          top_left,     window_left,      window_right,
+                   false,         softcap,      &alibi_slopes, &cu_seqlens_q, &cu_seqlens_k, max_seqlen_q,
+                   max_seqlen_k,  &cache_batch_idx, &block_table};
   return F(q, k, v, scale, causal, key_lengths, m);
 }
 
@@ -222,8 +350,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_op(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, double scale, bool causal, const std::optional<at::Tensor>& key_lengths,
     const std::optional<at::Tensor>& attn_mask, double dropout_p, int64_t seed, bool top_left, int64_t window_left,
-    int64_t window_right, bool mask_grad, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
-  const ModeArgs m{&attn_mask, dropout_p, seed, top_left, window_left, window_right, mask_grad, softcap, &alibi_slopes};
+    int64_t window_right, bool mask_grad, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, const std::optional<at::Tensor>& cache_batch_idx,
+    const std::optional<at::Tensor>& block_table) {
+  const ModeArgs m{&attn_mask,    dropout_p,    seed,          top_left,     window_left,      window_right,
+                   mask_grad,     softcap,      &alibi_slopes, &cu_seqlens_q, &cu_seqlens_k, max_seqlen_q,
+                   max_seqlen_k,  &cache_batch_idx, &block_table};
   return F(dout, q, k, v, out, lse, scale, causal, key_lengths, m);
 }
 

@@ -88,7 +88,7 @@ at::Tensor check_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k,
                         bool causal, const std::optional<at::Tensor>& key_lengths, const op::ModeArgs& modes,
                         bool backward) {
   // check_qkv first: it names an undefined operand (None from Python) before anything reads its device.
-  const op::Sizes s = op::check_qkv(q, k, v, scale);
+  const op::Sizes s = op::check_qkv(q, k, v, scale, &modes);
   check_cpu(q, "q");
   p.dtype = dtype_of(q);
   TORCH_CHECK_VALUE(s.D <= caps::kCpuMaxHeadDim, "q: head dim ", s.D, " exceeds the cpu kernels' maximum of ",
