@@ -194,7 +194,7 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
         std::fill(orow, orow + Dv, static_cast<T>(0.f));
       else
         store_row(src, Dv, inv, orow);
-      p.lse[(b * p.H + h) * p.Lq + i] = dead ? kNegInf : static_cast<float>(lse2 * kLn2d);
+      p.lse[(b * p.H + h) * p.lse_sh + i] = dead ? kNegInf : static_cast<float>(lse2 * kLn2d);
     } else {
       const int64_t row = ((sink.split * p.B + b) * p.H + h) * p.Lq + i;
       float* po = sink.part_o + row * Dv;
@@ -224,12 +224,12 @@ void merge_splits(const AttnParams& p, int64_t n_splits, const float* part_o, co
       T* orow = static_cast<T*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + i * p.out.sl;
       if (nan) {
         for (int64_t dv = 0; dv < Dv; ++dv) orow[dv] = static_cast<T>(std::numeric_limits<float>::quiet_NaN());
-        p.lse[row] = std::numeric_limits<float>::quiet_NaN();
+        p.lse[(b * p.H + h) * p.lse_sh + i] = std::numeric_limits<float>::quiet_NaN();
         continue;
       }
       if (mx == kNegInf) {
         for (int64_t dv = 0; dv < Dv; ++dv) orow[dv] = static_cast<T>(0.f);
-        p.lse[row] = kNegInf;
+        p.lse[(b * p.H + h) * p.lse_sh + i] = kNegInf;
         continue;
       }
       float wsum = 0.f;
@@ -245,7 +245,7 @@ void merge_splits(const AttnParams& p, int64_t n_splits, const float* part_o, co
       }
       const float inv = 1.f / wsum;
       for (int64_t dv = 0; dv < Dv; ++dv) orow[dv] = static_cast<T>(acc[dv] * inv);
-      p.lse[row] = static_cast<float>((static_cast<double>(mx) + std::log2(static_cast<double>(wsum))) * kLn2d);
+      p.lse[(b * p.H + h) * p.lse_sh + i] = static_cast<float>((static_cast<double>(mx) + std::log2(static_cast<double>(wsum))) * kLn2d);
     }
   });
 }
