@@ -91,7 +91,9 @@ def test_capabilities_is_json_with_both_families():
     assert set(caps) == {"cpu", "cuda"}
     assert caps["cpu"]["compiled"] is True and isinstance(caps["cuda"]["compiled"], bool)
     for fam in caps.values():
-        assert set(fam["features"]) <= {"attn_mask", "mask_grad", "dropout", "top_left", "window"}
+        # Names only from capabilities.h's kFeatureNames (the families' lists grow; the names do not change).
+        assert set(fam["features"]) <= {"attn_mask", "mask_grad", "dropout", "top_left", "window", "softcap", "alibi",
+                                        "varlen", "cache_batch_idx", "paged"}
     # The sm_90a forward family sits inside the cuda block: compiled only with CUDA and 9.0 in
     # the arch list (never in a CPU-only build). Its head dims are the cuda family's plus those
     # only its forward serves (fwd_only_head_dims: D 256, whose backward is the mma.sync

@@ -139,7 +139,7 @@ def test_varlen_deterministic_and_isolated():
 def test_features_declared():
     from mhakern import backends
 
-    assert "varlen" in backends.get("cpu").features
+    assert {"varlen", "cache_batch_idx", "paged"} <= backends.get("cpu").features
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -157,3 +157,82 @@ def test_bad_packing_names_the_argument(bad, match):
     extra.update(bad)
     with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
         torch.ops.mhakern_C.fwd(q, k, v, 0.25, False, kl, *Modes().c_op_args(), **extra)
+
+
+# ---- KV cache (forward only): cache_batch_idx and paged K/V -----------------------------------
+
+def _check_fwd(out, lse, q, kd, vd, scale, causal, kl, m, dtype):
+    """out, lse against the float64 reference on the dense (gathered) K/V."""
+    o64, l64 = reference.attention_forward(q.double(), kd.double(), vd.double(), scale, causal, kl, upcast=True,
+                                           modes=m)
+    oT, _ = reference.attention_forward(q, kd, vd, scale, causal, kl, upcast=False, modes=m)
+    rule_check("out", out, o64, oT, dtype, 2.0)
+    dead = torch.isneginf(l64)
+    assert torch.equal(torch.isneginf(lse.double()), dead), "lse: -inf pattern differs from the reference"
+    if (~dead).any():
+        err = (lse.double() - l64)[~dead].abs().max().item()
+        assert err <= 1e-3 * max(1.0, l64[~dead].abs().max().item()), f"lse: max error {err:.3e}"
+
+
+@pytest.mark.parametrize("Lq,H,Hkv,causal,window", [(1, 8, 2, False, (-1, -1)), (5, 2, 2, True, (-1, -1)),
+                                                  (70, 2, 1, True, (9, 0))], ids=["decode-gqa", "causal", "window"])
+def test_cache_batch_idx(Lq, H, Hkv, causal, window):
+    g = torch.Generator().manual_seed(5)
+    B, Bc, Lk, D = 3, 4, 150, 32
+    q = torch.randn(B, H, Lq, D, generator=g)
+    kc = torch.randn(Bc, Lk, Hkv, D, generator=g).transpose(1, 2)  # (Bc, Hkv, Lk, D), strided
+    vc = torch.randn(Bc, Lk, Hkv, D, generator=g).transpose(1, 2)
+    idx = torch.tensor([2, 0, 2], dtype=torch.int32)  # a repeat, a row never read
+    kl = torch.tensor([150, 77, 5 + Lq], dtype=torch.int32)
+    m = Modes(window_left=window[0], window_right=window[1])
+    out, lse = torch.ops.mhakern_C.fwd(q, kc, vc, 0.2, causal, kl, *m.c_op_args(), cache_batch_idx=idx)
+    _check_fwd(out, lse, q, kc[idx.long()], vc[idx.long()], 0.2, causal, kl, m, torch.float32)
+
+
+def _paged(B, Hkv, pages_per_seq, ps, D, dtype, g, share=True):
+    """Pages in vLLM's (num_pages, page_size, Hkv, D) layout seen as (num_pages, Hkv, ps, D), an
+    unsorted block table (one page shared by two sequences) and the dense K/V it describes."""
+    n = B * pages_per_seq + 3
+    kp = torch.randn(n, ps, Hkv, D, generator=g).to(dtype).transpose(1, 2)
+    vp = torch.randn(n, ps, Hkv, D, generator=g).to(dtype).transpose(1, 2)
+    bt = torch.randperm(n, generator=g)[:B * pages_per_seq].reshape(B, pages_per_seq).to(torch.int32)
+    if share and B > 1:
+        bt[1, 0] = bt[0, -1]
+    dense = lambda x: x[bt.long()].permute(0, 2, 1, 3, 4).reshape(B, Hkv, pages_per_seq * ps, D)  # noqa: E731
+    return kp, vp, bt.contiguous(), dense(kp), dense(vp)
+
+
+@pytest.mark.parametrize("ps,pages,Lq,H,Hkv,causal,dtype", [
+    (16, 9, 1, 8, 2, False, torch.float32),     # decode, heads grouped, blocks cross pages
+    (1, 40, 3, 2, 2, True, torch.float32),      # one row a page
+    (50, 4, 20, 2, 1, True, torch.float32),     # a page size not dividing the key block
+    (200, 1, 4, 2, 2, False, torch.float32),    # one page longer than a key block
+    (16, 132, 2, 1, 1, True, torch.float32),    # split key ranges over a long logical cache
+    (16, 9, 1, 4, 1, False, torch.bfloat16),
+], ids=["ps16-decode", "ps1", "ps50", "ps200", "ps16-splitk", "ps16-bf16"])
+def test_paged(ps, pages, Lq, H, Hkv, causal, dtype):
+    g = torch.Generator().manual_seed(ps + pages)
+    B, D = 3, 32
+    kp, vp, bt, kd, vd = _paged(B, Hkv, pages, ps, D, dtype, g)
+    Lk = pages * ps
+    q = torch.randn(B, H, Lq, D, generator=g).to(dtype)
+    kl = torch.tensor([Lk, max(Lk - 7, Lq), min(Lq + 3, Lk)], dtype=torch.int32)
+    m = Modes(softcap=5.0) if ps == 50 else Modes()
+    out, lse = torch.ops.mhakern_C.fwd(q, kp, vp, 0.2, causal, kl, *m.c_op_args(), block_table=bt)
+    _check_fwd(out, lse, q, kd, vd, 0.2, causal, kl, m, dtype)
+
+
+def test_paged_bad_key_lengths_and_pages():
+    g = torch.Generator().manual_seed(0)
+    kp, vp, bt, _, _ = _paged(2, 1, 3, 16, 16, torch.float32, g)
+    q = torch.randn(2, 1, 1, 16, generator=g)
+    with pytest.raises(ValueError, match="key_lengths"):  # beyond the logical length 3 * 16
+        torch.ops.mhakern_C.fwd(q, kp, vp, 0.25, False, torch.tensor([49, 3], dtype=torch.int32),
+                                *Modes().c_op_args(), block_table=bt)
+    bad = bt.clone()
+    bad[0, 0] = kp.shape[0]
+    with pytest.raises(ValueError, match="block_table"):
+        torch.ops.mhakern_C.fwd(q, kp, vp, 0.25, False, None, *Modes().c_op_args(), block_table=bad)
+    with pytest.raises(ValueError, match="cache_batch_idx"):
+        torch.ops.mhakern_C.fwd(q, kp[:2], vp[:2], 0.25, False, None, *Modes().c_op_args(),
+                                cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32))

@@ -118,6 +118,7 @@ at::Tensor check_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k,
   p.v = view_of(v);
   op::fill_mode_params(p, modes);
   p.lse_sh = p.Lq;
+  if (modes.paged()) p.page_size = k.size(2);
   at::Tensor kl;
   if (has_kl) {
     kl = key_lengths->contiguous();
