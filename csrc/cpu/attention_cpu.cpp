@@ -95,13 +95,20 @@ at::Tensor check_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k,
                     caps::kCpuMaxHeadDim);
   TORCH_CHECK_VALUE(s.Dv <= caps::kCpuMaxHeadDim, "v: head dim ", s.Dv, " exceeds the cpu kernels' maximum of ",
                     caps::kCpuMaxHeadDim);
-  op::check_key_lengths_meta(key_lengths, q, s);
+  // A paged cache's logical key length (key_lengths are checked against it).
+  op::Sizes sk = s;
+  sk.Lk = op::kernel_key_len(modes, k);
+  op::check_key_lengths_meta(key_lengths, q, sk);
   op::check_modes(modes, q, s, caps::kCpuFeatures, "cpu", backward);
+  const bool has_kl = key_lengths.has_value() && key_lengths->defined();
+  TORCH_CHECK_VALUE(!(has_kl && modes.varlen()), "key_lengths: not with packed sequences (cu_seqlens_k gives each "
+                    "sequence's keys)");
+  op::check_packing_values(modes, q, k);
   p.B = s.B;
   p.H = s.H;
   p.Hkv = s.Hkv;
   p.Lq = s.Lq;
-  p.Lk = s.Lk;
+  p.Lk = sk.Lk;
   p.D = s.D;
   p.Dv = s.Dv;
   p.scale = static_cast<float>(scale);
@@ -110,12 +117,14 @@ at::Tensor check_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k,
   p.k = view_of(k);
   p.v = view_of(v);
   op::fill_mode_params(p, modes);
+  p.lse_sh = p.Lq;
+  if (modes.paged()) p.page_size = k.size(2);
   at::Tensor kl;
-  if (key_lengths.has_value() && key_lengths->defined()) {
+  if (has_kl) {
     kl = key_lengths->contiguous();
     // Read here, where it is free: an out-of-range length is refused, never clamped into a
     // silently different answer.
-    op::check_key_length_values(kl.const_data_ptr<int32_t>(), s);
+    op::check_key_length_values(kl.const_data_ptr<int32_t>(), sk);
     p.key_lengths = kl.const_data_ptr<int32_t>();
   }
   return kl;

@@ -54,23 +54,74 @@
 #include "kernel/backward.h"
 #include "kernel/forward.h"
 
+#include <type_traits>
+
 namespace mhakern::cpu {
 namespace CPU_CAPABILITY {
+
+// Packed sequences (ModeParams::cu_seqlens_q): sequence s is exactly batch element s of a dense
+// call of lengths (Lq_s, Lk_s), so it runs as the dense call of one batch element over views that
+// start at its first tokens: local positions, its causal offset, the dropout hash of (s, h) and
+// the ALiBi slopes of row s follow, and no view reaches another sequence's tokens. Each sequence's
+// decomposition is the dense one of its lengths (a function of the shapes), so the result is
+// deterministic; sequences run one after the other, each over all threads.
+template <typename V>
+inline V shift_rows(V x, int64_t rows, int64_t elem) {
+  using Ptr = std::conditional_t<std::is_const_v<std::remove_pointer_t<decltype(x.ptr)>>, const char*, char*>;
+  x.ptr = static_cast<Ptr>(x.ptr) + rows * x.sl * elem;
+  return x;
+}
+
+inline AttnParams sequence_params(const AttnParams& p, int64_t s) {
+  const int64_t elem = p.dtype == DType::Float32 ? 4 : 2;
+  const int64_t q0 = p.cu_seqlens_q[s], k0 = p.cu_seqlens_k[s];
+  AttnParams ps = p;
+  ps.cu_seqlens_q = ps.cu_seqlens_k = nullptr;
+  ps.num_seqs = 0;
+  ps.B = 1;
+  ps.Lq = p.cu_seqlens_q[s + 1] - q0;
+  ps.Lk = p.cu_seqlens_k[s + 1] - k0;
+  ps.q = shift_rows(p.q, q0, elem);
+  ps.out = shift_rows(p.out, q0, elem);
+  ps.dout = shift_rows(p.dout, q0, elem);
+  ps.dq = shift_rows(p.dq, q0, elem);
+  ps.k = shift_rows(p.k, k0, elem);
+  ps.v = shift_rows(p.v, k0, elem);
+  ps.dk = shift_rows(p.dk, k0, elem);
+  ps.dv = shift_rows(p.dv, k0, elem);
+  ps.lse = p.lse + q0;  // head stride stays the packed tensor's (lse_sh = Tq)
+  ps.hash_b0 = s;
+  if (p.alibi) ps.alibi = p.alibi + s * p.alibi_sb;
+  return ps;
+}
+
+template <typename T>
+void forward_any(const AttnParams& p) {
+  if (p.cu_seqlens_q == nullptr) return forward_impl<T>(p);
+  for (int64_t s = 0; s < p.num_seqs; ++s) forward_impl<T>(sequence_params(p, s));
+}
+
+template <typename T>
+void backward_any(const AttnParams& p) {
+  if (p.cu_seqlens_q == nullptr) return backward_impl<T>(p);
+  // A sequence without queries zeroes its keys' dK, dV; without keys, its rows' dQ.
+  for (int64_t s = 0; s < p.num_seqs; ++s) backward_impl<T>(sequence_params(p, s));
+}
 
 // Entry points of this instruction set.
 inline void forward(const AttnParams& p) {
   switch (p.dtype) {
-    case DType::Float32: return forward_impl<float>(p);
-    case DType::BFloat16: return forward_impl<c10::BFloat16>(p);
-    case DType::Float16: return forward_impl<c10::Half>(p);
+    case DType::Float32: return forward_any<float>(p);
+    case DType::BFloat16: return forward_any<c10::BFloat16>(p);
+    case DType::Float16: return forward_any<c10::Half>(p);
   }
 }
 
 inline void backward(const AttnParams& p) {
   switch (p.dtype) {
-    case DType::Float32: return backward_impl<float>(p);
-    case DType::BFloat16: return backward_impl<c10::BFloat16>(p);
-    case DType::Float16: return backward_impl<c10::Half>(p);
+    case DType::Float32: return backward_any<float>(p);
+    case DType::BFloat16: return backward_any<c10::BFloat16>(p);
+    case DType::Float16: return backward_any<c10::Half>(p);
   }
 }
 

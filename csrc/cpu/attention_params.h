@@ -37,8 +37,14 @@ struct AttnParams : ModeParams {  // the modes: ../mode_params.h
   View q, k, v;
   // Forward: written. Backward: read (delta = rowsum(dout * out)).
   MutView out;
-  // (B, H, Lq) contiguous float32, natural log; forward writes it, backward reads it.
+  // float32, natural log, row (b, h, i) at lse[(b * H + h) * lse_sh + i]: (B, H, Lq) contiguous
+  // (lse_sh = Lq, set by the host) or, for one packed sequence, its rows of the (1, H, Tq) tensor.
+  // Forward writes it, backward reads it.
   float* lse = nullptr;
+  int64_t lse_sh = 0;
+  // The batch index the dropout hash sees for batch element b is b + hash_b0: 0, or the sequence
+  // number when one packed sequence runs as a batch of one (sequence_params).
+  int64_t hash_b0 = 0;
 
   // Backward only.
   View dout;

@@ -112,7 +112,7 @@ MHK_STEP void gather_rows(const AttnParams& p, const RowPlan& rp, int64_t b, int
     sl.lse2[r] = 0.f;
     sl.delta[r] = 0.f;
     const int64_t h = sl.rb.h0 + r / sl.rb.nq, i = sl.rb.i0 + r % sl.rb.nq;
-    const float lse = r < R ? p.lse[(b * p.H + h) * p.Lq + i] : kNegInf;
+    const float lse = r < R ? p.lse[(b * p.H + h) * p.lse_sh + i] : kNegInf;
     // Only lse = -inf marks a row that saw nothing: a NaN lse (NaN among the visible inputs)
     // is live, and spreads its NaN through the gradients it touches.
     const bool dead = lse == kNegInf;

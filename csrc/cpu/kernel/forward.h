@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "gemm.h"
+#include "kv_cache.h"
 #include "modes.h"
 
 namespace mhakern::cpu {
@@ -88,13 +89,12 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
   }
   if (jstart >= kstop) std::fill(s.ot, s.ot + Dvp * Rp, 0.f);  // no key block will write it
 
-  const T* kbase = static_cast<const T*>(p.k.ptr) + b * p.k.sb + hkv * p.k.sh;
-  const T* vbase = static_cast<const T*>(p.v.ptr) + b * p.v.sb + hkv * p.v.sh;
+  const KvRows<T> krows(p, p.k, b, hkv), vrows(p, p.v, b, hkv);
   bool first = true;
   for (int64_t j0 = jstart; j0 < kstop; j0 += kKeyBlock) {
     const int64_t bk = std::min(kKeyBlock, kstop - j0);
     int64_t ldk, ldv;
-    const float* Kb = rows_as_float<T>(kbase + j0 * p.k.sl, bk, D, p.k.sl, s.kc, &ldk);
+    const float* Kb = krows.block(j0, bk, D, s.kc, &ldk);
     // S^T (bk x Rp) = K_blk * Q^T
     gemm<CMode::Store>(bk, Rp, D, Kb, ldk, 1, s.qt, Rp, s.st, Rp);
     if constexpr (kMods) apply_score_mods(p, mods, s.ms, s.st, Rp, bk, b, rb, j0);
@@ -106,7 +106,7 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
       range_limits(p, b, R, Rp, j0, bk, row_i, nullptr, s.lorel, s.hirel);
       mask_block(s.st, Rp, bk, s.lorel, s.hirel, j0 < br.maxlo);
     }
-    const float* Vb = rows_as_float<T>(vbase + j0 * p.v.sl, bk, Dv, p.v.sl, s.vc, &ldv);
+    const float* Vb = vrows.block(j0, bk, Dv, s.vc, &ldv);
     // A hidden pair next to an inf or NaN in V: accumulate pair by pair (see visibility()).
     const bool pairwise = (ragged || p.mask) && any_nonfinite(Vb, bk, Dv, ldv);
     if (pairwise) visibility(s.st, Rp, bk, s.vis);
@@ -195,7 +195,7 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
         std::fill(orow, orow + Dv, static_cast<T>(0.f));
       else
         store_row(src, Dv, inv, orow);
-      p.lse[(b * p.H + h) * p.Lq + i] = dead ? kNegInf : static_cast<float>(lse2 * kLn2d);
+      p.lse[(b * p.H + h) * p.lse_sh + i] = dead ? kNegInf : static_cast<float>(lse2 * kLn2d);
     } else {
       const int64_t row = ((sink.split * p.B + b) * p.H + h) * p.Lq + i;
       float* po = sink.part_o + row * Dv;
@@ -225,12 +225,12 @@ void merge_splits(const AttnParams& p, int64_t n_splits, const float* part_o, co
       T* orow = static_cast<T*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + i * p.out.sl;
       if (nan) {
         for (int64_t dv = 0; dv < Dv; ++dv) orow[dv] = static_cast<T>(std::numeric_limits<float>::quiet_NaN());
-        p.lse[row] = std::numeric_limits<float>::quiet_NaN();
+        p.lse[(b * p.H + h) * p.lse_sh + i] = std::numeric_limits<float>::quiet_NaN();
         continue;
       }
       if (mx == kNegInf) {
         for (int64_t dv = 0; dv < Dv; ++dv) orow[dv] = static_cast<T>(0.f);
-        p.lse[row] = kNegInf;
+        p.lse[(b * p.H + h) * p.lse_sh + i] = kNegInf;
         continue;
       }
       float wsum = 0.f;
@@ -246,7 +246,7 @@ void merge_splits(const AttnParams& p, int64_t n_splits, const float* part_o, co
       }
       const float inv = 1.f / wsum;
       for (int64_t dv = 0; dv < Dv; ++dv) orow[dv] = static_cast<T>(acc[dv] * inv);
-      p.lse[row] = static_cast<float>((static_cast<double>(mx) + std::log2(static_cast<double>(wsum))) * kLn2d);
+      p.lse[(b * p.H + h) * p.lse_sh + i] = static_cast<float>((static_cast<double>(mx) + std::log2(static_cast<double>(wsum))) * kLn2d);
     }
   });
 }
@@ -294,8 +294,11 @@ void forward_impl(const AttnParams& p) {
         const int64_t j1 = sp1 * span, n1 = std::min({kKeyBlock, span, p.Lk - j1});
         prefetch_block_rows<T>(p.q, b1, row_block(rp, hkv1, blk1), p.D);
         if (n_splits == 1) prefetch_block_rows<T, 1>(p.out, b1, row_block(rp, hkv1, blk1), p.Dv);
-        prefetch_rows(static_cast<const T*>(p.k.ptr) + b1 * p.k.sb + hkv1 * p.k.sh + j1 * p.k.sl, n1, p.D, p.k.sl);
-        prefetch_rows(static_cast<const T*>(p.v.ptr) + b1 * p.v.sb + hkv1 * p.v.sh + j1 * p.v.sl, n1, p.Dv, p.v.sl);
+        if (n1 > 0) {  // a paged row's address reads the block table: only rows that exist
+          const KvRows<T> k1(p, p.k, b1, hkv1), v1(p, p.v, b1, hkv1);
+          prefetch_rows(k1.row(j1), k1.run(j1, n1), p.D, p.k.sl);
+          prefetch_rows(v1.row(j1), v1.run(j1, n1), p.Dv, p.v.sl);
+        }
       }
       task(t, &b, &hkv, &blk, &sp);
       FwdSink my = sink;
