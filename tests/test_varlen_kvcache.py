@@ -268,3 +268,24 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="key_lengths: not with packed sequences"):
         torch.ops.mhakern.attn_fwd(q4, q4, q4, 0.3, False, torch.tensor([6]), "auto", *m.op_args())
     assert math.isfinite(float(torch.ops.mhakern.attn_fwd(q4, q4, q4, 0.3, False, None, "auto", *m.op_args())[0].sum()))
+
+
+@pytest.mark.parametrize("name", usable_backends())
+def test_a_backend_without_the_feature_refuses_it_by_name(name):
+    feats = backends.get(name).features
+    q = torch.randn(4, 2, 16)
+    cu = torch.tensor([0, 1, 4], dtype=torch.int32)
+    calls = {
+        "varlen": lambda: mhakern.attention_varlen(q, q, q, cu, cu, 3, 3, backend=name),
+        "cache_batch_idx": lambda: mhakern.attention_with_kvcache(
+            q[None], q[None], q[None], cache_seqlens=torch.tensor([2]), cache_batch_idx=torch.tensor([0]),
+            backend=name),
+        "paged": lambda: mhakern.attention_with_kvcache(
+            q[None], q[None], q[None], cache_seqlens=torch.tensor([2]), block_table=torch.tensor([[0]]), backend=name),
+    }
+    for feat, call in calls.items():
+        if feat in feats:
+            call()
+        else:
+            with pytest.raises(ValueError, match=f"backend={name!r} cannot serve.*does not implement {feat}"):
+                call()
