@@ -19,6 +19,7 @@ from ._errors import ArgumentError, ArgumentTypeError
 from .attention import _parse_modes
 from .ops import (
     INT_DTYPES,
+    _host_values_checkable,
     attn_fwd,
     call_attention,
     check_packing_and_cache,
@@ -237,7 +238,9 @@ def attention_with_kvcache(
         check_qkv(q, k_cache, v_cache)
     seqlens = cache_seqlens.to(device=q.device, dtype=torch.int64)
     compiling = torch.compiler.is_compiling()
-    if not compiling and B:
+    # Value checks read the host (as for key_lengths): none while compiling or capturing a graph.
+    checkable = _host_values_checkable(seqlens)
+    if checkable and B:
         lo, hi = (int(x) for x in torch.stack(torch.aminmax(seqlens)).tolist())
         if lo < 0 or hi + L_new > L_logical:
             if L_new:
@@ -245,7 +248,7 @@ def attention_with_kvcache(
                                     f"{L_logical} positions per sequence")
             raise ArgumentError(f"cache_seqlens: values must lie in [0, {L_logical}], got min {lo} and max {hi}")
     if L_new and B:
-        _append(k_cache, v_cache, k, v, seqlens, modes, compiling)
+        _append(k_cache, v_cache, k, v, seqlens, modes, checkable)
     key_lengths = (seqlens + L_new).to(torch.int32)
     if compiling:
         out, lse = attn_fwd(q, k_cache, v_cache, scale, causal, key_lengths, backend, *modes.op_args())
@@ -256,7 +259,7 @@ def attention_with_kvcache(
     return (out, lse) if return_lse else out
 
 
-def _append(k_cache, v_cache, k, v, seqlens, modes, compiling) -> None:
+def _append(k_cache, v_cache, k, v, seqlens, modes, checkable: bool) -> None:
     """Write k, v (B, Hkv, L_new, D*) at positions ``seqlens[b] ..`` of each batch element's
     cache row or pages, in place (one indexed write per tensor)."""
     B, L_new = k.shape[0], k.shape[2]
@@ -269,7 +272,7 @@ def _append(k_cache, v_cache, k, v, seqlens, modes, compiling) -> None:
         idx = modes.cache_batch_idx
         rows = (torch.arange(B, device=pos.device) if idx is None else idx.to(torch.int64)).view(B, 1).expand(B, L_new)
         slots = pos
-    if not compiling and modes.cached:
+    if checkable and modes.cached:
         # Two batch elements writing one cache slot would race (the last write wins in no
         # defined order): refused rather than left to chance.
         flat = rows * (k_cache.shape[2]) + slots

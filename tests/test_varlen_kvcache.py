@@ -289,3 +289,19 @@ def test_a_backend_without_the_feature_refuses_it_by_name(name):
         else:
             with pytest.raises(ValueError, match=f"backend={name!r} cannot serve.*does not implement {feat}"):
                 call()
+
+
+def test_varlen_under_torch_compile():
+    # The operator's fake implementation carries the packed call through a full graph.
+    cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    q, k, v = (torch.randn(7, 2, 8).requires_grad_() for _ in range(3))
+
+    def f(q, k, v, cu):
+        return mhakern.attention_varlen(q, k, v, cu, cu, 4, 4, causal=True)
+
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, cu)
+    gc = torch.autograd.grad(out.sum(), (q, k, v))
+    ref = f(q, k, v, cu)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(gc, torch.autograd.grad(ref.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b)
