@@ -305,3 +305,25 @@ def test_varlen_under_torch_compile():
     torch.testing.assert_close(out, ref)
     for a, b in zip(gc, torch.autograd.grad(ref.sum(), (q, k, v))):
         torch.testing.assert_close(a, b)
+
+
+def test_fused_mha_packed_tokens_are_its_calls_per_sequence():
+    torch.manual_seed(0)
+    mha = mhakern.FusedMHA(16, 4, batch_first=True, num_kv_heads=2)
+    lens = [3, 1, 6]
+    x = torch.randn(sum(lens), 16, requires_grad=True)
+    cu = _cu(lens)
+    out, w = mha(x, x, x, need_weights=False, is_causal=True, cu_seqlens=cu)
+    assert w is None and out.shape == (10, 16)
+    ref = torch.cat([mha(s[None], s[None], s[None], need_weights=False, is_causal=True)[0][0]
+                     for s in x.split(lens)])
+    torch.testing.assert_close(out, ref)
+    g = torch.randn(10, 16)
+    got = torch.autograd.grad(out, (x, mha.in_proj_weight), g)
+    want = torch.autograd.grad(ref, (x, mha.in_proj_weight), g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="cu_seqlens: give need_weights=False"):
+        mha(x, x, x, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="query: with cu_seqlens expected packed tokens"):
+        mha(x[None], x[None], x[None], need_weights=False, cu_seqlens=cu)
