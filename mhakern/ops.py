@@ -475,13 +475,15 @@ def _unit_last_stride(x: Tensor) -> Tensor:
 
 
 def prepare(q, k, v, scale, causal, key_lengths, backend, modes: Modes, qkv_checked: bool = False,
-            grad: Optional[bool] = None, backward: bool = False):
+            grad: Optional[bool] = None, backward: bool = False, packing_checked: bool = False):
     """The checks of one call as the operators receive it; returns (q, k, v, key_lengths int32,
     backend, modes with the mask as its (B, H, Lq, Lk) view in the kernels' dtype).
     ``qkv_checked``: the caller (:func:`mhakern.attention`) has checked q, k, v, scale and
     causal already;
     ``grad``: whether a gradient will be needed, for the backend's selection (default: grad
-    mode and the inputs' requires_grad); ``backward``: the checks of attn_bwd (no KV cache)."""
+    mode and the inputs' requires_grad); ``backward``: the checks of attn_bwd (no KV cache);
+    ``packing_checked``: the caller has run :func:`check_packing_and_cache` and
+    :func:`prepare_packing_and_cache` on ``modes`` (their host reads are not repeated)."""
     B, H, Lq, D = q.shape if qkv_checked else check_qkv(q, k, v, modes.cached) or q.shape
     Lk = k.shape[2]
     if not qkv_checked:
@@ -491,7 +493,8 @@ def prepare(q, k, v, scale, causal, key_lengths, backend, modes: Modes, qkv_chec
     check_key_lengths_meta(key_lengths, B, q.device)
     if modes is not DEFAULT_MODES and (modes.packed or modes.cached):
         Lk = check_packing_and_cache(modes, q, k, key_lengths, backward=backward)
-        modes = prepare_packing_and_cache(modes, q, k)
+        if not packing_checked:
+            modes = prepare_packing_and_cache(modes, q, k)
     check_modes(modes, B, H, Lq, Lk, q.device)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     kl = prepare_key_lengths(key_lengths, Lk, q.device)

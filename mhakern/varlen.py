@@ -254,7 +254,7 @@ def attention_with_kvcache(
         out, lse = attn_fwd(q, k_cache, v_cache, scale, causal, key_lengths, backend, *modes.op_args())
     else:
         qc, kc, vc, kl, be, modes = prepare(q, k_cache, v_cache, scale, causal, key_lengths, backend, modes,
-                                            qkv_checked=True, grad=False)
+                                            qkv_checked=True, grad=False, packing_checked=True)
         out, lse = forward_impl(be, qc, kc, vc, scale, causal, kl, modes)
     return (out, lse) if return_lse else out
 
