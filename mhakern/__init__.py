@@ -6,6 +6,10 @@ Public API:
   alignment), sliding windows, key lengths, bool or additive masks, dropout, and the score
   modifiers softcap, ALiBi slopes and (learnable) attention sinks.
 * :func:`scaled_dot_product_attention` -- torch's SDPA signature and semantics on mhakern.
+* :func:`attention_varlen` -- packed variable-length sequences (FlashAttention's ``cu_seqlens``
+  convention), forward and backward.
+* :func:`attention_with_kvcache` -- inference over a dense or paged KV cache, appending the new
+  keys and values in place.
 * :class:`FusedMHA` -- a module mirroring ``torch.nn.MultiheadAttention``.
 * :func:`available_backends` -- each backend with None (usable) or the reason it is not.
 * :func:`last_backend` -- the backend that served this thread's last call;
@@ -18,11 +22,12 @@ from ._errors import ArgumentError, ArgumentTypeError, FallbackError, ShapeAsser
 from .attention import attention
 from .backends import available_backends, last_backend, set_strict
 from .sdpa import scaled_dot_product_attention
+from .varlen import attention_varlen, attention_with_kvcache
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "scaled_dot_product_attention", "available_backends", "last_backend", "set_strict",
+    "attention", "scaled_dot_product_attention", "attention_varlen", "attention_with_kvcache", "available_backends", "last_backend", "set_strict",
     "FusedMHA", "ArgumentError", "ArgumentTypeError", "ShapeAssertionError",
     "FallbackError", "__version__",
 ]

@@ -28,7 +28,8 @@ Tensor = torch.Tensor
 #: Every optional mode a backend may implement (the names used in ``Backend.features``).
 #: ``sinks`` is not one: the op layer applies it around every backend (docs/contract.md).
 ALL_FEATURES: FrozenSet[str] = frozenset(
-    {"attn_mask", "mask_grad", "dropout", "top_left", "window", "softcap", "alibi"}
+    {"attn_mask", "mask_grad", "dropout", "top_left", "window", "softcap", "alibi", "varlen", "cache_batch_idx",
+     "paged"}
 )
 
 
@@ -48,6 +49,16 @@ class Modes(NamedTuple):
     ``sinks``: None or a float (H,) tensor of logits that join every row's softmax denominator
     (no value): ``lse' = logaddexp(lse, sink[h])``, ``out' = out * exp(lse - lse')``. Backends
     never see it: the op layer applies it around their forward and gives its gradient.
+
+    Packed sequences ("varlen", docs/contract.md "Packed sequences"): q (1, H, Tq, D), k/v
+    (1, Hkv, Tk, D*) hold ``num_seqs`` sequences; ``cu_seqlens_q`` / ``cu_seqlens_k`` int32
+    (num_seqs + 1,) prefix sums (first 0, last Tq / Tk), ``max_seqlen_q`` / ``max_seqlen_k`` bounds
+    of the lengths. Sequence s is batch element s of a dense call (local positions, its own causal
+    offset, dropout hash with b = s, ALiBi slopes row s: ``alibi_slopes`` is then (num_seqs, H)).
+    The KV cache (forward only, docs/contract.md "KV cache"): ``cache_batch_idx`` int32 (B,): batch
+    element b reads K/V row ``cache_batch_idx[b]``; ``block_table`` int32 (B, pages_per_seq): k/v
+    are (num_pages, Hkv, page_size, D*) and key j of element b is row ``j % page_size`` of page
+    ``block_table[b, j // page_size]`` (logical key length ``pages_per_seq * page_size``).
     """
 
     attn_mask: Optional[Tensor] = None
@@ -60,6 +71,12 @@ class Modes(NamedTuple):
     softcap: float = 0.0
     alibi_slopes: Optional[Tensor] = None
     sinks: Optional[Tensor] = None
+    cu_seqlens_q: Optional[Tensor] = None
+    cu_seqlens_k: Optional[Tensor] = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    cache_batch_idx: Optional[Tensor] = None
+    block_table: Optional[Tensor] = None
 
     def required_features(self) -> FrozenSet[str]:
         """The names of the modes a backend must implement for this call (empty for the
@@ -81,7 +98,23 @@ class Modes(NamedTuple):
             need.add("softcap")
         if self.alibi_slopes is not None:
             need.add("alibi")
+        if self.cu_seqlens_q is not None or self.cu_seqlens_k is not None:
+            need.add("varlen")
+        if self.cache_batch_idx is not None:
+            need.add("cache_batch_idx")
+        if self.block_table is not None:
+            need.add("paged")
         return frozenset(need)
+
+    @property
+    def packed(self) -> bool:
+        """Whether the call holds packed sequences (either prefix sum given)."""
+        return self.cu_seqlens_q is not None or self.cu_seqlens_k is not None
+
+    @property
+    def cached(self) -> bool:
+        """Whether K/V rows are addressed through the cache's indices (cache_batch_idx or pages)."""
+        return self.cache_batch_idx is not None or self.block_table is not None
 
     def for_backend(self) -> "Modes":
         """The record a backend sees: without ``sinks`` (the op layer's part)."""
@@ -95,27 +128,36 @@ class Modes(NamedTuple):
 
     @classmethod
     def from_op_args(cls, attn_mask, dropout_p, seed, top_left, window_left, window_right, mask_grad, softcap,
-                     alibi_slopes, sinks) -> "Modes":
+                     alibi_slopes, sinks, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+                     cache_batch_idx=None, block_table=None) -> "Modes":
         """The record from :meth:`op_args`' flattening (the default record when every field
         has its default, so that ``required_features`` is free for plain calls)."""
         if (attn_mask is None and dropout_p == 0.0 and top_left is False and window_left == -1 and window_right == -1
-                and mask_grad is False and softcap == 0.0 and alibi_slopes is None and sinks is None):
+                and mask_grad is False and softcap == 0.0 and alibi_slopes is None and sinks is None
+                and cu_seqlens_q is None and cu_seqlens_k is None and cache_batch_idx is None and block_table is None):
             return DEFAULT_MODES
         return cls(attn_mask, dropout_p, seed, top_left, window_left, window_right, mask_grad, softcap, alibi_slopes,
-                   sinks)
+                   sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cache_batch_idx, block_table)
 
     # -- the C++ operators' schema (csrc/bindings.cpp) --------------------------------------
     def c_op_args(self) -> tuple:
         """The mode arguments of ``torch.ops.mhakern_C.fwd`` in schema order (after
         ``key_lengths``); ``bwd`` takes ``mask_grad`` after ``window_right``
-        (:meth:`c_op_bwd_args`)."""
-        return (self.attn_mask, float(self.dropout_p), int(self.seed), bool(self.top_left), int(self.window_left),
+        (:meth:`c_op_bwd_args`). The packing and cache arguments, the schema's defaulted tail,
+        are passed only when the call has them (a plain call's dispatch stays as short)."""
+        head = (self.attn_mask, float(self.dropout_p), int(self.seed), bool(self.top_left), int(self.window_left),
                 int(self.window_right), float(self.softcap), self.alibi_slopes)
+        return head + self._c_tail() if self.packed or self.cached else head
 
     def c_op_bwd_args(self) -> tuple:
         """The mode arguments of ``torch.ops.mhakern_C.bwd`` in schema order."""
-        return (self.attn_mask, float(self.dropout_p), int(self.seed), bool(self.top_left), int(self.window_left),
+        head = (self.attn_mask, float(self.dropout_p), int(self.seed), bool(self.top_left), int(self.window_left),
                 int(self.window_right), bool(self.mask_grad), float(self.softcap), self.alibi_slopes)
+        return head + self._c_tail() if self.packed or self.cached else head
+
+    def _c_tail(self) -> tuple:
+        return (self.cu_seqlens_q, self.cu_seqlens_k, int(self.max_seqlen_q), int(self.max_seqlen_k),
+                self.cache_batch_idx, self.block_table)
 
 
 DEFAULT_MODES = Modes()
@@ -135,5 +177,7 @@ def mask_4d(attn_mask: Optional[Tensor]) -> Optional[Tensor]:
 #: under torch.compile it is drawn inside the graph (a data-dependent scalar).
 OP_SCHEMA_MODES = (
     "Tensor? attn_mask=None, float dropout_p=0.0, SymInt seed=0, bool top_left=False, int window_left=-1, "
-    "int window_right=-1, bool mask_grad=False, float softcap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None"
+    "int window_right=-1, bool mask_grad=False, float softcap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None, "
+    "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, SymInt max_seqlen_q=0, SymInt max_seqlen_k=0, "
+    "Tensor? cache_batch_idx=None, Tensor? block_table=None"
 )

@@ -22,6 +22,7 @@ from . import backends, reference
 from ._errors import ArgumentError, ShapeAssertionError
 from .attention import attention
 from .ops import check_softcap, draw_seed, is_causal_bias, resolve_causal_bias
+from .varlen import attention_varlen
 
 Tensor = torch.Tensor
 
@@ -268,6 +269,8 @@ class FusedMHA(nn.Module):
         is_causal: bool = False,
         *,
         key_lengths: Optional[Tensor] = None,
+        cu_seqlens=None,
+        max_seqlen=None,
     ) -> Tuple[Tensor, Optional[Tensor]]:
         r"""Attend from ``query`` to ``key``/``value``; returns ``(out, weights)``.
 
@@ -313,6 +316,16 @@ class FusedMHA(nn.Module):
             key_lengths: (extra) int tensor (N,) (shape () or (1,) unbatched): keys at
                 positions >= key_lengths[b] (among the S given ones) are ignored. An alternative
                 to a right-padding ``key_padding_mask``; give at most one of the two.
+            cu_seqlens: (extra) packed variable-length sequences: ``query`` (T, E), ``key``
+                (Tk, kdim), ``value`` (Tk, vdim) hold the tokens of every sequence one after
+                the other, and ``cu_seqlens`` their integer (num_seqs + 1,) prefix sums (one
+                tensor for query and key alike, or a pair ``(cu_seqlens_q, cu_seqlens_k)``);
+                sequence s attends only to its own keys (:func:`mhakern.attention_varlen`;
+                ``is_causal`` is causal per sequence, bottom-right). Needs
+                ``need_weights=False`` and no masks, key lengths, ``add_bias_kv`` or
+                ``add_zero_attn``; ``out`` is (T, E), weights None.
+            max_seqlen: with ``cu_seqlens``, the longest sequence (an int, or a pair for query
+                and key); default: read from ``cu_seqlens`` (one host read).
 
         Returns:
             ``out``, and ``weights`` (None unless ``need_weights``) in the query's dtype.
@@ -330,6 +343,11 @@ class FusedMHA(nn.Module):
             _check_flag(name, val)
         if key_padding_mask is not None and key_lengths is not None:
             raise ValueError("key_padding_mask, key_lengths: give at most one of the two")
+        if cu_seqlens is not None:
+            return self._forward_packed(query, key, value, cu_seqlens, max_seqlen, key_padding_mask, need_weights,
+                                        attn_mask, is_causal, key_lengths)
+        if max_seqlen is not None:
+            raise ArgumentError("max_seqlen: only with cu_seqlens (packed sequences)")
         if any(isinstance(x, Tensor) and x.is_nested for x in (query, key, value)):
             return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal,
                                         key_lengths)
@@ -484,6 +502,42 @@ class FusedMHA(nn.Module):
         if sinks is not None:
             kw["sinks"] = sinks
         return kw
+
+    def _forward_packed(self, query, key, value, cu_seqlens, max_seqlen, key_padding_mask, need_weights, attn_mask,
+                        is_causal, key_lengths):
+        """Packed (T, E) tokens with their prefix sums, through attention_varlen."""
+        if need_weights or key_padding_mask is not None or attn_mask is not None or key_lengths is not None:
+            raise ArgumentError("cu_seqlens: give need_weights=False and no key_padding_mask, attn_mask or "
+                                "key_lengths (the packing already says which keys each token sees)")
+        if self.bias_k is not None or self.add_zero_attn:
+            raise ArgumentError("cu_seqlens: not with add_bias_kv or add_zero_attn (keys appended per sequence)")
+        for name, x, dim in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
+            if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != dim:
+                raise ArgumentError(f"{name}: with cu_seqlens expected packed tokens (T, {dim}), got "
+                                    f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+        if key.shape[0] != value.shape[0]:
+            raise ArgumentError(f"key, value: token counts must match, got {key.shape[0]} and {value.shape[0]}")
+        cu_q, cu_k = cu_seqlens if isinstance(cu_seqlens, (tuple, list)) else (cu_seqlens, cu_seqlens)
+        for name, cu in (("cu_seqlens", cu_q), ("cu_seqlens", cu_k)):
+            if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.numel() < 1:
+                raise ArgumentError(f"{name}: expected a 1-D integer tensor of num_seqs + 1 prefix sums (or a pair)")
+        if max_seqlen is None:
+            mq, mk = (int((c[1:] - c[:-1]).max()) if c.numel() > 1 else 0 for c in (cu_q, cu_k))
+        elif isinstance(max_seqlen, (tuple, list)):
+            mq, mk = max_seqlen
+        else:
+            mq = mk = max_seqlen
+        H, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        T = query.shape[0]
+        q, k, v = self._in_projection(query, key, value, query is key and key is value, key is value)
+        q, k, v = q.unflatten(-1, (H, hd)), k.unflatten(-1, (Hkv, hd)), v.unflatten(-1, (Hkv, hd))
+        kw = {"causal": is_causal, "backend": self.backend}
+        kw.update(self._modifiers(cu_q.shape[0] - 1))
+        p = self.dropout if self.training else 0.0
+        if p > 0.0:
+            kw["dropout_p"] = p
+        o = attention_varlen(q, k, v, cu_q, cu_k, mq, mk, **kw)
+        return self.out_proj(o.reshape(T, H * hd)), None
 
     def _forward_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal, key_lengths):
         """Nested (ragged batch) inputs, as torch's TransformerEncoder hands its layers in

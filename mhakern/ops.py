@@ -35,8 +35,10 @@ CAUSAL_ALIGNS = ("bottom_right", "top_left")
 # Checks (shapes, dtypes, devices: no data is read)
 
 
-def check_qkv(q, k, v) -> None:
-    """q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv): raise naming the argument."""
+def check_qkv(q, k, v, cached: bool = False) -> None:
+    """q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv): raise naming the argument.
+    ``cached``: k and v are a KV cache addressed per batch element (their batch dim is the
+    cache's rows or pages, any size)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
@@ -50,7 +52,7 @@ def check_qkv(q, k, v) -> None:
         raise ArgumentError(f"q, k, v: must be on one device, got q on {q.device}, k on {k.device}, v on {v.device}")
     B, H, Lq, D = q.shape
     Bk, Hkv, Lk, Dk = k.shape
-    if Bk != B:
+    if Bk != B and not cached:
         raise ArgumentError(f"k: batch size {Bk} does not match q's batch size {B}")
     if k.shape[:3] != v.shape[:3]:
         raise ArgumentError(
@@ -91,6 +93,115 @@ def check_key_lengths_meta(key_lengths, B: int, device) -> None:
         raise ArgumentError(f"key_lengths: expected shape ({B},) (one length per batch element), got {tuple(key_lengths.shape)}")
     if key_lengths.device != device and key_lengths.device.type != "cpu":
         raise ArgumentError(f"key_lengths: must be on q's device ({device}) or the CPU, got {key_lengths.device}")
+
+
+def _check_index(t, name: str, dims: int, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected None or an integer tensor, got {type(t).__name__}")
+    if t.dtype not in INT_DTYPES:
+        raise TypeError(f"{name}: expected an integer dtype (int32 preferred), got {t.dtype}")
+    if t.dim() != dims:
+        raise ArgumentError(f"{name}: expected {dims} dim(s), got shape {tuple(t.shape)}")
+    if t.device != device and t.device.type != "cpu":
+        raise ArgumentError(f"{name}: must be on q's device ({device}) or the CPU, got {t.device}")
+
+
+def check_packing_and_cache(modes: Modes, q, k, key_lengths, backward: bool = False) -> int:
+    """Shapes, dtypes and combinations of the packing and cache fields (values:
+    :func:`prepare_packing_and_cache`); returns the key length the kernels see (for a paged
+    cache ``pages_per_seq * page_size``, else k's length)."""
+    B, Lq, Lk = q.shape[0], q.shape[2], k.shape[2]
+    if modes.packed:
+        cq, ck = modes.cu_seqlens_q, modes.cu_seqlens_k
+        if cq is None or ck is None:
+            raise ArgumentError("cu_seqlens_q, cu_seqlens_k: packed sequences need both (got only "
+                                f"{'cu_seqlens_q' if cq is not None else 'cu_seqlens_k'})")
+        _check_index(cq, "cu_seqlens_q", 1, q.device)
+        _check_index(ck, "cu_seqlens_k", 1, q.device)
+        if cq.numel() < 1 or cq.numel() != ck.numel():
+            raise ArgumentError("cu_seqlens_q, cu_seqlens_k: expected one entry more than there are sequences on both "
+                                f"sides, got {cq.numel()} and {ck.numel()}")
+        if B != 1:
+            raise ArgumentError(f"q: packed sequences are one batch element of tokens (batch size 1), got {B}")
+        for name, m, total in (("max_seqlen_q", modes.max_seqlen_q, Lq), ("max_seqlen_k", modes.max_seqlen_k, Lk)):
+            if isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)):
+                raise TypeError(f"{name}: expected an int, got {type(m).__name__}")
+            if not 0 <= m <= total:
+                raise ArgumentError(f"{name}: expected a length in [0, {total}] (the tokens), got {m}")
+        if modes.attn_mask is not None:
+            raise ArgumentError("attn_mask: not with packed sequences (cu_seqlens_q); use causal, a window or "
+                                "key padding per sequence instead")
+        if key_lengths is not None:
+            raise ArgumentError("key_lengths: not with packed sequences (each sequence's keys are its own "
+                                "cu_seqlens_k range)")
+        if modes.cached:
+            raise ArgumentError("cache_batch_idx, block_table: not with packed sequences")
+    if modes.cache_batch_idx is not None:
+        _check_index(modes.cache_batch_idx, "cache_batch_idx", 1, q.device)
+        if modes.cache_batch_idx.shape[0] != B:
+            raise ArgumentError(f"cache_batch_idx: expected shape ({B},) (one K/V row per batch element), got "
+                                f"{tuple(modes.cache_batch_idx.shape)}")
+        if modes.block_table is not None:
+            raise ArgumentError("cache_batch_idx, block_table: a paged cache picks its pages per batch element "
+                                "already; give one of them")
+    if modes.block_table is not None:
+        bt = modes.block_table
+        _check_index(bt, "block_table", 2, q.device)
+        if bt.shape[0] != B:
+            raise ArgumentError(f"block_table: expected (B={B}, pages per sequence), got shape {tuple(bt.shape)}")
+        Lk = bt.shape[1] * k.shape[2]
+    if backward and modes.cached:
+        raise ArgumentError("cache_batch_idx, block_table: the KV-cache path is forward only (inference); no "
+                            "backward takes them")
+    return Lk
+
+
+def _host_values_checkable(t: Tensor) -> bool:
+    # As for key_lengths: no host read while compiling, none during CUDA-graph capture.
+    return not torch.compiler.is_compiling() and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def prepare_packing_and_cache(modes: Modes, q, k) -> Modes:
+    """Check the values of the packing and cache index tensors (one host read each; none while
+    compiling or capturing a CUDA graph, where the caller vouches for them) and return the record
+    with them int32, contiguous, on q's device: prefix sums from 0 to the token count,
+    non-decreasing, each length at most its maximum; cache rows and pages in range."""
+    upd = {}
+    if modes.packed:
+        for name, cu, total, mname, mx in (
+                ("cu_seqlens_q", modes.cu_seqlens_q, q.shape[2], "max_seqlen_q", modes.max_seqlen_q),
+                ("cu_seqlens_k", modes.cu_seqlens_k, k.shape[2], "max_seqlen_k", modes.max_seqlen_k)):
+            if _host_values_checkable(cu):
+                c = cu.tolist()
+                if c[0] != 0:
+                    raise ArgumentError(f"{name}: expected 0 first, got {c[0]}")
+                if c[-1] != total:
+                    raise ArgumentError(f"{name}: expected the token count {total} last, got {c[-1]}")
+                lens = [b - a for a, b in zip(c, c[1:])]
+                if lens and min(lens) < 0:
+                    i = next(i for i, n in enumerate(lens) if n < 0)
+                    raise ArgumentError(f"{name}: expected non-decreasing prefix sums, got {c[i]} then {c[i + 1]} at "
+                                        f"index {i}")
+                if lens and max(lens) > mx:
+                    i = next(i for i, n in enumerate(lens) if n > mx)
+                    raise ArgumentError(f"{name}: sequence {i} has {lens[i]} tokens, more than {mname} = {mx}")
+            upd[name] = _int32_on(cu, q.device)
+    for name, t in (("cache_batch_idx", modes.cache_batch_idx), ("block_table", modes.block_table)):
+        if t is None:
+            continue
+        what = "k's batch rows" if name == "cache_batch_idx" else "k's pages"
+        if t.numel() and _host_values_checkable(t):
+            lo, hi = (int(x) for x in torch.stack(torch.aminmax(t)).tolist())
+            if lo < 0 or hi >= k.shape[0]:
+                raise ArgumentError(f"{name}: values must lie in [0, {k.shape[0]}) ({what}), got min {lo} and max {hi}")
+        upd[name] = _int32_on(t, q.device)
+    return modes._replace(**upd) if upd else modes
+
+
+def _int32_on(t: Tensor, device) -> Tensor:
+    if t.dtype != torch.int32 or t.device != device:
+        t = t.to(device=device, dtype=torch.int32)
+    return t.contiguous()
 
 
 def prepare_key_lengths(key_lengths: Optional[Tensor], Lk: int, device) -> Optional[Tensor]:
@@ -181,14 +292,17 @@ def resolve_causal_bias(bias, Lq: int, Lk: int, exact_bottom_right: bool) -> Tup
 
 
 def check_modes(modes: Modes, B: int, H: int, Lq: int, Lk: int, device) -> None:
-    """Every field of the call record, as the operators receive it: raise naming the field.
+    """Every field of the call record but the packing and cache ones
+    (:func:`check_packing_and_cache`), as the operators receive it: raise naming the field.
 
     ``attn_mask`` broadcastable to (B, H, Lq, Lk) (any of 1 to 4 dims); ``alibi_slopes`` a
-    float32 (B, H) tensor (a view of (H,) slopes expanded is fine); ``sinks`` a floating (H,)
-    tensor; all on ``device``.
+    float32 (B, H) tensor (a view of (H,) slopes expanded is fine; (num_seqs, H) for packed
+    sequences); ``sinks`` a floating (H,) tensor; all on ``device``.
     """
     if modes is DEFAULT_MODES:
         return
+    if modes.packed and modes.cu_seqlens_q is not None:
+        B = modes.cu_seqlens_q.shape[0] - 1  # ALiBi slopes per sequence
     dropout_p = modes.dropout_p
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ArgumentError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
@@ -361,20 +475,26 @@ def _unit_last_stride(x: Tensor) -> Tensor:
 
 
 def prepare(q, k, v, scale, causal, key_lengths, backend, modes: Modes, qkv_checked: bool = False,
-            grad: Optional[bool] = None):
+            grad: Optional[bool] = None, backward: bool = False, packing_checked: bool = False):
     """The checks of one call as the operators receive it; returns (q, k, v, key_lengths int32,
     backend, modes with the mask as its (B, H, Lq, Lk) view in the kernels' dtype).
     ``qkv_checked``: the caller (:func:`mhakern.attention`) has checked q, k, v, scale and
     causal already;
     ``grad``: whether a gradient will be needed, for the backend's selection (default: grad
-    mode and the inputs' requires_grad)."""
-    B, H, Lq, D = q.shape if qkv_checked else check_qkv(q, k, v) or q.shape
+    mode and the inputs' requires_grad); ``backward``: the checks of attn_bwd (no KV cache);
+    ``packing_checked``: the caller has run :func:`check_packing_and_cache` and
+    :func:`prepare_packing_and_cache` on ``modes`` (their host reads are not repeated)."""
+    B, H, Lq, D = q.shape if qkv_checked else check_qkv(q, k, v, modes.cached) or q.shape
     Lk = k.shape[2]
     if not qkv_checked:
         check_scale(scale, D)
         if not isinstance(causal, bool):
             raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     check_key_lengths_meta(key_lengths, B, q.device)
+    if modes is not DEFAULT_MODES and (modes.packed or modes.cached):
+        Lk = check_packing_and_cache(modes, q, k, key_lengths, backward=backward)
+        if not packing_checked:
+            modes = prepare_packing_and_cache(modes, q, k)
     check_modes(modes, B, H, Lq, Lk, q.device)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     kl = prepare_key_lengths(key_lengths, Lk, q.device)
@@ -435,7 +555,7 @@ def _attn_bwd(dout, q, k, v, out, lse, scale, causal, key_lengths, backend, *mod
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     given = Modes.from_op_args(*_mode_tail(mode_args))
-    q, k, v, kl, be, modes = prepare(q, k, v, scale, causal, key_lengths, backend, given)
+    q, k, v, kl, be, modes = prepare(q, k, v, scale, causal, key_lengths, backend, given, backward=True)
     B, H, Lq, _ = q.shape
     Dv = v.shape[3]
     if tuple(out.shape) != (B, H, Lq, Dv) or out.device != q.device:
@@ -480,6 +600,7 @@ attn_bwd = torch.ops.mhakern.attn_bwd.default
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 # Positions in attn_fwd's arguments (after the Autograd kernel's keyset): 7 before the modes.
 _MASK_AT, _SINKS_AT = 7 + Modes._fields.index("attn_mask"), 7 + Modes._fields.index("sinks")
+_MODE_SINKS = Modes._fields.index("sinks")
 
 
 class _AttnFunction(torch.autograd.Function):
@@ -507,6 +628,8 @@ class _AttnFunction(torch.autograd.Function):
                                                          qkv_checked=keyset is None, grad=True)
             out, lse = forward_impl(be, qc, kc, vc, float(scale), causal, key_lengths, modes)
             ctx.be = be
+            if given.packed:  # the backward takes the prefix sums as checked (int32, on q's device)
+                given = given._replace(cu_seqlens_q=modes.cu_seqlens_q, cu_seqlens_k=modes.cu_seqlens_k)
         # The inputs themselves (not the checked copies): create_graph's math backward must
         # differentiate through them to the caller's tensors.
         ctx.save_for_backward(q, k, v, out, lse, key_lengths, given.attn_mask, given.alibi_slopes, given.sinks)
@@ -557,7 +680,7 @@ class _AttnFunction(torch.autograd.Function):
 
 def _attn_fwd_autograd(keyset, q, k, v, scale, causal, key_lengths, backend, *mode_args):
     mode_args = _mode_tail(mode_args)
-    if torch.is_grad_enabled() and torch._C._any_requires_grad(q, k, v, mode_args[0], mode_args[-1]):
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(q, k, v, mode_args[0], mode_args[_MODE_SINKS]):
         # Self-attention callers may pass one tensor as q, k and v; torch.compile refuses an
         # autograd.Function given the same tensor twice, so distinct views (free) stand in.
         if k is q:

@@ -15,6 +15,11 @@ Shapes and semantics are those of the backend contract (docs/contract.md):
 * NaN/inf: a non-finite value in a visible input propagates as IEEE arithmetic makes it (as in
   SDPA's math); hidden positions never contribute, not even ``0 * NaN``.
 
+Packed sequences (``modes.cu_seqlens_q/k``) are computed sequence by sequence, each as batch
+element s of a dense call (:func:`sequence_bounds`); the KV cache's addressing
+(``modes.cache_batch_idx``, ``modes.block_table``) by gathering the dense K/V first
+(:func:`gather_cache`). docs/contract.md, "Packed sequences" and "KV cache".
+
 ``upcast=True`` computes in float64 (the oracle); ``upcast=False`` computes in the input dtype
 (the "torch math in T" of the tolerance rule). Outputs are returned in the input dtype unless
 ``upcast`` is set, in which case they stay float64 so that tests can measure the kernels' error.
@@ -78,15 +83,17 @@ def dropout_keep_mask(
     device=None,
     row_offset: int = 0,
     rows: Optional[int] = None,
+    batch_offset: int = 0,
 ) -> Tensor:
-    """Bool keep mask (B, H, rows, Lk) of query rows ``row_offset ..`` (all rows by default).
+    """Bool keep mask (B, H, rows, Lk) of query rows ``row_offset ..`` (all rows by default) of
+    batch elements ``batch_offset ..`` (a packed call's sequence s hashes as b = s).
 
     ``H`` is the number of *query* heads. ``p = 0`` keeps everything.
     """
     rows = Lq - row_offset if rows is None else rows
     seed_lo, seed_hi = seed & M32, (seed >> 32) & M32
     i64 = dict(dtype=torch.int64, device=device)
-    bh = (torch.arange(B, **i64).view(B, 1) * H + torch.arange(H, **i64).view(1, H)) & M32
+    bh = (torch.arange(batch_offset, batch_offset + B, **i64).view(B, 1) * H + torch.arange(H, **i64).view(1, H)) & M32
     s_bh = mix32(seed_lo ^ mix32(seed_hi ^ bh))
     i = torch.arange(row_offset, row_offset + rows, **i64) & M32
     r_i = mix32(s_bh.view(B, H, 1) ^ i.view(1, 1, rows))
@@ -255,6 +262,57 @@ def _support_matmul(a: Tensor, b: Tensor, present: Optional[Tensor]) -> Tensor:
     return out.masked_fill(nan, math.nan)
 
 
+# ---------------------------------------------------------------------------------------------
+# Packed sequences and the KV cache, in terms of the dense call
+
+
+def sequence_bounds(modes: Modes):
+    """``[(q0, q1, k0, k1), ...]``: the query and key token ranges of each packed sequence (one
+    host read of the prefix sums)."""
+    cq = modes.cu_seqlens_q.tolist()
+    ck = modes.cu_seqlens_k.tolist()
+    return [(cq[s], cq[s + 1], ck[s], ck[s + 1]) for s in range(len(cq) - 1)]
+
+
+def sequence_modes(modes: Modes, s: int) -> Modes:
+    """The record of packed sequence ``s`` as a dense batch of one: no packing, ALiBi row s."""
+    a = modes.alibi_slopes
+    return modes._replace(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+                          alibi_slopes=None if a is None else a[s : s + 1])
+
+
+def gather_cache(k: Tensor, v: Tensor, modes: Modes) -> Tuple[Tensor, Tensor]:
+    """The dense (B, Hkv, Lk, D*) K/V a cache call reads: rows ``cache_batch_idx[b]``, or the
+    pages of ``block_table`` in order (Lk = pages_per_seq * page_size)."""
+    if modes.cache_batch_idx is not None:
+        idx = modes.cache_batch_idx.to(device=k.device, dtype=torch.long)
+        k, v = k[idx], v[idx]
+    if modes.block_table is not None:
+        bt = modes.block_table.to(device=k.device, dtype=torch.long)
+        B, P = bt.shape
+
+        def pages(x):  # (B, P, Hkv, page_size, D) -> (B, Hkv, P * page_size, D)
+            g = x[bt]
+            return g.permute(0, 2, 1, 3, 4).reshape(B, x.shape[1], P * x.shape[2], x.shape[3])
+
+        k, v = pages(k), pages(v)
+    return k, v
+
+
+def _dense_cache(k, v, modes):
+    k, v = gather_cache(k, v, modes)
+    return k, v, modes._replace(cache_batch_idx=None, block_table=None)
+
+
+def _cat_seqs(parts, like: Tensor, last: Optional[int]) -> Tensor:
+    # Sequences tile the tokens in order, so their results concatenate along the tokens; no
+    # sequence at all (num_seqs = 0) leaves an empty result.
+    if parts:
+        return torch.cat(parts, dim=2)
+    shape = (like.shape[0], like.shape[1], 0) + (() if last is None else (last,))
+    return like.new_zeros(shape)
+
+
 def attention_forward(
     q: Tensor,
     k: Tensor,
@@ -264,6 +322,8 @@ def attention_forward(
     key_lengths: Optional[Tensor] = None,
     upcast: bool = False,
     modes: Modes = DEFAULT_MODES,
+    *,
+    batch_offset: int = 0,
 ) -> Tuple[Tensor, Tensor]:
     """Exact attention by materialising the scores. Returns ``(out, lse)``.
 
@@ -272,8 +332,21 @@ def attention_forward(
     that see no key. Work dtype is float64 with ``upcast``, float32 for half inputs otherwise
     (accumulation in fp32, as every backend), else the input dtype. ``modes``: the optional
     modes (:class:`mhakern.modes.Modes`); its ``attn_mask`` may have any shape broadcastable
-    to (B, H, Lq, Lk).
+    to (B, H, Lq, Lk). ``batch_offset``: the dropout hash's index of batch element 0.
     """
+    if modes.packed:
+        outs, lses = [], []
+        for s, (q0, q1, k0, k1) in enumerate(sequence_bounds(modes)):
+            o, lo = attention_forward(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], scale, causal, None, upcast,
+                                      sequence_modes(modes, s), batch_offset=s)
+            outs.append(o)
+            lses.append(lo)
+        wdt = torch.float64 if upcast else q.dtype
+        return (_cat_seqs(outs, q.new_zeros((), dtype=wdt).expand(q.shape[:2]), v.shape[-1]),
+                _cat_seqs(lses, q.new_zeros((), dtype=torch.float64 if upcast else torch.float32).expand(q.shape[:2]),
+                          None))
+    if modes.cached:
+        k, v, modes = _dense_cache(k, v, modes)
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
@@ -295,7 +368,7 @@ def attention_forward(
         safe = lse.masked_fill(torch.isneginf(lse), 0.0)
         p = torch.exp(s - safe.unsqueeze(-1))
         if modes.dropout_p > 0.0:
-            keep = dropout_keep_mask(modes.seed, B, H, Lq, Lk, modes.dropout_p, q.device, r0, rows)
+            keep = dropout_keep_mask(modes.seed, B, H, Lq, Lk, modes.dropout_p, q.device, r0, rows, batch_offset)
             p = p * keep.to(wdt) / (1.0 - modes.dropout_p)
         outs.append(_support_matmul(p, vv, vis))
         lses.append(lse)
@@ -339,10 +412,26 @@ def attention_backward_modes(
     key_lengths: Optional[Tensor] = None,
     upcast: bool = False,
     modes: Modes = DEFAULT_MODES,
+    *,
+    batch_offset: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """:func:`attention_backward` plus ``dmask``: None unless ``modes.mask_grad``, else
     dL/d(score) (B, H, Lq, Lk) in the work dtype (float32, float64 with ``upcast``), 0 where
-    hidden: the gradient of an additive mask before its reduction to the mask's shape."""
+    hidden: the gradient of an additive mask before its reduction to the mask's shape. Packed
+    sequences: per sequence (no mask with them, so ``dmask`` None); the cache is forward only."""
+    if modes.packed:
+        dqs, dks, dvs = [], [], []
+        for s, (q0, q1, k0, k1) in enumerate(sequence_bounds(modes)):
+            g = attention_backward_modes(dout[:, :, q0:q1], q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1],
+                                         out[:, :, q0:q1], lse[:, :, q0:q1], scale, causal, None, upcast,
+                                         sequence_modes(modes, s), batch_offset=s)
+            dqs.append(g[0])
+            dks.append(g[1])
+            dvs.append(g[2])
+        wdt = torch.float64 if upcast else q.dtype
+        z = q.new_zeros((), dtype=wdt)
+        return (_cat_seqs(dqs, z.expand(q.shape[:2]), q.shape[-1]), _cat_seqs(dks, z.expand(k.shape[:2]), k.shape[-1]),
+                _cat_seqs(dvs, z.expand(v.shape[:2]), v.shape[-1]), None)
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     n_rep = H // Hkv
@@ -365,7 +454,8 @@ def attention_backward_modes(
         p = p.masked_fill(~vis, 0.0)
     dp = _support_matmul(dow, vv.transpose(-1, -2), None)
     if modes.dropout_p > 0.0:
-        keep = dropout_keep_mask(modes.seed, B, H, Lq, Lk, modes.dropout_p, q.device).to(wdt) / (1.0 - modes.dropout_p)
+        keep = dropout_keep_mask(modes.seed, B, H, Lq, Lk, modes.dropout_p, q.device,
+                                 batch_offset=batch_offset).to(wdt) / (1.0 - modes.dropout_p)
         pd, dp = p * keep, dp * keep
     else:
         pd = p
@@ -401,6 +491,8 @@ def attention(
     key_lengths: Optional[Tensor] = None,
     upcast: bool = True,
     modes: Modes = DEFAULT_MODES,
+    *,
+    batch_offset: int = 0,
 ) -> Tensor:
     """Differentiable naive attention (autograd through PyTorch ops), for tests.
 
@@ -409,8 +501,16 @@ def attention(
     that requires grad receives its gradient. Non-finite values in keys past ``key_lengths``
     are kept out; for other hidden positions (causal, window, mask) holding NaN or inf use
     :func:`attention_forward` / :func:`attention_backward_modes`, which exclude every hidden
-    term.
+    term. Packed sequences and the cache as in :func:`attention_forward`.
     """
+    if modes.packed:
+        outs = [attention(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], scale, causal, None, upcast,
+                          sequence_modes(modes, s), batch_offset=s)
+                for s, (q0, q1, k0, k1) in enumerate(sequence_bounds(modes))]
+        return _cat_seqs(outs, q.new_zeros((), dtype=torch.float64 if upcast else q.dtype).expand(q.shape[:2]),
+                         v.shape[-1])
+    if modes.cached:
+        k, v, modes = _dense_cache(k, v, modes)
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
@@ -437,6 +537,6 @@ def attention(
     else:
         p = torch.softmax(s, dim=-1)
     if modes.dropout_p > 0.0:
-        keep = dropout_keep_mask(modes.seed, B, H, Lq, Lk, modes.dropout_p, q.device)
+        keep = dropout_keep_mask(modes.seed, B, H, Lq, Lk, modes.dropout_p, q.device, batch_offset=batch_offset)
         p = p * keep.to(wdt) / (1.0 - modes.dropout_p)
     return torch.matmul(p, vv)
