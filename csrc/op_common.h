@@ -261,9 +261,11 @@ inline void check_modes(const ModeArgs& m, const at::Tensor& q, const Sizes& s, 
   if (m.has_alibi()) {
     const at::Tensor& a = m.alibi();
     TORCH_CHECK_TYPE(a.scalar_type() == at::kFloat, "alibi_slopes: expected dtype float32, got ", a.scalar_type());
-    TORCH_CHECK_VALUE(a.dim() == 2, "alibi_slopes: expected a 2-D view (batch, heads) = (", s.B, ", ", s.H,
-                      ") (expand() a (heads,) tensor), got shape ", a.sizes());
-    check_shape(a, "alibi_slopes", {s.B, s.H}, "(batch, heads; expand() to broadcast)");
+    // One slope row per batch element, or per sequence of a packed call.
+    const int64_t rows = m.varlen() && ModeArgs::given(m.cu_seqlens_q) ? (*m.cu_seqlens_q)->numel() - 1 : s.B;
+    TORCH_CHECK_VALUE(a.dim() == 2, "alibi_slopes: expected a 2-D view (batch or sequences, heads) = (", rows, ", ",
+                      s.H, ") (expand() a (heads,) tensor), got shape ", a.sizes());
+    check_shape(a, "alibi_slopes", {rows, s.H}, "(batch or sequences, heads; expand() to broadcast)");
     check_same_device(a, "alibi_slopes", q);
   }
   check_packing_and_cache(m, q, s, backward);
