@@ -263,19 +263,25 @@ def check_fused_bwd(entries: list[dict], fused: dict, names: dict, config: dict 
 PLAIN_SASS_BASELINE = CUDA_DIR / "plain_kernels_sass.json"
 
 
+_PARAM_OFFSET = re.compile(r"c\[0x0\]\[0x[0-9a-f]+\]")
+
+
 def _is_plain_kernel(short: str) -> bool:
     return not short.endswith("_modes_kernel") and "[modes," not in short
 
 
 def plain_kernel_digests(cuobjdump: str, obj: Path) -> dict[str, list]:
     """{'<mangled>@sm_<arch>': [instructions, digest]} of every kernel in an object (the caller
-    keeps the plain ones); digest: sha256 of the instruction texts, addresses left out."""
+    keeps the plain ones); digest: sha256 of the instruction texts, addresses left out, and the
+    offsets of the kernel parameters in constant bank 0 too: a field added to the parameter
+    struct (a new mode) moves them without changing the kernel's code."""
     import hashlib
 
     res = subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True)
     out = {}
     for (name, arch), ins in sass_reader.parse_functions(res.stdout).items():
-        text = "\n".join(re.sub(r"\s+", " ", t.split(";")[0]).strip() for _, t in ins)
+        text = "\n".join(_PARAM_OFFSET.sub("c[0x0][param]", re.sub(r"\s+", " ", t.split(";")[0]).strip())
+                         for _, t in ins)
         out[f"{name}@sm_{arch}"] = [len(ins), hashlib.sha256(text.encode()).hexdigest()[:16]]
     return out
 
