@@ -55,6 +55,7 @@
 #include "kernel/forward.h"
 
 #include <type_traits>
+#include <vector>
 
 namespace mhakern::cpu {
 namespace CPU_CAPABILITY {
@@ -64,7 +65,7 @@ namespace CPU_CAPABILITY {
 // start at its first tokens: local positions, its causal offset, the dropout hash of (s, h) and
 // the ALiBi slopes of row s follow, and no view reaches another sequence's tokens. Each sequence's
 // decomposition is the dense one of its lengths (a function of the shapes), so the result is
-// deterministic; sequences run one after the other, each over all threads.
+// deterministic (for_each_sequence schedules them).
 template <typename V>
 inline V shift_rows(V x, int64_t rows, int64_t elem) {
   using Ptr = std::conditional_t<std::is_const_v<std::remove_pointer_t<decltype(x.ptr)>>, const char*, char*>;
@@ -95,17 +96,42 @@ inline AttnParams sequence_params(const AttnParams& p, int64_t s) {
   return ps;
 }
 
+// Runs run(s) for every sequence: a sequence with at least a thread's share of the work runs
+// alone over all threads; the others are spread over the threads, one sequence to a thread
+// (at::parallel_for inside a parallel region runs inline). Only the scheduling depends on the
+// thread count: each sequence's result is that of its own shape-only decomposition, so bitwise
+// the same either way, and short sequences do not pay a fork and join each.
+template <typename Run>
+void for_each_sequence(const AttnParams& p, const Run& run) {
+  auto work = [&](int64_t s) {
+    return (p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s] + 1) * (p.cu_seqlens_k[s + 1] - p.cu_seqlens_k[s] + 1);
+  };
+  int64_t total = 0;
+  for (int64_t s = 0; s < p.num_seqs; ++s) total += work(s);
+  const int64_t threads = std::max(at::get_num_threads(), 1);
+  std::vector<int64_t> small;
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    if (work(s) * threads >= total)
+      run(s);
+    else
+      small.push_back(s);
+  }
+  at::parallel_for(0, static_cast<int64_t>(small.size()), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) run(small[i]);
+  });
+}
+
 template <typename T>
 void forward_any(const AttnParams& p) {
   if (p.cu_seqlens_q == nullptr) return forward_impl<T>(p);
-  for (int64_t s = 0; s < p.num_seqs; ++s) forward_impl<T>(sequence_params(p, s));
+  for_each_sequence(p, [&](int64_t s) { forward_impl<T>(sequence_params(p, s)); });
 }
 
 template <typename T>
 void backward_any(const AttnParams& p) {
   if (p.cu_seqlens_q == nullptr) return backward_impl<T>(p);
   // A sequence without queries zeroes its keys' dK, dV; without keys, its rows' dQ.
-  for (int64_t s = 0; s < p.num_seqs; ++s) backward_impl<T>(sequence_params(p, s));
+  for_each_sequence(p, [&](int64_t s) { backward_impl<T>(sequence_params(p, s)); });
 }
 
 // Entry points of this instruction set.
