@@ -313,6 +313,29 @@ int mhk_emu_fwd_modes(int elem, int D, const void* q, const int64_t* q_st, const
   return finish(mhakern::cuda::dispatch_attn_fwd(static_cast<ElemType>(elem), D, p, nullptr));
 }
 
+// The forward of packed sequences (ModeParams' cu_seqlens_q / cu_seqlens_k): the modes forward
+// above with B = 1, Lq / Lk the token counts, and the packing fields set as fill_mode_params sets
+// them (num_splits must be 1: the kernels run packed calls unsplit).
+int mhk_emu_fwd_varlen(int elem, int D, const void* q, const int64_t* q_st, const void* k, const int64_t* k_st,
+                       const void* v, const int64_t* v_st, void* o, const int64_t* o_st, float* lse, int H, int Hkv,
+                       int Tq, int Tk, float scale, int causal, int top_left, long long window_left,
+                       long long window_right, double dropout_p, unsigned long long seed, float softcap,
+                       const float* alibi, long long alibi_sb, long long alibi_sh, const int32_t* cu_q,
+                       const int32_t* cu_k, long long num_seqs, long long max_q, long long max_k) {
+  const CallSizes s{1, H, Hkv, Tq, Tk, D};
+  auto p = mhakern::cuda::make_fwd_params(s, operand(q, q_st), operand(k, k_st), operand(v, v_st), operand(o, o_st),
+                                          lse, nullptr, scale, causal != 0, 1, nullptr, nullptr);
+  const int64_t no_mask[4] = {0, 0, 0, 0};
+  fill_modes(p, top_left, window_left, window_right, nullptr, 0, no_mask, nullptr, dropout_p, seed, softcap, alibi,
+             alibi_sb, alibi_sh);
+  p.cu_seqlens_q = cu_q;
+  p.cu_seqlens_k = cu_k;
+  p.num_seqs = num_seqs;
+  p.max_seqlen_q = max_q;
+  p.max_seqlen_k = max_k;
+  return finish(mhakern::cuda::dispatch_attn_fwd(static_cast<ElemType>(elem), D, p, nullptr));
+}
+
 int mhk_emu_bwd_modes(int elem, int D, const void* dout, const int64_t* do_st, const void* q, const int64_t* q_st,
                       const void* k, const int64_t* k_st, const void* v, const int64_t* v_st, const void* o,
                       const int64_t* o_st, const float* lse, void* dq, const int64_t* dq_st, void* dk,
