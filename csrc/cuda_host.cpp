@@ -219,6 +219,7 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tenso
   FwdParams p = make_fwd_params(cs, operand(q), operand(k), operand(v), operand(out), lse.data_ptr<float>(), kl_ptr,
                                 static_cast<float>(scale), causal, 1, nullptr, nullptr);
   op::fill_mode_params(p, modes);
+  if (modes.paged()) p.page_size = k.size(2);  // k: (num_pages, Hkv, page_size, D)
   // Split-K is planned with the tiles of the family that will run the call (its choice does not
   // depend on the split count).
   const bool sm90 = fwd_runs_sm90(p, q.device().index());

@@ -941,3 +941,88 @@ def test_varlen_forward_never_reads_another_sequences_keys(scheduled):
     for rows in (slice(0, 9), slice(39, 59)):
         assert torch.equal(o1[:, :, rows], o2[:, :, rows]) and torch.equal(l1[:, :, rows], l2[:, :, rows])
     assert torch.isnan(o2[:, :, 9:39]).all()
+
+
+# the KV cache (issue 22): batch rows by cache_batch_idx and paged K/V in the modes forward
+# kernel, against the float64 reference on the dense K/V gathered through the index / table
+# ---------------------------------------------------------------------------------------------
+
+
+def _emu_fwd_cache(emu, q, k, v, Lk, scale, causal, kl, kv_idx=None, table=None, splits=1):
+    lib = emu.lib
+    lib.mhk_emu_fwd_cache.argtypes = (
+        [ctypes.c_int] * 2 + [ctypes.c_void_p] * 10 + [ctypes.c_int] * 5 + [ctypes.c_float] + [ctypes.c_int] * 2
+        + [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_longlong] * 2 + [ctypes.c_void_p] * 2
+        + [ctypes.c_longlong] * 2)
+    B, H, Lq, D = q.shape
+    out = torch.full((B, H, Lq, D), float("nan"), dtype=q.dtype)
+    lse = torch.full((B, H, Lq), float("nan"))
+    o_part = torch.full((splits, B, H, Lq, D), float("nan")) if splits > 1 else None
+    l_part = torch.full((splits, B, H, Lq), float("nan")) if splits > 1 else None
+    st = lambda x: (ctypes.c_int64 * 3)(x.stride(0), x.stride(1), x.stride(2))  # noqa: E731
+    lib.mhk_emu_configure(int(emu.defer_async), SMEM_LIMIT)
+    rc = lib.mhk_emu_fwd_cache(
+        {torch.float16: 0, torch.bfloat16: 1}[q.dtype], D, _ptr(q), st(q), _ptr(k), st(k), _ptr(v), st(v),
+        _ptr(out), st(out), _ptr(lse), _ptr(kl), B, H, k.shape[1], Lq, Lk, scale, int(causal), splits,
+        _ptr(o_part), _ptr(l_part), 0, -1, -1, _ptr(kv_idx), _ptr(table),
+        0 if table is None else table.stride(0), 0 if table is None else k.shape[2])
+    emu._check(rc, "emulated KV-cache forward")
+    return out, lse
+
+
+def _check_dense(out, lse, q, kd, vd, scale, causal, kl):
+    o64, l64 = reference.attention_forward(q.double(), kd.double(), vd.double(), scale, causal, kl, upcast=True)
+    oT, _ = reference.attention_forward(q, kd, vd, scale, causal, kl)
+    rule_check("out", out, o64, oT, q.dtype, 2.0)
+    dead = torch.isneginf(l64)
+    assert torch.equal(torch.isneginf(lse), dead), "lse: -inf pattern differs from the reference"
+    assert (lse.double() - l64)[~dead].abs().max().item() <= 1e-3 * max(1.0, l64[~dead].abs().max().item())
+
+
+# (page size, pages per sequence, splits): a page of one key, vLLM's 16, and 5, which divides no
+# key block; split-K over the logical length once.
+@pytest.mark.parametrize("page,pages,splits", [(1, 70, 1), (16, 5, 2), (5, 13, 1)], ids=["page1", "page16-split", "page5"])
+def test_paged_kv_forward_against_the_gathered_reference(scheduled, page, pages, splits):
+    B, H, Hkv, Lq, D = 3, 4, 2, 3, 64
+    dtype = DTYPE_FOR_D[D]
+    g = torch.Generator().manual_seed(page)
+    n_pages = B * pages + 3
+    # vLLM's layout (num_pages, page_size, Hkv, D) seen as the kernels' (num_pages, Hkv, page_size, D).
+    k = torch.randn(n_pages, page, Hkv, D, generator=g).to(dtype).transpose(1, 2)
+    v = torch.randn(n_pages, page, Hkv, D, generator=g).to(dtype).transpose(1, 2)
+    table = torch.randperm(n_pages, generator=g)[:B * pages].reshape(B, pages).to(torch.int32)
+    table[2, : pages // 2] = table[0, : pages // 2]  # sequences 0 and 2 share their first pages
+    Lk = pages * page
+    kl = torch.tensor([Lk, Lk // 2 + 1, 2], dtype=torch.int32)
+    q = torch.randn(B, H, Lq, D, generator=g).to(dtype)
+    # Unused pages hold NaN: a key read from a page outside the table would show.
+    used = torch.zeros(n_pages, dtype=torch.bool)
+    used[table.flatten().long()] = True
+    k[~used] = float("nan")
+    v[~used] = float("nan")
+    out, lse = _emu_fwd_cache(scheduled, q, k, v, Lk, D ** -0.5, True, kl, table=table, splits=splits)
+    gather = lambda x: x[table.long()].permute(0, 2, 1, 3, 4).reshape(B, Hkv, Lk, D)  # noqa: E731
+    kd, vd = gather(k), gather(v)
+    for b in range(B):  # keys past the fill are hidden; zero them for the reference's 0 * NaN
+        kd[b, :, int(kl[b]):] = 0
+        vd[b, :, int(kl[b]):] = 0
+    _check_dense(out, lse, q, kd, vd, D ** -0.5, True, kl)
+
+
+def test_cache_batch_idx_forward_with_repeats(scheduled):
+    B, H, Hkv, Lq, Lk, D = 4, 2, 1, 5, 90, 32
+    dtype = DTYPE_FOR_D[D]
+    g = torch.Generator().manual_seed(11)
+    k = torch.randn(6, Hkv, Lk, D, generator=g).to(dtype)
+    v = torch.randn(6, Hkv, Lk, D, generator=g).to(dtype)
+    idx = torch.tensor([4, 1, 4, 0], dtype=torch.int32)
+    k[[2, 3, 5]] = float("nan")  # rows no batch element reads
+    v[[2, 3, 5]] = float("nan")
+    kl = torch.tensor([90, 40, 7, 0], dtype=torch.int32)
+    q = torch.randn(B, H, Lq, D, generator=g).to(dtype)
+    out, lse = _emu_fwd_cache(scheduled, q, k, v, Lk, D ** -0.5, True, kl, kv_idx=idx)
+    kd, vd = k[idx.long()].clone(), v[idx.long()].clone()
+    for b in range(B):
+        kd[b, :, int(kl[b]):] = 0
+        vd[b, :, int(kl[b]):] = 0
+    _check_dense(out, lse, q, kd, vd, D ** -0.5, True, kl)

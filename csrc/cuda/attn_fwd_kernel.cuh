@@ -241,8 +241,19 @@ MHK_DEVICE void attn_fwd_body(const FwdParams& p, const SeqView& sv = SeqView{})
   const bool warp_active = r0 + warp_row0 < rows_total;
 
   const Elem* q = static_cast<const Elem*>(p.q);
-  const Elem* k_head = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hkv * p.k_stride.head;
-  const Elem* v_head = static_cast<const Elem*>(p.v) + b * p.v_stride.batch + hkv * p.v_stride.head;
+  // The KV cache (kModes only, ../mode_params.h): batch element b reads K/V batch row
+  // kv_batch_idx[b]; a paged cache holds key j in row j % page_size of page
+  // block_table[b][j / page_size] (the page takes the batch stride's place).
+  const bool paged = kModes && p.block_table != nullptr;
+  const int kvb = kModes && p.kv_batch_idx != nullptr ? p.kv_batch_idx[b] : b;
+  const int64_t kv_b = paged ? 0 : kvb;
+  const Elem* k_head = static_cast<const Elem*>(p.k) + kv_b * p.k_stride.batch + hkv * p.k_stride.head;
+  const Elem* v_head = static_cast<const Elem*>(p.v) + kv_b * p.v_stride.batch + hkv * p.v_stride.head;
+  auto key_offset = [&](int j, const HeadStrides& st) -> int64_t {
+    if (!paged) return static_cast<int64_t>(j) * st.row;
+    const int page = p.block_table[b * p.block_table_stride + j / p.page_size];
+    return page * st.batch + (j % p.page_size) * st.row;
+  };
   auto q_row = [&](int rr) -> const Elem* {
     const int r = r0 + rr;
     return r < rows_total ? q + packed_row_offset(p.q_stride, b, hkv, p.group, p.Lq, r) : nullptr;
@@ -251,11 +262,11 @@ MHK_DEVICE void attn_fwd_body(const FwdParams& p, const SeqView& sv = SeqView{})
   auto load_kv = [&](int n0, int stage) {
     load_tile_async<Elem, kBlockN, D, kThreads>(sK + stage * Cfg::kKVTile, p.k, [&](int rr) -> const Elem* {
       const int j = n0 + rr;
-      return j < Lk_b ? k_head + static_cast<int64_t>(j) * p.k_stride.row : nullptr;
+      return j < Lk_b ? k_head + key_offset(j, p.k_stride) : nullptr;
     });
     load_tile_async<Elem, kBlockN, D, kThreads>(sV + stage * Cfg::kKVTile, p.v, [&](int rr) -> const Elem* {
       const int j = n0 + rr;
-      return j < Lk_b ? v_head + static_cast<int64_t>(j) * p.v_stride.row : nullptr;
+      return j < Lk_b ? v_head + key_offset(j, p.v_stride) : nullptr;
     });
   };
 
