@@ -249,10 +249,14 @@ MHK_DEVICE void attn_fwd_body(const FwdParams& p, const SeqView& sv = SeqView{})
   const int64_t kv_b = paged ? 0 : kvb;
   const Elem* k_head = static_cast<const Elem*>(p.k) + kv_b * p.k_stride.batch + hkv * p.k_stride.head;
   const Elem* v_head = static_cast<const Elem*>(p.v) + kv_b * p.v_stride.batch + hkv * p.v_stride.head;
+  // 32-bit division (a page size fits an int; a 64-bit one is a long subroutine whose registers
+  // pushed the D = 64 loop into local memory on sm_90).
+  const int page_size = paged ? static_cast<int>(p.page_size) : 1;
+  const int32_t* bt_row = paged ? p.block_table + b * p.block_table_stride : nullptr;
   auto key_offset = [&](int j, const HeadStrides& st) -> int64_t {
     if (!paged) return static_cast<int64_t>(j) * st.row;
-    const int page = p.block_table[b * p.block_table_stride + j / p.page_size];
-    return page * st.batch + (j % p.page_size) * st.row;
+    const int pg = j / page_size;
+    return static_cast<int64_t>(bt_row[pg]) * st.batch + static_cast<int64_t>(j - pg * page_size) * st.row;
   };
   auto q_row = [&](int rr) -> const Elem* {
     const int r = r0 + rr;
