@@ -219,6 +219,7 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tenso
   FwdParams p = make_fwd_params(cs, operand(q), operand(k), operand(v), operand(out), lse.data_ptr<float>(), kl_ptr,
                                 static_cast<float>(scale), causal, 1, nullptr, nullptr);
   op::fill_mode_params(p, modes);
+  if (modes.paged()) p.page_size = k.size(2);  // k: (num_pages, Hkv, page_size, D)
   // Split-K is planned with the tiles of the family that will run the call (its choice does not
   // depend on the split count).
   const bool sm90 = fwd_runs_sm90(p, q.device().index());
@@ -229,8 +230,11 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tenso
   const caps::FwdPlanTiles t = caps::fwd_plan_tiles(sm90, static_cast<int>(s.D), s.H / s.Hkv * s.Lq,
                                                     needs_modes_kernel(p));
   const int64_t forced = op::cuda_forced_splits().load();
-  const int64_t splits = forced > 0 ? forced
-                                    : caps::plan_fwd_splits(s.B, s.Hkv, s.H / s.Hkv, s.Lq,
+  // Packed sequences run unsplit (attn_fwd_kernel.cuh run_attn_fwd: one CTA per query tile of
+  // each sequence; the combine kernel's rows are dense ones).
+  const int64_t splits = p.cu_seqlens_q != nullptr ? 1
+                         : forced > 0               ? forced
+                                                    : caps::plan_fwd_splits(s.B, s.Hkv, s.H / s.Hkv, s.Lq,
                                                             planned_keys(modes, causal, s, t.m, t.n), s.D,
                                                             num_sms(q.device().index()), t);
   at::Tensor o_partial, lse_partial;  // kept alive until the kernels are queued (caching allocator)

@@ -32,7 +32,7 @@ import os
 import pytest
 import torch
 
-from attn_testing import HARD_CASES, case_id, check_against_reference, make_inputs
+from attn_testing import HARD_CASES, case_id, check_against_reference, make_inputs, rule_check
 from mhakern import reference
 from mhakern.backends import Modes
 from cuda_emulator_harness import (
@@ -40,6 +40,7 @@ from cuda_emulator_harness import (
     BWD_ONLY_HEAD_DIMS,
     DTYPE_FOR_D,
     EMU_INSTANCES,
+    SMEM_LIMIT,
     SUPPORTED_HARD,
     _make_emulator,
     _ptr,
@@ -840,3 +841,188 @@ def test_score_modifiers_never_go_to_the_sm90_family(emu):
         for softcap, alibi in ((30.0, 0), (0.0, 1), (30.0, 1)):
             assert lib.mhk_emu_modifier_family(9, 0, 1, 64, softcap, alibi, backward, ctypes.byref(modes_kernel)) == 0
             assert modes_kernel.value == 1
+
+
+# packed variable-length sequences (issue 22): the modes forward kernel, against the float64
+# reference computed per sequence
+# ---------------------------------------------------------------------------------------------
+
+
+def _emu_fwd_varlen(emu, q, k, v, cq, ck, scale, causal, modes):
+    """The kernel's packed forward: q, k, v (1, H*, T*, D) views of packed (T, H, D) tensors; returns
+    (out (1, H, Tq, D), lse (1, H, Tq)), both NaN-filled before the call so an unwritten row shows."""
+    lib = emu.lib
+    lib.mhk_emu_fwd_varlen.argtypes = (
+        [ctypes.c_int] * 2 + [ctypes.c_void_p] * 9 + [ctypes.c_int] * 4 + [ctypes.c_float] + [ctypes.c_int] * 2
+        + [ctypes.c_longlong] * 2 + [ctypes.c_double, ctypes.c_ulonglong, ctypes.c_float, ctypes.c_void_p]
+        + [ctypes.c_longlong] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_longlong] * 3)
+    _, H, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    out = torch.full((Tq, H, D), float("nan"), dtype=q.dtype).transpose(0, 1).unsqueeze(0)
+    lse = torch.full((1, H, Tq), float("nan"))
+    st = lambda x: (ctypes.c_int64 * 3)(x.stride(0), x.stride(1), x.stride(2))  # noqa: E731
+    a = modes.alibi_slopes
+    lens_q, lens_k = (cq[1:] - cq[:-1]), (ck[1:] - ck[:-1])
+    lib.mhk_emu_configure(int(emu.defer_async), SMEM_LIMIT)
+    rc = lib.mhk_emu_fwd_varlen(
+        {torch.float16: 0, torch.bfloat16: 1}[q.dtype], D, _ptr(q), st(q), _ptr(k), st(k), _ptr(v), st(v),
+        _ptr(out), st(out), _ptr(lse), H, Hkv, Tq, Tk, scale, int(causal), int(modes.top_left),
+        modes.window_left, modes.window_right, modes.dropout_p, modes.seed & (2**64 - 1), modes.softcap, _ptr(a),
+        0 if a is None else a.stride(0), 0 if a is None else a.stride(1), _ptr(cq), _ptr(ck), len(cq) - 1,
+        int(lens_q.max()), int(lens_k.max()))
+    emu._check(rc, "emulated packed forward")
+    return out, lse
+
+
+def _packed_t(T, H, D, dtype, g):
+    return torch.randn(T, H, D, generator=g).to(dtype).transpose(0, 1).unsqueeze(0)
+
+
+# (name, lengths q, lengths k, H, Hkv, D, causal, modes kwargs). Between them: empty sequences on
+# either side, one-token ones, a sequence longer than a query tile (70 x group 2 > 128 rows) and
+# than a key block, Lq_s != Lk_s both ways, GQA, causal in both alignments, a window, dropout
+# (the hash of (s, h, local i, local j)), softcap and per-sequence ALiBi slopes.
+VARLEN_CASES = [
+    ("mixed-causal-gqa", [5, 0, 1, 70, 3, 9], [9, 4, 1, 150, 0, 2], 4, 2, 64, True, dict()),
+    ("topleft-window-dropout-cap-alibi", [40, 7, 1], [13, 30, 5], 2, 1, 32, True,
+     dict(top_left=True, window=(6, 2), dropout_p=0.3, softcap=3.0, alibi=True)),
+]
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=[c[0] for c in VARLEN_CASES])
+def test_varlen_forward_against_the_per_sequence_reference(scheduled, case):
+    _, lq, lk, H, Hkv, D, causal, kw = case
+    dtype = DTYPE_FOR_D[D]
+    g = torch.Generator().manual_seed(D + len(lq))
+    S, Tq, Tk = len(lq), sum(lq), sum(lk)
+    q, k, v = _packed_t(Tq, H, D, dtype, g), _packed_t(Tk, Hkv, D, dtype, g), _packed_t(Tk, Hkv, D, dtype, g)
+    cq = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32)
+    ck = torch.tensor([0] + torch.tensor(lk).cumsum(0).tolist(), dtype=torch.int32)
+    al = torch.exp2(-8 * torch.rand(S, H, generator=g)) if kw.get("alibi") else None
+    win = kw.get("window", (-1, -1))
+    m = Modes(None, kw.get("dropout_p", 0.0), 4242 if kw.get("dropout_p") else 0, kw.get("top_left", False),
+              win[0], win[1], False, kw.get("softcap", 0.0), al)
+    scale = D ** -0.5
+    out, lse = _emu_fwd_varlen(scheduled, q, k, v, cq, ck, scale, causal, m)
+    for s in range(S):
+        rows = slice(int(cq[s]), int(cq[s + 1]))
+        if lq[s] == 0:
+            continue
+        if lk[s] == 0:
+            assert torch.equal(out[:, :, rows], torch.zeros_like(out[:, :, rows])), f"seq {s}: out of no keys"
+            assert torch.isneginf(lse[:, :, rows]).all(), f"seq {s}: lse of no keys"
+            continue
+        # Element s of a batch of s + 1 copies: the dropout hash and the slope row see (s, h).
+        xs = [x.expand(s + 1, *x.shape[1:]) for x in
+              (q[:, :, rows], k[:, :, int(ck[s]):int(ck[s + 1])], v[:, :, int(ck[s]):int(ck[s + 1])])]
+        ms = m._replace(alibi_slopes=None if al is None else al[:s + 1].contiguous())
+        o64, l64 = reference.attention_forward(*[x.double() for x in xs], scale, causal, None, upcast=True, modes=ms)
+        oT, _ = reference.attention_forward(*xs, scale, causal, None, modes=ms)
+        rule_check(f"out seq {s}", out[:, :, rows], o64[s:s + 1], oT[s:s + 1], dtype, 2.0)
+        dead = torch.isneginf(l64[s:s + 1])
+        assert torch.equal(torch.isneginf(lse[:, :, rows]), dead), f"seq {s}: lse -inf pattern"
+        err = (lse[:, :, rows].double() - l64[s:s + 1])[~dead].abs().max().item() if (~dead).any() else 0.0
+        assert err <= 1e-3 * max(1.0, l64[s:s + 1][~dead].abs().max().item()), f"seq {s}: lse error {err:.3e}"
+
+
+def test_varlen_forward_never_reads_another_sequences_keys(scheduled):
+    # NaN keys and values in sequence 1 reach nothing of sequences 0 and 2: bit-identical outputs.
+    g = torch.Generator().manual_seed(3)
+    lq, lk, H, D = [9, 30, 20], [12, 40, 70], 2, 64
+    q, k, v = (_packed_t(sum(lq), H, D, torch.float16, g), _packed_t(sum(lk), H, D, torch.float16, g),
+               _packed_t(sum(lk), H, D, torch.float16, g))
+    cq = torch.tensor([0, 9, 39, 59], dtype=torch.int32)
+    ck = torch.tensor([0, 12, 52, 122], dtype=torch.int32)
+    o1, l1 = _emu_fwd_varlen(scheduled, q, k, v, cq, ck, 0.125, False, Modes())
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 12:52] = float("nan")
+    v2[:, :, 12:52] = float("nan")
+    o2, l2 = _emu_fwd_varlen(scheduled, q, k2, v2, cq, ck, 0.125, False, Modes())
+    for rows in (slice(0, 9), slice(39, 59)):
+        assert torch.equal(o1[:, :, rows], o2[:, :, rows]) and torch.equal(l1[:, :, rows], l2[:, :, rows])
+    assert torch.isnan(o2[:, :, 9:39]).all()
+
+
+# the KV cache (issue 22): batch rows by cache_batch_idx and paged K/V in the modes forward
+# kernel, against the float64 reference on the dense K/V gathered through the index / table
+# ---------------------------------------------------------------------------------------------
+
+
+def _emu_fwd_cache(emu, q, k, v, Lk, scale, causal, kl, kv_idx=None, table=None, splits=1):
+    lib = emu.lib
+    lib.mhk_emu_fwd_cache.argtypes = (
+        [ctypes.c_int] * 2 + [ctypes.c_void_p] * 10 + [ctypes.c_int] * 5 + [ctypes.c_float] + [ctypes.c_int] * 2
+        + [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_longlong] * 2 + [ctypes.c_void_p] * 2
+        + [ctypes.c_longlong] * 2)
+    B, H, Lq, D = q.shape
+    out = torch.full((B, H, Lq, D), float("nan"), dtype=q.dtype)
+    lse = torch.full((B, H, Lq), float("nan"))
+    o_part = torch.full((splits, B, H, Lq, D), float("nan")) if splits > 1 else None
+    l_part = torch.full((splits, B, H, Lq), float("nan")) if splits > 1 else None
+    st = lambda x: (ctypes.c_int64 * 3)(x.stride(0), x.stride(1), x.stride(2))  # noqa: E731
+    lib.mhk_emu_configure(int(emu.defer_async), SMEM_LIMIT)
+    rc = lib.mhk_emu_fwd_cache(
+        {torch.float16: 0, torch.bfloat16: 1}[q.dtype], D, _ptr(q), st(q), _ptr(k), st(k), _ptr(v), st(v),
+        _ptr(out), st(out), _ptr(lse), _ptr(kl), B, H, k.shape[1], Lq, Lk, scale, int(causal), splits,
+        _ptr(o_part), _ptr(l_part), 0, -1, -1, _ptr(kv_idx), _ptr(table),
+        0 if table is None else table.stride(0), 0 if table is None else k.shape[2])
+    emu._check(rc, "emulated KV-cache forward")
+    return out, lse
+
+
+def _check_dense(out, lse, q, kd, vd, scale, causal, kl):
+    o64, l64 = reference.attention_forward(q.double(), kd.double(), vd.double(), scale, causal, kl, upcast=True)
+    oT, _ = reference.attention_forward(q, kd, vd, scale, causal, kl)
+    rule_check("out", out, o64, oT, q.dtype, 2.0)
+    dead = torch.isneginf(l64)
+    assert torch.equal(torch.isneginf(lse), dead), "lse: -inf pattern differs from the reference"
+    assert (lse.double() - l64)[~dead].abs().max().item() <= 1e-3 * max(1.0, l64[~dead].abs().max().item())
+
+
+# (page size, pages per sequence, splits): a page of one key, vLLM's 16, and 5, which divides no
+# key block; split-K over the logical length once.
+@pytest.mark.parametrize("page,pages,splits", [(1, 70, 1), (16, 5, 2), (5, 13, 1)], ids=["page1", "page16-split", "page5"])
+def test_paged_kv_forward_against_the_gathered_reference(scheduled, page, pages, splits):
+    B, H, Hkv, Lq, D = 3, 4, 2, 3, 64
+    dtype = DTYPE_FOR_D[D]
+    g = torch.Generator().manual_seed(page)
+    n_pages = B * pages + 3
+    # vLLM's layout (num_pages, page_size, Hkv, D) seen as the kernels' (num_pages, Hkv, page_size, D).
+    k = torch.randn(n_pages, page, Hkv, D, generator=g).to(dtype).transpose(1, 2)
+    v = torch.randn(n_pages, page, Hkv, D, generator=g).to(dtype).transpose(1, 2)
+    table = torch.randperm(n_pages, generator=g)[:B * pages].reshape(B, pages).to(torch.int32)
+    table[2, : pages // 2] = table[0, : pages // 2]  # sequences 0 and 2 share their first pages
+    Lk = pages * page
+    kl = torch.tensor([Lk, Lk // 2 + 1, 2], dtype=torch.int32)
+    q = torch.randn(B, H, Lq, D, generator=g).to(dtype)
+    # Unused pages hold NaN: a key read from a page outside the table would show.
+    used = torch.zeros(n_pages, dtype=torch.bool)
+    used[table.flatten().long()] = True
+    k[~used] = float("nan")
+    v[~used] = float("nan")
+    out, lse = _emu_fwd_cache(scheduled, q, k, v, Lk, D ** -0.5, True, kl, table=table, splits=splits)
+    gather = lambda x: x[table.long()].permute(0, 2, 1, 3, 4).reshape(B, Hkv, Lk, D)  # noqa: E731
+    kd, vd = gather(k), gather(v)
+    for b in range(B):  # keys past the fill are hidden; zero them for the reference's 0 * NaN
+        kd[b, :, int(kl[b]):] = 0
+        vd[b, :, int(kl[b]):] = 0
+    _check_dense(out, lse, q, kd, vd, D ** -0.5, True, kl)
+
+
+def test_cache_batch_idx_forward_with_repeats(scheduled):
+    B, H, Hkv, Lq, Lk, D = 4, 2, 1, 5, 90, 32
+    dtype = DTYPE_FOR_D[D]
+    g = torch.Generator().manual_seed(11)
+    k = torch.randn(6, Hkv, Lk, D, generator=g).to(dtype)
+    v = torch.randn(6, Hkv, Lk, D, generator=g).to(dtype)
+    idx = torch.tensor([4, 1, 4, 0], dtype=torch.int32)
+    k[[2, 3, 5]] = float("nan")  # rows no batch element reads
+    v[[2, 3, 5]] = float("nan")
+    kl = torch.tensor([90, 40, 7, 0], dtype=torch.int32)
+    q = torch.randn(B, H, Lq, D, generator=g).to(dtype)
+    out, lse = _emu_fwd_cache(scheduled, q, k, v, Lk, D ** -0.5, True, kl, kv_idx=idx)
+    kd, vd = k[idx.long()].clone(), v[idx.long()].clone()
+    for b in range(B):
+        kd[b, :, int(kl[b]):] = 0
+        vd[b, :, int(kl[b]):] = 0
+    _check_dense(out, lse, q, kd, vd, D ** -0.5, True, kl)

@@ -163,11 +163,23 @@ MHK_DEVICE void fwd_step(const Elem* sQ, int q_row0, const Elem* sK, const Elem*
   mma_regs_x_rows_mt<Elem, D, kBlockN, MT>(acc, s, sV, 0, lane);
 }
 
-// The body of the forward kernels. kModes: the call has attn_mask, dropout or a score modifier
-// (needs_modes_kernel); it is a separate kernel (attn_fwd_modes_kernel), so that the plain one is
-// exactly the kernel without them.
+// Packed sequences (kModes only): attn_fwd_modes_kernel hands the body the call of one sequence
+// s as batch element s of B = num_seqs elements whose operands start at the sequence's first
+// token (batch strides 0) with Lq / Lk the sequence's lengths; these fields say what the body
+// cannot read from that view: the grid's query tiles per (sequence, KV head), which cover
+// max_seqlen_q (a tile past Lq_s exits), and the lse row of the sequence's first query token in
+// the packed (1, H, Tq) lse, whose head stride is Tq.
+struct SeqView {
+  bool on = false;
+  int n_mblocks = 0;
+  int64_t lse_row0 = 0, lse_head_stride = 0;
+};
+
+// The body of the forward kernels. kModes: the call has attn_mask, dropout, a score modifier or
+// packed sequences (needs_modes_kernel); it is a separate kernel (attn_fwd_modes_kernel), so that
+// the plain one is exactly the kernel without them.
 template <typename Elem, int D, bool kModes>
-MHK_DEVICE void attn_fwd_body(const FwdParams& p) {
+MHK_DEVICE void attn_fwd_body(const FwdParams& p, const SeqView& sv = SeqView{}) {
   using Cfg = FwdConfig<D, kModes>;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kThreads = Cfg::kThreads, MT = Cfg::kMTiles;
   MHK_DYNAMIC_SMEM(smem);
@@ -189,7 +201,8 @@ MHK_DEVICE void attn_fwd_body(const FwdParams& p) {
   // Block index: query tile fastest (CTAs sharing K/V run together and share L2), then
   // (b, kv head), then split.
   const int rows_total = p.group * p.Lq;
-  const int n_mblocks = ceil_div(rows_total, kBlockM);
+  const bool packed = kModes && sv.on;
+  const int n_mblocks = packed ? sv.n_mblocks : ceil_div(rows_total, kBlockM);
   int64_t bid = block_index();
   int mb = static_cast<int>(bid % n_mblocks);
   bid /= n_mblocks;
@@ -199,6 +212,7 @@ MHK_DEVICE void attn_fwd_body(const FwdParams& p) {
   const int split = static_cast<int>(bid / p.B);
   if (p.causal) mb = n_mblocks - 1 - mb;  // causal: the rows with the most keys start first
   const int r0 = mb * kBlockM;
+  if (packed && r0 >= rows_total) return;  // a tile past this sequence's rows; no barrier yet
   const int nrows = imin(kBlockM, rows_total - r0);
   const int Lk_b = key_length_of(p, b);  // clamped into [0, Lk]
 
@@ -227,8 +241,23 @@ MHK_DEVICE void attn_fwd_body(const FwdParams& p) {
   const bool warp_active = r0 + warp_row0 < rows_total;
 
   const Elem* q = static_cast<const Elem*>(p.q);
-  const Elem* k_head = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hkv * p.k_stride.head;
-  const Elem* v_head = static_cast<const Elem*>(p.v) + b * p.v_stride.batch + hkv * p.v_stride.head;
+  // The KV cache (kModes only, ../mode_params.h): batch element b reads K/V batch row
+  // kv_batch_idx[b]; a paged cache holds key j in row j % page_size of page
+  // block_table[b][j / page_size] (the page takes the batch stride's place).
+  const bool paged = kModes && p.block_table != nullptr;
+  const int kvb = kModes && p.kv_batch_idx != nullptr ? p.kv_batch_idx[b] : b;
+  const int64_t kv_b = paged ? 0 : kvb;
+  const Elem* k_head = static_cast<const Elem*>(p.k) + kv_b * p.k_stride.batch + hkv * p.k_stride.head;
+  const Elem* v_head = static_cast<const Elem*>(p.v) + kv_b * p.v_stride.batch + hkv * p.v_stride.head;
+  // 32-bit division (a page size fits an int; a 64-bit one is a long subroutine whose registers
+  // pushed the D = 64 loop into local memory on sm_90).
+  const int page_size = paged ? static_cast<int>(p.page_size) : 1;
+  const int32_t* bt_row = paged ? p.block_table + b * p.block_table_stride : nullptr;
+  auto key_offset = [&](int j, const HeadStrides& st) -> int64_t {
+    if (!paged) return static_cast<int64_t>(j) * st.row;
+    const int pg = j / page_size;
+    return static_cast<int64_t>(bt_row[pg]) * st.batch + static_cast<int64_t>(j - pg * page_size) * st.row;
+  };
   auto q_row = [&](int rr) -> const Elem* {
     const int r = r0 + rr;
     return r < rows_total ? q + packed_row_offset(p.q_stride, b, hkv, p.group, p.Lq, r) : nullptr;
@@ -237,11 +266,11 @@ MHK_DEVICE void attn_fwd_body(const FwdParams& p) {
   auto load_kv = [&](int n0, int stage) {
     load_tile_async<Elem, kBlockN, D, kThreads>(sK + stage * Cfg::kKVTile, p.k, [&](int rr) -> const Elem* {
       const int j = n0 + rr;
-      return j < Lk_b ? k_head + static_cast<int64_t>(j) * p.k_stride.row : nullptr;
+      return j < Lk_b ? k_head + key_offset(j, p.k_stride) : nullptr;
     });
     load_tile_async<Elem, kBlockN, D, kThreads>(sV + stage * Cfg::kKVTile, p.v, [&](int rr) -> const Elem* {
       const int j = n0 + rr;
-      return j < Lk_b ? v_head + static_cast<int64_t>(j) * p.v_stride.row : nullptr;
+      return j < Lk_b ? v_head + key_offset(j, p.v_stride) : nullptr;
     });
   };
 
@@ -317,7 +346,9 @@ MHK_DEVICE void attn_fwd_body(const FwdParams& p) {
         MHK_UNROLL
         for (int hh = 0; hh < 2; ++hh) {
           const int r = r0 + warp_row0 + 16 * mt + g + 8 * hh;
-          if (r < rows_total) p.lse[packed_row_linear(b, p.H, hkv, p.group, p.Lq, r)] = lse[mt][hh];
+          if (r < rows_total)
+            p.lse[packed ? sv.lse_row0 + (hkv * p.group + r / p.Lq) * sv.lse_head_stride + r % p.Lq
+                         : packed_row_linear(b, p.H, hkv, p.group, p.Lq, r)] = lse[mt][hh];
         }
       }
     }
@@ -351,7 +382,32 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfig<D>::kThreads, 2) attn_fwd_kernel(con
 
 template <typename Elem, int D>
 __global__ void MHK_LAUNCH_BOUNDS(FwdConfig<D>::kThreads, 2) attn_fwd_modes_kernel(const FwdParams p) {
-  attn_fwd_body<Elem, D, true>(p);
+  if (p.cu_seqlens_q == nullptr) {
+    attn_fwd_body<Elem, D, true>(p);
+    return;
+  }
+  // Packed sequences: this CTA's sequence s (the grid: query tiles of max_seqlen_q fastest, then
+  // KV heads, then sequences) as batch element s of a view that starts at its first tokens, so
+  // that the body's positions, causal offset Lk_s - Lq_s, dropout hash (b = s) and ALiBi slope
+  // row s are the sequence's, and no key of another sequence is ever addressed (j < Lk_s).
+  SeqView sv;
+  sv.on = true;
+  sv.n_mblocks = ceil_div(p.group * static_cast<int>(p.max_seqlen_q), FwdConfig<D, true>::kBlockM);
+  const int s = static_cast<int>(block_index() / (static_cast<int64_t>(sv.n_mblocks) * p.Hkv));
+  const int q0 = p.cu_seqlens_q[s], k0 = p.cu_seqlens_k[s];
+  FwdParams ps = p;
+  ps.q = static_cast<const Elem*>(p.q) + static_cast<int64_t>(q0) * p.q_stride.row;
+  ps.k = static_cast<const Elem*>(p.k) + static_cast<int64_t>(k0) * p.k_stride.row;
+  ps.v = static_cast<const Elem*>(p.v) + static_cast<int64_t>(k0) * p.v_stride.row;
+  ps.o = static_cast<Elem*>(p.o) + static_cast<int64_t>(q0) * p.o_stride.row;
+  ps.q_stride.batch = ps.k_stride.batch = ps.v_stride.batch = ps.o_stride.batch = 0;
+  ps.B = static_cast<int>(p.num_seqs);
+  ps.Lq = p.cu_seqlens_q[s + 1] - q0;
+  ps.Lk = p.cu_seqlens_k[s + 1] - k0;
+  ps.key_lengths = nullptr;  // refused with packing
+  sv.lse_row0 = q0;
+  sv.lse_head_stride = p.Lq;  // Tq
+  attn_fwd_body<Elem, D, true>(ps, sv);
 }
 
 // Merges split-K partials: lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s.
@@ -634,6 +690,16 @@ cudaError_t launch_attn_fwd_main(const FwdParams& p, int64_t grid, cudaStream_t 
 template <typename Elem, int D>
 cudaError_t run_attn_fwd(const FwdParams& p, cudaStream_t stream) {
   using Cfg = FwdConfig<D>;
+  if (p.cu_seqlens_q != nullptr) {
+    // Packed sequences: the modes kernel over (query tile of max_seqlen_q, KV head, sequence);
+    // no split-K (the combine kernel's rows are the dense (B, H, Lq) ones).
+    if (p.num_splits != 1) return cudaErrorInvalidValue;
+    const int64_t vgrid = static_cast<int64_t>(ceil_div(p.group * static_cast<int>(p.max_seqlen_q), FwdConfig<D, true>::kBlockM)) *
+                          p.Hkv * p.num_seqs;
+    if (vgrid == 0) return cudaSuccess;
+    if (vgrid > 0x7fffffff) return cudaErrorInvalidConfiguration;
+    return launch_attn_fwd_main<Elem, D, true>(p, vgrid, stream);
+  }
   const int64_t n_mblocks = ceil_div(p.group * p.Lq, Cfg::kBlockM);
   const int64_t grid = n_mblocks * p.Hkv * p.B * p.num_splits;
   if (grid == 0) return cudaSuccess;

@@ -99,11 +99,13 @@ struct BwdParams : ModeParams {  // the modes: ../mode_params.h
 };
 
 // Whether a call runs the kernels' kModes instantiations (attn_fwd_modes_kernel and the
-// backward's *_modes kernels): attn_mask, dropout or a score modifier (softcap, ALiBi). Windows,
-// top-left causal and key lengths are in every kernel's Visibility masking.
+// backward's *_modes kernels): attn_mask, dropout, a score modifier (softcap, ALiBi), packed
+// sequences (the forward only so far) or the KV cache's addressing (forward only). Windows, top-left causal and key lengths are in every
+// kernel's Visibility masking.
 template <typename Params>
 MHK_PARAMS_HD bool needs_modes_kernel(const Params& p) {
-  return p.mask != nullptr || p.dropout_p > 0.0 || p.softcap > 0.f || p.alibi != nullptr;
+  return p.mask != nullptr || p.dropout_p > 0.0 || p.softcap > 0.f || p.alibi != nullptr || p.cu_seqlens_q != nullptr ||
+         p.kv_batch_idx != nullptr || p.block_table != nullptr;
 }
 
 // The modes of docs/contract.md a call's parameters use, as capabilities.h feature bits: what a
@@ -117,6 +119,9 @@ inline unsigned mode_features_of(const ModeParams& p) {
   if (p.window_left >= 0 || p.window_right >= 0) f |= caps::kWindow;
   if (p.softcap > 0.f) f |= caps::kSoftcap;
   if (p.alibi != nullptr) f |= caps::kAlibi;
+  if (p.cu_seqlens_q != nullptr) f |= caps::kVarlen;
+  if (p.kv_batch_idx != nullptr) f |= caps::kCacheBatchIdx;
+  if (p.block_table != nullptr) f |= caps::kPaged;
   return f;
 }
 

@@ -313,6 +313,50 @@ int mhk_emu_fwd_modes(int elem, int D, const void* q, const int64_t* q_st, const
   return finish(mhakern::cuda::dispatch_attn_fwd(static_cast<ElemType>(elem), D, p, nullptr));
 }
 
+// The forward of packed sequences (ModeParams' cu_seqlens_q / cu_seqlens_k): the modes forward
+// above with B = 1, Lq / Lk the token counts, and the packing fields set as fill_mode_params sets
+// them (num_splits must be 1: the kernels run packed calls unsplit).
+int mhk_emu_fwd_varlen(int elem, int D, const void* q, const int64_t* q_st, const void* k, const int64_t* k_st,
+                       const void* v, const int64_t* v_st, void* o, const int64_t* o_st, float* lse, int H, int Hkv,
+                       int Tq, int Tk, float scale, int causal, int top_left, long long window_left,
+                       long long window_right, double dropout_p, unsigned long long seed, float softcap,
+                       const float* alibi, long long alibi_sb, long long alibi_sh, const int32_t* cu_q,
+                       const int32_t* cu_k, long long num_seqs, long long max_q, long long max_k) {
+  const CallSizes s{1, H, Hkv, Tq, Tk, D};
+  auto p = mhakern::cuda::make_fwd_params(s, operand(q, q_st), operand(k, k_st), operand(v, v_st), operand(o, o_st),
+                                          lse, nullptr, scale, causal != 0, 1, nullptr, nullptr);
+  const int64_t no_mask[4] = {0, 0, 0, 0};
+  fill_modes(p, top_left, window_left, window_right, nullptr, 0, no_mask, nullptr, dropout_p, seed, softcap, alibi,
+             alibi_sb, alibi_sh);
+  p.cu_seqlens_q = cu_q;
+  p.cu_seqlens_k = cu_k;
+  p.num_seqs = num_seqs;
+  p.max_seqlen_q = max_q;
+  p.max_seqlen_k = max_k;
+  return finish(mhakern::cuda::dispatch_attn_fwd(static_cast<ElemType>(elem), D, p, nullptr));
+}
+
+// The forward through a KV cache: the modes forward above (no attn_mask) with K/V rows chosen by
+// kv_batch_idx (int32 (B,), or null) and/or pages of block_table (int32 (B, pages), row stride
+// bt_stride, or null; k, v then (num_pages, Hkv, page_size, D) and Lk the logical length).
+int mhk_emu_fwd_cache(int elem, int D, const void* q, const int64_t* q_st, const void* k, const int64_t* k_st,
+                      const void* v, const int64_t* v_st, void* o, const int64_t* o_st, float* lse,
+                      const int32_t* key_lengths, int B, int H, int Hkv, int Lq, int Lk, float scale, int causal,
+                      int num_splits, float* o_partial, float* lse_partial, int top_left, long long window_left,
+                      long long window_right, const int32_t* kv_batch_idx, const int32_t* block_table,
+                      long long bt_stride, long long page_size) {
+  const CallSizes s{B, H, Hkv, Lq, Lk, D};
+  auto p = mhakern::cuda::make_fwd_params(s, operand(q, q_st), operand(k, k_st), operand(v, v_st), operand(o, o_st),
+                                          lse, key_lengths, scale, causal != 0, num_splits, o_partial, lse_partial);
+  const int64_t no_mask[4] = {0, 0, 0, 0};
+  fill_modes(p, top_left, window_left, window_right, nullptr, 0, no_mask, nullptr, 0.0, 0, 0.f, nullptr, 0, 0);
+  p.kv_batch_idx = kv_batch_idx;
+  p.block_table = block_table;
+  p.block_table_stride = bt_stride;
+  p.page_size = page_size;
+  return finish(mhakern::cuda::dispatch_attn_fwd(static_cast<ElemType>(elem), D, p, nullptr));
+}
+
 int mhk_emu_bwd_modes(int elem, int D, const void* dout, const int64_t* do_st, const void* q, const int64_t* q_st,
                       const void* k, const int64_t* k_st, const void* v, const int64_t* v_st, const void* o,
                       const int64_t* o_st, const float* lse, void* dq, const int64_t* dq_st, void* dk,
