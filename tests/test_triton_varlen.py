@@ -36,8 +36,8 @@ def _check_lse(lse, lse64):
         assert err <= 1e-3 * max(1.0, lse64[~dead].abs().max().item()), f"lse: max error {err:.3e}"
 
 
-def run_varlen_fwd(lq, lk, H=2, Hkv=2, D=16, Dv=None, dtype=torch.float32, causal=False, top_left=False,
-                   window=(-1, -1), dropout_p=0.0, softcap=0.0, alibi=False, seed=0):
+def run_varlen(lq, lk, H=2, Hkv=2, D=16, Dv=None, dtype=torch.float32, causal=False, top_left=False,
+                   window=(-1, -1), dropout_p=0.0, softcap=0.0, alibi=False, seed=0, backward=False):
     from mhakern.kernels import attention_forward
 
     Dv = Dv or D
@@ -60,6 +60,21 @@ def run_varlen_fwd(lq, lk, H=2, Hkv=2, D=16, Dv=None, dtype=torch.float32, causa
     oT, _ = reference.attention_forward(qc, kc, vc, scale, causal, None, upcast=False, modes=m_cpu)
     rule_check("out", out, o64, oT, dtype, 2.0)
     _check_lse(lse, l64)
+    if backward:
+        from mhakern.kernels import attention_backward
+
+        dout = _packed(Tq, H, Dv, dtype, g)
+        dq, dk, dv = (torch.full(x.shape, math.nan, dtype=dtype, device=DEVICE) for x in (q, k, v))
+        attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, None, m)
+        doc = cpu(dout)
+        g64 = reference.attention_backward_modes(doc.double(), qc.double(), kc.double(), vc.double(), o64, l64,
+                                                 scale, causal, None, upcast=True, modes=m_cpu)
+        oT32, lT = reference.attention_forward(qc, kc, vc, scale, causal, None, upcast=False, modes=m_cpu)
+        gT = reference.attention_backward_modes(doc, qc, kc, vc, oT32, lT, scale, causal, None, upcast=False,
+                                                modes=m_cpu)
+        for name, got, r64, rT in zip(("dq", "dk", "dv"), (dq, dk, dv), g64[:3], gT[:3]):
+            rule_check(name, got, r64, rT, dtype, 3.0)
+        return q, k, v, out, lse, m, (dout, dq, dk, dv)
     return q, k, v, out, lse, m
 
 
@@ -78,12 +93,12 @@ CASES = [
 
 @pytest.mark.parametrize("case", [c[1] for c in CASES], ids=[c[0] for c in CASES])
 def test_varlen_forward(case):
-    run_varlen_fwd(**case)
+    run_varlen(**case)
 
 
 def test_varlen_forward_never_reads_other_sequences():
     # NaN keys and values of sequence 1 reach nothing of sequences 0 and 2.
-    q, k, v, out, lse, m = run_varlen_fwd([9, 30, 4], [12, 40, 5])
+    q, k, v, out, lse, m = run_varlen([9, 30, 4], [12, 40, 5], backward=False)
     from mhakern.kernels import attention_forward
 
     k2, v2 = k.clone(), v.clone()
@@ -95,3 +110,4 @@ def test_varlen_forward_never_reads_other_sequences():
     attention_forward(q, k, v, o1, l1, 0.25, False, None, m)
     assert torch.equal(o1[:, :, :9], o2[:, :, :9]) and torch.equal(o1[:, :, 39:], o2[:, :, 39:])
     assert torch.equal(l1[:, :, :9], l2[:, :, :9])
+

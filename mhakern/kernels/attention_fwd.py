@@ -173,20 +173,16 @@ def _attn_fwd_body(
         i_hi = tl.minimum(i_hi, lq_b - 1)
         q0 = q0.to(tl.int64)
         k0 = k0.to(tl.int64)
-        q_base = Q + q0 * stride_qm
+        q = load_rows(Q + q0 * stride_qm, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
         k_base = K + k0 * stride_kn + kvh.to(tl.int64) * stride_kh
         v_base = V + k0 * stride_vn + kvh.to(tl.int64) * stride_vh
-        o_base = O + q0 * stride_om
-        lse_ptrs = LSE + hh.to(tl.int64) * Tq + q0 + i
     else:
+        # (The plain kernels' order of these statements, which their recorded SASS pins.)
         lq_b = Lq
         lk_b = key_length(KL, b, Lk, HAS_KL)
-        q_base = Q + b * stride_qb
+        q = load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
         k_base = K + b * stride_kb + kvh.to(tl.int64) * stride_kh
         v_base = V + b * stride_vb + kvh.to(tl.int64) * stride_vh
-        o_base = O + b * stride_ob
-        lse_ptrs = LSE + (b * H + hh) * Lq + i
-    q = load_rows(q_base, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
     kmin, kmax, start, full_lo, full, hi, m_base, m_off, r_drop = row_tile_modes(
         i, i_lo, i_hi, hh, b, lk_b, H, lq_b, win_l, win_r, seed_lo, seed_hi, MASK, stride_mb, stride_mh, stride_mm,
         BLOCK_N, CAUSAL, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT)
@@ -237,9 +233,14 @@ def _attn_fwd_body(
     else:
         out = acc / l_safe[:, None]
     lse = tl.where(seen, m_i + tl.log(l_safe), float("-inf"))
-    store_tile(o_base, elem_idx(hh, IDX64) * stride_oh + elem_idx(i, IDX64) * stride_om, row_ok,
-                out.to(O.dtype.element_ty), DV, BLOCK_DV)
-    tl.store(lse_ptrs, lse, mask=row_ok)
+    if VARLEN:
+        store_tile(O + q0 * stride_om, elem_idx(hh, IDX64) * stride_oh + elem_idx(i, IDX64) * stride_om, row_ok,
+                   out.to(O.dtype.element_ty), DV, BLOCK_DV)
+        tl.store(LSE + hh.to(tl.int64) * Tq + q0 + i, lse, mask=row_ok)
+    else:
+        store_tile(O + b * stride_ob, elem_idx(hh, IDX64) * stride_oh + elem_idx(i, IDX64) * stride_om, row_ok,
+                   out.to(O.dtype.element_ty), DV, BLOCK_DV)
+        tl.store(LSE + (b * H + hh) * Lq + i, lse, mask=row_ok)
 
 
 @triton.jit
@@ -395,17 +396,14 @@ def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths
     return out, lse
 
 
-def _varlen_forward(q, k, v, out, lse, scale, causal, key_lengths, modes):
-    """Packed sequences (docs/contract.md, "Packed sequences"): q (1, H, Tq, D), k (1, Hkv, Tk, D),
-    v (1, Hkv, Tk, Dv) hold ``num_seqs`` sequences delimited by the record's int32 prefix sums
-    cu_seqlens_q / cu_seqlens_k; out (1, H, Tq, Dv), lse (1, H, Tq). One modes-kernel launch over
-    (query tile of max_seqlen_q, head, sequence); never split, never through descriptors."""
-    B, H, Tq, D = q.shape
-    Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[3]
+def check_packing(q, modes, key_lengths):
+    """The packed call's record, checked as far as the host can without reading device memory
+    (the values, sorted prefix sums within the bounds, are the op layer's to check): returns
+    (cu_seqlens_q, cu_seqlens_k, num_seqs, max_seqlen_q, max_seqlen_k)."""
     cu_q, cu_k = modes.cu_seqlens_q, getattr(modes, "cu_seqlens_k", None)
-    if B != 1:
-        raise ValueError(f"q: packed sequences come as one batch element (1, H, Tq, D), got batch {B}")
-    if key_lengths is not None or modes.attn_mask is not None:
+    if q.shape[0] != 1:
+        raise ValueError(f"q: packed sequences come as one batch element (1, H, Tq, D), got batch {q.shape[0]}")
+    if key_lengths is not None or getattr(modes, "attn_mask", None) is not None:
         raise ValueError("cu_seqlens_q: packed sequences take neither key_lengths nor attn_mask")
     for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.numel() < 2:
@@ -414,11 +412,21 @@ def _varlen_forward(q, k, v, out, lse, scale, causal, key_lengths, modes):
             raise ValueError(f"{name}: expected a tensor on {q.device}, got {t.device}")
     if cu_q.numel() != cu_k.numel():
         raise ValueError(f"cu_seqlens_k: expected {cu_q.numel()} entries like cu_seqlens_q, got {cu_k.numel()}")
-    num_seqs = cu_q.numel() - 1
-    max_q = int(modes.max_seqlen_q)
-    if max_q < 1:
-        raise ValueError(f"max_seqlen_q: expected a bound >= 1 on the sequences' query lengths, got {max_q}")
-    # Tq + Tk bounds every sequence's band, whatever max_seqlen_k says.
+    max_q, max_k = int(modes.max_seqlen_q), int(getattr(modes, "max_seqlen_k", 0))
+    if max_q < 1 or max_k < 1:
+        raise ValueError(f"max_seqlen_q / max_seqlen_k: expected bounds >= 1 on the sequences' lengths, "
+                         f"got {max_q} / {max_k}")
+    return cu_q, cu_k, cu_q.numel() - 1, max_q, max_k
+
+
+def _varlen_forward(q, k, v, out, lse, scale, causal, key_lengths, modes):
+    """Packed sequences (docs/contract.md, "Packed sequences"): q (1, H, Tq, D), k (1, Hkv, Tk, D),
+    v (1, Hkv, Tk, Dv) hold ``num_seqs`` sequences delimited by the record's int32 prefix sums
+    cu_seqlens_q / cu_seqlens_k; out (1, H, Tq, Dv), lse (1, H, Tq). One modes-kernel launch over
+    (query tile of max_seqlen_q, head, sequence); never split, never through descriptors."""
+    B, H, Tq, D = q.shape
+    Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    cu_q, cu_k, num_seqs, max_q, _max_k = check_packing(q, modes, key_lengths)
     margs = ModeArgs(num_seqs, H, Tq, Tk, causal, modes, q.device)
     check_buffer("out", out, (1, H, Tq, Dv), q.dtype, q)
     check_buffer("lse", lse, (1, H, Tq), torch.float32, q, contiguous=True)
