@@ -169,12 +169,14 @@ def test_mode_variants_with_all_modes_on_compile_without_spills():
     # (where dK/dV takes mma.sync, heuristics.MODE_CAPS), about 15 s a variant here, the two
     # arches side by side; and the split-K forward with both score modifiers. Every mode set at
     # both head dims, dtypes and arches takes ~30 min here: ``--modes`` alone, by hand.
-    report = _aot("--modes", "all", "modifiers", "--no-plain",
-                  "--only", "fwd+all", "dkdv+all", "dq+all", "fused+all", "fwdsplit+modifiers",
+    # The packed-sequence forward (issue 22) too: its per-sequence offsets must not spill either.
+    report = _aot("--modes", "all", "modifiers", "varlen", "--no-plain",
+                  "--only", "fwd+all", "dkdv+all", "dq+all", "fused+all", "fwdsplit+modifiers", "fwd+varlen",
                   per_arch={"80": ["--dtypes", "fp16", "--dims", "64"], "90": ["--dtypes", "bf16", "--dims", "128"]})
     assert report.count("+all ") == 2 * 4, report
     assert report.count("fwdsplit/") == 2 and report.count("+modifiers ") == 2, report
-    assert report.count(" ok (") == 2 * 5, report
+    assert report.count("+varlen ") == 2, report
+    assert report.count(" ok (") == 2 * 6, report
     assert re.search(r"dkdv/bf16/d128\+all\s+90\s+16x32 ", report), report
     assert re.search(r"fused/bf16/d128\+all\s+90\s+16x32 ", report), report
 

@@ -16,7 +16,7 @@ here, in CI.
     python -m mhakern.kernels.aot [--arch 80 90] [--dtypes fp16 bf16 fp32] [--dims 16 32 40 64 ...]
                                   [--all-flags] [--only fwd fwdsplit desc delta dkdv dq fused KERNEL+MODE]
                                   [--tile M N WARPS STAGES] [--no-plain]
-                                  [--modes [band mask1 mask2 mask2grad dropout softcap alibi modifiers all]]
+                                  [--modes [band mask1 mask2 mask2grad dropout softcap alibi modifiers varlen all]]
 
 ``--modes`` also builds the mode variants (``_attn_fwd_modes_kernel`` and the three backward
 ones; the split-K forward for the score modifiers' sets) with the tiles heuristics.tile_config
@@ -77,7 +77,8 @@ class Variant:
 # Pointer arguments of the kernels by name (the rest are i32 sizes and strides, or fp32 scales).
 _FP32_PTRS = {"LSE", "DELTA", "OP", "LSEP", "DQACC"}
 _DATA_PTRS = {"Q", "K", "V", "O", "DO", "DK", "DV_", "DQ"}
-_OTHER_PTRS = {"KL": "*i32", "MASK": "*u8", "DMASK": "*fp32", "SEM": "*i32", "SLOPES": "*fp32"}
+_OTHER_PTRS = {"KL": "*i32", "MASK": "*u8", "DMASK": "*fp32", "SEM": "*i32", "SLOPES": "*fp32", "CUQ": "*i32",
+               "CUK": "*i32"}
 _FP32_SCALARS = {"softcap"}  # besides the ``*scale*`` ones
 # The mask pointer's type per MASK_KIND: without a mask the launchers pass an fp32 buffer
 # (lse or delta) in its place, a bool mask travels as its uint8 view, a float mask is fp32.
@@ -97,6 +98,8 @@ MODE_SETS = {
     "softcap": dict(SOFTCAP=True),
     "alibi": dict(ALIBI=True),
     "modifiers": dict(SOFTCAP=True, ALIBI=True),
+    # Packed sequences (issue 22): the modes kernels' per-sequence bounds and offsets.
+    "varlen": dict(VARLEN=True),
     "all": dict(BAND=True, TOP_LEFT=True, MASK_KIND=2, DROPOUT=True, MASK_GRAD=True, SOFTCAP=True, ALIBI=True),
 }
 
@@ -184,6 +187,8 @@ def variants(arch: int, dtypes=("fp16", "bf16", "fp32"), dims=ALL_DIMS, flags=((
                 ce = {n: val for n, val in ms.items() if n in constexpr_defaults(kernel)}
                 if mode == "mask2grad" and "MASK_GRAD" not in ce:
                     continue  # the mask's gradient is the dQ kernel's (or the fused one's)
+                if not ce:
+                    continue  # a set none of whose switches this kernel has (varlen: backward pending)
                 if name == "fwdsplit" and len(ce) < len(ms):
                     continue  # the split forward takes the score modifiers only
                 cfg = tile or config(d, d, dtype, arch, **kw)

@@ -55,6 +55,7 @@ from .heuristics import (
     fwd_config,
     head_block,
     plan_fwd_splits,
+    row_block,
 )
 from .launch import (
     ModeArgs,
@@ -154,23 +155,43 @@ def _attn_fwd_body(
     BAND: tl.constexpr = False, TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
     DROPOUT: tl.constexpr = False, split=0, num_splits=1, SPLIT: tl.constexpr = False,
     softcap=0.0, SLOPES=None, slope_sb=0, slope_sh=0, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+    CUQ=None, CUK=None, Tq=0, VARLEN: tl.constexpr = False,
 ):
     pid_m, pid_h, b = unfold_rows_grid(H, Lq, heads_per_prog, BLOCK_M)
     b = b.to(tl.int64)
     r, row_ok, hh, i, i_lo, i_hi, kvh = row_tile(pid_m, pid_h, heads_per_prog, n_rep, Lq, BLOCK_M)
-    lk_b = key_length(KL, b, Lk, HAS_KL)
-    q = load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
-    k_base = K + b * stride_kb + kvh.to(tl.int64) * stride_kh
-    v_base = V + b * stride_vb + kvh.to(tl.int64) * stride_vh
+    if VARLEN:
+        # Packed sequences: b is the sequence, Lq the longest one's length (the tile grid), the
+        # tensors one batch element of Tq / Lk tokens. Positions are sequence-local; a tile past
+        # the sequence's end sees no key (lk_b = 0: every loop is empty, no row stored), and keys
+        # past its own sequence's are never loaded (key_ok is j < lk_b, local).
+        q0 = tl.load(CUQ + b)
+        lq_b = tl.load(CUQ + b + 1) - q0
+        k0 = tl.load(CUK + b)
+        lk_b = tl.where(i_lo < lq_b, tl.load(CUK + b + 1) - k0, 0)
+        row_ok = row_ok & (i < lq_b)
+        i_hi = tl.minimum(i_hi, lq_b - 1)
+        q0 = q0.to(tl.int64)
+        k0 = k0.to(tl.int64)
+        q = load_rows(Q + q0 * stride_qm, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
+        k_base = K + k0 * stride_kn + kvh.to(tl.int64) * stride_kh
+        v_base = V + k0 * stride_vn + kvh.to(tl.int64) * stride_vh
+    else:
+        # (The plain kernels' order of these statements, which their recorded SASS pins.)
+        lq_b = Lq
+        lk_b = key_length(KL, b, Lk, HAS_KL)
+        q = load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
+        k_base = K + b * stride_kb + kvh.to(tl.int64) * stride_kh
+        v_base = V + b * stride_vb + kvh.to(tl.int64) * stride_vh
     kmin, kmax, start, full_lo, full, hi, m_base, m_off, r_drop = row_tile_modes(
-        i, i_lo, i_hi, hh, b, lk_b, H, Lq, win_l, win_r, seed_lo, seed_hi, MASK, stride_mb, stride_mh, stride_mm,
+        i, i_lo, i_hi, hh, b, lk_b, H, lq_b, win_l, win_r, seed_lo, seed_hi, MASK, stride_mb, stride_mh, stride_mm,
         BLOCK_N, CAUSAL, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT)
     # Score modifiers: 1 / softcap once per program; each row's ALiBi slope and diagonal.
     inv_cap = cap_inverse(softcap, SOFTCAP)
     slope = sm_scale
     diag = sm_scale
     if ALIBI:
-        slope, diag = alibi_rows(SLOPES, slope_sb, slope_sh, b, hh, i, lk_b, Lq, row_ok, TOP_LEFT)
+        slope, diag = alibi_rows(SLOPES, slope_sb, slope_sh, b, hh, i, lk_b, lq_b, row_ok, TOP_LEFT)
     if SPLIT:
         # Split-K (no modes, so start = full_lo = 0 here): this program takes the split-th
         # of num_splits equal shares of the tile's key blocks [0, hi), unmasked up to `full` as
@@ -212,9 +233,14 @@ def _attn_fwd_body(
     else:
         out = acc / l_safe[:, None]
     lse = tl.where(seen, m_i + tl.log(l_safe), float("-inf"))
-    store_tile(O + b * stride_ob, elem_idx(hh, IDX64) * stride_oh + elem_idx(i, IDX64) * stride_om, row_ok,
-                out.to(O.dtype.element_ty), DV, BLOCK_DV)
-    tl.store(LSE + (b * H + hh) * Lq + i, lse, mask=row_ok)
+    if VARLEN:
+        store_tile(O + q0 * stride_om, elem_idx(hh, IDX64) * stride_oh + elem_idx(i, IDX64) * stride_om, row_ok,
+                   out.to(O.dtype.element_ty), DV, BLOCK_DV)
+        tl.store(LSE + hh.to(tl.int64) * Tq + q0 + i, lse, mask=row_ok)
+    else:
+        store_tile(O + b * stride_ob, elem_idx(hh, IDX64) * stride_oh + elem_idx(i, IDX64) * stride_om, row_ok,
+                   out.to(O.dtype.element_ty), DV, BLOCK_DV)
+        tl.store(LSE + (b * H + hh) * Lq + i, lse, mask=row_ok)
 
 
 @triton.jit
@@ -270,9 +296,11 @@ def _attn_fwd_modes_kernel(
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
     BAND: tl.constexpr = False, TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
     DROPOUT: tl.constexpr = False, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+    CUQ=None, CUK=None, Tq=0, VARLEN: tl.constexpr = False,
 ):
     """The forward with optional modes and score modifiers (flags as constexprs; see the module
-    docstring)."""
+    docstring). VARLEN: packed sequences (CUQ, CUK their int32 prefix sums, Tq the packed query
+    length, Lq the longest sequence's; B = 1 and the grid's batch axis is the sequence)."""
     _attn_fwd_body(
         Q, K, V, O, LSE, KL, MASK, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_mb, stride_mh, stride_mm,
@@ -280,6 +308,7 @@ def _attn_fwd_modes_kernel(
         drop_scale, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, HAS_KL, PREC, IDX64, BAND=BAND,
         TOP_LEFT=TOP_LEFT, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
         softcap=softcap, SLOPES=SLOPES, slope_sb=slope_sb, slope_sh=slope_sh, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+        CUQ=CUQ, CUK=CUK, Tq=Tq, VARLEN=VARLEN,
     )
 
 
@@ -318,6 +347,8 @@ def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths
     """
     B, H, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    if getattr(modes, "cu_seqlens_q", None) is not None:
+        return _varlen_forward(q, k, v, out, lse, scale, causal, key_lengths, modes)
     margs = ModeArgs(B, H, Lq, Lk, causal, modes, q.device)
     cfg = fwd_config(D, Dv, q.dtype, arch_of(q), **tile_modes(margs))
     hpp, bm, grid = launch_geometry(B, H, Hkv, Lq, cfg.block_m)
@@ -362,6 +393,61 @@ def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths
                 H, Lq, Lk, H // Hkv, hpp, scale,
                 *margs.runtime(), *margs.modifier_args(lse), **margs.constexprs(), **common,
             )
+    return out, lse
+
+
+def check_packing(q, modes, key_lengths):
+    """The packed call's record, checked as far as the host can without reading device memory
+    (the values, sorted prefix sums within the bounds, are the op layer's to check): returns
+    (cu_seqlens_q, cu_seqlens_k, num_seqs, max_seqlen_q, max_seqlen_k)."""
+    cu_q, cu_k = modes.cu_seqlens_q, getattr(modes, "cu_seqlens_k", None)
+    if q.shape[0] != 1:
+        raise ValueError(f"q: packed sequences come as one batch element (1, H, Tq, D), got batch {q.shape[0]}")
+    if key_lengths is not None or getattr(modes, "attn_mask", None) is not None:
+        raise ValueError("cu_seqlens_q: packed sequences take neither key_lengths nor attn_mask")
+    for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.numel() < 2:
+            raise ValueError(f"{name}: expected an int32 (num_seqs + 1,) tensor, got {t!r:.80}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected a tensor on {q.device}, got {t.device}")
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_k: expected {cu_q.numel()} entries like cu_seqlens_q, got {cu_k.numel()}")
+    max_q, max_k = int(modes.max_seqlen_q), int(getattr(modes, "max_seqlen_k", 0))
+    if max_q < 1 or max_k < 1:
+        raise ValueError(f"max_seqlen_q / max_seqlen_k: expected bounds >= 1 on the sequences' lengths, "
+                         f"got {max_q} / {max_k}")
+    return cu_q, cu_k, cu_q.numel() - 1, max_q, max_k
+
+
+def _varlen_forward(q, k, v, out, lse, scale, causal, key_lengths, modes):
+    """Packed sequences (docs/contract.md, "Packed sequences"): q (1, H, Tq, D), k (1, Hkv, Tk, D),
+    v (1, Hkv, Tk, Dv) hold ``num_seqs`` sequences delimited by the record's int32 prefix sums
+    cu_seqlens_q / cu_seqlens_k; out (1, H, Tq, Dv), lse (1, H, Tq). One modes-kernel launch over
+    (query tile of max_seqlen_q, head, sequence); never split, never through descriptors."""
+    B, H, Tq, D = q.shape
+    Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    cu_q, cu_k, num_seqs, max_q, _max_k = check_packing(q, modes, key_lengths)
+    margs = ModeArgs(num_seqs, H, Tq, Tk, causal, modes, q.device)
+    check_buffer("out", out, (1, H, Tq, Dv), q.dtype, q)
+    check_buffer("lse", lse, (1, H, Tq), torch.float32, q, contiguous=True)
+    cfg = fwd_config(D, Dv, q.dtype, arch_of(q), **tile_modes(margs))
+    bm = row_block(max_q, cfg.block_m)
+    grid = (triton.cdiv(max_q, bm) * H * num_seqs,)
+    with on_device(q):
+        _attn_fwd_modes_kernel[grid](
+            q, k, v, out, lse, lse, lse,
+            0, q.stride(1), q.stride(2),
+            0, k.stride(1), k.stride(2),
+            0, v.stride(1), v.stride(2),
+            0, out.stride(1), out.stride(2),
+            0, 0, 0, 0,
+            H, max_q, Tk, H // Hkv, 1, scale,
+            *margs.runtime(), *margs.modifier_args(lse), **margs.constexprs(),
+            CUQ=cu_q, CUK=cu_k, Tq=Tq, VARLEN=True,
+            D=D, DV=Dv, BLOCK_D=head_block(D), BLOCK_DV=head_block(Dv), BLOCK_M=bm, BLOCK_N=cfg.block_n,
+            CAUSAL=causal, HAS_KL=False, PREC=precision(q.dtype), IDX64=needs_64bit_offsets(q, k, v, out),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     return out, lse
 
 
