@@ -9,7 +9,7 @@
 // registers the operators. It binds no function and is made with the plain CPython API, as
 // pytorch/extension-cpp does: no pybind11 in this library at all, so no pybind11 version or
 // exception translator of ours can differ from the one torch was built with (one of the
-// hypotheses for the TORCH_CHECK crash seen on a GPU machine: issue 9).
+// hypotheses for the TORCH_CHECK crash seen on a GPU machine).
 #include <Python.h>
 
 #include <ATen/core/Tensor.h>

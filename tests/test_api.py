@@ -84,7 +84,7 @@ def test_dispatch_never_sends_a_mode_outside_a_backends_features():
 
 
 # ---------------------------------------------------------------------------------------------
-# Silent failures of issue 12, section 3 (each of these failed before the fix)
+# Silent failures (each of these failed before its fix)
 
 
 def test_int64_key_lengths_are_range_checked_before_the_cast():
@@ -583,7 +583,7 @@ def test_first_registry_lookup_from_two_threads_waits_for_every_builtin():
 
 
 # ---------------------------------------------------------------------------------------------
-# Drop-in fidelity (issue 23): each of these failed before its fix
+# Drop-in fidelity: each of these failed before its fix
 
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left  # noqa: E402
 

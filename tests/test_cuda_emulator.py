@@ -843,7 +843,7 @@ def test_score_modifiers_never_go_to_the_sm90_family(emu):
             assert modes_kernel.value == 1
 
 
-# packed variable-length sequences (issue 22): the modes forward kernel, against the float64
+# packed variable-length sequences: the modes forward kernel, against the float64
 # reference computed per sequence
 # ---------------------------------------------------------------------------------------------
 
@@ -943,7 +943,7 @@ def test_varlen_forward_never_reads_another_sequences_keys(scheduled):
     assert torch.isnan(o2[:, :, 9:39]).all()
 
 
-# the KV cache (issue 22): batch rows by cache_batch_idx and paged K/V in the modes forward
+# the KV cache: batch rows by cache_batch_idx and paged K/V in the modes forward
 # kernel, against the float64 reference on the dense K/V gathered through the index / table
 # ---------------------------------------------------------------------------------------------
 

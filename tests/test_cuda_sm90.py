@@ -1,4 +1,4 @@
-"""The sm_90a (Hopper) CUDA family, checked without a GPU (issue 13).
+"""The sm_90a (Hopper) CUDA family, checked without a GPU.
 
 * The emulated sm_90 instructions (csrc/cuda/emulation/cuda_emu_sm90.h) against plain loops:
   TMA loads into 128-byte swizzled tiles, then wgmma from shared-memory descriptors (K-major A

@@ -1,4 +1,4 @@
-"""The sm_90a (Hopper) backward, checked without a GPU (issue 13).
+"""The sm_90a (Hopper) backward, checked without a GPU.
 
 * The backward kernels of csrc/cuda/sm90/attn_bwd_sm90_kernel.cuh (dK/dV and dQ, every
   instantiation) under the CPU emulator's seeded random schedule, after the sm90 forward, on the

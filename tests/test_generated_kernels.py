@@ -70,7 +70,7 @@ def test_the_compiled_module_reports_the_same_table():
     names = {"fp16": "float16", "bf16": "bfloat16"}
     assert caps["cuda"]["dtypes"] == list(dict.fromkeys(names[t] for t, _ in inst))
     assert set(caps["cuda"]["tiles"]) == {str(d) for _, d in inst}
-    # The limits that keep the kernels' 32-bit index arithmetic from overflowing (issue 9).
+    # The limits that keep the kernels' 32-bit index arithmetic from overflowing.
     assert caps["cuda"]["max_group_rows"] <= 2**30 and caps["cuda"]["max_keys"] <= 2**30
     assert caps["cpu"]["max_head_dim"] >= 1 and set(caps["cpu"]["dtypes"]) >= {"float32"}
     assert json.loads(torch.ops.mhakern_C.capabilities()) == caps

@@ -1,4 +1,4 @@
-"""The trainer on Ray (issue 11 section 4): stacks as Ray tasks on a local cluster of two CPU
+"""The trainer on Ray: stacks as Ray tasks on a local cluster of two CPU
 slots, the driver the only writer of the store.
 
 One local Ray is started for the module (its start-up is most of the cost). Checked: a sweep

@@ -1,4 +1,4 @@
-"""The trainer's store under damage and lost claims (issue 23, items 5 and 6).
+"""The trainer's store under damage and lost claims.
 
 Damaged stores are built in tmp_path (garbage inside a valid file, a truncated file, a file that
 is not SQLite, damage that appears while a sweep trains); a sweep paused past its claim lease is

@@ -979,7 +979,7 @@ def test_constructor_defaults_are_torchs():
 
 
 # ---------------------------------------------------------------------------------------------
-# Drop-in fidelity (issue 23): each of these failed before its fix
+# Drop-in fidelity: each of these failed before its fix
 
 import contextlib  # noqa: E402
 

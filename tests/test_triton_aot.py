@@ -169,7 +169,7 @@ def test_mode_variants_with_all_modes_on_compile_without_spills():
     # (where dK/dV takes mma.sync, heuristics.MODE_CAPS), about 15 s a variant here, the two
     # arches side by side; and the split-K forward with both score modifiers. Every mode set at
     # both head dims, dtypes and arches takes ~30 min here: ``--modes`` alone, by hand.
-    # The packed-sequence forward (issue 22) too: its per-sequence offsets must not spill either.
+    # The packed-sequence forward too: its per-sequence offsets must not spill either.
     report = _aot("--modes", "all", "modifiers", "varlen", "--no-plain",
                   "--only", "fwd+all", "dkdv+all", "dq+all", "fused+all", "fwdsplit+modifiers", "fwd+varlen",
                   per_arch={"80": ["--dtypes", "fp16", "--dims", "64"], "90": ["--dtypes", "bf16", "--dims", "128"]})

@@ -1,4 +1,4 @@
-"""The Triton kernels' packed variable-length sequences (issue 22) through the launchers, under
+"""The Triton kernels' packed variable-length sequences through the launchers, under
 the interpreter on CPU tensors (conftest sets TRITON_INTERPRET=1), against the float64
 reference computed per sequence (mhakern.reference runs a packed record sequence by sequence),
 by the contract's tolerance rule. Tiny shapes: the interpreter runs every program in Python."""

@@ -75,7 +75,7 @@ SM90_MAX_REGS = 255
 #   uniform registers); 3.70 (473) with separate K and V pipelines (a second full-barrier wait
 #   and release per tile) and the shared base warp-uniform (the aligned base computed once);
 #   3.67 (470) with the mask test against a precomputed first masked tile; 3.55 (455) on the
-#   persistent grid. The bound is the issue's target (issue 19).
+#   persistent grid. The bound is the target the forward was designed to.
 SM90_FWD_MAX_EXECUTED_PER_KEY = {128: 3.7}
 # sm90-namespace kernels without wgmma (memory-bound helpers): not held to HGMMA in a loop.
 SM90_HELPER_KERNELS = ("attn_bwd_dq_convert_sm90_kernel",)

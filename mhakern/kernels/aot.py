@@ -98,7 +98,7 @@ MODE_SETS = {
     "softcap": dict(SOFTCAP=True),
     "alibi": dict(ALIBI=True),
     "modifiers": dict(SOFTCAP=True, ALIBI=True),
-    # Packed sequences (issue 22): the modes kernels' per-sequence bounds and offsets.
+    # Packed sequences: the modes kernels' per-sequence bounds and offsets.
     "varlen": dict(VARLEN=True),
     "all": dict(BAND=True, TOP_LEFT=True, MASK_KIND=2, DROPOUT=True, MASK_GRAD=True, SOFTCAP=True, ALIBI=True),
 }
