@@ -216,10 +216,11 @@ constexpr bool use_cuda_decode_fwd(int64_t group_rows, bool modes_kernel) {
 #define MHK_SM90_FOR_EACH_HEAD_DIM_(F, tag) MHK_SM90_FOR_EACH_HEAD_DIM(F, tag)
 constexpr int kSm90CapabilityMajor = 9, kSm90CapabilityMinor = 0;
 // Modes (Feature bits) the sm90 forward and backward serve beyond key_lengths and bottom-right
-// causal: none (choose_fwd_family / choose_bwd_family in csrc/cuda/attn_dispatch.h give every call
+// causal (choose_fwd_family / choose_bwd_family in csrc/cuda/attn_dispatch.h give every call
 // with another mode, softcap and ALiBi included, to the mma.sync family, which serves
-// kCudaFeatures).
-constexpr unsigned kSm90FwdFeatures = 0, kSm90BwdFeatures = 0;
+// kCudaFeatures): the forward, packed sequences (attn_fwd_sm90_varlen_kernel, bottom-right causal
+// per sequence; with top_left they go to mma.sync); the backward, none.
+constexpr unsigned kSm90FwdFeatures = kVarlen, kSm90BwdFeatures = 0;
 // Forward tiles: packed query rows per CTA (2 consumer warpgroups x 64), keys per pipeline
 // stage, stages of the K ring and of the V ring (separate pipelines: K's stage is released when
 // S has landed, V's when P V has; csrc/cuda/sm90/attn_fwd_sm90_kernel.cuh: FwdConfigSm90, which

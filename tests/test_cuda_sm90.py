@@ -13,6 +13,12 @@
   persistent grid (2 emulated SMs: most calls loop over several work items per CTA). Tensors
   sit in NaN-padded buffers: a read outside them poisons the result, a write outside them is
   detected. Deliberate defects (a K, V or Q buffer released early) must fail.
+* Packed sequences (the varlen kernel) against the per-sequence float64 reference: empty
+  sequences on either side, one-token ones, sequences of more rows or keys than a tile,
+  Lq_s != Lk_s, causal, GQA and MQA, every head dim; on one emulated SM (one CTA walking every
+  item, the skipped row tiles included) bit for bit as on many; another sequence's keys
+  (NaN keys, inf values) change no bit, and TMA reads no key tile wholly outside a sequence's
+  visible keys (the emulator's read guard restricted to the tokens it may load).
 * The family choice by compute capability (faked capabilities).
 
 What emulation cannot show (speed, register allocation, whether the hardware matches the
@@ -26,7 +32,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from attn_testing import HARD_CASES, case_id, check_against_reference, make_inputs
+from mhakern import reference
+from mhakern.backends import Modes
+
+from attn_testing import HARD_CASES, case_id, check_against_reference, make_inputs, rule_check
 from cuda_emulator_harness import (
     CUDA_SRC,
     ELEM,
@@ -70,6 +79,9 @@ class Sm90Emulator:
         lib.mhk_emu_sm90_fwd_fault.argtypes = [ctypes.c_int]
         lib.mhk_emu_sm90_set_sms.argtypes = [ctypes.c_int]
         lib.mhk_emu_sm90_work_tiles.argtypes = [ctypes.c_int] * 7 + [ctypes.c_void_p, ctypes.c_int]
+        lib.mhk_emu_sm90_fwd_varlen.argtypes = ([ctypes.c_int] * 2 + [ctypes.c_void_p] * 9 + [ctypes.c_int] * 4
+                                                + [ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 2
+                                                + [ctypes.c_longlong] * 3)
 
     def config(self, D: int) -> tuple:
         """(query rows, keys per stage, K stages, dynamic smem, V stages) of the compiled
@@ -114,6 +126,37 @@ class Sm90Emulator:
         guard.check("out")
         if partials is not None:
             partials.append((o_part, l_part))
+        return out, lse
+
+
+    def forward_varlen(self, q, k, v, cq, ck, scale, causal, kv_tokens=None):
+        """out (1, H, Tq, D), lse (1, H, Tq) of the emulated packed forward of q (1, H, Tq, D), k, v
+        (1, Hkv, Tk, D) (views of packed (T, H, D) tensors, in NaN-padded buffers) with prefix
+        sums cq, ck. kv_tokens: the [begin, end) key-token ranges TMA may read (default: all of
+        k and v's buffers); a box that reads another token is an error."""
+        _, H, Tq, D = q.shape
+        Hkv, Tk = k.shape[1], k.shape[2]
+        out, guard = padded_empty(q)
+        lse = torch.full((1, H, Tq), float("nan"))
+        if kv_tokens is None:
+            ranges = [(x.untyped_storage().data_ptr(), x.untyped_storage().data_ptr() + x.untyped_storage().nbytes())
+                      for x in (k, v)]
+        else:  # token t of a (T, Hkv, D) tensor: bytes [t, t + 1) x its row stride
+            ranges = [(x.data_ptr() + a * x.stride(2) * x.element_size(), x.data_ptr() + b * x.stride(2) * x.element_size())
+                      for x in (k, v) for a, b in kv_tokens]
+        begin = (ctypes.c_ulonglong * len(ranges))(*[a for a, _ in ranges])
+        end = (ctypes.c_ulonglong * len(ranges))(*[b for _, b in ranges])
+        self.lib.mhk_emu_guard_reads(len(ranges), begin, end)
+        self.lib.mhk_emu_configure(1, SMEM_LIMIT_SM90)
+        lens_q, lens_k = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
+        rc = self.lib.mhk_emu_sm90_fwd_varlen(
+            ELEM[q.dtype], D, _ptr(q), _st(q), _ptr(k), _st(k), _ptr(v), _st(v), _ptr(out), _st(out), _ptr(lse), H,
+            Hkv, Tq, Tk, ctypes.c_float(scale), int(causal), _ptr(cq), _ptr(ck), len(cq) - 1,
+            int(lens_q.max()) if len(lens_q) else 0, int(lens_k.max()) if len(lens_k) else 0)
+        self.lib.mhk_emu_guard_reads(0, None, None)
+        if rc != 0:
+            raise RuntimeError(f"emulated sm90 packed forward: {self.error()}")
+        guard.check("out")
         return out, lse
 
 
@@ -536,6 +579,96 @@ def test_sm90_forward_is_deterministic_across_schedules(emu):
 
 
 # ---------------------------------------------------------------------------------------------
+# Packed sequences (attn_fwd_sm90_varlen_kernel) against the per-sequence float64 reference
+# ---------------------------------------------------------------------------------------------
+
+
+def _packed(T, H, D, dtype, g):
+    """A (1, H, T, D) view of a packed (T, H, D) tensor, in a NaN-padded buffer."""
+    return padded(torch.randn(T, H, D, generator=g).to(dtype).transpose(0, 1).unsqueeze(0))
+
+
+def _prefix(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def _check_varlen(out, lse, q, k, v, cq, ck, scale, causal):
+    """The tolerance rule on every query token against the reference of each sequence as a batch
+    of one (mhakern.reference with packed modes), the lse's -inf pattern exactly."""
+    lens_q, lens_k = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
+    m = Modes(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=int(lens_q.max()), max_seqlen_k=int(lens_k.max()))
+    o64, l64 = reference.attention_forward(q.double(), k.double(), v.double(), scale, causal, None, upcast=True, modes=m)
+    oT, _ = reference.attention_forward(q, k, v, scale, causal, None, modes=m)
+    rule_check("out", out, o64, oT, q.dtype, 2.0)
+    dead = torch.isneginf(l64)
+    assert torch.equal(torch.isneginf(lse), dead), "lse: -inf pattern differs from the reference"
+    err = (lse.double() - l64)[~dead].abs().max().item() if (~dead).any() else 0.0
+    assert err <= 1e-3 * max(1.0, l64[~dead].abs().max().item()), f"lse error {err:.3e}"
+    for s in range(len(lens_q)):  # a sequence without keys: out 0 (rule_check saw finite values)
+        if lens_k[s] == 0 and lens_q[s] > 0:
+            assert not out[:, :, int(cq[s]):int(cq[s + 1])].any(), f"sequence {s}: out of no keys"
+
+
+# (name, lengths q, lengths k, H, Hkv, D, dtype, causal). Row tiles of 128 packed rows, key
+# tiles of 128 (D 64, 128) and 80 (D 256). Between them: empty sequences on either side (no
+# queries: row tiles skipped; no keys: out 0, lse -inf), one-token sequences, a sequence of more
+# rows than a tile (70 x group 2, 130) and of more keys than a tile (150, 300, 170), Lq_s != Lk_s
+# both ways (causal with leading rows that see no key), GQA and MQA, and tiles holding a
+# sequence's end that bring in the next sequence's keys.
+SM90_VARLEN_CASES = [
+    ("d64-gqa-causal-empty", [5, 0, 1, 70, 3, 0, 9], [9, 4, 1, 150, 0, 0, 2], 4, 2, 64, torch.bfloat16, True),
+    ("d128-mha-long", [130, 17, 1], [40, 300, 129], 2, 2, 128, torch.float16, False),
+    ("d256-mqa-causal", [1, 45, 20, 0], [170, 45, 81, 3], 2, 1, 256, torch.bfloat16, True),
+]
+
+
+@pytest.mark.parametrize("case", SM90_VARLEN_CASES, ids=[c[0] for c in SM90_VARLEN_CASES])
+def test_sm90_varlen_forward_against_the_per_sequence_reference(rnd, case):
+    _, lq, lk, H, Hkv, D, dtype, causal = case
+    g = torch.Generator().manual_seed(D + len(lq))
+    q, k, v = _packed(sum(lq), H, D, dtype, g), _packed(sum(lk), Hkv, D, dtype, g), _packed(sum(lk), Hkv, D, dtype, g)
+    cq, ck = _prefix(lq), _prefix(lk)
+    scale = D ** -0.5
+    out, lse = rnd.forward_varlen(q, k, v, cq, ck, scale, causal)
+    _check_varlen(out, lse, q, k, v, cq, ck, scale, causal)
+    if D == 64:
+        # One emulated SM: one CTA walks every item, the skipped row tiles past a sequence's rows
+        # included (their Q halves' phases must stay paired); the same bits as a CTA per item.
+        old = rnd.lib.mhk_emu_sm90_set_sms(1)
+        try:
+            one = rnd.forward_varlen(q, k, v, cq, ck, scale, causal)
+            rnd.lib.mhk_emu_sm90_set_sms(1000)
+            many = rnd.forward_varlen(q, k, v, cq, ck, scale, causal)
+        finally:
+            rnd.lib.mhk_emu_sm90_set_sms(old)
+        for a, b in zip(one, many):
+            assert torch.equal(a, b)
+        assert torch.equal(one[0], out) and torch.equal(one[1], lse)
+
+
+def test_sm90_varlen_never_reads_or_sees_another_sequences_keys(rnd):
+    # Sequence 1 has 400 keys and no query: nothing may load them but the box of sequence 0's
+    # only key tile (128 keys from 0, its 50 keys and sequence 1's first 78), which must mask
+    # them (keys) and zero them (values). So TMA may read key tokens [0, 128) and sequence 2's
+    # [450, 700) only, and NaN keys with inf values in sequence 1 change no bit of the others.
+    lq, lk, H, D = [9, 0, 20], [50, 400, 250], 2, 64
+    g = torch.Generator().manual_seed(7)
+    q, k, v = _packed(sum(lq), H, D, torch.float16, g), _packed(700, H, D, torch.float16, g), _packed(700, H, D, torch.float16, g)
+    cq, ck = _prefix(lq), _prefix(lk)
+    allowed = [(0, 128), (450, 700)]
+    clean = rnd.forward_varlen(q, k, v, cq, ck, 0.125, False, kv_tokens=allowed)
+    _check_varlen(*clean, q, k, v, cq, ck, 0.125, False)
+    k[:, :, 50:450] = float("nan")
+    v[:, :, 50:450] = float("inf")
+    dirty = rnd.forward_varlen(q, k, v, cq, ck, 0.125, False, kv_tokens=allowed)
+    assert torch.isfinite(dirty[0]).all()
+    assert torch.equal(dirty[0], clean[0]) and torch.equal(dirty[1], clean[1])
+    # the guard is live: with sequence 2's tokens left out, its own boxes are errors
+    with pytest.raises(RuntimeError, match="outside every tensor"):
+        rnd.forward_varlen(q, k, v, cq, ck, 0.125, False, kv_tokens=[(0, 128)])
+
+
+# ---------------------------------------------------------------------------------------------
 # Which family serves a call
 # ---------------------------------------------------------------------------------------------
 
@@ -557,6 +690,10 @@ def test_sm90_forward_is_deterministic_across_schedules(emu):
         ((9, 0), 1, 64, 1, 4, 2, 6400, 0),    # top-left causal
         ((9, 0), 1, 64, 1, 5, 2, 6400, 1),    # key_lengths (the keys past a length are zeroed)
         ((9, 0), 1, 64, 1, 0, 2, 0, 0),       # K broadcast over heads (stride 0): no tensor map
+        ((9, 0), 1, 128, 1, 6, 2, 12800, 1),  # packed sequences (the varlen kernel)
+        ((9, 0), 1, 128, 2, 6, 2, 12800, 0),  # packed sequences, split (it runs them unsplit)
+        ((9, 0), 1, 128, 1, 7, 2, 12800, 0),  # packed sequences with top-left causal
+        ((8, 0), 1, 128, 1, 6, 2, 12800, 0),  # packed sequences on A100
     ],
 )
 def test_family_choice_by_compute_capability(emu, cc, compiled, D, splits, mode, Hkv, head_stride, want):
@@ -686,3 +823,12 @@ def test_sass_check_counts_executed_instructions_per_key(filler, masked, fails):
     assert executed == len(body) - 1 - n_mask  # the loop less EXIT and the skipped block
     per_key = [p for p in problems if "per key" in p]
     assert bool(per_key) == fails, (executed, problems)
+    # The packed-sequence kernel (the same main loop) is held to the same gates, its shared
+    # memory read from its own row of the config printer.
+    vmangled = mangled.replace("20attn_fwd_sm90_kernel", "27attn_fwd_sm90_varlen_kernel")
+    vfacts = tool.sass_facts_text(_sass(body).replace(_MANGLED, vmangled))
+    rows, problems, _ = tool.check_sm90([{"src": "attn_fwd_sm90_fp16_d128.cu", "rc": 0, "log": log.replace(mangled, vmangled),
+                                          "facts": vfacts}],
+                                        {128: 1024, ("fwd_block_n", 128): 128, ("attn_fwd_sm90_varlen_kernel", 128): 1024})
+    assert rows[0]["kernel"] == "attn_fwd_sm90_varlen_kernel" and rows[0]["smem_dynamic"] == 1024
+    assert bool([p for p in problems if "per key" in p]) == fails, problems

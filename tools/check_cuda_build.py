@@ -77,6 +77,9 @@ SM90_MAX_REGS = 255
 #   3.67 (470) with the mask test against a precomputed first masked tile; 3.55 (455) on the
 #   persistent grid. The bound is the target the forward was designed to.
 SM90_FWD_MAX_EXECUTED_PER_KEY = {128: 3.7}
+# The forward kernels held to those gates: the dense one and its packed-sequence twin (the same
+# main loop: attn_fwd_sm90_kernel.cuh attn_fwd_sm90_body).
+SM90_FWD_KERNELS = ("attn_fwd_sm90_kernel", "attn_fwd_sm90_varlen_kernel")
 # sm90-namespace kernels without wgmma (memory-bound helpers): not held to HGMMA in a loop.
 SM90_HELPER_KERNELS = ("attn_bwd_dq_convert_sm90_kernel",)
 SMEM_LIMIT = 99 * 1024  # opt-in shared memory per block on sm_86 / sm_89 (sm_80: 163 KB, sm_90: 227 KB)
@@ -470,7 +473,8 @@ _SM90_CONFIG_PROGRAM = r"""
 using namespace mhakern::cuda::sm90;
 #include "sm90/attn_bwd_sm90_kernel.cuh"
 #include "sm90/attn_bwd_fused_sm90_kernel.cuh"
-#define MHK_ROW_(tag, D) std::printf("%d %d %d\n", D, FwdConfigSm90<D>::kSmemAlloc, FwdConfigSm90<D>::kBlockN);
+#define MHK_ROW_(tag, D) std::printf("%d %d %d\nattn_fwd_sm90_varlen_kernel %d %d\n", D, FwdConfigSm90<D>::kSmemAlloc, \
+                                    FwdConfigSm90<D>::kBlockN, D, FwdConfigSm90<D>::kSmemAlloc);
 #define MHK_BWD_ROW_(tag, D) \
   std::printf("attn_bwd_dkdv_sm90_kernel %d %d\nattn_bwd_dq_sm90_kernel %d %d\n", D, \
               BwdConfigSm90<D>::kDkvSmemAlloc, D, BwdConfigSm90<D>::kDqSmemAlloc); \
@@ -617,7 +621,7 @@ def check_sm90(results: list[dict], smem: dict[int, int] | None) -> tuple[list[d
                 problems.append(f"{label}: {f['local_ins']} local-memory instructions (LDL/STL)")
             if any(n > 256 for n in f["setmaxnreg"]):
                 problems.append(f"{label}: setmaxnreg target above 256: {f['setmaxnreg']}")
-            if kern == "attn_fwd_sm90_kernel":
+            if kern in SM90_FWD_KERNELS:
                 problems += sm90_fwd_loop_gates(label, D, f, smem)
         if e["spill_st"] or e["spill_ld"] or e["stack"]:
             problems.append(f"{label}: spills {e['spill_st']} B / {e['spill_ld']} B, stack {e['stack']} B")

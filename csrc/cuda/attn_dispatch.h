@@ -73,15 +73,17 @@ enum class FwdFamily : int { mma_sync = 0, sm90 = 1 };
 // capability major.minor. sm90_compiled: the build has the sm_90a pass (MHAKERN_WITH_SM90A).
 // The sm90 family takes a call only where it implements all of it: a 9.0 device (sm_90a code
 // runs there only), its head dims (both dtypes; split-K included), only the modes it serves
-// (capabilities.h kSm90FwdFeatures: none; mask, dropout, window, top-left, softcap and ALiBi
-// go to mma.sync), and K/V strides a tensor map can describe (a broadcast dim of stride 0
-// cannot be). key_lengths included: the kernel zeroes the values of the keys past a length that
-// its tensor-map loads bring in (a NaN/inf there leaked through 0 * inf on an H200 before).
+// (capabilities.h kSm90FwdFeatures: packed sequences, unsplit; mask, dropout, window, top-left,
+// softcap, ALiBi and the KV cache's addressing go to mma.sync), and K/V strides a tensor map
+// can describe (a broadcast dim of stride 0 cannot be). key_lengths included: the kernel zeroes
+// the values of the keys past a length that its tensor-map loads bring in (a NaN/inf there
+// leaked through 0 * inf on an H200 before); likewise those of the next packed sequence.
 inline FwdFamily choose_fwd_family(int major, int minor, bool sm90_compiled, const FwdParams& p) {
   if (!sm90_compiled || major != caps::kSm90CapabilityMajor || minor != caps::kSm90CapabilityMinor)
     return FwdFamily::mma_sync;
   if (!caps::sm90_head_dim_supported(p.D) || p.num_splits < 1) return FwdFamily::mma_sync;
   if ((mode_features_of(p) & ~caps::kSm90FwdFeatures) != 0) return FwdFamily::mma_sync;
+  if (p.cu_seqlens_q != nullptr && p.num_splits != 1) return FwdFamily::mma_sync;  // packed: unsplit only
   const HeadStrides* kv[2] = {&p.k_stride, &p.v_stride};
   for (const HeadStrides* st : kv) {
     if ((p.Lk > 1 && st->row == 0) || (p.Hkv > 1 && st->head == 0) || (p.B > 1 && st->batch == 0))

@@ -36,8 +36,18 @@
 //
 // The two consumer warpgroups take turns issuing their products (ping-pong, named barriers).
 //
-// Not done here: the modes of docs/contract.md and the backward (the mma.sync family serves
-// those). The host uses this family only where it serves the call.
+// Packed sequences (attn_fwd_sm90_varlen_kernel, the same body with kVarlen; ModeParams'
+// cu_seqlens_q / _k): the work items are (row tile of the longest sequence's packed rows, KV
+// head, sequence), seq_tile_work; each is batch element 0 of a dense call of the sequence's
+// lengths whose tokens start at its first query and key token: K/V boxes at the key row k0 + n0,
+// bottom-right causal per sequence (Lk_s - Lq_s), Q read, O and lse written for the sequence's
+// rows only. The tile holding the sequence's end brings in the next sequence's first keys: masked
+// as keys past Lk_s, their V rows zeroed as for a key length (a NaN or inf there must not reach
+// P V); no tile wholly past the sequence's visible keys is loaded. Row tiles past a sequence's
+// rows are skipped by every role. Unsplit; no top-left alignment (those go to mma.sync).
+//
+// Not done here: the other modes of docs/contract.md and the backward (the mma.sync family
+// serves those). The host uses this family only where it serves the call.
 #pragma once
 
 #include "../../capabilities.h"
@@ -194,9 +204,54 @@ MHK_DEVICE int fwd_work_block(const FwdParams& p, int n_mtiles, int w) {
   return (bh * n_mtiles + mt) * p.num_splits + split;
 }
 
-template <typename Elem, int D>
-__global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
-    attn_fwd_sm90_kernel(const MHK_GRID_CONSTANT FwdParamsSm90 P) {
+// Packed sequences (ModeParams::cu_seqlens_q / _k, B = 1): the work of item w of the grid over
+// (tile of BM packed rows of group * max_seqlen_q, KV head, sequence), heaviest first as
+// fwd_work_block orders a dense grid: the last row tiles first (they exist only in the longest
+// sequences, and under causal masking see the most keys). The item is row tile mt of sequence s
+// seen as batch element 0 of a dense call of lengths (Lq_s, Lk_s) whose tokens start at q0, k0:
+// group * Lq_s packed rows (none when the tile starts past them: every role skips the item),
+// key tiles of BN from k0 up to the rows' largest visible limit (at most Lk_s: no tile wholly of
+// another sequence is loaded). No split-K (the launcher refuses it: the combine kernel's rows are
+// dense ones). The prefix sums are clamped into [0, Tq] / [0, Tk] and non-decreasing here, so that
+// values the host could not read (device tensors) never address outside q, k, v, out and lse.
+struct SeqTileWork {
+  RowTileWork w;  // split 0, b 0 (the packed tensors' one batch element)
+  int q0, k0, Lq;  // the sequence's first query and key token, its query length
+};
+template <int BM, int BN>
+MHK_DEVICE SeqTileWork seq_tile_work(const FwdParams& p, int n_mtiles, int item) {
+  const int per_mtile = static_cast<int>(p.num_seqs) * p.Hkv;
+  const int mt = n_mtiles - 1 - item / per_mtile;
+  const int rest = item % per_mtile;
+  const int s = rest / p.Hkv;
+  SeqTileWork sw;
+  RowTileWork& w = sw.w;
+  w.split = 0;
+  w.hkv = rest % p.Hkv;
+  w.b = 0;
+  sw.q0 = imin(imax(p.cu_seqlens_q[s], 0), p.Lq);
+  sw.k0 = imin(imax(p.cu_seqlens_k[s], 0), p.Lk);
+  sw.Lq = imin(imax(p.cu_seqlens_q[s + 1], sw.q0), p.Lq) - sw.q0;
+  w.Lk_b = imin(imax(p.cu_seqlens_k[s + 1], sw.k0), p.Lk) - sw.k0;
+  w.group_rows = p.group * sw.Lq;
+  w.r0 = mt * BM;
+  w.lim_min = 0;
+  w.t0 = 0;
+  w.n_tiles = 0;
+  if (w.r0 < w.group_rows) {
+    int i_lo, i_hi;
+    tile_query_range(w.r0, imin(BM, w.group_rows - w.r0), sw.Lq, i_lo, i_hi);
+    const int lim_max = visible_limit(i_hi, w.Lk_b, sw.Lq, p.causal);
+    w.lim_min = visible_limit(i_lo, w.Lk_b, sw.Lq, p.causal);
+    w.n_tiles = lim_max > 0 ? ceil_div(lim_max, BN) : 0;
+  }
+  return sw;
+}
+
+// The forward of both kernels below; kVarlen: packed sequences (seq_tile_work), a compile-time
+// switch, so that the dense kernel's code is what it was without them.
+template <typename Elem, int D, bool kVarlen>
+MHK_DEVICE void attn_fwd_sm90_body(const FwdParamsSm90& P) {
 #if MHK_SM90_ENABLED
   using Cfg = FwdConfigSm90<D>;
   using Tr = ElemTraits<Elem>;
@@ -211,15 +266,35 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   // holds them all; a persistent grid (capabilities.h kSm90FwdPersistent) loops, its rings and
   // barrier phases running on from item to item.
   // (Computed where each role needs them: nothing of this lives across setmaxnreg.)
-  auto n_mtiles = [&] { return ceil_div(p.group * p.Lq, BM); };
-  auto n_items = [&] { return p.B * p.Hkv * n_mtiles() * p.num_splits; };  // < 2^31 (the launcher checks)
+  // Packed sequences: the row tiles of the longest sequence, for every sequence.
+  auto n_mtiles = [&] { return ceil_div(p.group * (kVarlen ? static_cast<int>(p.max_seqlen_q) : p.Lq), BM); };
+  auto n_items = [&] {  // < 2^31 (the launcher checks)
+    return (kVarlen ? static_cast<int>(p.num_seqs) : p.B) * p.Hkv * n_mtiles() * p.num_splits;
+  };
   auto item0 = [] { return static_cast<int>(block_index()); };
   int split = 0, hkv = 0, b = 0, group_rows = 0, r0 = 0, Lk_b = 0, lim_min = 0, t0 = 0, n_tiles = 0;
+  // The item's first query and key token and its query length (item_lq): a packed sequence's
+  // (q0, k0, Lq_s); 0, 0, Lq in a dense call. (p.Lq itself there, not a copy: with a copy
+  // ptxas scheduled the dense kernel's main loop differently, 4 instructions more per tile.)
+  int q0 = 0, k0 = 0, seq_lq = 0;
+  auto item_lq = [&] { return kVarlen ? seq_lq : p.Lq; };
   auto begin_item = [&](int item) {
-    const RowTileWork w = row_tile_work<BM, BN>(p, fwd_work_block(p, n_mtiles(), item));
-    split = w.split, hkv = w.hkv, b = w.b, group_rows = w.group_rows, r0 = w.r0, Lk_b = w.Lk_b;
-    lim_min = w.lim_min, t0 = w.t0, n_tiles = w.n_tiles;
+    if constexpr (kVarlen) {
+      const SeqTileWork sw = seq_tile_work<BM, BN>(p, n_mtiles(), item);
+      const RowTileWork& w = sw.w;
+      split = w.split, hkv = w.hkv, b = w.b, group_rows = w.group_rows, r0 = w.r0, Lk_b = w.Lk_b;
+      lim_min = w.lim_min, t0 = w.t0, n_tiles = w.n_tiles;
+      q0 = sw.q0, k0 = sw.k0, seq_lq = sw.Lq;
+    } else {
+      const RowTileWork w = row_tile_work<BM, BN>(p, fwd_work_block(p, n_mtiles(), item));
+      split = w.split, hkv = w.hkv, b = w.b, group_rows = w.group_rows, r0 = w.r0, Lk_b = w.Lk_b;
+      lim_min = w.lim_min, t0 = w.t0, n_tiles = w.n_tiles;
+    }
   };
+  // A packed sequence's row tile past its rows: the Q loaders and the consumers skip it
+  // together (the producer loads nothing for it: no key tile), so that the Q halves' phases stay
+  // paired. Never in a dense call.
+  auto item_empty = [&] { return kVarlen && r0 >= group_rows; };
 
   unsigned char* sQ = smem;
   unsigned char* sK = smem + Cfg::kOffK;
@@ -278,7 +353,7 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
             mbar_arrive_expect_tx(bar, Cfg::kTileBytes);
             for (int pn = 0; pn < Cfg::kPanels; ++pn)
               tma_load_4d(base + off_data + r.s * Cfg::kTileBytes + pn * Cfg::kPanelBytesKV, map, pn * 64,
-                          (t0 + it) * BN, hkv, b, bar);
+                          k0 + (t0 + it) * BN, hkv, b, bar);
           }
         }
         if (++r.s == n_stages) {
@@ -299,7 +374,9 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
         // tile's V copies complete on `fix` instead of full_v[s], the warp zeroes those V rows,
         // and lane 0 then arrives on full_v[s] (a plain arrival: no bytes left in flight). At
         // most one tile per item (none past Lk_b is loaded); -1 or out of [0, n_tiles) when none.
-        const int it_clear = Lk_b < p.Lk ? Lk_b / BN - t0 : -1;
+        // Packed sequences: the keys past the sequence's end are the next sequence's (k0 + Lk_b
+        // < Tk), cleared the same way (and masked by the consumers as past Lk_b).
+        const int it_clear = k0 + Lk_b < p.Lk ? Lk_b / BN - t0 : -1;
         int s_clear = -1;
         // In the order the consumers wait for them: K of tile 0; then K of tile it and V of
         // tile it - 1 (step it's operands); V of the last tile.
@@ -344,6 +421,10 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
       uint32_t parity = 1;
       for (int item = item0(), n = n_items(); item < n; item += P.grid, parity ^= 1) {
         begin_item(item);
+        if (item_empty()) {
+          parity ^= 1;  // undone by the loop's step: a skipped item uses no Q half
+          continue;
+        }
         for (int c = 0; c < Cfg::kConsumers; ++c) {
           mbar_wait(base + Cfg::kOffQEmpty + 8 * c, parity);
           for (int k = lt; k < 64 * kChunks; k += Cfg::kQLoaders) {
@@ -351,7 +432,8 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
             const int r = r0 + row;
             uint4 val = make_uint4(0, 0, 0, 0);
             if (r < group_rows) {
-              val = *reinterpret_cast<const uint4*>(q + packed_row_offset(p.q_stride, b, hkv, p.group, p.Lq, r) + ch * 8);
+              val = *reinterpret_cast<const uint4*>(q + static_cast<int64_t>(q0) * p.q_stride.row +
+                                                    packed_row_offset(p.q_stride, b, hkv, p.group, item_lq(), r) + ch * 8);
               // A negative scale: Q negated here (the sign bit of each 16-bit element, exact),
               // so that the softmax scales by |scale| and takes its row maxima on raw scores.
               val.x ^= q_sign;
@@ -500,10 +582,11 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
   };
   for (int item = item0(), n = n_items(); item < n; item += P.grid) {
     begin_item(item);
+    if (item_empty()) continue;
     MHK_UNROLL
     for (int h = 0; h < 2; ++h) {
       rows[h] = r0 + cw * 64 + warp * 16 + g + 8 * h;
-      lim[h] = rows[h] < group_rows ? visible_limit(rows[h] % p.Lq, Lk_b, p.Lq, p.causal) : 0;
+      lim[h] = rows[h] < group_rows ? visible_limit(rows[h] % item_lq(), Lk_b, item_lq(), p.causal) : 0;
     }
     it_mask = lim_min / BN - t0;
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
@@ -594,7 +677,9 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
       const bool seen = lsum > 0.f;
       const float inv = seen ? 1.f / lsum : 0.f;
       const float lse = seen ? (m[h] + log2f(lsum)) * kLn2 : -INFINITY;
-      const int64_t lin = packed_row_linear(b, p.H, hkv, p.group, p.Lq, r);
+      // lse (H, Tq) of packed sequences: query token q0 + i of head h at h * Tq + q0 + i.
+      const int64_t lin = kVarlen ? static_cast<int64_t>(hkv * p.group + r / seq_lq) * p.Lq + q0 + r % seq_lq
+                                  : packed_row_linear(b, p.H, hkv, p.group, p.Lq, r);
       if (p.num_splits > 1) {
         float* dst = p.o_partial + (split * n_rows + lin) * D;
         MHK_UNROLL
@@ -604,7 +689,7 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
         }
         if (t == 0) p.lse_partial[split * n_rows + lin] = lse;
       } else {
-        Elem* dst = out + packed_row_offset(p.o_stride, b, hkv, p.group, p.Lq, r);
+        Elem* dst = out + static_cast<int64_t>(q0) * p.o_stride.row + packed_row_offset(p.o_stride, b, hkv, p.group, item_lq(), r);
         MHK_UNROLL
         for (int j = 0; j < D / 8; ++j) {
           const uint32_t v = Tr::pack2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
@@ -615,6 +700,19 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
     }
   }  // items
 #endif  // MHK_SM90_ENABLED
+}
+
+template <typename Elem, int D>
+__global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
+    attn_fwd_sm90_kernel(const MHK_GRID_CONSTANT FwdParamsSm90 P) {
+  attn_fwd_sm90_body<Elem, D, false>(P);
+}
+
+// Packed sequences (cu_seqlens_q / _k): the same forward over seq_tile_work's items.
+template <typename Elem, int D>
+__global__ void MHK_LAUNCH_BOUNDS(FwdConfigSm90<D>::kThreads, 1)
+    attn_fwd_sm90_varlen_kernel(const MHK_GRID_CONSTANT FwdParamsSm90 P) {
+  attn_fwd_sm90_body<Elem, D, true>(P);
 }
 
 }  // namespace sm90

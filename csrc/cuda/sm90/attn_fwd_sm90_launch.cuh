@@ -70,7 +70,12 @@ cudaError_t run_attn_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   if (!encode_kv_map<Elem>(&P.tma_k, p.k, p.k_stride, p, Cfg::kBlockN) ||
       !encode_kv_map<Elem>(&P.tma_v, p.v, p.v_stride, p, Cfg::kBlockN))
     return cudaErrorInvalidValue;
-  const int64_t items = static_cast<int64_t>(p.B) * p.Hkv * ceil_div(p.group * p.Lq, Cfg::kBlockM) * p.num_splits;
+  // Packed sequences (cu_seqlens_q / _k): the varlen kernel over (row tile of the longest
+  // sequence, KV head, sequence), unsplit (attn_fwd_sm90_kernel.cuh seq_tile_work).
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  if (varlen && (p.cu_seqlens_k == nullptr || p.num_splits != 1 || p.B != 1)) return cudaErrorInvalidValue;
+  const int64_t items = varlen ? p.num_seqs * p.Hkv * ceil_div(p.group * static_cast<int>(p.max_seqlen_q), Cfg::kBlockM)
+                               : static_cast<int64_t>(p.B) * p.Hkv * ceil_div(p.group * p.Lq, Cfg::kBlockM) * p.num_splits;
   if (items == 0) return cudaSuccess;
   if (items > 0x7fffffff) return cudaErrorInvalidConfiguration;
   // Persistent (capabilities.h kSm90FwdPersistent): one CTA per SM (the register plan's
@@ -89,7 +94,7 @@ cudaError_t run_attn_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
     grid = std::min<int64_t>(items, static_cast<int64_t>(sms) * caps::kSm90FwdCtasPerSm);
   }
   P.grid = static_cast<int>(grid);
-  auto kernel = attn_fwd_sm90_kernel<Elem, D>;
+  auto kernel = varlen ? attn_fwd_sm90_varlen_kernel<Elem, D> : attn_fwd_sm90_kernel<Elem, D>;
   cudaError_t err = set_max_dynamic_smem(kernel, Cfg::kSmemAlloc);
   if (err != cudaSuccess) return err;
 #if defined(MHAKERN_CUDA_EMULATE)
