@@ -8,7 +8,10 @@ Cases (CPU tensors, fp32, the ``cpu`` backend):
 * ``attn_nograd`` / ``attn_grad``: ``mhakern.attention`` on B 1, H 1, Lq 1, Lk 4, D 16,
   without and with forward + backward;
 * ``attn_sinks_grad``: the same with learnable sinks (forward + backward);
-* ``raw``: the C++ operator itself (``torch.ops.mhakern_C.fwd``), the floor under all of them.
+* ``raw``: the C++ operator a plain call runs, the floor under all of them
+  (``torch.ops.mhakern_C.fwd_plain``; in a tree without it, ``fwd`` with its twelve arguments);
+* ``raw_fwd``: the full operator ``torch.ops.mhakern_C.fwd`` given those twelve arguments (the
+  rest of its schema defaulted), what a call with modes pays.
 
     python benchmarks/bench_call_overhead.py                   # this tree: medians in us
     python benchmarks/bench_call_overhead.py --compare OTHER   # OTHER (a checkout's root, its
@@ -93,10 +96,21 @@ def _cases():
 
     qn, kn, vn = q.detach(), k.detach(), v.detach()
 
-    def raw():
-        torch.ops.mhakern_C.fwd(qn, kn, vn, 0.25, False, None, None, 0.0, 0, False, -1, -1)
+    full = torch.ops.mhakern_C.fwd
 
-    cases["raw"] = raw
+    def raw_fwd():
+        full(qn, kn, vn, 0.25, False, None, None, 0.0, 0, False, -1, -1)
+
+    try:
+        plain = torch.ops.mhakern_C.fwd_plain
+    except AttributeError:  # a tree whose plain calls run fwd itself
+        cases["raw"] = raw_fwd
+    else:
+        def raw():
+            plain(qn, kn, vn, 0.25, False, None)
+
+        cases["raw"] = raw
+    cases["raw_fwd"] = raw_fwd
     return cases
 
 
