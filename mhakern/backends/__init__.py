@@ -236,6 +236,9 @@ def _signature(name, q, k, v, causal, key_lengths, needed, grad) -> tuple:
     )
 
 
+_PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
 def select(
     name: str,
     q: Tensor,
@@ -260,8 +263,8 @@ def select(
     key = None
     # Real tensors outside tracing only: fake tensors may carry symbolic shapes, and stand-ins
     # (tests' duck-typed tensors) need not have strides.
-    plain = all(type(x) is torch.Tensor or type(x) is torch.nn.Parameter for x in (q, k, v))
-    if plain and not torch.compiler.is_compiling():
+    if type(q) in _PLAIN_TYPES and type(k) in _PLAIN_TYPES and type(v) in _PLAIN_TYPES \
+            and not torch.compiler.is_compiling():
         key = _signature(name, q, k, v, causal, key_lengths, frozenset(needed), grad)
         hit = _SELECTED.get(key)
         if hit is not None:
