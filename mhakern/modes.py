@@ -170,8 +170,9 @@ def c_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, key_lengt
           modes: Modes) -> tuple:
     """``(out, lse)`` of the C++ forward (``torch.ops.mhakern_C.fwd``) on the record ``modes``;
     the default record through ``fwd_plain``, whose schema ends at ``key_lengths``: on a tiny
-    call, torch's parsing of the full schema's defaulted mode tail costs about a tenth of the
-    operator (benchmarks/bench_call_overhead.py)."""
+    call torch's parsing of the full schema's mode arguments, given or defaulted, costs about a
+    quarter of the operator's instructions (benchmarks/bench_call_overhead.py, raw and
+    raw_fwd)."""
     if modes is DEFAULT_MODES:
         return torch.ops.mhakern_C.fwd_plain(q, k, v, float(scale), bool(causal), key_lengths)
     return torch.ops.mhakern_C.fwd(q, k, v, float(scale), bool(causal), key_lengths, *modes.c_op_args())

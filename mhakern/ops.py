@@ -621,8 +621,7 @@ class _AttnFunction(torch.autograd.Function):
     ``call = (keyset, scale, causal, key_lengths, backend, modes)`` holding the rest with the
     call record unflattened: torch.autograd.Function.apply costs per input (unwrapping, the
     needs_input_grad tuple, one returned gradient each), and the record's fields as inputs
-    were 16 of 24 of them, about 10 us of a tiny call's forward + backward
-    (benchmarks/bench_call_overhead.py).
+    were 16 of 24 of them (benchmarks/bench_call_overhead.py, attn_grad).
 
     Eager calls run the operators' implementations directly in here (the forward's checks
     done once, the backward from what they produced): the dispatcher's round trip to attn_fwd's
