@@ -425,7 +425,7 @@ def forward_impl(be, q, k, v, scale, causal, key_lengths, modes: Modes) -> Tuple
     Lk, Dv = k.shape[2], v.shape[3]
     if D == 0:
         q, k = _head_dim_zero(q, k)
-    if _empty(B, H, Lq, Lk, Dv):
+    if B == 0 or H == 0 or Lq == 0 or Lk == 0 or Dv == 0:  # _empty, inline: every call asks
         out = empty_like_heads(q, Dv).zero_()
         lse = torch.full((B, H, Lq), -math.inf, dtype=torch.float32, device=q.device)
     else:
