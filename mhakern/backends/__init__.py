@@ -228,7 +228,8 @@ def _signature(name, q, k, v, causal, key_lengths, needed, grad) -> tuple:
     if grad is None:
         grad = torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v))
     return (
-        name, q.device, q.dtype, k.dtype, v.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape),
+        # torch.Size is a tuple (hashed and compared as one): no conversion per call
+        name, q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, v.shape,
         q.stride(), k.stride(), v.stride(), bool(causal), key_lengths is None, needed,
         # whether a gradient is needed: the cuda backend serves its forward-only head dims
         # (sm_90a, D 256) only without one
