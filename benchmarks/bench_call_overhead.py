@@ -8,7 +8,12 @@ Cases (CPU tensors, fp32, the ``cpu`` backend):
 * ``attn_nograd`` / ``attn_grad``: ``mhakern.attention`` on B 1, H 1, Lq 1, Lk 4, D 16,
   without and with forward + backward;
 * ``attn_sinks_grad``: the same with learnable sinks (forward + backward);
-* ``raw``: the C++ operator itself (``torch.ops.mhakern_C.fwd``), the floor under all of them.
+* ``raw``: the C++ operator a plain call runs, the floor under all of them
+  (``torch.ops.mhakern_C.fwd_plain``; in a tree without it, ``fwd`` with its twelve arguments);
+* ``raw_fwd``: the full operator ``torch.ops.mhakern_C.fwd`` given those twelve arguments (the
+  rest of its schema defaulted), what a call with modes pays;
+* ``torch_op``: torch's own ``aten.add`` through ``torch.ops`` on the same tensors: no mhakern
+  code, the same in both trees (the yardstick of the "per torch op" column).
 
     python benchmarks/bench_call_overhead.py                   # this tree: medians in us
     python benchmarks/bench_call_overhead.py --compare OTHER   # OTHER (a checkout's root, its
@@ -17,7 +22,7 @@ Cases (CPU tensors, fp32, the ``cpu`` backend):
 
 The machine is shared and noisy: ``--compare`` alternates the two trees process by process and
 reports the ratio of the medians of each case (this tree / OTHER; below 1 is faster), also
-normalised per process by its ``raw`` case.
+normalised per process by its ``torch_op`` case.
 """
 from __future__ import annotations
 
@@ -93,10 +98,27 @@ def _cases():
 
     qn, kn, vn = q.detach(), k.detach(), v.detach()
 
-    def raw():
-        torch.ops.mhakern_C.fwd(qn, kn, vn, 0.25, False, None, None, 0.0, 0, False, -1, -1)
+    full = torch.ops.mhakern_C.fwd
 
-    cases["raw"] = raw
+    def raw_fwd():
+        full(qn, kn, vn, 0.25, False, None, None, 0.0, 0, False, -1, -1)
+
+    try:
+        plain = torch.ops.mhakern_C.fwd_plain
+    except AttributeError:  # a tree whose plain calls run fwd itself
+        cases["raw"] = raw_fwd
+    else:
+        def raw():
+            plain(qn, kn, vn, 0.25, False, None)
+
+        cases["raw"] = raw
+    cases["raw_fwd"] = raw_fwd
+    add = torch.ops.aten.add.Tensor
+
+    def torch_op():
+        add(qn, qn)
+
+    cases["torch_op"] = torch_op
     return cases
 
 
@@ -144,20 +166,22 @@ def main() -> None:
     for _ in range(args.pairs):
         theirs.append(_run_tree(os.path.abspath(args.compare), args.rounds, args.calls))
         ours.append(_run_tree(ROOT, args.rounds, args.calls))
-    # Each process's speed also drifts with the machine's load: the last column divides every
-    # case by that process's ``raw`` (the same C++ call in both trees) before taking the ratio.
+    # Each process's speed also drifts with the machine's load: "per torch op" divides every case
+    # by that process's ``torch_op`` (torch's code only, the same in both trees) before taking the
+    # ratio; a tree without that case is normalised by its ``raw``.
     # "best": the fastest process of each tree, the figure least touched by other load.
-    print(f"{'case':16s} {'other us':>9s} {'this us':>9s} {'this/other':>10s} {'per raw':>8s} {'best':>6s}")
+    norm = "torch_op" if "torch_op" in theirs[0] else "raw"
+    print(f"{'case':16s} {'other us':>9s} {'this us':>9s} {'this/other':>10s} {'per torch op':>12s} {'best':>6s}")
     for n in ours[0]:
         if n not in theirs[0]:
             print(f"{n:16s} {'-':>9s} {statistics.median(r[n] for r in ours):9.1f}")
             continue
         a = statistics.median(r[n] for r in theirs)
         b = statistics.median(r[n] for r in ours)
-        an = statistics.median(r[n] / r["raw"] for r in theirs)
-        bn = statistics.median(r[n] / r["raw"] for r in ours)
+        an = statistics.median(r[n] / r[norm] for r in theirs)
+        bn = statistics.median(r[n] / r[norm if norm in r else "raw"] for r in ours)
         best = min(r[n] for r in ours) / min(r[n] for r in theirs)
-        print(f"{n:16s} {a:9.1f} {b:9.1f} {b / a:10.2f} {bn / an:8.2f} {best:6.2f}")
+        print(f"{n:16s} {a:9.1f} {b:9.1f} {b / a:10.2f} {bn / an:12.2f} {best:6.2f}")
 
 
 if __name__ == "__main__":

@@ -6,11 +6,17 @@ peer round by round (the machine is shared and noisy; only ratios of one run mea
 
 1. ``generate``: greedy ``generate()`` of 64 new tokens from an 8-token prompt, batch 1, on one
    tiny Llama (GQA) whose weights both implementations share.
-2. ``decode_call``: one layer's attention call in a decode step (batch 1, 4 query heads over 2
+2. ``generate_sdpa_dropin``: the same ``generate()`` of the ``"sdpa"`` model, with
+   ``torch.nn.functional.scaled_dot_product_attention`` as torch has it against patched to
+   ``mhakern.scaled_dot_product_attention`` (the SDPA drop-in; the same greedy tokens).
+3. ``decode_call``: one layer's attention call in a decode step (batch 1, 4 query heads over 2
    KV heads, 1 query, 72 keys, head dim 16): transformers' ``sdpa_attention_forward`` with the
    mask SDPA gets (None) against this integration's ``attention_forward`` with the Visibility
    its mask function returns for that step, and the bare ``mhakern.attention`` call for scale.
-3. ``mask``: the mask function of one decode step (``sdpa_mask`` against ``mask_interface``).
+4. ``sdpa_dropin_call``: that decode call's SDPA call itself (``enable_gqa``, the layer's scale,
+   no mask), torch's ``scaled_dot_product_attention`` against mhakern's drop-in, and
+   transformers' ``sdpa_attention_forward`` with SDPA patched to the drop-in.
+5. ``mask``: the mask function of one decode step (``sdpa_mask`` against ``mask_interface``).
 
     python benchmarks/bench_transformers_generate.py [--rounds 15] [--threads N] [--profile]
 
@@ -27,6 +33,7 @@ import time
 from typing import Callable, Dict
 
 import torch
+import torch.nn.functional as F
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,6 +56,21 @@ def _models(backend: str):
     return sdpa, mine
 
 
+_TORCH_SDPA = F.scaled_dot_product_attention
+
+
+def _sdpa_dropin(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run with torch.nn.functional.scaled_dot_product_attention patched to mhakern's drop-in
+    (transformers' SDPA path looks the function up on every call)."""
+    def run():
+        F.scaled_dot_product_attention = mhakern.scaled_dot_product_attention
+        try:
+            return fn()
+        finally:
+            F.scaled_dot_product_attention = _TORCH_SDPA
+    return run
+
+
 def targets(backend: str = "cpu") -> Dict[str, Dict[str, Callable[[], object]]]:
     from transformers import masking_utils as mu
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -61,6 +83,8 @@ def targets(backend: str = "cpu") -> Dict[str, Dict[str, Callable[[], object]]]:
     a, b = sdpa.generate(ids, **kw), mine.generate(ids, **kw)
     if not torch.equal(a, b):
         raise AssertionError("mhakern's greedy tokens differ from SDPA's")
+    if not torch.equal(a, _sdpa_dropin(lambda: sdpa.generate(ids, **kw))()):
+        raise AssertionError("the greedy tokens with SDPA patched to mhakern's drop-in differ from SDPA's")
 
     g = torch.Generator().manual_seed(2)
     q = torch.randn(1, 1, 4, 16, generator=g).transpose(1, 2)  # (B, H, 1, D) over (B, L, H, D) memory
@@ -88,11 +112,22 @@ def targets(backend: str = "cpu") -> Dict[str, Dict[str, Callable[[], object]]]:
             "sdpa": lambda: sdpa.generate(ids, **kw),
             "mhakern": lambda: mine.generate(ids, **kw),
         },
+        "generate_sdpa_dropin": {
+            "sdpa": lambda: sdpa.generate(ids, **kw),
+            "mhakern sdpa drop-in": _sdpa_dropin(lambda: sdpa.generate(ids, **kw)),
+        },
         "decode_call": {
             "sdpa": call(lambda: sdpa_attention_forward(module, q, k, v, None, **extra)),
             "mhakern": call(lambda: mkt.attention_forward(module, q, k, v, vis, **extra)),
             "bare mhakern.attention": call(lambda: mhakern.attention(q, k, v, causal=True, scale=scaling,
                                                                      backend=backend)),
+        },
+        "sdpa_dropin_call": {
+            "sdpa": call(lambda: F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=True)),
+            "mhakern sdpa drop-in": call(lambda: mhakern.scaled_dot_product_attention(q, k, v, scale=scaling,
+                                                                                      enable_gqa=True)),
+            "sdpa_attention_forward, patched": call(_sdpa_dropin(
+                lambda: sdpa_attention_forward(module, q, k, v, None, **extra))),
         },
         "mask": {
             "sdpa": lambda: mu.sdpa_mask(1, 1, 72, q_offset=71, mask_function=mu.causal_mask_function,

@@ -184,6 +184,16 @@ int64_t cuda_plan_splits(int64_t batch, int64_t kv_heads, int64_t group, int64_t
   return caps::plan_fwd_splits(batch, kv_heads, group, q_len, k_len, head_dim, num_sms, f);
 }
 
+// The split-K rule itself (capabilities.h split_rule), for the Triton launcher's planner
+// (mhakern/kernels/heuristics.py plan_fwd_splits), which has its own tiles.
+int64_t plan_key_splits(int64_t programs, int64_t key_blocks, int64_t rows, int64_t dv, int64_t num_sms) {
+  const std::pair<const char*, int64_t> args[] = {
+      {"programs", programs}, {"key_blocks", key_blocks}, {"rows", rows}, {"dv", dv}, {"num_sms", num_sms}};
+  for (const auto& a : args)
+    TORCH_CHECK_VALUE(a.second >= 0, "plan_key_splits: ", a.first, " must be non-negative, got ", a.second);
+  return caps::split_rule(programs, key_blocks, rows, dv, num_sms);
+}
+
 // Sets the CUDA host code's split-K count (0: its planner decides); returns the previous value.
 int64_t cuda_force_splits(int64_t num_splits) {
   TORCH_CHECK_VALUE(num_splits >= 0 && num_splits <= op::kMaxForcedSplits,
@@ -265,6 +275,12 @@ TORCH_LIBRARY(mhakern_C, m) {
       "int window_right, bool mask_grad, float softcap=0.0, Tensor? alibi_slopes=None, Tensor? cu_seqlens_q=None, "
       "Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, Tensor? cache_batch_idx=None, "
       "Tensor? block_table=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)");
+  // The same kernels for a call without any mode (op_common.h fwd_plain_op): what every plain
+  // call of the Python layer runs (mhakern/modes.py c_fwd / c_bwd).
+  m.def("fwd_plain(Tensor q, Tensor k, Tensor v, float scale, bool causal, Tensor? key_lengths) -> "
+        "(Tensor out, Tensor lse)");
+  m.def("bwd_plain(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, bool causal, "
+        "Tensor? key_lengths) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)");
   // Small non-tensor helpers (no dispatch key: one kernel for all).
   m.def("capabilities() -> str", &mhakern::capabilities);
   m.def("cpu_kernel_isa() -> str", &mhakern::cpu::kernel_isa);
@@ -273,6 +289,8 @@ TORCH_LIBRARY(mhakern_C, m) {
       "cuda_plan_splits(int batch, int kv_heads, int group, int q_len, int k_len, int head_dim, int num_sms, "
       "bool backward=False, bool sm90=False) -> int",
       &mhakern::cuda_plan_splits);
+  m.def("plan_key_splits(int programs, int key_blocks, int rows, int dv, int num_sms) -> int",
+        &mhakern::plan_key_splits);
   m.def("cuda_force_splits(int num_splits) -> int", &mhakern::cuda_force_splits);
   m.def("cuda_force_fwd_family(str family) -> str", &mhakern::cuda_force_fwd_family);
   m.def("cuda_force_bwd_family(str family) -> str", &mhakern::cuda_force_bwd_family);
@@ -281,8 +299,7 @@ TORCH_LIBRARY(mhakern_C, m) {
 }
 
 TORCH_LIBRARY_IMPL(mhakern_C, Meta, m) {
-  m.impl("fwd", &mhakern::op::fwd_op<&mhakern::fwd_meta>);
-  m.impl("bwd", &mhakern::op::bwd_op<&mhakern::bwd_meta>);
+  MHAKERN_IMPL_ATTENTION_OPS(m, &mhakern::fwd_meta, &mhakern::bwd_meta);
 }
 
 #define MHK_CONCAT_(a, b) a##b

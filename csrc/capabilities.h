@@ -356,25 +356,32 @@ constexpr int64_t kMinBlocksPerSplit = 8;
 constexpr int64_t kMaxSplits = 128;
 constexpr int64_t kMaxSplitWorkspaceBytes = int64_t{1} << 30;
 
-// Number of key splits for a pass whose CTAs each take block_m packed query rows and step
-// through the keys block_n at a time. One CTA per (batch, kv head, tile of block_m of the
-// group's group * q_len rows): when those fill the GPU (at least num_sms) or the keys are short,
-// 1; otherwise enough splits for about two CTAs per multiprocessor, within the limits above.
-constexpr int64_t plan_splits(int64_t batch, int64_t kv_heads, int64_t group, int64_t q_len, int64_t k_len,
-                              int64_t head_dim, int64_t num_sms, int64_t block_m, int64_t block_n) {
-  const int64_t ctas = batch * kv_heads * ((group * q_len + block_m - 1) / block_m);
-  if (ctas == 0 || ctas >= num_sms) return 1;
-  const int64_t key_blocks = (k_len + block_n - 1) / block_n;
-  const int64_t by_occupancy = (2 * num_sms + ctas - 1) / ctas;
+// The split-K rule, written only here: a pass of `programs` CTAs (programs, for Triton), each
+// stepping through `key_blocks` blocks of keys, that writes `rows` output rows of `dv` fp32
+// values. When the CTAs fill the GPU (at least num_sms) or there are none, 1; otherwise enough
+// splits for about two CTAs per multiprocessor, within the limits above. The CUDA host's
+// planners below and the Triton launcher (mhakern/kernels/heuristics.py, through
+// torch.ops.mhakern_C.plan_key_splits) all call it.
+constexpr int64_t split_rule(int64_t programs, int64_t key_blocks, int64_t rows, int64_t dv, int64_t num_sms) {
+  if (programs <= 0 || num_sms <= 0 || programs >= num_sms) return 1;
+  const int64_t by_occupancy = (2 * num_sms + programs - 1) / programs;
   const int64_t by_keys = key_blocks / kMinBlocksPerSplit;
-  const int64_t rows = batch * kv_heads * group * q_len;
-  const int64_t row_bytes = rows * head_dim * 4;
+  const int64_t row_bytes = rows * dv * 4;
   const int64_t by_memory = kMaxSplitWorkspaceBytes / (row_bytes > 0 ? row_bytes : 1);
   int64_t s = by_occupancy;
   if (by_keys < s) s = by_keys;
   if (by_memory < s) s = by_memory;
   if (kMaxSplits < s) s = kMaxSplits;
   return s < 1 ? 1 : s;
+}
+
+// Number of key splits for a pass whose CTAs each take block_m packed query rows and step
+// through the keys block_n at a time: one CTA per (batch, kv head, tile of block_m of the
+// group's group * q_len rows), planned by split_rule.
+constexpr int64_t plan_splits(int64_t batch, int64_t kv_heads, int64_t group, int64_t q_len, int64_t k_len,
+                              int64_t head_dim, int64_t num_sms, int64_t block_m, int64_t block_n) {
+  const int64_t ctas = batch * kv_heads * ((group * q_len + block_m - 1) / block_m);
+  return split_rule(ctas, (k_len + block_n - 1) / block_n, batch * kv_heads * group * q_len, head_dim, num_sms);
 }
 
 // Number of key splits for a forward whose kernel holds ctas_per_sm CTAs per SM (FwdPlanTiles),

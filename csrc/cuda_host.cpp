@@ -342,6 +342,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
 }  // namespace mhakern
 
 TORCH_LIBRARY_IMPL(mhakern_C, CUDA, m) {
-  m.impl("fwd", &mhakern::op::fwd_op<&mhakern::cuda::attn_fwd>);
-  m.impl("bwd", &mhakern::op::bwd_op<&mhakern::cuda::attn_bwd>);
+  MHAKERN_IMPL_ATTENTION_OPS(m, &mhakern::cuda::attn_fwd, &mhakern::cuda::attn_bwd);
 }

@@ -362,6 +362,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_op(
   return F(dout, q, k, v, out, lse, scale, causal, key_lengths, m);
 }
 
+// The plain-call operators fwd_plain / bwd_plain: the same kernels with the default record
+// (ModeArgs{}), for calls without any mode. Their schemas end at key_lengths, so a plain call
+// from Python parses six (nine) arguments and fills no defaults: torch's argument parser looks
+// every defaulted argument up in the keyword dict by a freshly made name, about 0.1 us each,
+// which on the full schemas' fourteen-argument tail was most of the plain call's overhead.
+template <FwdFn F>
+std::tuple<at::Tensor, at::Tensor> fwd_plain_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                double scale, bool causal,
+                                                const std::optional<at::Tensor>& key_lengths) {
+  return F(q, k, v, scale, causal, key_lengths, ModeArgs{});
+}
+
+template <BwdFn F>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_plain_op(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, double scale, bool causal, const std::optional<at::Tensor>& key_lengths) {
+  return F(dout, q, k, v, out, lse, scale, causal, key_lengths, ModeArgs{});
+}
+
+// Registers one device's kernels (forward FWD, backward BWD: FwdFn / BwdFn) under the four
+// schemas of csrc/bindings.cpp, inside a TORCH_LIBRARY_IMPL(mhakern_C, <device>, m) block.
+#define MHAKERN_IMPL_ATTENTION_OPS(m, FWD, BWD)                 \
+  do {                                                          \
+    (m).impl("fwd", &::mhakern::op::fwd_op<FWD>);               \
+    (m).impl("bwd", &::mhakern::op::bwd_op<BWD>);               \
+    (m).impl("fwd_plain", &::mhakern::op::fwd_plain_op<FWD>);   \
+    (m).impl("bwd_plain", &::mhakern::op::bwd_plain_op<BWD>);   \
+  } while (0)
+
 // True when x (B, H, L, D) is a (B, L, H, D) tensor seen through a transpose
 // (mhakern/_layout.py's heads_inner; the two must agree).
 inline bool heads_inner(const at::Tensor& x) { return x.size(1) > 1 && x.size(2) > 1 && x.stride(1) < x.stride(2); }

@@ -155,8 +155,10 @@ def attention(
     scale = check_scale(scale, D)
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
-    plain = (attn_mask is None and dropout_p == 0.0 and window is None and causal_align == "bottom_right"
-             and softcap is None and alibi_slopes is None and sinks is None)
+    # The alignment matters only with causal (without a window or ALiBi, which are not plain):
+    # SDPA's drop-in names "top_left" on every call.
+    plain = (attn_mask is None and dropout_p == 0.0 and window is None and softcap is None and alibi_slopes is None
+             and sinks is None and (causal_align == "bottom_right" or (causal_align == "top_left" and not causal)))
     modes = DEFAULT_MODES if plain else _parse_modes(q, B, H, Lq, Lk, attn_mask, dropout_p, generator, causal,
                                                      causal_align, window, softcap, alibi_slopes, sinks)
     needs_grad = torch.is_grad_enabled() and (

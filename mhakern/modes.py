@@ -9,7 +9,9 @@ one per operator schema:
   fields in declaration order;
 * :meth:`Modes.c_op_args` / :meth:`Modes.c_op_bwd_args`: the C++ operators
   ``torch.ops.mhakern_C.fwd`` / ``bwd`` (csrc/bindings.cpp), whose C++ side rebuilds one
-  ``ModeParams`` from them (csrc/op_common.h).
+  ``ModeParams`` from them (csrc/op_common.h). :func:`c_fwd` / :func:`c_bwd`, the calls every
+  backend of those kernels makes, send the default record to ``fwd_plain`` / ``bwd_plain``
+  instead: the same kernels, with no mode argument to parse.
 
 A new mode is a new field here, its place in those two adapters, and the kernels.
 
@@ -162,6 +164,32 @@ class Modes(NamedTuple):
 
 DEFAULT_MODES = Modes()
 _NONE: FrozenSet[str] = frozenset()
+
+
+def c_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, key_lengths: Optional[Tensor],
+          modes: Modes) -> tuple:
+    """``(out, lse)`` of the C++ forward (``torch.ops.mhakern_C.fwd``) on the record ``modes``;
+    the default record through ``fwd_plain``, whose schema ends at ``key_lengths``: on a tiny
+    call torch's parsing of the full schema's mode arguments, given or defaulted, costs about a
+    quarter of the operator's instructions (benchmarks/bench_call_overhead.py, raw and
+    raw_fwd)."""
+    if modes is DEFAULT_MODES:
+        return torch.ops.mhakern_C.fwd_plain(q, k, v, float(scale), bool(causal), key_lengths)
+    return torch.ops.mhakern_C.fwd(q, k, v, float(scale), bool(causal), key_lengths, *modes.c_op_args())
+
+
+def c_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
+          key_lengths: Optional[Tensor], modes: Modes) -> tuple:
+    """``(dq, dk, dv, dmask)`` of the C++ backward (``torch.ops.mhakern_C.bwd``) on the record
+    ``modes`` (``bwd_plain`` for the default record, as :func:`c_fwd`); ``dmask`` None unless
+    ``modes.mask_grad``."""
+    if modes is DEFAULT_MODES:
+        dq, dk, dv, _ = torch.ops.mhakern_C.bwd_plain(dout, q, k, v, out, lse, float(scale), bool(causal),
+                                                      key_lengths)
+        return dq, dk, dv, None
+    dq, dk, dv, dmask = torch.ops.mhakern_C.bwd(dout, q, k, v, out, lse, float(scale), bool(causal), key_lengths,
+                                                *modes.c_op_bwd_args())
+    return dq, dk, dv, (dmask if modes.mask_grad else None)
 
 
 def mask_4d(attn_mask: Optional[Tensor]) -> Optional[Tensor]:

@@ -8,6 +8,7 @@ masking without a mask tensor, and the choice of ``backend``.
 """
 from __future__ import annotations
 
+import collections
 import math
 import warnings
 from typing import Optional, Tuple, Union
@@ -185,6 +186,9 @@ class FusedMHA(nn.Module):
         # nn.MultiheadAttention, and declines it when any submodule has forward hooks. This
         # no-op hook is that sign: inside torch's layers FusedMHA runs its own kernels in every
         # mode. (TransformerEncoder may still hand the layers nested tensors: see forward.)
+        # The hooks' dict hides this sign from nn.Module.__call__ (_SignHooks), which would
+        # otherwise take its hook-running path, about 2 us, on every call.
+        self._forward_pre_hooks = _SignHooks(self._forward_pre_hooks)
         self.register_forward_pre_hook(_decline_torch_fast_path)
 
     def _reset_parameters(self) -> None:
@@ -615,6 +619,17 @@ def _decline_torch_fast_path(module, args):
     """Forward pre-hook of every FusedMHA: does nothing; its presence makes torch's
     TransformerEncoderLayer decline its fused inference path (see FusedMHA.__init__)."""
     return None
+
+
+class _SignHooks(collections.OrderedDict):
+    """FusedMHA's forward pre-hooks. The sign hook :func:`_decline_torch_fast_path` counts in
+    ``len()``, which torch's TransformerEncoderLayer reads to decline its fused path, and not in
+    the truth value, which nn.Module.__call__ reads to skip its hook machinery: alone it costs
+    nothing per call; with hooks of the user's, every hook runs as usual (the sign is a no-op)."""
+
+    def __bool__(self) -> bool:
+        n = len(self)
+        return n > 1 or (n == 1 and next(iter(self.values())) is not _decline_torch_fast_path)
 
 
 def _check_positive_int(name: str, val) -> None:

@@ -425,13 +425,15 @@ def forward_impl(be, q, k, v, scale, causal, key_lengths, modes: Modes) -> Tuple
     Lk, Dv = k.shape[2], v.shape[3]
     if D == 0:
         q, k = _head_dim_zero(q, k)
-    if _empty(B, H, Lq, Lk, Dv):
+    if B == 0 or H == 0 or Lq == 0 or Lk == 0 or Dv == 0:  # _empty, inline: every call asks
         out = empty_like_heads(q, Dv).zero_()
         lse = torch.full((B, H, Lq), -math.inf, dtype=torch.float32, device=q.device)
     else:
-        bmodes = modes.for_backend()
-        if bmodes.mask_grad:  # a backward matter: the forward is the same either way
-            bmodes = bmodes._replace(mask_grad=False)
+        bmodes = modes
+        if modes is not DEFAULT_MODES:
+            bmodes = modes.for_backend()
+            if bmodes.mask_grad:  # a backward matter: the forward is the same either way
+                bmodes = bmodes._replace(mask_grad=False)
         out, lse = be.forward(q, k, v, scale, causal, key_lengths, bmodes)
         out, lse = same_layout(out, q), lse.contiguous()
     if modes.sinks is not None:
@@ -459,7 +461,7 @@ def backward_impl(be, dout, q, k, v, out, lse, scale, causal, key_lengths, modes
                 dmask, dsinks)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    bmodes = modes.for_backend()
+    bmodes = modes if modes is DEFAULT_MODES else modes.for_backend()
     if D == 0:  # the scores do not depend on q and k: their (empty) gradients are zeros
         q0, k0 = q, k
         q, k = _head_dim_zero(q, k)
@@ -469,13 +471,17 @@ def backward_impl(be, dout, q, k, v, out, lse, scale, causal, key_lengths, modes
     return same_layout(dq, q), same_layout(dk, k), same_layout(dv, v), dmask, dsinks
 
 
+_NO_FEATURES = DEFAULT_MODES.required_features()
+
+
 def _unit_last_stride(x: Tensor) -> Tensor:
     # Kernels index the head dim contiguously; any other stride pattern is taken as is.
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
 
 def prepare(q, k, v, scale, causal, key_lengths, backend, modes: Modes, qkv_checked: bool = False,
-            grad: Optional[bool] = None, backward: bool = False, packing_checked: bool = False):
+            grad: Optional[bool] = None, backward: bool = False, packing_checked: bool = False,
+            key_lengths_checked: bool = False):
     """The checks of one call as the operators receive it; returns (q, k, v, key_lengths int32,
     backend, modes with the mask as its (B, H, Lq, Lk) view in the kernels' dtype).
     ``qkv_checked``: the caller (:func:`mhakern.attention`) has checked q, k, v, scale and
@@ -483,27 +489,33 @@ def prepare(q, k, v, scale, causal, key_lengths, backend, modes: Modes, qkv_chec
     ``grad``: whether a gradient will be needed, for the backend's selection (default: grad
     mode and the inputs' requires_grad); ``backward``: the checks of attn_bwd (no KV cache);
     ``packing_checked``: the caller has run :func:`check_packing_and_cache` and
-    :func:`prepare_packing_and_cache` on ``modes`` (their host reads are not repeated)."""
+    :func:`prepare_packing_and_cache` on ``modes`` (their host reads are not repeated);
+    ``key_lengths_checked``: the caller has checked the values of ``key_lengths`` (int32,
+    contiguous, on q's device, in [0, Lk]), so that they are not read again."""
     B, H, Lq, D = q.shape if qkv_checked else check_qkv(q, k, v, modes.cached) or q.shape
     Lk = k.shape[2]
     if not qkv_checked:
         check_scale(scale, D)
         if not isinstance(causal, bool):
             raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    check_key_lengths_meta(key_lengths, B, q.device)
-    if modes is not DEFAULT_MODES and (modes.packed or modes.cached):
-        Lk = check_packing_and_cache(modes, q, k, key_lengths, backward=backward)
-        if not packing_checked:
-            modes = prepare_packing_and_cache(modes, q, k)
-    check_modes(modes, B, H, Lq, Lk, q.device)
+    if key_lengths is not None:
+        check_key_lengths_meta(key_lengths, B, q.device)
+    needed = _NO_FEATURES
+    if modes is not DEFAULT_MODES:
+        if modes.packed or modes.cached:
+            Lk = check_packing_and_cache(modes, q, k, key_lengths, backward=backward)
+            if not packing_checked:
+                modes = prepare_packing_and_cache(modes, q, k)
+        check_modes(modes, B, H, Lq, Lk, q.device)
+        mask = modes.attn_mask
+        if mask is not None:
+            if mask.is_floating_point():
+                mask = mask.to(mask_dtype(q.dtype))
+            modes = modes._replace(attn_mask=expand_mask(mask, B, H, Lq, Lk))
+        needed = modes.required_features()
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-    kl = prepare_key_lengths(key_lengths, Lk, q.device)
-    mask = modes.attn_mask
-    if mask is not None:
-        if mask.is_floating_point():
-            mask = mask.to(mask_dtype(q.dtype))
-        modes = modes._replace(attn_mask=expand_mask(mask, B, H, Lq, Lk))
-    be = backends.select(backend, q, k, v, causal, kl, modes.required_features(), grad=grad)
+    kl = key_lengths if key_lengths is None or key_lengths_checked else prepare_key_lengths(key_lengths, Lk, q.device)
+    be = backends.select(backend, q, k, v, causal, kl, needed, grad=grad)
     return q, k, v, kl, be, modes
 
 
@@ -598,8 +610,6 @@ def _attn_bwd_fake(dout, q, k, v, out, lse, scale, causal, key_lengths, backend,
 attn_fwd = torch.ops.mhakern.attn_fwd.default
 attn_bwd = torch.ops.mhakern.attn_bwd.default
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
-# Positions in attn_fwd's arguments (after the Autograd kernel's keyset): 7 before the modes.
-_MASK_AT, _SINKS_AT = 7 + Modes._fields.index("attn_mask"), 7 + Modes._fields.index("sinks")
 _MODE_SINKS = Modes._fields.index("sinks")
 
 
@@ -607,20 +617,26 @@ class _AttnFunction(torch.autograd.Function):
     """attn_fwd's autograd: saves q, k, v, out, lse and the record's tensors; the backward is
     attn_bwd (probabilities recomputed from lse, the dropout keep mask from the saved seed).
 
+    Its inputs are the differentiable tensors (q, k, v, the mask, the sinks) and one tuple
+    ``call = (keyset, scale, causal, key_lengths, backend, modes)`` holding the rest with the
+    call record unflattened: torch.autograd.Function.apply costs per input (unwrapping, the
+    needs_input_grad tuple, one returned gradient each), and the record's fields as inputs
+    were 16 of 24 of them (benchmarks/bench_call_overhead.py, attn_grad).
+
     Eager calls run the operators' implementations directly in here (the forward's checks
     done once, the backward from what they produced): the dispatcher's round trip to attn_fwd's
     own kernel, and attn_bwd's, with attn_bwd's second round of checks, cost about 60 us of the
-    160 us of a tiny call's forward + backward (benchmarks/bench_call_overhead.py). While
-    torch.compile traces, the graph must hold the operators themselves.
+    160 us of a tiny call's forward + backward. While torch.compile traces, the graph must hold
+    the operators themselves.
     """
 
     @staticmethod
-    def forward(ctx, keyset, q, k, v, scale, causal, key_lengths, backend, *mode_args):
-        given = Modes.from_op_args(*mode_args)
+    def forward(ctx, q, k, v, attn_mask, sinks, call):
+        keyset, scale, causal, key_lengths, backend, given = call
         if torch.compiler.is_compiling():
             with torch._C._AutoDispatchBelowAutograd():
                 out, lse = attn_fwd.redispatch(keyset & _AFTER_AUTOGRAD, q, k, v, scale, causal, key_lengths,
-                                               backend, *mode_args)
+                                               backend, *given.op_args())
             ctx.be = None
         else:
             # keyset None: called by mhakern.attention(), which checked q, k, v (call_attention).
@@ -632,7 +648,7 @@ class _AttnFunction(torch.autograd.Function):
                 given = given._replace(cu_seqlens_q=modes.cu_seqlens_q, cu_seqlens_k=modes.cu_seqlens_k)
         # The inputs themselves (not the checked copies): create_graph's math backward must
         # differentiate through them to the caller's tensors.
-        ctx.save_for_backward(q, k, v, out, lse, key_lengths, given.attn_mask, given.alibi_slopes, given.sinks)
+        ctx.save_for_backward(q, k, v, out, lse, key_lengths, attn_mask, given.alibi_slopes, sinks)
         ctx.args = (scale, causal, backend, given)
         # lse never receives a gradient: no zeros tensor for it on every backward.
         ctx.set_materialize_grads(False)
@@ -641,15 +657,13 @@ class _AttnFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        n_in = 1 + 7 + _N_MODES
         if dout is None:  # only lse was used downstream: nothing flows back
-            return (None,) * n_in
+            return None, None, None, None, None, None
         q, k, v, out, lse, kl, mask, alibi, sinks = ctx.saved_tensors
         scale, causal, backend, modes = ctx.args
         need = ctx.needs_input_grad
         if modes is not DEFAULT_MODES:  # the tensors as saved (version-checked), mask_grad as asked
-            modes = modes._replace(attn_mask=mask, alibi_slopes=alibi, sinks=sinks, mask_grad=need[1 + _MASK_AT])
-        grads = [None] * n_in
+            modes = modes._replace(attn_mask=mask, alibi_slopes=alibi, sinks=sinks, mask_grad=need[3])
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
             # create_graph=True: the gradients must themselves be differentiable, which no
             # kernel's backward is. They come from the math formula instead (docs/contract.md,
@@ -658,36 +672,42 @@ class _AttnFunction(torch.autograd.Function):
         elif ctx.be is not None:
             # kl was checked and converted by the forward; q, k, v and the mask take the same
             # (free) steps again.
-            B, H, Lq, _ = q.shape
+            if dout.dtype != q.dtype:
+                dout = dout.to(q.dtype)
             if mask is not None:
+                B, H, Lq, _ = q.shape
                 m = mask.to(mask_dtype(q.dtype)) if mask.is_floating_point() else mask
                 modes = modes._replace(attn_mask=expand_mask(m, B, H, Lq, k.shape[2]))
-            dq, dk, dv, dmask, dsinks = backward_impl(ctx.be, dout.to(q.dtype), _unit_last_stride(q),
-                                                      _unit_last_stride(k), _unit_last_stride(v), out, lse,
-                                                      float(scale), causal, kl, modes)
+            dq, dk, dv, dmask, dsinks = backward_impl(ctx.be, dout, _unit_last_stride(q), _unit_last_stride(k),
+                                                      _unit_last_stride(v), out, lse, float(scale), causal, kl,
+                                                      modes)
             if modes.mask_grad:
                 dmask = reduce_mask_grad(dmask, mask_4d(mask).shape).reshape(mask.shape).to(mask.dtype)
-            dsinks = dsinks.to(sinks.dtype) if need[1 + _SINKS_AT] else None
+            dsinks = dsinks.to(sinks.dtype) if need[4] else None
         else:
             dq, dk, dv, dmask, dsinks = attn_bwd(dout, q, k, v, out, lse, scale, causal, kl, backend,
                                                  *modes.op_args())
             dmask = dmask.to(mask.dtype) if modes.mask_grad else None
-            dsinks = dsinks.to(sinks.dtype) if need[1 + _SINKS_AT] else None
-        grads[1], grads[2], grads[3] = dq, dk, dv
-        grads[1 + _MASK_AT], grads[1 + _SINKS_AT] = dmask, dsinks
-        return tuple(grads)
+            dsinks = dsinks.to(sinks.dtype) if need[4] else None
+        return dq, dk, dv, dmask, dsinks, None
+
+
+def _apply_attn_function(keyset, q, k, v, scale, causal, key_lengths, backend, modes: Modes):
+    # Self-attention callers may pass one tensor as q, k and v; torch.compile refuses an
+    # autograd.Function given the same tensor twice, so distinct views (free) stand in.
+    if k is q:
+        k = k.view(k.shape)
+    if v is q or v is k:
+        v = v.view(v.shape)
+    return _AttnFunction.apply(q, k, v, modes.attn_mask, modes.sinks,
+                               (keyset, scale, causal, key_lengths, backend, modes))
 
 
 def _attn_fwd_autograd(keyset, q, k, v, scale, causal, key_lengths, backend, *mode_args):
     mode_args = _mode_tail(mode_args)
     if torch.is_grad_enabled() and torch._C._any_requires_grad(q, k, v, mode_args[0], mode_args[_MODE_SINKS]):
-        # Self-attention callers may pass one tensor as q, k and v; torch.compile refuses an
-        # autograd.Function given the same tensor twice, so distinct views (free) stand in.
-        if k is q:
-            k = k.view(k.shape)
-        if v is q or v is k:
-            v = v.view(v.shape)
-        return _AttnFunction.apply(keyset, q, k, v, scale, causal, key_lengths, backend, *mode_args)
+        return _apply_attn_function(keyset, q, k, v, scale, causal, key_lengths, backend,
+                                    Modes.from_op_args(*mode_args))
     with torch._C._AutoDispatchBelowAutograd():
         return attn_fwd.redispatch(keyset & _AFTER_AUTOGRAD, q, k, v, scale, causal, key_lengths, backend, *mode_args)
 
@@ -707,11 +727,7 @@ def call_attention(q, k, v, scale, causal, key_lengths, backend, modes: Modes) -
     """
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return attn_fwd(q, k, v, scale, causal, key_lengths, backend, *modes.op_args())
-    if k is q:  # as in _attn_fwd_autograd
-        k = k.view(k.shape)
-    if v is q or v is k:
-        v = v.view(v.shape)
-    return _AttnFunction.apply(None, q, k, v, scale, causal, key_lengths, backend, *modes)
+    return _apply_attn_function(None, q, k, v, scale, causal, key_lengths, backend, modes)
 
 
 def _differentiable_backward(need, dout, q, k, v, scale, causal, key_lengths, modes: Modes):
@@ -719,7 +735,7 @@ def _differentiable_backward(need, dout, q, k, v, scale, causal, key_lengths, mo
     formula (:func:`mhakern.reference.attention`, with the same visibility, modifiers, mask,
     sinks and dropout keep mask), so that second derivatives are exact. Costs the (Lq x Lk)
     score matrix; used only under ``create_graph=True``."""
-    wanted = [need[1], need[2], need[3], modes.mask_grad, need[1 + _SINKS_AT]]
+    wanted = [need[0], need[1], need[2], modes.mask_grad, need[4]]
     sources = (q, k, v, modes.attn_mask, modes.sinks)
     # fp32 work for half inputs, as every backend accumulates; the casts are part of the graph.
     wdt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype

@@ -88,6 +88,15 @@ def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
             raise ArgumentTypeError(
                 f"attn_mask: a floating mask must be float32 or query's dtype ({query.dtype}), got {attn_mask.dtype}"
             )
+    if query.dim() == 4 and key.dim() == 4 and value.dim() == 4:
+        (B, Hq, L, E), (Bk, Hk, S, Ek), (Bv, Hv, Sv, _) = query.shape, key.shape, value.shape
+        if (B == Bk == Bv and Hk == Hv and S == Sv and E == Ek and (Hk == Hq or (enable_gqa and Hk > 0 and Hq % Hk == 0))
+                and not (isinstance(attn_mask, torch.Tensor) and attn_mask.dim() > 4)):
+            # (B, H, L, E) operands of one batch size with their own heads (or GQA's): what
+            # attention() takes as they are, without the broadcasting below (six views and the
+            # checks it needs).
+            return attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, causal=is_causal,
+                             causal_align=causal_align, scale=scale)
     L, E = query.shape[-2:]
     S, Ev = value.shape[-2], value.shape[-1]
     Hq, Hk, Hv = _heads(query), _heads(key), _heads(value)

@@ -253,8 +253,10 @@ def attention_with_kvcache(
     if compiling:
         out, lse = attn_fwd(q, k_cache, v_cache, scale, causal, key_lengths, backend, *modes.op_args())
     else:
+        # The fit check above read the lengths once: seqlens + L_new lie in [0, L_logical].
         qc, kc, vc, kl, be, modes = prepare(q, k_cache, v_cache, scale, causal, key_lengths, backend, modes,
-                                            qkv_checked=True, grad=False, packing_checked=True)
+                                            qkv_checked=True, grad=False, packing_checked=True,
+                                            key_lengths_checked=checkable)
         out, lse = forward_impl(be, qc, kc, vc, scale, causal, kl, modes)
     return (out, lse) if return_lse else out
 

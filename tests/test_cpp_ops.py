@@ -243,3 +243,29 @@ def test_the_sm90_backward_is_opt_in_until_a_gpu_has_verified_it():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split("\n")[-2] == "auto auto", r.stdout
+
+
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_plain_ops_are_the_full_ops_without_modes(layout):
+    # fwd_plain / bwd_plain (what every call without modes runs) give the full ops' bits, real and
+    # meta, and check their arguments the same way.
+    q, k, v, scale, causal, kl = _args(layout)
+    out, lse = torch.ops.mhakern_C.fwd(q, k, v, scale, causal, kl, *NOMODES)
+    p_out, p_lse = torch.ops.mhakern_C.fwd_plain(q, k, v, scale, causal, kl)
+    dout = torch.randn_like(out)
+    grads = torch.ops.mhakern_C.bwd(dout, q, k, v, out, lse, scale, causal, kl, *NOMODES, False)
+    p_grads = torch.ops.mhakern_C.bwd_plain(dout, q, k, v, out, lse, scale, causal, kl)
+    for a, b in zip((out, lse, *grads), (p_out, p_lse, *p_grads)):
+        assert torch.equal(a, b) and a.stride() == b.stride()
+    meta = [x.to("meta") for x in (q, k, v)]
+    m_out, m_lse = torch.ops.mhakern_C.fwd_plain(*meta, scale, causal, kl.to("meta"))
+    m_grads = torch.ops.mhakern_C.bwd_plain(m_out, *meta, m_out, m_lse, scale, causal, kl.to("meta"))
+    for real, fake in zip((out, lse, *grads), (m_out, m_lse, *m_grads)):
+        assert (fake.device.type, fake.shape, fake.dtype, fake.stride()) == ("meta", real.shape, real.dtype,
+                                                                             real.stride())
+    with pytest.raises(ValueError, match="key_lengths: values must lie in"):
+        torch.ops.mhakern_C.fwd_plain(q, k, v, scale, causal, torch.tensor([14, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match="^q: expected 4 dims"):
+        torch.ops.mhakern_C.fwd_plain(q[0], k, v, scale, causal, kl)
+    with pytest.raises(ValueError, match="lse: expected shape"):
+        torch.ops.mhakern_C.bwd_plain(dout, q, k, v, out, lse[:, :1], scale, causal, kl)

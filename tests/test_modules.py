@@ -1226,3 +1226,20 @@ def test_fused_mha_given_slopes_and_bad_options_name_the_option():
                           (dict(sinks=1), TypeError, "sinks")):
         with pytest.raises(exc, match=word):
             mhakern.FusedMHA(8, 2, **kw)
+
+
+def test_user_hooks_run_beside_the_sign_hook():
+    # The sign hook (torch's encoder declines its fused path) is hidden from nn.Module.__call__
+    # only while it is alone: a user's forward pre-hook runs, and again after a copy.
+    import copy
+
+    m = mhakern.FusedMHA(8, 2, batch_first=True)
+    assert len(m._forward_pre_hooks) == 1 and not m._forward_pre_hooks
+    seen = []
+    handle = m.register_forward_pre_hook(lambda mod, args: seen.append(mod))
+    x = torch.randn(1, 3, 8)
+    m(x, x, x)
+    copy.deepcopy(m)(x, x, x)
+    assert len(seen) == 2
+    handle.remove()
+    assert len(m._forward_pre_hooks) == 1 and not m._forward_pre_hooks

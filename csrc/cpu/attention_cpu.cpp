@@ -189,6 +189,5 @@ int64_t parallel_threads_probe(int64_t tasks) {
 
 // The CPU kernels of the ops whose schemas csrc/bindings.cpp defines.
 TORCH_LIBRARY_IMPL(mhakern_C, CPU, m) {
-  m.impl("fwd", &mhakern::op::fwd_op<&mhakern::cpu::attn_fwd>);
-  m.impl("bwd", &mhakern::op::bwd_op<&mhakern::cpu::attn_bwd>);
+  MHAKERN_IMPL_ATTENTION_OPS(m, &mhakern::cpu::attn_fwd, &mhakern::cpu::attn_bwd);
 }

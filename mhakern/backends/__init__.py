@@ -228,12 +228,16 @@ def _signature(name, q, k, v, causal, key_lengths, needed, grad) -> tuple:
     if grad is None:
         grad = torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v))
     return (
-        name, q.device, q.dtype, k.dtype, v.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape),
+        # torch.Size is a tuple (hashed and compared as one): no conversion per call
+        name, q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, v.shape,
         q.stride(), k.stride(), v.stride(), bool(causal), key_lengths is None, needed,
         # whether a gradient is needed: the cuda backend serves its forward-only head dims
         # (sm_90a, D 256) only without one
         grad,
     )
+
+
+_PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 def select(
@@ -260,8 +264,8 @@ def select(
     key = None
     # Real tensors outside tracing only: fake tensors may carry symbolic shapes, and stand-ins
     # (tests' duck-typed tensors) need not have strides.
-    plain = all(type(x) is torch.Tensor or type(x) is torch.nn.Parameter for x in (q, k, v))
-    if plain and not torch.compiler.is_compiling():
+    if type(q) in _PLAIN_TYPES and type(k) in _PLAIN_TYPES and type(v) in _PLAIN_TYPES \
+            and not torch.compiler.is_compiling():
         key = _signature(name, q, k, v, causal, key_lengths, frozenset(needed), grad)
         hit = _SELECTED.get(key)
         if hit is not None:

@@ -9,7 +9,8 @@ key ranges with few query rows are split across threads and merged by their lse,
 memory. The kernels exist per instruction set (AVX-512, AVX2, portable) and the one matching
 the CPU and ATen's capability (``ATEN_CPU_CAPABILITY``) is used: see ``kernel_isa()``.
 
-The kernels are the dispatcher operators ``torch.ops.mhakern_C.fwd`` / ``bwd`` (schemas in
+The kernels are the dispatcher operators ``torch.ops.mhakern_C.fwd`` / ``bwd`` (``fwd_plain`` /
+``bwd_plain`` for calls without modes: mhakern/modes.py c_fwd; schemas in
 csrc/bindings.cpp; outputs allocated by the op, laid out like the input they mirror); what they
 serve is read from ``torch.ops.mhakern_C.capabilities()``, never restated here.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .._extension import capabilities, kernel_isa, load_error  # noqa: F401 (re-exported)
+from ..modes import c_bwd, c_fwd
 from . import DEFAULT_MODES, Backend, register
 
 
@@ -61,13 +63,10 @@ class CpuBackend(Backend):
         return None
 
     def forward(self, q, k, v, scale, causal, key_lengths, modes=DEFAULT_MODES):
-        return torch.ops.mhakern_C.fwd(q, k, v, float(scale), bool(causal), key_lengths, *modes.c_op_args())
+        return c_fwd(q, k, v, scale, causal, key_lengths, modes)
 
     def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, modes=DEFAULT_MODES):
-        dq, dk, dv, dmask = torch.ops.mhakern_C.bwd(
-            dout, q, k, v, out, lse, float(scale), bool(causal), key_lengths, *modes.c_op_bwd_args()
-        )
-        return dq, dk, dv, (dmask if modes.mask_grad else None)
+        return c_bwd(dout, q, k, v, out, lse, scale, causal, key_lengths, modes)
 
 
 register(CpuBackend())

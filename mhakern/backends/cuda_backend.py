@@ -39,6 +39,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from ..modes import c_bwd, c_fwd
 from . import DEFAULT_MODES, Backend, register
 from .._build import INSTALL_HINT as _BUILD_HINT
 from .._extension import capabilities, load_error
@@ -196,14 +197,11 @@ class CudaBackend(Backend):
     # argument (csrc/cuda_host.cpp); inputs at an odd offset or stride are copied first.
     def forward(self, q, k, v, scale, causal, key_lengths, modes=DEFAULT_MODES):
         q, k, v = _aligned(q), _aligned(k), _aligned(v)
-        return torch.ops.mhakern_C.fwd(q, k, v, float(scale), bool(causal), key_lengths, *modes.c_op_args())
+        return c_fwd(q, k, v, scale, causal, key_lengths, modes)
 
     def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, modes=DEFAULT_MODES):
         dout, q, k, v, out = (_aligned(x) for x in (dout, q, k, v, out))
-        dq, dk, dv, dmask = torch.ops.mhakern_C.bwd(
-            dout, q, k, v, out, lse, float(scale), bool(causal), key_lengths, *modes.c_op_bwd_args()
-        )
-        return dq, dk, dv, (dmask if modes.mask_grad else None)
+        return c_bwd(dout, q, k, v, out, lse, scale, causal, key_lengths, modes)
 
 
 register(CudaBackend())
