@@ -17,13 +17,84 @@ sys.path.insert(0, os.path.dirname(__file__))
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "cuda_build_report(full): reads the report of tools/check_cuda_build.py; runs at the end of the session, "
+        "after the full check (full=True: the test that needs it) has compiled in the background meanwhile",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
+    # The compile check's tests last: the full check compiles in the background from the start
+    # of the session (pytest_collection_finish), on the core the mostly single-threaded tests
+    # leave idle, and these tests wait for it.
+    late = [item for item in items if item.get_closest_marker("cuda_build_report")]
+    if late:
+        items[:] = [item for item in items if not item.get_closest_marker("cuda_build_report")] + late
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# The full run of tools/check_cuda_build.py (minutes of nvcc), started in a thread when a selected
+# test needs it; the tests that read its report wait for it (fixture cuda_build_check).
+_full_check: dict = {}
+FULL_CHECK_ARGS = ["-j", str(os.cpu_count() or 2)]
+
+
+def _cuda_build_cache(config):
+    from pathlib import Path
+
+    return Path(config.cache.mkdir("mhakern_cuda_build"))
+
+
+def pytest_collection_finish(session):
+    config = session.config
+    if not any((m := item.get_closest_marker("cuda_build_report")) and m.kwargs.get("full") for item in session.items):
+        return
+    # Not for a collection only, nor where the session may stop before the test that waits
+    # (-x, --maxfail: it then compiles in its turn), nor in a worker of a distributed run.
+    if config.option.collectonly or config.option.maxfail or hasattr(config, "workerinput"):
+        return
+    from cuda_emulator_harness import check_cuda_build_report, find_nvcc
+
+    if find_nvcc() is None:
+        return  # the test skips, saying so
+    import threading
+
+    def run():
+        try:
+            check_cuda_build_report(_cuda_build_cache(config), FULL_CHECK_ARGS)  # into the cache
+        except BaseException as e:  # noqa: BLE001 -- handed to the test that waits
+            _full_check["error"] = e
+
+    _full_check["thread"] = threading.Thread(target=run, name="check_cuda_build", daemon=True)
+    _full_check["thread"].start()
+
+
+def pytest_sessionfinish(session):
+    # A session that ended before its waiting test (an internal error) still waits for the
+    # check: its nvcc processes must not outlive the session (Ctrl-C stops them with it).
+    thread = _full_check.get("thread")
+    if thread is not None and thread.is_alive():
+        print("\nwaiting for the CUDA compile check started in the background (Ctrl-C stops it)", flush=True)
+        thread.join()
+
+
+@pytest.fixture
+def cuda_build_check(request):
+    """The compile check's cache dir, once the background full check (if one was started) has
+    finished; its report is then in that cache, so that reading it compiles nothing again."""
+    thread = _full_check.get("thread")
+    if thread is not None:
+        thread.join()
+        if "error" in _full_check:
+            raise _full_check["error"]
+    return _cuda_build_cache(request.config)
 
 
 @pytest.fixture(scope="module")

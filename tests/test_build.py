@@ -10,9 +10,15 @@ functions checked here with faked environments, without compiling:
 * a CUDA part that fails (torch's own checks, or the compile) is rebuilt CPU-only;
 * the first-use build: the cache key, the lock (concurrent processes build once), a failure
   remembered and reported with the compiler's first error (a real, deliberately broken build).
-The real thing -- a fresh venv, a plain ``pip install -e .``, the first use building the module
-and a cpu-backend call -- is ``test_plain_pip_install_builds_at_first_use`` (minutes: it runs
-on CI, or with MHAKERN_TEST_INSTALL=1).
+The real thing, in two parts that together cover the route without compiling the module a
+second time (the install this suite runs in built it already, from the same plan):
+* ``test_first_use_builds_links_and_loads_the_module`` (seconds): a real first-use build, the
+  child process running torch's BuildExtension through to the link, the staging directory and
+  the load, two processes at once building once, on a one-file source tree;
+* ``test_plain_pip_install_uses_the_module_at_first_use`` (CI, or MHAKERN_TEST_INSTALL=1): a
+  fresh venv, a plain ``pip install -e .`` under build isolation that compiles nothing, and
+  the first use finding the module for that copy's sources at the cache key the copy computes
+  (this run's own build put there, as a first-use build would), then a cpu-backend call.
 """
 import importlib.util
 import json
@@ -631,12 +637,74 @@ def test_cpu_backend_says_why_when_the_extension_is_missing():
 
 
 # ---------------------------------------------------------------------------------------------
-# The real thing: a fresh venv, a plain `pip install -e .`, the first use
+# The real thing: a first-use build through to a loaded module; a fresh venv, a plain
+# `pip install -e .`, the first use
+
+# A module with Python's C API alone (a second, not the minutes of the real sources), built by
+# the real first-use route: the child process, torch's BuildExtension, ninja, the link, the
+# staging directory renamed into place, the load.
+_TINY_MODULE = textwrap.dedent(
+    """
+    #include <Python.h>
+    static PyObject* answer(PyObject*, PyObject*) { return PyLong_FromLong(42); }
+    static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, "42"}, {nullptr, nullptr, 0, nullptr}};
+    static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
+    PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&module); }
+    """
+)
+
+_TINY_FIRST_USE = textwrap.dedent(
+    """
+    import importlib.util, sys
+    import mhakern._build as B
+    B.source_root = lambda: {src!r}
+    # Resolve mhakern._C to the stand-in module even where a compiled one sits in the checkout.
+    class _StandIn:
+        def find_spec(self, name, path=None, target=None):
+            if name == "mhakern._C":
+                return importlib.util.spec_from_file_location(name, {stand_in!r})
+    sys.meta_path.insert(0, _StandIn())
+    if {ahead!r} and B.main([]) != 0:  # before the import: it asks the import system where the module is
+        sys.exit(1)
+    import mhakern._C as C
+    print("OK", C.__file__, C.answer())
+    """
+)
+
+
+def test_first_use_builds_links_and_loads_the_module(tmp_path):
+    src = tmp_path / "src"
+    (src / "csrc").mkdir(parents=True)
+    (src / "csrc" / "bindings.cpp").write_text(_TINY_MODULE)
+    cache = tmp_path / "cache"
+    env = dict(os.environ, MHAKERN_CACHE_DIR=str(cache), MAX_JOBS="1")
+    env.pop("MHAKERN_NO_JIT", None)
+
+    def script(ahead):
+        return _TINY_FIRST_USE.format(src=str(src), stand_in=os.path.join(ROOT, "mhakern", "_C.py"), ahead=ahead)
+
+    # Two processes at once, one importing the module, one building it ahead (`python -m
+    # mhakern.build`): one builds (one line, then its time), the other waits, and both load it.
+    procs = [subprocess.Popen([sys.executable, "-c", script(ahead)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for ahead in (False, True)]
+    results = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, out + err[-5000:]
+    err = "".join(e for _, e in results)
+    assert err.count("mhakern: building mhakern._C for this machine (CPU kernels") == 1, err
+    assert err.count("mhakern: built mhakern._C in ") == 1, err
+    (key_dir,) = [p for p in cache.iterdir() if p.is_dir()]
+    path = str(key_dir / "lib" / "mhakern" / ("_C" + sysconfig.get_config_var("EXT_SUFFIX")))
+    assert results[0][0].splitlines() == [f"OK {path} 42"], results[0][0]
+    assert results[1][0].splitlines() == [f"mhakern._C: {path}", f"OK {path} 42"], results[1][0]
+    assert not (key_dir / "staging").exists() and not (key_dir / "tmp").exists()  # renamed; objects removed
+    assert json.loads((key_dir / "lib" / "build_info.json").read_text())["cuda"] is False
 
 
 install_test = pytest.mark.skipif(
     os.environ.get("CI") != "true" and os.environ.get("MHAKERN_TEST_INSTALL") != "1",
-    reason="minutes (a fresh venv, pip, a first-use build): runs on CI, or with MHAKERN_TEST_INSTALL=1",
+    reason="a fresh venv and a pip install under build isolation (half a minute): runs on CI, or with "
+           "MHAKERN_TEST_INSTALL=1",
 )
 
 _FIRST_USE = textwrap.dedent(
@@ -677,11 +745,12 @@ def _venv_with_this_torch(venv):
 
 
 @install_test
-def test_plain_pip_install_builds_at_first_use(tmp_path):
+def test_plain_pip_install_uses_the_module_at_first_use(B, tmp_path):
     src = tmp_path / "mhakern-src"
     _copy_checkout(src)
     py = _venv_with_this_torch(tmp_path / "venv")
-    env = dict(os.environ, MHAKERN_CACHE_DIR=str(tmp_path / "cache"), PIP_DISABLE_PIP_VERSION_CHECK="1")
+    cache = tmp_path / "cache"
+    env = dict(os.environ, MHAKERN_CACHE_DIR=str(cache), PIP_DISABLE_PIP_VERSION_CHECK="1")
     env.setdefault("MAX_JOBS", "2")
     for name in ("MHAKERN_NO_JIT", "MHAKERN_NO_EXTENSION", "PIP_NO_BUILD_ISOLATION", "VIRTUAL_ENV", "PYTHONPATH"):
         env.pop(name, None)
@@ -692,24 +761,28 @@ def test_plain_pip_install_builds_at_first_use(tmp_path):
     # No compiled module in the checkout: the install built nothing.
     assert not list((src / "mhakern").glob("_C*.so"))
 
-    # Two processes use it first at once: one builds (one line, then its time), the other waits.
-    procs = [subprocess.Popen([str(py), "-c", _FIRST_USE], cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    results = [p.communicate(timeout=1500) for p in procs]
-    for p, (out, err) in zip(procs, results):
-        assert p.returncode == 0, out + err[-5000:]
-        assert out.startswith("OK " + str(tmp_path / "cache")), out
-    err = "".join(e for _, e in results)
-    assert err.count("mhakern: building mhakern._C for this machine (CPU kernels") == 1, err
-    assert err.count("mhakern: built mhakern._C in ") == 1, err
+    # The module this run built from the same sources and plan, where a first-use build of the
+    # copy would put it: the key is computed here as jit_build computes it there, so a key that
+    # drifted between processes, a loader that cannot load from the cache or a stand-in that
+    # is not reached fails below (the first use would build, and "building" would be printed).
+    import mhakern._C as C  # noqa: PLC0415 -- CI's own build (tests/test_ci_requirements.py: built)
 
-    # A later process loads the cached module without building; `python -m mhakern.build` says where it is.
-    again = subprocess.run([str(py), "-c", _FIRST_USE], cwd=str(tmp_path), env=env, capture_output=True, text=True,
-                           timeout=600)
-    assert again.returncode == 0 and "building" not in again.stderr, again.stderr[-3000:]
-    ahead = subprocess.run([str(py), "-m", "mhakern.build"], cwd=str(tmp_path), env=env, capture_output=True,
-                           text=True, timeout=600)
-    assert ahead.returncode == 0 and ahead.stdout.startswith("mhakern._C: " + str(tmp_path / "cache")), ahead
+    info = B.torch_info()
+    key_env = {k: v for k, v in env.items() if k != "MHAKERN_NO_EXTENSION"}
+    plan = B.plan(key_env, info, str(src), B.visible_gpu_archs())
+    lib = cache / B.build_key(str(src), info, plan) / "lib" / "mhakern"
+    lib.mkdir(parents=True)
+    shutil.copy2(C.__file__, lib / ("_C" + sysconfig.get_config_var("EXT_SUFFIX")))
+
+    # `python -m mhakern.build` says where it is, then the first import loads it and the cpu
+    # backend runs on it; nothing is built (the lock and a real build: the test above).
+    script = "import sys, mhakern._build as B\nif B.main([]) != 0:\n    sys.exit(1)\n" + _FIRST_USE
+    use = subprocess.run([str(py), "-c", script], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert use.returncode == 0 and "building" not in use.stderr, use.stdout + use.stderr[-3000:]
+    ahead, ok = use.stdout.splitlines()
+    path = str(lib / ("_C" + sysconfig.get_config_var("EXT_SUFFIX")))
+    assert ahead == "mhakern._C: " + path and ok.startswith(f"OK {path} "), use.stdout
 
 
 def _fake_cxx(tmp_path, dev_link: bool):

@@ -21,7 +21,7 @@ def test_cpu_extension_built_and_usable_on_ci():
 def test_readme_install_built_the_extension_in_place():
     # The README installs with --no-build-isolation: mhakern._C must be the compiled module that
     # install left beside the package, not one built at first use (the plain `pip install -e .`
-    # route is tests/test_build.py::test_plain_pip_install_builds_at_first_use).
+    # route is tests/test_build.py::test_plain_pip_install_uses_the_module_at_first_use).
     spec = importlib.util.find_spec("mhakern._C")
     assert spec is not None and isinstance(spec.loader, importlib.machinery.ExtensionFileLoader), (
         f"mhakern._C resolves to {spec and spec.origin}: the install did not build the extension"

@@ -17,7 +17,6 @@ it, and a failing test prints it); the emulator's own checks are in tests/test_c
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import pytest
 import torch
@@ -561,11 +560,13 @@ def test_plan_splits_rejects_bad_arguments(split_table):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_compile_check_tool_on_one_file(request):
-    # The rows of one source in the tool's report: the full check's (tests/test_cuda_build.py)
-    # when it ran on these sources, else a check of that one file for sm_80 (compiled once per
-    # sources digest either way: cuda_emulator_harness.check_cuda_build_report).
-    cache = Path(request.config.cache.mkdir("mhakern_cuda_build"))
+@pytest.mark.cuda_build_report(full=False)
+def test_compile_check_tool_on_one_file(cuda_build_check):
+    # The rows of one source in the tool's report: the full check's (tests/test_cuda_build.py,
+    # which this test runs after, tests/conftest.py) when it ran on these sources, else a check
+    # of that one file for sm_80 (compiled once per sources digest either way:
+    # cuda_emulator_harness.check_cuda_build_report).
+    cache = cuda_build_check
     report = full_cuda_build_report(cache) or check_cuda_build_report(
         cache, ["--only", "fwd_fp16_d32", "--arch", "80", "--no-host", "--no-sm90", "-j", "1"], name="fwd_fp16_d32")
     assert report["returncode"] == 0, report["stdout"][-3000:] + report["stderr"][-3000:]

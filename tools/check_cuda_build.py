@@ -158,12 +158,21 @@ def _is_local(text: str) -> bool:
     return sass_reader.opcode(text).split(".")[0] in ("LDL", "STL")
 
 
-def loop_local_memory(cuobjdump: str, obj: Path) -> dict[tuple[str, int], tuple[int, int]]:
-    """{(mangled kernel, sm): (local-memory instructions, how many of them inside a loop)}, loops
-    by the reader's rule (mhakern/kernels/sass.py: loops_of)."""
+def sass_functions(cuobjdump: str, obj: Path) -> dict:
+    """{(mangled kernel, sm): [(address, text), ...]} of one object: its one ``cuobjdump -sass``
+    run, parsed once (the reader's parse_functions), which every SASS gate below reads. The
+    listing of a backward object runs to about 160,000 lines: dumping and parsing it once per
+    gate tripled the check's SASS time."""
     res = subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True)
+    return sass_reader.parse_functions(res.stdout)
+
+
+def loop_local_memory(functions: dict) -> dict[tuple[str, int], tuple[int, int]]:
+    """{(mangled kernel, sm): (local-memory instructions, how many of them inside a loop)} of an
+    object's parsed SASS (:func:`sass_functions`), loops by the reader's rule
+    (mhakern/kernels/sass.py: loops_of)."""
     out: dict[tuple[str, int], tuple[int, int]] = {}
-    for key, ins in sass_reader.parse_functions(res.stdout).items():
+    for key, ins in functions.items():
         loops = sass_reader.loops_of(ins)
         local = [a for a, text in ins if _is_local(text)]
         out[key] = (len(local), sum(1 for a in local if any(lo <= a <= hi for lo, hi in loops)))
@@ -210,13 +219,12 @@ def fused_bwd_config(include: Path) -> dict[int, dict] | None:
     return out
 
 
-def fused_bwd_sass(cuobjdump: str, obj: Path) -> dict[tuple[str, int], dict]:
-    """{(mangled, sm): {hmma_loop, hmma, local}} for the fused backward kernels of one object:
-    HMMA inside the loop holding the most of them (loops by the reader's rule), HMMA in the
-    kernel, LDL/STL in the kernel."""
-    res = subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True)
+def fused_bwd_sass(functions: dict) -> dict[tuple[str, int], dict]:
+    """{(mangled, sm): {hmma_loop, hmma, local}} for the fused backward kernels of one object's
+    parsed SASS (:func:`sass_functions`): HMMA inside the loop holding the most of them (loops by
+    the reader's rule), HMMA in the kernel, LDL/STL in the kernel."""
     out: dict[tuple[str, int], dict] = {}
-    for (func, arch), ins in sass_reader.parse_functions(res.stdout).items():
+    for (func, arch), ins in functions.items():
         if "attn_bwd_fused_kernel" not in func:
             continue
         hmma = [a for a, t in ins if sass_reader.opcode(t).split(".")[0] == "HMMA"]
@@ -273,16 +281,16 @@ def _is_plain_kernel(short: str) -> bool:
     return not short.endswith("_modes_kernel") and "[modes," not in short
 
 
-def plain_kernel_digests(cuobjdump: str, obj: Path) -> dict[str, list]:
-    """{'<mangled>@sm_<arch>': [instructions, digest]} of every kernel in an object (the caller
-    keeps the plain ones); digest: sha256 of the instruction texts, addresses left out, and the
-    offsets of the kernel parameters in constant bank 0 too: a field added to the parameter
-    struct (a new mode) moves them without changing the kernel's code."""
+def plain_kernel_digests(functions: dict) -> dict[str, list]:
+    """{'<mangled>@sm_<arch>': [instructions, digest]} of every kernel in an object's parsed SASS
+    (:func:`sass_functions`; the caller keeps the plain ones); digest: sha256 of the instruction
+    texts, addresses left out, and the offsets of the kernel parameters in constant bank 0 too:
+    a field added to the parameter struct (a new mode) moves them without changing the kernel's
+    code."""
     import hashlib
 
-    res = subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True)
     out = {}
-    for (name, arch), ins in sass_reader.parse_functions(res.stdout).items():
+    for (name, arch), ins in functions.items():
         text = "\n".join(_PARAM_OFFSET.sub("c[0x0][param]", re.sub(r"\s+", " ", t.split(";")[0]).strip())
                          for _, t in ins)
         out[f"{name}@sm_{arch}"] = [len(ins), hashlib.sha256(text.encode()).hexdigest()[:16]]
@@ -328,9 +336,12 @@ def compile_unit(nvcc: str, src: Path, archs: list[int], outdir: Path, cuobjdump
     cmd = [nvcc, *NVCC_FLAGS, *gencode, "-c", str(src), "-o", str(obj)]
     t0 = time.time()
     res = subprocess.run(cmd, capture_output=True, text=True)
-    sass = loop_local_memory(cuobjdump, obj) if cuobjdump and res.returncode == 0 else None
-    fused = fused_bwd_sass(cuobjdump, obj) if cuobjdump and res.returncode == 0 and "_bwd_" in src.name else None
-    plain = plain_kernel_digests(cuobjdump, obj) if cuobjdump and res.returncode == 0 else None
+    sass = fused = plain = None
+    if cuobjdump and res.returncode == 0:
+        functions = sass_functions(cuobjdump, obj)
+        sass = loop_local_memory(functions)
+        fused = fused_bwd_sass(functions) if "_bwd_" in src.name else None
+        plain = plain_kernel_digests(functions)
     return {"src": src.name, "archs": archs, "rc": res.returncode, "log": res.stdout + res.stderr,
             "seconds": time.time() - t0, "cmd": " ".join(cmd), "sass": sass, "fused": fused, "plain": plain}
 
@@ -689,8 +700,10 @@ def stale_instantiations() -> list[str]:
 
 def compile_all(nvcc: str, include: Path | None, cuobjdump: str | None, sources: list[Path], sm90_sources: list[Path],
                 archs: list[int], args) -> dict:
-    """Every unit compiled in one pool (and the host parsed): {failed, entries (mma.sync kernel
-    builds, their SASS local-memory counts attached), jobs, sm90_results, host, elapsed}."""
+    """Every unit compiled in one pool (and the host parsed, and the tile-config printers built
+    and run): {failed, entries (mma.sync kernel builds, their SASS local-memory counts attached),
+    jobs, sm90_results, host, configs ({"smem", "fused", "sm90_smem"}: the printers' tables, None
+    where not built), elapsed}."""
     t0 = time.time()
     failed, entries = [], []
     host = ("skipped", "--no-host")
@@ -698,6 +711,16 @@ def compile_all(nvcc: str, include: Path | None, cuobjdump: str | None, sources:
         host_future = None
         if not args.no_host and include is not None:
             host_future = pool.submit(host_syntax_check, include)
+        # The config printers (a g++ build each, seconds) go into the pool too: run after the
+        # compiles they left one core idle at the end.
+        config_jobs = {}
+        if include is not None:
+            if sources:
+                config_jobs["smem"] = pool.submit(dynamic_smem, include)
+            if any("_bwd_" in s.name for s in sources):
+                config_jobs["fused"] = pool.submit(fused_bwd_config, include)
+            if sm90_sources:
+                config_jobs["sm90_smem"] = pool.submit(sm90_dynamic_smem, include)
         # Largest first (the backward files take longest): the pool drains evenly.
         ordered = sorted(sources, key=lambda s: ("bwd" not in s.name, s.name))
         jobs = [pool.submit(compile_unit, nvcc, s, archs, Path(tmp), cuobjdump) for s in ordered]
@@ -718,8 +741,9 @@ def compile_all(nvcc: str, include: Path | None, cuobjdump: str | None, sources:
             host = host_future.result()
         elif not args.no_host:
             host = ("skipped", "CUDA include dir not found")
+        configs = {k: f.result() for k, f in config_jobs.items()}
     return {"failed": failed, "entries": entries, "jobs": [f.result() for f in jobs], "sm90_results": sm90_results,
-            "host": host, "elapsed": time.time() - t0}
+            "host": host, "configs": configs, "elapsed": time.time() - t0}
 
 
 def check_mma_sync(entries: list[dict], names: dict, smem_dyn: dict | None) -> tuple[list, list, set]:
@@ -817,7 +841,7 @@ def main(argv=None) -> int:
         print(f"\nFAILED: {r['src']}\n  {r['cmd']}\n{r['log'][-6000:]}", file=sys.stderr)
 
     names = demangle(sorted({e["mangled"] for e in entries}))
-    smem_dyn = dynamic_smem(include) if include is not None else None
+    smem_dyn = built["configs"].get("smem")
     problems = []
     if include is not None and smem_dyn is None and entries:
         # Without the launchers' dynamic sizes the shared-memory limit below would be checked
@@ -834,7 +858,7 @@ def main(argv=None) -> int:
     for r in built["jobs"]:
         fused_facts.update(r.get("fused") or {})
     fused_lines, fused_problems = check_fused_bwd(entries, fused_facts, names,
-                                                  fused_bwd_config(include) if include is not None else None)
+                                                  built["configs"].get("fused"))
     problems += fused_problems
     print_section("fused mma.sync backward (csrc/cuda/attn_bwd_fused_kernel.cuh), main loop = the SASS loop holding "
                   "the most HMMA:", fused_lines)
@@ -848,7 +872,7 @@ def main(argv=None) -> int:
         print("\nplain kernels' SASS: " + ln)
 
     sm90_results = built["sm90_results"]
-    sm90_smem = sm90_dynamic_smem(include) if include is not None and sm90_results else None
+    sm90_smem = built["configs"].get("sm90_smem")
     sm90_rows, sm90_problems, sm90_lines = check_sm90(sm90_results, sm90_smem)
     problems += sm90_problems
     print_section("sm90 family (-gencode=arch=compute_90a,code=sm_90a), main loop = the SASS loop holding the HGMMA:",
