@@ -187,10 +187,9 @@ def test_mode_variants_take_the_tables_tiles_and_leave_mask_strides_unmarked():
     built = {v.name: v for v in aot.variants(90, ("fp16",), (128,), modes=list(aot.MODE_SETS), plain=False)}
     modifiers_only = {m for m, ms in aot.MODE_SETS.items() if set(ms) <= {"SOFTCAP", "ALIBI"}}
     assert modifiers_only == {"softcap", "alibi", "modifiers"}
-    # mask2grad is a backward mode (the forward has no mask gradient); varlen has a forward
-    # kernel only so far (a mode set with no switch in a kernel is not built for it)
+    # mask2grad is a backward mode (the forward has no mask gradient)
     want = {f"{k}/fp16/d128+{m}" for k in ("fwd", "dkdv", "dq", "fused") for m in aot.MODE_SETS
-            if (k in ("dq", "fused") or m != "mask2grad") and (k == "fwd" or m != "varlen")}
+            if k in ("dq", "fused") or m != "mask2grad"}
     want |= {f"fwdsplit/fp16/d128+{m}" for m in modifiers_only}
     assert set(built) == want
     for name, v in built.items():

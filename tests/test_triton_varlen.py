@@ -37,7 +37,8 @@ def _check_lse(lse, lse64):
 
 
 def run_varlen(lq, lk, H=2, Hkv=2, D=16, Dv=None, dtype=torch.float32, causal=False, top_left=False,
-                   window=(-1, -1), dropout_p=0.0, softcap=0.0, alibi=False, seed=0, backward=False):
+               window=(-1, -1), dropout_p=0.0, softcap=0.0, alibi=False, seed=0, backward=True,
+               bwd_mode=None):
     from mhakern.kernels import attention_forward
 
     Dv = Dv or D
@@ -65,7 +66,7 @@ def run_varlen(lq, lk, H=2, Hkv=2, D=16, Dv=None, dtype=torch.float32, causal=Fa
 
         dout = _packed(Tq, H, Dv, dtype, g)
         dq, dk, dv = (torch.full(x.shape, math.nan, dtype=dtype, device=DEVICE) for x in (q, k, v))
-        attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, None, m)
+        attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, None, m, bwd_mode=bwd_mode)
         doc = cpu(dout)
         g64 = reference.attention_backward_modes(doc.double(), qc.double(), kc.double(), vc.double(), o64, l64,
                                                  scale, causal, None, upcast=True, modes=m_cpu)
@@ -79,12 +80,14 @@ def run_varlen(lq, lk, H=2, Hkv=2, D=16, Dv=None, dtype=torch.float32, causal=Fa
 
 
 # Lengths: empty sequences on either side, one-token ones, sequences longer than a row tile and a
-# key block (the interpreter's tiles are 16..64 rows), Lq_s != Lk_s both ways.
+# key block (the interpreter's tiles are 16..64 rows), Lq_s != Lk_s both ways. Gradients too,
+# except where tests/test_varlen_kvcache.py's cases already check them for this backend (no
+# mode, a two-sided window: interpreter time is CI time).
 CASES = [
-    ("plain", dict(lq=[5, 0, 1, 40, 3], lk=[9, 4, 1, 70, 0])),
+    ("plain", dict(lq=[5, 0, 1, 40, 3], lk=[9, 4, 1, 70, 0], backward=False)),
     ("causal-gqa", dict(lq=[5, 0, 1, 40, 3], lk=[9, 4, 1, 70, 0], H=4, Hkv=2, D=32, Dv=24, causal=True)),
     ("causal-topleft", dict(lq=[40, 7, 1], lk=[13, 30, 5], causal=True, top_left=True)),
-    ("window", dict(lq=[33, 0, 20], lk=[50, 3, 20], window=(6, 2))),
+    ("window", dict(lq=[33, 0, 20], lk=[50, 3, 20], window=(6, 2), backward=False)),
     ("dropout-causal", dict(lq=[17, 1, 30], lk=[17, 9, 40], causal=True, dropout_p=0.3)),
     ("softcap-alibi-mqa", dict(lq=[19, 4, 1], lk=[29, 4, 77], H=4, Hkv=1, causal=True, softcap=3.0, alibi=True)),
     ("fp16", dict(lq=[20, 0, 45], lk=[33, 6, 45], Hkv=1, dtype=torch.float16, causal=True)),
@@ -92,22 +95,34 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", [c[1] for c in CASES], ids=[c[0] for c in CASES])
-def test_varlen_forward(case):
+def test_varlen_forward_and_backward(case):
     run_varlen(**case)
 
 
-def test_varlen_forward_never_reads_other_sequences():
-    # NaN keys and values of sequence 1 reach nothing of sequences 0 and 2.
-    q, k, v, out, lse, m = run_varlen([9, 30, 4], [12, 40, 5], backward=False)
-    from mhakern.kernels import attention_forward
+@pytest.mark.parametrize("bwd_mode", ["deterministic", "split"])
+def test_varlen_never_reads_other_sequences(bwd_mode):
+    # NaN keys and values of sequence 1 reach nothing of sequences 0 and 2: not their outputs,
+    # not their gradients (the fused kernel's dQ shares included), bit for bit.
+    from mhakern.kernels import attention_backward, attention_forward
 
+    q, k, v, out, lse, m = run_varlen([9, 30, 4], [12, 40, 5], backward=False)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device)
     k2, v2 = k.clone(), v.clone()
     k2[:, :, 12:52] = math.nan
     v2[:, :, 12:52] = math.nan
-    o2, l2 = torch.empty_like(out), torch.empty_like(lse)
-    attention_forward(q, k2, v2, o2, l2, 0.25, False, None, m)
-    o1, l1 = torch.empty_like(out), torch.empty_like(lse)
-    attention_forward(q, k, v, o1, l1, 0.25, False, None, m)
-    assert torch.equal(o1[:, :, :9], o2[:, :, :9]) and torch.equal(o1[:, :, 39:], o2[:, :, 39:])
-    assert torch.equal(l1[:, :, :9], l2[:, :, :9])
-
+    res = []
+    for kk, vv in ((k, v), (k2, v2)):
+        o, l = torch.empty_like(out), torch.empty_like(lse)
+        attention_forward(q, kk, vv, o, l, 0.25, False, None, m)
+        grads = [torch.empty_like(x) for x in (q, kk, vv)]
+        attention_backward(dout, q, kk, vv, o, l, *grads, 0.25, False, None, m, bwd_mode=bwd_mode)
+        res.append((o, l, *grads))
+    (o1, l1, dq1, dk1, dv1), (o2, l2, dq2, dk2, dv2) = res
+    rows = torch.ones(out.shape[2], dtype=torch.bool)
+    rows[9:39] = False
+    keys = torch.ones(k.shape[2], dtype=torch.bool)
+    keys[12:52] = False
+    for name, a, b in (("out", o1, o2), ("lse", l1, l2), ("dq", dq1, dq2)):
+        assert torch.equal(a[:, :, rows], b[:, :, rows]), name
+    assert torch.equal(dk1[:, :, keys], dk2[:, :, keys]) and torch.equal(dv1[:, :, keys], dv2[:, :, keys])
+    assert torch.isnan(dk2[:, :, 12:52]).all() and not torch.isnan(dk1).any()

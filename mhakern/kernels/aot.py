@@ -188,7 +188,7 @@ def variants(arch: int, dtypes=("fp16", "bf16", "fp32"), dims=ALL_DIMS, flags=((
                 if mode == "mask2grad" and "MASK_GRAD" not in ce:
                     continue  # the mask's gradient is the dQ kernel's (or the fused one's)
                 if not ce:
-                    continue  # a set none of whose switches this kernel has (varlen: backward pending)
+                    continue  # a set none of whose switches this kernel has (varlen: the split-K forward)
                 if name == "fwdsplit" and len(ce) < len(ms):
                     continue  # the split forward takes the score modifiers only
                 cfg = tile or config(d, d, dtype, arch, **kw)

@@ -44,6 +44,7 @@ from .heuristics import (
     head_block,
     next_pow2,
     packed_rows,
+    row_block,
 )
 from .launch import (
     INTERPRET,
@@ -123,7 +124,7 @@ def _dkdv_rows(
     k_dq=None, DQACC=None, SEM=None, DMASK=None, dm_stride=0, sem_base=0, n_self=0, prev_lo=0, prev_hi=0,
     FUSED: tl.constexpr = False, DETERMINISTIC: tl.constexpr = False, SEQUENTIAL: tl.constexpr = False,
     MASK_GRAD: tl.constexpr = False, softcap=0.0, inv_cap=0.0, SLOPES=None, slope_sb=0, slope_sh=0,
-    SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, Tq=0, q0=0, VARLEN: tl.constexpr = False,
 ):
     """Stream the row tiles [start, stop) past the resident key block: dK, dV (and, FUSED, each
     tile's dQ share and the mask's gradient; see _fused_dq_add). The extra arguments of the
@@ -136,7 +137,10 @@ def _dkdv_rows(
         i = r % Lq
         q = load_rows(Q + q_base_b, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
         do = load_rows(DO + do_base_b, hh, i, stride_dh, stride_dm, row_ok, DV, BLOCK_DV, IDX64)
-        row_idx = (b * H + hh) * Lq + i
+        if VARLEN:
+            row_idx = hh * Tq + q0 + i  # packed (1, H, Tq): the sequence's rows start at q0
+        else:
+            row_idx = (b * H + hh) * Lq + i
         lse = _load_lse(LSE, row_idx, row_ok)
         delta = tl.load(DELTA + row_idx, mask=row_ok, other=0.0)
         # Transposed scores (keys x rows): keeps dK and dV as (BLOCK_N, D) accumulators.
@@ -286,6 +290,7 @@ def _attn_bwd_dkdv_body(
     DROPOUT: tl.constexpr = False, DQACC=None, SEM=None, DMASK=None, FUSED: tl.constexpr = False,
     DETERMINISTIC: tl.constexpr = False, SEQUENTIAL: tl.constexpr = False, MASK_GRAD: tl.constexpr = False,
     softcap=0.0, SLOPES=None, slope_sb=0, slope_sh=0, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+    CUQ=None, CUK=None, Tq=0, VARLEN: tl.constexpr = False,
 ):
     inv_cap = cap_inverse(softcap, SOFTCAP)
     # Flat grid: key blocks fastest, then KV heads, then batch elements (see unfold_rows_grid).
@@ -305,29 +310,58 @@ def _attn_bwd_dkdv_body(
     pid_n = pid % n_blocks
     kvh = ((pid // n_blocks) % Hkv).to(tl.int64)
     b = (pid // n_blocks // Hkv).to(tl.int64)
-    lk_b = key_length(KL, b, Lk, HAS_KL)
-    n0 = pid_n * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    key_in = offs_n < Lk
+    if VARLEN:
+        # Packed sequences: b is the sequence, Lk the longest one's key length (the block grid);
+        # positions are sequence-local, K/V/Q/dO start at the sequence's first token, and a key
+        # block past the sequence's keys streams no rows (it stores nothing either).
+        q0 = tl.load(CUQ + b)
+        lq_b = tl.load(CUQ + b + 1) - q0
+        k0 = tl.load(CUK + b)
+        lk_b = tl.load(CUK + b + 1) - k0
+        q0 = q0.to(tl.int64)
+        k0 = k0.to(tl.int64)
+        n0 = pid_n * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        key_in = offs_n < lk_b
+    else:
+        # (The plain kernels' order of these statements, which their recorded SASS pins: the
+        # K/V offsets stay inside the loads' expressions, after key_vis.)
+        q0 = b
+        k0 = b
+        lq_b = Lq
+        lk_b = key_length(KL, b, Lk, HAS_KL)
+        n0 = pid_n * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        key_in = offs_n < Lk
     # Keys past this element's length are loaded as zeros: their gradients are 0 whatever they
     # hold (a NaN value would otherwise reach dK through dP).
     key_vis = offs_n < lk_b
-    k = load_tile(K + b * stride_kb + kvh * stride_kh, elem_idx(offs_n, IDX64) * stride_kn, key_vis, D, BLOCK_D, True)
-    v = load_tile(V + b * stride_vb + kvh * stride_vh, elem_idx(offs_n, IDX64) * stride_vn, key_vis, DV, BLOCK_DV, True)
+    if VARLEN:
+        k = load_tile(K + k0 * stride_kn + kvh * stride_kh, elem_idx(offs_n, IDX64) * stride_kn, key_vis, D,
+                      BLOCK_D, True)
+        v = load_tile(V + k0 * stride_vn + kvh * stride_vh, elem_idx(offs_n, IDX64) * stride_vn, key_vis, DV,
+                      BLOCK_DV, True)
+    else:
+        k = load_tile(K + b * stride_kb + kvh * stride_kh, elem_idx(offs_n, IDX64) * stride_kn, key_vis, D,
+                      BLOCK_D, True)
+        v = load_tile(V + b * stride_vb + kvh * stride_vh, elem_idx(offs_n, IDX64) * stride_vn, key_vis, DV,
+                      BLOCK_DV, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    rows_total = heads_per_prog * Lq
+    rows_total = heads_per_prog * lq_b
+    if VARLEN:
+        rows_total = tl.where(n0 < lk_b, rows_total, 0)
     if BAND:
-        m_lo, m_full, m_full_hi, m_hi = _band_row_range(n0, lk_b, Lq, rows_total, heads_per_prog, win_l, win_r,
+        m_lo, m_full, m_full_hi, m_hi = _band_row_range(n0, lk_b, lq_b, rows_total, heads_per_prog, win_l, win_r,
                                                         TOP_LEFT, BLOCK_M, BLOCK_N)
     else:
         block_full = n0 + BLOCK_N <= lk_b
         # Rows [m_lo, m_full) need the mask, rows [m_full, rows_total) see every key of this block.
         if CAUSAL:
             if heads_per_prog == 1:
-                i_first = tl.maximum(n0 - lk_b + Lq, 0)
+                i_first = tl.maximum(n0 - lk_b + lq_b, 0)
                 m_lo = (i_first // BLOCK_M) * BLOCK_M
-                i_all = n0 + BLOCK_N - 1 - lk_b + Lq
+                i_all = n0 + BLOCK_N - 1 - lk_b + lq_b
                 m_full = tl.maximum(((tl.maximum(i_all, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, m_lo)
             else:
                 m_lo = 0
@@ -345,12 +379,16 @@ def _attn_bwd_dkdv_body(
     prev_lo = 0
     prev_hi = 0
     n_rt = tl.cdiv(rows_total, BLOCK_M)
+    if VARLEN:
+        # One numbering of the locks for every sequence (rows_total varies with the sequence):
+        # each (sequence, head group) owns the tiles of the longest one, Lq = max_seqlen_q rows.
+        n_rt = tl.cdiv(heads_per_prog * Lq, BLOCK_M)
     k_dq = k
     if FUSED:
         k_dq = _finite_or_zero(k)
         if pid_n > 0:
             if BAND:
-                prev_lo, _f0, _f1, prev_hi = _band_row_range(n0 - BLOCK_N, lk_b, Lq, rows_total, heads_per_prog,
+                prev_lo, _f0, _f1, prev_hi = _band_row_range(n0 - BLOCK_N, lk_b, lq_b, rows_total, heads_per_prog,
                                                              win_l, win_r, TOP_LEFT, BLOCK_M, BLOCK_N)
             else:
                 # Row ranges [m_lo, rows_total) only shrink from the front with the key block.
@@ -358,39 +396,53 @@ def _attn_bwd_dkdv_body(
     for c in range(0, n_chunks):
         head0 = kvh * n_rep + c * heads_per_prog
         sem_base = 2 + (b * (H // heads_per_prog) + head0 // heads_per_prog) * n_rt
+        # Row offsets written here, not through a helper: an inlined call opens a debug scope
+        # whose labels ptxas schedules around, which changes the plain kernels' SASS.
+        if VARLEN:
+            q_off = q0 * stride_qm
+            do_off = q0 * stride_dm
+        else:
+            q_off = b * stride_qb
+            do_off = b * stride_db
         dk, dv = _dkdv_rows(
-            dk, dv, k, v, Q, DO, LSE, DELTA, b * stride_qb, b * stride_db, head0, rows_total,
-            stride_qh, stride_qm, stride_dh, stride_dm, offs_n, lk_b, H, Lq, b, sm_scale, m_lo, m_full,
+            dk, dv, k, v, Q, DO, LSE, DELTA, q_off, do_off, head0, rows_total,
+            stride_qh, stride_qm, stride_dh, stride_dm, offs_n, lk_b, H, lq_b, b, sm_scale, m_lo, m_full,
             MASK, stride_mb, stride_mh, stride_mm, stride_mn, win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale,
             D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL, PREC, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT,
             k_dq, DQACC, SEM, DMASK, Lk, sem_base, pid_n, prev_lo, prev_hi, FUSED, DETERMINISTIC, SEQUENTIAL,
-            MASK_GRAD, softcap, inv_cap, SLOPES, slope_sb, slope_sh, SOFTCAP, ALIBI,
+            MASK_GRAD, softcap, inv_cap, SLOPES, slope_sb, slope_sh, SOFTCAP, ALIBI, Tq, q0, VARLEN,
         )
         dk, dv = _dkdv_rows(
-            dk, dv, k, v, Q, DO, LSE, DELTA, b * stride_qb, b * stride_db, head0, rows_total,
-            stride_qh, stride_qm, stride_dh, stride_dm, offs_n, lk_b, H, Lq, b, sm_scale, m_full, m_full_hi,
+            dk, dv, k, v, Q, DO, LSE, DELTA, q_off, do_off, head0, rows_total,
+            stride_qh, stride_qm, stride_dh, stride_dm, offs_n, lk_b, H, lq_b, b, sm_scale, m_full, m_full_hi,
             MASK, stride_mb, stride_mh, stride_mm, stride_mn, win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale,
             D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, CAUSAL, PREC, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT,
             k_dq, DQACC, SEM, DMASK, Lk, sem_base, pid_n, prev_lo, prev_hi, FUSED, DETERMINISTIC, SEQUENTIAL,
-            MASK_GRAD, softcap, inv_cap, SLOPES, slope_sb, slope_sh, SOFTCAP, ALIBI,
+            MASK_GRAD, softcap, inv_cap, SLOPES, slope_sb, slope_sh, SOFTCAP, ALIBI, Tq, q0, VARLEN,
         )
         if BAND:
             dk, dv = _dkdv_rows(
-                dk, dv, k, v, Q, DO, LSE, DELTA, b * stride_qb, b * stride_db, head0, rows_total,
-                stride_qh, stride_qm, stride_dh, stride_dm, offs_n, lk_b, H, Lq, b, sm_scale, m_full_hi, m_hi,
+                dk, dv, k, v, Q, DO, LSE, DELTA, q_off, do_off, head0, rows_total,
+                stride_qh, stride_qm, stride_dh, stride_dm, offs_n, lk_b, H, lq_b, b, sm_scale, m_full_hi, m_hi,
                 MASK, stride_mb, stride_mh, stride_mm, stride_mn, win_l, win_r, seed_lo, seed_hi, drop_thr,
                 drop_scale,
                 D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, True, CAUSAL, PREC, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT,
                 k_dq, DQACC, SEM, DMASK, Lk, sem_base, pid_n, prev_lo, prev_hi, FUSED, DETERMINISTIC, SEQUENTIAL,
-                MASK_GRAD, softcap, inv_cap, SLOPES, slope_sb, slope_sh, SOFTCAP, ALIBI,
+                MASK_GRAD, softcap, inv_cap, SLOPES, slope_sb, slope_sh, SOFTCAP, ALIBI, Tq, q0, VARLEN,
             )
     dk = dk * sm_scale
     if DROPOUT:
         dv = dv * drop_scale
-    store_tile(DK + b * stride_dkb + kvh * stride_dkh, elem_idx(offs_n, IDX64) * stride_dkn, key_in,
-                dk.to(DK.dtype.element_ty), D, BLOCK_D)
-    store_tile(DV_ + b * stride_dvb + kvh * stride_dvh, elem_idx(offs_n, IDX64) * stride_dvn, key_in,
-                dv.to(DV_.dtype.element_ty), DV, BLOCK_DV)
+    if VARLEN:
+        store_tile(DK + k0 * stride_dkn + kvh * stride_dkh, elem_idx(offs_n, IDX64) * stride_dkn, key_in,
+                   dk.to(DK.dtype.element_ty), D, BLOCK_D)
+        store_tile(DV_ + k0 * stride_dvn + kvh * stride_dvh, elem_idx(offs_n, IDX64) * stride_dvn, key_in,
+                   dv.to(DV_.dtype.element_ty), DV, BLOCK_DV)
+    else:
+        store_tile(DK + b * stride_dkb + kvh * stride_dkh, elem_idx(offs_n, IDX64) * stride_dkn, key_in,
+                   dk.to(DK.dtype.element_ty), D, BLOCK_D)
+        store_tile(DV_ + b * stride_dvb + kvh * stride_dvh, elem_idx(offs_n, IDX64) * stride_dvn, key_in,
+                   dv.to(DV_.dtype.element_ty), DV, BLOCK_DV)
 
 
 @triton.jit
@@ -423,8 +475,10 @@ def _attn_bwd_dkdv_modes_kernel(
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
     BAND: tl.constexpr = False, TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
     DROPOUT: tl.constexpr = False, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+    CUQ=None, CUK=None, Tq=0, VARLEN: tl.constexpr = False,
 ):
-    """dK/dV with optional modes and score modifiers."""
+    """dK/dV with optional modes and score modifiers; VARLEN: packed sequences (as the
+    forward's modes kernel: B = 1, the grid's batch axis the sequence, Lk the longest one's keys)."""
     _attn_bwd_dkdv_body(
         Q, K, V, DO, LSE, DELTA, DK, DV_, KL, MASK, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
         stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dkb, stride_dkh,
@@ -432,7 +486,7 @@ def _attn_bwd_dkdv_modes_kernel(
         Lk, n_rep, heads_per_prog, sm_scale, win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale, D, DV,
         BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, HAS_KL, PREC, IDX64, BAND=BAND, TOP_LEFT=TOP_LEFT,
         MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, softcap=softcap, SLOPES=SLOPES, slope_sb=slope_sb,
-        slope_sh=slope_sh, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+        slope_sh=slope_sh, SOFTCAP=SOFTCAP, ALIBI=ALIBI, CUQ=CUQ, CUK=CUK, Tq=Tq, VARLEN=VARLEN,
     )
 
 
@@ -470,9 +524,10 @@ def _attn_bwd_fused_modes_kernel(
     BAND: tl.constexpr = False, TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
     DROPOUT: tl.constexpr = False, MASK_GRAD: tl.constexpr = False, DETERMINISTIC: tl.constexpr = True,
     SEQUENTIAL: tl.constexpr = False, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+    CUQ=None, CUK=None, Tq=0, VARLEN: tl.constexpr = False,
 ):
     """The fused backward with optional modes and score modifiers (and the float mask's gradient
-    into DMASK)."""
+    into DMASK); VARLEN: packed sequences (as the split dK/dV kernel's, DQACC (1, H, Tq, D))."""
     _attn_bwd_dkdv_body(
         Q, K, V, DO, LSE, DELTA, DK, DV_, KL, MASK, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
         stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dkb, stride_dkh,
@@ -482,6 +537,7 @@ def _attn_bwd_fused_modes_kernel(
         MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, DQACC=DQACC, SEM=SEM, DMASK=DMASK, FUSED=True,
         DETERMINISTIC=DETERMINISTIC, SEQUENTIAL=SEQUENTIAL, MASK_GRAD=MASK_GRAD, softcap=softcap, SLOPES=SLOPES,
         slope_sb=slope_sb, slope_sh=slope_sh, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+        CUQ=CUQ, CUK=CUK, Tq=Tq, VARLEN=VARLEN,
     )
 
 
@@ -552,18 +608,35 @@ def _attn_bwd_dq_body(
     BAND: tl.constexpr = False, TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
     DROPOUT: tl.constexpr = False, MASK_GRAD: tl.constexpr = False,
     softcap=0.0, SLOPES=None, slope_sb=0, slope_sh=0, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+    CUQ=None, CUK=None, Tq=0, VARLEN: tl.constexpr = False,
 ):
     pid_m, pid_h, b = unfold_rows_grid(H, Lq, heads_per_prog, BLOCK_M)
     b = b.to(tl.int64)
     r, row_ok, hh, i, i_lo, i_hi, kvh = row_tile(pid_m, pid_h, heads_per_prog, n_rep, Lq, BLOCK_M)
-    lk_b = key_length(KL, b, Lk, HAS_KL)
-    q = load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
-    do = load_rows(DO + b * stride_db, hh, i, stride_dh, stride_dm, row_ok, DV, BLOCK_DV, IDX64)
-    row_idx = (b * H + hh) * Lq + i
+    if VARLEN:
+        # Packed sequences, as in the forward's modes kernel (attention_fwd._attn_fwd_body).
+        q0 = tl.load(CUQ + b)
+        lq_b = tl.load(CUQ + b + 1) - q0
+        k0 = tl.load(CUK + b)
+        lk_b = tl.where(i_lo < lq_b, tl.load(CUK + b + 1) - k0, 0)
+        row_ok = row_ok & (i < lq_b)
+        i_hi = tl.minimum(i_hi, lq_b - 1)
+        q0 = q0.to(tl.int64)
+        k0 = k0.to(tl.int64)
+        q = load_rows(Q + q0 * stride_qm, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
+        do = load_rows(DO + q0 * stride_dm, hh, i, stride_dh, stride_dm, row_ok, DV, BLOCK_DV, IDX64)
+        row_idx = hh * Tq + q0 + i
+    else:
+        # (The plain kernels' order of these statements, which their recorded SASS pins.)
+        lq_b = Lq
+        lk_b = key_length(KL, b, Lk, HAS_KL)
+        q = load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
+        do = load_rows(DO + b * stride_db, hh, i, stride_dh, stride_dm, row_ok, DV, BLOCK_DV, IDX64)
+        row_idx = (b * H + hh) * Lq + i
     lse = _load_lse(LSE, row_idx, row_ok)
     delta = tl.load(DELTA + row_idx, mask=row_ok, other=0.0)
     kmin, kmax, start, full_lo, full, hi, m_base, m_off, r_drop = row_tile_modes(
-        i, i_lo, i_hi, hh, b, lk_b, H, Lq, win_l, win_r, seed_lo, seed_hi, MASK, stride_mb, stride_mh, stride_mm,
+        i, i_lo, i_hi, hh, b, lk_b, H, lq_b, win_l, win_r, seed_lo, seed_hi, MASK, stride_mb, stride_mh, stride_mm,
         BLOCK_N, CAUSAL, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT)
     dm_row = DMASK
     if MASK_GRAD:
@@ -572,9 +645,13 @@ def _attn_bwd_dq_body(
     slope = sm_scale
     diag = sm_scale
     if ALIBI:
-        slope, diag = alibi_rows(SLOPES, slope_sb, slope_sh, b, hh, i, lk_b, Lq, row_ok, TOP_LEFT)
-    k_base = K + b * stride_kb + kvh.to(tl.int64) * stride_kh
-    v_base = V + b * stride_vb + kvh.to(tl.int64) * stride_vh
+        slope, diag = alibi_rows(SLOPES, slope_sb, slope_sh, b, hh, i, lk_b, lq_b, row_ok, TOP_LEFT)
+    if VARLEN:
+        k_base = K + k0 * stride_kn + kvh.to(tl.int64) * stride_kh
+        v_base = V + k0 * stride_vn + kvh.to(tl.int64) * stride_vh
+    else:
+        k_base = K + b * stride_kb + kvh.to(tl.int64) * stride_kh
+        v_base = V + b * stride_vb + kvh.to(tl.int64) * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if BAND:
         dq = _dq_inner(
@@ -596,8 +673,12 @@ def _attn_bwd_dq_body(
         softcap, inv_cap, slope, diag, SOFTCAP, ALIBI,
     )
     dq = dq * sm_scale
-    store_tile(DQ + b * stride_dqb, elem_idx(hh, IDX64) * stride_dqh + elem_idx(i, IDX64) * stride_dqm, row_ok,
-                dq.to(DQ.dtype.element_ty), D, BLOCK_D)
+    if VARLEN:
+        store_tile(DQ + q0 * stride_dqm, elem_idx(hh, IDX64) * stride_dqh + elem_idx(i, IDX64) * stride_dqm, row_ok,
+                   dq.to(DQ.dtype.element_ty), D, BLOCK_D)
+    else:
+        store_tile(DQ + b * stride_dqb, elem_idx(hh, IDX64) * stride_dqh + elem_idx(i, IDX64) * stride_dqm, row_ok,
+                   dq.to(DQ.dtype.element_ty), D, BLOCK_D)
 
 
 @triton.jit
@@ -631,8 +712,9 @@ def _attn_bwd_dq_modes_kernel(
     PREC: tl.constexpr, IDX64: tl.constexpr, BAND: tl.constexpr = False,
     TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
     MASK_GRAD: tl.constexpr = False, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+    CUQ=None, CUK=None, Tq=0, VARLEN: tl.constexpr = False,
 ):
-    """dQ with optional modes and score modifiers."""
+    """dQ with optional modes and score modifiers; VARLEN: packed sequences (as the forward's)."""
     _attn_bwd_dq_body(
         Q, K, V, DO, LSE, DELTA, DQ, KL, MASK, DMASK, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
         stride_kn, stride_vb, stride_vh, stride_vn, stride_db, stride_dh, stride_dm, stride_dqb, stride_dqh,
@@ -640,7 +722,7 @@ def _attn_bwd_dq_modes_kernel(
         win_l, win_r, seed_lo, seed_hi, drop_thr, drop_scale, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
         CAUSAL, HAS_KL, PREC, IDX64, BAND=BAND, TOP_LEFT=TOP_LEFT, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
         MASK_GRAD=MASK_GRAD, softcap=softcap, SLOPES=SLOPES, slope_sb=slope_sb, slope_sh=slope_sh,
-        SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+        SOFTCAP=SOFTCAP, ALIBI=ALIBI, CUQ=CUQ, CUK=CUK, Tq=Tq, VARLEN=VARLEN,
     )
 
 
@@ -660,6 +742,9 @@ def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, causal
     """
     B, H, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    if getattr(modes, "cu_seqlens_q", None) is not None:
+        return _varlen_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, key_lengths, modes, dmask,
+                                bwd_mode)
     check_buffer("dq", dq, (B, H, Lq, D), q.dtype, q)
     check_buffer("dk", dk, (B, Hkv, Lk, D), q.dtype, q)
     check_buffer("dv", dv, (B, Hkv, Lk, Dv), q.dtype, q)
@@ -772,6 +857,89 @@ def _fused_backward(q, k, v, dout, lse, delta, dq, dk, dv, kl, mask, dmask, kv_a
         raise RuntimeError("fused backward: a dQ add out of key-block order (a key block came before its "
                            "predecessor had added)")
     dq.copy_(dq_acc.mul_(scale))
+
+
+def _varlen_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, key_lengths, modes, dmask, bwd_mode):
+    """The backward of packed sequences (the forward's record; shapes as attention_fwd's
+    _varlen_forward, dq/dk/dv like q/k/v). Deterministic whatever ``bwd_mode`` asks ("atomic"
+    takes the ordered fused kernel: the contract promises packed gradients bit for bit): the
+    fused kernel, one program per (key block of max_seqlen_k, KV head, sequence) streaming its
+    own sequence's rows, dQ's fp32 shares added in key-block order; or ("split") the split
+    kernels, dK/dV over the same grid, dQ one program per (query tile of max_seqlen_q, head,
+    sequence). Key blocks of another sequence are never loaded, nor past a sequence's keys.
+    delta = rowsum(out * dout) is row-local, so the dense kernel computes it over the packed
+    rows as one batch element."""
+    from .attention_fwd import check_packing
+
+    B, H, Tq, D = q.shape
+    Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    cu_q, cu_k, num_seqs, max_q, max_k = check_packing(q, modes, key_lengths)
+    if dmask is not None:
+        raise ValueError("dmask: packed sequences take no attn_mask, so no mask gradient")
+    check_buffer("dq", dq, (1, H, Tq, D), q.dtype, q)
+    check_buffer("dk", dk, (1, Hkv, Tk, D), q.dtype, q)
+    check_buffer("dv", dv, (1, Hkv, Tk, Dv), q.dtype, q)
+    check_buffer("lse", lse, (1, H, Tq), torch.float32, q, contiguous=True)
+    margs = ModeArgs(num_seqs, H, Tq, Tk, causal, modes, q.device)
+    kernel = bwd_kernel(D, Dv, q.dtype, bwd_mode)
+    n_rep = H // Hkv
+    bd, bdv = head_block(D), head_block(Dv)
+    prec = precision(q.dtype)
+    arch = arch_of(q)
+    idx64 = needs_64bit_offsets(q, k, v, out, dout, dq, dk, dv)
+    # Batch strides 0: the sequence's first token offsets the rows (CUQ, CUK).
+    kv_args = (0, q.stride(1), q.stride(2), 0, k.stride(1), k.stride(2), 0, v.stride(1), v.stride(2),
+               0, dout.stride(1), dout.stride(2), 0, dk.stride(1), dk.stride(2), 0, dv.stride(1), dv.stride(2))
+    varlen = dict(CUQ=cu_q, CUK=cu_k, Tq=Tq, VARLEN=True)
+    with on_device(q):
+        delta = torch.empty((1, H, Tq), dtype=torch.float32, device=q.device)
+        bm_delta = min(64, next_pow2(Tq))
+        _bwd_delta_kernel[(triton.cdiv(Tq, bm_delta) * H,)](
+            out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2), H, Tq,
+            DV=Dv, BLOCK_M=bm_delta, BLOCK_DV=bdv, IDX64=idx64,
+        )
+        # Tokens past the last sequence (a caller's Tq or Tk beyond cu_seqlens[-1]; the op layer
+        # refuses that) get no store from the kernels: zeroed first.
+        dk.zero_()
+        dv.zero_()
+        if kernel != "split":
+            # One head per program (no packing of a KV head's query heads: rows_total varies
+            # with the sequence), so the locks number (sequence, head, row tile of max_seqlen_q).
+            cfg = fused_config(D, Dv, q.dtype, arch, **tile_modes(margs))
+            dq_acc = torch.zeros((1, H, Tq, D), dtype=torch.float32, device=q.device)
+            sem = _lock_buffer(2 + num_seqs * H * triton.cdiv(max_q, cfg.block_m), q.device)
+            _attn_bwd_fused_modes_kernel[(triton.cdiv(max_k, cfg.block_n) * Hkv * num_seqs,)](
+                q, k, v, dout, lse, delta, dk, dv, delta, delta, dq_acc, sem, delta, *kv_args, 0, 0, 0, 0,
+                H, max_q, max_k, n_rep, 1, scale, *margs.runtime(), *margs.modifier_args(delta),
+                **margs.constexprs(), MASK_GRAD=False, DETERMINISTIC=True, SEQUENTIAL=INTERPRET, **varlen,
+                D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+                HAS_KL=False, PREC=prec, IDX64=idx64, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+            if INTERPRET and int(sem[1]) != 0:
+                raise RuntimeError("fused backward: a dQ add out of key-block order (a key block came before its "
+                                   "predecessor had added)")
+            dq.copy_(dq_acc.mul_(scale))
+            return dq, dk, dv
+        cfg = dkdv_config(D, Dv, q.dtype, arch, **tile_modes(margs))
+        common = dict(D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      CAUSAL=causal, HAS_KL=False, PREC=prec, IDX64=idx64,
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _attn_bwd_dkdv_modes_kernel[(triton.cdiv(max_k, cfg.block_n) * Hkv * num_seqs,)](
+            q, k, v, dout, lse, delta, dk, dv, delta, delta, *kv_args, 0, 0, 0, 0,
+            H, max_q, max_k, n_rep, 1, scale, *margs.runtime(), *margs.modifier_args(delta),
+            **margs.constexprs(), **varlen, **common,
+        )
+        dq.zero_()
+        cfg = dq_config(D, Dv, q.dtype, arch, **tile_modes(margs))
+        bm = row_block(max_q, cfg.block_m)
+        common = dict(common, BLOCK_M=bm, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _attn_bwd_dq_modes_kernel[(triton.cdiv(max_q, bm) * H * num_seqs,)](
+            q, k, v, dout, lse, delta, dq, delta, delta, delta, *kv_args[:12],
+            0, dq.stride(1), dq.stride(2), 0, 0, 0, 0, H, max_q, max_k, n_rep, 1, scale, *margs.runtime(),
+            *margs.modifier_args(delta), **margs.constexprs(), MASK_GRAD=False, **varlen, **common,
+        )
+    return dq, dk, dv
 
 
 def _lock_buffer(n: int, device) -> torch.Tensor:
