@@ -296,8 +296,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
   at::Tensor dq_accum, dq_counters;  // kept alive until the kernels are queued (caching allocator)
   if (fused) {
     dq_accum = at::zeros({s.B, s.H, s.Lq, s.D}, f32);
-    dq_counters = at::zeros({caps::cuda_fused_bwd_counters(s.B, s.Hkv, s.H / s.Hkv * s.Lq, static_cast<int>(s.D))},
-                            q.options().dtype(at::kInt));
+    dq_counters = at::zeros({fused_bwd_counter_count(p)}, q.options().dtype(at::kInt));
     p.dq_accum = dq_accum.data_ptr<float>();
     p.dq_counters = reinterpret_cast<uint32_t*>(dq_counters.data_ptr<int32_t>());
   }
@@ -316,11 +315,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
     return {dq, dk, dv, dmask};
   }
   const int64_t forced = op::cuda_forced_splits().load();
-  const int64_t splits = fused       ? 1
-                         : forced > 0 ? forced
-                                      : caps::plan_splits(s.B, s.Hkv, s.H / s.Hkv, s.Lq,
-                                                          planned_keys(modes, causal, s, dq_m, dq_n), s.D,
-                                                          num_sms(q.device().index()), dq_m, dq_n);
+  // Packed sequences run unsplit too (attn_bwd_kernel.cuh run_attn_bwd: a CTA per query tile of
+  // each sequence; the dQ reduce kernel's rows are dense ones).
+  const int64_t splits = fused || p.cu_seqlens_q != nullptr ? 1
+                         : forced > 0                       ? forced
+                                                            : caps::plan_splits(s.B, s.Hkv, s.H / s.Hkv, s.Lq,
+                                                                  planned_keys(modes, causal, s, dq_m, dq_n), s.D,
+                                                                  num_sms(q.device().index()), dq_m, dq_n);
   at::Tensor dq_partial;  // kept alive until the kernels are queued (caching allocator)
   if (splits > 1) {
     dq_partial = at::empty({splits, s.B, s.H, s.Lq, s.D}, f32);

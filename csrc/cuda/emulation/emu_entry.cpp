@@ -120,7 +120,7 @@ void fill_bwd_kernel(mhakern::cuda::BwdParams& p, FusedWorkspace& ws) {
   p.bwd_kernel = mhakern::caps::cuda_bwd_kernel(p.D, g_bwd_kernel_request);
   if (p.bwd_kernel == mhakern::caps::kBwdSplit) return;
   ws.dq_accum.assign(static_cast<size_t>(p.B) * p.H * p.Lq * p.D, 0.f);
-  ws.counters.assign(static_cast<size_t>(mhakern::caps::cuda_fused_bwd_counters(p.B, p.Hkv, static_cast<int64_t>(p.group) * p.Lq, p.D)), 0u);
+  ws.counters.assign(static_cast<size_t>(mhakern::cuda::fused_bwd_counter_count(p)), 0u);
   p.dq_accum = ws.dq_accum.data();
   p.dq_counters = ws.counters.data();
 }
@@ -355,6 +355,35 @@ int mhk_emu_fwd_cache(int elem, int D, const void* q, const int64_t* q_st, const
   p.block_table_stride = bt_stride;
   p.page_size = page_size;
   return finish(mhakern::cuda::dispatch_attn_fwd(static_cast<ElemType>(elem), D, p, nullptr));
+}
+
+// The backward of packed sequences: the modes backward with B = 1, Tq / Tk tokens and the
+// packing fields as mhk_emu_fwd_varlen sets them (unsplit); the split or fused kernels as
+// mhk_emu_set_bwd_kernel says.
+int mhk_emu_bwd_varlen(int elem, int D, const void* dout, const int64_t* do_st, const void* q, const int64_t* q_st,
+                       const void* k, const int64_t* k_st, const void* v, const int64_t* v_st, const void* o,
+                       const int64_t* o_st, const float* lse, void* dq, const int64_t* dq_st, void* dk,
+                       const int64_t* dk_st, void* dv, const int64_t* dv_st, float* delta, int H, int Hkv, int Tq,
+                       int Tk, float scale, int causal, int top_left, long long window_left, long long window_right,
+                       double dropout_p, unsigned long long seed, float softcap, const float* alibi,
+                       long long alibi_sb, long long alibi_sh, const int32_t* cu_q, const int32_t* cu_k,
+                       long long num_seqs, long long max_q, long long max_k) {
+  const CallSizes s{1, H, Hkv, Tq, Tk, D};
+  auto p = mhakern::cuda::make_bwd_params(s, operand(dout, do_st), operand(q, q_st), operand(k, k_st),
+                                          operand(v, v_st), operand(o, o_st), lse, operand(dq, dq_st),
+                                          operand(dk, dk_st), operand(dv, dv_st), delta, nullptr, scale, causal != 0,
+                                          1, nullptr);
+  const int64_t no_mask[4] = {0, 0, 0, 0};
+  fill_modes(p, top_left, window_left, window_right, nullptr, 0, no_mask, nullptr, dropout_p, seed, softcap, alibi,
+             alibi_sb, alibi_sh);
+  p.cu_seqlens_q = cu_q;
+  p.cu_seqlens_k = cu_k;
+  p.num_seqs = num_seqs;
+  p.max_seqlen_q = max_q;
+  p.max_seqlen_k = max_k;
+  FusedWorkspace ws;
+  fill_bwd_kernel(p, ws);
+  return finish(mhakern::cuda::dispatch_attn_bwd(static_cast<ElemType>(elem), D, p, nullptr));
 }
 
 int mhk_emu_bwd_modes(int elem, int D, const void* dout, const int64_t* do_st, const void* q, const int64_t* q_st,
