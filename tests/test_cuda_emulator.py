@@ -996,10 +996,23 @@ def _varlen_inputs(case, seed):
 # The backward of packed sequences, split and fused (csrc/cuda/attn_bwd_kernel.cuh BwdSeqView):
 # the forward cases above (empty sequences on either side, one-token ones, a sequence longer than
 # a tile and a key block, Lq_s != Lk_s, GQA, causal in both alignments, a window, dropout with
-# the per-sequence hash, softcap and per-sequence ALiBi), gradients against the float64
-# reference computed per sequence; the rows and keys of empty sequences get exact zeros.
+# the per-sequence hash, softcap and per-sequence ALiBi), and those of the packed conformance
+# suite (tests/test_varlen_kvcache.py, which runs on the backends usable in the process: never
+# this emulator) at the kernels' head dims: not causal, causal with dropout and no GQA, a window
+# both sides of the diagonal, MQA. Gradients against the float64 reference computed per
+# sequence; the rows and keys of empty sequences get exact zeros.
+_CONF_LQ, _CONF_LK = [3, 0, 1, 70, 5, 2], [5, 4, 1, 75, 0, 9]
+VARLEN_BWD_CASES = VARLEN_CASES + [
+    ("conf-gqa", _CONF_LQ, _CONF_LK, 4, 2, 32, False, dict()),
+    ("conf-causal-dropout", _CONF_LQ, _CONF_LK, 4, 4, 64, True, dict(dropout_p=0.2)),
+    ("conf-topleft-window-mqa-cap-alibi", _CONF_LQ, _CONF_LK, 4, 1, 32, True,
+     dict(top_left=True, window=(3, -1), softcap=8.0, alibi=True)),
+    ("conf-window-gqa-cap-alibi", _CONF_LQ, _CONF_LK, 4, 2, 64, False, dict(window=(4, 2), softcap=8.0, alibi=True)),
+]
+
+
 @pytest.mark.parametrize("kernel", ["split", "fused"])
-@pytest.mark.parametrize("case", VARLEN_CASES, ids=[c[0] for c in VARLEN_CASES])
+@pytest.mark.parametrize("case", VARLEN_BWD_CASES, ids=[c[0] for c in VARLEN_BWD_CASES])
 def test_varlen_backward_against_the_per_sequence_reference(scheduled, case, kernel):
     _, lq, lk, H, Hkv, D, causal, kw = case
     dtype = DTYPE_FOR_D[D]
@@ -1032,12 +1045,13 @@ def test_varlen_backward_against_the_per_sequence_reference(scheduled, case, ker
 def test_varlen_backward_never_reads_another_sequences_tokens(emu, request, kernel):
     # NaN queries, keys, values, outputs and output gradients in sequence 1 reach nothing of
     # sequences 0 and 2, under two different random schedules: their gradients are bit-identical
-    # (so also schedule-independent: the fused kernel's ordered dQ adds), sequence 1's all NaN.
+    # (so also schedule-independent: sequence 2's 4 key blocks add into each of its row blocks'
+    # dQ in the fused kernel, in key order), sequence 1's all NaN.
     g = torch.Generator().manual_seed(4)
-    lq, lk, H, Hkv, D = [9, 30, 20], [12, 40, 70], 4, 2, 32
-    q, k, v, dout = (_packed_t(n, h, D, torch.float16, g) for n, h in ((59, H), (122, Hkv), (122, Hkv), (59, H)))
+    lq, lk, H, Hkv, D = [9, 30, 20], [12, 40, 200], 4, 2, 32
+    q, k, v, dout = (_packed_t(n, h, D, torch.float16, g) for n, h in ((59, H), (252, Hkv), (252, Hkv), (59, H)))
     cq = torch.tensor([0, 9, 39, 59], dtype=torch.int32)
-    ck = torch.tensor([0, 12, 52, 122], dtype=torch.int32)
+    ck = torch.tensor([0, 12, 52, 252], dtype=torch.int32)
     m = Modes(dropout_p=0.2, seed=7)
     emu.schedule(None)
     out, lse = _emu_fwd_varlen(emu, q, k, v, cq, ck, 0.125, True, m)
@@ -1054,7 +1068,7 @@ def test_varlen_backward_never_reads_another_sequences_tokens(emu, request, kern
     finally:
         emu.bwd_kernel(None)
         emu.schedule(None)
-    for name, a, b, rows in zip(("dq", "dk", "dv"), want, got, ((0, 9, 39, 59), (0, 12, 52, 122), (0, 12, 52, 122))):
+    for name, a, b, rows in zip(("dq", "dk", "dv"), want, got, ((0, 9, 39, 59), (0, 12, 52, 252), (0, 12, 52, 252))):
         for lo, hi in ((rows[0], rows[1]), (rows[2], rows[3])):
             assert torch.equal(a[:, :, lo:hi], b[:, :, lo:hi]), f"{name} rows {lo}:{hi} changed"
         assert torch.isnan(b[:, :, rows[1]:rows[2]]).all(), f"{name}: sequence 1 not NaN"
