@@ -1074,6 +1074,18 @@ def test_varlen_backward_never_reads_another_sequences_tokens(emu, request, kern
         assert torch.isnan(b[:, :, rows[1]:rows[2]]).all(), f"{name}: sequence 1 not NaN"
 
 
+def test_varlen_goes_to_the_sm90_family_only_where_it_serves_it(emu):
+    # The mma.sync family serves packed sequences in both passes; a 9.0 device gives a packed
+    # call to the sm90 family only for a pass whose features (capabilities.h) list them.
+    lib = emu.lib
+    lib.mhk_emu_varlen_family.argtypes = [ctypes.c_int] * 5 + [ctypes.c_void_p]
+    serves = ctypes.c_int(-1)
+    for backward in (0, 1):
+        for D in (64, 128):
+            assert lib.mhk_emu_varlen_family(8, 0, 1, D, backward, ctypes.byref(serves)) == 0
+            assert lib.mhk_emu_varlen_family(9, 0, 1, D, backward, ctypes.byref(serves)) == serves.value
+
+
 # the KV cache: batch rows by cache_batch_idx and paged K/V in the modes forward
 # kernel, against the float64 reference on the dense K/V gathered through the index / table
 # ---------------------------------------------------------------------------------------------

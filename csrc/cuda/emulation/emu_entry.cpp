@@ -268,6 +268,37 @@ int mhk_emu_modifier_family(int major, int minor, int sm90_compiled, int D, floa
   return static_cast<int>(mhakern::cuda::choose_fwd_family(major, minor, sm90_compiled != 0, p));
 }
 
+// The family the host gives a packed call (cu_seqlens set: attn_dispatch.h choose_fwd_family /
+// choose_bwd_family) of head dim D on a device of capability major.minor (0 mma.sync, 1 sm90),
+// and in *sm90_serves whether the sm90 family's features for that pass (capabilities.h
+// kSm90FwdFeatures / kSm90BwdFeatures) list packed sequences.
+int mhk_emu_varlen_family(int major, int minor, int sm90_compiled, int D, int backward, int* sm90_serves) {
+  static const int32_t cu[3] = {0, 40, 100};
+  auto fill = [&](auto& p) {
+    p.D = D;
+    p.B = 1;
+    p.H = p.Hkv = 1;
+    p.Lq = p.Lk = 100;
+    p.num_splits = 1;
+    p.cu_seqlens_q = p.cu_seqlens_k = cu;
+    p.num_seqs = 2;
+    p.max_seqlen_q = p.max_seqlen_k = 60;
+    p.k_stride = p.v_stride = p.q_stride = {100LL * D, 100LL * D, D};
+  };
+  using mhakern::caps::kVarlen;
+  if (backward) {
+    mhakern::cuda::BwdParams p;
+    fill(p);
+    p.do_stride = p.q_stride;
+    *sm90_serves = (mhakern::caps::kSm90BwdFeatures & kVarlen) != 0;
+    return static_cast<int>(mhakern::cuda::choose_bwd_family(major, minor, sm90_compiled != 0, p));
+  }
+  mhakern::cuda::FwdParams p;
+  fill(p);
+  *sm90_serves = (mhakern::caps::kSm90FwdFeatures & kVarlen) != 0;
+  return static_cast<int>(mhakern::cuda::choose_fwd_family(major, minor, sm90_compiled != 0, p));
+}
+
 // Strides are (batch, head, row) in elements. Returns 0 on success, 1 with mhk_emu_last_error().
 // Parameters are filled by the helpers the host code uses (attn_params.h).
 int mhk_emu_fwd(int elem, int D, const void* q, const int64_t* q_st, const void* k, const int64_t* k_st, const void* v,
