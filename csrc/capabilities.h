@@ -82,12 +82,12 @@ constexpr int kCudaMinCapabilityMajor = 8, kCudaMinCapabilityMinor = 0;
 constexpr int64_t kCudaMaxGroupRows = int64_t{1} << 30;
 constexpr int64_t kCudaMaxKeys = int64_t{1} << 30;  // Lk < kCudaMaxKeys
 // Modes the cuda kernels implement (csrc/cuda/primitives.cuh: Visibility, ExtraModes; softcap and
-// ALiBi in the kModes kernels, modified_score_log2; the KV cache's cache_batch_idx and paged K/V
-// in the modes forward, attn_fwd_kernel.cuh, a forward-only path); the op refuses the others with
-// the mode's name, and auto falls back for them. Packed sequences (kVarlen) are in the modes
-// forward too, but stay off until the backward kernels serve them.
-constexpr unsigned kCudaFeatures =
-    kAttnMask | kMaskGrad | kDropout | kTopLeft | kWindow | kSoftcap | kAlibi | kCacheBatchIdx | kPaged;
+// ALiBi in the kModes kernels, modified_score_log2; packed sequences in the kModes forward and in
+// both backwards, split and fused, a sequence per CTA as a batch element of its own; the KV
+// cache's cache_batch_idx and paged K/V in the modes forward, attn_fwd_kernel.cuh, a forward-only
+// path); the op refuses the others with the mode's name, and auto falls back for them.
+constexpr unsigned kCudaFeatures = kAttnMask | kMaskGrad | kDropout | kTopLeft | kWindow | kSoftcap | kAlibi |
+                                   kVarlen | kCacheBatchIdx | kPaged;
 
 // Tiles of each pass, per head dim: (packed query rows, keys) per CTA and step. The forward
 // keeps 2 strips of 16 rows per warp x 4 warps; above D = 64 the keys per step halve so that
