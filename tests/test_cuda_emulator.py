@@ -945,7 +945,7 @@ def test_varlen_forward_never_reads_another_sequences_keys(scheduled):
 
 
 def _emu_bwd_varlen(emu, dout, q, k, v, out, lse, cq, ck, scale, causal, modes):
-    """The kernel's packed backward (split or fused, as emu.bwd_kernel set it) on NaN-padded copies
+    """The kernel's packed backward (the split kernels, whatever emu.bwd_kernel asks) on NaN-padded copies
     of its inputs (a read outside a tensor shows as NaN); returns (dq, dk, dv) as (1, H*, T*, D)
     views into NaN-filled buffers whose padding is checked (a write outside shows)."""
     lib = emu.lib
@@ -993,39 +993,33 @@ def _varlen_inputs(case, seed):
     return q, k, v, dout, m
 
 
-# The backward of packed sequences, split and fused (csrc/cuda/attn_bwd_kernel.cuh BwdSeqView):
-# the forward cases above (empty sequences on either side, one-token ones, a sequence longer than
+# The backward of packed sequences (csrc/cuda/attn_bwd_kernel.cuh BwdSeqView; the split kernels,
+# capabilities.h cuda_bwd_kernel): the forward cases above (empty sequences on either side, one-token ones, a sequence longer than
 # a tile and a key block, Lq_s != Lk_s, GQA, causal in both alignments, a window, dropout with
 # the per-sequence hash, softcap and per-sequence ALiBi), and those of the packed conformance
 # suite (tests/test_varlen_kvcache.py, which runs on the backends usable in the process: never
 # this emulator) at the kernels' head dims: not causal, causal with dropout and no GQA, a window
-# both sides of the diagonal, MQA. The first two in both kernels, the others in one each (CI
-# time). Gradients against the float64 reference computed per sequence; the rows and keys of
-# empty sequences get exact zeros.
+# both sides of the diagonal, MQA. Gradients against the float64 reference computed per
+# sequence; the rows and keys of empty sequences get exact zeros.
 _CONF_LQ, _CONF_LK = [3, 0, 1, 70, 5, 2], [5, 4, 1, 75, 0, 9]
-VARLEN_BWD_CASES = [(c, kernel) for c in VARLEN_CASES for kernel in ("split", "fused")] + [
-    (("conf-gqa", _CONF_LQ, _CONF_LK, 4, 2, 32, False, dict()), "split"),
-    (("conf-causal-dropout", _CONF_LQ, _CONF_LK, 4, 4, 64, True, dict(dropout_p=0.2)), "fused"),
-    (("conf-topleft-window-mqa-cap-alibi", _CONF_LQ, _CONF_LK, 4, 1, 32, True,
-      dict(top_left=True, window=(3, -1), softcap=8.0, alibi=True)), "fused"),
-    (("conf-window-gqa-cap-alibi", _CONF_LQ, _CONF_LK, 4, 2, 64, False, dict(window=(4, 2), softcap=8.0, alibi=True)),
-     "split"),
+VARLEN_BWD_CASES = VARLEN_CASES + [
+    ("conf-gqa", _CONF_LQ, _CONF_LK, 4, 2, 32, False, dict()),
+    ("conf-causal-dropout", _CONF_LQ, _CONF_LK, 4, 4, 64, True, dict(dropout_p=0.2)),
+    ("conf-topleft-window-mqa-cap-alibi", _CONF_LQ, _CONF_LK, 4, 1, 32, True,
+     dict(top_left=True, window=(3, -1), softcap=8.0, alibi=True)),
+    ("conf-window-gqa-cap-alibi", _CONF_LQ, _CONF_LK, 4, 2, 64, False, dict(window=(4, 2), softcap=8.0, alibi=True)),
 ]
 
 
-@pytest.mark.parametrize("case,kernel", VARLEN_BWD_CASES, ids=[f"{c[0]}-{k}" for c, k in VARLEN_BWD_CASES])
-def test_varlen_backward_against_the_per_sequence_reference(scheduled, case, kernel):
+@pytest.mark.parametrize("case", VARLEN_BWD_CASES, ids=[c[0] for c in VARLEN_BWD_CASES])
+def test_varlen_backward_against_the_per_sequence_reference(scheduled, case):
     _, lq, lk, H, Hkv, D, causal, kw = case
     dtype = DTYPE_FOR_D[D]
     q, k, v, dout, m = _varlen_inputs(case, D + len(lq))
     cq, ck = m.cu_seqlens_q, m.cu_seqlens_k
     scale = D ** -0.5
     out, lse = _emu_fwd_varlen(scheduled, q, k, v, cq, ck, scale, causal, m)
-    scheduled.bwd_kernel(kernel)
-    try:
-        got = _emu_bwd_varlen(scheduled, dout, q, k, v, out, lse, cq, ck, scale, causal, m)
-    finally:
-        scheduled.bwd_kernel(None)
+    got = _emu_bwd_varlen(scheduled, dout, q, k, v, out, lse, cq, ck, scale, causal, m)
     x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
     xT = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     m64 = m._replace(alibi_slopes=None if m.alibi_slopes is None else m.alibi_slopes.double())
@@ -1042,12 +1036,11 @@ def test_varlen_backward_against_the_per_sequence_reference(scheduled, case, ker
                 assert torch.equal(g[:, :, k_rows], torch.zeros_like(g[:, :, k_rows])), f"seq {s}: {name} of no queries"
 
 
-@pytest.mark.parametrize("kernel", ["split", "fused"])
-def test_varlen_backward_never_reads_another_sequences_tokens(emu, request, kernel):
+def test_varlen_backward_never_reads_another_sequences_tokens(emu, request):
     # NaN queries, keys, values, outputs and output gradients in sequence 1 reach nothing of
-    # sequences 0 and 2, under two different random schedules: their gradients are bit-identical
-    # (so also schedule-independent: sequence 2's 4 key blocks add into each of its row blocks'
-    # dQ in the fused kernel, in key order), sequence 1's all NaN.
+    # sequences 0 and 2, under two different random schedules, the second with the fused kernel
+    # requested (a packed call runs the split kernels whatever is asked): their gradients are
+    # bit-identical, sequence 1's all NaN.
     g = torch.Generator().manual_seed(4)
     lq, lk, H, Hkv, D = [9, 30, 20], [12, 40, 200], 4, 2, 32
     q, k, v, dout = (_packed_t(n, h, D, torch.float16, g) for n, h in ((59, H), (252, Hkv), (252, Hkv), (59, H)))
@@ -1059,11 +1052,11 @@ def test_varlen_backward_never_reads_another_sequences_tokens(emu, request, kern
     bad = [x.clone() for x in (q, k, v, out, dout)]
     for x, rows in zip(bad, (slice(9, 39), slice(12, 52), slice(12, 52), slice(9, 39), slice(9, 39))):
         x[:, :, rows] = float("nan")
-    emu.bwd_kernel(kernel)
     try:
         use_random_schedule(emu, request.node.nodeid, "clean")
         want = _emu_bwd_varlen(emu, dout, q, k, v, out, lse, cq, ck, 0.125, True, m)
         use_random_schedule(emu, request.node.nodeid, "nan")
+        emu.bwd_kernel("fused")
         qb, kb, vb, ob, db = bad
         got = _emu_bwd_varlen(emu, db, qb, kb, vb, ob, lse, cq, ck, 0.125, True, m)
     finally:

@@ -17,11 +17,7 @@
 // group in registers, no atomics. Masking, key lengths, causal in both alignments and windows
 // are the split kernels' (Visibility, per-element masks only on boundary tiles); the modes
 // (attn_mask, dropout, the float mask's gradient, softcap, ALiBi) as in their kModes kernels, dmask written
-// here from dS^T (each (row, key) element by exactly one CTA). Packed sequences as there too
-// (BwdSeqView, attn_bwd_kernel.cuh): a CTA per (key block of max_seqlen_k, KV head, sequence);
-// the sequence's rows add into the packed (1, H, Tq, D) dq_accum, its row blocks' turn counters
-// are those of (sequence, KV head), and its key blocks take their turns in key order as a batch
-// element's do (the order, and so the bits, do not depend on the schedule).
+// here from dS^T (each (row, key) element by exactly one CTA).
 //
 // Head dim 256 (kDSplit = 2): dK and dV of 16 keys x 256 would need 256 fp32 registers per
 // thread, so two warps share each 16-key strip, each owning half of D for dK, dV and the reads
@@ -167,7 +163,7 @@ MHK_DEVICE int first_key_block(const Visibility& vis, int rq0, int nrows, int Lq
 }
 
 template <typename Elem, int D, bool kModes, bool kOrdered>
-MHK_DEVICE void attn_bwd_fused_body(const BwdParams& p, const BwdSeqView& sv = BwdSeqView{}) {
+MHK_DEVICE void attn_bwd_fused_body(const BwdParams& p) {
   using Cfg = FusedBwdConfig<D>;
   constexpr int kBlockN = Cfg::kBlockN, kBlockM = Cfg::kBlockM, kThreads = Cfg::kThreads, kPitch = Cfg::kPitch;
   constexpr int NT = Cfg::kNT, kDW = Cfg::kDW;
@@ -197,25 +193,20 @@ MHK_DEVICE void attn_bwd_fused_body(const BwdParams& p, const BwdSeqView& sv = B
 
   // Key block fastest: a key block waits only on lower key blocks of its (batch, KV head),
   // which have lower block indices (dq_accum.cuh, forward progress).
-  const bool packed = kModes && sv.on;
-  const int n_kblocks = packed ? sv.n_blocks : ceil_div(p.Lk, kBlockN);
+  const int n_kblocks = ceil_div(p.Lk, kBlockN);
   int64_t bid = block_index();
   const int kb = static_cast<int>(bid % n_kblocks);
   bid /= n_kblocks;
   const int hkv = static_cast<int>(bid % p.Hkv);
   const int b = static_cast<int>(bid / p.Hkv);
   const int n0 = kb * kBlockN;
-  if (packed && n0 >= p.Lk) return;  // a key block past this sequence's keys: no turn, no barrier
   const int Lk_b = key_length_of(p, b);  // clamped into [0, Lk]
   const Visibility vis = visibility_of(p, Lk_b);
   const int rows_total = p.group * p.Lq;
   const int n_qblocks = ceil_div(rows_total, kBlockM);
   // The row blocks' counters of this (batch, KV head) start at counter_base (read from the
-  // parameters at each use: nothing kept in registers across the loop for it); a packed
-  // sequence's (sequence, KV head) has the row blocks of the group's rows of max_seqlen_q
-  // (attn_params.h fused_bwd_counter_count).
-  const int64_t counter_base =
-      (static_cast<int64_t>(b) * p.Hkv + hkv) * (packed ? packed_query_tiles<kBlockM>(p) : n_qblocks);
+  // parameters at each use: nothing kept in registers across the loop for it).
+  const int64_t counter_base = (static_cast<int64_t>(b) * p.Hkv + hkv) * n_qblocks;
 
   // As in the split dK/dV kernel: a query block matters when one of its rows may see a key of
   // this block; it needs per-element masks when one of its rows does not see all of them.
@@ -249,7 +240,7 @@ MHK_DEVICE void attn_bwd_fused_body(const BwdParams& p, const BwdSeqView& sv = B
       float lse2 = INFINITY, delta = 0.f;  // +inf zeroes P of rows past the end
       int limit = 0, first = 0;
       if (r < rows_total) {
-        const int64_t lin = bwd_row_linear<kModes>(p, sv, b, hkv, r);
+        const int64_t lin = packed_row_linear(b, p.H, hkv, p.group, p.Lq, r);
         const float lse = p.lse[lin];
         lse2 = lse == -INFINITY ? INFINITY : lse * kLog2e;
         delta = p.delta[lin];
@@ -433,7 +424,7 @@ MHK_DEVICE void attn_bwd_fused_body(const BwdParams& p, const BwdSeqView& sv = B
     MHK_UNROLL
     for (int hh = 0; hh < 2; ++hh) {
       const int r = rq0 + dq_strip * 16 + g + 8 * hh;
-      row_off[hh] = r < rows_total ? bwd_row_linear<kModes>(p, sv, b, hkv, r) * D : -1;
+      row_off[hh] = r < rows_total ? packed_row_linear(b, p.H, hkv, p.group, p.Lq, r) * D : -1;
     }
     MHK_UNROLL
     for (int c = 0; c < Cfg::kDqCols; c += Cfg::kDqChunk) {
@@ -488,18 +479,6 @@ MHK_DEVICE void attn_bwd_fused_body(const BwdParams& p, const BwdSeqView& sv = B
 // the modes' loads and branches.
 template <typename Elem, int D, bool kModes, bool kOrdered>
 __global__ void MHK_LAUNCH_BOUNDS(FusedBwdConfig<D>::kThreads, 2) attn_bwd_fused_kernel(const BwdParams p) {
-  if constexpr (kModes) {
-    if (p.cu_seqlens_q != nullptr) {
-      // Packed sequences: key blocks of max_seqlen_k fastest (a key block still waits only on
-      // lower block indices), then KV heads, then sequences (BwdSeqView).
-      const int n = packed_key_blocks<FusedBwdConfig<D>::kBlockN>(p);
-      BwdSeqView sv;
-      const BwdParams ps =
-          bwd_seq_params<Elem>(p, static_cast<int>(block_index() / (static_cast<int64_t>(n) * p.Hkv)), n, sv);
-      attn_bwd_fused_body<Elem, D, kModes, kOrdered>(ps, sv);
-      return;
-    }
-  }
   attn_bwd_fused_body<Elem, D, kModes, kOrdered>(p);
 }
 
@@ -532,20 +511,18 @@ cudaError_t launch_attn_bwd_fused_main(const BwdParams& p, int64_t grid, cudaStr
 }
 
 // delta, the fused kernel, the conversion. p.dq_accum (B * H * Lq * D fp32) and p.dq_counters
-// (fused_bwd_counter_count of attn_params.h) must be zero; p.bwd_kernel picks the order of the dQ adds.
+// (caps::cuda_fused_bwd_counters) must be zero; p.bwd_kernel picks the order of the dQ adds.
 template <typename Elem, int D>
 cudaError_t run_attn_bwd_fused(const BwdParams& p, cudaStream_t stream) {
   using Cfg = FusedBwdConfig<D>;
   const int64_t rows = static_cast<int64_t>(p.B) * p.H * p.Lq;
-  // Packed sequences (the modes kernels, BwdSeqView): key blocks of max_seqlen_k per
-  // (sequence, KV head).
-  const int64_t grid = p.cu_seqlens_q != nullptr
-                           ? static_cast<int64_t>(packed_key_blocks<Cfg::kBlockN>(p)) * p.Hkv * p.num_seqs
-                           : static_cast<int64_t>(ceil_div(p.Lk, Cfg::kBlockN)) * p.Hkv * p.B;
+  const int64_t grid = static_cast<int64_t>(ceil_div(p.Lk, Cfg::kBlockN)) * p.Hkv * p.B;
   if (rows == 0 || grid == 0) return cudaSuccess;
   if (grid > 0x7fffffff || (rows + 3) / 4 > 0x7fffffff || rows * (D / 2) / 256 >= 0x7fffffff)
     return cudaErrorInvalidConfiguration;
   if (p.dq_accum == nullptr || p.dq_counters == nullptr) return cudaErrorInvalidValue;
+  // No packed path here: packed sequences run the split kernels (capabilities.h cuda_bwd_kernel).
+  if (p.cu_seqlens_q != nullptr) return cudaErrorInvalidValue;
 
   launch_kernel(attn_bwd_delta_kernel<Elem, D>, (rows + 3) / 4, 128, 0, stream, p);
   cudaError_t err = cudaGetLastError();

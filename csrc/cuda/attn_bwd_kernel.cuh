@@ -64,19 +64,22 @@ struct BwdConfig {
 };
 
 // Packed sequences (kModes only, ../mode_params.h): a *_modes kernel hands its body the call of
-// one sequence s as batch element s of B = num_seqs elements whose operands start at the
-// sequence's first tokens (batch strides 0), with Lq / Lk the sequence's lengths
-// (bwd_seq_params), so that positions, the causal offset Lk_s - Lq_s, the dropout hash (b = s)
-// and the ALiBi slope row s are the sequence's, and keys j < Lk_s are the only ones addressed.
-// These fields say what the body cannot read from that view: the grid's blocks per (sequence,
-// KV head) (key blocks of max_seqlen_k, or query tiles of the group's rows of max_seqlen_q: one
-// past the sequence's lengths does nothing), and where the sequence's rows sit in the packed
-// (1, H, Tq) lse and delta (and the fused kernel's (1, H, Tq, D) dq_accum): from row0 = q0,
-// head stride Tq.
+// one sequence s as batch element s of B = num_seqs elements (batch strides 0) with Lq / Lk the
+// sequence's lengths (bwd_seq_params), so that positions, the causal offset Lk_s - Lq_s, the
+// dropout hash (b = s) and the ALiBi slope row s are the sequence's, and keys j < Lk_s are the
+// only ones addressed. These fields say what the body cannot read from that view: the grid's
+// blocks per (sequence, KV head) (key blocks of max_seqlen_k, or query tiles of the group's rows
+// of max_seqlen_q: one past the sequence's lengths does nothing), and the sequence's first query
+// and key tokens q0, k0, which the body adds to its row addresses, and to the rows of the packed
+// (1, H, Tq) lse and delta (head stride Tq). The fused kernel has no packed path
+// (capabilities.h cuda_bwd_kernel).
+// The operand pointers stay the kernel parameters' (shifted copies, live across the loops in
+// registers, pushed the D 32-96 kernels into local memory).
 struct BwdSeqView {
   bool on = false;
   int n_blocks = 0;
-  int64_t row0 = 0, head_stride = 0;
+  int q0 = 0, k0 = 0;
+  int64_t head_stride = 0;
 };
 
 // Blocks per (sequence, KV head) of a packed call: key blocks of kBlockN covering max_seqlen_k,
@@ -93,21 +96,9 @@ MHK_HD int packed_query_tiles(const BwdParams& p) {
 
 // Sequence s's view of a packed call (see BwdSeqView), n_blocks the grid's blocks per (sequence,
 // KV head).
-template <typename Elem>
 MHK_DEVICE BwdParams bwd_seq_params(const BwdParams& p, int s, int n_blocks, BwdSeqView& sv) {
   const SeqTokens t = seq_tokens(p, s);
-  auto at = [](const void* x, int row0, const HeadStrides& st) {
-    return const_cast<Elem*>(static_cast<const Elem*>(x)) + static_cast<int64_t>(row0) * st.row;
-  };
   BwdParams ps = p;
-  ps.q = at(p.q, t.q0, p.q_stride);
-  ps.o = at(p.o, t.q0, p.o_stride);
-  ps.dout = at(p.dout, t.q0, p.do_stride);
-  ps.dq = at(p.dq, t.q0, p.dq_stride);
-  ps.k = at(p.k, t.k0, p.k_stride);
-  ps.v = at(p.v, t.k0, p.v_stride);
-  ps.dk = at(p.dk, t.k0, p.dk_stride);
-  ps.dv = at(p.dv, t.k0, p.dv_stride);
   ps.q_stride.batch = ps.o_stride.batch = ps.do_stride.batch = ps.dq_stride.batch = 0;
   ps.k_stride.batch = ps.v_stride.batch = ps.dk_stride.batch = ps.dv_stride.batch = 0;
   ps.B = static_cast<int>(p.num_seqs);
@@ -116,7 +107,8 @@ MHK_DEVICE BwdParams bwd_seq_params(const BwdParams& p, int s, int n_blocks, Bwd
   ps.key_lengths = nullptr;  // refused with packing
   sv.on = true;
   sv.n_blocks = n_blocks;
-  sv.row0 = t.q0;
+  sv.q0 = t.q0;
+  sv.k0 = t.k0;
   sv.head_stride = p.Lq;  // Tq
   return ps;
 }
@@ -125,7 +117,7 @@ MHK_DEVICE BwdParams bwd_seq_params(const BwdParams& p, int s, int n_blocks, Bwd
 // arrays; a packed sequence's rows sit in the (1, H, Tq) ones (BwdSeqView).
 template <bool kModes>
 MHK_DEVICE int64_t bwd_row_linear(const BwdParams& p, const BwdSeqView& sv, int b, int hkv, int r) {
-  if (kModes && sv.on) return sv.row0 + static_cast<int64_t>(hkv * p.group + r / p.Lq) * sv.head_stride + r % p.Lq;
+  if (kModes && sv.on) return sv.q0 + static_cast<int64_t>(hkv * p.group + r / p.Lq) * sv.head_stride + r % p.Lq;
   return packed_row_linear(b, p.H, hkv, p.group, p.Lq, r);
 }
 
@@ -297,8 +289,10 @@ MHK_DEVICE void attn_bwd_dkdv_body(const BwdParams& p, const BwdSeqView& sv = Bw
     return mq;
   };
 
-  const Elem* q = static_cast<const Elem*>(p.q);
-  const Elem* dout = static_cast<const Elem*>(p.dout);
+  // A packed sequence's first query and key tokens (BwdSeqView), added to the row addresses.
+  const int q_tok = packed ? sv.q0 : 0, k_tok = packed ? sv.k0 : 0;
+  const Elem* q = static_cast<const Elem*>(p.q) + static_cast<int64_t>(q_tok) * p.q_stride.row;
+  const Elem* dout = static_cast<const Elem*>(p.dout) + static_cast<int64_t>(q_tok) * p.do_stride.row;
   auto load_qblock = [&](int mq, int stage) {
     const int rq0 = mq * kBlockM;
     load_tile_async<Elem, kBlockM, D, kThreads>(sQ + stage * Cfg::kDkvQTile, p.q, [&](int rr) -> const Elem* {
@@ -342,8 +336,10 @@ MHK_DEVICE void attn_bwd_dkdv_body(const BwdParams& p, const BwdSeqView& sv = Bw
   int mq = n0 < Lk_b ? next_block(0) : n_qblocks;
   const int kv_read = mq < n_qblocks ? Lk_b : 0;
 
-  const Elem* k_head = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hkv * p.k_stride.head;
-  const Elem* v_head = static_cast<const Elem*>(p.v) + b * p.v_stride.batch + hkv * p.v_stride.head;
+  const Elem* k_head = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hkv * p.k_stride.head +
+                       static_cast<int64_t>(k_tok) * p.k_stride.row;
+  const Elem* v_head = static_cast<const Elem*>(p.v) + b * p.v_stride.batch + hkv * p.v_stride.head +
+                       static_cast<int64_t>(k_tok) * p.v_stride.row;
   // Keys at or past Lk_b are never read (they get zero gradients).
   load_tile_async<Elem, kBlockN, D, kThreads>(sK, p.k, [&](int rr) -> const Elem* {
     const int j = n0 + rr;
@@ -406,8 +402,10 @@ MHK_DEVICE void attn_bwd_dkdv_body(const BwdParams& p, const BwdSeqView& sv = Bw
   stage_accumulator<Elem, D>(sK, warp * 16, dk, mul_k, lane);
   stage_accumulator<Elem, D>(sV, warp * 16, dv, mul_v, lane);
   block_sync();
-  Elem* dk_head = static_cast<Elem*>(p.dk) + b * p.dk_stride.batch + hkv * p.dk_stride.head;
-  Elem* dv_head = static_cast<Elem*>(p.dv) + b * p.dv_stride.batch + hkv * p.dv_stride.head;
+  Elem* dk_head = static_cast<Elem*>(p.dk) + b * p.dk_stride.batch + hkv * p.dk_stride.head +
+                 static_cast<int64_t>(k_tok) * p.dk_stride.row;
+  Elem* dv_head = static_cast<Elem*>(p.dv) + b * p.dv_stride.batch + hkv * p.dv_stride.head +
+                  static_cast<int64_t>(k_tok) * p.dv_stride.row;
   store_tile<Elem, kBlockN, D, kThreads>(sK, [&](int rr) -> Elem* {
     const int j = n0 + rr;
     return j < p.Lk ? dk_head + static_cast<int64_t>(j) * p.dk_stride.row : nullptr;
@@ -433,7 +431,7 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_modes
   // sequences (BwdSeqView).
   const int n = packed_key_blocks<BwdConfig<D>::kDkvBlockN>(p);
   BwdSeqView sv;
-  const BwdParams ps = bwd_seq_params<Elem>(p, static_cast<int>(block_index() / (static_cast<int64_t>(n) * p.Hkv)), n, sv);
+  const BwdParams ps = bwd_seq_params(p, static_cast<int>(block_index() / (static_cast<int64_t>(n) * p.Hkv)), n, sv);
   attn_bwd_dkdv_body<Elem, D, true>(ps, sv);
 }
 
@@ -585,10 +583,14 @@ MHK_DEVICE void attn_bwd_dq_body(const BwdParams& p, const BwdSeqView& sv = BwdS
   const ExtraModes em = extra_modes_of(p);
   const ModeRows mode_rows{sMaskRow, sDrop, sDmaskRow, sAlibiSlope, sAlibiPos};
 
-  const Elem* q = static_cast<const Elem*>(p.q);
-  const Elem* dout = static_cast<const Elem*>(p.dout);
-  const Elem* k_head = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hkv * p.k_stride.head;
-  const Elem* v_head = static_cast<const Elem*>(p.v) + b * p.v_stride.batch + hkv * p.v_stride.head;
+  // A packed sequence's first query and key tokens (BwdSeqView), added to the row addresses.
+  const int q_tok = packed ? sv.q0 : 0, k_tok = packed ? sv.k0 : 0;
+  const Elem* q = static_cast<const Elem*>(p.q) + static_cast<int64_t>(q_tok) * p.q_stride.row;
+  const Elem* dout = static_cast<const Elem*>(p.dout) + static_cast<int64_t>(q_tok) * p.do_stride.row;
+  const Elem* k_head = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hkv * p.k_stride.head +
+                       static_cast<int64_t>(k_tok) * p.k_stride.row;
+  const Elem* v_head = static_cast<const Elem*>(p.v) + b * p.v_stride.batch + hkv * p.v_stride.head +
+                       static_cast<int64_t>(k_tok) * p.v_stride.row;
   auto load_kv = [&](int n0, int stage) {
     load_tile_async<Elem, kBlockN, D, kThreads>(sK + stage * Cfg::kDqKTile, p.k, [&](int rr) -> const Elem* {
       const int j = n0 + rr;
@@ -645,7 +647,7 @@ MHK_DEVICE void attn_bwd_dq_body(const BwdParams& p, const BwdSeqView& sv = BwdS
     const float mul[2] = {p.scale, p.scale};
     stage_accumulator<Elem, D>(sQ, warp * 16, dq, mul, lane);
     block_sync();
-    Elem* dqp = static_cast<Elem*>(p.dq);
+    Elem* dqp = static_cast<Elem*>(p.dq) + static_cast<int64_t>(q_tok) * p.dq_stride.row;
     store_tile<Elem, kBlockM, D, kThreads>(sQ, [&](int rr) -> Elem* {
       const int r = r0 + rr;
       return r < rows_total ? dqp + packed_row_offset(p.dq_stride, b, hkv, p.group, p.Lq, r) : nullptr;
@@ -683,7 +685,7 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_modes_k
   // KV heads, then sequences (BwdSeqView); unsplit.
   const int n = packed_query_tiles<BwdConfig<D>::kDqBlockM>(p);
   BwdSeqView sv;
-  const BwdParams ps = bwd_seq_params<Elem>(p, static_cast<int>(block_index() / (static_cast<int64_t>(n) * p.Hkv)), n, sv);
+  const BwdParams ps = bwd_seq_params(p, static_cast<int>(block_index() / (static_cast<int64_t>(n) * p.Hkv)), n, sv);
   attn_bwd_dq_body<Elem, D, true>(ps, sv);
 }
 

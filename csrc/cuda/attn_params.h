@@ -237,15 +237,5 @@ inline BwdParams make_bwd_params(const CallSizes& s, Operand dout, Operand q, Op
   return p;
 }
 
-// The number of dQ turn counters the fused mma.sync backward uses (capabilities.h
-// cuda_fused_bwd_counters): one per (batch element, KV head, row block); a packed call has one
-// per (sequence, KV head, row block of the group's rows of max_seqlen_q). The host and the
-// emulator entries allocate this many, zeroed.
-inline int64_t fused_bwd_counter_count(const BwdParams& p) {
-  const bool packed = p.cu_seqlens_q != nullptr;
-  return caps::cuda_fused_bwd_counters(packed ? p.num_seqs : p.B, p.Hkv,
-                                       static_cast<int64_t>(p.group) * (packed ? p.max_seqlen_q : p.Lq), p.D);
-}
-
 }  // namespace cuda
 }  // namespace mhakern

@@ -117,10 +117,10 @@ struct FusedWorkspace {
   std::vector<uint32_t> counters;
 };
 void fill_bwd_kernel(mhakern::cuda::BwdParams& p, FusedWorkspace& ws) {
-  p.bwd_kernel = mhakern::caps::cuda_bwd_kernel(p.D, g_bwd_kernel_request);
+  p.bwd_kernel = mhakern::caps::cuda_bwd_kernel(p.D, g_bwd_kernel_request, p.cu_seqlens_q != nullptr);
   if (p.bwd_kernel == mhakern::caps::kBwdSplit) return;
   ws.dq_accum.assign(static_cast<size_t>(p.B) * p.H * p.Lq * p.D, 0.f);
-  ws.counters.assign(static_cast<size_t>(mhakern::cuda::fused_bwd_counter_count(p)), 0u);
+  ws.counters.assign(static_cast<size_t>(mhakern::caps::cuda_fused_bwd_counters(p.B, p.Hkv, static_cast<int64_t>(p.group) * p.Lq, p.D)), 0u);
   p.dq_accum = ws.dq_accum.data();
   p.dq_counters = ws.counters.data();
 }
@@ -389,8 +389,8 @@ int mhk_emu_fwd_cache(int elem, int D, const void* q, const int64_t* q_st, const
 }
 
 // The backward of packed sequences: the modes backward with B = 1, Tq / Tk tokens and the
-// packing fields as mhk_emu_fwd_varlen sets them (unsplit); the split or fused kernels as
-// mhk_emu_set_bwd_kernel says.
+// packing fields as mhk_emu_fwd_varlen sets them (unsplit); the split kernels whatever
+// mhk_emu_set_bwd_kernel says (capabilities.h cuda_bwd_kernel), as the host runs them.
 int mhk_emu_bwd_varlen(int elem, int D, const void* dout, const int64_t* do_st, const void* q, const int64_t* q_st,
                        const void* k, const int64_t* k_st, const void* v, const int64_t* v_st, const void* o,
                        const int64_t* o_st, const float* lse, void* dq, const int64_t* dq_st, void* dk,
