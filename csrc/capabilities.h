@@ -82,12 +82,12 @@ constexpr int kCudaMinCapabilityMajor = 8, kCudaMinCapabilityMinor = 0;
 constexpr int64_t kCudaMaxGroupRows = int64_t{1} << 30;
 constexpr int64_t kCudaMaxKeys = int64_t{1} << 30;  // Lk < kCudaMaxKeys
 // Modes the cuda kernels implement (csrc/cuda/primitives.cuh: Visibility, ExtraModes; softcap and
-// ALiBi in the kModes kernels, modified_score_log2; the KV cache's cache_batch_idx and paged K/V
-// in the modes forward, attn_fwd_kernel.cuh, a forward-only path); the op refuses the others with
-// the mode's name, and auto falls back for them. Packed sequences (kVarlen) are in the modes
-// forward too, but stay off until the backward kernels serve them.
-constexpr unsigned kCudaFeatures =
-    kAttnMask | kMaskGrad | kDropout | kTopLeft | kWindow | kSoftcap | kAlibi | kCacheBatchIdx | kPaged;
+// ALiBi in the kModes kernels, modified_score_log2; packed sequences in the kModes forward and the
+// split backward's kModes kernels, a sequence per CTA as a batch element of its own; the KV
+// cache's cache_batch_idx and paged K/V in the modes forward, attn_fwd_kernel.cuh, a forward-only
+// path); the op refuses the others with the mode's name, and auto falls back for them.
+constexpr unsigned kCudaFeatures = kAttnMask | kMaskGrad | kDropout | kTopLeft | kWindow | kSoftcap | kAlibi |
+                                   kVarlen | kCacheBatchIdx | kPaged;
 
 // Tiles of each pass, per head dim: (packed query rows, keys) per CTA and step. The forward
 // keeps 2 strips of 16 rows per warp x 4 warps; above D = 64 the keys per step halve so that
@@ -139,7 +139,13 @@ constexpr bool cuda_bwd_only_head_dim(int64_t d) {
 constexpr bool cuda_bwd_head_dim_supported(int64_t d) { return cuda_head_dim_supported(d) || cuda_bwd_only_head_dim(d); }
 // The backward that runs for head dim d: `requested` (a CudaBwdKernel, or -1 for the default)
 // where both exist; the fused kernel (ordered unless fused_atomic is requested) where only it does.
-constexpr CudaBwdKernel cuda_bwd_kernel(int64_t d, int requested) {
+// Packed sequences (`packed`) run the split kernels whatever is requested: the fused kernel has
+// no packed path (its modes instantiations sit at 246-255 registers at D 32-128 on sm_80 and
+// sm_90, and a packed path's per-sequence lengths and token offsets put them in local memory,
+// 64-156 B at D 96 with 4-12 LDL/STL in the main loop); cuda_host.cpp refuses a packed
+// backward of a head dim with only the fused kernel.
+constexpr CudaBwdKernel cuda_bwd_kernel(int64_t d, int requested, bool packed = false) {
+  if (packed && !cuda_bwd_only_head_dim(d)) return kBwdSplit;
   const CudaBwdKernel want = requested >= 0 ? static_cast<CudaBwdKernel>(requested) : kCudaMmaBwdDefault;
   if (cuda_bwd_only_head_dim(d)) return want == kBwdFusedAtomic ? kBwdFusedAtomic : kBwdFusedOrdered;
   return want;

@@ -291,8 +291,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
   // The mma.sync family's backward: the split kernels or the fused one (capabilities.h
   // cuda_bwd_kernel; head dims with only the fused kernel run it). The fused kernel has no
   // split-K (a CTA per key block); its workspace is zeroed here.
-  p.bwd_kernel = on_sm90 ? caps::kBwdSplit : caps::cuda_bwd_kernel(s.D, op::mma_bwd_kernel().get());
+  // Packed sequences run the split kernels (the fused kernel has no packed path).
+  const bool packed = p.cu_seqlens_q != nullptr;
+  p.bwd_kernel = on_sm90 ? caps::kBwdSplit : caps::cuda_bwd_kernel(s.D, op::mma_bwd_kernel().get(), packed);
   const bool fused = p.bwd_kernel != caps::kBwdSplit;
+  TORCH_CHECK_VALUE(!(packed && fused), "cu_seqlens_q: the cuda backward of head dim ", s.D,
+                    " (the fused kernel only) does not take packed sequences; the split kernels do (head dims ",
+                    head_dim_list(), ")");
   at::Tensor dq_accum, dq_counters;  // kept alive until the kernels are queued (caching allocator)
   if (fused) {
     dq_accum = at::zeros({s.B, s.H, s.Lq, s.D}, f32);
@@ -316,11 +321,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
     return {dq, dk, dv, dmask};
   }
   const int64_t forced = op::cuda_forced_splits().load();
-  const int64_t splits = fused       ? 1
-                         : forced > 0 ? forced
-                                      : caps::plan_splits(s.B, s.Hkv, s.H / s.Hkv, s.Lq,
-                                                          planned_keys(modes, causal, s, dq_m, dq_n), s.D,
-                                                          num_sms(q.device().index()), dq_m, dq_n);
+  // Packed sequences run unsplit too (attn_bwd_kernel.cuh run_attn_bwd: a CTA per query tile of
+  // each sequence; the dQ reduce kernel's rows are dense ones).
+  const int64_t splits = fused || packed ? 1
+                         : forced > 0                       ? forced
+                                                            : caps::plan_splits(s.B, s.Hkv, s.H / s.Hkv, s.Lq,
+                                                                  planned_keys(modes, causal, s, dq_m, dq_n), s.D,
+                                                                  num_sms(q.device().index()), dq_m, dq_n);
   at::Tensor dq_partial;  // kept alive until the kernels are queued (caching allocator)
   if (splits > 1) {
     dq_partial = at::empty({splits, s.B, s.H, s.Lq, s.D}, f32);

@@ -47,6 +47,7 @@ from cuda_emulator_harness import (
     emu_test_seed,
     emulated_attention,
     padded,
+    padded_empty,
     use_random_schedule,
 )
 
@@ -941,6 +942,142 @@ def test_varlen_forward_never_reads_another_sequences_keys(scheduled):
     for rows in (slice(0, 9), slice(39, 59)):
         assert torch.equal(o1[:, :, rows], o2[:, :, rows]) and torch.equal(l1[:, :, rows], l2[:, :, rows])
     assert torch.isnan(o2[:, :, 9:39]).all()
+
+
+def _emu_bwd_varlen(emu, dout, q, k, v, out, lse, cq, ck, scale, causal, modes):
+    """The kernel's packed backward (the split kernels, whatever emu.bwd_kernel asks) on NaN-padded copies
+    of its inputs (a read outside a tensor shows as NaN); returns (dq, dk, dv) as (1, H*, T*, D)
+    views into NaN-filled buffers whose padding is checked (a write outside shows)."""
+    lib = emu.lib
+    lib.mhk_emu_bwd_varlen.argtypes = (
+        [ctypes.c_int] * 2 + [ctypes.c_void_p] * 18 + [ctypes.c_int] * 4 + [ctypes.c_float] + [ctypes.c_int] * 2
+        + [ctypes.c_longlong] * 2 + [ctypes.c_double, ctypes.c_ulonglong, ctypes.c_float, ctypes.c_void_p]
+        + [ctypes.c_longlong] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_longlong] * 3)
+    _, H, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    dop, qp, kp, vp, op = (padded(x) for x in (dout, q, k, v, out))
+    (dq, gq), (dk, gk), (dv, gv) = (padded_empty(x) for x in (q, k, v))
+    delta = torch.full((1, H, Tq), float("nan"))
+    st = lambda x: (ctypes.c_int64 * 3)(x.stride(0), x.stride(1), x.stride(2))  # noqa: E731
+    a = modes.alibi_slopes
+    lens_q, lens_k = (cq[1:] - cq[:-1]), (ck[1:] - ck[:-1])
+    lib.mhk_emu_configure(int(emu.defer_async), SMEM_LIMIT)
+    rc = lib.mhk_emu_bwd_varlen(
+        {torch.float16: 0, torch.bfloat16: 1}[q.dtype], D, _ptr(dop), st(dop), _ptr(qp), st(qp), _ptr(kp), st(kp),
+        _ptr(vp), st(vp), _ptr(op), st(op), _ptr(lse.contiguous()), _ptr(dq), st(dq), _ptr(dk), st(dk), _ptr(dv),
+        st(dv), _ptr(delta), H, Hkv, Tq, Tk, scale, int(causal), int(modes.top_left), modes.window_left,
+        modes.window_right, modes.dropout_p, modes.seed & (2**64 - 1), modes.softcap, _ptr(a),
+        0 if a is None else a.stride(0), 0 if a is None else a.stride(1), _ptr(cq), _ptr(ck), len(cq) - 1,
+        int(lens_q.max()), int(lens_k.max()))
+    emu._check(rc, "emulated packed backward")
+    for name, g in (("dq", gq), ("dk", gk), ("dv", gv)):
+        g.check(name)
+    return dq, dk, dv
+
+
+def _varlen_inputs(case, seed):
+    """Packed q, k, v, dout and the call's Modes (packing included) of a VARLEN_CASES entry."""
+    _, lq, lk, H, Hkv, D, causal, kw = case
+    dtype = DTYPE_FOR_D[D]
+    g = torch.Generator().manual_seed(seed)
+    Tq, Tk = sum(lq), sum(lk)
+    q, k, v = _packed_t(Tq, H, D, dtype, g), _packed_t(Tk, Hkv, D, dtype, g), _packed_t(Tk, Hkv, D, dtype, g)
+    dout = _packed_t(Tq, H, D, dtype, g)
+    cq = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32)
+    ck = torch.tensor([0] + torch.tensor(lk).cumsum(0).tolist(), dtype=torch.int32)
+    al = torch.exp2(-8 * torch.rand(len(lq), H, generator=g)) if kw.get("alibi") else None
+    win = kw.get("window", (-1, -1))
+    m = Modes(None, kw.get("dropout_p", 0.0), 4242 if kw.get("dropout_p") else 0, kw.get("top_left", False),
+              win[0], win[1], False, kw.get("softcap", 0.0), al, cu_seqlens_q=cq, cu_seqlens_k=ck,
+              max_seqlen_q=max(lq), max_seqlen_k=max(lk))
+    return q, k, v, dout, m
+
+
+# The backward of packed sequences (csrc/cuda/attn_bwd_kernel.cuh BwdSeqView; the split kernels,
+# capabilities.h cuda_bwd_kernel): the forward cases above (empty sequences on either side, one-token ones, a sequence longer than
+# a tile and a key block, Lq_s != Lk_s, GQA, causal in both alignments, a window, dropout with
+# the per-sequence hash, softcap and per-sequence ALiBi), and those of the packed conformance
+# suite (tests/test_varlen_kvcache.py, which runs on the backends usable in the process: never
+# this emulator) at the kernels' head dims: not causal, causal with dropout and no GQA, a window
+# both sides of the diagonal, MQA. Gradients against the float64 reference computed per
+# sequence; the rows and keys of empty sequences get exact zeros.
+_CONF_LQ, _CONF_LK = [3, 0, 1, 70, 5, 2], [5, 4, 1, 75, 0, 9]
+VARLEN_BWD_CASES = VARLEN_CASES + [
+    ("conf-gqa", _CONF_LQ, _CONF_LK, 4, 2, 32, False, dict()),
+    ("conf-causal-dropout", _CONF_LQ, _CONF_LK, 4, 4, 64, True, dict(dropout_p=0.2)),
+    ("conf-topleft-window-mqa-cap-alibi", _CONF_LQ, _CONF_LK, 4, 1, 32, True,
+     dict(top_left=True, window=(3, -1), softcap=8.0, alibi=True)),
+    ("conf-window-gqa-cap-alibi", _CONF_LQ, _CONF_LK, 4, 2, 64, False, dict(window=(4, 2), softcap=8.0, alibi=True)),
+]
+
+
+@pytest.mark.parametrize("case", VARLEN_BWD_CASES, ids=[c[0] for c in VARLEN_BWD_CASES])
+def test_varlen_backward_against_the_per_sequence_reference(scheduled, case):
+    _, lq, lk, H, Hkv, D, causal, kw = case
+    dtype = DTYPE_FOR_D[D]
+    q, k, v, dout, m = _varlen_inputs(case, D + len(lq))
+    cq, ck = m.cu_seqlens_q, m.cu_seqlens_k
+    scale = D ** -0.5
+    out, lse = _emu_fwd_varlen(scheduled, q, k, v, cq, ck, scale, causal, m)
+    got = _emu_bwd_varlen(scheduled, dout, q, k, v, out, lse, cq, ck, scale, causal, m)
+    x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    xT = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    m64 = m._replace(alibi_slopes=None if m.alibi_slopes is None else m.alibi_slopes.double())
+    reference.attention(*x64, scale, causal, None, True, m64).backward(dout.double())
+    reference.attention(*xT, scale, causal, None, False, m).backward(dout)
+    for name, g, r64, rT in zip(("dq", "dk", "dv"), got, x64, xT):
+        rule_check(name, g, r64.grad, rT.grad, dtype, 3.0)
+    for s in range(len(lq)):
+        q_rows, k_rows = slice(int(cq[s]), int(cq[s + 1])), slice(int(ck[s]), int(ck[s + 1]))
+        if lk[s] == 0:
+            assert torch.equal(got[0][:, :, q_rows], torch.zeros_like(got[0][:, :, q_rows])), f"seq {s}: dq of no keys"
+        if lq[s] == 0:
+            for name, g in (("dk", got[1]), ("dv", got[2])):
+                assert torch.equal(g[:, :, k_rows], torch.zeros_like(g[:, :, k_rows])), f"seq {s}: {name} of no queries"
+
+
+def test_varlen_backward_never_reads_another_sequences_tokens(emu, request):
+    # NaN queries, keys, values, outputs and output gradients in sequence 1 reach nothing of
+    # sequences 0 and 2, under two different random schedules, the second with the fused kernel
+    # requested (a packed call runs the split kernels whatever is asked): their gradients are
+    # bit-identical, sequence 1's all NaN.
+    g = torch.Generator().manual_seed(4)
+    lq, lk, H, Hkv, D = [9, 30, 20], [12, 40, 200], 4, 2, 32
+    q, k, v, dout = (_packed_t(n, h, D, torch.float16, g) for n, h in ((59, H), (252, Hkv), (252, Hkv), (59, H)))
+    cq = torch.tensor([0, 9, 39, 59], dtype=torch.int32)
+    ck = torch.tensor([0, 12, 52, 252], dtype=torch.int32)
+    m = Modes(dropout_p=0.2, seed=7)
+    emu.schedule(None)
+    out, lse = _emu_fwd_varlen(emu, q, k, v, cq, ck, 0.125, True, m)
+    bad = [x.clone() for x in (q, k, v, out, dout)]
+    for x, rows in zip(bad, (slice(9, 39), slice(12, 52), slice(12, 52), slice(9, 39), slice(9, 39))):
+        x[:, :, rows] = float("nan")
+    try:
+        use_random_schedule(emu, request.node.nodeid, "clean")
+        want = _emu_bwd_varlen(emu, dout, q, k, v, out, lse, cq, ck, 0.125, True, m)
+        use_random_schedule(emu, request.node.nodeid, "nan")
+        emu.bwd_kernel("fused")
+        qb, kb, vb, ob, db = bad
+        got = _emu_bwd_varlen(emu, db, qb, kb, vb, ob, lse, cq, ck, 0.125, True, m)
+    finally:
+        emu.bwd_kernel(None)
+        emu.schedule(None)
+    for name, a, b, rows in zip(("dq", "dk", "dv"), want, got, ((0, 9, 39, 59), (0, 12, 52, 252), (0, 12, 52, 252))):
+        for lo, hi in ((rows[0], rows[1]), (rows[2], rows[3])):
+            assert torch.equal(a[:, :, lo:hi], b[:, :, lo:hi]), f"{name} rows {lo}:{hi} changed"
+        assert torch.isnan(b[:, :, rows[1]:rows[2]]).all(), f"{name}: sequence 1 not NaN"
+
+
+def test_varlen_goes_to_the_sm90_family_only_where_it_serves_it(emu):
+    # The mma.sync family serves packed sequences in both passes; a 9.0 device gives a packed
+    # call to the sm90 family only for a pass whose features (capabilities.h) list them.
+    lib = emu.lib
+    lib.mhk_emu_varlen_family.argtypes = [ctypes.c_int] * 5 + [ctypes.c_void_p]
+    serves = ctypes.c_int(-1)
+    for backward in (0, 1):
+        for D in (64, 128):
+            assert lib.mhk_emu_varlen_family(8, 0, 1, D, backward, ctypes.byref(serves)) == 0
+            assert lib.mhk_emu_varlen_family(9, 0, 1, D, backward, ctypes.byref(serves)) == serves.value
 
 
 # the KV cache: batch rows by cache_batch_idx and paged K/V in the modes forward

@@ -521,6 +521,8 @@ cudaError_t run_attn_bwd_fused(const BwdParams& p, cudaStream_t stream) {
   if (grid > 0x7fffffff || (rows + 3) / 4 > 0x7fffffff || rows * (D / 2) / 256 >= 0x7fffffff)
     return cudaErrorInvalidConfiguration;
   if (p.dq_accum == nullptr || p.dq_counters == nullptr) return cudaErrorInvalidValue;
+  // No packed path here: packed sequences run the split kernels (capabilities.h cuda_bwd_kernel).
+  if (p.cu_seqlens_q != nullptr) return cudaErrorInvalidValue;
 
   launch_kernel(attn_bwd_delta_kernel<Elem, D>, (rows + 3) / 4, 128, 0, stream, p);
   cudaError_t err = cudaGetLastError();

@@ -16,6 +16,9 @@
 // keeps every sum in one thread's registers in one order: two runs are bit-identical.
 // attn_bwd_fused_kernel.cuh has the fused alternative (5 products per tile) and the
 // instantiation macro that picks between them (BwdParams::bwd_kernel).
+// Packed sequences run in the *_modes kernels, one sequence per CTA as a batch element of its
+// own (BwdSeqView below): the grids cover key blocks of max_seqlen_k and query tiles of
+// max_seqlen_q per (sequence, KV head), and no block of one sequence addresses another's tokens.
 #pragma once
 
 #include "../capabilities.h"
@@ -59,6 +62,64 @@ struct BwdConfig {
   // kModes: each row's mask-row offset, dmask-row offset, dropout hash, ALiBi slope and diagonal key.
   static constexpr int kDqModeSmemBytes = kDqBlockM * (8 + 8 + 4 + 4 + 4);
 };
+
+// Packed sequences (kModes only, ../mode_params.h): a *_modes kernel hands its body the call of
+// one sequence s as batch element s of B = num_seqs elements (batch strides 0) with Lq / Lk the
+// sequence's lengths (bwd_seq_params), so that positions, the causal offset Lk_s - Lq_s, the
+// dropout hash (b = s) and the ALiBi slope row s are the sequence's, and keys j < Lk_s are the
+// only ones addressed. These fields say what the body cannot read from that view: the grid's
+// blocks per (sequence, KV head) (key blocks of max_seqlen_k, or query tiles of the group's rows
+// of max_seqlen_q: one past the sequence's lengths does nothing), and the sequence's first query
+// and key tokens q0, k0, which the body adds to its row addresses, and to the rows of the packed
+// (1, H, Tq) lse and delta (head stride Tq). The fused kernel has no packed path
+// (capabilities.h cuda_bwd_kernel).
+// The operand pointers stay the kernel parameters' (shifted copies, live across the loops in
+// registers, pushed the D 32-96 kernels into local memory).
+struct BwdSeqView {
+  bool on = false;
+  int n_blocks = 0;
+  int q0 = 0, k0 = 0;
+  int64_t head_stride = 0;
+};
+
+// Blocks per (sequence, KV head) of a packed call: key blocks of kBlockN covering max_seqlen_k,
+// query tiles of kBlockM packed rows covering group * max_seqlen_q (the launchers' grids and the
+// kernels' block index both read these).
+template <int kBlockN>
+MHK_HD int packed_key_blocks(const BwdParams& p) {
+  return ceil_div(static_cast<int>(p.max_seqlen_k), kBlockN);
+}
+template <int kBlockM>
+MHK_HD int packed_query_tiles(const BwdParams& p) {
+  return ceil_div(p.group * static_cast<int>(p.max_seqlen_q), kBlockM);
+}
+
+// Sequence s's view of a packed call (see BwdSeqView), n_blocks the grid's blocks per (sequence,
+// KV head).
+MHK_DEVICE BwdParams bwd_seq_params(const BwdParams& p, int s, int n_blocks, BwdSeqView& sv) {
+  const SeqTokens t = seq_tokens(p, s);
+  BwdParams ps = p;
+  ps.q_stride.batch = ps.o_stride.batch = ps.do_stride.batch = ps.dq_stride.batch = 0;
+  ps.k_stride.batch = ps.v_stride.batch = ps.dk_stride.batch = ps.dv_stride.batch = 0;
+  ps.B = static_cast<int>(p.num_seqs);
+  ps.Lq = t.Lq;
+  ps.Lk = t.Lk;
+  ps.key_lengths = nullptr;  // refused with packing
+  sv.on = true;
+  sv.n_blocks = n_blocks;
+  sv.q0 = t.q0;
+  sv.k0 = t.k0;
+  sv.head_stride = p.Lq;  // Tq
+  return ps;
+}
+
+// Index of packed row r of (batch element b, KV head hkv) in the (B, H, Lq) lse and delta
+// arrays; a packed sequence's rows sit in the (1, H, Tq) ones (BwdSeqView).
+template <bool kModes>
+MHK_DEVICE int64_t bwd_row_linear(const BwdParams& p, const BwdSeqView& sv, int b, int hkv, int r) {
+  if (kModes && sv.on) return sv.q0 + static_cast<int64_t>(hkv * p.group + r / p.Lq) * sv.head_stride + r % p.Lq;
+  return packed_row_linear(b, p.H, hkv, p.group, p.Lq, r);
+}
 
 // delta[b, h, i] = sum_d dout[b, h, i, d] * out[b, h, i, d], fp32; one warp per row.
 template <typename Elem, int D>
@@ -175,11 +236,11 @@ MHK_DEVICE void dkdv_step(const Elem* sK, const Elem* sV, int key_row0, const El
   mma_regs_x_rows<Elem, D, kBlockM>(dk, dst, sQ, 0, lane);  // dK += dS^T Q (scaled at the end)
 }
 
-// The body of the dK/dV kernels. kModes: the call has attn_mask, dropout or a score modifier
-// (needs_modes_kernel; a separate kernel,
-// attn_bwd_dkdv_modes_kernel, so that the plain one is exactly the kernel without them).
+// The body of the dK/dV kernels. kModes: the call has attn_mask, dropout, a score modifier or
+// packed sequences (sv; needs_modes_kernel; a separate kernel, attn_bwd_dkdv_modes_kernel, so
+// that the plain one is exactly the kernel without them).
 template <typename Elem, int D, bool kModes>
-MHK_DEVICE void attn_bwd_dkdv_body(const BwdParams& p) {
+MHK_DEVICE void attn_bwd_dkdv_body(const BwdParams& p, const BwdSeqView& sv = BwdSeqView{}) {
   using Cfg = BwdConfig<D>;
   constexpr int kBlockN = Cfg::kDkvBlockN, kBlockM = Cfg::kDkvBlockM, kThreads = Cfg::kThreads;
   MHK_DYNAMIC_SMEM(smem);
@@ -199,13 +260,15 @@ MHK_DEVICE void attn_bwd_dkdv_body(const BwdParams& p) {
   const int tid = thread_index();
   const int warp = tid / 32, lane = tid % 32;
 
-  const int n_kblocks = ceil_div(p.Lk, kBlockN);
+  const bool packed = kModes && sv.on;
+  const int n_kblocks = packed ? sv.n_blocks : ceil_div(p.Lk, kBlockN);
   int64_t bid = block_index();
   const int kb = static_cast<int>(bid % n_kblocks);
   bid /= n_kblocks;
   const int hkv = static_cast<int>(bid % p.Hkv);
   const int b = static_cast<int>(bid / p.Hkv);
   const int n0 = kb * kBlockN;
+  if (packed && n0 >= p.Lk) return;  // a key block past this sequence's keys; no barrier yet
   const int Lk_b = key_length_of(p, b);  // clamped into [0, Lk]
   const Visibility vis = visibility_of(p, Lk_b);
   const int rows_total = p.group * p.Lq;
@@ -226,8 +289,10 @@ MHK_DEVICE void attn_bwd_dkdv_body(const BwdParams& p) {
     return mq;
   };
 
-  const Elem* q = static_cast<const Elem*>(p.q);
-  const Elem* dout = static_cast<const Elem*>(p.dout);
+  // A packed sequence's first query and key tokens (BwdSeqView), added to the row addresses.
+  const int q_tok = packed ? sv.q0 : 0, k_tok = packed ? sv.k0 : 0;
+  const Elem* q = static_cast<const Elem*>(p.q) + static_cast<int64_t>(q_tok) * p.q_stride.row;
+  const Elem* dout = static_cast<const Elem*>(p.dout) + static_cast<int64_t>(q_tok) * p.do_stride.row;
   auto load_qblock = [&](int mq, int stage) {
     const int rq0 = mq * kBlockM;
     load_tile_async<Elem, kBlockM, D, kThreads>(sQ + stage * Cfg::kDkvQTile, p.q, [&](int rr) -> const Elem* {
@@ -243,7 +308,7 @@ MHK_DEVICE void attn_bwd_dkdv_body(const BwdParams& p) {
       float lse2 = INFINITY, delta = 0.f;
       int limit = 0, first = 0;
       if (r < rows_total) {
-        const int64_t lin = packed_row_linear(b, p.H, hkv, p.group, p.Lq, r);
+        const int64_t lin = bwd_row_linear<kModes>(p, sv, b, hkv, r);
         const float lse = p.lse[lin];
         lse2 = lse == -INFINITY ? INFINITY : lse * kLog2e;
         delta = p.delta[lin];
@@ -271,8 +336,10 @@ MHK_DEVICE void attn_bwd_dkdv_body(const BwdParams& p) {
   int mq = n0 < Lk_b ? next_block(0) : n_qblocks;
   const int kv_read = mq < n_qblocks ? Lk_b : 0;
 
-  const Elem* k_head = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hkv * p.k_stride.head;
-  const Elem* v_head = static_cast<const Elem*>(p.v) + b * p.v_stride.batch + hkv * p.v_stride.head;
+  const Elem* k_head = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hkv * p.k_stride.head +
+                       static_cast<int64_t>(k_tok) * p.k_stride.row;
+  const Elem* v_head = static_cast<const Elem*>(p.v) + b * p.v_stride.batch + hkv * p.v_stride.head +
+                       static_cast<int64_t>(k_tok) * p.v_stride.row;
   // Keys at or past Lk_b are never read (they get zero gradients).
   load_tile_async<Elem, kBlockN, D, kThreads>(sK, p.k, [&](int rr) -> const Elem* {
     const int j = n0 + rr;
@@ -335,8 +402,10 @@ MHK_DEVICE void attn_bwd_dkdv_body(const BwdParams& p) {
   stage_accumulator<Elem, D>(sK, warp * 16, dk, mul_k, lane);
   stage_accumulator<Elem, D>(sV, warp * 16, dv, mul_v, lane);
   block_sync();
-  Elem* dk_head = static_cast<Elem*>(p.dk) + b * p.dk_stride.batch + hkv * p.dk_stride.head;
-  Elem* dv_head = static_cast<Elem*>(p.dv) + b * p.dv_stride.batch + hkv * p.dv_stride.head;
+  Elem* dk_head = static_cast<Elem*>(p.dk) + b * p.dk_stride.batch + hkv * p.dk_stride.head +
+                 static_cast<int64_t>(k_tok) * p.dk_stride.row;
+  Elem* dv_head = static_cast<Elem*>(p.dv) + b * p.dv_stride.batch + hkv * p.dv_stride.head +
+                  static_cast<int64_t>(k_tok) * p.dv_stride.row;
   store_tile<Elem, kBlockN, D, kThreads>(sK, [&](int rr) -> Elem* {
     const int j = n0 + rr;
     return j < p.Lk ? dk_head + static_cast<int64_t>(j) * p.dk_stride.row : nullptr;
@@ -354,7 +423,16 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_kerne
 
 template <typename Elem, int D>
 __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dkdv_modes_kernel(const BwdParams p) {
-  attn_bwd_dkdv_body<Elem, D, true>(p);
+  if (p.cu_seqlens_q == nullptr) {
+    attn_bwd_dkdv_body<Elem, D, true>(p);
+    return;
+  }
+  // Packed sequences: the grid is key blocks of max_seqlen_k fastest, then KV heads, then
+  // sequences (BwdSeqView).
+  const int n = packed_key_blocks<BwdConfig<D>::kDkvBlockN>(p);
+  BwdSeqView sv;
+  const BwdParams ps = bwd_seq_params(p, static_cast<int>(block_index() / (static_cast<int64_t>(n) * p.Hkv)), n, sv);
+  attn_bwd_dkdv_body<Elem, D, true>(ps, sv);
 }
 
 // One key block of the dQ kernel for one warp's 16 query rows, which see keys [lo, limit).
@@ -430,9 +508,9 @@ MHK_DEVICE void dq_step(const Elem* sQ, const Elem* sdO, int q_row0, const Elem*
   mma_regs_x_rows<Elem, D, kBlockN>(dq, ds, sK, 0, lane);  // dQ += dS K (scaled at the end)
 }
 
-// The body of the dQ kernels (kModes as for the dK/dV kernels).
+// The body of the dQ kernels (kModes and sv as for the dK/dV kernels).
 template <typename Elem, int D, bool kModes>
-MHK_DEVICE void attn_bwd_dq_body(const BwdParams& p) {
+MHK_DEVICE void attn_bwd_dq_body(const BwdParams& p, const BwdSeqView& sv = BwdSeqView{}) {
   using Cfg = BwdConfig<D>;
   constexpr int kBlockM = Cfg::kDqBlockM, kBlockN = Cfg::kDqBlockN, kThreads = Cfg::kThreads;
   MHK_DYNAMIC_SMEM(smem);
@@ -451,7 +529,8 @@ MHK_DEVICE void attn_bwd_dq_body(const BwdParams& p) {
   const int g = lane / 4, t = lane % 4;
 
   const int rows_total = p.group * p.Lq;
-  const int n_mblocks = ceil_div(rows_total, kBlockM);
+  const bool packed = kModes && sv.on;
+  const int n_mblocks = packed ? sv.n_blocks : ceil_div(rows_total, kBlockM);
   int64_t bid = block_index();
   int mb = static_cast<int>(bid % n_mblocks);
   bid /= n_mblocks;
@@ -461,6 +540,7 @@ MHK_DEVICE void attn_bwd_dq_body(const BwdParams& p) {
   const int split = static_cast<int>(bid / p.B);
   if (p.causal) mb = n_mblocks - 1 - mb;
   const int r0 = mb * kBlockM;
+  if (packed && r0 >= rows_total) return;  // a tile past this sequence's rows; no barrier yet
   const int nrows = imin(kBlockM, rows_total - r0);
   const int Lk_b = key_length_of(p, b);  // clamped into [0, Lk]
 
@@ -479,7 +559,7 @@ MHK_DEVICE void attn_bwd_dq_body(const BwdParams& p) {
     lse2[hh] = INFINITY;  // zeroes P of rows past the end
     delta[hh] = 0.f;
     if (r < rows_total) {
-      const int64_t lin = packed_row_linear(b, p.H, hkv, p.group, p.Lq, r);
+      const int64_t lin = bwd_row_linear<kModes>(p, sv, b, hkv, r);
       const float lse = p.lse[lin];
       lse2[hh] = lse == -INFINITY ? INFINITY : lse * kLog2e;
       delta[hh] = p.delta[lin];
@@ -503,10 +583,14 @@ MHK_DEVICE void attn_bwd_dq_body(const BwdParams& p) {
   const ExtraModes em = extra_modes_of(p);
   const ModeRows mode_rows{sMaskRow, sDrop, sDmaskRow, sAlibiSlope, sAlibiPos};
 
-  const Elem* q = static_cast<const Elem*>(p.q);
-  const Elem* dout = static_cast<const Elem*>(p.dout);
-  const Elem* k_head = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hkv * p.k_stride.head;
-  const Elem* v_head = static_cast<const Elem*>(p.v) + b * p.v_stride.batch + hkv * p.v_stride.head;
+  // A packed sequence's first query and key tokens (BwdSeqView), added to the row addresses.
+  const int q_tok = packed ? sv.q0 : 0, k_tok = packed ? sv.k0 : 0;
+  const Elem* q = static_cast<const Elem*>(p.q) + static_cast<int64_t>(q_tok) * p.q_stride.row;
+  const Elem* dout = static_cast<const Elem*>(p.dout) + static_cast<int64_t>(q_tok) * p.do_stride.row;
+  const Elem* k_head = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hkv * p.k_stride.head +
+                       static_cast<int64_t>(k_tok) * p.k_stride.row;
+  const Elem* v_head = static_cast<const Elem*>(p.v) + b * p.v_stride.batch + hkv * p.v_stride.head +
+                       static_cast<int64_t>(k_tok) * p.v_stride.row;
   auto load_kv = [&](int n0, int stage) {
     load_tile_async<Elem, kBlockN, D, kThreads>(sK + stage * Cfg::kDqKTile, p.k, [&](int rr) -> const Elem* {
       const int j = n0 + rr;
@@ -563,7 +647,7 @@ MHK_DEVICE void attn_bwd_dq_body(const BwdParams& p) {
     const float mul[2] = {p.scale, p.scale};
     stage_accumulator<Elem, D>(sQ, warp * 16, dq, mul, lane);
     block_sync();
-    Elem* dqp = static_cast<Elem*>(p.dq);
+    Elem* dqp = static_cast<Elem*>(p.dq) + static_cast<int64_t>(q_tok) * p.dq_stride.row;
     store_tile<Elem, kBlockM, D, kThreads>(sQ, [&](int rr) -> Elem* {
       const int r = r0 + rr;
       return r < rows_total ? dqp + packed_row_offset(p.dq_stride, b, hkv, p.group, p.Lq, r) : nullptr;
@@ -593,7 +677,16 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_kernel(
 
 template <typename Elem, int D>
 __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_modes_kernel(const BwdParams p) {
-  attn_bwd_dq_body<Elem, D, true>(p);
+  if (p.cu_seqlens_q == nullptr) {
+    attn_bwd_dq_body<Elem, D, true>(p);
+    return;
+  }
+  // Packed sequences: the grid is query tiles of the group's rows of max_seqlen_q fastest, then
+  // KV heads, then sequences (BwdSeqView); unsplit.
+  const int n = packed_query_tiles<BwdConfig<D>::kDqBlockM>(p);
+  BwdSeqView sv;
+  const BwdParams ps = bwd_seq_params(p, static_cast<int>(block_index() / (static_cast<int64_t>(n) * p.Hkv)), n, sv);
+  attn_bwd_dq_body<Elem, D, true>(ps, sv);
 }
 
 // dq = sum over splits of the fp32 partials, added in split order; one thread per pair of
@@ -642,9 +735,16 @@ template <typename Elem, int D>
 cudaError_t run_attn_bwd(const BwdParams& p, cudaStream_t stream) {
   using Cfg = BwdConfig<D>;
   const int64_t rows = static_cast<int64_t>(p.B) * p.H * p.Lq;
-  const int64_t grid_kv = static_cast<int64_t>(ceil_div(p.Lk, Cfg::kDkvBlockN)) * p.Hkv * p.B;
-  const int64_t grid_q = static_cast<int64_t>(ceil_div(p.group * p.Lq, Cfg::kDqBlockM)) * p.Hkv * p.B * p.num_splits;
-  if (rows == 0 || grid_kv == 0) return cudaSuccess;
+  int64_t grid_kv = static_cast<int64_t>(ceil_div(p.Lk, Cfg::kDkvBlockN)) * p.Hkv * p.B;
+  int64_t grid_q = static_cast<int64_t>(ceil_div(p.group * p.Lq, Cfg::kDqBlockM)) * p.Hkv * p.B * p.num_splits;
+  if (p.cu_seqlens_q != nullptr) {
+    // Packed sequences (the modes kernels, BwdSeqView): blocks of max_seqlen_k / max_seqlen_q per
+    // (sequence, KV head); no split-K (the reduce kernel's rows are the dense (B, H, Lq) ones).
+    if (p.num_splits != 1) return cudaErrorInvalidValue;
+    grid_kv = static_cast<int64_t>(packed_key_blocks<Cfg::kDkvBlockN>(p)) * p.Hkv * p.num_seqs;
+    grid_q = static_cast<int64_t>(packed_query_tiles<Cfg::kDqBlockM>(p)) * p.Hkv * p.num_seqs;
+  }
+  if (rows == 0 || grid_kv == 0 || grid_q == 0) return cudaSuccess;
   if (grid_kv > 0x7fffffff || grid_q > 0x7fffffff || (rows + 3) / 4 > 0x7fffffff) return cudaErrorInvalidConfiguration;
 
   launch_kernel(attn_bwd_delta_kernel<Elem, D>, (rows + 3) / 4, 128, 0, stream, p);

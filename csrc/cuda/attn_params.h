@@ -100,8 +100,8 @@ struct BwdParams : ModeParams {  // the modes: ../mode_params.h
 
 // Whether a call runs the kernels' kModes instantiations (attn_fwd_modes_kernel and the
 // backward's *_modes kernels): attn_mask, dropout, a score modifier (softcap, ALiBi), packed
-// sequences (the forward only so far) or the KV cache's addressing (forward only). Windows, top-left causal and key lengths are in every
-// kernel's Visibility masking.
+// sequences or the KV cache's addressing (forward only). Windows, top-left causal and key
+// lengths are in every kernel's Visibility masking.
 template <typename Params>
 MHK_PARAMS_HD bool needs_modes_kernel(const Params& p) {
   return p.mask != nullptr || p.dropout_p > 0.0 || p.softcap > 0.f || p.alibi != nullptr || p.cu_seqlens_q != nullptr ||
@@ -132,6 +132,30 @@ MHK_PARAMS_HD int key_length_of(const Params& p, int b) {
   if (p.key_lengths == nullptr) return p.Lk;
   const int n = p.key_lengths[b];
   return n < 0 ? 0 : (n > p.Lk ? p.Lk : n);
+}
+
+// The tokens of sequence s of a packed call (ModeParams::cu_seqlens_q / _k; p.Lq, p.Lk are the
+// token counts Tq, Tk): queries [q0, q0 + Lq), keys [k0, k0 + Lk). Clamped so that no value of
+// cu_seqlens (which the host checks only where it can read them: op_common.h
+// check_packing_values) makes a kernel address a token outside q, k, v, or a row past the grid,
+// which covers max_seqlen_q / max_seqlen_k per sequence.
+struct SeqTokens {
+  int q0, Lq, k0, Lk;
+};
+MHK_PARAMS_HD int clamp_int(int64_t x, int64_t lo, int64_t hi) {  // lo wins over a hi below it
+  x = x > hi ? hi : x;
+  return static_cast<int>(x < lo ? lo : x);
+}
+template <typename Params>
+MHK_PARAMS_HD SeqTokens seq_tokens(const Params& p, int s) {
+  SeqTokens t;
+  t.q0 = clamp_int(p.cu_seqlens_q[s], 0, p.Lq);
+  t.Lq = clamp_int(static_cast<int64_t>(p.cu_seqlens_q[s + 1]) - t.q0, 0,
+                   p.max_seqlen_q < p.Lq - t.q0 ? p.max_seqlen_q : p.Lq - t.q0);
+  t.k0 = clamp_int(p.cu_seqlens_k[s], 0, p.Lk);
+  t.Lk = clamp_int(static_cast<int64_t>(p.cu_seqlens_k[s + 1]) - t.k0, 0,
+                   p.max_seqlen_k < p.Lk - t.k0 ? p.max_seqlen_k : p.Lk - t.k0);
+  return t;
 }
 
 // One (B, H, L, D) operand as the kernels see it: its data and its (batch, head, row) strides.

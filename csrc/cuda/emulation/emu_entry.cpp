@@ -117,7 +117,7 @@ struct FusedWorkspace {
   std::vector<uint32_t> counters;
 };
 void fill_bwd_kernel(mhakern::cuda::BwdParams& p, FusedWorkspace& ws) {
-  p.bwd_kernel = mhakern::caps::cuda_bwd_kernel(p.D, g_bwd_kernel_request);
+  p.bwd_kernel = mhakern::caps::cuda_bwd_kernel(p.D, g_bwd_kernel_request, p.cu_seqlens_q != nullptr);
   if (p.bwd_kernel == mhakern::caps::kBwdSplit) return;
   ws.dq_accum.assign(static_cast<size_t>(p.B) * p.H * p.Lq * p.D, 0.f);
   ws.counters.assign(static_cast<size_t>(mhakern::caps::cuda_fused_bwd_counters(p.B, p.Hkv, static_cast<int64_t>(p.group) * p.Lq, p.D)), 0u);
@@ -268,6 +268,37 @@ int mhk_emu_modifier_family(int major, int minor, int sm90_compiled, int D, floa
   return static_cast<int>(mhakern::cuda::choose_fwd_family(major, minor, sm90_compiled != 0, p));
 }
 
+// The family the host gives a packed call (cu_seqlens set: attn_dispatch.h choose_fwd_family /
+// choose_bwd_family) of head dim D on a device of capability major.minor (0 mma.sync, 1 sm90),
+// and in *sm90_serves whether the sm90 family's features for that pass (capabilities.h
+// kSm90FwdFeatures / kSm90BwdFeatures) list packed sequences.
+int mhk_emu_varlen_family(int major, int minor, int sm90_compiled, int D, int backward, int* sm90_serves) {
+  static const int32_t cu[3] = {0, 40, 100};
+  auto fill = [&](auto& p) {
+    p.D = D;
+    p.B = 1;
+    p.H = p.Hkv = 1;
+    p.Lq = p.Lk = 100;
+    p.num_splits = 1;
+    p.cu_seqlens_q = p.cu_seqlens_k = cu;
+    p.num_seqs = 2;
+    p.max_seqlen_q = p.max_seqlen_k = 60;
+    p.k_stride = p.v_stride = p.q_stride = {100LL * D, 100LL * D, D};
+  };
+  using mhakern::caps::kVarlen;
+  if (backward) {
+    mhakern::cuda::BwdParams p;
+    fill(p);
+    p.do_stride = p.q_stride;
+    *sm90_serves = (mhakern::caps::kSm90BwdFeatures & kVarlen) != 0;
+    return static_cast<int>(mhakern::cuda::choose_bwd_family(major, minor, sm90_compiled != 0, p));
+  }
+  mhakern::cuda::FwdParams p;
+  fill(p);
+  *sm90_serves = (mhakern::caps::kSm90FwdFeatures & kVarlen) != 0;
+  return static_cast<int>(mhakern::cuda::choose_fwd_family(major, minor, sm90_compiled != 0, p));
+}
+
 // Strides are (batch, head, row) in elements. Returns 0 on success, 1 with mhk_emu_last_error().
 // Parameters are filled by the helpers the host code uses (attn_params.h).
 int mhk_emu_fwd(int elem, int D, const void* q, const int64_t* q_st, const void* k, const int64_t* k_st, const void* v,
@@ -355,6 +386,35 @@ int mhk_emu_fwd_cache(int elem, int D, const void* q, const int64_t* q_st, const
   p.block_table_stride = bt_stride;
   p.page_size = page_size;
   return finish(mhakern::cuda::dispatch_attn_fwd(static_cast<ElemType>(elem), D, p, nullptr));
+}
+
+// The backward of packed sequences: the modes backward with B = 1, Tq / Tk tokens and the
+// packing fields as mhk_emu_fwd_varlen sets them (unsplit); the split kernels whatever
+// mhk_emu_set_bwd_kernel says (capabilities.h cuda_bwd_kernel), as the host runs them.
+int mhk_emu_bwd_varlen(int elem, int D, const void* dout, const int64_t* do_st, const void* q, const int64_t* q_st,
+                       const void* k, const int64_t* k_st, const void* v, const int64_t* v_st, const void* o,
+                       const int64_t* o_st, const float* lse, void* dq, const int64_t* dq_st, void* dk,
+                       const int64_t* dk_st, void* dv, const int64_t* dv_st, float* delta, int H, int Hkv, int Tq,
+                       int Tk, float scale, int causal, int top_left, long long window_left, long long window_right,
+                       double dropout_p, unsigned long long seed, float softcap, const float* alibi,
+                       long long alibi_sb, long long alibi_sh, const int32_t* cu_q, const int32_t* cu_k,
+                       long long num_seqs, long long max_q, long long max_k) {
+  const CallSizes s{1, H, Hkv, Tq, Tk, D};
+  auto p = mhakern::cuda::make_bwd_params(s, operand(dout, do_st), operand(q, q_st), operand(k, k_st),
+                                          operand(v, v_st), operand(o, o_st), lse, operand(dq, dq_st),
+                                          operand(dk, dk_st), operand(dv, dv_st), delta, nullptr, scale, causal != 0,
+                                          1, nullptr);
+  const int64_t no_mask[4] = {0, 0, 0, 0};
+  fill_modes(p, top_left, window_left, window_right, nullptr, 0, no_mask, nullptr, dropout_p, seed, softcap, alibi,
+             alibi_sb, alibi_sh);
+  p.cu_seqlens_q = cu_q;
+  p.cu_seqlens_k = cu_k;
+  p.num_seqs = num_seqs;
+  p.max_seqlen_q = max_q;
+  p.max_seqlen_k = max_k;
+  FusedWorkspace ws;
+  fill_bwd_kernel(p, ws);
+  return finish(mhakern::cuda::dispatch_attn_bwd(static_cast<ElemType>(elem), D, p, nullptr));
 }
 
 int mhk_emu_bwd_modes(int elem, int D, const void* dout, const int64_t* do_st, const void* q, const int64_t* q_st,
