@@ -225,17 +225,36 @@ def test_packed_matches_padded(name, entry_points):
     assert _err(pad_logits, sdpa_logits) <= 1e-10
 
 
-def test_cu_seq_lens_alone_restrict_attention():
-    # The padding-free collator's cu_seq_lens, without position_ids showing the packing, must
-    # still keep the sequences apart (mhakern's per-layer block-diagonal mask).
-    q, k, v = (torch.randn(1, 2, 7, 8, dtype=torch.float64) for _ in range(3))
-    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
-    plain = mkt.mask_interface(1, 7, 7, mask_function=mu.causal_mask_function)
+def test_cu_seq_lens_reach_varlen_with_the_models_options_and_refusals_name_them(entry_points):
+    # A padding-free collator's cu_seq_lens (an empty sequence among them), without position_ids
+    # showing the packing, keep the sequences apart through attention_varlen with the sliding
+    # window, GQA, softcap and sinks: each sequence as its own dense call. What cannot be taken
+    # is refused naming the option.
+    mkt.register("auto")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 9, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 9, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    cu = torch.tensor([0, 3, 3, 9], dtype=torch.int32)
+    sinks = torch.tensor([0.5, -1.0, 0.0, 2.0], dtype=torch.float64)
+    vis = mkt.mask_interface(1, 9, 9, mask_function=mu.sliding_window_causal_mask_function(4), local_size=4)
     module = torch.nn.Module()
-    out, _ = mkt.attention_forward(module, q, k, v, plain, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
-    parts = [torch.nn.functional.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True)
-             for a, b in ((0, 3), (3, 7))]
+    out, _ = mkt.attention_forward(module, q, k, v, vis, softcap=2.0, s_aux=sinks, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    assert entry_points == ["attention_varlen"]
+    parts = [mhakern.attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal=True, window=(3, 0), softcap=2.0,
+                               sinks=sinks, backend="reference") for a, b in ((0, 3), (3, 9))]
     assert _err(out, torch.cat(parts, 2).transpose(1, 2)) <= 1e-12
+    with pytest.raises(ValueError, match="head_mask"):
+        mkt.attention_forward(module, q, k, v, vis, head_mask=torch.ones(4))
+    with pytest.raises(ValueError, match="cu_seq_lens_q, cu_seq_lens_k: give both"):
+        mkt.attention_forward(module, q, k, v, vis, cu_seq_lens_q=cu)
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q, cu_seq_lens_k: must end at .*\(9, 9\)"):
+        bad = torch.tensor([0, 3, 8], dtype=torch.int32)
+        mkt.attention_forward(module, q, k, v, vis, cu_seq_lens_q=bad, cu_seq_lens_k=bad)
+    two = [x.expand(2, -1, -1, -1) for x in (q, k, v)]
+    with pytest.raises(ValueError, match="cu_seq_lens_q: packed sequences need a batch of one row, got 2"):
+        mkt.attention_forward(module, *two, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    with pytest.raises(ValueError, match=r"position_ids: expected shape \(2 or 1, 9\)"):
+        mkt.attention_forward(module, *two, None, position_ids=torch.zeros(3, 9, dtype=torch.long))
 
 
 def test_mask_fast_paths():
