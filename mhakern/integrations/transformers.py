@@ -272,7 +272,7 @@ def mask_interface(
         use_vmap=use_vmap, device=device, allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
     )
     if attention_mask is None and q_offset == 0 and kv_offset == 0 and q_length == kv_length:
-        found = _packing_from_mask(full, local_size, device)
+        found = _packing_from_mask(full.expand(batch_size, -1, -1, -1), local_size, device)
         if found is not None:
             causal, window, packing = found
             return Visibility(causal, "bottom_right", window, None, None, q_length, kv_length, packing)
