@@ -23,6 +23,8 @@ transformers = pytest.importorskip(
     reason="transformers>=5.4.0 is not installed (pip install 'mhakern[transformers]')",
 )
 
+import mhakern  # noqa: E402
+import mhakern.backends  # noqa: E402
 import mhakern.integrations.transformers as mkt  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM  # noqa: E402
 from transformers import masking_utils as mu  # noqa: E402
@@ -135,51 +137,130 @@ def test_generate_with_a_static_cache():
     assert vis.causal_align == "bottom_right" and vis.key_lengths.tolist() == [6] and vis.attn_mask is None
 
 
+class _NoVarlen(mhakern.backends.Backend):
+    """The reference's kernels under a non-fallback name, without packed sequences: a stand-in
+    for a fast backend that lacks "varlen"."""
+
+    name = "no_varlen"
+    priority = 100  # above every built-in: "auto" picks it for the dense calls
+    features = mhakern.backends.ALL_FEATURES - {"varlen"}
+
+    def forward(self, *args, **kw):
+        return mhakern.backends.get("reference").forward(*args, **kw)
+
+    def backward(self, *args, **kw):
+        return mhakern.backends.get("reference").backward(*args, **kw)
+
+
+@pytest.fixture
+def entry_points(monkeypatch):
+    """The names of the mhakern entry points the integration calls, in order."""
+    calls = []
+    for name in ("attention", "attention_varlen"):
+        def spy(*args, _fn=getattr(mhakern, name), _name=name, **kw):
+            calls.append(_name)
+            return _fn(*args, **kw)
+        monkeypatch.setattr(mhakern, name, spy)
+    return calls
+
+
 @pytest.mark.parametrize("name", ["llama", "mistral"])
-def test_packed_matches_padded(name):
+def test_packed_matches_padded(name, entry_points):
     # Three sequences (9, 6, 4 tokens) packed in one row, positions restarting at 0, no mask:
-    # block-diagonal causal attention; must equal the right-padded batch at its real tokens.
+    # block-diagonal causal attention (Mistral: and its window of 4); must equal the
+    # right-padded batch at its real tokens, through attention_varlen in every layer, whichever
+    # way the packing reaches the integration: position_ids with a cache object (the attention
+    # call finds it), without one (transformers' mask function), a flattening collator's
+    # cu_seq_lens. A backend without "varlen" gets the packing's mask instead, named or picked
+    # by "auto".
     ids, mask, real = _batch("right")
     lengths = real.sum(-1).tolist()
     packed = torch.cat([ids[b, :n] for b, n in enumerate(lengths)])[None]
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
-    ref, mine = _pair(name, torch.float64, "reference")
+    ref, mine64 = _pair(name, torch.float64, "reference")
+    mine = mine64
     pad_logits, pad_grads = _logits_and_grads(mine, ids, mask, real)
+    layers = len(mine.model.layers)
 
     def packed_run(**kw):
         mine.zero_grad(set_to_none=True)
+        entry_points.clear()
         logits = mine(packed, position_ids=pos, **kw).logits[0]
         w = torch.randn((3, 9, V), generator=torch.Generator().manual_seed(2), dtype=torch.float64)[real]
         (logits * w).sum().backward()
         return logits.detach(), {n: p.grad.detach().clone() for n, p in mine.named_parameters() if p.grad is not None}
 
-    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
-    for kw in ({}, dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9)):
-        logits, grads = packed_run(**kw)
+    def check(logits, grads):
         assert _err(logits, pad_logits) <= 1e-10
         for n in pad_grads:
             assert _err(grads[n], pad_grads[n]) <= _grad_tol64(pad_grads[n]), n
+
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+    for kw in ({}, dict(use_cache=False), dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9)):
+        check(*packed_run(**kw))
+        assert entry_points == ["attention_varlen"] * layers, kw
+    # The cpu kernels' varlen path in float32, held to the contract's rule against float64
+    ref32, mine32 = _pair(name, torch.float32, "cpu")
+    l32, g32 = _logits_and_grads(ref32, ids, mask, real)
+    mine = mine32
+    m32, gm32 = packed_run()
+    assert entry_points == ["attention_varlen"] * layers and mhakern.last_backend() == "cpu"
+    assert _err(m32, pad_logits) <= 2 * _err(l32, pad_logits) + 1e-5
+    for n in pad_grads:
+        assert _err(gm32[n], pad_grads[n]) <= 3 * _err(g32[n], pad_grads[n]) + 1e-5, n
+    mine = mine64
+    mkt.register("reference")
+    be = mhakern.backends.register(_NoVarlen())
+    try:
+        for backend in ("no_varlen", "auto"):
+            mkt.register(backend)
+            check(*packed_run())
+            assert entry_points == ["attention"] * layers, backend
+    finally:
+        del mhakern.backends._REGISTRY[be.name]
+        mhakern.backends._ORDER = None
+        mhakern.backends.clear_dispatch_cache()
     # and the padded batch itself is SDPA's
     sdpa_logits, _ = _logits_and_grads(ref, ids, mask, real)
     assert _err(pad_logits, sdpa_logits) <= 1e-10
 
 
-def test_cu_seq_lens_alone_restrict_attention():
-    # The padding-free collator's cu_seq_lens, without position_ids showing the packing, must
-    # still keep the sequences apart (mhakern's per-layer block-diagonal mask).
-    q, k, v = (torch.randn(1, 2, 7, 8, dtype=torch.float64) for _ in range(3))
-    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
-    plain = mkt.mask_interface(1, 7, 7, mask_function=mu.causal_mask_function)
+def test_cu_seq_lens_reach_varlen_with_the_models_options_and_refusals_name_them(entry_points):
+    # A padding-free collator's cu_seq_lens (an empty sequence among them), without position_ids
+    # showing the packing, keep the sequences apart through attention_varlen with the sliding
+    # window, GQA, softcap and sinks: each sequence as its own dense call. What cannot be taken
+    # is refused naming the option.
+    mkt.register("auto")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 9, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 9, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    cu = torch.tensor([0, 3, 3, 9], dtype=torch.int32)
+    sinks = torch.tensor([0.5, -1.0, 0.0, 2.0], dtype=torch.float64)
+    vis = mkt.mask_interface(1, 9, 9, mask_function=mu.sliding_window_causal_mask_function(4), local_size=4)
     module = torch.nn.Module()
-    out, _ = mkt.attention_forward(module, q, k, v, plain, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
-    parts = [torch.nn.functional.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True)
-             for a, b in ((0, 3), (3, 7))]
+    out, _ = mkt.attention_forward(module, q, k, v, vis, softcap=2.0, s_aux=sinks, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    assert entry_points == ["attention_varlen"]
+    parts = [mhakern.attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal=True, window=(3, 0), softcap=2.0,
+                               sinks=sinks, backend="reference") for a, b in ((0, 3), (3, 9))]
     assert _err(out, torch.cat(parts, 2).transpose(1, 2)) <= 1e-12
+    with pytest.raises(ValueError, match="head_mask"):
+        mkt.attention_forward(module, q, k, v, vis, head_mask=torch.ones(4))
+    with pytest.raises(ValueError, match="cu_seq_lens_q, cu_seq_lens_k: give both"):
+        mkt.attention_forward(module, q, k, v, vis, cu_seq_lens_q=cu)
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q, cu_seq_lens_k: must end at .*\(9, 9\)"):
+        bad = torch.tensor([0, 3, 8], dtype=torch.int32)
+        mkt.attention_forward(module, q, k, v, vis, cu_seq_lens_q=bad, cu_seq_lens_k=bad)
+    two = [x.expand(2, -1, -1, -1) for x in (q, k, v)]
+    with pytest.raises(ValueError, match="cu_seq_lens_q: packed sequences need a batch of one row, got 2"):
+        mkt.attention_forward(module, *two, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    with pytest.raises(ValueError, match=r"position_ids: expected shape \(2 or 1, 9\)"):
+        mkt.attention_forward(module, *two, None, position_ids=torch.zeros(3, 9, dtype=torch.long))
 
 
 def test_mask_fast_paths():
     # Right padding -> key_lengths; left padding -> a (B, 1, 1, Lk) mask; decode -> bottom-right;
-    # sliding windows -> window; anything else (chunked attention) -> transformers' full mask.
+    # sliding windows -> window; causal blocks (chunked attention) -> packed sequences; anything
+    # else -> transformers' full mask.
     real = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
     vis = mkt.mask_interface(2, 4, 4, mask_function=mu.causal_mask_function, attention_mask=real)
     assert vis.causal and vis.causal_align == "top_left" and vis.attn_mask is None
@@ -194,7 +275,13 @@ def test_mask_fast_paths():
     chunked = mu.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))
     vis = mkt.mask_interface(2, 7, 7, mask_function=chunked, local_size=3)
     want = mu.sdpa_mask(2, 7, 7, mask_function=chunked, allow_is_causal_skip=False)
-    assert not vis.causal and vis.window is None and torch.equal(vis.attn_mask, want)
+    assert vis.causal and vis.window is None and vis.attn_mask is None
+    assert vis.packing.cu_q.tolist() == [0, 3, 6, 7, 10, 13, 14] and vis.packing.max_q == 3
+    assert torch.equal(vis.packing.mask(True, None), want)
+    extra = mu.or_masks(mu.causal_mask_function, lambda b, h, q, kv: (q == 4) & (kv == 6))
+    vis = mkt.mask_interface(2, 7, 7, mask_function=extra)
+    want = mu.sdpa_mask(2, 7, 7, mask_function=extra, allow_is_causal_skip=False)
+    assert vis.packing is None and not vis.causal and torch.equal(vis.attn_mask, want)
 
 
 def test_dropout_reaches_mhakern():

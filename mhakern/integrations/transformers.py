@@ -27,18 +27,29 @@ work. transformers describes a mask by a *mask function* over absolute positions
 * padding becomes ``key_lengths`` where each row's real tokens are a prefix and the alignment
   allows it (right padding), else a (B, 1, 1, Lk) bool ``attn_mask`` that is never expanded
   (left padding, arbitrary holes);
-* anything else (packed sequences found from ``position_ids``, chunked attention, a model's
-  own ``or``/``and`` mask functions, token-type blocks) is materialised by transformers' own
-  ``sdpa_mask`` into a (B, 1, Lq, Lk) bool mask -- always correct, at SDPA's cost: B*Lq*Lk
-  bytes built once per forward, and kernels that visit every key block.
+* causal (or bidirectional) attention within consecutive blocks of each row, with or without
+  the sliding window, and no padding -- packed sequences transformers found from
+  ``position_ids``, chunked attention -- becomes a :class:`Packing` (prefix sums), recognised
+  by comparing transformers' own mask with the candidate once per forward;
+* anything else (a model's own ``or``/``and`` mask functions, token-type blocks, packing with
+  padding) is materialised by transformers' own ``sdpa_mask`` into a (B, 1, Lq, Lk) bool mask
+  -- always correct, at SDPA's cost: B*Lq*Lk bytes built once per forward, and kernels that
+  visit every key block.
 
-Packed training (several sequences in one row, positions restarting) is thus a block-diagonal,
-per-document causal bool mask. transformers finds packing while building masks only when no
-cache object exists (``use_cache=False``); otherwise the attention call finds it from
-``position_ids`` as the flash-attention path does (any batch size, only without a padding mask;
-one host read per forward, cached across layers). The flash-attention kwargs
-``cu_seq_lens_q``/``cu_seq_lens_k`` (a padding-free data collator's) are honoured the same way.
-GQA models pass their fewer KV heads as they are (no ``repeat_kv`` copy). ``scaling`` and
+Packed training (several sequences in one row, positions restarting) goes to
+:func:`mhakern.attention_varlen`, as transformers' flash-attention path goes to
+``flash_attn_varlen_func``: the layer's (B, H, L, D) tensors are read as (B * L, H, D) tokens
+(views for one row, and for rows in transformers' (B, L, H, D) memory), each sequence causal
+within itself with the model's window, GQA, softcap, sinks and dropout as for a dense call; no
+mask is built or read. transformers finds packing while building masks only when no cache object exists
+(``use_cache=False``); otherwise the attention call finds it from ``position_ids`` as the
+flash-attention path does (any batch size, only without a padding mask; one host read per
+forward, cached across layers). The flash-attention kwargs ``cu_seq_lens_q``/``cu_seq_lens_k``
+and ``max_length_q``/``max_length_k`` (a padding-free data collator's) are taken as they are.
+Where the backend in use does not serve packed sequences (its ``features`` lack ``"varlen"``;
+under ``"auto"``: where only the reference would serve them packed while a kernel serves the
+dense call), the packing becomes its block-diagonal bool mask on a dense call, built once per
+forward. GQA models pass their fewer KV heads as they are (no ``repeat_kv`` copy). ``scaling`` and
 ``dropout`` go to mhakern as they come; T5's learned ``position_bias`` becomes an additive float
 mask, which mhakern differentiates. Gemma 2's logit ``softcap`` becomes mhakern's ``softcap`` and
 gpt-oss' attention sinks ``s_aux`` (the learned per-head ``sinks``) mhakern's ``sinks``, with
@@ -116,13 +127,17 @@ def register(backend: str = "auto") -> None:
 # The mask function: runs once per forward and per mask type
 
 
-@dataclass(frozen=True)
+# slots, not frozen: a frozen dataclass's __init__ costs 1.5 us more, once per forward of a
+# decode step. Not to be modified once made (every layer of a forward shares it).
+@dataclass(slots=True)
 class Visibility:
     """What one mask function call found, in :func:`mhakern.attention`'s terms.
 
     ``attn_mask`` is None, a (B, 1, 1, Lk) bool padding mask, or a (B, 1, Lq, Lk) bool mask of
-    the whole visibility (``causal`` False and ``window`` None then). ``q_length`` and
-    ``kv_length`` are the sizes it was made for; the attention call checks them.
+    the whole visibility (``causal`` False and ``window`` None then). ``packing``: None, or the
+    packed sequences of the rows (``causal`` and ``window`` then hold within each sequence, and
+    ``attn_mask`` and ``key_lengths`` are None). ``q_length`` and ``kv_length`` are the sizes it
+    was made for; the attention call checks them.
     """
 
     causal: bool
@@ -132,6 +147,7 @@ class Visibility:
     attn_mask: Optional[Tensor]
     q_length: int
     kv_length: int
+    packing: Optional["Packing"] = None
 
     # generate() with a static cache builds the masks ahead and hands them to the model's forward,
     # whose mask creation then sees a Visibility where a 2-D mask would be converted: ndim 4
@@ -185,7 +201,7 @@ def _padding(attention_mask, batch_size, kv_length, kv_offset, device):
     if attention_mask is None:
         return None
     pad = attention_mask
-    if pad.dtype != torch.bool or pad.device != torch.device(device):
+    if pad.dtype != torch.bool or pad.device != (device if isinstance(device, torch.device) else torch.device(device)):
         pad = pad.to(device=device, dtype=torch.bool)
     if kv_offset or pad.shape[-1] != kv_length:
         pad = pad[:, kv_offset:kv_offset + kv_length]
@@ -236,11 +252,7 @@ def mask_interface(
         return attention_mask
     if isinstance(q_length, torch.Tensor):  # older callers pass cache_position in q_length's place
         q_offset, q_length = q_length[0], q_length.shape[0]
-    sdpa_args = dict(
-        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
-        mask_function=mask_function, attention_mask=attention_mask, local_size=local_size, use_vmap=use_vmap,
-        device=device,
-    )
+    given_offsets = (q_offset, kv_offset)  # as transformers passed them (a static cache's tensor), for sdpa_mask
     q_offset, kv_offset = int(q_offset), int(kv_offset)
     found = None if use_vmap else _pattern(mask_function, local_size, allow_is_causal_skip, allow_is_bidirectional_skip)
     if found is not None:
@@ -251,8 +263,19 @@ def mask_interface(
         if placed is not None:
             align, key_lengths, attn_mask = placed
             return Visibility(kind == "causal", align, window, key_lengths, attn_mask, q_length, kv_length)
-    # Everything else: transformers' own construction of the full bool mask.
-    full = mu.sdpa_mask(allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **sdpa_args)
+    # Everything else: transformers' own construction of the full bool mask, then (without
+    # padding, in a prefill) a look whether it is causal attention within blocks of each row:
+    # packed sequences found from position_ids (no cache object), chunked attention.
+    full = mu.sdpa_mask(
+        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=given_offsets[0],
+        kv_offset=given_offsets[1], mask_function=mask_function, attention_mask=attention_mask, local_size=local_size,
+        use_vmap=use_vmap, device=device, allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
+    )
+    if attention_mask is None and q_offset == 0 and kv_offset == 0 and q_length == kv_length:
+        found = _packing_from_mask(full.expand(batch_size, -1, -1, -1), local_size, device)
+        if found is not None:
+            causal, window, packing = found
+            return Visibility(causal, "bottom_right", window, None, None, q_length, kv_length, packing)
     return Visibility(False, "bottom_right", None, None, full, q_length, kv_length)
 
 
@@ -331,49 +354,226 @@ def _refuse_head_mask(kwargs) -> None:
         raise ValueError("attn_implementation='mhakern': head_mask is not supported; use attn_implementation='eager'")
 
 
-def _segments_mask(cu_q: Tensor, cu_k: Tensor, Lq: int, Lk: int) -> Tensor:
-    """(1, 1, Lq, Lk) bool: query and key in the same packed sequence (FlashAttention's cu_seqlens)."""
-    if cu_q.dim() != 1 or cu_k.dim() != 1 or cu_q.shape != cu_k.shape:
-        raise ValueError(
-            f"cu_seq_lens_q, cu_seq_lens_k: expected two 1-D tensors of one length, got {tuple(cu_q.shape)} "
-            f"and {tuple(cu_k.shape)}"
-        )
-    if int(cu_q[-1]) != Lq or int(cu_k[-1]) != Lk:
-        raise ValueError(
-            f"cu_seq_lens_q, cu_seq_lens_k: must end at the packed lengths ({Lq}, {Lk}) of a batch of one row, got "
-            f"({int(cu_q[-1])}, {int(cu_k[-1])})"
-        )
-    seg_q = torch.searchsorted(cu_q[1:].contiguous(), torch.arange(Lq, device=cu_q.device), right=True)
-    seg_k = torch.searchsorted(cu_k[1:].contiguous(), torch.arange(Lk, device=cu_k.device), right=True)
-    return (seg_q[:, None] == seg_k[None, :]).view(1, 1, Lq, Lk)
+# ---------------------------------------------------------------------------------------------
+# Packed sequences: several sequences in the rows of one call, served by attention_varlen
 
 
-# The last position_ids seen and their segments mask: every layer of a forward gets the same
-# tensor, so the host read that detects packing happens once per forward, not per layer.
-_segments_cache = [None, None, None]
+class Packing:
+    """Packed sequences of one call, in :func:`mhakern.attention_varlen`'s terms.
 
-
-def _position_segments(position_ids: Tensor, B: int, L: int) -> Optional[Tensor]:
-    """(B, 1, L, L) bool same-sequence mask if ``position_ids`` show packing, else None.
-
-    As transformers' ``find_packed_sequence_indices``: a new sequence starts wherever the
-    position does not follow its predecessor by one.
+    The call's (B, H, Lq, D) queries are read as ``B * Lq`` tokens, row after row (its keys as
+    ``B * Lk``); sequence s holds query tokens ``cu_q[s] .. cu_q[s + 1] - 1`` and key tokens
+    ``cu_k[s] .. cu_k[s + 1] - 1``, and no sequence spans two rows. ``cu_q``, ``cu_k``: int32
+    (num_seqs + 1,) prefix sums on the tensors' device; ``max_q``, ``max_k``: the longest
+    sequence's lengths. Within a sequence causality and windows are bottom-right (offset
+    ``Lk_s - Lq_s``, FlashAttention's varlen convention; 0 where a sequence has as many queries
+    as keys, as a packed batch always does).
     """
-    key = (B, L, position_ids._version)
-    if _segments_cache[0] is position_ids and _segments_cache[1] == key:
-        return _segments_cache[2]
-    if position_ids.dim() != 2 or position_ids.shape[-1] != L or position_ids.shape[0] not in (1, B):
-        raise ValueError(f"position_ids: expected shape ({B} or 1, {L}), got {tuple(position_ids.shape)}")
-    pos = position_ids.expand(B, -1)
-    first = pos[:, :1] - 1
-    seg = (torch.diff(pos, prepend=first, dim=-1) != 1).cumsum(-1)
-    out = (seg[:, :, None] == seg[:, None, :])[:, None] if bool((seg[:, -1] != 0).any()) else None
-    _segments_cache[:] = [position_ids, key, out]
+
+    __slots__ = ("cu_q", "cu_k", "max_q", "max_k", "batch", "_masks")
+
+    def __init__(self, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, batch: int):
+        self.cu_q, self.cu_k, self.max_q, self.max_k, self.batch = cu_q, cu_k, max_q, max_k, batch
+        self._masks = {}
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_q.shape[0] - 1
+
+    def mask(self, causal: bool, window: Optional[Tuple[int, int]]) -> Tensor:
+        """(B, 1, Lq, Lk) bool, True = visible: the visibility of the varlen call as a dense
+        mask (for a backend that does not serve packed sequences; built once per forward)."""
+        key = (causal, window)
+        got = self._masks.get(key)
+        if got is not None:
+            return got
+        B = self.batch
+        seg_q, loc_q, len_q = self._tokens(self.cu_q)
+        seg_k, loc_k, _ = self._tokens(self.cu_k)
+        len_k = torch.diff(self.cu_k.long())
+        # query i of sequence s sits at key position loc_q + Lk_s - Lq_s of that sequence
+        diag = (loc_q + len_k[seg_q] - len_q).view(B, -1)
+        seg_q, seg_k, loc_k = seg_q.view(B, -1), seg_k.view(B, -1), loc_k.view(B, -1)
+        vis = seg_q[:, :, None] == seg_k[:, None, :]
+        behind = diag[:, :, None] - loc_k[:, None, :]  # how far key j lies left of query i's diagonal
+        if causal:
+            vis &= behind >= 0
+        if window is not None:
+            left, right = window
+            if left >= 0:
+                vis &= behind <= left
+            if right >= 0:
+                vis &= behind >= -right
+        out = vis[:, None]
+        self._masks[key] = out
+        return out
+
+    @staticmethod
+    def _tokens(cu: Tensor):
+        """Per token: its sequence, its position in it, its sequence's length."""
+        cu = cu.long()
+        t = torch.arange(int(cu[-1]), device=cu.device)
+        seg = torch.searchsorted(cu[1:].contiguous(), t, right=True)
+        return seg, t - cu[seg], torch.diff(cu)[seg]
+
+
+def _starts_to_packing(starts: Tensor, device) -> Optional[Packing]:
+    """Packing of (B, L) bool sequence starts (column 0 all True), or None when every row holds
+    one sequence (the dense call is then right as it is). One host read."""
+    B, L = starts.shape
+    first = starts.reshape(-1).nonzero().view(-1)
+    if first.shape[0] == B:
+        return None
+    cu = torch.cat([first, first.new_full((1,), B * L)]).to(device=device, dtype=torch.int32)
+    longest = int(torch.diff(first, append=first.new_full((1,), B * L)).max())
+    return Packing(cu, cu, longest, longest, B)
+
+
+# The last position_ids / cu_seq_lens seen and the Packing found from them: every layer of a
+# forward gets the same tensors, so the host reads that find packing happen once per forward.
+_packing_cache = {}
+
+
+def _cached(kind: str, tensors, key, build):
+    hit = _packing_cache.get(kind)
+    full_key = (key, tuple(t._version for t in tensors))
+    if hit is not None and all(a is b for a, b in zip(hit[0], tensors)) and hit[1] == full_key:
+        return hit[2]
+    out = build()
+    _packing_cache[kind] = (tuple(tensors), full_key, out)
     return out
 
 
-def _and(mask: Optional[Tensor], extra: Tensor) -> Tensor:
-    return extra if mask is None else mask & extra
+def _packing_from_positions(position_ids: Tensor, B: int, L: int, device) -> Optional[Packing]:
+    """The sequences of ``position_ids`` (B or 1, L) if some row holds more than one, else None.
+
+    As transformers' ``find_packed_sequence_indices``: a new sequence starts wherever the
+    position does not follow its predecessor by one (and at every row's start).
+    """
+    if position_ids.dim() != 2 or position_ids.shape[-1] != L or position_ids.shape[0] not in (1, B):
+        raise ValueError(f"position_ids: expected shape ({B} or 1, {L}), got {tuple(position_ids.shape)}")
+
+    def build():
+        pos = position_ids.expand(B, -1)
+        starts = torch.ones(B, L, dtype=torch.bool, device=pos.device)
+        starts[:, 1:] = (pos[:, 1:] - pos[:, :-1]) != 1
+        return _starts_to_packing(starts, device)
+
+    return _cached("position_ids", (position_ids,), (B, L, str(device)), build)
+
+
+def _packing_from_cu(kwargs, B: int, Lq: int, Lk: int, device) -> Packing:
+    """The Packing of a padding-free collator's ``cu_seq_lens_q/k`` (and ``max_length_q/k``)."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None or cu_k is None:
+        raise ValueError("cu_seq_lens_q, cu_seq_lens_k: give both or neither")
+    if not isinstance(cu_q, Tensor) or not isinstance(cu_k, Tensor) or cu_q.dim() != 1 or cu_q.shape != cu_k.shape:
+        raise ValueError(
+            f"cu_seq_lens_q, cu_seq_lens_k: expected two 1-D tensors of one length, got "
+            f"{tuple(getattr(cu_q, 'shape', ()))} and {tuple(getattr(cu_k, 'shape', ()))}"
+        )
+    if B != 1:
+        raise ValueError(f"cu_seq_lens_q: packed sequences need a batch of one row, got {B}")
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+
+    def build():
+        if int(cu_q[-1]) != Lq or int(cu_k[-1]) != Lk:
+            raise ValueError(
+                f"cu_seq_lens_q, cu_seq_lens_k: must end at the packed lengths ({Lq}, {Lk}) of a batch of one row, "
+                f"got ({int(cu_q[-1])}, {int(cu_k[-1])})"
+            )
+        mq = int(max_q) if isinstance(max_q, int) else int(torch.diff(cu_q).max())
+        mk = int(max_k) if isinstance(max_k, int) else int(torch.diff(cu_k).max())
+        same = cu_k is cu_q
+        cq = cu_q.to(device=device, dtype=torch.int32)
+        return Packing(cq, cq if same else cu_k.to(device=device, dtype=torch.int32), mq, mk, 1)
+
+    return _cached("cu_seq_lens", (cu_q, cu_k), (Lq, Lk, max_q, max_k, str(device)), build)
+
+
+def _packing_from_mask(full: Tensor, local_size, device):
+    """(causal, window, Packing) when the (B, 1, L, L) bool mask ``full`` is causal (or
+    bidirectional) attention within consecutive blocks of each row -- packed sequences found by
+    transformers from ``position_ids``, chunked attention -- optionally with the sliding window
+    ``local_size``; else None. Exact: the candidate is compared with the whole mask (once per
+    forward, where the mask is made)."""
+    if full.dim() != 4 or full.shape[1] != 1 or full.shape[2] != full.shape[3] or full.shape[2] < 2:
+        return None
+    m = full[:, 0]
+    B, L, _ = m.shape
+    if not bool(m.diagonal(dim1=-2, dim2=-1).all()):
+        return None
+    starts = torch.ones(B, L, dtype=torch.bool, device=m.device)
+    starts[:, 1:] = ~m.diagonal(offset=-1, dim1=-2, dim2=-1)  # query i does not see key i - 1
+    if bool(starts[:, 1:].any()) is False:
+        return None
+    causal = not bool(m.diagonal(offset=1, dim1=-2, dim2=-1).any())
+    seg = starts.cumsum(-1)
+    same = seg[:, :, None] == seg[:, None, :]
+    i = torch.arange(L, device=m.device)
+    behind = i[:, None] - i[None, :]
+    windows = [None]  # first: a window no block outgrows is not worth the kernels' window logic
+    if isinstance(local_size, int) and not isinstance(local_size, bool) and local_size >= 1:
+        windows.append((local_size - 1, 0) if causal else (local_size, local_size))
+    for window in windows:
+        want = same & (behind >= 0) if causal else same.clone()
+        if window is not None:
+            want &= (behind <= window[0]) & (behind >= -window[1])
+        if torch.equal(want, m):
+            packing = _starts_to_packing(starts, device)
+            return (causal, window, packing) if packing is not None else None
+    return None
+
+
+def _serves_varlen(query, key, value, packed, packing, causal, window, dropout, modifiers) -> bool:
+    """Whether the packed call goes to attention_varlen (else to a dense call with the
+    packing's mask): the backend the call names must serve "varlen" (its ``features`` say), and
+    under "auto" a packed call must not fall back to the reference while a fast kernel would
+    serve the masked dense call."""
+    from mhakern import backends
+    from mhakern.modes import Modes
+
+    name = _state["backend"]
+    q3, k3, v3 = packed
+    p = modifiers.get("softcap", 0.0)
+    needed = Modes(dropout_p=dropout, window_left=-1 if window is None else window[0],
+                   window_right=-1 if window is None else window[1], softcap=p,
+                   cu_seqlens_q=packing.cu_q, cu_seqlens_k=packing.cu_k).required_features()
+    try:
+        be = backends.select(name, *(x.transpose(0, 1).unsqueeze(0) for x in (q3, k3, v3)), causal, None, needed)
+    except ValueError:  # the named backend lacks it, or strict dispatch refuses the fallback
+        return False
+    if be.fallback and name == "auto":
+        dense = (needed - {"varlen"}) | {"attn_mask"}
+        try:
+            return backends.select("auto", query, key, value, False, None, dense).fallback
+        except ValueError:
+            return True
+    return True
+
+
+def _packed_attention(query, key, value, packing: Packing, causal, window, dropout, scaling, modifiers):
+    """One layer's packed call: (B, Lq, H, Dv), through attention_varlen where the backend
+    serves it, else a dense call with the packing's (B, 1, Lq, Lk) mask."""
+    B, H, Lq, D = query.shape
+    Lk = key.shape[2]
+    if packing.batch != B:
+        raise ValueError(f"attention_mask: packed sequences found for {packing.batch} rows, but this layer has {B}")
+    # (B, H, L, D) -> (B * L, H, D): a view for transformers' (B, L, H, D) projections and B = 1
+    q3 = query.transpose(1, 2).reshape(B * Lq, H, D)
+    k3 = key.transpose(1, 2).reshape(B * Lk, key.shape[1], key.shape[3])
+    v3 = value.transpose(1, 2).reshape(B * Lk, value.shape[1], value.shape[3])
+    if _serves_varlen(query, key, value, (q3, k3, v3), packing, causal, window, dropout, modifiers):
+        out = mhakern.attention_varlen(
+            q3, k3, v3, packing.cu_q, packing.cu_k, packing.max_q, packing.max_k, causal=causal, window=window,
+            scale=scaling, dropout_p=dropout, backend=_state["backend"], **modifiers,
+        )
+        return out.view(B, Lq, H, out.shape[-1])
+    out = mhakern.attention(
+        query, key, value, attn_mask=packing.mask(causal, window), dropout_p=dropout, scale=scaling,
+        backend=_state["backend"], **modifiers,
+    )
+    return out.transpose(1, 2).contiguous()
 
 
 def attention_forward(
@@ -404,8 +604,13 @@ def attention_forward(
         softcap: Gemma 2's logit cap (mhakern's ``softcap``), or None.
         s_aux: gpt-oss' attention sinks, one learned logit per query head (mhakern's
             ``sinks``; differentiable), or None.
-        kwargs: ``cu_seq_lens_q``/``cu_seq_lens_k`` (packed, one row) restrict attention to each
-            sequence; ``position_ids`` (see above); others not affecting attention are ignored.
+        kwargs: ``cu_seq_lens_q``/``cu_seq_lens_k`` (with ``max_length_q``/``max_length_k``;
+            packed, one row) restrict attention to each sequence; ``position_ids`` (see above);
+            others not affecting attention are ignored.
+
+    Packed sequences (from the mask function, ``position_ids`` or ``cu_seq_lens_q/k``) go to
+    :func:`mhakern.attention_varlen` as (B * L, H, D) views, unless the backend does not serve
+    packed sequences: then to :func:`mhakern.attention` with their block-diagonal mask.
 
     Returns:
         (attn_output (B, Lq, H, Dv) contiguous, None): transformers' convention.
@@ -413,6 +618,7 @@ def attention_forward(
     modifiers = _modifiers(module, query, softcap, s_aux) if softcap is not None or s_aux is not None else {}
     Lq, Lk = query.shape[2], key.shape[2]
     vis = attention_mask
+    packing = None
     if type(vis) is Visibility:
         if vis.q_length != Lq or vis.kv_length != Lk:
             raise ValueError(
@@ -420,7 +626,7 @@ def attention_forward(
                 f"and {Lk}; the model changed the sizes after building the mask"
             )
         causal, align, window = vis.causal, vis.causal_align, vis.window
-        key_lengths, mask = vis.key_lengths, vis.attn_mask
+        key_lengths, mask, packing = vis.key_lengths, vis.attn_mask, vis.packing
     elif vis is None:
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         align, key_lengths, mask = "bottom_right", None, None
@@ -439,7 +645,10 @@ def attention_forward(
     # Most calls carry only kwargs that do not change attention (position_ids in a decode step,
     # use_cache): one set intersection decides whether any of the others need looking at.
     if kwargs and not (_KWARGS_PACKED if Lq > 1 else _KWARGS).isdisjoint(kwargs):
-        mask = _from_kwargs(module, query, Lq, Lk, mask, key_lengths, kwargs)
+        causal, window, mask, packing = _from_kwargs(module, query, Lk, causal, window, mask, key_lengths, packing,
+                                                     kwargs)
+    if packing is not None:
+        return _packed_attention(query, key, value, packing, causal, window, dropout, scaling, modifiers), None
     out = mhakern.attention(
         query, key, value,
         attn_mask=mask, dropout_p=dropout, causal=causal, causal_align=align, window=window, scale=scaling,
@@ -453,40 +662,43 @@ _KWARGS = frozenset({"head_mask", "output_attentions", "cu_seq_lens_q", "cu_seq_
 _KWARGS_PACKED = _KWARGS | {"position_ids"}
 
 
-def _from_kwargs(module, query, Lq, Lk, mask, key_lengths, kwargs):
-    """The mask after the kwargs that refine it (packing, position bias); refuses head_mask."""
+def _from_kwargs(module, query, Lk, causal, window, mask, key_lengths, packing, kwargs):
+    """(causal, window, mask, packing) after the kwargs that refine them (packing, position
+    bias); refuses head_mask."""
     _refuse_head_mask(kwargs)
     if kwargs.get("output_attentions", False):
         warnings.warn("attn_implementation='mhakern' returns no attention weights (output_attentions=True ignored)",
                       stacklevel=3)
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    B, Lq = query.shape[0], query.shape[2]
+    given_cu = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
     position_ids = kwargs.get("position_ids")
-    if (position_ids is not None and cu_q is None and mask is None and key_lengths is None and Lq == Lk > 1
-            and isinstance(position_ids, torch.Tensor)):
+    if given_cu:
+        found = _packing_from_cu(kwargs, B, Lq, Lk, query.device)
+        if mask is None and key_lengths is None:
+            packing = found
+        else:  # a mask beside the packing (not a collator's batch): keep it, within each sequence
+            seg = found.mask(False, None)
+            mask = mask.masked_fill(~seg, float("-inf")) if mask.dtype != torch.bool else mask & seg
+    elif (packing is None and position_ids is not None and mask is None and key_lengths is None and Lq == Lk > 1
+          and isinstance(position_ids, torch.Tensor)):
         # Packed rows without a padding mask, as transformers' flash-attention path finds them:
         # the mask function misses them whenever a cache object exists (use_cache=True).
-        mask = _position_segments(position_ids, query.shape[0], Lq)
-    if cu_q is not None or cu_k is not None:
-        if cu_q is None or cu_k is None:
-            raise ValueError("cu_seq_lens_q, cu_seq_lens_k: give both or neither")
-        if query.shape[0] != 1:
-            raise ValueError(f"cu_seq_lens_q: packed sequences need a batch of one row, got {query.shape[0]}")
-        seg = _segments_mask(cu_q, cu_k, Lq, Lk)
-        if mask is not None and mask.dtype != torch.bool:
-            mask = mask.masked_fill(~seg, float("-inf"))
-        else:
-            mask = _and(mask, seg)
+        packing = _packing_from_positions(position_ids, B, Lq, query.device)
     bias = kwargs.get("position_bias")
     if bias is not None:
         # T5-style relative position bias (B|1, H, Lq, Lk): an additive float mask, which
-        # mhakern differentiates (the bias is learned). A bool mask is folded in as -inf.
+        # mhakern differentiates (the bias is learned). A bool mask is folded in as -inf;
+        # packed sequences become their mask (varlen takes no bias).
+        if packing is not None:
+            mask, packing = packing.mask(causal, window), None
+            causal, window = False, None
         if mask is None:
             mask = bias
         elif mask.dtype == torch.bool:
             mask = bias.masked_fill(~mask, float("-inf"))
         else:
             mask = bias + mask
-    return mask
+    return causal, window, mask, packing
 
 
-__all__ = ["register", "NAME", "MIN_TRANSFORMERS", "Visibility", "attention_forward", "mask_interface"]
+__all__ = ["register", "NAME", "MIN_TRANSFORMERS", "Visibility", "Packing", "attention_forward", "mask_interface"]
