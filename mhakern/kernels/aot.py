@@ -78,7 +78,7 @@ class Variant:
 _FP32_PTRS = {"LSE", "DELTA", "OP", "LSEP", "DQACC"}
 _DATA_PTRS = {"Q", "K", "V", "O", "DO", "DK", "DV_", "DQ"}
 _OTHER_PTRS = {"KL": "*i32", "MASK": "*u8", "DMASK": "*fp32", "SEM": "*i32", "SLOPES": "*fp32", "CUQ": "*i32",
-               "CUK": "*i32"}
+               "CUK": "*i32", "CBI": "*i32", "BT": "*i32"}
 _FP32_SCALARS = {"softcap"}  # besides the ``*scale*`` ones
 # The mask pointer's type per MASK_KIND: without a mask the launchers pass an fp32 buffer
 # (lse or delta) in its place, a bool mask travels as its uint8 view, a float mask is fp32.
