@@ -16,7 +16,8 @@ here, in CI.
     python -m mhakern.kernels.aot [--arch 80 90] [--dtypes fp16 bf16 fp32] [--dims 16 32 40 64 ...]
                                   [--all-flags] [--only fwd fwdsplit desc delta dkdv dq fused KERNEL+MODE]
                                   [--tile M N WARPS STAGES] [--no-plain]
-                                  [--modes [band mask1 mask2 mask2grad dropout softcap alibi modifiers varlen all]]
+                                  [--modes [band mask1 mask2 mask2grad dropout softcap alibi modifiers varlen
+                                            cache_idx paged all]]
 
 ``--modes`` also builds the mode variants (``_attn_fwd_modes_kernel`` and the three backward
 ones; the split-K forward for the score modifiers' sets) with the tiles heuristics.tile_config
@@ -100,6 +101,10 @@ MODE_SETS = {
     "modifiers": dict(SOFTCAP=True, ALIBI=True),
     # Packed sequences: the modes kernels' per-sequence bounds and offsets.
     "varlen": dict(VARLEN=True),
+    # The KV cache (forward only): rows through cache_batch_idx, or pages through a block
+    # table, in the modes forward and the split-K one.
+    "cache_idx": dict(CACHE_IDX=True),
+    "paged": dict(PAGED=True),
     "all": dict(BAND=True, TOP_LEFT=True, MASK_KIND=2, DROPOUT=True, MASK_GRAD=True, SOFTCAP=True, ALIBI=True),
 }
 
