@@ -116,3 +116,21 @@ def test_kvcache_index_errors_name_the_argument():
                       r"block_table: expected an int32 tensor of shape \(2, any\)")):
         with pytest.raises(ValueError, match=msg):
             attention_forward(q, k, k, out, lse, 0.25, False, None, Modes()._replace(**rec))
+
+
+def test_split_plan_sees_the_logical_key_length(monkeypatch):
+    # The planner is asked with a paged cache's logical length (10 pages of 4 keys: 40 keys),
+    # not the page size, and its split serves the call.
+    from mhakern.kernels import attention_fwd
+    from mhakern.kernels.heuristics import TileConfig
+
+    asked = []
+
+    def plan(programs, key_blocks, *rest):
+        asked.append(key_blocks)
+        return 2
+
+    monkeypatch.setattr(attention_fwd, "plan_fwd_splits", plan)
+    monkeypatch.setattr(attention_fwd, "fwd_config", lambda *a, **kw: TileConfig(16, 16, 4, 1))
+    run_cache("paged", B=1, H=2, Hkv=2, Lq=1, L=40, kl=[37], page_size=4)
+    assert asked == [3]  # ceil(40 / 16) key blocks
