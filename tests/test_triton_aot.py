@@ -169,14 +169,16 @@ def test_mode_variants_with_all_modes_on_compile_without_spills():
     # (where dK/dV takes mma.sync, heuristics.MODE_CAPS), about 15 s a variant here, the two
     # arches side by side; and the split-K forward with both score modifiers. Every mode set at
     # both head dims, dtypes and arches takes ~30 min here: ``--modes`` alone, by hand.
-    # The packed-sequence forward too: its per-sequence offsets must not spill either.
-    report = _aot("--modes", "all", "modifiers", "varlen", "--no-plain",
+    # The packed-sequence forward too: its per-sequence offsets must not spill either; and the
+    # paged KV cache's forward and split-K decode (a page gathered per key: 64-bit offsets).
+    report = _aot("--modes", "all", "modifiers", "varlen", "paged", "--no-plain",
                   "--only", "fwd+all", "dkdv+all", "dq+all", "fused+all", "fwdsplit+modifiers", "fwd+varlen",
+                  "fwd+paged", "fwdsplit+paged",
                   per_arch={"80": ["--dtypes", "fp16", "--dims", "64"], "90": ["--dtypes", "bf16", "--dims", "128"]})
     assert report.count("+all ") == 2 * 4, report
-    assert report.count("fwdsplit/") == 2 and report.count("+modifiers ") == 2, report
-    assert report.count("+varlen ") == 2, report
-    assert report.count(" ok (") == 2 * 6, report
+    assert report.count("fwdsplit/") == 2 * 2 and report.count("+modifiers ") == 2, report
+    assert report.count("+varlen ") == 2 and report.count("+paged ") == 2 * 2, report
+    assert report.count(" ok (") == 2 * 8, report
     assert re.search(r"dkdv/bf16/d128\+all\s+90\s+16x32 ", report), report
     assert re.search(r"fused/bf16/d128\+all\s+90\s+16x32 ", report), report
 
@@ -187,10 +189,12 @@ def test_mode_variants_take_the_tables_tiles_and_leave_mask_strides_unmarked():
     built = {v.name: v for v in aot.variants(90, ("fp16",), (128,), modes=list(aot.MODE_SETS), plain=False)}
     modifiers_only = {m for m, ms in aot.MODE_SETS.items() if set(ms) <= {"SOFTCAP", "ALIBI"}}
     assert modifiers_only == {"softcap", "alibi", "modifiers"}
-    # mask2grad is a backward mode (the forward has no mask gradient)
+    cache = {m for m, ms in aot.MODE_SETS.items() if set(ms) & {"CACHE_IDX", "PAGED"}}
+    assert cache == {"cache_idx", "paged"}
+    # mask2grad is a backward mode (the forward has no mask gradient); the KV cache a forward one
     want = {f"{k}/fp16/d128+{m}" for k in ("fwd", "dkdv", "dq", "fused") for m in aot.MODE_SETS
-            if k in ("dq", "fused") or m != "mask2grad"}
-    want |= {f"fwdsplit/fp16/d128+{m}" for m in modifiers_only}
+            if (k in ("dq", "fused") or m != "mask2grad") and (k == "fwd" or m not in cache)}
+    want |= {f"fwdsplit/fp16/d128+{m}" for m in modifiers_only | cache}
     assert set(built) == want
     for name, v in built.items():
         kernel, mode = name.split("/")[0], name.split("+")[1]

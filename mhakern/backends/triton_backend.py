@@ -24,7 +24,8 @@ def _interpreting() -> bool:
 class TritonBackend(Backend):
     name = "triton"
     priority = 30
-    features = frozenset({"attn_mask", "mask_grad", "dropout", "top_left", "window", "softcap", "alibi", "varlen"})
+    features = frozenset({"attn_mask", "mask_grad", "dropout", "top_left", "window", "softcap", "alibi", "varlen",
+                          "cache_batch_idx", "paged"})
 
     def __init__(self):
         self._import_error = None

@@ -16,7 +16,8 @@ here, in CI.
     python -m mhakern.kernels.aot [--arch 80 90] [--dtypes fp16 bf16 fp32] [--dims 16 32 40 64 ...]
                                   [--all-flags] [--only fwd fwdsplit desc delta dkdv dq fused KERNEL+MODE]
                                   [--tile M N WARPS STAGES] [--no-plain]
-                                  [--modes [band mask1 mask2 mask2grad dropout softcap alibi modifiers varlen all]]
+                                  [--modes [band mask1 mask2 mask2grad dropout softcap alibi modifiers varlen
+                                            cache_idx paged all]]
 
 ``--modes`` also builds the mode variants (``_attn_fwd_modes_kernel`` and the three backward
 ones; the split-K forward for the score modifiers' sets) with the tiles heuristics.tile_config
@@ -78,7 +79,7 @@ class Variant:
 _FP32_PTRS = {"LSE", "DELTA", "OP", "LSEP", "DQACC"}
 _DATA_PTRS = {"Q", "K", "V", "O", "DO", "DK", "DV_", "DQ"}
 _OTHER_PTRS = {"KL": "*i32", "MASK": "*u8", "DMASK": "*fp32", "SEM": "*i32", "SLOPES": "*fp32", "CUQ": "*i32",
-               "CUK": "*i32"}
+               "CUK": "*i32", "CBI": "*i32", "BT": "*i32"}
 _FP32_SCALARS = {"softcap"}  # besides the ``*scale*`` ones
 # The mask pointer's type per MASK_KIND: without a mask the launchers pass an fp32 buffer
 # (lse or delta) in its place, a bool mask travels as its uint8 view, a float mask is fp32.
@@ -100,6 +101,10 @@ MODE_SETS = {
     "modifiers": dict(SOFTCAP=True, ALIBI=True),
     # Packed sequences: the modes kernels' per-sequence bounds and offsets.
     "varlen": dict(VARLEN=True),
+    # The KV cache (forward only): rows through cache_batch_idx, or pages through a block
+    # table, in the modes forward and the split-K one.
+    "cache_idx": dict(CACHE_IDX=True),
+    "paged": dict(PAGED=True),
     "all": dict(BAND=True, TOP_LEFT=True, MASK_KIND=2, DROPOUT=True, MASK_GRAD=True, SOFTCAP=True, ALIBI=True),
 }
 

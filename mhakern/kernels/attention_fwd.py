@@ -41,6 +41,18 @@ mode flag off, or the split one):
   to about an ulp, without libdevice);
 * ``ALIBI``: ``s -= slope[b, h] * |i + off - j|`` after the cap, before the mask, with the
   row's slope read once per program.
+
+The KV cache (docs/contract.md, "KV cache"; forward only), constexpr switches of the modes
+kernel and of the split-K one, which only move where a key's row is read (positions, key
+lengths, masks and the dropout hash stay logical):
+
+* ``CACHE_IDX``: batch element ``b`` reads K/V batch row ``cache_batch_idx[b]`` (one load per
+  program);
+* ``PAGED``: K/V are a pool of pages (num_pages, Hkv, page_size, D), any strides; key ``j`` of
+  ``b`` is row ``j % page_size`` of page ``block_table[b, j // page_size]``, gathered per key of
+  each block (one block-table load per key block; a block may span pages or lie inside one,
+  any page size >= 1). The key length is the logical ``pages_per_seq * page_size``, which the
+  split-K plan uses too.
 """
 from __future__ import annotations
 
@@ -61,6 +73,7 @@ from .launch import (
     ModeArgs,
     arch_of,
     check_buffer,
+    kernel_key_length,
     launch_geometry,
     needs_64bit_offsets,
     num_sms_of,
@@ -93,12 +106,24 @@ def _fwd_inner(
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
     BAND: tl.constexpr = False, MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
     softcap=0.0, inv_cap=0.0, slope=0.0, diag=0.0, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+    bt_row=None, page_size=1, stride_kp=0, stride_vp=0, PAGED: tl.constexpr = False,
 ):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + offs_n0
         key_ok = offs_n < lk_b
-        k = load_tile(k_base, elem_idx(offs_n, IDX64) * stride_kn, key_ok, D, BLOCK_D, MASKED)
+        if PAGED:
+            # Each key's page from the block table (a block may span pages or lie inside one);
+            # page offsets in 64 bits (the pool may span any size), the row inside its page as
+            # before. Keys past lk_b (<= the table's logical length) read no table entry.
+            if MASKED:
+                pg = tl.load(bt_row + offs_n // page_size, mask=key_ok, other=0).to(tl.int64)
+            else:
+                pg = tl.load(bt_row + offs_n // page_size).to(tl.int64)
+            slot = elem_idx(offs_n % page_size, IDX64)
+            k = load_tile(k_base, pg * stride_kp + slot * stride_kn, key_ok, D, BLOCK_D, MASKED)
+        else:
+            k = load_tile(k_base, elem_idx(offs_n, IDX64) * stride_kn, key_ok, D, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale
         s, _t = modify_scores(s, softcap, inv_cap, slope, diag, offs_n, SOFTCAP, ALIBI, False)
         if MASK_KIND != 0:
@@ -118,7 +143,10 @@ def _fwd_inner(
         p = tl.math.exp2((s - m_safe[:, None]) * 1.4426950408889634)
         alpha = tl.math.exp2((m_i - m_safe) * 1.4426950408889634)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_tile(v_base, elem_idx(offs_n, IDX64) * stride_vn, key_ok, DV, BLOCK_DV, MASKED)
+        if PAGED:
+            v = load_tile(v_base, pg * stride_vp + slot * stride_vn, key_ok, DV, BLOCK_DV, MASKED)
+        else:
+            v = load_tile(v_base, elem_idx(offs_n, IDX64) * stride_vn, key_ok, DV, BLOCK_DV, MASKED)
         if MASK_KIND != 0:
             # Values of keys that no row of the tile sees (a masked column, or outside every
             # row's band) become 0, so that a NaN there cannot reach the output through 0 * NaN.
@@ -156,6 +184,7 @@ def _attn_fwd_body(
     DROPOUT: tl.constexpr = False, split=0, num_splits=1, SPLIT: tl.constexpr = False,
     softcap=0.0, SLOPES=None, slope_sb=0, slope_sh=0, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
     CUQ=None, CUK=None, Tq=0, VARLEN: tl.constexpr = False,
+    CBI=None, BT=None, stride_bt=0, page_size=1, CACHE_IDX: tl.constexpr = False, PAGED: tl.constexpr = False,
 ):
     pid_m, pid_h, b = unfold_rows_grid(H, Lq, heads_per_prog, BLOCK_M)
     b = b.to(tl.int64)
@@ -181,8 +210,18 @@ def _attn_fwd_body(
         lq_b = Lq
         lk_b = key_length(KL, b, Lk, HAS_KL)
         q = load_rows(Q + b * stride_qb, hh, i, stride_qh, stride_qm, row_ok, D, BLOCK_D, IDX64)
-        k_base = K + b * stride_kb + kvh.to(tl.int64) * stride_kh
-        v_base = V + b * stride_vb + kvh.to(tl.int64) * stride_vh
+        if CACHE_IDX:
+            # KV cache: batch element b reads K/V row cache_batch_idx[b].
+            kb = tl.load(CBI + b).to(tl.int64)
+            k_base = K + kb * stride_kb + kvh.to(tl.int64) * stride_kh
+            v_base = V + kb * stride_vb + kvh.to(tl.int64) * stride_vh
+        elif PAGED:
+            # Paged cache: K/V's batch dim is the page; _fwd_inner adds each key's own.
+            k_base = K + kvh.to(tl.int64) * stride_kh
+            v_base = V + kvh.to(tl.int64) * stride_vh
+        else:
+            k_base = K + b * stride_kb + kvh.to(tl.int64) * stride_kh
+            v_base = V + b * stride_vb + kvh.to(tl.int64) * stride_vh
     kmin, kmax, start, full_lo, full, hi, m_base, m_off, r_drop = row_tile_modes(
         i, i_lo, i_hi, hh, b, lk_b, H, lq_b, win_l, win_r, seed_lo, seed_hi, MASK, stride_mb, stride_mh, stride_mm,
         BLOCK_N, CAUSAL, IDX64, BAND, TOP_LEFT, MASK_KIND, DROPOUT)
@@ -201,6 +240,9 @@ def _attn_fwd_body(
         hi = tl.minimum(hi, full_lo + per)
         full = tl.maximum(tl.minimum(full, hi), full_lo)
 
+    bt_row = BT
+    if PAGED:
+        bt_row = BT + b * stride_bt
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -210,19 +252,19 @@ def _attn_fwd_body(
             acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start, full_lo, kmax, lk_b, sm_scale,
             kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr,
             D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC, IDX64, BAND, MASK_KIND, DROPOUT,
-            softcap, inv_cap, slope, diag, SOFTCAP, ALIBI,
+            softcap, inv_cap, slope, diag, SOFTCAP, ALIBI, bt_row, page_size, stride_kb, stride_vb, PAGED,
         )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, full_lo, full, kmax, lk_b, sm_scale,
         kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr,
         D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, PREC, IDX64, BAND, MASK_KIND, DROPOUT,
-        softcap, inv_cap, slope, diag, SOFTCAP, ALIBI,
+        softcap, inv_cap, slope, diag, SOFTCAP, ALIBI, bt_row, page_size, stride_kb, stride_vb, PAGED,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, full, hi, kmax, lk_b, sm_scale,
         kmin, m_base, m_off, stride_mn, row_ok, r_drop, drop_thr,
         D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PREC, IDX64, BAND, MASK_KIND, DROPOUT,
-        softcap, inv_cap, slope, diag, SOFTCAP, ALIBI,
+        softcap, inv_cap, slope, diag, SOFTCAP, ALIBI, bt_row, page_size, stride_kb, stride_vb, PAGED,
     )
     # l = 0 exactly when the row saw no key (a seen key adds exp2(0) = 1); a NaN l (a NaN among
     # the visible scores) must stay NaN in out and lse, so test "!= 0", not "> 0".
@@ -269,11 +311,13 @@ def _attn_fwd_split_kernel(
     DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr,
     IDX64: tl.constexpr, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+    CBI=None, BT=None, stride_bt=0, page_size=1, CACHE_IDX: tl.constexpr = False, PAGED: tl.constexpr = False,
 ):
     """The forward without modes split over the keys (grid axis 1: the split): each program
     writes its share's normalised fp32 output and lse into OP (S, B, H, Lq, DV) and LSEP
     (S, B, H, Lq), which the launcher merges through their lse. The score modifiers (SOFTCAP,
-    ALIBI) apply per score, so a split call may carry them."""
+    ALIBI) apply per score, so a split call may carry them, and so may the KV cache (CACHE_IDX,
+    PAGED: as in the modes kernel)."""
     split = tl.program_id(1)
     _attn_fwd_body(
         Q, K, V, OP + split.to(tl.int64) * stride_os, LSEP + split.to(tl.int64) * stride_ls, KL, LSEP,
@@ -283,6 +327,7 @@ def _attn_fwd_split_kernel(
         HAS_KL, PREC, IDX64, BAND=False, TOP_LEFT=False, MASK_KIND=0, DROPOUT=False,
         split=split, num_splits=num_splits, SPLIT=True,
         softcap=softcap, SLOPES=SLOPES, slope_sb=slope_sb, slope_sh=slope_sh, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+        CBI=CBI, BT=BT, stride_bt=stride_bt, page_size=page_size, CACHE_IDX=CACHE_IDX, PAGED=PAGED,
     )
 
 
@@ -297,10 +342,14 @@ def _attn_fwd_modes_kernel(
     BAND: tl.constexpr = False, TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
     DROPOUT: tl.constexpr = False, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
     CUQ=None, CUK=None, Tq=0, VARLEN: tl.constexpr = False,
+    CBI=None, BT=None, stride_bt=0, page_size=1, CACHE_IDX: tl.constexpr = False, PAGED: tl.constexpr = False,
 ):
     """The forward with optional modes and score modifiers (flags as constexprs; see the module
     docstring). VARLEN: packed sequences (CUQ, CUK their int32 prefix sums, Tq the packed query
-    length, Lq the longest sequence's; B = 1 and the grid's batch axis is the sequence)."""
+    length, Lq the longest sequence's; B = 1 and the grid's batch axis is the sequence).
+    The KV cache (Lk the logical key length): CACHE_IDX, batch element b reads K/V row CBI[b]
+    (int32 (B,)); PAGED, K/V are (num_pages, Hkv, page_size, D) with the batch strides the
+    page's, and key j of b is row j % page_size of page BT[b * stride_bt + j // page_size]."""
     _attn_fwd_body(
         Q, K, V, O, LSE, KL, MASK, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_mb, stride_mh, stride_mm,
@@ -309,6 +358,7 @@ def _attn_fwd_modes_kernel(
         TOP_LEFT=TOP_LEFT, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
         softcap=softcap, SLOPES=SLOPES, slope_sb=slope_sb, slope_sh=slope_sh, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
         CUQ=CUQ, CUK=CUK, Tq=Tq, VARLEN=VARLEN,
+        CBI=CBI, BT=BT, stride_bt=stride_bt, page_size=page_size, CACHE_IDX=CACHE_IDX, PAGED=PAGED,
     )
 
 
@@ -343,21 +393,26 @@ def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths
     :class:`.launch.ModeArgs` says: attn_mask None or a (B, H, Lq, Lk) view (bool, or float32
     bias; stride 0 on broadcast dims is read as such), dropout_p in [0, 1) with the 64-bit seed,
     top_left alignment, window_left / window_right (-1 unbounded), softcap (0 off), alibi_slopes
-    None or a float32 (B, H) view.
+    None or a float32 (B, H) view; the KV cache: cache_batch_idx None or int32 (B,) (k, v then
+    (B_cache, Hkv, Lk, D*)), or block_table None or int32 (B, pages_per_seq) (k, v then pages
+    (num_pages, Hkv, page_size, D*), Lk = pages_per_seq * page_size); their values in range
+    are the caller's to check. Never through the descriptor kernel; split-K as a plain call.
     """
     B, H, Lq, D = q.shape
-    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    Hkv, Dv = k.shape[1], v.shape[3]
     if getattr(modes, "cu_seqlens_q", None) is not None:
         return _varlen_forward(q, k, v, out, lse, scale, causal, key_lengths, modes)
+    Lk = kernel_key_length(modes, k)
     margs = ModeArgs(B, H, Lq, Lk, causal, modes, q.device)
     cfg = fwd_config(D, Dv, q.dtype, arch_of(q), **tile_modes(margs))
     hpp, bm, grid = launch_geometry(B, H, Hkv, Lq, cfg.block_m)
     # Few row tiles over long keys (decode): split the keys across programs (no modes; the score
-    # modifiers apply per score, so they may split).
+    # modifiers apply per score, and the KV cache only moves the rows, so they may split; a
+    # paged cache's split is planned over its logical length).
     splits = 1 if margs.any() else fwd_splits(q, Lk, Dv, grid[0], cfg.block_n)
-    # sm_90 without modes or modifiers: TMA through tensor descriptors, unless the call is split
-    # (one program per row tile would leave most multiprocessors idle).
-    plain = not margs.any() and not margs.modified()
+    # sm_90 without modes, modifiers or cache: TMA through tensor descriptors, unless the call
+    # is split (one program per row tile would leave most multiprocessors idle).
+    plain = not margs.any() and not margs.modified() and not margs.cached()
     if splits == 1 and desc_eligible(q, k, v, out, plain=plain):
         return attention_fwd_desc.desc_forward(q, k, v, out, lse, scale, causal, key_lengths)
     check_buffer("out", out, (B, H, Lq, Dv), q.dtype, q)
@@ -372,7 +427,7 @@ def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths
     )
     with on_device(q):
         if splits > 1:
-            _split_forward(q, k, v, out, lse, kl, scale, splits, hpp, grid, common, margs)
+            _split_forward(q, k, v, out, lse, kl, scale, Lk, splits, hpp, grid, common, margs)
         elif plain:
             _attn_fwd_kernel[grid](
                 q, k, v, out, lse, kl,
@@ -391,7 +446,8 @@ def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths
                 out.stride(0), out.stride(1), out.stride(2),
                 *margs.mask_strides,
                 H, Lq, Lk, H // Hkv, hpp, scale,
-                *margs.runtime(), *margs.modifier_args(lse), **margs.constexprs(), **common,
+                *margs.runtime(), *margs.modifier_args(lse), **margs.constexprs(), **margs.cache_args(k),
+                **common,
             )
     return out, lse
 
@@ -451,13 +507,14 @@ def _varlen_forward(q, k, v, out, lse, scale, causal, key_lengths, modes):
     return out, lse
 
 
-def _split_forward(q, k, v, out, lse, kl, scale, splits, hpp, grid, common, margs):
-    """The forward without modes over ``splits`` key shares (grid axis 1), then their merge:
+def _split_forward(q, k, v, out, lse, kl, scale, Lk, splits, hpp, grid, common, margs):
+    """The forward without modes over ``splits`` key shares of the ``Lk`` keys (grid axis 1;
+    a paged cache's logical length), then their merge:
     with lse_s and o_s the shares' (normalised) results, lse = log sum_s exp(lse_s) and
     out = sum_s exp(lse_s - lse) o_s; a share that saw no key (lse_s = -inf) weighs 0, a row
     that saw none gets 0 and -inf, and a NaN lse_s stays NaN in both."""
     B, H, Lq = q.shape[0], q.shape[1], q.shape[2]
-    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    Hkv, Dv = k.shape[1], v.shape[3]
     op = torch.empty((splits, B, H, Lq, Dv), device=q.device, dtype=torch.float32)
     lsep = torch.empty((splits, B, H, Lq), device=q.device, dtype=torch.float32)
     _attn_fwd_split_kernel[(grid[0], splits)](
@@ -467,7 +524,7 @@ def _split_forward(q, k, v, out, lse, kl, scale, splits, hpp, grid, common, marg
         v.stride(0), v.stride(1), v.stride(2),
         op.stride(0), op.stride(1), op.stride(2), op.stride(3), lsep.stride(0),
         H, Lq, Lk, H // Hkv, hpp, scale, splits, *margs.modifier_args(lse),
-        **margs.modifier_constexprs(), **common,
+        **margs.modifier_constexprs(), **margs.cache_args(k), **common,
     )
     total = torch.logsumexp(lsep, dim=0)
     w = torch.where(torch.isneginf(lsep), 0.0, torch.exp(lsep - total))

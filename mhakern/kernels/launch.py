@@ -99,7 +99,19 @@ def check_buffer(name: str, t: torch.Tensor, shape, dtype, like: torch.Tensor, c
 
 # The plain call's record (what ``modes=None`` means), read like mhakern.backends.Modes.
 _PLAIN = types.SimpleNamespace(attn_mask=None, dropout_p=0.0, seed=0, top_left=False, window_left=-1, window_right=-1,
-                               softcap=0.0, alibi_slopes=None, sinks=None)
+                               softcap=0.0, alibi_slopes=None, sinks=None, cache_batch_idx=None, block_table=None)
+
+
+def kernel_key_length(modes, k: torch.Tensor) -> int:
+    """The key length the kernels iterate over: a paged cache's logical ``pages_per_seq *
+    page_size`` (block_table (B, pages_per_seq), k (num_pages, Hkv, page_size, D)), else k's
+    length (docs/contract.md, "KV cache")."""
+    bt = getattr(modes, "block_table", None)
+    if bt is None:
+        return k.shape[2]
+    if not isinstance(bt, torch.Tensor) or bt.dim() != 2:
+        raise ValueError(f"block_table: expected an int32 (B, pages_per_seq) tensor, got {bt!r:.80}")
+    return bt.shape[1] * k.shape[2]
 
 
 class ModeArgs:
@@ -107,13 +119,16 @@ class ModeArgs:
     what the kernels read at run time and the constexpr flags that select their variant.
 
     ``modes`` is the call's record (``mhakern.backends.Modes``, read by attribute: attn_mask,
-    dropout_p, seed, top_left, window_left, window_right, softcap, alibi_slopes, sinks) or None
-    for the plain call. Two groups (docs/contract.md):
+    dropout_p, seed, top_left, window_left, window_right, softcap, alibi_slopes, sinks,
+    cache_batch_idx, block_table) or None for the plain call. Three groups (docs/contract.md):
 
     * the **modes** (band: top-left alignment or a window; a mask; dropout) select the modes
       kernels; ``any()`` says whether one is on;
     * the **score modifiers** (softcap, ALiBi) are switches of every pointer kernel, the plain
-      forward's split-K one included; ``modified()`` says whether one is on.
+      forward's split-K one included; ``modified()`` says whether one is on;
+    * the **KV cache** (cache_batch_idx, or a paged cache's block_table; forward only) is a
+      switch of the modes forward and of the split-K one; ``cached()`` says whether it is on,
+      and ``Lk`` is then the kernels' (logical) key length (:func:`kernel_key_length`).
 
     The plain call gives every flag off. ``sinks`` never reaches a kernel (the op layer applies
     them around the forward): a record carrying them is refused.
@@ -169,6 +184,10 @@ class ModeArgs:
             if device is not None and slopes.device != device:
                 raise ValueError(f"alibi_slopes: expected a tensor on {device}, got {slopes.device}")
             self.slope_strides = tuple(slopes.stride())
+        self.cache_idx = _cache_index(getattr(m, "cache_batch_idx", None), "cache_batch_idx", (B,), device)
+        self.block_table = _cache_index(getattr(m, "block_table", None), "block_table", (B, None), device)
+        if self.cache_idx is not None and self.block_table is not None:
+            raise ValueError("cache_batch_idx, block_table: a paged cache picks its pages per batch element; give one")
 
     def any(self) -> bool:
         """Whether some mode is on (the launch takes the modes kernel, not the plain one)."""
@@ -187,6 +206,20 @@ class ModeArgs:
         slope_sb, slope_sh); ``unused``: a float32 tensor passed as SLOPES when ALiBi is off."""
         return (self.softcap, self.slopes if self.slopes is not None else unused, *self.slope_strides)
 
+    def cached(self) -> bool:
+        """Whether K/V rows are addressed through the KV cache's indices (forward only)."""
+        return self.cache_idx is not None or self.block_table is not None
+
+    def cache_args(self, k: torch.Tensor) -> dict:
+        """The forward kernels' KV-cache keywords (none for a call without the cache): the
+        indices, the block table's row stride and the page size (k's length when paged)."""
+        if not self.cached():
+            return {}
+        bt = self.block_table
+        return dict(CBI=self.cache_idx, BT=bt, stride_bt=0 if bt is None else bt.stride(0),
+                    page_size=1 if bt is None else k.shape[2], CACHE_IDX=self.cache_idx is not None,
+                    PAGED=bt is not None)
+
     def modifier_constexprs(self):
         return dict(SOFTCAP=self.softcap > 0.0, ALIBI=self.slopes is not None)
 
@@ -199,6 +232,22 @@ def tile_modes(modes: "ModeArgs") -> dict:
     """The modes that choose a launch's tile (heuristics.tile_config's keywords): the table in
     heuristics.py narrows the plain tile for them, per architecture."""
     return dict(band=modes.band, mask_kind=modes.mask_kind, dropout=modes.dropout, modified=modes.modified())
+
+
+def _cache_index(t, name: str, shape, device):
+    """A KV-cache index tensor as the kernels read it: int32 of ``shape`` (None: any size) on
+    ``device``, unit stride on its last dim (a copy otherwise). Its values (rows or pages in
+    range) are the op layer's to check."""
+    if t is None:
+        return None
+    if (not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != len(shape)
+            or any(n is not None and n != got for n, got in zip(shape, t.shape))):
+        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        want = ", ".join("any" if n is None else str(n) for n in shape)
+        raise ValueError(f"{name}: expected an int32 tensor of shape ({want}), got {got}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got {t.device}")
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
 def _as_i32(x: int) -> int:
