@@ -538,23 +538,30 @@ def _plain_key(tag, q, k, v, causal: bool, backend):
             q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride())
 
 
-def plain_nograd(tag, q, k, v, scale, causal: bool, backend) -> Optional[Tensor]:
+def plain_nograd(tag, q, k, v, scale, causal: bool, backend, admit=None) -> Optional[Tensor]:
     """``out`` of :func:`mhakern.attention` (q, k, v, scale=scale, causal=causal,
     backend=backend) for a call without modes, key lengths or lse, or None when the call needs
     a gradient or runs under torch.compile (the caller takes its full path then). ``tag``
-    names the caller's own conditions on the shapes (SDPA's ``enable_gqa``), part of the key.
-    Raises what that call raises, naming the argument."""
+    names the caller's own conditions on the shapes (SDPA's ``enable_gqa``), part of the key;
+    ``admit``: on a signature's first call, a function of no arguments saying whether the
+    caller takes this path for it at all (None when not). Raises what that call raises,
+    naming the argument."""
     if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
         return None
     if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) \
             or torch.compiler.is_compiling():
         return None
     key = _plain_key(tag, q, k, v, causal, backend)
-    be = backends._SELECTED.get(key)
-    if be is not None:
-        scale = check_scale(scale, q.shape[3])
+    hit = backends._SELECTED.get(key)
+    if hit is not None:
+        be, default_scale, strides = hit
+        scale = default_scale if scale is None else check_scale(scale, q.shape[3])
         backends._LAST.name = be.name
-        return same_layout(be.forward(q, k, v, scale, causal, None, DEFAULT_MODES)[0], q)
+        out = be.forward(q, k, v, scale, causal, None, DEFAULT_MODES)[0]
+        # The layout the first call's output had after same_layout: one comparison, not its steps.
+        return out if out.stride() == strides else same_layout(out, q)
+    if admit is not None and not admit():
+        return None
     # A first call of this signature: mhakern.attention()'s steps for it, in its order.
     check_qkv(q, k, v)
     scale = check_scale(scale, q.shape[3])
@@ -566,7 +573,7 @@ def plain_nograd(tag, q, k, v, scale, causal: bool, backend) -> Optional[Tensor]
     # Remembered: the calls forward_impl sends to the backend as they are (no copy by
     # _unit_last_stride, not empty, D > 0), by a backend the strict switch lets serve "auto".
     if qc is q and kc is k and vc is v and min(B, H, Lq, D, k.shape[2], v.shape[3]) > 0 and not be.fallback:
-        backends._remember(key, be)
+        backends._remember(key, (be, check_scale(None, D), out.stride()))
     return out
 
 

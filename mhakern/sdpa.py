@@ -71,12 +71,12 @@ def scaled_dot_product_attention(
 @torch.jit.unused
 def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     if attn_mask is None and is_causal is False and type(enable_gqa) is bool and type(dropout_p) in (float, int) \
-            and dropout_p == 0 and type(query) is Tensor and type(key) is Tensor and type(value) is Tensor:
+            and dropout_p == 0:
         # A decode step's call (no mask, not causal): once its signature has passed the checks
         # below, plain_nograd serves it from one lookup; it returns None for calls needing a
         # gradient, and for shapes the 4-D branch below would not take.
-        out = plain_nograd((_sdpa, enable_gqa), query, key, value, scale, False, "auto") \
-            if _four_d_direct(query, key, value, enable_gqa) else None
+        out = plain_nograd((_sdpa, enable_gqa), query, key, value, scale, False, "auto",
+                           admit=lambda: _four_d_direct(query, key, value, enable_gqa))
         if out is not None:
             return out
     for name, x in (("query", query), ("key", key), ("value", value)):
