@@ -21,6 +21,9 @@ peer round by round (the machine is shared and noisy; only ratios of one run mea
     python benchmarks/bench_transformers_generate.py [--rounds 15] [--threads N] [--profile]
 
 ``--profile`` adds a cProfile of the mhakern decode call (where its per-call time goes).
+``--split`` adds, for ``generate_sdpa_dropin``, the time spent inside the SDPA function during
+one ``generate()`` (torch's against the drop-in, interleaved) and the rest: in a real decode
+loop the caches are cold, and a call costs more than in the ``sdpa_dropin_call`` loop.
 """
 from __future__ import annotations
 
@@ -138,6 +141,40 @@ def targets(backend: str = "cpu") -> Dict[str, Dict[str, Callable[[], object]]]:
     }
 
 
+def split_generate(rounds: int) -> Dict[str, tuple]:
+    """Per SDPA function (torch's, mhakern's drop-in): the seconds of each round's ``generate()``
+    and of the SDPA calls inside it, rounds interleaved."""
+    sdpa, _ = _models("cpu")
+    ids = torch.randint(1, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
+    spent = [0.0]
+
+    def timed(fn):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[0] += time.perf_counter() - t0
+        return run
+
+    fns = {"sdpa": timed(_TORCH_SDPA), "mhakern sdpa drop-in": timed(mhakern.scaled_dot_product_attention)}
+    out = {p: ([], []) for p in fns}
+    try:
+        for r in range(rounds + 1):  # round 0: warm-up
+            for p, fn in fns.items():
+                F.scaled_dot_product_attention = fn
+                spent[0] = 0.0
+                t0 = time.perf_counter()
+                sdpa.generate(ids, **kw)
+                if r:
+                    out[p][0].append(time.perf_counter() - t0)
+                    out[p][1].append(spent[0])
+    finally:
+        F.scaled_dot_product_attention = _TORCH_SDPA
+    return out
+
+
 def _time(fn: Callable[[], object], inner: int) -> float:
     t0 = time.perf_counter()
     for _ in range(inner):
@@ -171,6 +208,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--profile", action="store_true", help="cProfile the mhakern decode call")
+    ap.add_argument("--split", action="store_true", help="time inside SDPA during generate()")
     args = ap.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -188,6 +226,11 @@ def main(argv=None) -> int:
             base = m["sdpa"]
             parts = [f"{p} {_fmt(t)} ({t / base:.2f}x, {(t - base) * 1e6:+.1f} us)" for p, t in m.items()]
             print(f"{stat.__name__:>6} {name}: " + "; ".join(parts))
+    if args.split:
+        for p, (whole, inside) in split_generate(args.rounds).items():
+            print(f"split generate_sdpa_dropin, {p}: min {_fmt(min(whole))}, inside SDPA min {_fmt(min(inside))} "
+                  f"(median {_fmt(statistics.median(inside))}), outside min "
+                  f"{_fmt(min(w - i for w, i in zip(whole, inside)))}")
     if args.profile:
         import cProfile
         import pstats

@@ -520,6 +520,64 @@ def prepare(q, k, v, scale, causal, key_lengths, backend, modes: Modes, qkv_chec
 
 
 # ---------------------------------------------------------------------------------------------
+# Plain calls without a gradient (a decode step): the checks once per call signature.
+#
+# Every check of a call without modes, key lengths or a gradient reads the tensors' metadata
+# only (type, dims, dtypes, devices, shapes, strides) and the scale; the selection reads the
+# same. A signature that passed them once and was served without a copy passes them again, so
+# its later calls go from one dict lookup to the backend's forward: the checks, the selection's
+# own signature and the layout step cost more than the C++ operator itself on a decode step
+# (benchmarks/bench_transformers_generate.py, sdpa_dropin_call). The entries live in the
+# dispatch cache, so register() and clear_dispatch_cache() forget them with the selections.
+
+_PLAIN_KEY = object()  # first field of the entries' keys: they never meet select()'s own
+
+
+def _plain_key(tag, q, k, v, causal: bool, backend):
+    return (_PLAIN_KEY, tag, backend, causal, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+            q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride())
+
+
+def plain_nograd(tag, q, k, v, scale, causal: bool, backend, admit=None) -> Optional[Tensor]:
+    """``out`` of :func:`mhakern.attention` (q, k, v, scale=scale, causal=causal,
+    backend=backend) for a call without modes, key lengths or lse, or None when the call needs
+    a gradient or runs under torch.compile (the caller takes its full path then). ``tag``
+    names the caller's own conditions on the shapes (SDPA's ``enable_gqa``), part of the key;
+    ``admit``: on a signature's first call, a function of no arguments saying whether the
+    caller takes this path for it at all (None when not). Raises what that call raises,
+    naming the argument."""
+    if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
+        return None
+    if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) \
+            or torch.compiler.is_compiling():
+        return None
+    key = _plain_key(tag, q, k, v, causal, backend)
+    hit = backends._SELECTED.get(key)
+    if hit is not None:
+        be, default_scale, strides = hit
+        scale = default_scale if scale is None else check_scale(scale, q.shape[3])
+        backends._LAST.name = be.name
+        out = be.forward(q, k, v, scale, causal, None, DEFAULT_MODES)[0]
+        # The layout the first call's output had after same_layout: one comparison, not its steps.
+        return out if out.stride() == strides else same_layout(out, q)
+    if admit is not None and not admit():
+        return None
+    # A first call of this signature: mhakern.attention()'s steps for it, in its order.
+    check_qkv(q, k, v)
+    scale = check_scale(scale, q.shape[3])
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
+    qc, kc, vc, kl, be, modes = prepare(q, k, v, scale, causal, None, backend, DEFAULT_MODES, qkv_checked=True)
+    out, _ = forward_impl(be, qc, kc, vc, scale, causal, kl, modes)
+    B, H, Lq, D = q.shape
+    # Remembered: the calls forward_impl sends to the backend as they are (no copy by
+    # _unit_last_stride, not empty, D > 0), by a backend the strict switch lets serve "auto".
+    if qc is q and kc is k and vc is v and min(B, H, Lq, D, k.shape[2], v.shape[3]) > 0 and not be.fallback:
+        backends._remember(key, (be, check_scale(None, D), out.stride()))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # The operators: the autograd boundary of every entry point.
 #
 # Defined through torch.library (schema, CPU/CUDA implementation, fake implementation for

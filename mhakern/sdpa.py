@@ -18,9 +18,19 @@ import torch
 
 from ._errors import ArgumentError, ArgumentTypeError
 from .attention import attention
-from .ops import is_causal_bias, resolve_causal_bias
+from .ops import is_causal_bias, plain_nograd, resolve_causal_bias
 
 Tensor = torch.Tensor
+
+
+def _four_d_direct(query, key, value, enable_gqa: bool) -> bool:
+    """Whether query, key, value (tensors) are 4-D (B, H, L, E) operands of one batch size with
+    their own heads (or GQA's, with ``enable_gqa``): what attention() takes as they are."""
+    if not (query.dim() == 4 and key.dim() == 4 and value.dim() == 4):
+        return False
+    (B, Hq, L, E), (Bk, Hk, S, Ek), (Bv, Hv, Sv, _) = query.shape, key.shape, value.shape
+    return (B == Bk == Bv and Hk == Hv and S == Sv and E == Ek
+            and (Hk == Hq or (enable_gqa and Hk > 0 and Hq % Hk == 0)))
 
 
 def _heads(x: Tensor) -> int:
@@ -60,6 +70,15 @@ def scaled_dot_product_attention(
 
 @torch.jit.unused
 def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    if attn_mask is None and is_causal is False and type(enable_gqa) is bool and type(dropout_p) in (float, int) \
+            and dropout_p == 0:
+        # A decode step's call (no mask, not causal): once its signature has passed the checks
+        # below, plain_nograd serves it from one lookup; it returns None for calls needing a
+        # gradient, and for shapes the 4-D branch below would not take.
+        out = plain_nograd((_sdpa, enable_gqa), query, key, value, scale, False, "auto",
+                           admit=lambda: _four_d_direct(query, key, value, enable_gqa))
+        if out is not None:
+            return out
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
@@ -88,15 +107,12 @@ def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
             raise ArgumentTypeError(
                 f"attn_mask: a floating mask must be float32 or query's dtype ({query.dtype}), got {attn_mask.dtype}"
             )
-    if query.dim() == 4 and key.dim() == 4 and value.dim() == 4:
-        (B, Hq, L, E), (Bk, Hk, S, Ek), (Bv, Hv, Sv, _) = query.shape, key.shape, value.shape
-        if (B == Bk == Bv and Hk == Hv and S == Sv and E == Ek and (Hk == Hq or (enable_gqa and Hk > 0 and Hq % Hk == 0))
-                and not (isinstance(attn_mask, torch.Tensor) and attn_mask.dim() > 4)):
-            # (B, H, L, E) operands of one batch size with their own heads (or GQA's): what
-            # attention() takes as they are, without the broadcasting below (six views and the
-            # checks it needs).
-            return attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, causal=is_causal,
-                             causal_align=causal_align, scale=scale)
+    if _four_d_direct(query, key, value, enable_gqa) and not (isinstance(attn_mask, torch.Tensor) and attn_mask.dim() > 4):
+        # (B, H, L, E) operands of one batch size with their own heads (or GQA's): what
+        # attention() takes as they are, without the broadcasting below (six views and the
+        # checks it needs).
+        return attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, causal=is_causal,
+                         causal_align=causal_align, scale=scale)
     L, E = query.shape[-2:]
     S, Ev = value.shape[-2], value.shape[-1]
     Hq, Hk, Hv = _heads(query), _heads(key), _heads(value)

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <new>
@@ -44,13 +45,29 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
-// Scratch memory: one zeroed, 64-byte aligned float buffer per thread chunk.
+// Scratch memory: one 64-byte aligned float buffer per thread chunk, zeroed (the backward's
+// accumulators rely on it) or left as it comes (kUninit: the forward, whose every tile is
+// written before it is read; the memset was a fifth of a decode call's instructions).
+// MHAKERN_CPU_SCRATCH_POISON=1 in the environment fills an unzeroed buffer with NaN instead,
+// so that a test run shows no tile is read before it is written.
+
+inline bool scratch_poison() {
+  static const bool on = [] {
+    const char* e = std::getenv("MHAKERN_CPU_SCRATCH_POISON");
+    return e != nullptr && e[0] == '1';
+  }();
+  return on;
+}
 
 class Scratch {
  public:
-  explicit Scratch(int64_t n) : n_(std::max<int64_t>(n, 1)) {
+  enum Init { kZeroed, kUninit };
+  explicit Scratch(int64_t n, Init init = kZeroed) : n_(std::max<int64_t>(n, 1)) {
     p_ = static_cast<float*>(::operator new[](n_ * sizeof(float), std::align_val_t(64)));
-    std::memset(p_, 0, n_ * sizeof(float));
+    if (init == kZeroed)
+      std::memset(p_, 0, n_ * sizeof(float));
+    else if (scratch_poison())
+      std::fill(p_, p_ + n_, std::numeric_limits<float>::quiet_NaN());
   }
   ~Scratch() { ::operator delete[](p_, std::align_val_t(64)); }
   Scratch(const Scratch&) = delete;

@@ -210,7 +210,7 @@ template <typename T>
 void merge_splits(const AttnParams& p, int64_t n_splits, const float* part_o, const float* part_l) {
   const int64_t rows = p.B * p.H * p.Lq, Dv = p.Dv;
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    Scratch buf(Dv + n_splits + 32);
+    Scratch buf(Dv + n_splits + 32, Scratch::kUninit);  // acc and w written before read
     float* acc = buf.take(Dv);
     float* w = buf.take(n_splits);
     for (int64_t row = r0; row < r1; ++row) {
@@ -273,12 +273,13 @@ void forward_impl(const AttnParams& p) {
   std::unique_ptr<Scratch> partials;
   FwdSink sink;
   if (n_splits > 1) {
-    partials = std::make_unique<Scratch>(n_splits * rows * (p.Dv + 1) + 32);
+    // Every (split, row) is written by its task before the merge reads it.
+    partials = std::make_unique<Scratch>(n_splits * rows * (p.Dv + 1) + 32, Scratch::kUninit);
     sink.part_o = partials->take(n_splits * rows * p.Dv);
     sink.part_l = partials->take(n_splits * rows);
   }
   at::parallel_for(0, base * n_splits, 1, [&](int64_t t0, int64_t t1) {
-    Scratch buf(per_thread);
+    Scratch buf(per_thread, Scratch::kUninit);  // forward_rows writes each tile before reading it
     const FwdScratch s(buf, Dp, Dvp, Rpmax, mods);
     auto task = [&](int64_t t, int64_t* b, int64_t* hkv, int64_t* blk, int64_t* sp) {
       *sp = t % n_splits;
