@@ -66,6 +66,7 @@ from typing import Optional, Tuple
 import torch
 
 import mhakern
+from mhakern.ops import plain_nograd
 
 Tensor = torch.Tensor
 
@@ -615,9 +616,14 @@ def attention_forward(
     Returns:
         (attn_output (B, Lq, H, Dv) contiguous, None): transformers' convention.
     """
+    vis = attention_mask
+    if (type(vis) is Visibility and vis.attn_mask is None and vis.key_lengths is None and vis.window is None
+            and vis.packing is None and not dropout and softcap is None and s_aux is None):
+        out = _plain(query, key, value, vis, scaling, kwargs)
+        if out is not None:
+            return out, None
     modifiers = _modifiers(module, query, softcap, s_aux) if softcap is not None or s_aux is not None else {}
     Lq, Lk = query.shape[2], key.shape[2]
-    vis = attention_mask
     packing = None
     if type(vis) is Visibility:
         if vis.q_length != Lq or vis.kv_length != Lk:
@@ -660,6 +666,30 @@ def attention_forward(
 # kwargs that change what a layer computes; position_ids only matter to a packed (Lq > 1) call.
 _KWARGS = frozenset({"head_mask", "output_attentions", "cu_seq_lens_q", "cu_seq_lens_k", "position_bias"})
 _KWARGS_PACKED = _KWARGS | {"position_ids"}
+
+
+def _plain(query, key, value, vis: Visibility, scaling, kwargs) -> Optional[Tensor]:
+    """The layer's (B, Lq, H, Dv) output through :func:`mhakern.ops.plain_nograd` when ``vis``
+    (no mask, key lengths, window or packing; the caller checked) and the kwargs leave a plain
+    call, else None (the full path then decides, and raises what it raises).
+
+    A decode step with a KV cache is bottom-right causal over one query, which sees every key:
+    the plain non-causal call, the signature SDPA's drop-in decode call also has. After a
+    signature's first call (attention()'s checks) a call costs one lookup and the kernel.
+    """
+    Lq, Lk = query.shape[2], key.shape[2]
+    if vis.q_length != Lq or vis.kv_length != Lk:
+        return None
+    if kwargs and not (_KWARGS_PACKED if Lq > 1 else _KWARGS).isdisjoint(kwargs):
+        return None
+    causal = vis.causal
+    if causal:
+        if vis.causal_align != "bottom_right" and Lq != Lk:  # plain_nograd's causal is bottom-right
+            return None
+        if Lq == 1:
+            causal = False
+    out = plain_nograd(attention_forward, query, key, value, scaling, causal, _state["backend"])
+    return None if out is None else out.transpose(1, 2).contiguous()
 
 
 def _from_kwargs(module, query, Lk, causal, window, mask, key_lengths, packing, kwargs):
