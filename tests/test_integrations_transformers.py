@@ -270,6 +270,13 @@ def test_mask_fast_paths():
     vis = mkt.mask_interface(2, 1, 5, q_offset=4, mask_function=mu.causal_mask_function,
                              attention_mask=torch.ones(2, 5, dtype=torch.bool))
     assert vis.causal and vis.causal_align == "bottom_right" and vis.attn_mask is None and vis.key_lengths is None
+    # no padding mask (generate() without one): the same, by the shortcut; a static cache's
+    # unwritten tail (queries not the keys' suffix) is not the shortcut's case
+    vis = mkt.mask_interface(2, 1, 5, q_offset=4, mask_function=mu.causal_mask_function)
+    assert (vis.causal, vis.causal_align, vis.window, vis.attn_mask, vis.key_lengths) == (
+        True, "bottom_right", None, None, None) and (vis.q_length, vis.kv_length) == (1, 5)
+    vis = mkt.mask_interface(2, 1, 8, q_offset=3, mask_function=mu.causal_mask_function)
+    assert vis.causal and vis.causal_align == "bottom_right" and vis.key_lengths.tolist() == [4, 4]
     vis = mkt.mask_interface(2, 6, 6, mask_function=mu.sliding_window_causal_mask_function(3), local_size=3)
     assert vis.causal and vis.window == (2, 0) and vis.attn_mask is None
     chunked = mu.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))
