@@ -626,6 +626,11 @@ def attention_forward(
             packed, one row) restrict attention to each sequence; ``position_ids`` (see above);
             others not affecting attention are ignored.
 
+    A call that needs no gradient and carries no mask, key lengths, window, packing, dropout,
+    softcap or sinks (a decode step with a KV cache, an unpadded prefill in eval mode) goes
+    through :func:`mhakern.ops.plain_nograd`: attention()'s checks on its signature's first
+    call, one lookup on later ones.
+
     Packed sequences (from the mask function, ``position_ids`` or ``cu_seq_lens_q/k``) go to
     :func:`mhakern.attention_varlen` as (B * L, H, D) views, unless the backend does not serve
     packed sequences: then to :func:`mhakern.attention` with their block-diagonal mask.
