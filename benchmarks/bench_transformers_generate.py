@@ -24,6 +24,9 @@ peer round by round (the machine is shared and noisy; only ratios of one run mea
 ``--split`` adds, for ``generate_sdpa_dropin``, the time spent inside the SDPA function during
 one ``generate()`` (torch's against the drop-in, interleaved) and the rest: in a real decode
 loop the caches are cold, and a call costs more than in the ``sdpa_dropin_call`` loop.
+``--split-integration`` does the same for ``generate``: the time inside the layers' attention
+functions (transformers' ``sdpa_attention_forward`` against this integration's) and inside the
+mask functions (``sdpa_mask`` against ``mask_interface``), and the rest.
 """
 from __future__ import annotations
 
@@ -175,6 +178,55 @@ def split_generate(rounds: int) -> Dict[str, tuple]:
     return out
 
 
+def split_generate_integration(rounds: int) -> Dict[str, tuple]:
+    """Per implementation ("sdpa": transformers' sdpa_attention_forward and sdpa_mask; "mhakern":
+    this integration's attention_forward and mask_interface): the seconds of each round's
+    ``generate()``, of the layers' attention calls inside it and of its mask-function calls (and
+    a one-item list: the attention calls of one ``generate()``),
+    rounds interleaved. The functions are looked up by name on every call, so a timed wrapper
+    registered under the same name sees each call."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    sdpa, mine = _models("cpu")
+    ids = torch.randint(1, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
+    spent = {"attention": 0.0, "mask": 0.0}
+    calls = [0]
+
+    def timed(fn, part):
+        def run(*a, **k):
+            calls[0] += part == "attention"
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[part] += time.perf_counter() - t0
+        return run
+
+    maps = (AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping)
+    saved = {name: (maps[0][name], maps[1][name]) for name in ("sdpa", "mhakern")}
+    models = {"sdpa": sdpa, "mhakern": mine}
+    out = {p: ([], [], [], calls) for p in models}
+    try:
+        for name, (attn, mask) in saved.items():
+            maps[0][name], maps[1][name] = timed(attn, "attention"), timed(mask, "mask")
+        for r in range(rounds + 1):  # round 0: warm-up
+            for p, model in models.items():
+                spent.update(attention=0.0, mask=0.0)
+                calls[0] = 0
+                t0 = time.perf_counter()
+                model.generate(ids, **kw)
+                if r:
+                    out[p][0].append(time.perf_counter() - t0)
+                    out[p][1].append(spent["attention"])
+                    out[p][2].append(spent["mask"])
+    finally:
+        for name, (attn, mask) in saved.items():
+            maps[0][name], maps[1][name] = attn, mask
+    return out
+
+
 def _time(fn: Callable[[], object], inner: int) -> float:
     t0 = time.perf_counter()
     for _ in range(inner):
@@ -209,6 +261,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--profile", action="store_true", help="cProfile the mhakern decode call")
     ap.add_argument("--split", action="store_true", help="time inside SDPA during generate()")
+    ap.add_argument("--split-integration", action="store_true",
+                    help="time inside the attention and mask functions during generate(), sdpa against mhakern")
     args = ap.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -231,6 +285,11 @@ def main(argv=None) -> int:
             print(f"split generate_sdpa_dropin, {p}: min {_fmt(min(whole))}, inside SDPA min {_fmt(min(inside))} "
                   f"(median {_fmt(statistics.median(inside))}), outside min "
                   f"{_fmt(min(w - i for w, i in zip(whole, inside)))}")
+    if args.split_integration:
+        for p, (whole, attn, mask, calls) in split_generate_integration(args.rounds).items():
+            print(f"split generate, {p}: min {_fmt(min(whole))}, inside attention min {_fmt(min(attn))} "
+                  f"({_fmt(min(attn) / calls[0])} a call), inside the mask function min {_fmt(min(mask))}, outside min "
+                  f"{_fmt(min(w - a - m for w, a, m in zip(whole, attn, mask)))}")
     if args.profile:
         import cProfile
         import pstats

@@ -270,6 +270,13 @@ def test_mask_fast_paths():
     vis = mkt.mask_interface(2, 1, 5, q_offset=4, mask_function=mu.causal_mask_function,
                              attention_mask=torch.ones(2, 5, dtype=torch.bool))
     assert vis.causal and vis.causal_align == "bottom_right" and vis.attn_mask is None and vis.key_lengths is None
+    # no padding mask (generate() without one): the same, by the shortcut; a static cache's
+    # unwritten tail (queries not the keys' suffix) is not the shortcut's case
+    vis = mkt.mask_interface(2, 1, 5, q_offset=4, mask_function=mu.causal_mask_function)
+    assert (vis.causal, vis.causal_align, vis.window, vis.attn_mask, vis.key_lengths) == (
+        True, "bottom_right", None, None, None) and (vis.q_length, vis.kv_length) == (1, 5)
+    vis = mkt.mask_interface(2, 1, 8, q_offset=3, mask_function=mu.causal_mask_function)
+    assert vis.causal and vis.causal_align == "bottom_right" and vis.key_lengths.tolist() == [4, 4]
     vis = mkt.mask_interface(2, 6, 6, mask_function=mu.sliding_window_causal_mask_function(3), local_size=3)
     assert vis.causal and vis.window == (2, 0) and vis.attn_mask is None
     chunked = mu.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))
@@ -395,3 +402,41 @@ def test_register_is_idempotent_and_extra_pins_the_checked_version():
         pin = f"transformers>={mkt.MIN_TRANSFORMERS}"
         assert extras["transformers"] == [pin]
         assert pin in extras["test"]
+
+
+def test_plain_layer_calls_take_the_checked_once_path(monkeypatch):
+    # A decode step (one query, bottom-right causal: every key), a prefill without padding and a
+    # non-causal call go through ops.plain_nograd (twice each: the first call checks, the second
+    # is the remembered signature); a top-left causal single query sees key 0 only and must not
+    # be read as the plain call. GQA (4 query heads over 2), q in transformers' (B, L, H, D) memory.
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(2))
+    kr, vr = (x.double().repeat_interleave(2, dim=1) for x in (k, v))
+    served = []
+    plain = mkt.plain_nograd
+
+    def spy(*a, **kw):
+        out = plain(*a, **kw)
+        served.append(out is not None)
+        return out
+
+    monkeypatch.setattr(mkt, "plain_nograd", spy)
+    for Lq, causal, align, plain_expected in [(1, True, "bottom_right", True), (6, True, "top_left", True),
+                                              (2, False, "top_left", True), (1, True, "top_left", False)]:
+        q = torch.randn(1, Lq, 4, 8, generator=g).transpose(1, 2)
+        off = 6 - Lq if align == "bottom_right" else 0
+        seen = torch.arange(6)[None, :] <= torch.arange(Lq)[:, None] + off if causal else torch.ones(Lq, 6, dtype=bool)
+        s = (q.double() @ kr.transpose(-1, -2) / 8 ** 0.5).masked_fill(~seen, float("-inf"))
+        ref = (torch.softmax(s, -1) @ vr).transpose(1, 2)
+        own = (torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), attn_mask=seen).transpose(1, 2) - ref)
+        vis = mkt.Visibility(causal, align, None, None, None, Lq, 6)
+        # a decode step's position_ids change nothing; a longer call's may mean packed rows (full path)
+        extra = dict(position_ids=torch.tensor([[5]])) if Lq == 1 else {}
+        served.clear()
+        for _ in range(2):
+            with torch.no_grad():
+                out, _ = mkt.attention_forward(None, q, k, v, vis, use_cache=True, **extra)
+            assert out.shape == (1, Lq, 4, 8) and out.is_contiguous()
+            assert _err(out, ref) <= 2 * own.abs().max().item() + 1e-5, (Lq, causal, align)
+        assert served == [plain_expected] * 2 if plain_expected else served == [], (Lq, causal, align, served)

@@ -66,6 +66,7 @@ from typing import Optional, Tuple
 import torch
 
 import mhakern
+from mhakern.ops import plain_nograd
 
 Tensor = torch.Tensor
 
@@ -155,6 +156,17 @@ class Visibility:
     ndim = 4
 
 
+_MU = None  # transformers.masking_utils once imported (transformers is an optional dependency)
+
+
+def _masking_utils():
+    global _MU
+    from transformers import masking_utils
+
+    _MU = masking_utils
+    return masking_utils
+
+
 def _pattern(mask_function, local_size, allow_causal_skip, allow_bidirectional_skip):
     """("causal" | "bidirectional", window) for the patterns mapped without a mask, else None.
 
@@ -163,8 +175,7 @@ def _pattern(mask_function, local_size, allow_causal_skip, allow_bidirectional_s
     unmodified base pattern, and chunked attention passes ``local_size`` too, so the closure is
     probed on positions that tell a window from chunks before it is trusted.
     """
-    from transformers import masking_utils as mu
-
+    mu = _MU or _masking_utils()
     if mask_function is mu.causal_mask_function and local_size is None:
         return "causal", None
     if mask_function is mu.bidirectional_mask_function and local_size is None:
@@ -238,8 +249,15 @@ def mask_interface(
 ):
     """transformers' mask-function signature (``AttentionMaskInterface``); returns a
     :class:`Visibility` (see the module docstring for what maps to what)."""
-    from transformers import masking_utils as mu
-
+    mu = _MU or _masking_utils()
+    if (attention_mask is None and local_size is None and not use_vmap and type(q_length) is int
+            and type(q_offset) is int and type(kv_offset) is int
+            and (mask_function is None or mask_function is mu.causal_mask_function)
+            and q_offset - kv_offset == kv_length - q_length):
+        # A decode step with a dynamic cache and no padding (or such a prefill): the queries are
+        # the keys' suffix, plain causal -- what the general path below finds, without its steps
+        # (once per forward; sdpa_mask's own shortcut for this case costs ~1.3 us).
+        return Visibility(True, "bottom_right", None, None, None, q_length, kv_length)
     if mask_function is None:
         mask_function = mu.causal_mask_function
     if isinstance(attention_mask, Visibility):  # built ahead by generate() (see Visibility.ndim)
@@ -608,6 +626,11 @@ def attention_forward(
             packed, one row) restrict attention to each sequence; ``position_ids`` (see above);
             others not affecting attention are ignored.
 
+    A call that needs no gradient and carries no mask, key lengths, window, packing, dropout,
+    softcap or sinks (a decode step with a KV cache, an unpadded prefill in eval mode) goes
+    through :func:`mhakern.ops.plain_nograd`: attention()'s checks on its signature's first
+    call, one lookup on later ones.
+
     Packed sequences (from the mask function, ``position_ids`` or ``cu_seq_lens_q/k``) go to
     :func:`mhakern.attention_varlen` as (B * L, H, D) views, unless the backend does not serve
     packed sequences: then to :func:`mhakern.attention` with their block-diagonal mask.
@@ -615,9 +638,14 @@ def attention_forward(
     Returns:
         (attn_output (B, Lq, H, Dv) contiguous, None): transformers' convention.
     """
+    vis = attention_mask
+    if (type(vis) is Visibility and vis.attn_mask is None and vis.key_lengths is None and vis.window is None
+            and vis.packing is None and not dropout and softcap is None and s_aux is None):
+        out = _plain(query, key, value, vis, scaling, kwargs)
+        if out is not None:
+            return out, None
     modifiers = _modifiers(module, query, softcap, s_aux) if softcap is not None or s_aux is not None else {}
     Lq, Lk = query.shape[2], key.shape[2]
-    vis = attention_mask
     packing = None
     if type(vis) is Visibility:
         if vis.q_length != Lq or vis.kv_length != Lk:
@@ -660,6 +688,30 @@ def attention_forward(
 # kwargs that change what a layer computes; position_ids only matter to a packed (Lq > 1) call.
 _KWARGS = frozenset({"head_mask", "output_attentions", "cu_seq_lens_q", "cu_seq_lens_k", "position_bias"})
 _KWARGS_PACKED = _KWARGS | {"position_ids"}
+
+
+def _plain(query, key, value, vis: Visibility, scaling, kwargs) -> Optional[Tensor]:
+    """The layer's (B, Lq, H, Dv) output through :func:`mhakern.ops.plain_nograd` when ``vis``
+    (no mask, key lengths, window or packing; the caller checked) and the kwargs leave a plain
+    call, else None (the full path then decides, and raises what it raises).
+
+    A decode step with a KV cache is bottom-right causal over one query, which sees every key:
+    the plain non-causal call, the signature SDPA's drop-in decode call also has. After a
+    signature's first call (attention()'s checks) a call costs one lookup and the kernel.
+    """
+    Lq, Lk = query.shape[2], key.shape[2]
+    if vis.q_length != Lq or vis.kv_length != Lk:
+        return None
+    if kwargs and not (_KWARGS_PACKED if Lq > 1 else _KWARGS).isdisjoint(kwargs):
+        return None
+    causal = vis.causal
+    if causal:
+        if vis.causal_align != "bottom_right" and Lq != Lk:  # plain_nograd's causal is bottom-right
+            return None
+        if Lq == 1:
+            causal = False
+    out = plain_nograd(attention_forward, query, key, value, scaling, causal, _state["backend"])
+    return None if out is None else out.transpose(1, 2).contiguous()
 
 
 def _from_kwargs(module, query, Lk, causal, window, mask, key_lengths, packing, kwargs):
