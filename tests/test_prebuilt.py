@@ -184,3 +184,16 @@ def test_cli_without_a_prebuilt(tmp_path):
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 1, out.stderr
         assert out.stdout.strip().splitlines() == [f"prebuilt: not used: no {'directory ' + str(d) if d != tmp_path else 'manifest.json in ' + str(d)}"]
+
+
+def test_manifest_targets_are_the_builds_gencode_targets():
+    # prebuild_device.py writes the manifest's targets from the build recipe's -gencode flags,
+    # which covers() then reads: 9.0 is built as sm_90a, '+PTX' adds the portable PTX.
+    import prebuild_device
+
+    def targets(archs):
+        return prebuild_device.planned_targets(prebuilt.build_recipe(ROOT, archs, "13.0")["nvcc_flags"])
+
+    assert targets("9.0") == ["sm_90a"]
+    assert targets("8.0;9.0+PTX") == ["sm_80", "sm_90a", "compute_90"]
+    assert prebuilt.covers(targets("9.0"), (9, 0)) and not prebuilt.covers(targets("9.0"), (8, 0))
