@@ -166,14 +166,14 @@ def test_use_refuses_changed_sources_and_a_bad_file(tmp_path, tree):
     assert rc == 1 and "is not the file the manifest describes" in line
     shutil.rmtree(d)
     d = _prebuilt_dir(tmp_path, tree)
+    m = json.loads((d / "manifest.json").read_text())
+    (d / "manifest.json").write_text(json.dumps(dict(m, module="_C.cpython-399-x86_64-linux-gnu.so")))
+    rc, line = prebuilt.use(str(d), root=str(tree), facts=ok)
+    assert rc == 1 and "is not one this interpreter loads" in line
+    (d / "manifest.json").write_text(json.dumps(m))
     (tree / "csrc" / "bindings.cpp").write_text((tree / "csrc" / "bindings.cpp").read_text() + "\n// changed\n")
     rc, line = prebuilt.use(str(d), root=str(tree), facts=ok)
     assert rc == 1 and "the sources changed since it was built" in line
-    m = json.loads((d / "manifest.json").read_text())
-    m["module"] = "_C.cpython-399-x86_64-linux-gnu.so"
-    (d / "manifest.json").write_text(json.dumps(m))
-    rc, line = prebuilt.use(str(d), root=str(tree), facts=ok)
-    assert rc == 1 and "is not one this interpreter loads" in line
     assert not (tree / "mhakern" / ("_C" + SUFFIX)).exists()
 
 

@@ -223,12 +223,6 @@ def use(directory: str, root: str = ROOT, facts=None) -> Tuple[int, str]:
     module = str(manifest["module"])
     if os.path.basename(module) != module or not module.startswith("_C."):
         return no(f"the manifest's module {module!r} is not a file name _C.<suffix>")
-    suffix = module[len("_C"):]
-    if suffix not in importlib.machinery.EXTENSION_SUFFIXES:
-        return no(f"{module}'s suffix {suffix} is not one this interpreter loads ({', '.join(importlib.machinery.EXTENSION_SUFFIXES)})")
-    src = os.path.join(directory, module)
-    if not os.path.isfile(src):
-        return no(f"no {module} in {directory}")
     try:
         torch_version, cuda_version, cap = facts() if facts is not None else _torch_facts()
     except ImportError as e:
@@ -243,6 +237,12 @@ def use(directory: str, root: str = ROOT, facts=None) -> Tuple[int, str]:
     )
     if why is not None:
         return no(why)
+    suffix = module[len("_C"):]
+    if suffix not in importlib.machinery.EXTENSION_SUFFIXES:
+        return no(f"{module}'s suffix {suffix} is not one this interpreter loads ({', '.join(importlib.machinery.EXTENSION_SUFFIXES)})")
+    src = os.path.join(directory, module)
+    if not os.path.isfile(src):
+        return no(f"no {module} in {directory}")
     if file_sha256(src) != manifest["sha256"]:
         return no(f"{src} is not the file the manifest describes (its SHA-256 differs: a partial copy?)")
     dst = os.path.join(root, "mhakern", module)
@@ -250,7 +250,8 @@ def use(directory: str, root: str = ROOT, facts=None) -> Tuple[int, str]:
     shutil.copyfile(src, tmp)
     os.chmod(tmp, 0o755)
     os.replace(tmp, dst)  # a process importing meanwhile sees the old file or the new one, never half
-    shown = os.path.relpath(dst, os.getcwd()) if not os.path.relpath(dst, os.getcwd()).startswith("..") else dst
+    rel = os.path.relpath(dst, os.getcwd())
+    shown = dst if rel.startswith("..") else rel
     return 0, (
         f"prebuilt: used {shown} (torch {manifest['torch']}, CUDA {manifest['cuda']}, {manifest['python_tag']}, "
         f"archs {','.join(manifest['targets'])})"
