@@ -2,7 +2,7 @@
 """A static performance model of the sm_90a forward and of decode, computed from SASS and
 calibrated on the measured H200 rows (docs/performance.md explains every term).
 
-    python tools/perf_model.py [--sass NAME=FILE ...] [--compile] [--markdown]
+    python tools/perf_model.py [--sass NAME=FILE ...] [--compile]
 
 Per 128-key step of one CTA (two consumer warpgroups taking turns, S stages of K/V):
 
@@ -19,14 +19,18 @@ Per 128-key step of one CTA (two consumer warpgroups taking turns, S stages of K
                   I x 8 warps / 4 schedulers / f )  issue slots
     T_run  = (sum over CTAs of tiles x T_step + CTAs x F) / SMs
 
-T_g comes from the FLOPs at the measured matmul rate; I (instructions one warp executes per
+T_g comes from the FLOPs at a fraction of the measured matmul rate (RATES: the assumption that
+moves every forward and backward figure most, so each is given at two rates); I (instructions one warp executes per
 unmasked tile) and C (cycles from "P V landed" to the next batch's first HGMMA) from the SASS of
 the main loop (mhakern/kernels/sass.py reads it; the chain through a one-warp in-order issue model
 below); lam (the exposed copy latency) and F (the fixed cost per CTA) are fitted on the two
 non-causal rows of the measured run, which was the 2-stage build with the hoisted wait (the SASS
 of that build, 'measured', is compiled from the commit the run used or given). Decode: the
 K/V bytes over the copy bandwidth of the CTAs that run at once, or each CTA's tile latency over
-its stages in flight, whichever binds, in waves of the SMs a family fills. Which pipeline a
+its stages in flight, whichever binds, in waves of the SMs a family fills. The fused sm_90a
+backward (no SASS input): per 64-row stage its 5 products at the rate plus the time no wgmma is
+in flight, its CTAs dispatched in block order onto the SMs, the deterministic mode's ordered dQ
+adds followed tile by tile (bwd_ms). Which pipeline a
 build has is read from its SASS: two full-barrier waits (SYNCS.PHASECHK) in the executed main
 loop are separate K and V rings, one a coupled stage.
 
@@ -56,6 +60,30 @@ CHAIN_BARRIER_CYCLES = 80  # bar.sync/arrive round trip of the ping-pong (assume
 # the previous item's last P V and epilogue) go; the first step's lone S, the last's lone P V
 # and the epilogue's scattered stores stay.
 PERSISTENT_F_US = (8.0, 4.0)
+
+# The products' rate, as a fraction of MATMUL_TFLOPS, per pass: (conservative, optimistic).
+# Conservative: FlashAttention-3's own measured fraction, its published H100 SXM5 figures at D 128,
+# L 16k (arXiv 2407.08608, first version, FP16: forward non-causal 648 TFLOP/s, backward 561)
+# over the product rate measured here (an H100 SXM5 and an H200 have the same GH100 tensor cores:
+# 132 SMs at the same clocks; the H200 differs in memory): 0.83 and 0.72. It is FA3's whole-kernel
+# rate taken as the rate of the products alone, so what this model adds on top (F, the exposed
+# backward time) is counted twice: a lower bound, not a likely figure. Optimistic: the forward's
+# products at the measured rate; the backward's RS products at it and its SS ones (S^T, dP^T, dQ:
+# 60% of its FLOPs, operands both from shared memory, 128 B/clk) at 85% of it.
+FA3_TFLOPS = {"fwd": 648.0, "bwd": 561.0}
+BWD_SS_SHARE, BWD_SS_EFFICIENCY = 0.6, 0.85
+RATES = {
+    "conservative": {"fwd": FA3_TFLOPS["fwd"] / MATMUL_TFLOPS, "bwd": FA3_TFLOPS["bwd"] / MATMUL_TFLOPS},
+    "optimistic": {"fwd": 1.0, "bwd": 1.0 / (BWD_SS_SHARE / BWD_SS_EFFICIENCY + 1.0 - BWD_SS_SHARE)},
+}
+
+# The fused sm_90a backward (capabilities.h kSm90BwdFused*: 128 keys per CTA, 64-row stages, one
+# CTA per SM), its assumptions (docs/performance.md, Backward (sm_90a)); pairs are (fast, slow).
+BWD_BLOCK_N, BWD_BLOCK_M = 128, 64
+BWD_EXPOSED_US = (0.24, 0.71)  # no wgmma in flight per stage: conflict-free fp32 dQ stores .. the
+                               # row-major tile as written (8-way bank conflicts)
+BWD_ADD_US = (1.0, 1.5)        # one 64 x D fp32 bulk reduce-add and its release/acquire turn
+BWD_F_US = 5.0                 # per CTA: K/V by TMA, the dK/dV epilogue (not fitted)
 
 # Measured rows (ms) of that run, mhakern:cuda, bf16, D 128 (report.md).
 MEASURED = {
@@ -156,17 +184,17 @@ def compile_sass(src_root: Path) -> str:
 
 
 # ------------------------------------------------------------------------------------- forward
-def tg_us(D=128, BM=128, BN=128) -> float:
-    """One warpgroup's S + P V (64 rows x BN keys x D, two products) at one SM's share of the
-    measured matmul rate."""
+def tg_us(D=128, BM=128, BN=128, fraction=1.0) -> float:
+    """One warpgroup's S + P V (64 rows x BN keys x D, two products) at one SM's share of
+    `fraction` of the measured matmul rate."""
     flop = 2 * 2 * (BM // 2) * BN * D
-    return flop / (MATMUL_TFLOPS * 1e12 / SMS) * 1e6
+    return flop / (fraction * MATMUL_TFLOPS * 1e12 / SMS) * 1e6
 
 
-def step_us(t: dict, stages: int, lam: float, pinned: bool) -> tuple[float, dict]:
+def step_us(t: dict, stages: int, lam: float, pinned: bool, fraction=1.0) -> tuple[float, dict]:
     """T_step and its terms; stages: of the coupled ring, or of the smaller of the K and V rings
-    when the build's SASS has separate ones (t["split_kv"])."""
-    Tg = tg_us()
+    when the build's SASS has separate ones (t["split_kv"]); fraction: of the matmul rate."""
+    Tg = tg_us(fraction=fraction)
     c_cyc = (max(0.0, t["W"] - Tg / 2 * CLOCK_GHZ * 1e3) if pinned else t["W"]) + t["P"] + CHAIN_BARRIER_CYCLES
     C = c_cyc / (CLOCK_GHZ * 1e3)
     held = Tg if t.get("split_kv") else 2 * Tg  # from a stage's first reader to its release
@@ -192,15 +220,18 @@ def ctas_and_tiles(kind, B, H, L, causal, Hkv=None, BM=128, BN=128):
     return out
 
 
-def run_ms(kind, B, H, L, causal, t, stages, lam, F, pinned, Hkv=None):
-    T, _ = step_us(t, stages, lam, pinned)
+def run_ms(kind, B, H, L, causal, t, stages, lam, F, pinned, Hkv=None, fraction=1.0):
+    """Forward time (ms) of one row: every CTA's tiles at T_step plus F, over the SMs."""
+    T, _ = step_us(t, stages, lam, pinned, fraction)
     work = sum(n * (tiles * T + F) for n, tiles in ctas_and_tiles(kind, B, H, L, causal, Hkv))
     return work / SMS / 1e3
 
 
-def fit(t_measured: dict) -> tuple[float, float]:
-    """lam, F from the two non-causal rows (2-stage build: the load term binds, checked after)."""
-    Tg = tg_us()
+def fit(t_measured: dict, fraction=1.0) -> tuple[float, float]:
+    """lam, F from the two non-causal rows (2-stage build: the load term binds, checked after),
+    with the products at `fraction` of the matmul rate: the rows fix 2 T_g + lam, so a slower
+    product leaves less exposed latency."""
+    Tg = tg_us(fraction=fraction)
     # ms = CTAs x (tiles x (2 Tg + lam) + F) / SMS / 1e3 for each row: linear in lam and F.
     rows = [(("self", 1, 16, 16384, False), 16 * 128, 128), (("self", 4, 16, 4096, False), 64 * 32, 32)]
     (k1, c1, n1), (k2, c2, n2) = rows
@@ -209,21 +240,21 @@ def fit(t_measured: dict) -> tuple[float, float]:
     det = a1 * b2 - a2 * b1
     lam = (y1 * b2 - y2 * b1) / det
     F = (a1 * y2 - a2 * y1) / det
-    T, terms = step_us(t_measured, 2, lam, False)
+    T, terms = step_us(t_measured, 2, lam, False, fraction)
     assert terms["load"] == T, f"the fit assumes the load term binds the 2-stage build: {terms}"
     return lam, F
 
 
 # ------------------------------------------------------------------------------------- decode
-def decode_ms(B, Hq, Hkv, Lk, family, splits, lam_hbm, F, stages=None, D=128, split_kv=False):
+def decode_ms(B, Hq, Hkv, Lk, family, splits, lam_hbm, F, stages=None, D=128, split_kv=False, fraction=1.0):
     """Decode time of one family: 'sm90' (128-row tile, 128-key stages, 1 CTA per SM) or
     'mma_sync' (the decode kernel: 16-row CTAs, 64-key tiles, 3 CTAs per SM on a 9.0 device);
     split_kv: the sm90 forward's separate K and V rings (a stage held for half the tile's
-    products, not all of them)."""
+    products, not all of them); fraction: of the matmul rate (the sm90 tile's products)."""
     rows = Hq // Hkv
     if family == "sm90":
         per_sm, tile_keys, st = 1, 128, stages or 3
-        compute = 2 * tg_us()  # the whole 128-row tile's products, 4 of its rows useful
+        compute = 2 * tg_us(fraction=fraction)  # the whole 128-row tile's products, 4 of its rows useful
         blocks = math.ceil(rows / 128)
     else:
         per_sm, tile_keys, st = 3, 64, stages or 2
@@ -243,13 +274,13 @@ def decode_ms(B, Hq, Hkv, Lk, family, splits, lam_hbm, F, stages=None, D=128, sp
     return waves * (tiles * t_tile + F) / 1e3
 
 
-def fit_decode_lambda(F: float) -> float:
+def fit_decode_lambda(F: float, fraction=1.0) -> float:
     """The HBM copy latency exposed per tile, from the measured kv-8 decode row (2 stages, 9
-    splits planned for 2 CTAs per SM: 288 CTAs, 3 waves)."""
+    splits planned for 2 CTAs per SM: 288 CTAs, 3 waves), products at `fraction` of the rate."""
     B, Hq, Hkv, Lk = 4, 32, 8, 131072
     waves, tiles = 3, math.ceil(Lk / 128 / 9)
     t_tile = (MEASURED_DECODE[(B, Hq, Hkv, Lk)] * 1e3 / waves - F) / tiles
-    return t_tile - 2 * tg_us()
+    return t_tile - 2 * tg_us(fraction=fraction)
 
 
 def planner_splits(B, Hkv, rows, Lk, family, per_sm_old=False):
@@ -274,6 +305,92 @@ def planner_splits(B, Hkv, rows, Lk, family, per_sm_old=False):
     return min(s for s, e in effs.items() if e >= 0.85 * top)
 
 
+# ------------------------------------------------------------------------------------- backward
+def bwd_step_us(fraction: float, exposed: float, D=128) -> float:
+    """One 64-row stage of the fused sm_90a backward's CTA (128 keys): its 5 products
+    (2 x 64 x 128 x D each) at one SM's share of `fraction` of the matmul rate, plus `exposed`
+    (us with no wgmma in flight: the drain, the fp32 dQ part to shared memory, two barriers)."""
+    flop = 5 * 2 * BWD_BLOCK_M * BWD_BLOCK_N * D
+    return flop / (fraction * MATMUL_TFLOPS * 1e12 / SMS) * 1e6 + exposed
+
+
+def bwd_ms(B, H, L, causal, fraction, end=0, deterministic=True, D=128) -> float:
+    """Fused sm_90a backward time (ms) of a self-attention row (Lq = Lk = L, H heads), at the
+    assumptions' fast (end 0) or slow (end 1) value. CTAs (key blocks fastest, as the kernel
+    reads its block index) start in index order on the first free SM. A CTA walks its row tiles
+    upward (causal: from the first that sees its keys); each tile's products wait for the single
+    shared dQ tile to be free (the previous tile's add), and its add (BWD_ADD_US) in the
+    deterministic mode also for the previous key block's add into that row tile to complete."""
+    import heapq
+
+    T = bwd_step_us(fraction, BWD_EXPOSED_US[end], D)
+    exposed, t_add = BWD_EXPOSED_US[end], BWD_ADD_US[end]
+    n_kb, n_mt = math.ceil(L / BWD_BLOCK_N), math.ceil(L / BWD_BLOCK_M)
+    free = [0.0] * SMS
+    finish = 0.0
+    for _ in range(B * H):
+        last_add = [0.0] * n_mt  # when each row tile's latest add completed (this head)
+        for n in range(n_kb):
+            start = heapq.heappop(free)
+            c, a = start, start
+            for mt in range((n * BWD_BLOCK_N) // BWD_BLOCK_M if causal else 0, n_mt):
+                c = max(c + T, a + exposed)  # this tile's dQ part waits for the last add to be read
+                a = (max(c, last_add[mt]) if deterministic else c) + t_add
+                last_add[mt] = a
+            done = a + BWD_F_US
+            finish = max(finish, done)
+            heapq.heappush(free, done)
+    return finish / 1e3
+
+
+def tflops(B, H, L, causal, ms, passes=1.0, D=128) -> float:
+    """FlashAttention's convention: forward 4 B H L^2 D (halved when causal), the backward 2.5x."""
+    return passes * 4 * B * H * L * L * D / (2 if causal else 1) / ms / 1e9
+
+
+def fwd_bwd_tflops(fwd: float, bwd: float) -> float:
+    """Forward + backward TFLOP/s from each pass's (3.5 x the forward's FLOPs over both times)."""
+    return 3.5 / (1.0 / fwd + 2.5 / bwd)
+
+
+def forward_predictions(builds: dict, rate: str) -> dict:
+    """At RATES[rate]: the fit (lam, F) and, per MEASURED row, ms per build (3 stages unless
+    'measured') and, with a 'head' build, the persistent grid's (fast, slow) ms."""
+    fr = RATES[rate]["fwd"]
+    lam, F = fit(builds["measured"], fr)
+    rows = {}
+    for key in MEASURED:
+        kind, B, H, L, causal = key
+        Hkv = 8 if kind == "gqa" else None
+        cells = {}
+        for name, t in builds.items():
+            pin = t["exps_between"] >= t["exps"] // 2
+            cells[name] = run_ms(kind, B, H, L, causal, t, 2 if name == "measured" else 3, lam, F, pin, Hkv, fr)
+        if "head" in builds:
+            t = builds["head"]
+            pin = t["exps_between"] >= t["exps"] // 2
+            cells["persistent"] = tuple(run_ms(kind, B, H, L, causal, t, 3, lam, f, pin, Hkv, fr)
+                                        for f in sorted(PERSISTENT_F_US))
+        rows[key] = cells
+    return {"lam": lam, "F": F, "rows": rows}
+
+
+def _rng(lo: float, hi: float, fmt="{:.0f}") -> str:
+    a, b = fmt.format(lo), fmt.format(hi)
+    return a if a == b else f"{a}-{b}"
+
+
+BWD_ROWS = [(1, 16, 16384, False), (1, 16, 16384, True), (4, 16, 4096, False), (4, 16, 4096, True)]
+
+
+def backward_predictions(rate: str) -> dict:
+    """At RATES[rate]: per BWD_ROWS row, the fused sm_90a backward's (fast, slow) ms, deterministic
+    (the default) and not."""
+    fr = RATES[rate]["bwd"]
+    return {row: {det: tuple(bwd_ms(*row, fr, end, det) for end in (0, 1)) for det in (True, False)}
+            for row in BWD_ROWS}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sass", action="append", default=[], help="NAME=FILE: cuobjdump -sass of a build "
@@ -289,46 +406,60 @@ def main(argv=None) -> int:
     if "measured" not in builds:
         print("perf_model: give --sass measured=FILE (the SASS of the build the H200 run measured)", file=sys.stderr)
         return 2
-    lam, F = fit(builds["measured"])
-    print(f"calibration (2 non-causal rows, 2-stage build): lam = {lam:.3f} us exposed per step, F = {F:.2f} us per CTA; "
-          f"T_g = {tg_us():.3f} us")
+    rates = list(RATES)
+    print("products' rate (fraction of the measured matmul rate, 782 TFLOP/s): "
+          + "; ".join(f"{r} forward {RATES[r]['fwd']:.3f}, backward {RATES[r]['bwd']:.3f}" for r in rates))
+    fwd = {r: forward_predictions(builds, r) for r in rates}
+    for r in rates:
+        print(f"calibration at the {r} rate (2 non-causal rows, 2-stage build): lam = {fwd[r]['lam']:.3f} us exposed "
+              f"per step, F = {fwd[r]['F']:.2f} us per CTA; T_g = {tg_us(fraction=RATES[r]['fwd']):.3f} us")
     print()
-    print("| build | executed / key | exps overlapping P V | W (cycles) | P (cycles) | tensor | chain | load | issue | T_step (us) | lam it tolerates (us) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| build | rate | executed / key | exps overlapping P V | W (cycles) | P (cycles) | tensor | chain | load | issue "
+          "| T_step (us) | lam it tolerates (us) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, t in builds.items():
-        pinned = t["exps_between"] >= t["exps"] // 2
-        st = 2 if name == "measured" else 3
-        T, terms = step_us(t, st, lam, pinned)
-        held = tg_us() if t["split_kv"] else 2 * tg_us()
-        others = max(v for k, v in terms.items() if k != "load")
-        pipe = f"{st} + {st} stages, split K/V" if t["split_kv"] else f"{st} stages, coupled K/V"
-        print(f"| {name} ({pipe}) | {t['executed'] / 128:.2f} | {t['exps_between']} of {t['exps']} | {t['W']} | {t['P']} | "
-              f"{terms['tensor']:.2f} | {terms['chain']:.2f} | {terms['load']:.2f} | {terms['issue']:.2f} | {T:.2f} | "
-              f"{others * (st - 1) - held:.2f} |")
+        for r in rates:
+            fr = RATES[r]["fwd"]
+            pinned = t["exps_between"] >= t["exps"] // 2
+            st = 2 if name == "measured" else 3
+            T, terms = step_us(t, st, fwd[r]["lam"], pinned, fr)
+            held = tg_us(fraction=fr) if t["split_kv"] else 2 * tg_us(fraction=fr)
+            others = max(v for k, v in terms.items() if k != "load")
+            pipe = f"{st} + {st} stages, split K/V" if t["split_kv"] else f"{st} stages, coupled K/V"
+            print(f"| {name} ({pipe}) | {r} | {t['executed'] / 128:.2f} | {t['exps_between']} of {t['exps']} | {t['W']} | "
+                  f"{t['P']} | {terms['tensor']:.2f} | {terms['chain']:.2f} | {terms['load']:.2f} | {terms['issue']:.2f} | "
+                  f"{T:.2f} | {others * (st - 1) - held:.2f} |")
     print()
-    persistent = ["head, persistent (F per item 8-4 us)"] if "head" in builds else []
-    print("| row (bf16, D 128) | measured ms | " + " | ".join(f"{n} ms (TFLOP/s)" for n in [*builds, *persistent]) + " |")
-    print("|---|---|" + "---|" * (len(builds) + len(persistent)))
-    for key in MEASURED:
+    now = "persistent" if "head" in builds else list(builds)[-1]
+    cols = [f"{n}: {' / '.join(rates)} ms (TFLOP/s)" for n in builds]
+    if "head" in builds:
+        cols += [f"head, persistent (F per item {PERSISTENT_F_US[0]:g}-{PERSISTENT_F_US[1]:g} us), {r}: ms (TFLOP/s)" for r in rates]
+    print("| row (bf16, D 128) | measured ms (TFLOP/s) | " + " | ".join(cols) + " | predicted range TFLOP/s |")
+    print("|---|---|" + "---|" * (len(cols) + 1))
+    fwd_tf = {}  # row -> rate -> (slow, fast) TFLOP/s of the build now
+    for key, m in MEASURED.items():
         kind, B, H, L, causal = key
         Hkv = 8 if kind == "gqa" else None
-        flop = 4 * B * H * L * L * 128 / (2 if causal else 1)
+        tf = lambda ms: tflops(B, H, L, causal, ms)  # noqa: E731
         cells = []
-        for name, t in builds.items():
-            st = 2 if name == "measured" else 3
-            ms = run_ms(kind, B, H, L, causal, t, st, lam, F, t["exps_between"] >= t["exps"] // 2, Hkv)
-            cells.append(f"{ms:.3f} ({flop / ms / 1e9:.0f})")
-        if "head" in builds:  # the persistent grid: the head build's step with F per item bracketed
-            t = builds["head"]
-            pin = t["exps_between"] >= t["exps"] // 2
-            slow, fast = (run_ms(kind, B, H, L, causal, t, 3, lam, f, pin, Hkv) for f in PERSISTENT_F_US)
-            cells.append(f"{fast:.3f}-{slow:.3f} ({flop / slow / 1e9:.0f}-{flop / fast / 1e9:.0f})")
-        m = MEASURED[key]
-        print(f"| {kind} B{B}H{H}{'kv8' if Hkv else ''} L{L}{' causal' if causal else ''} | {m:.3f} ({flop / m / 1e9:.0f}) | "
-              + " | ".join(cells) + " |")
-    lam_hbm = fit_decode_lambda(F)
+        for name in builds:
+            ms = [fwd[r]["rows"][key][name] for r in rates]
+            cells.append(" / ".join(f"{x:.3f}" for x in ms) + f" ({' / '.join(f'{tf(x):.0f}' for x in ms)})")
+        per_rate = {}
+        for r in rates:
+            v = fwd[r]["rows"][key][now]
+            fast, slow = (v, v) if not isinstance(v, tuple) else v
+            per_rate[r] = (tf(slow), tf(fast))
+            if "head" in builds:
+                cells.append(f"{_rng(fast, slow, '{:.3f}')} ({_rng(tf(slow), tf(fast))})")
+        fwd_tf[key] = per_rate
+        lo, hi = per_rate[rates[0]][0], per_rate[rates[-1]][1]
+        print(f"| {kind} B{B}H{H}{'kv8' if Hkv else ''} L{L}{' causal' if causal else ''} | {m:.3f} ({tf(m):.0f}) | "
+              + " | ".join(cells) + f" | **{lo:.0f}-{hi:.0f}** |")
     print()
-    print(f"decode calibration (the kv-8 row, 2 stages, 9 splits, 3 waves): HBM latency exposed per tile {lam_hbm:.2f} us")
+    for r in rates:
+        print(f"decode calibration at the {r} rate (the kv-8 row, 2 stages, 9 splits, 3 waves): HBM latency exposed "
+              f"per tile {fit_decode_lambda(fwd[r]['F'], RATES[r]['fwd']):.2f} us")
     print()
     print("| decode row (B4 H32, 1 query, D 128) | measured GB/s (sm90, 2 st, old plan) | model of that build | "
           "sm90, old plan, 3 st | sm90, wave-efficiency plan, 3 + 3 split K/V (now) | mma.sync decode kernel, its plan |")
@@ -342,9 +473,42 @@ def main(argv=None) -> int:
         cells = []
         for fam, s, st, sp in (("sm90", s_old, 2, False), ("sm90", s_old, 3, False), ("sm90", s_new, 3, True),
                                ("mma_sync", s_mma, 2, False)):
-            ms = decode_ms(B, Hq, Hkv, Lk, fam, s, lam_hbm, F, stages=st, split_kv=sp)
-            cells.append(f"{nbytes / ms / 1e6:.0f} ({s} splits)")
+            gbs = []
+            for r in rates:
+                fr = RATES[r]["fwd"]
+                ms = decode_ms(B, Hq, Hkv, Lk, fam, s, fit_decode_lambda(fwd[r]["F"], fr), fwd[r]["F"], stages=st,
+                               split_kv=sp, fraction=fr)
+                gbs.append(nbytes / ms / 1e6)
+            cells.append(f"{_rng(min(gbs), max(gbs))} ({s} splits)")
         print(f"| kv{Hkv} Lk {Lk} | {nbytes / m / 1e6:.0f} | " + " | ".join(cells) + " |")
+    print()
+    bwd = {r: backward_predictions(r) for r in rates}
+    print("| fused sm_90a backward (bf16, D 128) | " + " | ".join(
+        f"{r}: T_step (us) | {r}: non-deterministic | {r}: deterministic (default)" for r in rates)
+          + " | deterministic range TFLOP/s |")
+    print("|---|" + "---|" * (3 * len(rates) + 1))
+    for row in BWD_ROWS:
+        B, H, L, causal = row
+        cells, det = [], {}
+        for r in rates:
+            steps = [bwd_step_us(RATES[r]["bwd"], e) for e in BWD_EXPOSED_US]
+            tf = {d: tuple(tflops(B, H, L, causal, ms, 2.5) for ms in bwd[r][row][d]) for d in (False, True)}
+            det[r] = tf[True]
+            cells += [_rng(*steps, "{:.2f}"), _rng(tf[False][1], tf[False][0]), _rng(tf[True][1], tf[True][0])]
+        print(f"| B{B}H{H} L{L}{' causal' if causal else ''} | " + " | ".join(cells)
+              + f" | **{det[rates[0]][1]:.0f}-{det[rates[-1]][0]:.0f}** |")
+    print()
+    print(f"| forward ({now}) + fused sm_90a backward, deterministic (TFLOP/s) | " + " | ".join(rates) + " | range |")
+    print("|---|" + "---|" * (len(rates) + 1))
+    for row in BWD_ROWS:
+        B, H, L, causal = row
+        f = fwd_tf[("self", B, H, L, causal)]
+        cells = {}
+        for r in rates:
+            bt = [tflops(B, H, L, causal, ms, 2.5) for ms in bwd[r][row][True]]  # fast, slow
+            cells[r] = (fwd_bwd_tflops(f[r][0], bt[1]), fwd_bwd_tflops(f[r][1], bt[0]))
+        print(f"| B{B}H{H} L{L}{' causal' if causal else ''} | " + " | ".join(_rng(*cells[r]) for r in rates)
+              + f" | **{cells[rates[0]][0]:.0f}-{cells[rates[-1]][1]:.0f}** |")
     return 0
 
 
