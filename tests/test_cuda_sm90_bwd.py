@@ -33,6 +33,7 @@ from cuda_emulator_harness import (
     _ptr,
     _st,
     build_units,
+    dispatched,
     missing_toolchain,
     padded,
     padded_empty,
@@ -382,6 +383,26 @@ def test_sm90_fused_backward_early_buffer_release_fails(emu):
     assert any(not torch.equal(r[0], good) for r in bad)
     # wrong numbers, not a rounding: some sum off by far more than fp32 reordering could make
     assert max((r[0] - good).abs().max().item() for r in bad) > 1e-3 * good.abs().max().item()
+
+
+# CTAs out of block order (cuda_emu.h Dispatch). The ordered dQ adds make key block n of a row
+# tile wait for key block n - 1. Taken from the block index, that relies on the hardware starting
+# CTAs in block order, which CUDA does not promise: started in reverse with 2 resident (as 132 SMs
+# hold a first wave of a 2,048-CTA grid), the two resident CTAs wait on turns of CTAs that cannot
+# start before one of them ends. Taken from a ticket at the CTA's start (the kernel), every lower
+# ticket's CTA has started, and the results are the in-order run's bits.
+def test_sm90_fused_backward_out_of_order_dispatch_needs_tickets(emu):
+    ref = _order_runs(emu, (None,))[0]
+    with dispatched(emu.lib, "reversed", resident=2):
+        with pytest.raises(RuntimeError, match="dispatch-order deadlock") as err:
+            _order_runs(emu, (None,), fault=4)  # work item = block index: the protocol's assumption
+        assert "spin wait" in str(err.value)
+        runs = _order_runs(emu, (None,))
+    with dispatched(emu.lib, "shuffled", resident=3, seed=5):
+        runs += _order_runs(emu, (_ORDER_SEEDS[0],))
+    for r in runs:
+        for a, b in zip(ref, r):
+            assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------------------------------------
