@@ -166,9 +166,11 @@ constexpr CudaFusedBwdTiles cuda_fused_bwd_tiles(int d) {
   return d <= 128 ? CudaFusedBwdTiles{64, d <= 32 ? 64 : (d <= 96 ? 32 : 16), 1} : CudaFusedBwdTiles{32, 16, 2};
 }
 // The fused kernel's workspace: dq_accum (B * H * Lq * D fp32) and one 32-bit counter per
-// (batch, KV head, row block of the group's packed rows), both zeroed before the launch.
+// (batch, KV head, row block of the group's packed rows), then the counter the ordered kernel's
+// CTAs take their work items from (csrc/cuda/dq_accum.cuh, forward progress), all zeroed before
+// the launch.
 constexpr int64_t cuda_fused_bwd_counters(int64_t batch, int64_t kv_heads, int64_t group_rows, int d) {
-  return batch * kv_heads * ((group_rows + cuda_fused_bwd_tiles(d).m - 1) / cuda_fused_bwd_tiles(d).m);
+  return batch * kv_heads * ((group_rows + cuda_fused_bwd_tiles(d).m - 1) / cuda_fused_bwd_tiles(d).m) + 1;
 }
 
 // The decode configuration of the mma.sync forward (attn_fwd_decode_kernel, FwdDecodeConfig in
@@ -345,14 +347,15 @@ constexpr unsigned kSm90BwdFusedFeatures = 0;
 constexpr int kSm90BwdFusedBlockN = 128, kSm90BwdFusedBlockM = 64, kSm90BwdFusedStages = 2;
 constexpr int sm90_bwd_fused_m(int) { return kSm90BwdFusedBlockM; }
 // The workspace (fp32 elements, zero-filled by the caller): the dQ sums (B, Hkv, row tiles of
-// sm90_bwd_fused_m rows, D), then one 32-bit semaphore per (B, Hkv, row tile).
+// sm90_bwd_fused_m rows, D), then one 32-bit semaphore per (B, Hkv, row tile), then the
+// 32-bit counter the CTAs take their work items from (csrc/cuda/dq_accum.cuh, forward progress).
 constexpr int64_t sm90_bwd_fused_row_tiles(int64_t group, int64_t q_len, int64_t head_dim) {
   return (group * q_len + sm90_bwd_fused_m(static_cast<int>(head_dim)) - 1) / sm90_bwd_fused_m(static_cast<int>(head_dim));
 }
 constexpr int64_t sm90_bwd_fused_workspace_floats(int64_t batch, int64_t kv_heads, int64_t group, int64_t q_len,
                                                   int64_t head_dim) {
   const int64_t tiles = batch * kv_heads * sm90_bwd_fused_row_tiles(group, q_len, head_dim);
-  return tiles * sm90_bwd_fused_m(static_cast<int>(head_dim)) * head_dim + tiles;
+  return tiles * sm90_bwd_fused_m(static_cast<int>(head_dim)) * head_dim + tiles + 1;
 }
 
 // Split-K planning (long keys with few query tiles: decode): at least kMinBlocksPerSplit key

@@ -18,6 +18,7 @@ each source once per sources digest).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import importlib.util
@@ -388,6 +389,26 @@ def emulated_attention(emu: Emulator, splits: int = 1, bwd_splits: int = 1):
 ALL_INSTANCES = tuple(f"{t}_d{d}" for t, d in TABLE_INSTANCES)
 EMU_INSTANCES = ALL_INSTANCES + tuple(f"{t}_d{d}" for t, d in BWD_ONLY_INSTANCES)
 DTYPE_FOR_D = {d: (torch.float16, torch.bfloat16)[i % 2] for i, d in enumerate(HEAD_DIMS)}
+
+
+# The emulator's block dispatch (csrc/cuda/emulation/cuda_emu.h Dispatch): the order in which a
+# launch's CTAs start and how many are resident at once. The hardware promises no order; with
+# fewer resident CTAs than the grid (2,048 CTAs on 132 SMs) a CTA that waits on another's turn
+# can wait on one that has not started.
+DISPATCH_ORDERS = {"in_order": 0, "reversed": 1, "shuffled": 2}
+
+
+@contextlib.contextmanager
+def dispatched(lib, order: str, resident: int = 0, seed: int = 0):
+    """Within the block, the emulator library ``lib`` starts the CTAs of every launch in
+    ``order`` (DISPATCH_ORDERS; "shuffled": a permutation drawn from ``seed``) with ``resident``
+    in flight at once (0: the schedule's own number); block-index order again afterwards."""
+    lib.mhk_emu_dispatch.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_ulonglong]
+    lib.mhk_emu_dispatch(DISPATCH_ORDERS[order], resident, seed)
+    try:
+        yield
+    finally:
+        lib.mhk_emu_dispatch(0, 0, 0)
 
 
 def emu_session_seed() -> int:

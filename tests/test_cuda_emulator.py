@@ -44,6 +44,7 @@ from cuda_emulator_harness import (
     SUPPORTED_HARD,
     _make_emulator,
     _ptr,
+    dispatched,
     emu_test_seed,
     emulated_attention,
     padded,
@@ -726,6 +727,30 @@ def test_fused_backward_defects_break_bit_identity(emu, defect):
     finally:
         emu.lib.mhk_emu_set_defect(prev)
     assert differ, f"defect {defect}: every random schedule kept the key order"
+
+
+def test_fused_backward_out_of_order_dispatch_needs_tickets(emu):
+    # The ordered dQ adds make key block n of a row block wait for key block n - 1. Taken from
+    # the block index, that relies on CTAs starting in block order, which CUDA does not promise:
+    # started in reverse with 2 resident (a first wave of a grid larger than the GPU holds),
+    # both resident CTAs wait on turns of CTAs that cannot start (defect 3, the kernel's old
+    # work assignment). The kernel takes a ticket at its start instead (dq_accum.cuh, forward
+    # progress): any order and residency gives the in-order run's bits.
+    q, k, v, kl, dout = _det_inputs()
+    want = _fused_grads(emu, "fused", None, q, k, v, kl, dout)
+    with dispatched(emu.lib, "reversed", resident=2):
+        prev = emu.lib.mhk_emu_set_defect(3)
+        try:
+            with pytest.raises(RuntimeError, match="dispatch-order deadlock"):
+                _fused_grads(emu, "fused", None, q, k, v, kl, dout)
+        finally:
+            emu.lib.mhk_emu_set_defect(prev)
+        got = [_fused_grads(emu, "fused", None, q, k, v, kl, dout)]
+    with dispatched(emu.lib, "shuffled", resident=3, seed=9):
+        got.append(_fused_grads(emu, "fused", DET_SEEDS[0], q, k, v, kl, dout))
+    for g in got:
+        for name, a, b in zip(("dq", "dk", "dv"), want, g):
+            assert torch.equal(a, b), f"{name} differs under out-of-order dispatch"
 
 
 def test_fused_tiles_are_the_capability_table(emu):

@@ -33,6 +33,7 @@ from cuda_emulator_harness import (
     _ptr,
     _st,
     build_units,
+    dispatched,
     missing_toolchain,
     padded,
     padded_empty,
@@ -384,6 +385,26 @@ def test_sm90_fused_backward_early_buffer_release_fails(emu):
     assert max((r[0] - good).abs().max().item() for r in bad) > 1e-3 * good.abs().max().item()
 
 
+# CTAs out of block order (cuda_emu.h Dispatch). The ordered dQ adds make key block n of a row
+# tile wait for key block n - 1. Taken from the block index, that relies on the hardware starting
+# CTAs in block order, which CUDA does not promise: started in reverse with 2 resident (as 132 SMs
+# hold a first wave of a 2,048-CTA grid), the two resident CTAs wait on turns of CTAs that cannot
+# start before one of them ends. Taken from a ticket at the CTA's start (the kernel), every lower
+# ticket's CTA has started, and the results are the in-order run's bits.
+def test_sm90_fused_backward_out_of_order_dispatch_needs_tickets(emu):
+    ref = _order_runs(emu, (None,))[0]
+    with dispatched(emu.lib, "reversed", resident=2):
+        with pytest.raises(RuntimeError, match="dispatch-order deadlock") as err:
+            _order_runs(emu, (None,), fault=4)  # work item = block index: the protocol's assumption
+        assert "spin wait" in str(err.value)
+        runs = _order_runs(emu, (None,))
+    with dispatched(emu.lib, "shuffled", resident=3, seed=5):
+        runs += _order_runs(emu, (_ORDER_SEEDS[0],))
+    for r in runs:
+        for a, b in zip(ref, r):
+            assert torch.equal(a, b)
+
+
 # ---------------------------------------------------------------------------------------------
 # Which family serves a backward call
 # ---------------------------------------------------------------------------------------------
@@ -485,9 +506,8 @@ def test_sass_check_guards_the_fused_backward(kernel, n_loop_hgmma, loop_extra, 
     # The fused kernel's main loop must hold exactly its 5 products' HGMMA (the config printer's
     # kHgmmaPerStage; 32 here), no local memory; the conversion kernel is exempt from HGMMA.
     tool = _check_tool()
-    body = ["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24, gsb0"] * n_loop_hgmma + loop_extra + ["@!P0 BRA 0x00", "EXIT"]
-    sass = "\n".join(["\tcode for sm_90a", f"\t\tFunction : {kernel}"]
-                     + [f"        /*{16 * i:04x}*/                   {ins} ;" for i, ins in enumerate(body)])
+    body = ["HGMMA.64x64x16.F32 R24, gdesc[UR16], R24, gsb0"] * n_loop_hgmma + loop_extra + ["@!P0 BRA 0x00"]
+    sass = _sass_listing(kernel, body + (_DQ_WRITER if kernel == _FUSED else ["EXIT"]))
     log = (f"ptxas info    : Compiling entry function '{kernel}' for 'sm_90a'\n"
            f"ptxas info    : Function properties for {kernel}\n"
            "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
@@ -501,6 +521,87 @@ def test_sass_check_guards_the_fused_backward(kernel, n_loop_hgmma, loop_extra, 
         assert problems == [], problems
     else:
         assert any(needle in p for p in problems), problems
+
+
+# The dQ writer's pass of a row tile's turn as ptxas emits it (nvcc 13.0, sm_90a, the fused
+# kernels of csrc/cuda/sm90/): the bulk add and its wait_group.read, then, in the block that
+# only the deterministic mode runs, wait_group 0 (DEPBAR + CCTL), the proxy fence, the release.
+# "{end}" is the address of the instruction after the release.
+_DQ_WRITER = ["UBLKRED.G.S.ADD.F32.RN [UR8], [UR6], UR7", "DEPBAR.LE SB0, 0x0", "BAR.ARV 0x3, 0x120",
+              "@P0 BRA {end}", "DEPBAR.LE SB0, 0x0", "CCTL.IVALL", "FENCE.VIEW.ASYNC.G", "IADD3 R3, P0, R7, R4, RZ",
+              "MEMBAR.ALL.CTA", "MEMBAR.ALL.GPU", "ERRBAR", "REDG.E.ADD.STRONG.GPU desc[UR32][R2.64], R7", "EXIT"]
+
+
+def _sass_listing(kernel, body):
+    """A cuobjdump -sass listing of one sm_90a kernel: body's instructions 16 bytes apart; "{end}"
+    in an instruction is the address of the one after the release (REDG)."""
+    end = next((16 * (i + 1) for i, t in enumerate(body) if t.startswith("REDG")), 16 * len(body))
+    return "\n".join(["\tcode for sm_90a", f"\t\tFunction : {kernel}"]
+                     + [f"        /*{16 * i:04x}*/                   {ins.format(end=f'0x{end:x}')} ;"
+                        for i, ins in enumerate(body)])
+
+
+def _writer_variant(name):
+    w = list(_DQ_WRITER)
+    wait, cctl, fence, rel = (w.index("DEPBAR.LE SB0, 0x0", 2), w.index("CCTL.IVALL"), w.index("FENCE.VIEW.ASYNC.G"),
+                              w.index("MEMBAR.ALL.GPU"))
+    if name == "release-before-wait":  # the turn passed, then the wait: another CTA's adds may land first
+        return w[:wait] + w[fence:-1] + w[wait:fence] + ["EXIT"]
+    if name == "read-wait-only":  # wait_group.read: the source read, the adds perhaps not performed
+        return w[:cctl] + w[cctl + 1:]
+    if name == "no-proxy-fence":
+        return w[:fence] + w[fence + 1:]
+    if name == "fence-after-membar":
+        return w[:fence] + w[fence + 1:rel + 1] + [w[fence]] + w[rel + 1:]
+    if name == "no-wait-in-block":  # the release path relies on the .read wait before the branch
+        return w[:wait] + w[wait + 2:]
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("variant", ["release-before-wait", "read-wait-only", "no-proxy-fence", "fence-after-membar",
+                                     "no-wait-in-block"])
+def test_sass_check_asserts_the_dq_writers_order(variant):
+    # The fused kernel's release of a row tile's turn must follow, in its basic block, the bulk
+    # adds' completion (wait_group 0), then the proxy fence; each reordering fails the gate.
+    tool = _check_tool()
+    good = tool.sass_reader.parse_functions(_sass_listing(_FUSED, _DQ_WRITER))[(_FUSED, 90)]
+    lines, problems = tool.sass_reader.dq_writer_order(good)
+    assert problems == [] and lines[-1].endswith("REDG.E.ADD.STRONG.GPU desc[UR32][R2.64], R7")
+    bad = tool.sass_reader.parse_functions(_sass_listing(_FUSED, _writer_variant(variant)))[(_FUSED, 90)]
+    assert tool.sass_reader.dq_writer_order(bad)[1], variant
+
+
+def test_sass_check_catches_a_reordered_dq_writer_in_the_compiled_kernel(tmp_path):
+    # The real kernel compiled by nvcc with its release moved before the wait for the adds (a
+    # patched copy of the sources): the gate that passes the kernel as written (tests/
+    # test_cuda_build.py's full check) fails this one.
+    import shutil
+    import subprocess
+
+    from cuda_emulator_harness import find_nvcc
+
+    tool = _check_tool()
+    nvcc = find_nvcc()
+    obj = nvcc and tool.find_cuobjdump(nvcc)
+    if not nvcc or not obj:
+        pytest.skip("nvcc and cuobjdump (the CUDA compiler and disassembler) are needed")
+    src = tmp_path / "csrc"
+    shutil.copytree(ROOT / "csrc", src, ignore=shutil.ignore_patterns("emulation", "*.json", "*.o", "*.so"))
+    kern = src / "cuda" / "sm90" / "attn_bwd_fused_sm90_kernel.cuh"
+    text = kern.read_text()
+    wait = "          if (!MHK_FUSED_FAULT(2)) bulk_wait_done();  // the adds are performed before the next key block's\n"
+    release = "          fence_proxy_async_global();\n          sem_release_inc(P.sem + head_tiles + mt);\n"
+    assert text.count(wait + release) == 1, "the dQ writer's release changed: update this test's patch"
+    kern.write_text(text.replace(wait + release, release + wait))
+    cubin = tmp_path / "k.cubin"
+    res = subprocess.run([nvcc, *tool.NVCC_FLAGS, tool.SM90_GENCODE, "-cubin", str(src / "cuda" / "sm90" /
+                          "attn_bwd_sm90_fp16_d64.cu"), "-o", str(cubin)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    funcs = tool.sass_functions(obj, cubin)
+    fused = [ins for (name, _), ins in funcs.items() if "attn_bwd_fused_sm90_kernel" in name]
+    assert len(fused) == 1
+    problems = tool.sass_reader.dq_writer_order(fused[0])[1]
+    assert any("DEPBAR.LE SB0, 0x0" in p for p in problems), problems
 
 
 def test_fused_backward_config_states_five_products():

@@ -25,11 +25,19 @@ HGMMA at all, no kernel may touch local memory (LDL/STL), use more than 255 regi
 at launch or more than 227 KB of shared memory (static + what its launcher asks for), and every
 setmaxnreg target (USETMAXREG) must stay within 256; the fused backward's main loop must hold
 exactly the HGMMA of its 5 products per tile (the config's kHgmmaPerStage; the dQ conversion
-kernel, a memory-bound helper, is exempt from the HGMMA rule). One row per kernel gives the main
-loop's instruction mix (``--no-sm90`` skips it).
+kernel, a memory-bound helper, is exempt from the HGMMA rule), and its dQ writer must pass a row
+tile's turn only after the bulk adds completed and the proxy fence, in that order in the SASS
+(mhakern/kernels/sass.py dq_writer_order). One row per kernel gives the main loop's instruction
+mix (``--no-sm90`` skips it).
+
+Recorded SASS: the plain mma.sync kernels and every kernel of the sm_90a units must compile to
+the instruction text recorded for this nvcc release (mhakern/kernels/sass.py RECORDED_SASS names
+the files): a restructuring proves it left them unchanged, and a deliberate change re-records
+its family (``--record-plain-sass``, ``--record-sm90-sass``) in the same commit.
 
 Usage: python tools/check_cuda_build.py [-j N] [--arch 80,90] [--only fwd_fp16_d64,...]
-       [--allow-spills] [--no-host] [--no-sm90] [--json out.json]
+       [--allow-spills] [--no-host] [--no-sm90] [--json out.json] [--record-plain-sass]
+       [--record-sm90-sass]
 """
 from __future__ import annotations
 
@@ -271,7 +279,10 @@ def check_fused_bwd(entries: list[dict], fused: dict, names: dict, config: dict 
 # recorded in PLAIN_SASS_BASELINE for this nvcc release: the same instruction count and the same
 # instruction text (digest). A deliberate change to a plain kernel re-records it
 # (--record-plain-sass) in the same commit, with its reason and measurement.
-PLAIN_SASS_BASELINE = CUDA_DIR / "plain_kernels_sass.json"
+PLAIN_SASS_BASELINE = ROOT / "csrc" / sass_reader.RECORDED_SASS["mma"]
+# Every kernel of the sm_90a units (keys '<mangled>@sm_90a'): recorded the same way, so that the
+# sm90 family's kernels are held to their SASS too (a deliberate change: --record-sm90-sass).
+SM90_SASS_BASELINE = ROOT / "csrc" / sass_reader.RECORDED_SASS["sm90"]
 
 
 _PARAM_OFFSET = re.compile(r"c\[0x0\]\[0x[0-9a-f]+\]")
@@ -281,9 +292,10 @@ def _is_plain_kernel(short: str) -> bool:
     return not short.endswith("_modes_kernel") and "[modes," not in short
 
 
-def plain_kernel_digests(functions: dict) -> dict[str, list]:
-    """{'<mangled>@sm_<arch>': [instructions, digest]} of every kernel in an object's parsed SASS
-    (:func:`sass_functions`; the caller keeps the plain ones); digest: sha256 of the instruction
+def plain_kernel_digests(functions: dict, arch_suffix: str = "") -> dict[str, list]:
+    """{'<mangled>@sm_<arch><arch_suffix>': [instructions, digest]} of every kernel in an object's
+    parsed SASS (:func:`sass_functions`; the caller keeps the plain ones; arch_suffix "a" for the
+    sm_90a units); digest: sha256 of the instruction
     texts, addresses left out, and the offsets of the kernel parameters in constant bank 0 too:
     a field added to the parameter struct (a new mode) moves them without changing the kernel's
     code."""
@@ -293,28 +305,29 @@ def plain_kernel_digests(functions: dict) -> dict[str, list]:
     for (name, arch), ins in functions.items():
         text = "\n".join(_PARAM_OFFSET.sub("c[0x0][param]", re.sub(r"\s+", " ", t.split(";")[0]).strip())
                          for _, t in ins)
-        out[f"{name}@sm_{arch}"] = [len(ins), hashlib.sha256(text.encode()).hexdigest()[:16]]
+        out[f"{name}@sm_{arch}{arch_suffix}"] = [len(ins), hashlib.sha256(text.encode()).hexdigest()[:16]]
     return out
 
 
-def check_plain_kernels(digests: dict[str, list], names: dict[str, str], version: str,
-                        record: bool) -> tuple[list[str], list[str]]:
-    """(report lines, problems) of the plain-kernel gate; with ``record`` the baseline of this
-    nvcc release is rewritten from ``digests`` instead."""
-    plain = {k: v for k, v in digests.items() if _is_plain_kernel(short_name(names.get(k.split("@")[0], k))[0])}
-    if not plain:
+def check_recorded(kernels: dict[str, list], names: dict[str, str], version: str, record: bool, book_path: Path,
+                   what: str, why: str) -> tuple[list[str], list[str]]:
+    """(report lines, problems) of a recorded-SASS gate: ``kernels`` ({key: [instructions,
+    digest]}) against the record of this nvcc release in ``book_path``; with ``record`` that
+    record is rewritten from ``kernels`` instead. ``what`` names the kernels in the report,
+    ``why`` says in a problem why a change matters."""
+    if not kernels:
         return [], []
-    book = json.loads(PLAIN_SASS_BASELINE.read_text()) if PLAIN_SASS_BASELINE.exists() else {}
+    book = json.loads(book_path.read_text()) if book_path.exists() else {}
     if record:
-        book.setdefault(version, {}).update(plain)
+        book.setdefault(version, {}).update(kernels)
         book[version] = dict(sorted(book[version].items()))
-        PLAIN_SASS_BASELINE.write_text(json.dumps(book, indent=1) + "\n")
-        return [f"recorded {len(plain)} plain kernels for {version} in {PLAIN_SASS_BASELINE.name}"], []
+        book_path.write_text(json.dumps(book, indent=1) + "\n")
+        return [f"recorded {len(kernels)} {what} for {version} in {book_path.name}"], []
     base = book.get(version)
     if base is None:
-        return [f"no baseline for {version} in {PLAIN_SASS_BASELINE.name}: {len(plain)} plain kernels not compared"], []
+        return [f"no baseline for {version} in {book_path.name}: {len(kernels)} {what} not compared"], []
     lines, problems, same, unknown = [], [], 0, 0
-    for key, (n, dig) in sorted(plain.items()):
+    for key, (n, dig) in sorted(kernels.items()):
         if key not in base:
             unknown += 1
             continue
@@ -322,11 +335,22 @@ def check_plain_kernels(digests: dict[str, list], names: dict[str, str], version
             same += 1
             continue
         kern, dtype, D = short_name(names.get(key.split("@")[0], key))
-        problems.append(f"plain kernel {kern}<{dtype}, {D}> {key.split('@')[1]}: SASS changed ({n} instructions, "
-                        f"baseline {base[key][0]}): calls without modes must run the kernel they ran before")
-    lines.append(f"{same}/{len(plain)} plain kernels identical to the baseline (count and instruction text)"
+        problems.append(f"{what[:-1]} {kern}<{dtype}, {D}> {key.split('@')[1]}: SASS changed ({n} instructions, "
+                        f"baseline {base[key][0]}): {why}")
+    lines.append(f"{same}/{len(kernels)} {what} identical to the baseline (count and instruction text)"
                  + (f", {unknown} not in it" if unknown else ""))
+    if unknown:
+        problems.append(f"{unknown} {what} not in {book_path.name} for {version}: record them")
     return lines, problems
+
+
+def check_plain_kernels(digests: dict[str, list], names: dict[str, str], version: str,
+                        record: bool) -> tuple[list[str], list[str]]:
+    """(report lines, problems) of the plain-kernel gate; with ``record`` the baseline of this
+    nvcc release is rewritten from ``digests`` instead."""
+    plain = {k: v for k, v in digests.items() if _is_plain_kernel(short_name(names.get(k.split("@")[0], k))[0])}
+    return check_recorded(plain, names, version, record, PLAIN_SASS_BASELINE, "plain kernels",
+                          "calls without modes must run the kernel they ran before")
 
 
 def compile_unit(nvcc: str, src: Path, archs: list[int], outdir: Path, cuobjdump: str | None) -> dict:
@@ -386,7 +410,7 @@ def demangle(names: list[str]) -> dict[str, str]:
 def short_name(demangled: str) -> tuple[str, str, int]:
     """('attn_fwd_kernel', 'fp16', 64) from 'void mhakern::cuda::attn_fwd_kernel<__half, 64>(...)';
     the fused backward's flags name its variant: 'attn_bwd_fused_kernel[modes,atomic]'."""
-    m = re.search(r"mhakern::cuda::(\w+)<(\w+), (\d+)((?:, (?:true|false))*)>", demangled)
+    m = re.search(r"mhakern::cuda::(?:sm90::)?(\w+)<(\w+), (\d+)((?:, (?:true|false))*)>", demangled)
     if not m:
         return demangled, "?", 0
     dtype = {"__half": "fp16", "__nv_bfloat16": "bf16"}.get(m.group(2), m.group(2))
@@ -520,19 +544,19 @@ def sm90_dynamic_smem(include: Path) -> dict | None:
 _SETMAXNREG = re.compile(r"USETMAXREG\.\S+\s+(?:\w+,\s*)?(0x[0-9a-f]+)")
 
 
-def sass_facts(cuobjdump: str, obj: Path) -> dict[str, dict]:
-    """{mangled kernel: facts} of an sm_90a object: the main loop (the innermost backward-branch
-    range holding HGMMA) and its instruction mix, local-memory instructions, setmaxnreg
-    targets, TMA loads."""
-    res = subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True)
-    return sass_facts_text(res.stdout)
-
-
 def sass_facts_text(sass: str) -> dict[str, dict]:
-    """sass_facts of cuobjdump -sass output (mhakern/kernels/sass.py reads it)."""
+    """sass_facts_of the parsed cuobjdump -sass output (mhakern/kernels/sass.py reads it)."""
+    return sass_facts_of(sass_reader.parse_functions(sass))
+
+
+def sass_facts_of(functions: dict) -> dict[str, dict]:
+    """{mangled kernel: facts} of an sm_90a object's parsed SASS (:func:`sass_functions`): the
+    main loop (the innermost backward-branch range holding HGMMA) and its instruction mix,
+    local-memory instructions, setmaxnreg targets, TMA loads, and for the fused backward its dQ
+    writer's pass of a turn (the reader's dq_writer_order: [SASS lines, problems])."""
     R = sass_reader
     out = {}
-    for (name, _arch), ins in R.parse_functions(sass).items():
+    for (name, _arch), ins in functions.items():
         def op(text: str) -> str:
             return R.opcode(text)
 
@@ -561,6 +585,8 @@ def sass_facts_text(sass: str) -> dict[str, dict]:
             "setmaxnreg": [int(m.group(1), 16) for _, t in ins for m in [_SETMAXNREG.search(t)] if m],
             "tma_loads": sum(1 for _, t in ins if op(t).startswith("UTMALDG")),
         }
+        if "attn_bwd_fused_sm90_kernel" in name:
+            out[name]["dq_writer"] = list(R.dq_writer_order(ins))
     return out
 
 
@@ -569,9 +595,13 @@ def compile_sm90(nvcc: str, src: Path, outdir: Path, cuobjdump: str | None) -> d
     cmd = [nvcc, *NVCC_FLAGS, SM90_GENCODE, "-c", str(src), "-o", str(obj)]
     t0 = time.time()
     res = subprocess.run(cmd, capture_output=True, text=True)
-    facts = sass_facts(cuobjdump, obj) if cuobjdump and res.returncode == 0 else None
+    facts = digests = None
+    if cuobjdump and res.returncode == 0:
+        functions = sass_functions(cuobjdump, obj)
+        facts = sass_facts_of(functions)
+        digests = plain_kernel_digests(functions, arch_suffix="a")
     return {"src": src.name, "rc": res.returncode, "log": res.stdout + res.stderr, "seconds": time.time() - t0,
-            "cmd": " ".join(cmd), "facts": facts}
+            "cmd": " ".join(cmd), "facts": facts, "digests": digests}
 
 
 def sm90_fwd_loop_gates(label: str, D: int, f: dict, smem: dict | None) -> list[str]:
@@ -634,6 +664,17 @@ def check_sm90(results: list[dict], smem: dict[int, int] | None) -> tuple[list[d
                 problems.append(f"{label}: setmaxnreg target above 256: {f['setmaxnreg']}")
             if kern in SM90_FWD_KERNELS:
                 problems += sm90_fwd_loop_gates(label, D, f, smem)
+            if kern == "attn_bwd_fused_sm90_kernel":
+                # The dQ writer passes a row tile's turn only once its bulk adds have completed
+                # (wait_group 0, then the proxy fence, then the release: the reader's
+                # DQ_WRITER_SEQUENCE), in the SASS as in the source.
+                writer, order_problems = f.get("dq_writer") or ([], ["dQ writer not read"])
+                problems += [f"{label}: dQ writer's turn: {x}" for x in order_problems]
+                if not order_problems:
+                    lines.append(f"{label}: dQ writer passes its turn after (SASS, its basic block): "
+                                 + "; ".join(w.split("*/ ")[1] for w in writer
+                                             if any(w.split("*/ ")[1].startswith(k) for k, _ in
+                                                    sass_reader.DQ_WRITER_SEQUENCE) or "REDG" in w))
         if e["spill_st"] or e["spill_ld"] or e["stack"]:
             problems.append(f"{label}: spills {e['spill_st']} B / {e['spill_ld']} B, stack {e['stack']} B")
         if e["regs"] is not None and e["regs"] > SM90_MAX_REGS:
@@ -668,6 +709,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", default="", help="also write the results as JSON to this path")
     ap.add_argument("--record-plain-sass", action="store_true",
                     help=f"rewrite csrc/cuda/{PLAIN_SASS_BASELINE.name} (this nvcc) from the plain kernels compiled")
+    ap.add_argument("--record-sm90-sass", action="store_true",
+                    help=f"rewrite csrc/cuda/sm90/{SM90_SASS_BASELINE.name} (this nvcc) from the sm_90a kernels compiled")
     return ap.parse_args(argv)
 
 
@@ -875,6 +918,16 @@ def main(argv=None) -> int:
     sm90_smem = built["configs"].get("sm90_smem")
     sm90_rows, sm90_problems, sm90_lines = check_sm90(sm90_results, sm90_smem)
     problems += sm90_problems
+    sm90_digests = {}
+    for r in sm90_results:
+        sm90_digests.update(r.get("digests") or {})
+    sm90_names = demangle(sorted({k.split("@")[0] for k in sm90_digests}))
+    rec_lines, rec_problems = check_recorded(sm90_digests, sm90_names, version, args.record_sm90_sass,
+                                             SM90_SASS_BASELINE, "sm_90a kernels",
+                                             "the sm90 family's kernels must be the ones recorded (re-record a "
+                                             "deliberate change: --record-sm90-sass)")
+    problems += rec_problems
+    sm90_lines += rec_lines
     print_section("sm90 family (-gencode=arch=compute_90a,code=sm_90a), main loop = the SASS loop holding the HGMMA:",
                   sm90_lines)
 

@@ -191,10 +191,29 @@ MHK_DEVICE void attn_bwd_fused_body(const BwdParams& p) {
   const int ds = warp / Cfg::kKeyWarps;  // its slice of D: columns [ds * kDW, (ds + 1) * kDW)
   const int dcol0 = ds * kDW;
 
-  // Key block fastest: a key block waits only on lower key blocks of its (batch, KV head),
-  // which have lower block indices (dq_accum.cuh, forward progress).
+  // Key block fastest: a key block waits only on lower key blocks of its (batch, KV head). In
+  // the ordered kernel the work item is a ticket taken at the CTA's start, so those have lower
+  // tickets and their CTAs have started (dq_accum.cuh, forward progress); the ticket reaches
+  // every thread through the first word of the dS tile, which the loop writes only after its
+  // first barrier.
   const int n_kblocks = ceil_div(p.Lk, kBlockN);
   int64_t bid = block_index();
+  if constexpr (kOrdered) {
+    uint32_t* slot = reinterpret_cast<uint32_t*>(sdS);
+    if (tid == 0) {
+      uint32_t* tickets = p.dq_counters + caps::cuda_fused_bwd_counters(p.B, p.Hkv, p.group * p.Lq, D) - 1;
+#if defined(MHAKERN_CUDA_EMULATE)
+      // The emulator tests' defect 3: the work item from the block index (the protocol's old
+      // assumption of block-order dispatch; tests/test_cuda_emulator.py shows it deadlock).
+      if (::mhk_emu::state().defect == 3)
+        *slot = static_cast<uint32_t>(bid);
+      else
+#endif
+        *slot = take_ticket(tickets);
+    }
+    block_sync();
+    bid = *slot;
+  }
   const int kb = static_cast<int>(bid % n_kblocks);
   bid /= n_kblocks;
   const int hkv = static_cast<int>(bid % p.Hkv);

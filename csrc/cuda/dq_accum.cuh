@@ -11,9 +11,15 @@
 // function of the problem only (not of the schedule or the split of the grid), so every run
 // gives the same bits.
 //
-// Forward progress: a CTA waits only on CTAs with a lower block index in the same launch (the
-// callers number key blocks so that earlier turns have lower indices), which the hardware's
-// block scheduler dispatched first; they wait on nothing later, so the chain ends.
+// Forward progress: the CUDA programming model promises no order in which a grid's CTAs start,
+// and with more CTAs than fit at once (2,048 on 132 SMs) the resident ones could all be waiting
+// on turns of CTAs that cannot start until one of them ends. So the callers choose a CTA's work
+// item (its key block) by a ticket taken at its start (take_ticket: an atomic counter zeroed
+// with the workspace), not by its block index, and number the work items so that earlier turns
+// have lower tickets: every CTA with a lower ticket has started (it is resident or done) and
+// waits only on lower tickets still, so by induction from ticket 0, which waits on nothing,
+// every wait ends, in any dispatch order and at any residency. (The CPU emulator's
+// out-of-order dispatch shows the block-index version deadlock: emulation/cuda_emu.h Dispatch.)
 //
 // Memory order (PTX ISA, memory consistency model): every thread's adds precede the block
 // barrier in dq_pass_turn, which synchronizes them with thread 0, whose release is cumulative
@@ -45,6 +51,13 @@ MHK_DEVICE void red_release_add_gpu(uint32_t* p, uint32_t v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
 MHK_DEVICE void spin_pause() { __nanosleep(64); }
+// The next ticket of a zeroed counter (atom.add, relaxed: it orders nothing, only numbers the
+// CTAs in the order they reach it).
+MHK_DEVICE uint32_t take_ticket(uint32_t* counter) {
+  uint32_t v;
+  asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(v) : "l"(counter) : "memory");
+  return v;
+}
 
 #else  // MHAKERN_CUDA_EMULATE
 
@@ -52,6 +65,7 @@ inline void red_add_f32(float* p, float v) { ::mhk_emu::red_add_f32(p, v); }
 inline uint32_t ld_acquire_gpu(const uint32_t* p) { return ::mhk_emu::ld_acquire_u32(p); }
 inline void red_release_add_gpu(uint32_t* p, uint32_t v) { ::mhk_emu::red_add_u32(p, v, true); }
 inline void spin_pause() { ::mhk_emu::spin_pause(); }
+inline uint32_t take_ticket(uint32_t* counter) { return ::mhk_emu::atom_add_u32(counter, 1u); }
 
 #endif
 

@@ -24,17 +24,26 @@ listings, functions, loops and waits by the same rules:
   a tile that crosses a row's limit); ``executed_path`` is the loop less those blocks, what an
   iteration that skips them all executes;
 * ``waits_and_exps`` gives, for each ``WARPGROUP.DEPBAR.LE gsb0, N`` of a range, how many
-  ``MUFU.EX2`` precede it in that range (where a wgmma wait sits against the softmax).
+  ``MUFU.EX2`` precede it in that range (where a wgmma wait sits against the softmax);
+* ``dq_writer_order`` finds, in the fused sm_90a backward, the dQ writer's pass of a row tile's
+  turn and checks what must precede it in its basic block (the bulk add completed, the proxy
+  fence, the release).
+
+It also holds where the CUDA kernels' SASS digests are recorded (``RECORDED_SASS``, one file per
+family under csrc/, written and checked by tools/check_cuda_build.py) and ``family_build_digests``,
+one digest per family of those records: a kernel whose SASS changes changes its family's digest
+(the first-use self-test keys its cache on it).
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
-from typing import List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 _INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _ADDR = re.compile(r"0x[0-9a-f]+")
@@ -251,3 +260,111 @@ def inspect_cubin(cubin: bytes) -> SassReport:
     finally:
         os.unlink(path)
     return analyse(sass, usage)
+
+
+# ---- the dQ writer of the fused sm_90a backward (csrc/cuda/sm90/attn_bwd_fused_sm90_kernel.cuh) ----
+# Its deterministic pass of a row tile's turn is, in PTX: cp.async.bulk.wait_group 0 (the bulk
+# reduce-adds have completed), fence.proxy.async.global (the async proxy's writes ordered with
+# the generic proxy's), red.release.gpu (the turn passed). ptxas (nvcc 13.0, sm_90a) emits:
+#   DEPBAR.LE SB0, 0x0 ; CCTL.IVALL   the wait_group 0 (the .read form is the DEPBAR alone:
+#                                     the CCTL tells the completed adds from the read source)
+#   FENCE.VIEW.ASYNC.G                the proxy fence
+#   MEMBAR.ALL.GPU ... REDG.E.ADD.STRONG.GPU   the release (its fence, then the add)
+# all in the one basic block that ends in the REDG, after the kernel's UBLKRED (the bulk adds)
+# and with none between. A release whose block lacks one of them, or holds them out of order,
+# passes the turn before the adds it orders have landed.
+DQ_WRITER_SEQUENCE = (
+    ("DEPBAR.LE SB0, 0x0", "cp.async.bulk.wait_group 0 (the bulk adds completed)"),
+    ("CCTL.IVALL", "its completion half (not wait_group.read)"),
+    ("FENCE.VIEW.ASYNC.G", "fence.proxy.async.global"),
+    ("MEMBAR.ALL.GPU", "the release's fence"),
+)
+
+
+def _unguarded(text: str) -> str:
+    """The instruction text past any predicate guard (``@P0 ``)."""
+    return text.split(None, 1)[1] if text.startswith("@") and " " in text else text
+
+
+def _is_release(text: str) -> bool:
+    op = _opcode(text)
+    return op.startswith("REDG") and ".STRONG.GPU" in op
+
+
+def _basic_block_ending_at(insns, i: int):
+    """The instructions of the basic block that ends at index i: back to the nearest branch,
+    barrier, convergence or exit instruction, or to the nearest branch target."""
+    targets = {t for _, text in insns for t in [_branch_target(text)] if t is not None}
+    lo = i
+    while lo > 0:
+        prev_op = _opcode(insns[lo - 1][1]).split(".")[0]
+        if insns[lo][0] in targets or prev_op in ("BRA", "BSSY", "BSYNC", "EXIT", "BAR", "WARPSYNC", "RET", "CALL"):
+            break
+        lo -= 1
+    return insns[lo:i + 1]
+
+
+def dq_writer_order(insns) -> Tuple[List[str], List[str]]:
+    """(the release's basic block as SASS lines, problems) of a fused sm_90a backward kernel's
+    parsed SASS: exactly one release (REDG ... .STRONG.GPU), preceded in its basic block by
+    DQ_WRITER_SEQUENCE in that order, after the kernel's bulk adds (UBLKRED) and with none of
+    them inside the block."""
+    rel = [i for i, (_, t) in enumerate(insns) if _is_release(t)]
+    if len(rel) != 1:
+        return [], [f"{len(rel)} releases (REDG .STRONG.GPU) in the kernel; the dQ writer passes its turn by one"]
+    i = rel[0]
+    block = _basic_block_ending_at(insns, i)
+    lines = [f"/*{a:04x}*/ {t}" for a, t in block]
+    problems = []
+    if not any(_opcode(t).startswith("UBLKRED") for _, t in insns[:i]):
+        problems.append("no bulk reduce-add (UBLKRED) before the release")
+    if any(_opcode(t).startswith("UBLKRED") for _, t in block):
+        problems.append("a bulk reduce-add (UBLKRED) inside the release's basic block, after its wait")
+    at = 0
+    for want, what in DQ_WRITER_SEQUENCE:
+        k = next((j for j in range(at, len(block) - 1) if _unguarded(block[j][1]).startswith(want)), None)
+        if k is None:
+            problems.append(f"{want} ({what}) missing before the release in its basic block, or out of order")
+            break
+        at = k + 1
+    return lines, problems
+
+
+# ---- the recorded SASS digests of the CUDA families --------------------------------------------
+# {family: path under csrc/} of the files tools/check_cuda_build.py writes (--record-plain-sass,
+# --record-sm90-sass) and checks: {nvcc release: {"<mangled>@sm_<arch>": [instructions, digest]}}.
+# "mma": the plain mma.sync kernels (calls without modes), sm_80 and sm_90; "sm90": every kernel
+# of the sm_90a units (their own and the helpers they launch), keys "@sm_90a".
+RECORDED_SASS = {"mma": "cuda/plain_kernels_sass.json", "sm90": "cuda/sm90/sm90_kernels_sass.json"}
+
+
+def family_build_digests(csrc_dir: Optional[str] = None, nvcc_release: Optional[str] = None) -> Dict[str, str]:
+    """{family: 16 hex digits} over that family's recorded kernel digests (RECORDED_SASS), for
+    one nvcc release (the ``nvcc --version`` last line the records are keyed by) or, by default,
+    every release recorded. csrc_dir: the csrc/ directory (default: the package's sources,
+    mhakern._build.source_root()). A family without a record file, or without the release, is
+    left out. The CI check keeps the records equal to what the sources compile to, so a kernel
+    whose SASS changes changes its family's digest."""
+    if csrc_dir is None:
+        from mhakern import _build
+
+        root = _build.source_root()
+        if root is None:
+            return {}
+        csrc_dir = os.path.join(root, "csrc")
+    out = {}
+    for family, rel in RECORDED_SASS.items():
+        path = os.path.join(csrc_dir, rel)
+        if not os.path.isfile(path):
+            continue
+        with open(path) as f:
+            book = json.load(f)
+        releases = sorted(book) if nvcc_release is None else [r for r in (nvcc_release,) if r in book]
+        if not releases:
+            continue
+        h = hashlib.sha256()
+        for r in releases:
+            for key, (n, dig) in sorted(book[r].items()):
+                h.update(f"{r}\t{key}\t{n}\t{dig}\n".encode())
+        out[family] = h.hexdigest()[:16]
+    return out

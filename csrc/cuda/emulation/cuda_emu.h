@@ -130,6 +130,16 @@ struct Schedule {
   int resident = 1;          // blocks of a launch in flight at once (global-memory section below)
 };
 
+// The order in which a launch's blocks become resident, and how many at once (global-memory
+// section below). The CUDA programming model promises neither an order nor a number: kernels
+// that make a block wait on another must hold under any. Set by mhk_emu_dispatch, kept across
+// launches and schedules until changed.
+struct Dispatch {
+  enum Order : int { kInOrder = 0, kReversed = 1, kShuffled = 2 } order = kInOrder;
+  int resident = 0;   // > 0: this many blocks in flight at once, whatever the schedule's own
+  uint64_t seed = 0;  // kShuffled: the permutation's seed
+};
+
 struct State {
   std::function<void()> body;
   int nthreads = 0;
@@ -152,6 +162,7 @@ struct State {
   size_t stack_bytes = 256 * 1024;
   int64_t max_smem = 227 * 1024;  // sm_90's opt-in limit per block
   Schedule sched;
+  Dispatch dispatch;
   uint64_t rng = 0;
   std::vector<int> order;
   // Global memory that cp.async may read (empty: unchecked); [begin, end) byte ranges.
@@ -712,11 +723,14 @@ inline std::string describe_deadlock(int64_t blk, int threads) {
 //    loop calls spin_pause between its loads. Loads are never speculated early, so a missing
 //    *acquire* is not caught (a missing or misplaced release is).
 //  * blocks: under the random schedule up to `resident` blocks of a launch (1 to 3, from the
-//    seed) are in flight at once and interleave slice by slice, dispatched in block-index order
-//    as the hardware's block scheduler does (a block may wait on lower-indexed blocks of the
-//    same launch, never on higher ones); a wait nothing can satisfy (every resident block
-//    waiting, nothing in flight) is reported as a deadlock. The fixed schedule runs one block at
-//    a time, in order.
+//    seed) are in flight at once and interleave slice by slice; the fixed schedule runs one
+//    block at a time. Blocks start in block-index order unless State::dispatch says otherwise
+//    (reversed, or a seeded permutation, with its own number of resident blocks): the hardware
+//    promises no order, and a grid of 2,048 CTAs on 132 SMs has most of its blocks waiting to
+//    start while the first wave runs. A wait nothing can satisfy (every resident block waiting,
+//    nothing in flight) is reported as a deadlock; where blocks of the grid have not started
+//    yet, the report says so (a resident block waits on one that cannot start before a
+//    resident one ends: a dependence on the dispatch order).
 // Plain global loads and stores are immediate, as before (no kernel communicates through them
 // within a launch).
 
@@ -772,6 +786,24 @@ inline void red_add_u32(uint32_t* addr, uint32_t v, bool release) {
   preempt_point();
   if (release) release_prior();
   issue_global(global_op(GlobalOp::kAddU32, addr, 0.f, v));
+}
+
+// atom.global.add.u32 with its result (atomicAdd, relaxed, gpu scope): performed at once (its
+// old value is the result), after every reduction in flight to the same address has landed,
+// so that it reads the sum of all of them (PTX: operations on one address are totally ordered).
+inline uint32_t atom_add_u32(uint32_t* addr, uint32_t v) {
+  preempt_point();
+  State& s = state();
+  for (size_t i = 0; i < s.global_pending.size();) {
+    if (s.global_pending[i].addr == addr)
+      land_global(i);
+    else
+      ++i;
+  }
+  const uint32_t old = *addr;
+  *addr = old + v;
+  ++s.events;
+  return old;
 }
 
 // fence.acq_rel.gpu (__threadfence): the release half; loads are never early here.
@@ -913,7 +945,22 @@ inline void launch(std::function<void()> body, int64_t grid, int threads, int sm
   s.nthreads = threads;
   int resident = s.sched.random ? s.sched.resident : 1;
   if (s.sm90_block_start && !s.block_swap) resident = 1;  // an extension without per-slot state
+  if (s.dispatch.resident > 0) resident = s.dispatch.resident;
+  if (s.sm90_block_start && !s.block_swap) resident = 1;  // (as above, whatever dispatch says)
   if (grid < resident) resident = static_cast<int>(grid < 1 ? 1 : grid);
+  // The block that starts n-th (see Dispatch).
+  std::vector<int64_t> start_order;
+  if (s.dispatch.order != Dispatch::kInOrder) {
+    start_order.resize(static_cast<size_t>(grid));
+    for (int64_t i = 0; i < grid; ++i) start_order[i] = s.dispatch.order == Dispatch::kReversed ? grid - 1 - i : i;
+    if (s.dispatch.order == Dispatch::kShuffled) {
+      uint64_t r = mix64(s.dispatch.seed ^ 0xd15ba7c4ull ^ static_cast<uint64_t>(grid));
+      for (int64_t i = grid - 1; i > 0; --i) {
+        r = mix64(r);
+        std::swap(start_order[i], start_order[r % static_cast<uint64_t>(i + 1)]);
+      }
+    }
+  }
   std::vector<BlockSlot>& slots = block_slots();
   if (static_cast<int>(slots.size()) < resident) slots.resize(resident);
   for (int j = 0; j < resident; ++j) slots[j].block = -1;
@@ -925,7 +972,8 @@ inline void launch(std::function<void()> body, int64_t grid, int threads, int sm
     for (int j = 0; j < resident; ++j) {
       if (slots[j].block < 0 && next < grid) {
         swap_in(slots[j], j);
-        start_block(next++, grid, threads, smem_bytes);
+        start_block(start_order.empty() ? next : start_order[next], grid, threads, smem_bytes);
+        ++next;
         swap_in(slots[j], j);
       }
       if (slots[j].block >= 0) ++running;
@@ -956,6 +1004,13 @@ inline void launch(std::function<void()> body, int64_t grid, int threads, int sm
         std::string msg = describe_deadlock(s.block, threads);
         swap_in(slots[j], j);
         if (running > 1) msg += " (" + std::to_string(running) + " blocks in flight, all waiting)";
+        if (next < grid)
+          msg += "; " + std::to_string(grid - next) + " blocks of the grid not dispatched yet (" +
+                 (s.dispatch.order == Dispatch::kReversed ? "reversed"
+                  : s.dispatch.order == Dispatch::kShuffled ? "shuffled" : "in-order") +
+                 " dispatch, " + std::to_string(resident) +
+                 " resident at once): dispatch-order deadlock, a resident block waits on a block that "
+                 "cannot start until a resident one ends";
         fail(msg);
         break;
       }

@@ -15,6 +15,16 @@ extern "C" {
 // mhk_emu_configure leaves it alone.
 void mhk_emu_schedule(int random, unsigned long long seed) { mhk_emu::set_schedule(random, seed); }
 
+// The order in which the next launches start their blocks (order 0: block-index order, 1:
+// reversed, 2: a permutation drawn from seed) and how many are resident at once (resident > 0;
+// 0: the schedule's own number). Persists until changed (mhk_emu_schedule leaves it alone).
+void mhk_emu_dispatch(int order, int resident, unsigned long long seed) {
+  mhk_emu::Dispatch& d = mhk_emu::state().dispatch;
+  d.order = static_cast<mhk_emu::Dispatch::Order>(order < 0 || order > 2 ? 0 : order);
+  d.resident = resident < 0 ? 0 : resident;
+  d.seed = seed;
+}
+
 // The deliberate defect the kernels compiled for emulation inject from now on (0: none; see
 // cuda_emu.h State::defect). Returns the previous one.
 int mhk_emu_set_defect(int defect) {

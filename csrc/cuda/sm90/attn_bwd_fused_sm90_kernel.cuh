@@ -14,7 +14,12 @@
 //     to whole row tiles, so a tile is one contiguous range); in the deterministic mode it first
 //     waits until the row tile's semaphore counts this CTA's key-block index (ld.acquire.gpu),
 //     and after the add has completed advances it (red.release.gpu): the fp32 adds into each row
-//     tile happen in increasing key-block order, whatever the schedule.
+//     tile happen in increasing key-block order, whatever the schedule. The CTA's work item (its
+//     key block) is its ticket, taken at its start from a counter (../dq_accum.cuh
+//     take_ticket), not its block index: the hardware starts CTAs in no promised order, and a
+//     CTA that waits on a key block whose CTA has not started, while every SM is held by such
+//     waiters, would wait forever (a 2,048-CTA grid on 132 SMs). With tickets, every lower
+//     ticket's CTA has started (it is resident or done), so the chain of waits always ends.
 //   warpgroups 1 and 2 (the consumers, 64 keys each, setmaxnreg.inc): per stage
 //       S^T = K Q^T, dP^T = V dO^T                      (SS, keys are the accumulator rows)
 //       P^T = exp2(S^T scale log2e - lse2), dV += P^T dO  (RS: P^T from registers)
@@ -34,7 +39,7 @@
 // dropout, windows, top-left causal (capabilities.h: kSm90BwdFusedFeatures).
 #pragma once
 
-#include "../dq_accum.cuh"  // ld_acquire_gpu, red_release_add_gpu, spin_pause
+#include "../dq_accum.cuh"  // ld_acquire_gpu, red_release_add_gpu, spin_pause, take_ticket
 #include "attn_bwd_sm90_kernel.cuh"  // lse_base2, load_rows_sw128, acc_to_a, issue_abt, issue_ab
 
 namespace mhakern {
@@ -126,7 +131,8 @@ struct BwdFusedConfigSm90 {
   static constexpr int kOffDq = kOffDs + 2 * kTileDs;
   static constexpr int kOffRows = kOffDq + kDqParts * kTileDq;  // lse2, delta, limit per stage
   static constexpr int kOffBar = kOffRows + kStages * 3 * kBlockM * 4;
-  static constexpr int kSmemBytes = kOffBar + (2 * kStages + 1) * 8;
+  static constexpr int kOffTicket = kOffBar + (2 * kStages + 1) * 8;  // the CTA's work item
+  static constexpr int kSmemBytes = kOffTicket + 8;
   static constexpr int kSmemAlloc = kSmemBytes + 1024;  // room to round the base up to 1024 bytes
   static_assert(kSmemAlloc <= 227 * 1024, "sm_90 allows 227 KB of shared memory per block");
   // HGMMA per stage and consumer: S^T and dP^T (D / 16 each), dV and dK (kBlockM / 16 each), the
@@ -140,7 +146,8 @@ struct BwdFusedConfigSm90 {
 
 // Parameters: the common backward fields, the tensor maps (K and V boxes of kBlockN rows, Q and
 // dO boxes of kBlockM rows) and the zeroed workspace (caps::sm90_bwd_fused_workspace_floats):
-// the fp32 dQ sums, then one uint32 semaphore per (batch, KV head, row tile).
+// the fp32 dQ sums, then one uint32 semaphore per (batch, KV head, row tile), then the ticket
+// counter.
 struct BwdFusedParamsSm90 {
   TensorMap tma_k;
   TensorMap tma_v;
@@ -149,12 +156,15 @@ struct BwdFusedParamsSm90 {
   BwdParams p;
   float* dq_accum = nullptr;  // (B, Hkv, n_row_tiles * kBlockM, D)
   uint32_t* sem = nullptr;    // (B, Hkv, n_row_tiles)
+  uint32_t* ticket = nullptr;  // one counter: the deterministic mode's work items by arrival
   bool deterministic = true;
 #if defined(MHAKERN_CUDA_EMULATE)
   // Deliberate bugs, for the emulator's own tests (which must see each fail); never compiled
   // for a GPU. 1: the deterministic mode skips its wait (adds in any order); 2: it advances the
   // semaphore once the add has read its source, before the add completes; 3: the dQ writer
-  // frees the shared dQ tile before the bulk add has read it.
+  // frees the shared dQ tile before the bulk add has read it; 4: the deterministic mode takes
+  // its work item from the block index instead of a ticket (deadlocks when CTAs start out of
+  // block order with fewer resident than the grid: tests/test_cuda_sm90_bwd.py).
   int fault = 0;
 #endif
 };
@@ -192,13 +202,30 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdFusedConfigSm90<D>::kThreads, 1)
   MHK_DYNAMIC_SMEM(smem_raw);
   unsigned char* smem = smem_raw + (1024 - shared_u32(smem_raw) % 1024) % 1024;
   const int tid = thread_index();
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kOffBar);
+  uint64_t* empty = full + kStages;
+  uint64_t* kv_bar = empty + kStages;
+  uint32_t* sTicket = reinterpret_cast<uint32_t*>(smem + Cfg::kOffTicket);
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], Cfg::kLoaders);           // every loader thread, each stage
+      mbar_init(&empty[s], Cfg::kConsumers * 128);  // every consumer thread
+    }
+    mbar_init(kv_bar, 1);
+    fence_barrier_init();
+    // The work item: in the deterministic mode the next ticket (see the header), else the
+    // block index (nothing waits on another CTA).
+    *sTicket = P.deterministic && !MHK_FUSED_FAULT(4) ? take_ticket(P.ticket) : static_cast<uint32_t>(block_index());
+  }
+  block_sync();
 
   const int group_rows = p.group * p.Lq;
   const int n_mtiles = ceil_div(group_rows, BM);
   const int n_ntiles = ceil_div(p.Lk, BN);
-  int64_t bid = block_index();
-  // Key blocks fastest: the blocks that add into one row tile before this one have lower
-  // indices, so they were dispatched first (the deterministic mode's wait cannot deadlock).
+  int64_t bid = *sTicket;
+  // Key blocks fastest: the work items that add into one row tile before this one have lower
+  // tickets, so their CTAs have started (the deterministic mode's wait cannot deadlock).
   const int nt = static_cast<int>(bid % n_ntiles);
   bid /= n_ntiles;
   const int hkv = static_cast<int>(bid % p.Hkv);
@@ -236,19 +263,6 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdFusedConfigSm90<D>::kThreads, 1)
   float* sLse2 = reinterpret_cast<float*>(smem + Cfg::kOffRows);  // stage s at + s * BM
   float* sDelta = sLse2 + kStages * BM;
   int* sLimit = reinterpret_cast<int*>(sDelta + kStages * BM);
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kOffBar);
-  uint64_t* empty = full + kStages;
-  uint64_t* kv_bar = empty + kStages;
-
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], Cfg::kLoaders);           // every loader thread, each stage
-      mbar_init(&empty[s], Cfg::kConsumers * 128);  // every consumer thread
-    }
-    mbar_init(kv_bar, 1);
-    fence_barrier_init();
-  }
-  block_sync();
 
   const int wg = tid / 128;
   if (wg == 0) {

@@ -12,7 +12,7 @@ namespace cuda {
 namespace sm90 {
 
 // workspace: caps::sm90_bwd_fused_workspace_floats(B, Hkv, group, Lq, D) fp32 elements, zeros
-// (the dQ sums, then the row tiles' semaphores). deterministic: order the dQ adds (see the kernel).
+// (the dQ sums, then the row tiles' semaphores, then the ticket counter). deterministic: order the dQ adds (see the kernel).
 template <typename Elem, int D>
 cudaError_t run_attn_bwd_sm90_fused(const BwdParams& p, float* workspace, bool deterministic, cudaStream_t stream) {
   using Cfg = BwdFusedConfigSm90<D>;
@@ -29,6 +29,7 @@ cudaError_t run_attn_bwd_sm90_fused(const BwdParams& p, float* workspace, bool d
   const int64_t tiles = static_cast<int64_t>(p.B) * p.Hkv * caps::sm90_bwd_fused_row_tiles(p.group, p.Lq, D);
   P.dq_accum = workspace;
   P.sem = reinterpret_cast<uint32_t*>(workspace + tiles * Cfg::kBlockM * D);
+  P.ticket = P.sem + tiles;
   P.deterministic = deterministic;
 #if defined(MHAKERN_CUDA_EMULATE)
   P.fault = ::mhk_emu::sm90::fused_bwd_fault();  // 0 but in the emulator's deliberate-bug tests
