@@ -16,6 +16,9 @@
 * ``stores.md`` and ``stores_isr.png`` -- memory stores: measured ISR against M with the
   predictions, and the capacities.
 * ``runs.csv`` (and ``capacities.csv``, ``store_curves.csv``, ``store_capacities.csv``).
+
+The figures need matplotlib (the ``trainer`` extra); without it the rest is written
+(extras.py).
 """
 from __future__ import annotations
 
