@@ -342,10 +342,13 @@ def _open_store(args):
 
 
 def _log(args):
-    if args.no_progress:
-        return lambda s: print(s, flush=True)
-    from tqdm.auto import tqdm
+    from .extras import tqdm_class
 
+    # Lines go through tqdm.write while bars are drawn (so that they do not tear a bar), and
+    # straight to stdout without bars: --no-progress, or tqdm not installed.
+    tqdm = None if args.no_progress else tqdm_class()
+    if tqdm is None:
+        return lambda s: print(s, flush=True)
     return lambda s: tqdm.write(s)
 
 

@@ -16,6 +16,9 @@
 * ``stores.md`` and ``stores_isr.png`` -- memory stores: measured ISR against M with the
   predictions, and the capacities.
 * ``runs.csv`` (and ``capacities.csv``, ``store_curves.csv``, ``store_capacities.csv``).
+
+The figures need matplotlib (the ``trainer`` extra); without it the rest is written
+(extras.py).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import os
 from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .extras import pyplot
 from .store import ResultStore
 
 # Fields that identify a configuration apart from its seed.
@@ -220,22 +224,15 @@ def markdown_table(aggs: List[Dict], caps: List[Dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_acc_vs_T(aggs: List[Dict], path: str) -> bool:
     series: "OrderedDict[tuple, List[Dict]]" = OrderedDict()
     for a in aggs:
         series.setdefault((a["data"], a["context"], a["d_head"], a["heads"]), []).append(a)
     if not any(len({a["T"] for a in s}) > 1 for s in series.values()):
         return False
-    plt = _plt()
+    plt = pyplot()
+    if plt is None:
+        return False
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for (data, n, dh, H), s in series.items():
         s = sorted(s, key=lambda a: a["T"])
@@ -255,7 +252,8 @@ def plot_acc_vs_T(aggs: List[Dict], path: str) -> bool:
 def plot_capacity(points: List[Dict], var: str, path: str, label: str) -> Optional[float]:
     """Capacity against ``var`` (heads, context or d_head) with the fitted theory line.
 
-    Returns the fitted constant, or None when ``var`` takes fewer than two values.
+    Returns the fitted constant, or None when ``var`` takes fewer than two values; the figure is
+    drawn where matplotlib is installed.
     """
     series = _series(points, var)
     if not series:
@@ -264,7 +262,9 @@ def plot_capacity(points: List[Dict], var: str, path: str, label: str) -> Option
     xs = [_theory_x(p) for s in series.values() for p in s]
     ys = [p["capacity"] for s in series.values() for p in s]
     c = theory_fit(xs, ys)
-    plt = _plt()
+    plt = pyplot()
+    if plt is None:
+        return c
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for k, s in series.items():
         s = sorted(s, key=lambda p: p[var])
@@ -307,7 +307,9 @@ def plot_capacity(points: List[Dict], var: str, path: str, label: str) -> Option
 def plot_stores(curves: List[Dict], caps: List[Dict], path: str) -> bool:
     if not curves:
         return False
-    plt = _plt()
+    plt = pyplot()
+    if plt is None:
+        return False
     series: "OrderedDict[tuple, List[Dict]]" = OrderedDict()
     for r in curves:
         series.setdefault((r["store"], r["param"], r["d_k"]), []).append(r)
@@ -377,6 +379,7 @@ def write_report(store: ResultStore, out_dir: str, experiment: Optional[str] = N
     instead of the runs stored under ``experiment``."""
     os.makedirs(out_dir, exist_ok=True)
     written = []
+    figures = pyplot() is not None  # without matplotlib: the tables, fits and CSV files only
     if configs is None:
         rows = store.runs(experiment)
     else:
@@ -395,7 +398,8 @@ def write_report(store: ResultStore, out_dir: str, experiment: Optional[str] = N
             path = os.path.join(out_dir, fname)
             c = plot_capacity(pts, var, path, lab)
             if c is not None:
-                written.append(path)
+                if figures:
+                    written.append(path)
                 searches = any(q["source"] != "grid" for q in pts)
                 what = "capacity" if searches else ESTIMAND
                 if searches:

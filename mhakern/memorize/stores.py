@@ -36,6 +36,8 @@ import torch
 
 import mhakern
 
+from .extras import progress_bar
+
 Tensor = torch.Tensor
 
 KERNEL_STORES = ("linear", "mlp-relu", "mlp-poly2", "mlp-relu2")
@@ -282,9 +284,8 @@ def measure_curve(
         sig_w = _phi_t(store, (Kq * Kq).sum(-1), param)
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=pts[-1], desc=f"{store} d_k={d_k}", unit="mem", unit_scale=True, leave=False, dynamic_ncols=True)
+        bar = progress_bar(total=pts[-1], desc=f"{store} d_k={d_k}", unit="mem", unit_scale=True, leave=False,
+                           dynamic_ncols=True)
     a = 0
     try:
         for M in pts:
@@ -355,9 +356,8 @@ def measure_trained_mlp(
     curve = Curve("mlp-trained", d_k, d_v, {"width": width, "steps": steps, "lr": lr}, backend="torch")
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=steps * len(pts), desc=f"mlp-trained d_k={d_k} width={width}", unit="step", leave=False, dynamic_ncols=True)
+        bar = progress_bar(total=steps * len(pts), desc=f"mlp-trained d_k={d_k} width={width}", unit="step",
+                           leave=False, dynamic_ncols=True)
     try:
         for M in pts:
             K, V = K_all[:, :M], V_all[:, :M]  # (1, M, d)

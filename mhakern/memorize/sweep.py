@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .config import RunConfig
+from .extras import install_hint, progress_bar
 from .store import DEFAULT_LEASE_S, Heartbeat, ResultStore, StoreError, new_owner
 from .train import RunResult, train_stack, versions
 
@@ -230,9 +231,7 @@ def run_sweep(
     claims = _Claims(store, owner, lease_s, by_key, warn)
     outer = None
     if progress and len(todo) > 1:
-        from tqdm.auto import tqdm
-
-        outer = tqdm(total=len(todo), desc=f"{experiment}: runs", unit="run", position=0, dynamic_ncols=True)
+        outer = progress_bar(total=len(todo), desc=f"{experiment}: runs", unit="run", position=0, dynamic_ncols=True)
 
     failure: List[StoreError] = []  # the first error of the database, once met
 
@@ -346,7 +345,7 @@ def _drive_here(todo, by_key, store: ResultStore, owner: str, lease_s: float, po
 
 
 # ---------------------------------------------------------------------------- Ray
-RAY_MISSING = 'Ray is not installed; install the optional extra: pip install "mhakern[ray]" (in a checkout: pip install -e ".[ray]")'
+RAY_MISSING = f"Ray is not installed; install the optional extra: {install_hint('ray')}"
 
 
 class RayUnavailable(RuntimeError):

@@ -35,6 +35,7 @@ import mhakern
 
 from . import data as data_mod
 from .config import ConfigError, RunConfig
+from .extras import progress_bar
 from .model import ModelShape, StackedParams, attention_weights, forward, sinusoidal_positions
 from .optim import BatchedAdam, lr_factor
 
@@ -666,10 +667,8 @@ def train_stack(
     max_total = max(st.totals)
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-
         label = desc or stack_label(configs)
-        bar = tqdm(total=max_total, desc=label, unit="step", leave=False, mininterval=0.5, dynamic_ncols=True)
+        bar = progress_bar(total=max_total, desc=label, unit="step", leave=False, mininterval=0.5, dynamic_ncols=True)
     eng = StepEngine(st) if engine else None
     t_loop = time.perf_counter()
     last_acc = None
