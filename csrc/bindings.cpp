@@ -17,10 +17,10 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
-#include <sstream>
 #include <string>
 
 #include "capabilities.h"
+#include "capabilities_json.h"
 #include "cpu/attention_cpu.h"
 #include "op_common.h"
 
@@ -38,126 +38,13 @@ constexpr bool kWithSm90a = true;
 constexpr bool kWithSm90a = false;
 #endif
 
-void json_features(std::ostringstream& js, unsigned mask) {
-  js << "[";
-  bool first = true;
-  for (int f = 0; f < caps::kNumFeatures; ++f) {
-    if (!(mask & (1u << f))) continue;
-    js << (first ? "" : ", ") << '"' << caps::kFeatureNames[f] << '"';
-    first = false;
-  }
-  js << "]";
-}
-
-// capabilities.h as JSON: what each kernel family serves (mhakern/backends/*_backend.py read it).
+// capabilities.h as JSON (capabilities_json.h, the writer mhakern/_caps.py is generated with),
+// with what this build compiled and which sm90 backward the run-time setting selects now (a bad
+// MHAKERN_CUDA_SM90_BWD reads as the default here and raises at the first backward).
 std::string capabilities() {
-  std::ostringstream js;
-  js << "{\"cpu\": {\"compiled\": true, \"dtypes\": [\"float32\", \"bfloat16\", \"float16\"], \"max_head_dim\": "
-     << caps::kCpuMaxHeadDim << ", \"features\": ";
-  json_features(js, caps::kCpuFeatures);
-  js << "}, \"cuda\": {\"compiled\": " << (kWithCuda ? "true" : "false") << ", \"dtypes\": [";
-  for (int i = 0; i < caps::kCudaNumDtypes; ++i) js << (i ? ", " : "") << '"' << caps::kCudaDtypeNames[i] << '"';
-  js << "], \"head_dims\": [";
-  for (int i = 0; i < caps::kCudaNumHeadDims; ++i) js << (i ? ", " : "") << caps::kCudaHeadDims[i];
-  js << "], \"equal_head_dims\": true, \"min_capability\": [" << caps::kCudaMinCapabilityMajor << ", "
-     << caps::kCudaMinCapabilityMinor << "], \"max_group_rows\": " << caps::kCudaMaxGroupRows
-     << ", \"max_keys\": " << caps::kCudaMaxKeys << ", \"tiles\": {";
-  for (int i = 0; i < caps::kCudaNumHeadDims; ++i) {
-    const caps::CudaTiles t = caps::cuda_tiles(caps::kCudaHeadDims[i]);
-    js << (i ? ", " : "") << '"' << caps::kCudaHeadDims[i] << "\": {\"fwd\": [" << t.fwd_m << ", " << t.fwd_n
-       << "], \"dq\": [" << t.dq_m << ", " << t.dq_n << "], \"dkv\": [" << t.dkv_m << ", " << t.dkv_n << "], \"fwd_modes\": [" << t.fwd_m << ", "
-       << t.fwd_modes_n << "]}";
-  }
-  // The mma.sync family's backward (capabilities.h CudaBwdKernel): which kernel runs by default,
-  // the kernels and whether each is bit-identical run to run, the head dims with a backward
-  // (bwd_only_head_dims: only the fused kernel, no forward on this family) and the fused tiles
-  // per head dim: [keys per CTA, packed query rows per step, warps per 16-key strip].
-  js << "}, \"bwd\": {\"default\": \"" << caps::kCudaBwdKernelNames[caps::kCudaMmaBwdDefault]
-     << "\", \"kernels\": {\"split\": {\"deterministic\": true, \"products_per_tile\": 7}, \"fused\": "
-        "{\"deterministic\": true, \"products_per_tile\": 5}, \"fused_atomic\": {\"deterministic\": false, "
-        "\"products_per_tile\": 5}}, \"head_dims\": [";
-  {
-    int n = 0;
-    for (int i = 0; i < caps::kCudaNumHeadDims; ++i) js << (n++ ? ", " : "") << caps::kCudaHeadDims[i];
-    for (int i = 0; i < caps::kCudaNumBwdOnlyHeadDims; ++i) js << (n++ ? ", " : "") << caps::kCudaBwdOnlyHeadDims[i];
-  }
-  js << "], \"bwd_only_head_dims\": [";
-  for (int i = 0; i < caps::kCudaNumBwdOnlyHeadDims; ++i) js << (i ? ", " : "") << caps::kCudaBwdOnlyHeadDims[i];
-  js << "], \"fused_tiles\": {";
-  {
-    int n = 0;
-    auto tile = [&](int d) {
-      const caps::CudaFusedBwdTiles t = caps::cuda_fused_bwd_tiles(d);
-      js << (n++ ? ", " : "") << '"' << d << "\": [" << t.n << ", " << t.m << ", " << t.d_split << "]";
-    };
-    for (int i = 0; i < caps::kCudaNumHeadDims; ++i) tile(caps::kCudaHeadDims[i]);
-    for (int i = 0; i < caps::kCudaNumBwdOnlyHeadDims; ++i) tile(caps::kCudaBwdOnlyHeadDims[i]);
-  }
-  js << "}";
-  // The sm_90a family (capabilities.h's sm90 block): compiled when 9.0 was in the arch list of
-  // this build. The backward's head dims and tiles are its own (plain calls; bwd_dq_tile per
-  // head dim: packed query rows, keys per stage).
-  js << "}, \"sm90\": {\"compiled\": " << (kWithSm90a ? "true" : "false") << ", \"passes\": [\"fwd\", \"bwd\"], \"bwd_default\": "
-     << (caps::kSm90BwdByDefault ? "true" : "false") << ", \"bwd_head_dims\": [";
-  for (int i = 0; i < caps::kSm90BwdNumHeadDims; ++i) js << (i ? ", " : "") << caps::kSm90BwdHeadDims[i];
-  js << "], \"bwd_dkv_tile\": [" << caps::kSm90BwdDkvBlockN << ", " << caps::kSm90BwdDkvBlockM << "], \"bwd_dq_tile\": {";
-  for (int i = 0; i < caps::kSm90BwdNumHeadDims; ++i)
-    js << (i ? ", " : "") << '"' << caps::kSm90BwdHeadDims[i] << "\": [" << caps::kSm90BwdDqBlockM << ", "
-       << caps::sm90_bwd_dq_n(caps::kSm90BwdHeadDims[i]) << "]";
-  // Which sm90 backward runs now (the fused kernel or the split dK/dV + dQ kernels: the run-time
-  // setting, op_common.h sm90_bwd_kernel; a bad MHAKERN_CUDA_SM90_BWD reads as the default here
-  // and raises at the first backward) and the default (capabilities.h kSm90BwdFused), whether
-  // each kernel's dQ is bit-identical run to run (bwd_deterministic: the one that runs now), and
-  // the fused kernel's tiles.
   const int sm90_req = op::sm90_bwd_kernel().value.load();
-  const caps::Sm90BwdKernel sm90_now = op::sm90_bwd_kernel_for(sm90_req >= 0 ? sm90_req : -1);
-  const bool sm90_det[] = {true, caps::kSm90BwdFusedDeterministic};
-  js << "}, \"bwd_stages\": " << caps::kSm90BwdStages << ", \"bwd_kernel\": \""
-     << caps::kSm90BwdKernelNames[sm90_now] << "\", \"bwd_kernel_default\": \""
-     << caps::kSm90BwdKernelNames[op::sm90_bwd_kernel_for(-1)] << "\", \"bwd_deterministic\": "
-     << (sm90_det[sm90_now] ? "true" : "false") << ", \"bwd_kernels\": {";
-  for (int i = 0; i < caps::kSm90NumBwdKernels; ++i)
-    js << (i ? ", " : "") << '"' << caps::kSm90BwdKernelNames[i] << "\": {\"deterministic\": "
-       << (sm90_det[i] ? "true" : "false") << "}";
-  js << "}, \"bwd_fused\": {\"deterministic\": " << (caps::kSm90BwdFusedDeterministic ? "true" : "false")
-     << ", \"features\": ";
-  json_features(js, caps::kSm90BwdFusedFeatures);
-  js << ", \"stages\": " << caps::kSm90BwdFusedStages << ", \"tiles\": {";
-  for (int i = 0; i < caps::kSm90BwdNumHeadDims; ++i)
-    js << (i ? ", " : "") << '"' << caps::kSm90BwdHeadDims[i] << "\": [" << caps::kSm90BwdFusedBlockN << ", "
-       << caps::sm90_bwd_fused_m(caps::kSm90BwdHeadDims[i]) << "]";
-  js << "}}, \"head_dims\": [";
-  for (int i = 0; i < caps::kSm90NumHeadDims; ++i) js << (i ? ", " : "") << caps::kSm90HeadDims[i];
-  js << "], \"capability\": [" << caps::kSm90CapabilityMajor << ", " << caps::kSm90CapabilityMinor
-     << "], \"fwd_tile\": [" << caps::kSm90FwdBlockM << ", " << caps::kSm90FwdBlockN << "], \"stages\": "
-     << caps::kSm90FwdStages << ", \"fwd_tiles\": {";
-  // Per head dim: [packed query rows, keys per stage, stages] (fwd_tile / stages: D 64 and 128).
-  for (int i = 0; i < caps::kSm90NumHeadDims; ++i) {
-    const caps::Sm90FwdTiles t = caps::sm90_fwd_tiles(caps::kSm90HeadDims[i]);
-    js << (i ? ", " : "") << '"' << caps::kSm90HeadDims[i] << "\": [" << t.m << ", " << t.n << ", " << t.stages << "]";
-  }
-  // Head dims whose forward only this family has (on 9.0, without modes); their backward, if
-  // any, is the mma.sync family's (cuda.bwd.bwd_only_head_dims).
-  js << "}, \"fwd_only_head_dims\": [";
-  for (int i = 0, n = 0; i < caps::kSm90NumHeadDims; ++i)
-    if (!caps::cuda_head_dim_supported(caps::kSm90HeadDims[i])) js << (n++ ? ", " : "") << caps::kSm90HeadDims[i];
-  js << "]";
-  // The decode configuration of the mma.sync forward (capabilities.h cuda_decode_tiles): per head
-  // dim [packed query rows, keys per tile, stages]; served when group * Lq <= max_rows and the
-  // call has no attn_mask and no dropout.
-  js << "}, \"decode\": {\"max_rows\": " << caps::kCudaDecodeMaxRows << ", \"warps\": " << caps::kCudaDecodeWarps
-     << ", \"tiles\": {";
-  for (int i = 0; i < caps::kCudaNumHeadDims; ++i) {
-    const caps::CudaDecodeTiles t = caps::cuda_decode_tiles(caps::kCudaHeadDims[i]);
-    js << (i ? ", " : "") << '"' << caps::kCudaHeadDims[i] << "\": [" << t.m << ", " << t.n << ", " << t.stages << "]";
-  }
-  js << "}";
-  js << "}, \"split\": {\"min_blocks_per_split\": " << caps::kMinBlocksPerSplit
-     << ", \"max_splits\": " << caps::kMaxSplits << ", \"max_workspace_bytes\": " << caps::kMaxSplitWorkspaceBytes
-     << "}, \"features\": ";
-  json_features(js, caps::kCudaFeatures);
-  js << "}}";
-  return js.str();
+  const caps::BuildFacts build{kWithCuda, kWithSm90a, op::sm90_bwd_kernel_for(sm90_req >= 0 ? sm90_req : -1)};
+  return caps::capabilities_json(&build);
 }
 
 // The split-K planner the CUDA host code runs (capabilities.h), for tests and tools.
@@ -184,8 +71,8 @@ int64_t cuda_plan_splits(int64_t batch, int64_t kv_heads, int64_t group, int64_t
   return caps::plan_fwd_splits(batch, kv_heads, group, q_len, k_len, head_dim, num_sms, f);
 }
 
-// The split-K rule itself (capabilities.h split_rule), for the Triton launcher's planner
-// (mhakern/kernels/heuristics.py plan_fwd_splits), which has its own tiles.
+// The split-K rule itself (capabilities.h split_rule), for the test that the Triton launcher's
+// twin (mhakern/kernels/heuristics.py split_rule) agrees with it (tests/test_split_plan.py).
 int64_t plan_key_splits(int64_t programs, int64_t key_blocks, int64_t rows, int64_t dv, int64_t num_sms) {
   const std::pair<const char*, int64_t> args[] = {
       {"programs", programs}, {"key_blocks", key_blocks}, {"rows", rows}, {"dv", dv}, {"num_sms", num_sms}};

@@ -5,8 +5,11 @@
 //     it (tests/test_generated_kernels.py checks the committed files are current);
 //   - the kernels' tile configs (FwdConfig / BwdConfig) take their tiles from cuda_tiles();
 //   - the host code (csrc/cpu/attention_cpu.cpp, csrc/cuda_host.cpp) checks against the limits;
-//   - Python reads all of it as JSON through torch.ops.mhakern_C.capabilities()
-//     (mhakern/backends/cpu_backend.py, cuda_backend.py).
+//   - Python reads all of it from mhakern/_caps.py, which tools/generate_caps.py writes from
+//     this file (through csrc/capabilities_json.h, compiled on the spot; tests/test_caps.py checks
+//     the committed module is current), so that `import mhakern` knows it without mhakern._C;
+//     torch.ops.mhakern_C.capabilities() reports the same table (the same writer) plus what
+//     the build compiled.
 // No torch and no CUDA header: nvcc, the emulator build and the host code all include it.
 #pragma once
 
@@ -34,7 +37,10 @@ constexpr const char* kFeatureNames[] = {"attn_mask", "mask_grad", "dropout", "t
 constexpr int kNumFeatures = 10;
 
 // ---- cpu family (csrc/cpu/) ------------------------------------------------------------------
-// dtypes float32, bfloat16, float16; any head dims D, Dv in [1, kCpuMaxHeadDim] (D != Dv allowed).
+// dtypes float32, bfloat16, float16 (torch names; csrc/cpu/attention_cpu.cpp dispatches on them);
+// any head dims D, Dv in [1, kCpuMaxHeadDim] (D != Dv allowed).
+constexpr const char* kCpuDtypeNames[] = {"float32", "bfloat16", "float16"};
+constexpr int kCpuNumDtypes = sizeof(kCpuDtypeNames) / sizeof(kCpuDtypeNames[0]);
 constexpr int64_t kCpuMaxHeadDim = 256;
 // Modes the cpu kernels implement (csrc/cpu/attention_kernel_impl.h and its kernel/ pieces read
 // the params fields of attention_params.h). The op refuses the others with the mode's name.
@@ -67,6 +73,9 @@ constexpr int kCudaNumDtypes = sizeof(kCudaDtypeNames) / sizeof(kCudaDtypeNames[
 constexpr int kCudaHeadDims[] = {MHK_CUDA_FOR_EACH_HEAD_DIM(MHK_CUDA_HEAD_DIM_ITEM_, _)};
 #undef MHK_CUDA_HEAD_DIM_ITEM_
 constexpr int kCudaNumHeadDims = sizeof(kCudaHeadDims) / sizeof(kCudaHeadDims[0]);
+
+// q, k and v of one head dim (D == Dv): the kernels keep one D for Q K^T and P V.
+constexpr bool kCudaEqualHeadDims = true;
 
 constexpr bool cuda_head_dim_supported(int64_t d) {
   for (int i = 0; i < kCudaNumHeadDims; ++i)
@@ -115,6 +124,10 @@ constexpr CudaTiles cuda_tiles(int d) {
 enum CudaBwdKernel : int { kBwdSplit = 0, kBwdFusedOrdered = 1, kBwdFusedAtomic = 2 };
 constexpr const char* kCudaBwdKernelNames[] = {"split", "fused", "fused_atomic"};
 constexpr int kCudaNumBwdKernels = 3;
+// Per kernel (in CudaBwdKernel order): the matrix products per tile, and whether two runs give
+// bit-identical gradients.
+constexpr int kCudaBwdKernelProducts[] = {7, 5, 5};
+constexpr bool kCudaBwdKernelDeterministic[] = {true, true, false};
 // Which one runs by default where both exist. The split kernels: the fused kernel has run only in
 // the CPU emulator (tests/test_cuda_host.py, test_cuda_emulator.py), never on a GPU; a fragment
 // layout the emulator reads wrongly would be a silent wrong gradient. MHAKERN_CUDA_MMA_BWD (or
@@ -223,6 +236,9 @@ constexpr bool use_cuda_decode_fwd(int64_t group_rows, bool modes_kernel) {
 #define MHK_SM90_FOR_EACH_INSTANCE(F) MHK_CUDA_FOR_EACH_ELEM(MHK_SM90_FOR_EACH_HEAD_DIM_, F)
 #define MHK_SM90_FOR_EACH_HEAD_DIM_(F, tag) MHK_SM90_FOR_EACH_HEAD_DIM(F, tag)
 constexpr int kSm90CapabilityMajor = 9, kSm90CapabilityMinor = 0;
+// The passes it has kernels for.
+constexpr const char* kSm90PassNames[] = {"fwd", "bwd"};
+constexpr int kSm90NumPasses = 2;
 // Modes (Feature bits) the sm90 forward and backward serve beyond key_lengths and bottom-right
 // causal (choose_fwd_family / choose_bwd_family in csrc/cuda/attn_dispatch.h give every call
 // with another mode, softcap and ALiBi included, to the mma.sync family, which serves
@@ -333,10 +349,14 @@ enum Sm90BwdKernel : int { kSm90BwdKernelSplit = 0, kSm90BwdKernelFused = 1 };
 constexpr const char* kSm90BwdKernelNames[] = {"split", "fused"};
 constexpr int kSm90NumBwdKernels = 2;
 constexpr bool kSm90BwdFused = false;
+constexpr Sm90BwdKernel kSm90BwdKernelDefault = kSm90BwdFused ? kSm90BwdKernelFused : kSm90BwdKernelSplit;
 // Deterministic: each row tile's fp32 dQ adds happen in increasing key-block order (a semaphore
 // per row tile), so two runs, schedules or grid orders give bit-identical dQ. The other mode
 // (adds in any order) exists for measurement; unmeasured, so not chosen.
 constexpr bool kSm90BwdFusedDeterministic = true;
+// Whether each sm90 backward (Sm90BwdKernel order) gives bit-identical dQ run to run: the split
+// kernels add nothing atomically.
+constexpr bool kSm90BwdKernelDeterministic[] = {true, kSm90BwdFusedDeterministic};
 // Modes it serves beyond key_lengths and bottom-right causal: none yet (the mma.sync family
 // serves the others, as for the split kernels).
 constexpr unsigned kSm90BwdFusedFeatures = 0;
@@ -365,22 +385,33 @@ constexpr int64_t kMinBlocksPerSplit = 8;
 constexpr int64_t kMaxSplits = 128;
 constexpr int64_t kMaxSplitWorkspaceBytes = int64_t{1} << 30;
 
-// The split-K rule, written only here: a pass of `programs` CTAs (programs, for Triton), each
-// stepping through `key_blocks` blocks of keys, that writes `rows` output rows of `dv` fp32
-// values. When the CTAs fill the GPU (at least num_sms) or there are none, 1; otherwise enough
-// splits for about two CTAs per multiprocessor, within the limits above. The CUDA host's
-// planners below and the Triton launcher (mhakern/kernels/heuristics.py, through
-// torch.ops.mhakern_C.plan_key_splits) all call it.
-constexpr int64_t split_rule(int64_t programs, int64_t key_blocks, int64_t rows, int64_t dv, int64_t num_sms) {
-  if (programs <= 0 || num_sms <= 0 || programs >= num_sms) return 1;
-  const int64_t by_occupancy = (2 * num_sms + programs - 1) / programs;
+// The most splits the limits above allow a pass of `key_blocks` blocks of keys that writes `rows`
+// output rows of `dv` fp32 values (at least kMinBlocksPerSplit key blocks per split, at most
+// kMaxSplits, the partials within kMaxSplitWorkspaceBytes); may be below 1 (then: no split).
+// split_rule and plan_splits_by_waves both clamp by it; the Triton launcher's planner
+// (mhakern/kernels/heuristics.py split_rule) is its Python twin, reading these limits from
+// mhakern/_caps.py (tests/test_split_plan.py checks the two agree).
+constexpr int64_t split_limit(int64_t key_blocks, int64_t rows, int64_t dv) {
   const int64_t by_keys = key_blocks / kMinBlocksPerSplit;
   const int64_t row_bytes = rows * dv * 4;
   const int64_t by_memory = kMaxSplitWorkspaceBytes / (row_bytes > 0 ? row_bytes : 1);
-  int64_t s = by_occupancy;
-  if (by_keys < s) s = by_keys;
+  int64_t s = by_keys;
   if (by_memory < s) s = by_memory;
   if (kMaxSplits < s) s = kMaxSplits;
+  return s;
+}
+
+// The split-K rule: a pass of `programs` CTAs (programs, for Triton), each stepping through
+// `key_blocks` blocks of keys, that writes `rows` output rows of `dv` fp32 values. When the CTAs
+// fill the GPU (at least num_sms) or there are none, 1; otherwise enough splits for about two
+// CTAs per multiprocessor, within split_limit. The CUDA host's planners below call it; the
+// bindings export it (torch.ops.mhakern_C.plan_key_splits) for the test that the Triton
+// launcher's twin agrees.
+constexpr int64_t split_rule(int64_t programs, int64_t key_blocks, int64_t rows, int64_t dv, int64_t num_sms) {
+  if (programs <= 0 || num_sms <= 0 || programs >= num_sms) return 1;
+  const int64_t by_occupancy = (2 * num_sms + programs - 1) / programs;
+  const int64_t limit = split_limit(key_blocks, rows, dv);
+  const int64_t s = limit < by_occupancy ? limit : by_occupancy;
   return s < 1 ? 1 : s;
 }
 
@@ -396,7 +427,7 @@ constexpr int64_t plan_splits(int64_t batch, int64_t kv_heads, int64_t group, in
 // Number of key splits for a forward whose kernel holds ctas_per_sm CTAs per SM (FwdPlanTiles),
 // by wave efficiency: with n = CTAs x splits / (num_sms x ctas_per_sm) waves, a launch runs
 // ceil(n) waves, so its efficiency is n / ceil(n); the fewest splits whose efficiency is at least
-// 85% of the best one within the limits of plan_splits (key blocks per split, splits, the
+// 85% of the best one within split_limit (key blocks per split, splits, the
 // workspace) -- FlashAttention-3's split heuristic, on this family's real occupancy. Fewer
 // splits is better at equal efficiency: each split adds a fixed cost per CTA and fp32 partials
 // to combine. 32 row tiles on 132 SMs at 1 per SM: 4 splits (128 CTAs, 97%) instead of 9 (73%).
@@ -406,13 +437,7 @@ constexpr int64_t plan_splits_by_waves(int64_t batch, int64_t kv_heads, int64_t 
   const int64_t ctas = batch * kv_heads * ((group * q_len + block_m - 1) / block_m);
   const int64_t slots = num_sms * ctas_per_sm;
   if (ctas == 0 || slots <= 0 || ctas >= slots) return 1;
-  const int64_t key_blocks = (k_len + block_n - 1) / block_n;
-  const int64_t rows = batch * kv_heads * group * q_len;
-  const int64_t row_bytes = rows * head_dim * 4;
-  int64_t s_max = key_blocks / kMinBlocksPerSplit;
-  const int64_t by_memory = kMaxSplitWorkspaceBytes / (row_bytes > 0 ? row_bytes : 1);
-  if (by_memory < s_max) s_max = by_memory;
-  if (kMaxSplits < s_max) s_max = kMaxSplits;
+  const int64_t s_max = split_limit((k_len + block_n - 1) / block_n, batch * kv_heads * group * q_len, head_dim);
   if (s_max <= 1) return 1;
   auto efficiency = [&](int64_t s) {
     const int64_t work = ctas * s;

@@ -55,6 +55,17 @@ std::string bwd_only_list() {
   return s;
 }
 
+// The modes a forward call of a head dim that only the sm90 forward has must not use: those the
+// cuda family serves and the sm90 forward does not (capabilities.h kCudaFeatures,
+// kSm90FwdFeatures; mask_grad is the backward's), as the feature names the Python layer uses.
+std::string modes_off_sm90_fwd() {
+  const unsigned off = caps::kCudaFeatures & ~caps::kSm90FwdFeatures & ~static_cast<unsigned>(caps::kMaskGrad);
+  std::string s;
+  for (int f = 0; f < caps::kNumFeatures; ++f)
+    if (off & (1u << f)) s += (s.empty() ? "" : ", ") + std::string(caps::kFeatureNames[f]);
+  return s;
+}
+
 Operand operand(const at::Tensor& x) {
   Operand o;
   o.ptr = x.data_ptr();
@@ -224,9 +235,10 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tenso
   // depend on the split count).
   const bool sm90 = fwd_runs_sm90(p, q.device().index());
   TORCH_CHECK_VALUE(sm90 || caps::cuda_head_dim_supported(s.D), "q: head dim ", s.D,
-                    " is served only by the sm_90a forward (a compute capability 9.0 device, a build with the "
-                    "sm_90a pass, no attn_mask, dropout, window, top_left, softcap or alibi_slopes, K/V without a stride-0 dim, the "
-                    "family not forced to mma_sync); the cuda kernels otherwise take ", head_dim_list());
+                    " is served only by the sm_90a forward (a compute capability ", caps::kSm90CapabilityMajor, ".",
+                    caps::kSm90CapabilityMinor, " device, a build with the sm_90a pass, none of the modes ",
+                    modes_off_sm90_fwd(), ", K/V without a stride-0 dim, the family not forced to mma_sync); the "
+                    "cuda kernels otherwise take ", head_dim_list());
   const caps::FwdPlanTiles t = caps::fwd_plan_tiles(sm90, static_cast<int>(s.D), s.H / s.Hkv * s.Lq,
                                                     needs_modes_kernel(p));
   const int64_t forced = op::cuda_forced_splits().load();

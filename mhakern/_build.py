@@ -21,7 +21,7 @@ torch at hand, tested with faked ones):
   ``csrc/cpu/kernels_<isa>.cpp`` on x86-64 each with its own -m flags (:data:`ISA_FLAGS`, never
   -march=native: the module must run on other CPUs), the rest with the baseline flags.
 * CUDA, when torch has CUDA, nvcc is found with torch's CUDA major version, and some arch of at
-  least the kernels' minimum (:func:`min_arch`, read from csrc/capabilities.h) is asked for:
+  least the kernels' minimum (:func:`min_arch`, from the capability table mhakern/_caps.py) is asked for:
   ``csrc/cuda_*.cpp`` and ``csrc/cuda/**/*.{cu,cpp}`` (not ``csrc/cuda/emulation/``, which the
   emulator tests compile on their own), -DMHAKERN_WITH_CUDA. Archs: ``TORCH_CUDA_ARCH_LIST``
   with those below that minimum dropped (one line says what was dropped), else the visible
@@ -65,7 +65,6 @@ ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
 }
-DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
 # torch's named archs (torch.utils.cpp_extension), expanded before filtering.
 NAMED_ARCHES = {
     "Kepler+Tesla": "3.7", "Kepler": "3.5+PTX", "Maxwell+Tegra": "5.3", "Maxwell": "5.0;5.2+PTX",
@@ -201,17 +200,34 @@ def visible_gpu_archs() -> List[str]:
 
 
 @functools.lru_cache(maxsize=None)
+def _caps_table() -> dict:
+    """The capability table (mhakern/_caps.py, generated from csrc/capabilities.h), loaded by
+    path: this file runs where the package cannot be imported (setup.py, the first-use build's
+    child process)."""
+    path = os.path.join(package_dir(), "_caps.py")
+    spec = importlib.util.spec_from_file_location("mhakern_caps_for_build", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.TABLE
+
+
 def min_arch() -> Tuple[int, int]:
-    """The oldest GPU arch the CUDA kernels run on, as (major, minor): read from the capability
-    table (csrc/capabilities.h: kCudaMinCapabilityMajor/Minor), where the kernels state it, so
-    that the build and the run-time check cannot disagree."""
-    root = source_root()
-    path = os.path.join(root, "csrc", "capabilities.h") if root else None
-    text = open(path).read() if path and os.path.isfile(path) else ""
-    m = re.search(r"kCudaMinCapabilityMajor\s*=\s*(\d+)\s*,\s*kCudaMinCapabilityMinor\s*=\s*(\d+)", text)
-    if not m:
-        raise RuntimeError(f"mhakern: the CUDA kernels' minimum arch is not in {path or 'csrc/capabilities.h'}")
-    return int(m.group(1)), int(m.group(2))
+    """The oldest GPU arch the CUDA kernels run on, as (major, minor): the capability table's
+    (csrc/capabilities.h: kCudaMinCapabilityMajor/Minor), where the kernels state it, so that
+    the build and the run-time check cannot disagree."""
+    major, minor = _caps_table()["cuda"]["min_capability"]
+    return major, minor
+
+
+def sm90_arch() -> str:
+    """The arch of the sm_90a family's pass ('9.0': csrc/capabilities.h kSm90CapabilityMajor/Minor)."""
+    return "%d.%d" % tuple(_caps_table()["cuda"]["sm90"]["capability"])
+
+
+def default_arch_list() -> str:
+    """The archs built when nothing names any: the kernels' minimum and the sm_90a family's, with
+    the latter's PTX ('8.0;9.0+PTX')."""
+    return "%d.%d;%s+PTX" % (*min_arch(), sm90_arch())
 
 
 def filter_arch_list(text: str) -> Tuple[List[str], List[str]]:
@@ -244,7 +260,7 @@ def arch_flags(archs: List[str]) -> List[str]:
     flags = []
     for entry in archs:
         num = entry.split("+")[0].replace(".", "")
-        sass = "90a" if num == "90" else num
+        sass = num + "a" if num == sm90_arch().replace(".", "") else num
         flags.append(f"-gencode=arch=compute_{sass},code=sm_{sass}")
         if entry.endswith("+PTX"):
             flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
@@ -253,7 +269,7 @@ def arch_flags(archs: List[str]) -> List[str]:
 
 def builds_sm90a(archs: List[str]) -> bool:
     """Whether the arch list has the sm_90a pass (so the sm90 family has kernels)."""
-    return any(entry.split("+")[0] in ("9.0", "9.0a") for entry in archs)
+    return any(entry.split("+")[0] in (sm90_arch(), sm90_arch() + "a") for entry in archs)
 
 
 def _rel(root: str, path: str) -> str:
@@ -360,7 +376,7 @@ def plan(env: Mapping[str, str], info: Optional[dict], root: str, gpu_archs: Opt
         elif gpu_archs:
             arch_src, arch_text = "the visible GPUs", ";".join(gpu_archs)
         else:
-            arch_src, arch_text = "the default", DEFAULT_ARCH_LIST
+            arch_src, arch_text = "the default", default_arch_list()
         archs, dropped = filter_arch_list(arch_text)
         if arch_src == "the visible GPUs" and archs and not archs[-1].endswith("+PTX"):
             archs[-1] += "+PTX"

@@ -43,9 +43,11 @@ def load_error() -> Optional[str]:
 
 
 def capabilities() -> Optional[dict]:
-    """What the compiled kernel families serve (csrc/capabilities.h, the one place it is written):
-    ``{"cpu": {...}, "cuda": {...}}`` with dtypes, head dims, tiles, limits and features, or None
-    when mhakern._C is not available."""
+    """What the compiled kernel families serve and what this build compiled:
+    ``{"cpu": {...}, "cuda": {...}}``, mhakern/_caps.py's ``TABLE`` (csrc/capabilities.h, the one
+    place it is written: dtypes, head dims, tiles, limits, features) with the build's facts at
+    the key paths of ``_caps.BUILD_FACTS`` (which families were compiled, which sm90 backward
+    runs now), or None when mhakern._C is not available. What needs no build reads ``_caps``."""
     global _caps
     if _caps is None and load() is not None:
         _caps = json.loads(torch.ops.mhakern_C.capabilities())

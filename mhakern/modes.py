@@ -25,14 +25,14 @@ from typing import FrozenSet, NamedTuple, Optional
 
 import torch
 
+from ._caps import FEATURE_NAMES
+
 Tensor = torch.Tensor
 
-#: Every optional mode a backend may implement (the names used in ``Backend.features``).
+#: Every optional mode a backend may implement (the names used in ``Backend.features``): the
+#: feature names of csrc/capabilities.h (``kFeatureNames``, through mhakern/_caps.py).
 #: ``sinks`` is not one: the op layer applies it around every backend (docs/contract.md).
-ALL_FEATURES: FrozenSet[str] = frozenset(
-    {"attn_mask", "mask_grad", "dropout", "top_left", "window", "softcap", "alibi", "varlen", "cache_batch_idx",
-     "paged"}
-)
+ALL_FEATURES: FrozenSet[str] = frozenset(FEATURE_NAMES)
 
 
 class Modes(NamedTuple):

@@ -406,8 +406,9 @@ def test_backend_reads_the_capability_table(monkeypatch):
     assert be.unavailable() is None
     assert be.table == table["cuda"] and set(be._head_dims) == set(HEAD_DIMS)
     assert be.features == frozenset(table["cuda"]["features"])
-    # A table that serves more is served: nothing about head dims is restated in Python.
-    table["cuda"]["head_dims"] = [*HEAD_DIMS, 80]
+    # A table that serves more is served: nothing about head dims is restated in Python (the
+    # table Python reads is mhakern/_caps.py's, generated from csrc/capabilities.h).
+    monkeypatch.setitem(cuda_backend._CUDA, "head_dims", [*HEAD_DIMS, 80])
     be2 = _fresh_backend(monkeypatch, "13.0", table)
     assert be2.unavailable() is None and be2.supports(*_qkv(D=80), False, None) is None
 
@@ -615,7 +616,7 @@ def test_forward_only_head_dim_is_served_without_gradient_or_modes_on_hopper_onl
     assert 256 in table["cuda"]["sm90"]["fwd_only_head_dims"]
     assert be.supports(*_qkv(D=256), True, None) is None
     why = backends.missing_features(be, frozenset({"attn_mask"}), *_qkv(D=256))
-    assert why is not None and "takes no mode (asked: attn_mask)" in why
+    assert why is not None and "takes no attn_mask (its modes: varlen; asked: attn_mask)" in why
     assert backends.missing_features(be, frozenset({"attn_mask"}), *_qkv(D=128)) is None  # mma.sync has them
     q, k, v = _qkv(D=256)
     q.requires_grad = True  # a call that will need the backward: the fused mma.sync kernel's
@@ -623,8 +624,9 @@ def test_forward_only_head_dim_is_served_without_gradient_or_modes_on_hopper_onl
     assert be.supports(q, k, v, True, None) is None
     with torch.no_grad():
         assert be.supports(q, k, v, True, None) is None
-    # A table without that backward (an older build) is refused with the reason.
-    table["cuda"]["bwd"]["head_dims"].remove(256)
+    # A table without that backward is refused with the reason.
+    bwd_dims = [d for d in cuda_backend._CUDA["bwd"]["head_dims"] if d != 256]
+    monkeypatch.setitem(cuda_backend._CUDA["bwd"], "head_dims", bwd_dims)
     be = _fresh_backend(monkeypatch, "13.0", table)
     assert be.unavailable() is None
     be._caps = {0: (9, 0)}

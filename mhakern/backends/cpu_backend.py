@@ -12,7 +12,8 @@ the CPU and ATen's capability (``ATEN_CPU_CAPABILITY``) is used: see ``kernel_is
 The kernels are the dispatcher operators ``torch.ops.mhakern_C.fwd`` / ``bwd`` (``fwd_plain`` /
 ``bwd_plain`` for calls without modes: mhakern/modes.py c_fwd; schemas in
 csrc/bindings.cpp; outputs allocated by the op, laid out like the input they mirror); what they
-serve is read from ``torch.ops.mhakern_C.capabilities()``, never restated here.
+serve is the capability table's ``cpu`` entry (csrc/capabilities.h, through mhakern/_caps.py),
+never restated here.
 
 When ``mhakern._C`` is missing (not built, build skipped or failed; mhakern/_extension.py),
 the backend stays registered and ``available_backends()["cpu"]`` says why.
@@ -21,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from .._extension import capabilities, kernel_isa, load_error  # noqa: F401 (re-exported)
+from .._caps import TABLE
+from .._extension import capabilities, kernel_isa, load, load_error  # noqa: F401 (re-exported)
 from ..modes import c_bwd, c_fwd
 from . import DEFAULT_MODES, Backend, register
 
@@ -37,20 +39,15 @@ class CpuBackend(Backend):
     name = "cpu"
     priority = 20
 
+    #: What the kernels serve: the capability table's cpu entry.
+    features = frozenset(TABLE["cpu"]["features"])
+
     def __init__(self):
-        # Filled from the capability table once the extension loads (unavailable() runs first).
-        self._dtypes = ()
-        self._max_head_dim = 0
+        self._dtypes = tuple(getattr(torch, n) for n in TABLE["cpu"]["dtypes"])
+        self._max_head_dim = TABLE["cpu"]["max_head_dim"]
 
     def unavailable(self):
-        caps = capabilities()
-        if caps is None:
-            return load_error()
-        cpu = caps["cpu"]
-        self._dtypes = tuple(getattr(torch, n) for n in cpu["dtypes"])
-        self._max_head_dim = cpu["max_head_dim"]
-        self.features = frozenset(cpu["features"])
-        return None
+        return load_error() if load() is None else None
 
     def supports(self, q, k, v, causal, key_lengths):
         if q.device.type != "cpu":

@@ -2,8 +2,9 @@
 compiled into ``mhakern._C`` when torch has CUDA and nvcc was found at build time.
 
 Serves CUDA tensors in the dtypes, head dims (q, k and v of one head dim), index limits and
-compute capabilities of the capability table (csrc/capabilities.h, read through
-``torch.ops.mhakern_C.capabilities()["cuda"]``, kept in ``CudaBackend.table``); it refuses
+compute capabilities of the capability table (csrc/capabilities.h, read from mhakern/_caps.py's
+``TABLE["cuda"]``; what the build compiled from ``torch.ops.mhakern_C.capabilities()``, kept in
+``CudaBackend.table``); it refuses
 anything else with the reason, so that ``auto`` falls back (to ``triton``, which also serves
 float32). The kernels are the dispatcher operators ``torch.ops.mhakern_C.fwd`` / ``bwd``.
 
@@ -27,8 +28,10 @@ would leave most multiprocessors idle and the keys are long, the keys are split 
 (:func:`plan_splits` asks the same planner).
 
 Modes (docs/contract.md): ``features`` is the capability table's list for the cuda family
-(csrc/capabilities.h, ``kCudaFeatures``), read by :meth:`CudaBackend._static_unavailable`; the
-others are refused by dispatch, so that ``auto`` falls back. Causal alignment and windows
+(csrc/capabilities.h, ``kCudaFeatures``); the others are refused by dispatch, so that ``auto``
+falls back. The head dims only the sm_90a forward has take that forward's modes
+(``sm90.fwd_features``) only, and of those only the ones verified on a GPU
+(:data:`SM90_FWD_UNVERIFIED`; :meth:`CudaBackend.mode_limits`). Causal alignment and windows
 bound each query tile's key range: key blocks that no row of the tile sees are skipped
 (neither read nor computed), and only blocks that cross a visibility boundary are masked per
 element.
@@ -42,7 +45,18 @@ import torch
 from ..modes import c_bwd, c_fwd
 from . import DEFAULT_MODES, Backend, register
 from .._build import INSTALL_HINT as _BUILD_HINT
+from .._caps import TABLE
 from .._extension import capabilities, load_error
+
+_CUDA = TABLE["cuda"]
+_SM90 = _CUDA["sm90"]
+
+#: Modes the sm_90a forward implements (the table's ``sm90.fwd_features``: packed sequences)
+#: that no GPU run has verified yet. A call needing one of them on a head dim only that forward
+#: has (``sm90.fwd_only_head_dims``: D 256) keeps its route until a GPU passes it (the first-use
+#: self-test): refused here with that reason, so that ``auto`` falls back. On the head dims the
+#: mma.sync family has too, the host's family choice is unaffected.
+SM90_FWD_UNVERIFIED = frozenset({"varlen"})
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:
@@ -71,15 +85,19 @@ class CudaBackend(Backend):
     name = "cuda"
     priority = 40
 
+    #: What the kernels serve: the capability table's cuda entry.
+    features = frozenset(_CUDA["features"])
+
     def __init__(self):
         self._static_reason: Optional[str] = None
         self._checked = False
         self._caps: Optional[Dict[int, Tuple[int, int]]] = None
-        # The cuda family's entry of the capability table (filled by _static_unavailable).
+        # The cuda entry of torch.ops.mhakern_C.capabilities(): the table with what this build
+        # compiled (filled by _static_unavailable; its "compiled" flags are read from here).
         self.table: dict = {}
-        self._dtypes: Tuple[torch.dtype, ...] = ()
-        self._head_dims: Tuple[int, ...] = ()
-        self._min_capability: Tuple[int, int] = (0, 0)
+        self._dtypes: Tuple[torch.dtype, ...] = tuple(getattr(torch, n) for n in _CUDA["dtypes"])
+        self._head_dims: Tuple[int, ...] = tuple(_CUDA["head_dims"])
+        self._min_capability: Tuple[int, int] = tuple(_CUDA["min_capability"])
 
     # -- availability ------------------------------------------------------------------------
     def _capabilities(self) -> Optional[dict]:
@@ -103,10 +121,6 @@ class CudaBackend(Backend):
                 f"set); set CUDA_HOME to a CUDA toolkit and rebuild with {_BUILD_HINT}"
             )
         self.table = cuda
-        self._dtypes = tuple(getattr(torch, n) for n in cuda["dtypes"])
-        self._head_dims = tuple(cuda["head_dims"])
-        self._min_capability = tuple(cuda["min_capability"])
-        self.features = frozenset(cuda["features"])
         return None
 
     def unavailable(self) -> Optional[str]:
@@ -138,7 +152,7 @@ class CudaBackend(Backend):
             names = " or ".join(str(d).replace("torch.", "") for d in self._dtypes)
             return f"dtype {q.dtype} is not supported: the tensor-core kernels take {names}{extra}"
         D, Dv = q.shape[-1], v.shape[-1]
-        if Dv != D:
+        if _CUDA["equal_head_dims"] and Dv != D:
             return f"head dims of q/k ({D}) and v ({Dv}) differ; the cuda kernels need them equal"
         if D not in self._head_dims:
             why = self._fwd_only_head_dim(q, k, v, D)
@@ -146,7 +160,7 @@ class CudaBackend(Backend):
                 return why
         B, H, Lq, _ = q.shape
         Hkv, Lk = k.shape[1], k.shape[2]
-        max_rows, max_keys = self.table["max_group_rows"], self.table["max_keys"]
+        max_rows, max_keys = _CUDA["max_group_rows"], _CUDA["max_keys"]
         if (H // Hkv) * Lq > max_rows:
             return f"(heads per kv head) x Lq = {(H // Hkv) * Lq} exceeds the cuda kernels' limit of {max_rows}"
         if Lk >= max_keys:
@@ -161,14 +175,23 @@ class CudaBackend(Backend):
         return None
 
     def mode_limits(self, q, k, v, needed) -> Optional[str]:
-        """The head dims whose forward only the sm_90a family has (D 256) take no mode: that
-        forward implements none, and no mma.sync forward has them (their mma.sync backward, the
-        fused kernel, would take the modes, but a call needs the forward first)."""
-        sm90 = self.table.get("sm90", {})
+        """The head dims whose forward only the sm_90a family has (D 256; their mma.sync backward,
+        the fused kernel, would take the modes, but a call needs the forward first) take only the
+        modes that forward serves (``sm90.fwd_features``), and of those not the ones awaiting a
+        GPU (:data:`SM90_FWD_UNVERIFIED`)."""
         D = q.shape[-1]
-        if needed and D in sm90.get("fwd_only_head_dims", ()):
-            return (f"head dim {D} is served only by the sm_90a forward, which takes no mode "
-                    f"(asked: {', '.join(sorted(needed))})")
+        if not needed or D not in _SM90["fwd_only_head_dims"]:
+            return None
+        asked = ", ".join(sorted(needed))
+        off = needed - frozenset(_SM90["fwd_features"])
+        if off:
+            served = ", ".join(_SM90["fwd_features"]) or "none"
+            return (f"head dim {D} is served only by the sm_90a forward, which takes no {', '.join(sorted(off))} "
+                    f"(its modes: {served}; asked: {asked})")
+        unverified = needed & SM90_FWD_UNVERIFIED
+        if unverified:
+            return (f"head dim {D} is served only by the sm_90a forward, whose {', '.join(sorted(unverified))} "
+                    f"path is not yet verified on a GPU (asked: {asked})")
         return None
 
     def _fwd_only_head_dim(self, q, k, v, D: int) -> Optional[str]:
@@ -178,15 +201,14 @@ class CudaBackend(Backend):
         ``bwd.head_dims``, D 256). Else the reason, so that ``auto`` falls back. Modes:
         :meth:`mode_limits`."""
         supported = ", ".join(map(str, self._head_dims))
-        sm90 = self.table.get("sm90", {})
-        if D not in sm90.get("fwd_only_head_dims", ()):
+        if D not in _SM90["fwd_only_head_dims"]:
             return f"head dim {D} has no compiled cuda kernel (supported: {supported})"
-        need = tuple(sm90["capability"])
+        need = tuple(_SM90["capability"])
         cap = (self._caps or {}).get(q.device.index if q.device.index is not None else 0)
-        if not sm90["compiled"] or cap is None or tuple(cap) != need:
+        if not self.table.get("sm90", {}).get("compiled") or cap is None or tuple(cap) != need:
             return (f"head dim {D} is served only by the sm_90a forward (a compute capability {need[0]}.{need[1]} "
                     f"device and a build with the sm_90a pass); the cuda kernels otherwise take {supported}")
-        has_bwd = D in self.table.get("bwd", {}).get("head_dims", ())
+        has_bwd = D in _CUDA["bwd"]["head_dims"]
         if not has_bwd and torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v)):
             return (f"head dim {D} has a forward kernel only (sm_90a), no backward: call under torch.no_grad() or "
                     "with tensors that do not require grad")

@@ -29,7 +29,8 @@ count, LDL/STL inside loops, loops with HGMMA / loops with a matrix instruction,
 SASS's instruction count and digest (sass.SassReport: equal digests, the same machine code).
 fp32 variants (FMA code, no tensor cores) take one to three minutes each on a busy two-core
 machine: ``--dtypes fp32`` builds them, the CI test does not.
-mhakern/kernels/ imports nothing from the rest of mhakern, so the same module runs against another
+mhakern/kernels/ imports nothing from the rest of mhakern but the capability table (_caps.py,
+plain data beside it), so the same module runs against another
 triton version by path (``sys.path.insert(0, checkout + "/mhakern"); from kernels import aot;
 aot.main([...])``).
 

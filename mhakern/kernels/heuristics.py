@@ -39,11 +39,15 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 from dataclasses import dataclass
 from typing import Dict, Tuple
 
 import torch
+
+try:
+    from .. import _caps
+except ImportError:  # mhakern/kernels/ loaded by path as `kernels` (aot.py): _caps.py is on that path
+    import _caps  # type: ignore[no-redef]
 
 MAX_HEAD_DIM = 256
 
@@ -473,41 +477,38 @@ def tma_compatible(t: torch.Tensor) -> bool:
     return all(n <= 1 or (st * size) % 16 == 0 for n, st in zip(t.shape[:-1], t.stride()[:-1]))
 
 
-# Split-K of the forward (long keys, few row tiles: decode). The rule and its limits are written
-# once, in csrc/capabilities.h (split_rule: at least kMinBlocksPerSplit key blocks per split, at most
-# kMaxSplits, fp32 partials under kMaxSplitWorkspaceBytes, about two programs per multiprocessor),
-# which the CUDA host plans by with its own tiles; the Triton launcher asks the same function
-# through torch.ops.mhakern_C.plan_key_splits with its tiles. The limits below are read from that
-# header (the one the extension is compiled from), so they hold without the extension too.
-def _split_limits() -> Tuple[int, int, int]:
-    from .._build import source_root
-
-    root = source_root()
-    path = os.path.join(root, "csrc", "capabilities.h") if root else "csrc/capabilities.h"
-    text = open(path).read() if root else ""
-    found = [re.search(pat, text) for pat in (r"kMinBlocksPerSplit\s*=\s*(\d+)\s*;", r"kMaxSplits\s*=\s*(\d+)\s*;",
-                                               r"kMaxSplitWorkspaceBytes\s*=\s*int64_t\{1\}\s*<<\s*(\d+)\s*;")]
-    if not all(found):
-        raise RuntimeError(f"mhakern: the split-K limits are not in {path}")
-    return int(found[0].group(1)), int(found[1].group(1)), 1 << int(found[2].group(1))
+# Split-K of the forward (long keys, few row tiles: decode). The Triton launcher owns its rule:
+# split_rule below is the Python twin of csrc/capabilities.h's split_rule / split_limit (about
+# two programs per multiprocessor; at least MIN_BLOCKS_PER_SPLIT key blocks per split, at most
+# MAX_SPLITS, fp32 partials within MAX_SPLIT_WORKSPACE_BYTES), with the limits read from
+# mhakern/_caps.py (generated from that header), so that the Triton forward splits without
+# mhakern._C. tests/test_split_plan.py checks it against the compiled rule.
+_SPLIT = _caps.TABLE["cuda"]["split"]
+MIN_BLOCKS_PER_SPLIT: int = _SPLIT["min_blocks_per_split"]
+MAX_SPLITS: int = _SPLIT["max_splits"]
+MAX_SPLIT_WORKSPACE_BYTES: int = _SPLIT["max_workspace_bytes"]
 
 
-MIN_BLOCKS_PER_SPLIT, MAX_SPLITS, MAX_SPLIT_WORKSPACE_BYTES = _split_limits()
+def split_rule(programs: int, key_blocks: int, rows: int, dv: int, num_sms: int) -> int:
+    """Key splits for a pass of ``programs`` programs, each stepping through ``key_blocks``
+    blocks of keys, that writes ``rows`` output rows of ``dv`` fp32 values, on ``num_sms``
+    multiprocessors: 1 when the programs fill the GPU (or there are none, or no
+    multiprocessors); else enough splits for about two programs per multiprocessor, within the
+    limits above, and at least 1."""
+    if programs <= 0 or num_sms <= 0 or programs >= num_sms:
+        return 1
+    by_occupancy = -(-2 * num_sms // programs)
+    row_bytes = rows * dv * 4
+    limit = min(key_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLIT_WORKSPACE_BYTES // max(row_bytes, 1), MAX_SPLITS)
+    return max(1, min(by_occupancy, limit))
 
 
 @functools.lru_cache(maxsize=4096)
 def plan_fwd_splits(programs: int, key_blocks: int, rows: int, dv: int, num_sms: int) -> int:
     """Key splits for a forward of ``programs`` row-tile programs over ``key_blocks`` blocks of
-    keys, ``rows`` = B * H * Lq output rows of ``dv`` values, on ``num_sms`` multiprocessors:
-    1 when the row tiles fill the GPU or the keys are short, else enough splits for about two
-    programs per multiprocessor within the limits above (csrc/capabilities.h split_rule, the
-    CUDA kernels' rule). Without the extension (mhakern._C not built) the forward is not split:
-    the same results, one program per row tile. Cached per shape: decode repeats its shapes."""
-    from .._extension import load
-
-    if load() is None:
-        return 1
-    return int(torch.ops.mhakern_C.plan_key_splits(programs, key_blocks, rows, dv, num_sms))
+    keys, ``rows`` = B * H * Lq output rows of ``dv`` values, on ``num_sms`` multiprocessors
+    (:func:`split_rule`). Cached per shape: decode repeats its shapes."""
+    return split_rule(programs, key_blocks, rows, dv, num_sms)
 
 
 def desc_eligible(q, k, v, out, *, plain: bool = True) -> bool:
