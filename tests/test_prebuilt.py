@@ -21,11 +21,13 @@ SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]  # one this interpreter loads
 
 @pytest.fixture
 def tree(tmp_path):
-    """A scratch copy of what the digest reads: csrc/ and mhakern/_build.py."""
+    """A scratch copy of what the digest reads: csrc/, mhakern/_build.py and the capability table
+    it reads its archs from (mhakern/_caps.py)."""
     root = tmp_path / "tree"
     shutil.copytree(os.path.join(ROOT, "csrc"), root / "csrc", ignore=shutil.ignore_patterns("*.o", "*.so", "__pycache__"))
     (root / "mhakern").mkdir()
     shutil.copy(os.path.join(ROOT, "mhakern", "_build.py"), root / "mhakern" / "_build.py")
+    shutil.copy(os.path.join(ROOT, "mhakern", "_caps.py"), root / "mhakern" / "_caps.py")
     return root
 
 
