@@ -34,16 +34,24 @@ from .ops import (
 Tensor = torch.Tensor
 
 
-def _window(window, causal: bool) -> Tuple[int, int]:
+_INT64_MAX = 2**63 - 1
+
+
+def _window(window, causal: bool, Lq: int, Lk: int) -> Tuple[int, int]:
+    """(left, right) of ``window`` (-1 = unbounded), checked: ints in [-1, 2**63 - 1]. A side
+    of at least Lq + Lk bounds nothing (``|i + off - j| < Lq + Lk`` for every query and key,
+    either alignment, any key lengths) and becomes -1, so that no backend adds it to a
+    position in a narrower integer."""
     if window is None:
         return -1, -1
     if (
         not isinstance(window, (tuple, list))
         or len(window) != 2
-        or any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window)
+        or any(isinstance(w, bool) or not isinstance(w, int) or not -1 <= w <= _INT64_MAX for w in window)
     ):
-        raise ArgumentError(f"window: expected None or (left, right), two ints >= -1 (-1 = unbounded), got {window!r}")
-    left, right = window
+        raise ArgumentError(f"window: expected None or (left, right), two ints in [-1, 2**63 - 1] (-1 = unbounded), "
+                            f"got {window!r}")
+    left, right = (-1 if w >= Lq + Lk else w for w in window)
     if causal and (left >= 0 or right >= 0):
         right = 0  # causal with a window is the window with right = min(right, 0)
     return left, right
@@ -182,7 +190,7 @@ def _parse_modes(q, B, H, Lq, Lk, attn_mask, dropout_p, generator, causal, causa
     mask 4-D (not yet broadcast) in the kernels' dtype, the slopes float32 (B, H)."""
     if causal_align not in CAUSAL_ALIGNS:
         raise ArgumentError(f"causal_align: expected one of {CAUSAL_ALIGNS}, got {causal_align!r}")
-    wl, wr = _window(window, causal)
+    wl, wr = _window(window, causal, Lq, Lk)
     top_left = causal_align == "top_left" and (causal or wl >= 0 or wr >= 0 or alibi_slopes is not None)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator: expected None or a torch.Generator, got {type(generator).__name__}")
