@@ -210,3 +210,29 @@ def _parse_modes(q, B, H, Lq, Lk, attn_mask, dropout_p, generator, causal, causa
     # The default record itself when every field is at its default (the SDPA drop-in's plain
     # call names an alignment): later steps skip their checks for it.
     return Modes.from_op_args(mask, float(dropout_p), seed, top_left, wl, wr, mask_grad, cap, slopes, sinks)
+
+
+def prepare_nograd(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Optional[Tensor] = None, causal: bool = False,
+                   causal_align: str = "bottom_right", window: Optional[Sequence[int]] = None,
+                   scale: Optional[float] = None, key_lengths: Optional[Tensor] = None, backend: str = "auto"):
+    """:func:`attention`'s checks and preparation of a call that needs no gradient (no dropout,
+    softcap, ALiBi or sinks), without running it. Returns ``(be, q, k, v, scale, causal,
+    key_lengths, modes)``, the arguments of :func:`mhakern.ops.forward_impl`, whose ``out`` is
+    attention()'s. For a caller that makes several calls sharing the masks and lengths and one
+    signature (a model's layers within one forward step): the preparation holds for any q, k, v
+    of the same dtypes, devices, shapes and strides, provided that q, k and v come back as given
+    (no layout copy was needed). Raises what attention() raises."""
+    check_qkv(q, k, v)
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    if attn_mask is not None and is_causal_bias(attn_mask):
+        attn_mask, causal, causal_align = _causal_from_bias(attn_mask, causal, causal_align, window, key_lengths, Lq, Lk)
+    scale = check_scale(scale, D)
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
+    modes = _parse_modes(q, B, H, Lq, Lk, attn_mask, 0.0, None, causal, causal_align, window, None, None, None)
+    q, k, v, kl, be, modes = prepare(q, k, v, scale, causal, key_lengths, backend, modes, qkv_checked=True,
+                                     grad=False)
+    return be, q, k, v, scale, causal, kl, modes
