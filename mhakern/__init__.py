@@ -18,7 +18,7 @@ Public API:
 Importing mhakern touches no device and compiles nothing. Semantics and the backend contract:
 docs/contract.md.
 """
-from ._errors import ArgumentError, ArgumentTypeError, FallbackError, ShapeAssertionError
+from ._errors import ArgumentError, ArgumentTypeError, FallbackError, ShapeAssertionError, TypeAssertionError
 from .attention import attention
 from .backends import available_backends, last_backend, set_strict
 from .sdpa import scaled_dot_product_attention
@@ -28,7 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "attention", "scaled_dot_product_attention", "attention_varlen", "attention_with_kvcache", "available_backends", "last_backend", "set_strict",
-    "FusedMHA", "ArgumentError", "ArgumentTypeError", "ShapeAssertionError",
+    "FusedMHA", "ArgumentError", "ArgumentTypeError", "ShapeAssertionError", "TypeAssertionError",
     "FallbackError", "__version__",
 ]
 

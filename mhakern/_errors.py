@@ -21,5 +21,9 @@ class ShapeAssertionError(ValueError, AssertionError):
     """A bad shape given to FusedMHA (a ValueError) where nn.MultiheadAttention asserts."""
 
 
+class TypeAssertionError(TypeError, AssertionError):
+    """A bad dtype given to FusedMHA (a TypeError) where nn.MultiheadAttention asserts."""
+
+
 class FallbackError(ArgumentError):
     """Strict dispatch: ``backend="auto"`` would have served the call on a fallback backend."""

@@ -34,16 +34,24 @@ from .ops import (
 Tensor = torch.Tensor
 
 
-def _window(window, causal: bool) -> Tuple[int, int]:
+_INT64_MAX = 2**63 - 1
+
+
+def _window(window, causal: bool, Lq: int, Lk: int) -> Tuple[int, int]:
+    """(left, right) of ``window`` (-1 = unbounded), checked: ints in [-1, 2**63 - 1]. A side
+    of at least Lq + Lk bounds nothing (``|i + off - j| < Lq + Lk`` for every query and key,
+    either alignment, any key lengths) and becomes -1, so that no backend adds it to a
+    position in a narrower integer."""
     if window is None:
         return -1, -1
     if (
         not isinstance(window, (tuple, list))
         or len(window) != 2
-        or any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window)
+        or any(isinstance(w, bool) or not isinstance(w, int) or not -1 <= w <= _INT64_MAX for w in window)
     ):
-        raise ArgumentError(f"window: expected None or (left, right), two ints >= -1 (-1 = unbounded), got {window!r}")
-    left, right = window
+        raise ArgumentError(f"window: expected None or (left, right), two ints in [-1, 2**63 - 1] (-1 = unbounded), "
+                            f"got {window!r}")
+    left, right = (-1 if w >= Lq + Lk else w for w in window)
     if causal and (left >= 0 or right >= 0):
         right = 0  # causal with a window is the window with right = min(right, 0)
     return left, right
@@ -182,7 +190,7 @@ def _parse_modes(q, B, H, Lq, Lk, attn_mask, dropout_p, generator, causal, causa
     mask 4-D (not yet broadcast) in the kernels' dtype, the slopes float32 (B, H)."""
     if causal_align not in CAUSAL_ALIGNS:
         raise ArgumentError(f"causal_align: expected one of {CAUSAL_ALIGNS}, got {causal_align!r}")
-    wl, wr = _window(window, causal)
+    wl, wr = _window(window, causal, Lq, Lk)
     top_left = causal_align == "top_left" and (causal or wl >= 0 or wr >= 0 or alibi_slopes is not None)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator: expected None or a torch.Generator, got {type(generator).__name__}")
@@ -202,3 +210,29 @@ def _parse_modes(q, B, H, Lq, Lk, attn_mask, dropout_p, generator, causal, causa
     # The default record itself when every field is at its default (the SDPA drop-in's plain
     # call names an alignment): later steps skip their checks for it.
     return Modes.from_op_args(mask, float(dropout_p), seed, top_left, wl, wr, mask_grad, cap, slopes, sinks)
+
+
+def prepare_nograd(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Optional[Tensor] = None, causal: bool = False,
+                   causal_align: str = "bottom_right", window: Optional[Sequence[int]] = None,
+                   scale: Optional[float] = None, key_lengths: Optional[Tensor] = None, backend: str = "auto"):
+    """:func:`attention`'s checks and preparation of a call that needs no gradient (no dropout,
+    softcap, ALiBi or sinks), without running it. Returns ``(be, q, k, v, scale, causal,
+    key_lengths, modes)``, the arguments of :func:`mhakern.ops.forward_impl`, whose ``out`` is
+    attention()'s. For a caller that makes several calls sharing the masks and lengths and one
+    signature (a model's layers within one forward step): the preparation holds for any q, k, v
+    of the same dtypes, devices, shapes and strides, provided that q, k and v come back as given
+    (no layout copy was needed). Raises what attention() raises."""
+    check_qkv(q, k, v)
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    if attn_mask is not None and is_causal_bias(attn_mask):
+        attn_mask, causal, causal_align = _causal_from_bias(attn_mask, causal, causal_align, window, key_lengths, Lq, Lk)
+    scale = check_scale(scale, D)
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
+    modes = _parse_modes(q, B, H, Lq, Lk, attn_mask, 0.0, None, causal, causal_align, window, None, None, None)
+    q, k, v, kl, be, modes = prepare(q, k, v, scale, causal, key_lengths, backend, modes, qkv_checked=True,
+                                     grad=False)
+    return be, q, k, v, scale, causal, kl, modes

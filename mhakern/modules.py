@@ -8,7 +8,6 @@ masking without a mask tensor, and the choice of ``backend``.
 """
 from __future__ import annotations
 
-import collections
 import math
 import warnings
 from typing import Optional, Tuple, Union
@@ -20,7 +19,7 @@ from torch.nn.modules.activation import MultiheadAttention as _TorchMHA
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from . import backends, reference
-from ._errors import ArgumentError, ShapeAssertionError
+from ._errors import ArgumentError, ShapeAssertionError, TypeAssertionError
 from .attention import attention
 from .ops import check_softcap, draw_seed, is_causal_bias, resolve_causal_bias
 from .varlen import attention_varlen
@@ -183,13 +182,14 @@ class FusedMHA(nn.Module):
         self._reset_parameters()
         # torch's TransformerEncoderLayer takes its inference fast path (one fused aten op fed
         # with self_attn's weights, which would bypass mhakern) when self_attn looks like an
-        # nn.MultiheadAttention, and declines it when any submodule has forward hooks. This
-        # no-op hook is that sign: inside torch's layers FusedMHA runs its own kernels in every
-        # mode. (TransformerEncoder may still hand the layers nested tensors: see forward.)
-        # The hooks' dict hides this sign from nn.Module.__call__ (_SignHooks), which would
-        # otherwise take its hook-running path, about 2 us, on every call.
-        self._forward_pre_hooks = _SignHooks(self._forward_pre_hooks)
-        self.register_forward_pre_hook(_decline_torch_fast_path)
+        # nn.MultiheadAttention, and declines it when any submodule has forward hooks. A no-op
+        # hook on a child that is never called is that sign: inside torch's layers FusedMHA runs
+        # its own kernels in every mode (TransformerEncoder may still hand the layers nested
+        # tensors: see forward). On the child, not on FusedMHA itself: FusedMHA's own hooks
+        # stay empty, so nn.Module.__call__ skips its hook-running path (about 2 us a call), and
+        # the hook dicts stay plain dicts, which torch.compile traces (it cannot take len() of a
+        # dict subclass).
+        self._torch_fast_path_sign = _TorchFastPathSign()
 
     def _reset_parameters(self) -> None:
         if self._qkv_same_embed_dim:
@@ -616,20 +616,19 @@ def _alibi_slopes(alibi, H: int, device) -> Optional[Tensor]:
 
 
 def _decline_torch_fast_path(module, args):
-    """Forward pre-hook of every FusedMHA: does nothing; its presence makes torch's
-    TransformerEncoderLayer decline its fused inference path (see FusedMHA.__init__)."""
+    """Forward pre-hook of :class:`_TorchFastPathSign`: does nothing (and never runs); its
+    presence makes torch's TransformerEncoderLayer decline its fused inference path (see
+    FusedMHA.__init__)."""
     return None
 
 
-class _SignHooks(collections.OrderedDict):
-    """FusedMHA's forward pre-hooks. The sign hook :func:`_decline_torch_fast_path` counts in
-    ``len()``, which torch's TransformerEncoderLayer reads to decline its fused path, and not in
-    the truth value, which nn.Module.__call__ reads to skip its hook machinery: alone it costs
-    nothing per call; with hooks of the user's, every hook runs as usual (the sign is a no-op)."""
+class _TorchFastPathSign(nn.Module):
+    """A child of every FusedMHA that holds no tensors, is never called and carries one no-op
+    forward pre-hook: the sign torch's TransformerEncoderLayer reads to decline its fused path."""
 
-    def __bool__(self) -> bool:
-        n = len(self)
-        return n > 1 or (n == 1 and next(iter(self.values())) is not _decline_torch_fast_path)
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_forward_pre_hook(_decline_torch_fast_path)
 
 
 def _check_positive_int(name: str, val) -> None:
@@ -671,7 +670,8 @@ def _check_inputs(query, key, value, embed_dim: int, kdim: int, vdim: int, batch
     if query.dim() == 3:
         bd = 0 if batch_first else 1
         if key.shape[bd] != query.shape[bd]:
-            raise ShapeAssertionError(
+            # nn.MultiheadAttention raises RuntimeError here (a failing view), not an assertion.
+            raise ArgumentError(
                 f"key: batch size {key.shape[bd]} (dim {bd}, batch_first={batch_first}) does not match "
                 f"query's {query.shape[bd]}"
             )
@@ -689,7 +689,9 @@ def _check_mask_dtype(name: str, mask) -> None:
     if not isinstance(mask, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(mask).__name__}")
     if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(f"{name}: expected a bool or floating-point tensor, got {mask.dtype}")
+        # An assertion in nn.MultiheadAttention (F._canonical_mask), with its wording after ours.
+        raise TypeAssertionError(f"{name}: expected a bool or floating-point tensor, got {mask.dtype} (only bool and "
+                                 f"floating types of {name} are supported)")
 
 
 def _is_compiling() -> bool:
@@ -710,7 +712,7 @@ def _padding_mask(mask, N: int, S: int, batched: bool, device) -> Optional[Tenso
         )
     if tuple(mask.shape) != want:
         raise ShapeAssertionError(f"key_padding_mask: expected shape {want} (batch, source length), got {tuple(mask.shape)}")
-    mask = mask.to(device).reshape(N, S)
+    mask = _on_query_device("key_padding_mask", mask, device).reshape(N, S)
     return ~mask if mask.dtype == torch.bool else mask
 
 
@@ -741,8 +743,16 @@ def _attn_mask_4d(mask, N: int, H: int, L: int, S: int, batched: bool, device) -
             f"attn_mask: expected shape {(L, S)} or {per_head} ((target length, source length), or with "
             f"{'batch * heads' if batched else 'heads'} first), got {tuple(mask.shape)}"
         )
-    mask = mask.to(device)
+    mask = _on_query_device("attn_mask", mask, device)
     return ~mask if mask.dtype == torch.bool else mask
+
+
+def _on_query_device(name: str, mask: Tensor, device) -> Tensor:
+    """``mask`` moved to the query's ``device``; refused naming it unless it is there already or
+    on the CPU (a meta mask holds no data to move)."""
+    if mask.device != device and mask.device.type != "cpu":
+        raise ArgumentError(f"{name}: must be on query's device ({device}) or the CPU, got {mask.device}")
+    return mask.to(device)
 
 
 def _kept_keys(pad: Optional[Tensor], key_lengths, N: int, S: int, appended: bool, backend: str):
@@ -770,7 +780,8 @@ def _kept_keys(pad: Optional[Tensor], key_lengths, N: int, S: int, appended: boo
     # A float mask that requires grad must reach attention() to get its gradient.
     if pad.requires_grad:
         return lengths, pad
-    compiling = _is_compiling()
+    # A meta mask holds no data to choose the path by: as under torch.compile.
+    compiling = _is_compiling() or pad.is_meta
     if compiling and (backend == "auto" or "attn_mask" in backends.get(backend).features):
         return lengths, pad
     plain = torch.all(keep == (pos <= lengths[:, None]))

@@ -157,8 +157,10 @@ def check_packing_and_cache(modes: Modes, q, k, key_lengths, backward: bool = Fa
 
 
 def _host_values_checkable(t: Tensor) -> bool:
-    # As for key_lengths: no host read while compiling, none during CUDA-graph capture.
-    return not torch.compiler.is_compiling() and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+    # As for key_lengths: no host read while compiling, none during CUDA-graph capture, none
+    # of a meta tensor (no data: a meta call computes shapes only).
+    return (not torch.compiler.is_compiling() and not t.is_meta
+            and not (t.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
 def prepare_packing_and_cache(modes: Modes, q, k) -> Modes:
@@ -214,7 +216,7 @@ def prepare_key_lengths(key_lengths: Optional[Tensor], Lk: int, device) -> Optio
     """
     if key_lengths is None:
         return None
-    if key_lengths.numel() and not torch.compiler.is_compiling():
+    if key_lengths.numel() and not torch.compiler.is_compiling() and not key_lengths.is_meta:
         if key_lengths.is_cuda and torch.cuda.is_current_stream_capturing():
             key_lengths = key_lengths.clamp(0, Lk)
         else:
@@ -425,7 +427,7 @@ def forward_impl(be, q, k, v, scale, causal, key_lengths, modes: Modes) -> Tuple
     Lk, Dv = k.shape[2], v.shape[3]
     if D == 0:
         q, k = _head_dim_zero(q, k)
-    if B == 0 or H == 0 or Lq == 0 or Lk == 0 or Dv == 0:  # _empty, inline: every call asks
+    if B == 0 or H == 0 or Lq == 0 or Lk == 0:  # no score at all; inline: every call asks
         out = empty_like_heads(q, Dv).zero_()
         lse = torch.full((B, H, Lq), -math.inf, dtype=torch.float32, device=q.device)
     else:
@@ -434,8 +436,11 @@ def forward_impl(be, q, k, v, scale, causal, key_lengths, modes: Modes) -> Tuple
             bmodes = modes.for_backend()
             if bmodes.mask_grad:  # a backward matter: the forward is the same either way
                 bmodes = bmodes._replace(mask_grad=False)
-        out, lse = be.forward(q, k, v, scale, causal, key_lengths, bmodes)
-        out, lse = same_layout(out, q), lse.contiguous()
+        # Dv = 0: the output is empty, but lse is that of the scores all the same; the kernels
+        # compute it over one zero value column (they need Dv >= 1), the column then dropped.
+        vb = v if Dv else v.new_zeros(v.shape[:3] + (1,))
+        out, lse = be.forward(q, k, vb, scale, causal, key_lengths, bmodes)
+        out, lse = (same_layout(out, q) if Dv else empty_like_heads(q, 0)), lse.contiguous()
     if modes.sinks is not None:
         out, lse = _with_sinks(out, lse, modes.sinks)
         out = same_layout(out, q)

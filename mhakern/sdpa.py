@@ -100,8 +100,8 @@ def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         attn_mask, top_left = resolve_causal_bias(attn_mask, query.shape[-2], key.shape[-2], exact_bottom_right=True)
         is_causal, causal_align = True, ("top_left" if top_left else "bottom_right")
     if attn_mask is not None and is_causal:
-        raise ArgumentError("attn_mask, is_causal: give at most one (as torch's SDPA: Explicit attn_mask should not "
-                            "be set when is_causal=True)")
+        # torch's own message, word for word (code and tests match it); a RuntimeError as torch's.
+        raise ArgumentError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
     if attn_mask is not None and isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point():
         if attn_mask.dtype not in (torch.float32, query.dtype):
             raise ArgumentTypeError(

@@ -213,18 +213,28 @@ def attention_with_kvcache(
         _check_dims("k", k, 4, "(batch, kv heads, new length, head_dim)")
         _check_dims("v", v, 4, "(batch, kv heads, new length, head_dim)")
         L_new = k.shape[2]
-        for name, x, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        for name, x, cname, cache in (("k", k, "k_cache", k_cache), ("v", v, "v_cache", v_cache)):
             want = (B, Hkv, L_new, cache.shape[3])
             if tuple(x.shape) != want:
                 raise ArgumentError(f"{name}: expected shape (B, Hkv, L_new, D) = {want}, got {tuple(x.shape)}")
+            # Refused rather than cast into the cache (as q is refused): an integer or a wider
+            # float written into it would lose what the caller handed in without a word.
+            if not x.is_floating_point():
+                raise ArgumentTypeError(f"{name}: expected a floating-point dtype, got {x.dtype}")
+            if x.dtype != cache.dtype:
+                raise ArgumentTypeError(f"{name}: dtype {x.dtype} does not match {cname}'s {cache.dtype}")
             if x.device != q.device:
                 raise ArgumentError(f"{name}: must be on q's device ({q.device}), got {x.device}")
+        if B and L_new:
+            _check_writable(k_cache, v_cache)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
     if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype not in INT_DTYPES:
         raise TypeError("cache_seqlens: expected an integer tensor of shape (B,) or an int")
     if tuple(cache_seqlens.shape) != (B,):
         raise ArgumentError(f"cache_seqlens: expected shape ({B},), got {tuple(cache_seqlens.shape)}")
+    if cache_seqlens.device != q.device and cache_seqlens.device.type != "cpu":
+        raise ArgumentError(f"cache_seqlens: must be on q's device ({q.device}) or the CPU, got {cache_seqlens.device}")
     scale = check_scale(scale, D)
     L_logical = block_table.shape[1] * Lc if paged and block_table.dim() == 2 else Lc
     modes = _parse_modes(q, B, H, Lq, L_logical, None, 0.0, None, causal, causal_align, window, softcap,
@@ -283,5 +293,59 @@ def _append(k_cache, v_cache, k, v, seqlens, modes, checkable: bool) -> None:
                                 "cache_batch_idx rows, or a page shared by two sequences at the positions written)")
     with torch.no_grad():
         # Advanced indices around a slice: the indexed view is (B, L_new, Hkv, D).
-        k_cache[rows, :, slots] = k.permute(0, 2, 1, 3).to(k_cache.dtype)
-        v_cache[rows, :, slots] = v.permute(0, 2, 1, 3).to(v_cache.dtype)
+        k_cache[rows, :, slots] = k.permute(0, 2, 1, 3)
+        v_cache[rows, :, slots] = v.permute(0, 2, 1, 3)
+
+
+def _may_overlap(shape, strides) -> bool:
+    """Whether two indices of a tensor of this shape and these strides may address one memory
+    element. Sufficient for "no": with the dims of size > 1 sorted by stride, each stride
+    exceeds the largest offset the smaller ones reach (then every index has its own offset);
+    a stride 0 (an expanded dim) always fails it. The few layouts that fail it without
+    overlapping interleave their dims (strides (2, 3) over sizes (3, 2)); no cache is laid out so."""
+    reach = 0  # the largest offset the dims seen so far reach
+    for st, sz in sorted((abs(st), sz) for st, sz in zip(strides, shape) if sz > 1):
+        if st <= reach:
+            return True
+        reach += st * (sz - 1)
+    return False
+
+
+def _check_writable(k_cache: Tensor, v_cache: Tensor) -> None:
+    """Refuse caches that the new keys and values cannot be written into position by position:
+    one whose positions share memory (an expanded cache: its batch elements would read one
+    another's appended keys, or lose them to the last write), or a k_cache and v_cache that
+    share memory (the values would overwrite the keys)."""
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        for d, (st, sz) in enumerate(zip(x.stride(), x.shape)):
+            if st == 0 and sz > 1:
+                raise ArgumentError(f"{name}: dim {d} (size {sz}) has stride 0, an expanded tensor whose rows share "
+                                    "memory: new keys and values cannot be written into it; give a cache with memory "
+                                    "of its own (.contiguous())")
+        if _may_overlap(x.shape, x.stride()):
+            raise ArgumentError(f"{name}: its strides {tuple(x.stride())} for shape {tuple(x.shape)} let two positions "
+                                "share memory: new keys and values cannot be written into it; give a cache with "
+                                "memory of its own (.contiguous())")
+    if (k_cache.numel() and v_cache.numel() and k_cache.device.type != "meta" and not torch.compiler.is_compiling()
+            and k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr()):
+        # One storage: k_cache and v_cache may be two halves of one (2, ...) or (..., 2, D) block
+        # (disjoint although their extents interleave): disjoint if, seen as one tensor with a
+        # dim of size 2 whose stride is their offset, they pass the test above.
+        (k_lo, k_hi), (v_lo, v_hi) = _extent(k_cache), _extent(v_cache)
+        gap = v_cache.storage_offset() - k_cache.storage_offset()
+        halves = (k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride() and gap != 0
+                  and not _may_overlap((2,) + tuple(k_cache.shape), (gap,) + tuple(k_cache.stride())))
+        if k_lo <= v_hi and v_lo <= k_hi and not halves:
+            raise ArgumentError("k_cache, v_cache: they share memory, so the new values would overwrite keys "
+                                "(or the reverse); give them memory of their own")
+
+
+def _extent(x: Tensor) -> Tuple[int, int]:
+    """First and last byte offsets (within its storage) of the elements of a non-empty x."""
+    lo = hi = x.storage_offset()
+    for st, sz in zip(x.stride(), x.shape):
+        if st < 0:
+            lo += st * (sz - 1)
+        else:
+            hi += st * (sz - 1)
+    return lo * x.element_size(), (hi + 1) * x.element_size() - 1

@@ -440,3 +440,41 @@ def test_plain_layer_calls_take_the_checked_once_path(monkeypatch):
             assert out.shape == (1, Lq, 4, 8) and out.is_contiguous()
             assert _err(out, ref) <= 2 * own.abs().max().item() + 1e-5, (Lq, causal, align)
         assert served == [plain_expected] * 2 if plain_expected else served == [], (Lq, causal, align, served)
+
+
+@pytest.mark.parametrize("pad", ["left", "right"])
+def test_layers_of_one_forward_reuse_the_first_layers_preparation(pad, monkeypatch):
+    # Issue 31 item 8: a padded decode step's layers shared one Visibility but each ran all of
+    # attention()'s checks and mode handling again. Now the first prepares, the others reuse
+    # it when q, k, v have its signature; every layer's output stays attention()'s.
+    B, H, Hkv, Lk, D = 3, 4, 2, 9, 16
+    real = torch.ones(B, Lk, dtype=torch.bool)
+    real[1, :3] = real[2, :5] = False
+    if pad == "right":
+        real = real.flip(-1)
+    vis = mkt.mask_interface(B, 1, Lk, q_offset=Lk - 1, mask_function=mu.causal_mask_function, attention_mask=real)
+    assert vis.attn_mask is not None and vis.prepared is None
+    module = torch.nn.Module()
+    g = torch.Generator().manual_seed(0)
+
+    def layer_inputs(blhd=False):
+        q = torch.randn(B, 1, H, D, generator=g).transpose(1, 2) if blhd else torch.randn(B, H, 1, D, generator=g)
+        return q, torch.randn(B, Hkv, Lk, D, generator=g), torch.randn(B, Hkv, Lk, D, generator=g)
+
+    prepared = []
+    real_prepare = mkt.prepare_nograd
+    monkeypatch.setattr(mkt, "prepare_nograd", lambda *a, **kw: prepared.append(1) or real_prepare(*a, **kw))
+    want_kw = dict(attn_mask=vis.attn_mask, key_lengths=vis.key_lengths, causal=True, scale=0.3)
+    with torch.no_grad():
+        for i, blhd in enumerate((False, False, True, True)):  # a new signature is prepared anew
+            q, k, v = layer_inputs(blhd)
+            out, _ = mkt.attention_forward(module, q, k, v, vis, scaling=0.3)
+            want = mhakern.attention(q, k, v, **want_kw).transpose(1, 2)
+            torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+            assert vis.prepared is not None and vis.prepared[0][5] == q.stride()
+            assert len(prepared) == 1 + (i >= 2), "a layer of the same signature prepared its call again"
+    # A call that needs a gradient takes attention()'s own path (no memo involved).
+    q, k, v = (x.requires_grad_() for x in layer_inputs())
+    out, _ = mkt.attention_forward(module, q, k, v, vis, scaling=0.3)
+    out.sum().backward()
+    assert q.grad is not None and k.grad.abs().sum() > 0
