@@ -148,6 +148,13 @@ def visible_mask(
     return mask
 
 
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of ``lse`` for inputs of ``dtype``, and of the backward's float32-or-better
+    results (a floating mask's gradient, the sinks' gradient): float64 for float64 inputs,
+    float32 for the rest (docs/contract.md, "Shapes and layout")."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _work_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
     """float64 with ``upcast``; otherwise fp32 for half inputs (fp32 accumulation, as every
     backend) and the input dtype for the rest."""
@@ -328,7 +335,7 @@ def attention_forward(
     """Exact attention by materialising the scores. Returns ``(out, lse)``.
 
     ``out``: (B, H, Lq, Dv) in the compute dtype's output dtype (see module docstring);
-    ``lse``: float32 (float64 with ``upcast``) of shape (B, H, Lq), natural log, -inf for rows
+    ``lse``: :func:`lse_dtype` (float64 with ``upcast``) of shape (B, H, Lq), natural log, -inf for rows
     that see no key. Work dtype is float64 with ``upcast``, float32 for half inputs otherwise
     (accumulation in fp32, as every backend), else the input dtype. ``modes``: the optional
     modes (:class:`mhakern.modes.Modes`); its ``attn_mask`` may have any shape broadcastable
@@ -343,8 +350,8 @@ def attention_forward(
             lses.append(lo)
         wdt = torch.float64 if upcast else q.dtype
         return (_cat_seqs(outs, q.new_zeros((), dtype=wdt).expand(q.shape[:2]), v.shape[-1]),
-                _cat_seqs(lses, q.new_zeros((), dtype=torch.float64 if upcast else torch.float32).expand(q.shape[:2]),
-                          None))
+                _cat_seqs(lses, q.new_zeros((), dtype=torch.float64 if upcast else lse_dtype(q.dtype))
+                          .expand(q.shape[:2]), None))
     if modes.cached:
         k, v, modes = _dense_cache(k, v, modes)
     B, H, Lq, D = q.shape
@@ -376,7 +383,7 @@ def attention_forward(
     lse = torch.cat(lses, dim=2) if lses else q.new_zeros((B, H, 0), dtype=wdt)
     if upcast:
         return out, lse
-    return out.to(q.dtype), lse.float()
+    return out.to(q.dtype), lse.to(lse_dtype(q.dtype))
 
 
 def attention_backward(
@@ -416,7 +423,7 @@ def attention_backward_modes(
     batch_offset: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """:func:`attention_backward` plus ``dmask``: None unless ``modes.mask_grad``, else
-    dL/d(score) (B, H, Lq, Lk) in the work dtype (float32, float64 with ``upcast``), 0 where
+    dL/d(score) (B, H, Lq, Lk) in the work dtype (:func:`lse_dtype`, float64 with ``upcast``), 0 where
     hidden: the gradient of an additive mask before its reduction to the mask's shape. Packed
     sequences: per sequence (no mask with them, so ``dmask`` None); the cache is forward only."""
     if modes.packed:
@@ -474,9 +481,9 @@ def attention_backward_modes(
     if n_rep > 1:
         dk = dk.view(B, Hkv, n_rep, Lk, D).sum(2)
         dv = dv.view(B, Hkv, n_rep, Lk, v.shape[-1]).sum(2)
-    dmask = None
-    if modes.mask_grad:
-        dmask = dmask_ds if upcast else dmask_ds.float()
+    # dmask in the work dtype: float32 for half and float32 inputs, float64 for float64 ones
+    # (lse_dtype) or with upcast.
+    dmask = dmask_ds if modes.mask_grad else None
     if upcast:
         return dq, dk, dv, dmask
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask
