@@ -365,15 +365,24 @@ def attention_forward(
     for r0 in range(0, Lq, step):
         rows = min(step, Lq - r0)
         s, vis = _scores(q, kk, scale, r0, rows, Lq, Lk, causal, key_lengths, modes, wdt)
-        # A +inf among the visible scores leaves the softmax undefined (inf / inf): its row's
-        # lse is NaN, as a NaN score's is (docs/contract.md, "NaN and inf").
-        lse = torch.logsumexp(s, dim=-1)
-        lse = lse.masked_fill(lse == math.inf, math.nan)
+        # p = exp(s - m) / l with m the row's max (the sink's too), as the kernels and torch's
+        # softmax compute it: exp(s - lse) would add lse's rounding, u * |lse|, to every
+        # exponent, an error that grows with the logits (docs/contract.md, "Tolerance rule").
+        m = s.amax(-1, keepdim=True)
         if modes.sinks is not None:  # the sink joins the denominator (docs/contract.md)
-            lse = torch.logaddexp(lse, _sink_column(modes, B, H, wdt, q.device).view(B, H, 1))
-        # Rows that see no key (lse = -inf) give exactly 0: subtract 0 there instead of -inf.
-        safe = lse.masked_fill(torch.isneginf(lse), 0.0)
-        p = torch.exp(s - safe.unsqueeze(-1))
+            sk = _sink_column(modes, B, H, wdt, q.device)
+            m = torch.maximum(m, sk)
+        # A row that sees nothing (m = -inf) shifts by 0 and gets l = 0, lse -inf and output 0.
+        # A +inf among the visible scores makes m +inf and l NaN (inf - inf): the softmax is
+        # undefined and its lse NaN, as a NaN score's is (docs/contract.md, "NaN and inf").
+        m = m.masked_fill(torch.isneginf(m), 0.0)
+        e = torch.exp(s - m)
+        l = e.sum(-1, keepdim=True)
+        if modes.sinks is not None:
+            l = l + torch.exp(sk - m)
+        dead = l == 0
+        lse = (m + torch.log(l)).masked_fill(dead, -math.inf).squeeze(-1)
+        p = e / l.masked_fill(dead, 1.0)
         if modes.dropout_p > 0.0:
             keep = dropout_keep_mask(modes.seed, B, H, Lq, Lk, modes.dropout_p, q.device, r0, rows, batch_offset)
             p = p * keep.to(wdt) / (1.0 - modes.dropout_p)
@@ -399,7 +408,8 @@ def attention_backward(
     upcast: bool = False,
     modes: Modes = DEFAULT_MODES,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """Gradients by the contract: probabilities recomputed from ``lse``, ``delta = rowsum(dout*out)``.
+    """Gradients by the contract: probabilities recomputed from ``lse``, ``delta = rowsum(dout*out)``
+    (as ``sum_j P dP``, its value in exact arithmetic; ``out`` gives only the shape).
 
     Returns ``(dq, dk, dv)`` shaped like ``q``, ``k``, ``v``; dk and dv are summed over the query
     heads that share a KV head. :func:`attention_backward_modes` also returns dL/dscore.
@@ -447,7 +457,6 @@ def attention_backward_modes(
     qw, dow = q.to(wdt), dout.to(wdt)
     kk = _expand_kv(k, n_rep).to(wdt)
     vv = _expand_kv(v, n_rep).to(wdt)
-    delta = (dow * out.to(wdt)).sum(-1, keepdim=True)
     s, vis, cap_grad = _scores(q, kk, scale, 0, Lq, Lq, Lk, causal, key_lengths, modes, wdt, want_cap_grad=True)
     # In the backward a pair whose score is -inf is hidden, whatever made it -inf (a mask, or an
     # infinite entry of q or k): no 0 * inf from it, and 0 in P even on a NaN row
@@ -466,6 +475,13 @@ def attention_backward_modes(
         pd, dp = p * keep, dp * keep
     else:
         pd = p
+    # delta = rowsum(dout * out) = sum_j P_ij dP_ij (out = Pd V, and dp is the gradient of Pd
+    # here), computed from the same P and dP as dS: a row that sees one key (P = 1) then gets
+    # dS = 0 exactly, as the math (a softmax over one key) has it, rather than the rounding
+    # difference of two differently summed dot products. Hidden pairs add nothing (where, not a
+    # product: dp may be NaN there).
+    pdp = p * dp
+    delta = (pdp if vis is None else pdp.masked_fill(~vis, 0.0)).masked_fill(dead, 0.0).sum(-1, keepdim=True)
     ds = p * (dp - delta)
     if vis is not None:
         # where, not a product: dp may be NaN at a hidden key (a NaN in v there).
