@@ -368,7 +368,7 @@ def attention_forward(
         # p = exp(s - m) / l with m the row's max (the sink's too), as the kernels and torch's
         # softmax compute it: exp(s - lse) would add lse's rounding, u * |lse|, to every
         # exponent, an error that grows with the logits (docs/contract.md, "Tolerance rule").
-        m = s.amax(-1, keepdim=True)
+        m = s.amax(-1, keepdim=True) if Lk else s.new_full(s.shape[:-1] + (1,), -math.inf)  # amax refuses 0 keys
         if modes.sinks is not None:  # the sink joins the denominator (docs/contract.md)
             sk = _sink_column(modes, B, H, wdt, q.device)
             m = torch.maximum(m, sk)
