@@ -15,6 +15,7 @@ import torch
 from torch.autograd import gradcheck, gradgradcheck
 
 import mhakern
+from attn_testing import usable_backends
 from mhakern import reference
 
 F64 = torch.float64
@@ -160,8 +161,6 @@ def test_the_ops_fake_implementations_give_the_float64_dtypes():
 
 # ---------------------------------------------------------------------------------------------
 # Numerics at the edges, against float64 (docs/contract.md, "Tolerance rule")
-
-from attn_testing import usable_backends  # noqa: E402
 
 BACKENDS = usable_backends()
 
