@@ -137,8 +137,8 @@ def attention(
     accumulates in fp32.
 
     Returns:
-        ``out`` (B, H, Lq, Dv) in q's dtype, and with ``return_lse`` also ``lse`` float32
-        (B, H, Lq), natural log (not differentiable).
+        ``out`` (B, H, Lq, Dv) in q's dtype, and with ``return_lse`` also ``lse`` (B, H, Lq),
+        natural log (not differentiable), float32 (float64 for float64 inputs).
     """
     check_qkv(q, k, v)
     B, H, Lq, D = q.shape

@@ -862,8 +862,7 @@ def _attention_weights(q, k, lse, scale, mask, lengths, causal, top_left, keep, 
 
     q (N, H, L, hd), k (N, Hkv, S, hd); ``mask``, ``lengths``, ``causal``, ``top_left`` as passed
     to attention(); ``keep`` the dropout keep mask (N, H, L, S) or None, ``p`` its probability.
-    Computed in float32 (float64 for float64 inputs), like the kernels' accumulation; lse is
-    float32 (the contract), which bounds the relative accuracy of float64 weights at ~1e-7.
+    Computed in float32 (float64 for float64 inputs), like the kernels' accumulation and lse.
     """
     N, H, L, _ = q.shape
     Hkv, S = k.shape[1], k.shape[2]

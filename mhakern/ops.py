@@ -23,7 +23,7 @@ from . import backends, reference
 from ._errors import ArgumentError, ArgumentTypeError
 from ._layout import empty_like_heads, same_layout
 from .modes import DEFAULT_MODES, OP_SCHEMA_MODES, Modes, mask_4d
-from .reference import sink_grad
+from .reference import lse_dtype, sink_grad
 
 Tensor = torch.Tensor
 
@@ -412,8 +412,9 @@ def _head_dim_zero(q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
 
 def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> Tuple[Tensor, Tensor]:
     """(out', lse') of a softmax whose denominator also holds ``exp(sink[h])`` (docs/contract.md,
-    "Score modifiers"): ``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')``."""
-    sk = sinks.detach().to(torch.float32).view(1, -1, 1)
+    "Score modifiers"): ``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')``, in
+    lse's dtype (float64 for float64 inputs, so that the rescaling keeps their precision)."""
+    sk = sinks.detach().to(lse.dtype).view(1, -1, 1)
     lse2 = torch.logaddexp(lse, sk)
     # A row with lse = lse' = -inf (no key, sink -inf) keeps its zeros: factor 0, not exp(nan).
     factor = torch.exp(lse - lse2).masked_fill(torch.isneginf(lse2), 0.0)
@@ -429,7 +430,7 @@ def forward_impl(be, q, k, v, scale, causal, key_lengths, modes: Modes) -> Tuple
         q, k = _head_dim_zero(q, k)
     if B == 0 or H == 0 or Lq == 0 or Lk == 0:  # no score at all; inline: every call asks
         out = empty_like_heads(q, Dv).zero_()
-        lse = torch.full((B, H, Lq), -math.inf, dtype=torch.float32, device=q.device)
+        lse = torch.full((B, H, Lq), -math.inf, dtype=lse_dtype(q.dtype), device=q.device)
     else:
         bmodes = modes
         if modes is not DEFAULT_MODES:
@@ -450,18 +451,18 @@ def forward_impl(be, q, k, v, scale, causal, key_lengths, modes: Modes) -> Tuple
 def backward_impl(be, dout, q, k, v, out, lse, scale, causal, key_lengths, modes: Modes):
     """(dq, dk, dv, dmask, dsinks) of one checked call, from the forward's (out, lse) (both
     sink-inclusive: the softmax the backend recomputes from lse is then the one with the sink).
-    ``dmask`` None unless ``modes.mask_grad``, else float32 (B, H, Lq, Lk); ``dsinks`` None
-    without sinks, else float32 (H,)."""
+    ``dmask`` None unless ``modes.mask_grad``, else (B, H, Lq, Lk); ``dsinks`` None without
+    sinks, else (H,); both float32 (float64 for float64 inputs: lse's dtype)."""
     B, H, Lq, D = q.shape
     Lk, Dv = k.shape[2], v.shape[3]
     dsinks = None
     if modes.sinks is not None:
-        delta = (dout.float() * out.float()).sum(-1)
+        delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
         dsinks = sink_grad(modes.sinks.detach(), lse, delta)
     if _empty(B, H, Lq, Lk, Dv):
         dmask = None
         if modes.mask_grad:
-            dmask = torch.zeros((B, H, Lq, Lk), dtype=torch.float32, device=q.device)
+            dmask = torch.zeros((B, H, Lq, Lk), dtype=lse_dtype(q.dtype), device=q.device)
         return (empty_like_heads(q, D).zero_(), empty_like_heads(k, D).zero_(), empty_like_heads(v, Dv).zero_(),
                 dmask, dsinks)
     if dout.stride(-1) != 1:
@@ -612,8 +613,8 @@ def _mode_tail(mode_args: tuple) -> tuple:
 
 
 def _attn_fwd(q, k, v, scale, causal, key_lengths, backend, *mode_args):
-    """Forward: ``out`` (B, H, Lq, Dv) in q's dtype, laid out like q, and ``lse`` float32
-    (B, H, Lq) (including the sinks when given); the modes as in :class:`mhakern.modes.Modes`
+    """Forward: ``out`` (B, H, Lq, Dv) in q's dtype, laid out like q, and ``lse`` (B, H, Lq),
+    float32 (float64 for float64 inputs), including the sinks when given; the modes as in :class:`mhakern.modes.Modes`
     (``attn_mask`` any shape broadcastable to (B, H, Lq, Lk)); ``backend``: "auto" or a
     registered name."""
     modes = Modes.from_op_args(*_mode_tail(mode_args))
@@ -624,8 +625,8 @@ def _attn_fwd(q, k, v, scale, causal, key_lengths, backend, *mode_args):
 def _attn_bwd(dout, q, k, v, out, lse, scale, causal, key_lengths, backend, *mode_args):
     """Backward from the forward's (out, lse): ``(dq, dk, dv, dmask, dsinks)``, dq/dk/dv shaped
     and laid out like ``q``, ``k``, ``v``; ``dmask`` the gradient of a floating ``attn_mask`` in
-    its (given) shape, float32, when ``mask_grad``, else an empty (0,) float32 tensor; ``dsinks``
-    float32 (H,) with ``sinks``, else empty (0,)."""
+    its (given) shape when ``mask_grad``, else an empty (0,) tensor; ``dsinks`` (H,) with
+    ``sinks``, else empty (0,); both in lse's dtype (float32, float64 for float64 inputs)."""
     for name, x in (("dout", dout), ("out", out), ("lse", lse)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
@@ -637,17 +638,18 @@ def _attn_bwd(dout, q, k, v, out, lse, scale, causal, key_lengths, backend, *mod
         raise ArgumentError(f"out: expected shape {(B, H, Lq, Dv)} on {q.device}, got {tuple(out.shape)} on {out.device}")
     if tuple(dout.shape) != (B, H, Lq, Dv) or dout.device != q.device or not dout.is_floating_point():
         raise ArgumentError(f"dout: expected a floating tensor of shape {(B, H, Lq, Dv)} on {q.device}, got {tuple(dout.shape)} {dout.dtype} on {dout.device}")
-    if tuple(lse.shape) != (B, H, Lq) or lse.dtype != torch.float32 or lse.device != q.device:
-        raise ArgumentError(f"lse: expected float32 of shape {(B, H, Lq)} on {q.device}, got {lse.dtype} {tuple(lse.shape)} on {lse.device}")
+    ldt = lse_dtype(q.dtype)
+    if tuple(lse.shape) != (B, H, Lq) or lse.dtype != ldt or lse.device != q.device:
+        raise ArgumentError(f"lse: expected {ldt} of shape {(B, H, Lq)} on {q.device}, got {lse.dtype} {tuple(lse.shape)} on {lse.device}")
     dq, dk, dv, dmask, dsinks = backward_impl(be, dout.to(q.dtype), q, k, v, out, lse, float(scale), causal, kl, modes)
     if modes.mask_grad:
         m = given.attn_mask
-        dmask = reduce_mask_grad(dmask.float(), mask_4d(m).shape).reshape(m.shape)
+        dmask = reduce_mask_grad(dmask.to(ldt), mask_4d(m).shape).reshape(m.shape)
     else:
-        dmask = q.new_empty((0,), dtype=torch.float32)
+        dmask = q.new_empty((0,), dtype=ldt)
     if dsinks is None:
-        dsinks = q.new_empty((0,), dtype=torch.float32)
-    return dq, dk, dv, dmask, dsinks.float()
+        dsinks = q.new_empty((0,), dtype=ldt)
+    return dq, dk, dv, dmask, dsinks.to(ldt)
 
 
 _LIB.impl("attn_fwd", _attn_fwd, "CompositeExplicitAutograd")
@@ -657,15 +659,15 @@ _LIB.impl("attn_bwd", _attn_bwd, "CompositeExplicitAutograd")
 @torch.library.register_fake("mhakern::attn_fwd", lib=_LIB)
 def _attn_fwd_fake(q, k, v, scale, causal, key_lengths, backend, *mode_args):
     B, H, Lq, _ = q.shape
-    return empty_like_heads(q, v.shape[3]), q.new_empty((B, H, Lq), dtype=torch.float32)
+    return empty_like_heads(q, v.shape[3]), q.new_empty((B, H, Lq), dtype=lse_dtype(q.dtype))
 
 
 @torch.library.register_fake("mhakern::attn_bwd", lib=_LIB)
 def _attn_bwd_fake(dout, q, k, v, out, lse, scale, causal, key_lengths, backend, *mode_args):
     modes = Modes.from_op_args(*_mode_tail(mode_args))
-    m, sinks = modes.attn_mask, modes.sinks
-    dmask = m.new_empty(m.shape, dtype=torch.float32) if modes.mask_grad else q.new_empty((0,), dtype=torch.float32)
-    dsinks = q.new_empty((0,), dtype=torch.float32) if sinks is None else sinks.new_empty(sinks.shape, dtype=torch.float32)
+    m, sinks, ldt = modes.attn_mask, modes.sinks, lse_dtype(q.dtype)
+    dmask = m.new_empty(m.shape, dtype=ldt) if modes.mask_grad else q.new_empty((0,), dtype=ldt)
+    dsinks = q.new_empty((0,), dtype=ldt) if sinks is None else sinks.new_empty(sinks.shape, dtype=ldt)
     return (empty_like_heads(q, q.shape[3]), empty_like_heads(k, k.shape[3]), empty_like_heads(v, v.shape[3]), dmask,
             dsinks)
 

@@ -148,6 +148,13 @@ def visible_mask(
     return mask
 
 
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of ``lse`` for inputs of ``dtype``, and of the backward's float32-or-better
+    results (a floating mask's gradient, the sinks' gradient): float64 for float64 inputs,
+    float32 for the rest (docs/contract.md, "Shapes and layout")."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _work_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
     """float64 with ``upcast``; otherwise fp32 for half inputs (fp32 accumulation, as every
     backend) and the input dtype for the rest."""
@@ -328,7 +335,7 @@ def attention_forward(
     """Exact attention by materialising the scores. Returns ``(out, lse)``.
 
     ``out``: (B, H, Lq, Dv) in the compute dtype's output dtype (see module docstring);
-    ``lse``: float32 (float64 with ``upcast``) of shape (B, H, Lq), natural log, -inf for rows
+    ``lse``: :func:`lse_dtype` (float64 with ``upcast``) of shape (B, H, Lq), natural log, -inf for rows
     that see no key. Work dtype is float64 with ``upcast``, float32 for half inputs otherwise
     (accumulation in fp32, as every backend), else the input dtype. ``modes``: the optional
     modes (:class:`mhakern.modes.Modes`); its ``attn_mask`` may have any shape broadcastable
@@ -343,8 +350,8 @@ def attention_forward(
             lses.append(lo)
         wdt = torch.float64 if upcast else q.dtype
         return (_cat_seqs(outs, q.new_zeros((), dtype=wdt).expand(q.shape[:2]), v.shape[-1]),
-                _cat_seqs(lses, q.new_zeros((), dtype=torch.float64 if upcast else torch.float32).expand(q.shape[:2]),
-                          None))
+                _cat_seqs(lses, q.new_zeros((), dtype=torch.float64 if upcast else lse_dtype(q.dtype))
+                          .expand(q.shape[:2]), None))
     if modes.cached:
         k, v, modes = _dense_cache(k, v, modes)
     B, H, Lq, D = q.shape
@@ -358,15 +365,24 @@ def attention_forward(
     for r0 in range(0, Lq, step):
         rows = min(step, Lq - r0)
         s, vis = _scores(q, kk, scale, r0, rows, Lq, Lk, causal, key_lengths, modes, wdt)
-        # A +inf among the visible scores leaves the softmax undefined (inf / inf): its row's
-        # lse is NaN, as a NaN score's is (docs/contract.md, "NaN and inf").
-        lse = torch.logsumexp(s, dim=-1)
-        lse = lse.masked_fill(lse == math.inf, math.nan)
+        # p = exp(s - m) / l with m the row's max (the sink's too), as the kernels and torch's
+        # softmax compute it: exp(s - lse) would add lse's rounding, u * |lse|, to every
+        # exponent, an error that grows with the logits (docs/contract.md, "Tolerance rule").
+        m = s.amax(-1, keepdim=True) if Lk else s.new_full(s.shape[:-1] + (1,), -math.inf)  # amax refuses 0 keys
         if modes.sinks is not None:  # the sink joins the denominator (docs/contract.md)
-            lse = torch.logaddexp(lse, _sink_column(modes, B, H, wdt, q.device).view(B, H, 1))
-        # Rows that see no key (lse = -inf) give exactly 0: subtract 0 there instead of -inf.
-        safe = lse.masked_fill(torch.isneginf(lse), 0.0)
-        p = torch.exp(s - safe.unsqueeze(-1))
+            sk = _sink_column(modes, B, H, wdt, q.device)
+            m = torch.maximum(m, sk)
+        # A row that sees nothing (m = -inf) shifts by 0 and gets l = 0, lse -inf and output 0.
+        # A +inf among the visible scores makes m +inf and l NaN (inf - inf): the softmax is
+        # undefined and its lse NaN, as a NaN score's is (docs/contract.md, "NaN and inf").
+        m = m.masked_fill(torch.isneginf(m), 0.0)
+        e = torch.exp(s - m)
+        l = e.sum(-1, keepdim=True)
+        if modes.sinks is not None:
+            l = l + torch.exp(sk - m)
+        dead = l == 0
+        lse = (m + torch.log(l)).masked_fill(dead, -math.inf).squeeze(-1)
+        p = e / l.masked_fill(dead, 1.0)
         if modes.dropout_p > 0.0:
             keep = dropout_keep_mask(modes.seed, B, H, Lq, Lk, modes.dropout_p, q.device, r0, rows, batch_offset)
             p = p * keep.to(wdt) / (1.0 - modes.dropout_p)
@@ -376,7 +392,7 @@ def attention_forward(
     lse = torch.cat(lses, dim=2) if lses else q.new_zeros((B, H, 0), dtype=wdt)
     if upcast:
         return out, lse
-    return out.to(q.dtype), lse.float()
+    return out.to(q.dtype), lse.to(lse_dtype(q.dtype))
 
 
 def attention_backward(
@@ -392,7 +408,8 @@ def attention_backward(
     upcast: bool = False,
     modes: Modes = DEFAULT_MODES,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """Gradients by the contract: probabilities recomputed from ``lse``, ``delta = rowsum(dout*out)``.
+    """Gradients by the contract: probabilities recomputed from ``lse``, ``delta = rowsum(dout*out)``
+    (as ``sum_j P dP``, its value in exact arithmetic; ``out`` gives only the shape).
 
     Returns ``(dq, dk, dv)`` shaped like ``q``, ``k``, ``v``; dk and dv are summed over the query
     heads that share a KV head. :func:`attention_backward_modes` also returns dL/dscore.
@@ -416,7 +433,7 @@ def attention_backward_modes(
     batch_offset: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """:func:`attention_backward` plus ``dmask``: None unless ``modes.mask_grad``, else
-    dL/d(score) (B, H, Lq, Lk) in the work dtype (float32, float64 with ``upcast``), 0 where
+    dL/d(score) (B, H, Lq, Lk) in the work dtype (:func:`lse_dtype`, float64 with ``upcast``), 0 where
     hidden: the gradient of an additive mask before its reduction to the mask's shape. Packed
     sequences: per sequence (no mask with them, so ``dmask`` None); the cache is forward only."""
     if modes.packed:
@@ -440,7 +457,6 @@ def attention_backward_modes(
     qw, dow = q.to(wdt), dout.to(wdt)
     kk = _expand_kv(k, n_rep).to(wdt)
     vv = _expand_kv(v, n_rep).to(wdt)
-    delta = (dow * out.to(wdt)).sum(-1, keepdim=True)
     s, vis, cap_grad = _scores(q, kk, scale, 0, Lq, Lq, Lk, causal, key_lengths, modes, wdt, want_cap_grad=True)
     # In the backward a pair whose score is -inf is hidden, whatever made it -inf (a mask, or an
     # infinite entry of q or k): no 0 * inf from it, and 0 in P even on a NaN row
@@ -459,6 +475,13 @@ def attention_backward_modes(
         pd, dp = p * keep, dp * keep
     else:
         pd = p
+    # delta = rowsum(dout * out) = sum_j P_ij dP_ij (out = Pd V, and dp is the gradient of Pd
+    # here), computed from the same P and dP as dS: a row that sees one key (P = 1) then gets
+    # dS = 0 exactly, as the math (a softmax over one key) has it, rather than the rounding
+    # difference of two differently summed dot products. Hidden pairs add nothing (where, not a
+    # product: dp may be NaN there).
+    pdp = p * dp
+    delta = (pdp if vis is None else pdp.masked_fill(~vis, 0.0)).masked_fill(dead, 0.0).sum(-1, keepdim=True)
     ds = p * (dp - delta)
     if vis is not None:
         # where, not a product: dp may be NaN at a hidden key (a NaN in v there).
@@ -474,9 +497,9 @@ def attention_backward_modes(
     if n_rep > 1:
         dk = dk.view(B, Hkv, n_rep, Lk, D).sum(2)
         dv = dv.view(B, Hkv, n_rep, Lk, v.shape[-1]).sum(2)
-    dmask = None
-    if modes.mask_grad:
-        dmask = dmask_ds if upcast else dmask_ds.float()
+    # dmask in the work dtype: float32 for half and float32 inputs, float64 for float64 ones
+    # (lse_dtype) or with upcast.
+    dmask = dmask_ds if modes.mask_grad else None
     if upcast:
         return dq, dk, dv, dmask
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask

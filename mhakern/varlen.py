@@ -89,8 +89,8 @@ def attention_varlen(
     deterministic.
 
     Returns:
-        ``out`` (Tq, H, Dv) in q's dtype, and with ``return_lse`` ``lse`` float32 (H, Tq)
-        (FlashAttention's layout).
+        ``out`` (Tq, H, Dv) in q's dtype, and with ``return_lse`` ``lse`` (H, Tq)
+        (FlashAttention's layout), float32 (float64 for float64 inputs).
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_dims(name, x, 3, "(total tokens, heads, head_dim)")
@@ -179,7 +179,8 @@ def attention_with_kvcache(
             bottom-right, the new queries are the last Lq positions of each element's keys.
 
     Returns:
-        ``out`` (B, H, Lq, Dv) in q's dtype, and with ``return_lse`` ``lse`` float32 (B, H, Lq).
+        ``out`` (B, H, Lq, Dv) in q's dtype, and with ``return_lse`` ``lse`` (B, H, Lq), float32
+        (float64 for float64 inputs).
     """
     _check_dims("q", q, 4, "(batch, heads, length, head_dim)")
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):

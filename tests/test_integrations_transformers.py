@@ -6,9 +6,8 @@ left padding; greedy generate() must give SDPA's tokens; a packed batch (positio
 at 0) must give the padded batch's logits and gradients. Oracle and tolerance (the contract's
 rule, at model level): float64 SDPA; the float32 "cpu" backend may be off by at most twice
 float32 SDPA's own error plus 1e-5 (3x for gradients); the float64 "reference" backend by 1e-10
-in the logits, and in the gradients by 1e-6 of their largest magnitude: mhakern keeps the lse in
-float32 for every dtype (docs/contract.md, "Shapes and layout") and the backward recomputes the
-probabilities from it, so float64 gradients carry float32's relative rounding (~1e-7).
+in the logits, and in the gradients by 1e-10 of their largest magnitude (float64 throughout, lse
+included: docs/contract.md, "Shapes and layout").
 No network: configs only, random input ids.
 """
 import copy
@@ -88,8 +87,8 @@ def _err(a, b):
 
 
 def _grad_tol64(g):
-    # float32 lse behind float64 gradients: see the module docstring
-    return 1e-6 * g.abs().max().item() + 1e-10
+    # relative to the largest gradient: see the module docstring
+    return 1e-10 * g.abs().max().item() + 1e-12
 
 
 MODELS = ["llama", "mistral", "gpt2", "bert", "qwen2"]

@@ -48,12 +48,12 @@ def test_folded_and_paper_forms_agree_in_outputs_and_gradients(data, d_v):
     assert torch.allclose(eager_out, ref_out, rtol=0, atol=1e-12)
     for a, b in zip(eager_g, ref_g):
         assert torch.allclose(a, b, rtol=1e-9, atol=1e-12)
-    # The fused path goes through the backend contract, whose lse is float32 (the backward
-    # recomputes probabilities from it): outputs exact, gradients to float32 precision.
+    # The fused path goes through the backend contract, whose lse is float64 for float64
+    # inputs (the backward recomputes probabilities from it): outputs and gradients to rounding.
     assert torch.allclose(fused_out, ref_out, rtol=0, atol=1e-12)
     for name, a, b in zip(("W_E", "b_E", "W_Q", "W_K", "W_V", "W_O", "W_D", "b_D"), fused_g, ref_g):
         scale = b.abs().max().item() + 1e-30
-        assert (a - b).abs().max().item() <= 1e-5 * scale, name
+        assert (a - b).abs().max().item() <= 1e-9 * scale, name
     # and the gradients are not trivially zero
     assert all(g.abs().max() > 0 for g in ref_g)
 

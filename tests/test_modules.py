@@ -1137,10 +1137,10 @@ def test_second_derivatives_through_fusedmha():
     f = mhakern.FusedMHA(8, 2, batch_first=True, dtype=torch.float64, backend="reference")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 3, 8, generator=g, dtype=torch.float64, requires_grad=True)
-    # The output only: the weights are exp(s - lse) with the contract's float32 lse, whose
-    # rounding (~1e-7) finite differences cannot see through.
-    fn = lambda x: f(x, x, x, is_causal=True, need_weights=False)[0]  # noqa: E731
-    assert torch.autograd.gradgradcheck(fn, (x,), eps=1e-6, atol=1e-5, rtol=1e-4, fast_mode=True)
+    # The output and the weights (exp(s - lse), lse float64 for float64 inputs), at
+    # gradgradcheck's default tolerances.
+    fn = lambda x: f(x, x, x, is_causal=True, need_weights=True)  # noqa: E731
+    assert torch.autograd.gradgradcheck(fn, (x,), fast_mode=True)
 
 
 def test_torchscript_scripts_torchs_module_in_its_place_and_says_so():
@@ -1212,10 +1212,10 @@ def test_fused_mha_modifiers_match_their_formula_forward_and_backward(causal):
     m.zero_grad()
     ref, p = _manual_mha(m, x, causal)
     (ref.sum() + p.sum()).backward()
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)  # lse is float32 (contract)
-    torch.testing.assert_close(w, p, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)  # lse float64 (the contract)
+    torch.testing.assert_close(w, p, rtol=1e-12, atol=1e-12)
     for a, b in zip(got, (m.sinks.grad, m.in_proj_weight.grad)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 def test_fused_mha_given_slopes_and_bad_options_name_the_option():

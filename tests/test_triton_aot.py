@@ -85,43 +85,45 @@ def test_head_dims_not_multiple_of_16_keep_local_memory_out_of_their_loops(unali
 # switches, compiled by the two fixtures above under this triton. A call without modes or
 # modifiers must keep running exactly these kernels: a change to one (a modifier's code left in
 # the plain path, a reordering) changes its digest. A deliberate change to a plain kernel
-# records the new figures here (the report's insns and digest columns) with its reason.
+# records the new figures here (the report's insns and digest columns) with its reason. The
+# split forward's were recorded again when its shares came to store their (max, sum) rather
+# than their lse (docs/contract.md, "Tolerance rule"); the others stand as recorded.
 PLAIN_SASS_TRITON = "3.9.0"
 PLAIN_SASS = {
     ("fwd/fp16/d64", 80): (1872, "b2bc0a311ceedd83"),
-    ("fwdsplit/fp16/d64", 80): (2160, "f3ec874815de2469"),
+    ("fwdsplit/fp16/d64", 80): (2096, "4e21bfb25283df25"),
     ("delta/fp16/d64", 80): (312, "ec0dcc7f88ae5e05"),
     ("dkdv/fp16/d64", 80): (2432, "0730665edd9fe504"),
     ("dq/fp16/d64", 80): (2608, "dab8e7394045bdfb"),
     ("fused/fp16/d64", 80): (2552, "56b5ceb5cda59ad5"),
     ("fwd/fp16/d128", 80): (1944, "f842c2b7139c01ff"),
-    ("fwdsplit/fp16/d128", 80): (2328, "9324e221f4a1ff4e"),
+    ("fwdsplit/fp16/d128", 80): (2296, "5915c6ecb10fdd53"),
     ("delta/fp16/d128", 80): (528, "3112e1b4253b49b7"),
     ("dkdv/fp16/d128", 80): (2504, "948298dbd0c1be2a"),
     ("dq/fp16/d128", 80): (2224, "bc47639abb6146b5"),
     ("fused/fp16/d128", 80): (3696, "f61d6111932f1b55"),
     ("fwd/fp16/d256", 80): (3016, "072e2e3ee07c2e52"),
-    ("fwdsplit/fp16/d256", 80): (3408, "edc98fa9c05f2669"),
+    ("fwdsplit/fp16/d256", 80): (3200, "6fa88da7ec3c326f"),
     ("delta/fp16/d256", 80): (968, "9fde9cb674f927a8"),
     ("dkdv/fp16/d256", 80): (1888, "06cada0656c39989"),
     ("dq/fp16/d256", 80): (2848, "bd53b1cc1c73af63"),
     ("fused/fp16/d256", 80): (3200, "4ba8958c19938a3f"),
     ("fwd/fp16/d64", 90): (3152, "28103952df20d0dd"),
-    ("fwdsplit/fp16/d64", 90): (3560, "527ee159ae23ee98"),
+    ("fwdsplit/fp16/d64", 90): (3448, "0c23edda5ff6e981"),
     ("desc/fp16/d64", 90): (2944, "c1cf9e8113c30fad"),
     ("delta/fp16/d64", 90): (328, "0fb019797393c54e"),
     ("dkdv/fp16/d64", 90): (2040, "ac4d408b7ecd97e7"),
     ("dq/fp16/d64", 90): (2208, "646a03e471a00eba"),
     ("fused/fp16/d64", 90): (2864, "1d6b3ed43ca50f7d"),
     ("fwd/fp16/d128", 90): (2264, "1b1e636f3914c347"),
-    ("fwdsplit/fp16/d128", 90): (2752, "d19a63cbb3dce01e"),
+    ("fwdsplit/fp16/d128", 90): (2696, "2614e2a075defda8"),
     ("desc/fp16/d128", 90): (2192, "0f761280e4bd26c6"),
     ("delta/fp16/d128", 90): (536, "a783a2d0c45faa52"),
     ("dkdv/fp16/d128", 90): (2008, "963c17858a2a0efa"),
     ("dq/fp16/d128", 90): (2528, "f462c2523ff72a4e"),
     ("fused/fp16/d128", 90): (2656, "accbca59087ae782"),
     ("fwd/fp16/d256", 90): (2512, "8f8c72bf03d12cdd"),
-    ("fwdsplit/fp16/d256", 90): (2856, "0f94e06d8e0f0d77"),
+    ("fwdsplit/fp16/d256", 90): (2784, "8cfb885ef9af3c39"),
     ("desc/fp16/d256", 90): (2368, "6b6586d9f520547c"),
     ("delta/fp16/d256", 90): (984, "51cd1a1491063872"),
     ("dkdv/fp16/d256", 90): (1984, "440a853c00ec06fc"),

@@ -56,6 +56,8 @@ lengths, masks and the dropout hash stay logical):
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -181,7 +183,7 @@ def _attn_fwd_body(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KL: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
     BAND: tl.constexpr = False, TOP_LEFT: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
-    DROPOUT: tl.constexpr = False, split=0, num_splits=1, SPLIT: tl.constexpr = False,
+    DROPOUT: tl.constexpr = False, split=0, num_splits=1, SPLIT: tl.constexpr = False, split_l_off=0,
     softcap=0.0, SLOPES=None, slope_sb=0, slope_sh=0, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
     CUQ=None, CUK=None, Tq=0, VARLEN: tl.constexpr = False,
     CBI=None, BT=None, stride_bt=0, page_size=1, CACHE_IDX: tl.constexpr = False, PAGED: tl.constexpr = False,
@@ -279,6 +281,14 @@ def _attn_fwd_body(
         store_tile(O + q0 * stride_om, elem_idx(hh, IDX64) * stride_oh + elem_idx(i, IDX64) * stride_om, row_ok,
                    out.to(O.dtype.element_ty), DV, BLOCK_DV)
         tl.store(LSE + hh.to(tl.int64) * Tq + q0 + i, lse, mask=row_ok)
+    elif SPLIT:
+        # A share's m and l, apart, for the launcher's merge: its lse m + log(l), rounded to
+        # float32, would be off by u * |m|, an error in every share's weight that grows with the
+        # logits (docs/contract.md, "Tolerance rule"), where m - max(m) is exact near the max.
+        store_tile(O + b * stride_ob, elem_idx(hh, IDX64) * stride_oh + elem_idx(i, IDX64) * stride_om, row_ok,
+                   out.to(O.dtype.element_ty), DV, BLOCK_DV)
+        tl.store(LSE + (b * H + hh) * Lq + i, m_i, mask=row_ok)
+        tl.store(LSE + split_l_off + (b * H + hh) * Lq + i, l_i, mask=row_ok)
     else:
         store_tile(O + b * stride_ob, elem_idx(hh, IDX64) * stride_oh + elem_idx(i, IDX64) * stride_om, row_ok,
                    out.to(O.dtype.element_ty), DV, BLOCK_DV)
@@ -314,8 +324,9 @@ def _attn_fwd_split_kernel(
     CBI=None, BT=None, stride_bt=0, page_size=1, CACHE_IDX: tl.constexpr = False, PAGED: tl.constexpr = False,
 ):
     """The forward without modes split over the keys (grid axis 1: the split): each program
-    writes its share's normalised fp32 output and lse into OP (S, B, H, Lq, DV) and LSEP
-    (S, B, H, Lq), which the launcher merges through their lse. The score modifiers (SOFTCAP,
+    writes its share's normalised fp32 output into OP (S, B, H, Lq, DV) and its running max m
+    and sum l into LSEP (2, S, B, H, Lq) (m in LSEP[0], l in LSEP[1]), which the launcher
+    merges. The score modifiers (SOFTCAP,
     ALIBI) apply per score, so a split call may carry them, and so may the KV cache (CACHE_IDX,
     PAGED: as in the modes kernel)."""
     split = tl.program_id(1)
@@ -325,7 +336,7 @@ def _attn_fwd_split_kernel(
         stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, 0, 0, 0, 0, H, Lq, Lk, n_rep,
         heads_per_prog, sm_scale, 0, 0, 0, 0, 0, 1.0, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL,
         HAS_KL, PREC, IDX64, BAND=False, TOP_LEFT=False, MASK_KIND=0, DROPOUT=False,
-        split=split, num_splits=num_splits, SPLIT=True,
+        split=split, num_splits=num_splits, SPLIT=True, split_l_off=num_splits * stride_ls,
         softcap=softcap, SLOPES=SLOPES, slope_sb=slope_sb, slope_sh=slope_sh, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
         CBI=CBI, BT=BT, stride_bt=stride_bt, page_size=page_size, CACHE_IDX=CACHE_IDX, PAGED=PAGED,
     )
@@ -509,27 +520,31 @@ def _varlen_forward(q, k, v, out, lse, scale, causal, key_lengths, modes):
 
 def _split_forward(q, k, v, out, lse, kl, scale, Lk, splits, hpp, grid, common, margs):
     """The forward without modes over ``splits`` key shares of the ``Lk`` keys (grid axis 1;
-    a paged cache's logical length), then their merge:
-    with lse_s and o_s the shares' (normalised) results, lse = log sum_s exp(lse_s) and
-    out = sum_s exp(lse_s - lse) o_s; a share that saw no key (lse_s = -inf) weighs 0, a row
-    that saw none gets 0 and -inf, and a NaN lse_s stays NaN in both."""
+    a paged cache's logical length), then their merge: with m_s, l_s and o_s the shares' max,
+    sum and (normalised) output, M = max_s m_s, w_s = l_s exp(m_s - M), out = sum_s w_s o_s /
+    sum_s w_s and lse = M + log(sum_s w_s); a share that saw no key (m_s = -inf, l_s = 0)
+    weighs 0, a row that saw none gets 0 and -inf, and a NaN l_s stays NaN in both."""
     B, H, Lq = q.shape[0], q.shape[1], q.shape[2]
     Hkv, Dv = k.shape[1], v.shape[3]
     op = torch.empty((splits, B, H, Lq, Dv), device=q.device, dtype=torch.float32)
-    lsep = torch.empty((splits, B, H, Lq), device=q.device, dtype=torch.float32)
+    lsep = torch.empty((2, splits, B, H, Lq), device=q.device, dtype=torch.float32)
     _attn_fwd_split_kernel[(grid[0], splits)](
         q, k, v, op, lsep, kl,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        op.stride(0), op.stride(1), op.stride(2), op.stride(3), lsep.stride(0),
+        op.stride(0), op.stride(1), op.stride(2), op.stride(3), lsep.stride(1),
         H, Lq, Lk, H // Hkv, hpp, scale, splits, *margs.modifier_args(lse),
         **margs.modifier_constexprs(), **margs.cache_args(k), **common,
     )
-    total = torch.logsumexp(lsep, dim=0)
-    w = torch.where(torch.isneginf(lsep), 0.0, torch.exp(lsep - total))
-    out.copy_((w.unsqueeze(-1) * op).sum(0))
-    lse.copy_(total)
+    m, l = lsep[0], lsep[1]
+    mx = m.amax(0)
+    mx = mx.masked_fill(torch.isneginf(mx), 0.0)
+    w = torch.where(torch.isneginf(m), 0.0, l * torch.exp(m - mx))
+    wsum = w.sum(0)
+    dead = wsum == 0
+    out.copy_((w.unsqueeze(-1) * op).sum(0) / wsum.masked_fill(dead, 1.0).unsqueeze(-1))
+    lse.copy_((mx + torch.log(wsum)).masked_fill(dead, -math.inf))
 
 
 #: The kernels of this module by the AOT check's names (mhakern/kernels/aot.py).

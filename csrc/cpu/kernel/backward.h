@@ -83,6 +83,19 @@ MHK_STEP void zero_dmask_range(const AttnParams& p, const RowPlan& rp, int64_t b
     }
 }
 
+// delta = dO . O rounded as score_tiles' GEMM rounds dP = dO . V_j (one multiply-add per
+// element, d = 0, 1, .., in the micro-kernel's own fmadd): a row that sees one key has O = V_j
+// exactly, so dP - delta is exactly 0 there and so are its dS, dQ and dK, as in the math
+// (softmax over one key), instead of the rounding difference of two differently summed dot
+// products (docs/contract.md, "Tolerance rule"). Dv multiply-adds per row, once per row block.
+inline float delta_like_dp(const float* dout, const float* o, int64_t Dv) {
+  Vec acc(0.f);
+  for (int64_t d = 0; d < Dv; ++d) acc = at::vec::fmadd(Vec(o[d]), Vec(dout[d]), acc);
+  float lane[VL];
+  acc.store(lane);
+  return lane[0];
+}
+
 // Step 1, once per row block of the group: Q (scaled) and dO as rows and transposed, lse in
 // base 2 and delta = rowsum(dO * O) (which dropout leaves valid: O is the dropped output), the
 // rows' key ranges and dropout seeds. Rows that see no key (lse -inf) stay zero.
@@ -128,7 +141,7 @@ MHK_STEP void gather_rows(const AttnParams& p, const RowPlan& rp, int64_t b, int
     load_row(static_cast<const T*>(p.q.ptr) + b * p.q.sb + h * p.q.sh + i * p.q.sl, D, qmul, qd, Dp);
     load_row(static_cast<const T*>(p.dout.ptr) + b * p.dout.sb + h * p.dout.sh + i * p.dout.sl, Dv, 1.f, dd, Dvp);
     load_row(static_cast<const T*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + i * p.out.sl, Dv, 1.f, orow_tmp, Dvp);
-    sl.delta[r] = dot(dd, orow_tmp, Dv);
+    sl.delta[r] = delta_like_dp(dd, orow_tmp, Dv);
     sl.poisoned = sl.poisoned || !std::isfinite(sl.lse2[r]) || !std::isfinite(sl.delta[r]) ||
                   any_nonfinite(qd, 1, D, Dp) || any_nonfinite(dd, 1, Dv, Dvp);
   }

@@ -51,6 +51,10 @@ struct FwdScratch {
 // holding the normalised output and the base-2 lse of the range.
 struct FwdSink {
   float* part_o = nullptr;  // (splits, B, H, Lq, Dv) or nullptr for the final outputs
+  // Each range's running max m (base 2) and sum l, kept apart rather than as m + log2(l): that
+  // sum, rounded to float, is off by u * |m|, an error in every weight of the merge that grows
+  // with the logits (docs/contract.md, "Tolerance rule"); m - max(m) is exact near the max.
+  float* part_m = nullptr;  // (splits, B, H, Lq)
   float* part_l = nullptr;  // (splits, B, H, Lq)
   int64_t split = 0;
 };
@@ -200,14 +204,17 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
       const int64_t row = ((sink.split * p.B + b) * p.H + h) * p.Lq + i;
       float* po = sink.part_o + row * Dv;
       for (int64_t dv = 0; dv < Dv; ++dv) po[dv] = dead ? 0.f : src[dv] * inv;
-      sink.part_l[row] = static_cast<float>(lse2);
+      sink.part_m[row] = dead ? kNegInf : s.m[r];
+      sink.part_l[row] = l;
     }
   }
 }
 
-// Merges the key-range partials of every row, in range order.
+// Merges the key-range partials of every row, in range order: range s weighs
+// l_s * 2^(m_s - max m) (0 for a range that saw no key: l_s = 0, m_s = -inf).
 template <typename T>
-void merge_splits(const AttnParams& p, int64_t n_splits, const float* part_o, const float* part_l) {
+void merge_splits(const AttnParams& p, int64_t n_splits, const float* part_o, const float* part_m,
+                  const float* part_l) {
   const int64_t rows = p.B * p.H * p.Lq, Dv = p.Dv;
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     Scratch buf(Dv + n_splits + 32, Scratch::kUninit);  // acc and w written before read
@@ -216,11 +223,11 @@ void merge_splits(const AttnParams& p, int64_t n_splits, const float* part_o, co
     for (int64_t row = r0; row < r1; ++row) {
       const int64_t i = row % p.Lq, h = (row / p.Lq) % p.H, b = row / (p.Lq * p.H);
       float mx = kNegInf;
-      bool nan = false;  // a range's lse is NaN: so is the row's softmax, hence out and lse
+      bool nan = false;  // a range's sum is NaN: so is the row's softmax, hence out and lse
       for (int64_t sp = 0; sp < n_splits; ++sp) {
-        const float ls = part_l[sp * rows + row];
-        nan = nan || ls != ls;
-        mx = std::max(mx, ls);
+        const float ms = part_m[sp * rows + row], ls = part_l[sp * rows + row];
+        nan = nan || ls != ls || ms != ms;
+        mx = std::max(mx, ms);
       }
       T* orow = static_cast<T*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + i * p.out.sl;
       if (nan) {
@@ -235,7 +242,8 @@ void merge_splits(const AttnParams& p, int64_t n_splits, const float* part_o, co
       }
       float wsum = 0.f;
       for (int64_t sp = 0; sp < n_splits; ++sp) {
-        w[sp] = std::exp2(part_l[sp * rows + row] - mx);
+        const float ms = part_m[sp * rows + row];
+        w[sp] = ms == kNegInf ? 0.f : part_l[sp * rows + row] * std::exp2(ms - mx);
         wsum += w[sp];
       }
       std::fill(acc, acc + Dv, 0.f);
@@ -259,7 +267,7 @@ void forward_impl(const AttnParams& p) {
   const int64_t nblk = rp.blocks();
   const int64_t base = p.B * p.Hkv * nblk;
   const int64_t rows = p.B * p.H * p.Lq;
-  int64_t n_splits = plan_key_splits(base, p.Lk, 1024, rows * (p.Dv + 1));
+  int64_t n_splits = plan_key_splits(base, p.Lk, 1024, rows * (p.Dv + 2));
   int64_t span = p.Lk;
   if (n_splits > 1) {
     span = round_up(ceil_div(p.Lk, n_splits), kKeyBlock);
@@ -274,8 +282,9 @@ void forward_impl(const AttnParams& p) {
   FwdSink sink;
   if (n_splits > 1) {
     // Every (split, row) is written by its task before the merge reads it.
-    partials = std::make_unique<Scratch>(n_splits * rows * (p.Dv + 1) + 32, Scratch::kUninit);
+    partials = std::make_unique<Scratch>(n_splits * rows * (p.Dv + 2) + 64, Scratch::kUninit);
     sink.part_o = partials->take(n_splits * rows * p.Dv);
+    sink.part_m = partials->take(n_splits * rows);
     sink.part_l = partials->take(n_splits * rows);
   }
   at::parallel_for(0, base * n_splits, 1, [&](int64_t t0, int64_t t1) {
@@ -311,7 +320,7 @@ void forward_impl(const AttnParams& p) {
         forward_rows<T, false>(p, mods, b, row_block(rp, hkv, blk), kbeg, kend, s, my);
     }
   });
-  if (n_splits > 1) merge_splits<T>(p, n_splits, sink.part_o, sink.part_l);
+  if (n_splits > 1) merge_splits<T>(p, n_splits, sink.part_o, sink.part_m, sink.part_l);
 }
 
 }  // namespace CPU_CAPABILITY

@@ -102,19 +102,6 @@ inline void store_row(const float* src, int64_t n, float mul, T* dst) {
   for (; c < n; ++c) dst[c] = static_cast<T>(src[c] * mul);
 }
 
-// sum(a[i] * b[i]), with VL partial sums (a fixed order: deterministic).
-inline float dot(const float* a, const float* b, int64_t n) {
-  Vec acc(0.f);
-  int64_t c = 0;
-  for (; c + VL <= n; c += VL) acc = at::vec::fmadd(Vec::loadu(a + c), Vec::loadu(b + c), acc);
-  if (c < n) acc = at::vec::fmadd(Vec::loadu(a + c, n - c), Vec::loadu(b + c, n - c), acc);
-  float part[VL];
-  acc.store(part);
-  float sum = 0.f;
-  for (int64_t i = 0; i < VL; ++i) sum += part[i];
-  return sum;
-}
-
 // Asks for the cache lines of `rows` rows of `row_elems` elements (row stride `ld`) ahead of
 // use: decode-sized tasks are short, so the next task's inputs are fetched while this one computes.
 template <int RW = 0, typename T>
