@@ -61,6 +61,7 @@ class Check:
         self.skip_bitident: List[str] = []
         self.bench_skip: List[str] = []
         self.extra_env: Dict[str, str] = {}
+        self.fallback_ids: Dict[str, List[str]] = {}
         self.tmp = Path(tempfile.mkdtemp(prefix="device_check_"))
         self.summary = out / "summary.md"
         self.plant_kind, self.plant_step = "", ""
@@ -165,9 +166,9 @@ class Check:
                 else:
                     kind, ps2, err, bound = dc.parse_failure(r.get("msg", ""), current.get(pid, {}).get("pass", ps))
                 if kind == "wrong":
-                    lines.append(f"WRONG {fam} {ps2} {dc.token(case)} {err} {bound}")
+                    lines.append(f"WRONG {fam} {ps2} {dc.token(f'{step.name}/{case}')} {err} {bound}")
                 else:
-                    lines.append(f"ERROR {fam} {ps2} {dc.token(case)} {r.get('exc', '?')}: {r.get('msg', '')[:160]}")
+                    lines.append(f"ERROR {fam} {ps2} {dc.token(f'{step.name}/{case}')} {r.get('exc', '?')}: {r.get('msg', '')[:160]}")
             elif r["ev"] == "end":
                 current.pop(pid, None)
                 finished.append(case)
@@ -176,16 +177,18 @@ class Check:
             word = "HUNG" if killed else "CRASHED"
             if not killed and rc is not None and rc >= 0:
                 word = "EXITED"
-            lines.append(f"{word} {fam} {c['pass']} {dc.token(c['case'])}" + ("" if killed else f" (exit {rc})"))
+            lines.append(f"{word} {fam} {c['pass']} {dc.token(step.name + '/' + c['case'])}" + ("" if killed else f" (exit {rc})"))
             broken = broken or c["case"]
         if killed and not current:
-            fam, ps, case = fallback or (step.family, step.passname, f"{step.name}:startup")
-            lines.append(f"HUNG {fam} {ps} {dc.token(case)}")
+            fam, ps, case = fallback or (step.family, step.passname, "startup")
+            lines.append(f"HUNG {fam} {ps} {dc.token(f'{step.name}/{case}')}")
             broken = broken or case
         return lines, finished, broken
 
     # ------------------------------------------------------------------ running one step
     def allowance(self, step: dp.Step, cap: int) -> int:
+        """The step's cap, cut to what the budget has left less the report's cap (the report
+        always runs): under a budget below the caps' sum the last steps are cut first."""
         reserve = 0
         if step.name != "report" and any(s.name == "report" for s in self.plan.steps):
             reserve = self.plan.cap(dp.BY_NAME["report"])
@@ -223,10 +226,10 @@ class Check:
         for i in range(0, len(cmds), parallel):
             wave = cmds[i:i + parallel]
             waves_left = (len(cmds) - i + parallel - 1) // parallel
-            share = (deadline - time.monotonic()) / waves_left - 1
+            share = (deadline - time.monotonic()) / waves_left - KILL_GRACE_S - 1  # the watchdog, kill included
             if share < 3:
                 for name, fam, _ in wave:
-                    lines.append(f"NOT RUN {fam} {step.passname} {name} (the step's time was spent)")
+                    lines.append(f"NOT RUN {fam} {step.passname} {step.name}/{name} (the step's time was spent)")
                 ok = False
                 continue
             procs, recs = [], []
@@ -247,7 +250,7 @@ class Check:
                 if p.returncode != 0 or v:
                     ok = False
                     if not v:
-                        v = [f"ERROR {fam} {step.passname} {name} exit {p.returncode}"]
+                        v = [f"ERROR {fam} {step.passname} {step.name}/{name} exit {p.returncode}"]
                 lines += v
         return ok, lines
 
@@ -278,8 +281,8 @@ class Check:
                 self.say(f"bitident: {label} left out (its step hung)")
             first = [(lb.replace(" ", "_"), f, base + ["--kernel", lb]) for lb, f, peer in kernels if peer is None]
             rest = [(lb.replace(" ", "_"), f, base + ["--kernel", lb]) for lb, f, peer in kernels if peer is not None]
-            # The splits, then the rest, step.parallel at a time (on a GPU; a CPU rehearsal two).
-            par = step.parallel if self.have_gpu else 2
+            # The splits, then the rest, step.parallel at a time (on a GPU; a CPU rehearsal four).
+            par = step.parallel if self.have_gpu else 4
             n1 = -(-len(first) // par)
             n2 = -(-len(rest) // par)
             ok1, l1 = self.run_children(step, first, time.monotonic() + (deadline - time.monotonic()) * n1 / max(1, n1 + n2),
@@ -296,13 +299,13 @@ class Check:
     def decide_from_smoke(self, lines: List[str]) -> None:
         for ln in lines:
             parts = ln.split()
-            if parts[0] in ("HUNG", "CRASHED") and parts[3] == "sm90_fwd":
+            if parts[0] in ("HUNG", "CRASHED") and parts[3] == "smoke/sm90_default":
                 # Every plain call would hang or crash again: the later steps (not the sm90
                 # forward's own) run the mma.sync family.
                 self.extra_env["MHAKERN_CUDA_FWD_FAMILY"] = "mma_sync"
                 self.say("decision: the sm_90a forward hung or crashed in the smoke step: later steps but sm90_fwd "
                          "run with MHAKERN_CUDA_FWD_FAMILY=mma_sync")
-            if parts[0] in ("HUNG", "CRASHED") and parts[3] == "sm90_bwd":
+            if parts[0] in ("HUNG", "CRASHED") and parts[3] == "smoke/sm90_bwd_optin":
                 self.skip_bitident.append("cuda sm90")
                 self.bench_skip += ["sm90 bwd", "sm90 fused bwd"]
                 self.say("decision: the sm90 backward hung or crashed in the smoke step: bitident and the "
@@ -317,7 +320,8 @@ class Check:
 
     def do_pytest(self, step: dp.Step, deadline: float, ids: Optional[List[str]] = None, log_name: str = "tests.log",
                   extra: Sequence[str] = ()) -> bool:
-        ids = dp.selected(step, self.nodeids) if ids is None else ids
+        if ids is None:
+            ids = dp.selected(step, self.nodeids) or self.fallback_ids.get(step.name, [])
         if not ids:
             self.say(f"{step.name}: no tests selected (the collection found none of its selections)")
             return False
@@ -325,7 +329,7 @@ class Check:
         ok, todo, lines, counts = True, list(ids), [], []
         while todo:
             left = deadline - time.monotonic()
-            if left < MIN_STEP_S:
+            if counts and left < MIN_STEP_S:  # a start again after a hang, with too little time for it
                 lines.append(f"NOT RUN {step.family} {step.passname} {len(todo)} tests of {step.name} "
                              f"(its time was spent after a hang)")
                 ok = False
@@ -336,7 +340,7 @@ class Check:
             child_log.unlink(missing_ok=True)
             p = self.spawn(self.pytest_cmd(step, todo, extra), self.child_env(step, rec, self.planted_first(step)),
                            child_log)
-            killed = self.wait([(p, time.monotonic() + left - 1)])[p.pid] == "killed"
+            killed = self.wait([(p, time.monotonic() + left - KILL_GRACE_S - 1)])[p.pid] == "killed"
             v, finished, broken = self.verdicts(step, rec, killed, p.returncode)
             text = child_log.read_text()
             with open(log, "a") as f:
@@ -356,6 +360,7 @@ class Check:
         self.say(f"{step.name}: {'; '.join(counts)}")
         for ln in lines:
             self.say(ln)
+        ok = ok and not lines
         if not ok and any(ln.startswith("HUNG") for ln in lines):
             self.after_hang(step)
         return ok
@@ -373,7 +378,7 @@ class Check:
     # ------------------------------------------------------------------ the other kinds
     def run_cmd(self, cmd: List[str], deadline: float, log: Path, env: Optional[Dict[str, str]] = None) -> int:
         p = self.spawn(cmd, env or self.child_env(dp.BY_NAME["plan"], self.tmp / "none.jsonl", False), log)
-        killed = self.wait([(p, deadline)])[p.pid] == "killed"
+        killed = self.wait([(p, deadline - KILL_GRACE_S - 1)])[p.pid] == "killed"
         with open(log, "a") as f:
             f.write(f"[exit {p.returncode}{' (stopped at its time limit)' if killed else ''}]\n")
         return 124 if killed else p.returncode
@@ -409,31 +414,48 @@ class Check:
         return ok
 
     def collect(self, deadline: Optional[float]) -> bool:
-        """pytest --collect-only of the GPU test files (and the benchmark file where bench runs):
-        the node ids each step selects, and its test count."""
-        files = [f for f in dp.GPU_TEST_FILES if (ROOT / f).exists()]
-        cmd = [self.py, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files]
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=self.child_env(
-            dp.BY_NAME["plan"], self.tmp / "none.jsonl", False),
-            timeout=None if deadline is None else max(5, deadline - time.monotonic()))
-        self.nodeids = [ln.strip() for ln in r.stdout.splitlines() if "::" in ln and not ln.startswith(" ")]
-        with open(self.log("setup.log"), "a") as f:
-            f.write(f"$ {' '.join(cmd)}\n{r.stdout[-3000:]}{r.stderr[-3000:]}\n")
+        """pytest --collect-only of the GPU test files this run's steps select from (and of the
+        benchmark file where bench runs): the node ids each step selects, and its test count.
+        A collection that fails or runs out of time leaves each pytest step its selections as
+        ``file::function`` (every parametrization of them), and says so."""
+        files = sorted({sel.file for s in self.plan.steps if s.kind == "pytest" for sel in s.tests})
+        env = self.child_env(dp.BY_NAME["plan"], self.tmp / "none.jsonl", False)
+        ok = True
+        if files:
+            cmd = [self.py, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files]
+            out, rc = self._collect_run(cmd, env, deadline)
+            self.nodeids = [ln.strip() for ln in out.splitlines() if "::" in ln and not ln.startswith(" ")]
+            ok = rc == 0 and bool(self.nodeids)
+            if not ok:
+                self.say(f"plan: the collection failed or ran out of time ({rc}): each test step runs its functions whole")
+                self.nodeids = []
         for s in self.plan.steps:
             if s.kind == "pytest":
-                self.plan.counts[s.name] = len(dp.selected(s, self.nodeids))
+                sel = dp.selected(s, self.nodeids)
+                if not sel:
+                    self.fallback_ids[s.name] = sorted({f"{t.file}::{t.func}" for t in s.tests})
+                self.plan.counts[s.name] = len(sel) if sel else len(s.tests)
         if any(s.name == "bench" for s in self.plan.steps) and not self.dry:
             bcmd = [self.py, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                     "benchmarks/test_bench_attention.py", *self.bench_args()]
-            rb = subprocess.run(bcmd, cwd=ROOT, capture_output=True, text=True, env=self.child_env(
-                dp.BY_NAME["plan"], self.tmp / "none.jsonl", False),
-                timeout=None if deadline is None else max(5, deadline - time.monotonic()))
-            ids = bench_rows([ln.strip() for ln in rb.stdout.splitlines() if "::" in ln])
+            out, rc = self._collect_run(bcmd, env, deadline)
+            ids = bench_rows([ln.strip() for ln in out.splitlines() if "::" in ln])
             # The decode rows first, then the forward rows, then forward+backward: a step cut by
             # its time limit loses the backward rows, which the bitident step has timed already.
             rank = lambda n: (0 if "decode-" in n else 1 if "-fwd-" in n else 2)  # noqa: E731
             self.bench_ids = sorted(ids, key=rank)
-        return r.returncode == 0 and bool(self.nodeids)
+            ok = ok and rc == 0
+        return ok
+
+    def _collect_run(self, cmd: List[str], env: Dict[str, str], deadline: Optional[float]) -> Tuple[str, object]:
+        try:
+            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env,
+                               timeout=None if deadline is None else max(3, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return "", "timed out"
+        with open(self.log("setup.log"), "a") as f:
+            f.write(f"$ {' '.join(cmd)}\n{r.stdout[-3000:]}{r.stderr[-3000:]}\n")
+        return r.stdout, r.returncode
 
     def bench_args(self) -> List[str]:
         args = ["--bench-set", "headline"]

@@ -30,10 +30,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # cuda_force_bwd_family); on a 9.0 device "auto" is the sm_90a family where it serves the call,
 # and the sm90 backward is opt-in (csrc/capabilities.h kSm90BwdByDefault).
 SMOKE_CASES = {
-    "sm90_fwd": ("cuda, the default forward (sm_90a on a 9.0 device), mma.sync backward", "cuda", "auto", "mma_sync", "sm90", "fwd"),
-    "mma": ("cuda, the mma.sync family forced (what sm_80-89 devices run)", "cuda", "mma_sync", "mma_sync", "mma", "fwd"),
-    "sm90_bwd": ("cuda, the opt-in sm90 backward", "cuda", "auto", "auto", "sm90", "bwd"),
-    "triton": ("triton, its default fused deterministic backward", "triton", None, None, "triton", "fwd"),
+    "sm90_default": ("cuda, the default forward (sm_90a on a 9.0 device), mma.sync backward", "cuda", "auto", "mma_sync", "sm90", "fwd"),
+    "mma_forced": ("cuda, the mma.sync family forced (what sm_80-89 devices run)", "cuda", "mma_sync", "mma_sync", "mma", "fwd"),
+    "sm90_bwd_optin": ("cuda, the opt-in sm90 backward", "cuda", "auto", "auto", "sm90", "bwd"),
+    "triton_default": ("triton, its default fused deterministic backward", "triton", None, None, "triton", "fwd"),
     "bad_calls": ("mhakern_C raises on bad calls", "cuda", None, None, "mma", "fwd"),
 }
 
