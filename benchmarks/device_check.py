@@ -93,10 +93,11 @@ class Check:
         p._log_fh = fh  # type: ignore[attr-defined]
         return p
 
-    def wait(self, procs: List[Tuple[subprocess.Popen, float]]) -> Dict[int, str]:
+    def wait(self, procs: List[Tuple[subprocess.Popen, float]], stalled=None) -> Dict[int, str]:
         """Waits for each (process, deadline); a process past its deadline gets SIGINT (pytest
         then still writes its summary and JSON), its whole group SIGKILL KILL_GRACE_S later, all
-        of them at once. Returns {pid: 'done' | 'killed'}."""
+        of them at once; ``stalled()`` true kills them too (a test past its own limit). Returns
+        {pid: 'done' | 'killed'}."""
         state: Dict[int, str] = {}
         signalled: Dict[int, float] = {}
         while len(state) < len(procs):
@@ -107,7 +108,7 @@ class Check:
                 if p.poll() is not None:
                     state[p.pid] = "killed" if p.pid in signalled else "done"
                     _killpg(p.pid, signal.SIGKILL)  # what the child left running in its group
-                elif p.pid not in signalled and now > deadline:
+                elif p.pid not in signalled and (now > deadline or (stalled is not None and stalled())):
                     signalled[p.pid] = now
                     _killpg(p.pid, signal.SIGINT)
                 elif p.pid in signalled and now > signalled[p.pid] + KILL_GRACE_S:
@@ -179,7 +180,7 @@ class Check:
                 word = "EXITED"
             lines.append(f"{word} {fam} {c['pass']} {dc.token(step.name + '/' + c['case'])}" + ("" if killed else f" (exit {rc})"))
             broken = broken or c["case"]
-        if killed and not current:
+        if killed and not current and not finished:
             fam, ps, case = fallback or (step.family, step.passname, "startup")
             lines.append(f"HUNG {fam} {ps} {dc.token(f'{step.name}/{case}')}")
             broken = broken or case
@@ -340,7 +341,8 @@ class Check:
             child_log.unlink(missing_ok=True)
             p = self.spawn(self.pytest_cmd(step, todo, extra), self.child_env(step, rec, self.planted_first(step)),
                            child_log)
-            killed = self.wait([(p, time.monotonic() + left - KILL_GRACE_S - 1)])[p.pid] == "killed"
+            killed = self.wait([(p, time.monotonic() + left - KILL_GRACE_S - 1)],
+                               stalled=lambda: _test_overdue(rec, step.test_limit_s))[p.pid] == "killed"
             v, finished, broken = self.verdicts(step, rec, killed, p.returncode)
             text = child_log.read_text()
             with open(log, "a") as f:
@@ -627,6 +629,26 @@ class Check:
         print(self.summary.read_text())
         shutil.rmtree(self.tmp, ignore_errors=True)
         return status
+
+
+def _test_overdue(records: Path, limit: float) -> bool:
+    """Whether a test of a pytest child started over ``limit`` seconds ago and has not ended."""
+    try:
+        text = records.read_text()
+    except OSError:
+        return False
+    open_: Dict[Tuple[int, str], float] = {}
+    for ln in text.splitlines():
+        try:
+            r = json.loads(ln)
+        except ValueError:
+            continue
+        key = (r.get("pid", 0), r.get("case", ""))
+        if r.get("ev") == "start":
+            open_[key] = r.get("t", 0.0)
+        elif r.get("ev") == "end":
+            open_.pop(key, None)
+    return any(time.time() - t > limit for t in open_.values())
 
 
 def _killpg(pid: int, sig: int) -> None:
