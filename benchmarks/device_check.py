@@ -330,7 +330,7 @@ class Check:
         ok, todo, lines, counts = True, list(ids), [], []
         while todo:
             left = deadline - time.monotonic()
-            if counts and left < MIN_STEP_S:  # a start again after a hang, with too little time for it
+            if counts and left < max(MIN_STEP_S, step.start_s + KILL_GRACE_S + 2):  # no time to start again
                 lines.append(f"NOT RUN {step.family} {step.passname} {len(todo)} tests of {step.name} "
                              f"(its time was spent after a hang)")
                 ok = False

@@ -160,7 +160,7 @@ STEPS: Tuple[Step, ...] = (
                 Sel(TK, "test_kvcache_forward"), Sel(TG, "test_kvcache_decode_gpu"), Sel(TG, "test_packed_sequences_gpu"),
                 Sel(TG, "test_decode_packing_gpu", ("bfloat16-4099",)))),
     Step("bitident", "children", "every backward kernel in its own child: two runs bit-identical, against its split peer, tolerance rule",
-         family="-", passname="bwd", per_child_s=10, children=8, parallel=5, slack=1.5, plantable=True,
+         family="-", passname="bwd", per_child_s=12, children=8, parallel=5, slack=1.5, plantable=True,
          covers=("sm90 bwd split+fused+bitident", "mma bwd split+fused+fused_atomic+bitident",
                  "triton bwd split+fused+fused_atomic+bitident"),
          why="L 4k causal, two runs and a ragged shape each: a few seconds after the start; splits first, then 5 at once"),
