@@ -143,35 +143,55 @@ def _bwd_kernel(torch, family, kernels):
     return lambda: [u() for u in reversed(undo)]
 
 
+def kernel_family(settings: dict) -> str:
+    """The device check's family name of a BWD_KERNELS row (sm90, mma, triton)."""
+    (kind,) = settings
+    return kind
+
+
 def cmd_bitident(args) -> int:
-    """Every backward kernel (BWD_KERNELS): on a large shape (B 1, H 16, L 4k, D 128, bf16) two runs
-    on the same inputs must give identical bits where the kernel is deterministic, and its
-    gradients must lie within a few bf16 ulps of its family's split kernel; on a ragged GQA shape
+    """One backward kernel of BWD_KERNELS (``--kernel``; the device check runs each in its own
+    child) or all of them: on a large shape (B 1, H 16, L 4k, D 128, bf16) two runs on the same
+    inputs must give identical bits where the kernel is deterministic, and its gradients must lie
+    within a few bf16 ulps of its family's split kernel (read from ``--grads-dir``, where each
+    kernel's child leaves its gradients: the split kernels run first); on a ragged GQA shape
     (B 2, H 8, Hkv 2, Lq 333, Lk 777, key lengths 777 and 400, D 128) each must pass the tolerance
     rule against the float64 reference (tests/attn_testing.check_against_reference), which is what
-    "the fused kernel against the split one" means in the project's terms. One row per kernel."""
+    "the fused kernel against the split one" means in the project's terms. One row per kernel.
+    ``--rehearse``: the reference backend under each label, tiny shapes, on the CPU."""
     torch, mhakern, dev = _setup(args.rehearse)
     sys.path.insert(0, str(ROOT / "tests"))
+    import attn_testing
     from attn_testing import check_against_reference, make_inputs
+
+    from benchmarks import device_child as dc
 
     B, H, L, D = (1, 2, 64, 64) if args.rehearse else (1, 16, 4096, 128)
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v, do = (torch.randn(B, H, L, D, generator=g).to(dev, torch.bfloat16) for _ in range(4))
     avail = mhakern.available_backends()
-    kernels = [("reference", None, {}, True, None)] if args.rehearse else BWD_KERNELS
     only = [s for s in (args.only or "").split(",") if s]
     skip = [s for s in (args.skip or "").split(",") if s]
+    gdir = Path(args.grads_dir) if args.grads_dir else None
     status, grads = 0, {}
-    for label, family, settings, deterministic, peer in kernels:
+    for label, family, settings, deterministic, peer in BWD_KERNELS:
+        if args.kernel and label != args.kernel:
+            continue
         if (only and not any(o in label for o in only)) or any(o in label for o in skip):
             continue
+        case, fam = label.replace(" ", "_"), kernel_family(settings)
+        dc.record("start", case=case, family=fam, **{"pass": "bwd"})
+        dc.hang_if_planted(case)
+        dc.install_wrong_plant(attn_testing)
         backend = "reference" if args.rehearse else ("cuda" if family is not None else "triton")
         if avail.get(backend) is not None:
             _emit(args, {"stage": "bitident", "kernel": label, "skipped": avail[backend]},
                   f"backward {label}: not run ({backend}: {avail[backend]})")
+            dc.record("end", case=case, outcome="skipped")
             continue
         restore = _bwd_kernel(torch, family, settings) if not args.rehearse else (lambda: None)
         t0 = time.perf_counter()
+        fails = []
         try:
             def run():
                 qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
@@ -181,22 +201,35 @@ def cmd_bitident(args) -> int:
 
             first, second = run(), run()
             same = all(torch.equal(a, b) for a, b in zip(first, second))
+            if gdir is not None:
+                torch.save([x.cpu() for x in first], gdir / f"{case}.pt")
             grads[label] = first
+            if peer is not None and peer not in grads and gdir is not None and (gdir / f"{peer.replace(' ', '_')}.pt").exists():
+                grads[peer] = [x.to(dev) for x in torch.load(gdir / f"{peer.replace(' ', '_')}.pt")]
             err = None
             if peer in grads:
                 # Two bf16 kernels of different accumulation orders: a few bf16 ulps of the scale.
                 err = max(float((a.float() - b.float()).abs().max() / (b.float().abs().max() + 1e-6))
                           for a, b in zip(first, grads[peer]))
+            if deterministic and not same:
+                fails.append(("differs", "bit_identical", "two runs differ"))
+            if err is not None and not err < 3e-2:
+                fails.append((f"{err:.3e}", "3.000e-02", f"relative difference from {peer}"))
             rule = "ok"
             try:
-                q2, k2, v2 = make_inputs(2, 8, 2, 333, 777, D, D, dtype=torch.bfloat16, device=dev)
+                H2, Lq2, Lk2 = (2, 33, 77) if args.rehearse else (8, 333, 777)
+                q2, k2, v2 = make_inputs(2, H2, 2 if H2 > 2 else 1, Lq2, Lk2, D, D, dtype=torch.bfloat16, device=dev)
                 check_against_reference(lambda *a, **kw: mhakern.attention(*a, backend=backend, **kw), q2, k2, v2,
-                                        True, torch.tensor([777, 400], device=dev))
+                                        True, torch.tensor([Lk2, Lk2 // 2 + 12], device=dev))
             except AssertionError as e:
                 rule = "FAILED: " + str(e).splitlines()[0][:200]
+                _, _, e_err, e_bound = dc.parse_failure(str(e), "bwd")
+                fails.append((e_err, e_bound, str(e).splitlines()[0][:200]))
         finally:
             restore()
-        ok = (same or not deterministic) and (err is None or err < 3e-2) and rule == "ok"
+        for e_err, e_bound, msg in fails:
+            dc.record("fail", case=case, kind="wrong", error=e_err, bound=e_bound, msg=msg, **{"pass": "bwd"})
+        ok = not fails
         status |= int(not ok)
         _emit(args, {"stage": "bitident", "kernel": label, "deterministic": deterministic, "identical": same,
                      "rel_err_vs_split": err, "tolerance_rule": rule, "causal": args.causal,
@@ -205,6 +238,7 @@ def cmd_bitident(args) -> int:
               f"{'bit-identical' if same else ('differ (not deterministic by design)' if not deterministic else 'DIFFER')}"
               f"{'' if err is None else f'; against {peer} {err:.2e} (relative)'}; tolerance rule {rule}"
               f" -> {'ok' if ok else 'FAILED'}")
+        dc.record("end", case=case)
     return status
 
 
@@ -289,6 +323,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--only", default="", help="bitident: comma-separated parts of kernel labels (e.g. 'fused,triton')")
     ap.add_argument("--skip", default="", help="bitident: comma-separated parts of kernel labels to leave out")
+    ap.add_argument("--kernel", default="", help="bitident: this BWD_KERNELS label only (exactly)")
+    ap.add_argument("--grads-dir", default="", help="bitident: where each kernel leaves its gradients for its peers")
     ap.add_argument("--json", default="", help="append one JSON object per row to this file")
     args = ap.parse_args(argv)
     return {"ceilings": cmd_ceilings, "bitident": cmd_bitident, "decode": cmd_decode, "one": cmd_one}[args.command](args)

@@ -17,6 +17,7 @@ import mhakern
 from mhakern import backends, reference
 from mhakern.backends import cuda_backend
 from attn_testing import HARD_CASES, case_id, check_against_reference, make_inputs, rule_check
+from packed_cache_testing import check_kvcache, check_packed
 
 pytestmark = pytest.mark.gpu
 
@@ -148,6 +149,24 @@ def test_long_keys_take_the_split_k_path(cuda_ready, causal):
     assert cuda_backend.plan_splits(B, Hkv, H // Hkv, Lq, Lk, D, sms, backward=True) > 1
     q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, dtype=torch.bfloat16, device="cuda")
     check_against_reference(_cuda_fn(), q, k, v, causal, torch.tensor([Lk - 5], device="cuda"))
+
+
+# Packed sequences on each family (on a 9.0 device "auto" is the sm90 forward, unsplit, and the
+# mma.sync backward; "mma_sync" both passes on mma.sync): an empty sequence, one token,
+# sequences longer than a row tile, Lq_s != Lk_s both ways, GQA.
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_packed_sequences_on_each_family(family, dtype):
+    check_packed("cuda", [77, 0, 1, 300, 5], [90, 3, 1, 260, 40], 8, 2, 128, dtype, "cuda")
+
+
+# The KV cache (the mma.sync forward on every device: the sm90 family takes no cache
+# addressing): one query (the decode kernel) and four, cache_batch_idx rows and 16-token pages,
+# a length 0 and one inside a page; the pool's other rows / pages and the slots past a length
+# hold NaN. Lk 4096 at B 2: the planner splits the keys (split-K through the cache).
+@pytest.mark.parametrize("kind", ["cache_batch_idx", "paged"])
+@pytest.mark.parametrize("Lq,L", [(1, 4096), (4, 640)], ids=["decode-splitk", "4q"])
+def test_kvcache_decode_paged_and_batch_idx(cuda_ready, kind, Lq, L):
+    check_kvcache("cuda", kind, 2, 32, 8, Lq, L, [L - 3, 0] if Lq == 1 else [L, 133], 128, torch.bfloat16, "cuda")
 
 
 _NOMODES = (None, 0.0, 0, False, -1, -1)  # attn_mask, dropout_p, seed, top_left, window_left, window_right

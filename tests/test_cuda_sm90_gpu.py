@@ -10,11 +10,14 @@ device).
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import mhakern
 from attn_testing import HARD_CASES, case_id, check_against_reference, make_inputs
+from packed_cache_testing import check_packed
 
 pytestmark = pytest.mark.gpu
 
@@ -28,8 +31,10 @@ def hopper():
     why = mhakern.available_backends().get("cuda", "backend 'cuda' is not registered")
     if why is not None:
         pytest.skip(f"backend 'cuda' unavailable: {why}")
-    # The sm90 backward is opt-in until verified here (capabilities.h: kSm90BwdByDefault).
-    prev = torch.ops.mhakern_C.cuda_force_bwd_family("auto")
+    # The sm90 backward is opt-in until verified here (capabilities.h: kSm90BwdByDefault); a
+    # backward family set in the environment (MHAKERN_CUDA_BWD_FAMILY: the device check's
+    # sm90_fwd step runs the forward's tests on the mma.sync backward) is kept.
+    prev = torch.ops.mhakern_C.cuda_force_bwd_family(os.environ.get("MHAKERN_CUDA_BWD_FAMILY") or "auto")
     try:
         yield
     finally:
@@ -84,6 +89,26 @@ def test_sm90_d256_forward_on_hopper(hopper, case, dtype):
     q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype=dtype, device="cuda", requires_grad=False)
     kl_t = None if kl is None else torch.tensor(kl, device="cuda", dtype=torch.int32)
     check_against_reference(_fn, q, k, v, causal, kl_t, grads=False)
+
+
+# D 256 with gradients: the sm90 forward, then the mma.sync family's D 256 backward (its fused
+# kernel: the only one at that head dim, capabilities.h bwd_only_head_dims).
+D256_BWD_CASES = [(2, 4, 2, 113, 300, 256, 256, True, (300, 77)), (1, 2, 1, 37, 37, 256, 256, False, None)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", D256_BWD_CASES, ids=case_id)
+def test_sm90_d256_backward_on_hopper(hopper, case, dtype):
+    _run(case, dtype)
+
+
+# Packed sequences (attention_varlen): the sm90 forward serves them unsplit
+# (capabilities.h kSm90FwdFeatures); their backward is the mma.sync family's (kSm90BwdFeatures:
+# none). Lengths: an empty sequence, one token, sequences longer than a 128-row tile and than a
+# key tile, Lq_s != Lk_s both ways.
+@pytest.mark.parametrize("D,dtype", [(128, torch.bfloat16), (64, torch.float16)], ids=["d128-bf16", "d64-fp16"])
+def test_sm90_packed_forward_on_hopper(hopper, D, dtype):
+    check_packed("cuda", [300, 0, 1, 700, 129], [257, 5, 1, 900, 64], 8, 2, D, dtype, "cuda")
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])

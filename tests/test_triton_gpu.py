@@ -5,6 +5,7 @@ import torch
 
 import mhakern
 from attn_testing import HARD_CASES, case_id, check_against_reference, make_inputs
+from packed_cache_testing import check_kvcache, check_packed
 
 pytestmark = pytest.mark.gpu
 
@@ -67,6 +68,19 @@ def test_decode_packing_gpu(dtype, Lk):
     q, k, v = make_inputs(3, 32, 8, 1, Lk, 128, dtype=dtype, device="cuda")
     kl = torch.tensor([Lk, max(Lk // 2, 1), 0], device="cuda")
     check_against_reference(triton_attention, q, k, v, False, kl)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_packed_sequences_gpu(D):
+    """Packed sequences, forward and the default (fused deterministic) backward, in bf16."""
+    check_packed("triton", [77, 0, 1, 300, 5], [90, 3, 1, 260, 40], 8, 2, D, torch.bfloat16, "cuda")
+
+
+@pytest.mark.parametrize("kind", ["cache_batch_idx", "paged"])
+@pytest.mark.parametrize("Lq,L", [(1, 8192), (4, 640)], ids=["decode-splitk", "4q"])
+def test_kvcache_decode_gpu(kind, Lq, L):
+    """The KV cache in bf16: one query over 8k keys (the planner splits them) and four queries."""
+    check_kvcache("triton", kind, 2, 32, 8, Lq, L, [L - 3, 0] if Lq == 1 else [L, 133], 128, torch.bfloat16, "cuda")
 
 
 def test_batch_above_the_grid_limit_gpu():
