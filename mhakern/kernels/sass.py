@@ -338,20 +338,14 @@ def dq_writer_order(insns) -> Tuple[List[str], List[str]]:
 RECORDED_SASS = {"mma": "cuda/plain_kernels_sass.json", "sm90": "cuda/sm90/sm90_kernels_sass.json"}
 
 
-def family_build_digests(csrc_dir: Optional[str] = None, nvcc_release: Optional[str] = None) -> Dict[str, str]:
+def family_build_digests(csrc_dir: str, nvcc_release: Optional[str] = None) -> Dict[str, str]:
     """{family: 16 hex digits} over that family's recorded kernel digests (RECORDED_SASS), for
     one nvcc release (the ``nvcc --version`` last line the records are keyed by) or, by default,
-    every release recorded. csrc_dir: the csrc/ directory (default: the package's sources,
-    mhakern._build.source_root()). A family without a record file, or without the release, is
+    every release recorded. csrc_dir: the csrc/ directory (the package layer finds it:
+    ``os.path.join(mhakern._build.source_root(), "csrc")``; the kernel layer imports nothing from
+    the package). A family without a record file, or without the release, is
     left out. The CI check keeps the records equal to what the sources compile to, so a kernel
     whose SASS changes changes its family's digest."""
-    if csrc_dir is None:
-        from mhakern import _build
-
-        root = _build.source_root()
-        if root is None:
-            return {}
-        csrc_dir = os.path.join(root, "csrc")
     out = {}
     for family, rel in RECORDED_SASS.items():
         path = os.path.join(csrc_dir, rel)
