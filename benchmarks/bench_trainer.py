@@ -109,20 +109,28 @@ def _summary(request):
                                    "(run-steps per second)")
 
 
-def _paper_code_stepper():
-    """The paper's model and training step from its own repository (see the module docstring)."""
+def _paper_modules(*names):
+    """The paper's modules ``names``, imported from its checkout's src folder
+    (``MHAKERN_PAPER_SRC``); the benchmark skips when it is not set."""
+    import importlib
     import sys
-
-    import torch.nn.functional as F
 
     src = os.environ.get("MHAKERN_PAPER_SRC")
     if not src:
         pytest.skip("MHAKERN_PAPER_SRC (the src folder of a smahdavi4/attention-memorization checkout) is not set")
     sys.path.insert(0, src)
     try:
-        from attn_models import BaselineAttention
+        return tuple(importlib.import_module(n) for n in names)
     finally:
         sys.path.remove(src)
+
+
+def _paper_code_stepper():
+    """The paper's model and training step from its own repository (see the module docstring)."""
+    import torch.nn.functional as F
+
+    (attn_models,) = _paper_modules("attn_models")
+    BaselineAttention = attn_models.BaselineAttention
     dev = _device()
     torch.manual_seed(0)
     model = BaselineAttention(input_dim=64, n_classes=100, d_model=64, num_heads=SHAPE["heads"], dh=None).to(dev)
@@ -162,21 +170,13 @@ def _paper_loop_stepper():
     The data is a ``TensorDataset`` of the same random shape in place of its ``RandomDataset``.
     Each call of ``steps(k)`` runs ``Trainer.train`` for k steps (its optimizer and scheduler made
     anew: microseconds against a step of about a second at this shape)."""
-    import sys
     import tempfile
 
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, TensorDataset
 
-    src = os.environ.get("MHAKERN_PAPER_SRC")
-    if not src:
-        pytest.skip("MHAKERN_PAPER_SRC (the src folder of a smahdavi4/attention-memorization checkout) is not set")
-    sys.path.insert(0, src)
-    try:
-        from attn_models import BaselineAttention
-        from trainers import Trainer, TrainerConfig
-    finally:
-        sys.path.remove(src)
+    attn_models, trainers = _paper_modules("attn_models", "trainers")
+    BaselineAttention, Trainer, TrainerConfig = attn_models.BaselineAttention, trainers.Trainer, trainers.TrainerConfig
 
     class _Task:
         def compute_loss_acc(self, outputs, labels):
