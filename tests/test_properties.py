@@ -13,7 +13,6 @@ Hypothesis's example database to replay failures.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ hypothesis = pytest.importorskip("hypothesis", reason="the property tests need h
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-SLOW = os.environ.get("MHAKERN_SLOW", "") not in ("", "0")
+from conftest import SLOW  # noqa: E402
 # Examples per backend in CI: the interpreter runs every Triton program in Python.
 EXAMPLES = {"reference": 50, "cpu": 90, "triton": 12}
 DEFAULT_EXAMPLES = 50

@@ -28,6 +28,7 @@ import sys
 import pytest
 import torch
 
+from conftest import SLOW
 from mhakern.kernels import sass
 
 pytest.importorskip("triton", reason="triton is not installed")
@@ -173,14 +174,18 @@ def test_mode_variants_with_all_modes_on_compile_without_spills():
     # both head dims, dtypes and arches takes ~30 min here: ``--modes`` alone, by hand.
     # The packed-sequence forward too: its per-sequence offsets must not spill either; and the
     # paged KV cache's forward and split-K decode (a page gathered per key: 64-bit offsets).
+    # CI compiles the sm_90 half (bf16 d128, where the tiles are largest and HGMMA must hold):
+    # about two minutes of one core; MHAKERN_SLOW=1 adds sm_80.
+    arches = ("80", "90") if SLOW else ("90",)
     report = _aot("--modes", "all", "modifiers", "varlen", "paged", "--no-plain",
                   "--only", "fwd+all", "dkdv+all", "dq+all", "fused+all", "fwdsplit+modifiers", "fwd+varlen",
-                  "fwd+paged", "fwdsplit+paged",
+                  "fwd+paged", "fwdsplit+paged", arches=arches,
                   per_arch={"80": ["--dtypes", "fp16", "--dims", "64"], "90": ["--dtypes", "bf16", "--dims", "128"]})
-    assert report.count("+all ") == 2 * 4, report
-    assert report.count("fwdsplit/") == 2 * 2 and report.count("+modifiers ") == 2, report
-    assert report.count("+varlen ") == 2 and report.count("+paged ") == 2 * 2, report
-    assert report.count(" ok (") == 2 * 8, report
+    n = len(arches)
+    assert report.count("+all ") == n * 4, report
+    assert report.count("fwdsplit/") == n * 2 and report.count("+modifiers ") == n, report
+    assert report.count("+varlen ") == n and report.count("+paged ") == n * 2, report
+    assert report.count(" ok (") == n * 8, report
     assert re.search(r"dkdv/bf16/d128\+all\s+90\s+16x32 ", report), report
     assert re.search(r"fused/bf16/d128\+all\s+90\s+16x32 ", report), report
 
