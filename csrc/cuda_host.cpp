@@ -1,8 +1,10 @@
 // The CUDA kernels of the dispatcher ops mhakern_C::fwd and mhakern_C::bwd (schemas in
 // csrc/bindings.cpp; one schema for every device): see cuda_host.h.
 //
-// The kernels (csrc/cuda/*.cu) see no torch type: this file checks the tensors (op_common.h for
-// what every device checks alike, here what the tensor-core kernels need besides), fills the
+// The kernels (csrc/cuda/*.cu) see no torch type: this file checks what keeps them in bounds
+// (op_common.h's memory-safety checks, alike on every device, and here what the tensor-core
+// kernels need besides; the arguments a user names were checked by the Python operator layer,
+// mhakern/checks.py, before the call), fills the
 // plain parameter structs through the helpers the emulator also uses (attn_params.h), plans the
 // split-K (capabilities.h), allocates the outputs and workspaces through torch's caching
 // allocator, and launches on torch's current stream of the tensors' device.
@@ -86,7 +88,8 @@ void check_aligned(const at::Tensor& x, const char* name) {
                     ": data must be 16-byte aligned (got a view at an odd offset; pass .contiguous())");
 }
 
-// Everything forward and backward check alike; returns the sizes.
+// Everything forward and backward check alike, all of it what the kernels need to stay in
+// bounds (no argument check of the Python layer is repeated here); returns the sizes.
 op::Sizes check_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                        const std::optional<at::Tensor>& key_lengths, const op::ModeArgs& modes, bool backward) {
   // check_qkv first: it names an undefined operand (None from Python) before anything reads its device.

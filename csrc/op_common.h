@@ -1,7 +1,11 @@
 // What the mhakern_C::fwd / mhakern_C::bwd ops (schemas in csrc/bindings.cpp) check and do the
-// same way on every device: argument checks that name the argument and what is accepted, the
-// optional modes (docs/contract.md), the outputs' allocation, and filling the mode fields of a
-// kernel family's parameter struct. Header-only, included by the cpu host code
+// same way on every device: the memory-safety checks that hold whoever calls the ops (ranks,
+// shapes, strides, dtypes, devices, index ranges: what a kernel would read or write out of
+// bounds without them), the optional modes (docs/contract.md), the outputs' allocation, and
+// filling the mode fields of a kernel family's parameter struct. The argument checks a user
+// meets (finite scale, window sizes, softcap, mask_grad's mask, messages that name every
+// combination) are the Python operator layer's (mhakern/checks.py), made before any call
+// reaches here; a direct caller who skips them gets the kernels' arithmetic, never a bad read. Header-only, included by the cpu host code
 // (cpu/attention_cpu.cpp), the CUDA host code (cuda_host.cpp) and the meta (fake) kernels
 // (bindings.cpp), so the three agree by construction.
 //
@@ -107,8 +111,9 @@ inline void check_shape(const at::Tensor& x, const char* name, at::IntArrayRef w
   TORCH_CHECK_VALUE(x.sizes() == want, name, ": expected shape ", want, " ", what, ", got ", x.sizes());
 }
 
-// q, k, v: ranks, relations between their shapes, one dtype, one device, finite scale.
-inline Sizes check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+// q, k, v: ranks, relations between their shapes, one dtype, one device. (`scale` is the
+// kernels' arithmetic: a non-finite one gives non-finite outputs, no bad read.)
+inline Sizes check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double /*scale*/,
                        const ModeArgs* m = nullptr) {
   check_rank4(q, "q");
   check_rank4(k, "k");
@@ -127,7 +132,6 @@ inline Sizes check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                     ") (k's), got shape ", v.sizes());
   TORCH_CHECK_VALUE(s.Hkv > 0 && s.H % s.Hkv == 0, "k: number of kv heads (", s.Hkv,
                     ") must be positive and divide q's number of heads (", s.H, ")");
-  TORCH_CHECK_VALUE(std::isfinite(scale), "scale: expected a finite number, got ", scale);
   return s;
 }
 
@@ -157,13 +161,14 @@ inline void check_index_tensor(const at::Tensor& t, const char* name, int64_t di
   check_same_device(t, name, q);
 }
 
-// Packed sequences and the KV cache: shapes, dtypes, devices and how they combine (values are
-// checked where reading them is free: check_packing_values, on the CPU).
+// Packed sequences and the KV cache: shapes, dtypes, devices and the combinations a kernel
+// cannot index (values are checked where reading them is free: check_packing_values, on the
+// CPU). The messages are short: a user's call meets mhakern/checks.py's first.
 inline void check_packing_and_cache(const ModeArgs& m, const at::Tensor& q, const Sizes& s, bool backward) {
   if (m.varlen()) {
     TORCH_CHECK_VALUE(ModeArgs::given(m.cu_seqlens_q) && ModeArgs::given(m.cu_seqlens_k),
-                      "cu_seqlens_q, cu_seqlens_k: packed sequences need both (got only ",
-                      ModeArgs::given(m.cu_seqlens_q) ? "cu_seqlens_q" : "cu_seqlens_k", ")");
+                      "cu_seqlens_q, cu_seqlens_k: both or neither, got only ",
+                      ModeArgs::given(m.cu_seqlens_q) ? "cu_seqlens_q" : "cu_seqlens_k");
     const at::Tensor& cq = **m.cu_seqlens_q;
     const at::Tensor& ck = **m.cu_seqlens_k;
     check_index_tensor(cq, "cu_seqlens_q", 1, q);
@@ -183,8 +188,7 @@ inline void check_packing_and_cache(const ModeArgs& m, const at::Tensor& q, cons
     check_index_tensor(**m.cache_batch_idx, "cache_batch_idx", 1, q);
     TORCH_CHECK_VALUE((*m.cache_batch_idx)->size(0) == s.B, "cache_batch_idx: expected shape (", s.B,
                       ",) (one K/V row per batch element), got ", (*m.cache_batch_idx)->sizes());
-    TORCH_CHECK_VALUE(!m.paged(), "cache_batch_idx, block_table: a paged cache picks its pages per batch element "
-                      "already; give one of them");
+    TORCH_CHECK_VALUE(!m.paged(), "cache_batch_idx, block_table: one or the other, got both");
   }
   if (m.paged()) {
     const at::Tensor& bt = **m.block_table;
@@ -192,8 +196,8 @@ inline void check_packing_and_cache(const ModeArgs& m, const at::Tensor& q, cons
     TORCH_CHECK_VALUE(bt.size(0) == s.B, "block_table: expected (", s.B, ", pages per sequence), got shape ",
                       bt.sizes());
   }
-  TORCH_CHECK_VALUE(!backward || !m.kv_indexed(), "cache_batch_idx, block_table: the KV-cache path is forward "
-                    "only (inference); no backward takes them");
+  // The backward kernels index k by q's batch: a cache's rows or pages would be read past.
+  TORCH_CHECK_VALUE(!backward || !m.kv_indexed(), "cache_batch_idx, block_table: not in ", op_name(backward));
 }
 
 // The key length the kernels see: pages per sequence x page size for a paged cache (k is
@@ -213,8 +217,7 @@ inline void check_packing_values(const ModeArgs& m, const at::Tensor& q, const a
     TORCH_CHECK_VALUE(cu[0] == 0, name, ": expected 0 first, got ", cu[0]);
     TORCH_CHECK_VALUE(cu[n] == total, name, ": expected the token count ", total, " last, got ", cu[n]);
     for (int64_t i = 0; i < n; ++i) {
-      TORCH_CHECK_VALUE(cu[i + 1] >= cu[i], name, ": expected non-decreasing prefix sums, got ", cu[i], " then ",
-                        cu[i + 1], " at index ", i);
+      TORCH_CHECK_VALUE(cu[i + 1] >= cu[i], name, ": decreases at index ", i, " (", cu[i], " then ", cu[i + 1], ")");
       TORCH_CHECK_VALUE(cu[i + 1] - cu[i] <= max_len, name, ": sequence ", i, " has ", cu[i + 1] - cu[i], " tokens, more than ",
                         max_name, " = ", max_len);
     }
@@ -234,14 +237,15 @@ inline void check_packing_values(const ModeArgs& m, const at::Tensor& q, const a
   if (m.paged()) rows(**m.block_table, "block_table", k.size(0), "k's pages");
 }
 
-// The modes: ranges, the mask's dtype, shape and device, and whether the family implements them.
+// The modes: the mask's and the slopes' dtype, shape and device, the dropout probability (an
+// out-of-range one is an undefined conversion and a division by zero in every kernel), and
+// whether the family implements them. Window sizes below -1 count as unbounded in every
+// kernel; softcap and mask_grad without a float32 mask are arithmetic (dmask is allocated
+// whatever the mask): the Python layer names them.
 inline void check_modes(const ModeArgs& m, const at::Tensor& q, const Sizes& s, unsigned family_features,
                         const char* family, bool backward) {
   TORCH_CHECK_VALUE(std::isfinite(m.dropout_p) && m.dropout_p >= 0.0 && m.dropout_p < 1.0,
                     "dropout_p: expected a number in [0, 1), got ", m.dropout_p);
-  TORCH_CHECK_VALUE(m.window_left >= -1, "window_left: expected -1 (unbounded) or a size >= 0, got ", m.window_left);
-  TORCH_CHECK_VALUE(m.window_right >= -1, "window_right: expected -1 (unbounded) or a size >= 0, got ",
-                    m.window_right);
   if (m.has_mask()) {
     const at::Tensor& mk = m.mask();
     TORCH_CHECK_TYPE(mk.scalar_type() == at::kBool || mk.scalar_type() == at::kFloat,
@@ -252,12 +256,6 @@ inline void check_modes(const ModeArgs& m, const at::Tensor& q, const Sizes& s, 
     check_shape(mk, "attn_mask", {s.B, s.H, s.Lq, s.Lk}, "(batch, heads, q length, k length; expand() to broadcast)");
     check_same_device(mk, "attn_mask", q);
   }
-  TORCH_CHECK_VALUE(!m.mask_grad || (m.has_mask() && m.mask().scalar_type() == at::kFloat),
-                    "mask_grad: True needs a float32 attn_mask (the gradient of an additive mask), got ",
-                    m.has_mask() ? "a bool mask" : "no mask");
-  TORCH_CHECK_VALUE(!m.mask_grad || backward, "mask_grad: only the backward takes it");
-  TORCH_CHECK_VALUE(std::isfinite(m.softcap) && m.softcap >= 0.0,
-                    "softcap: expected 0 (off) or a finite positive number, got ", m.softcap);
   if (m.has_alibi()) {
     const at::Tensor& a = m.alibi();
     TORCH_CHECK_TYPE(a.scalar_type() == at::kFloat, "alibi_slopes: expected dtype float32, got ", a.scalar_type());

@@ -21,7 +21,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from . import backends, reference
 from ._errors import ArgumentError, ShapeAssertionError, TypeAssertionError
 from .attention import attention
-from .ops import check_softcap, draw_seed, is_causal_bias, resolve_causal_bias
+from .checks import check_softcap, draw_seed, is_causal_bias, resolve_causal_bias
 from .varlen import attention_varlen
 
 Tensor = torch.Tensor

@@ -18,7 +18,8 @@ import torch
 
 from ._errors import ArgumentError, ArgumentTypeError
 from .attention import attention
-from .ops import is_causal_bias, plain_nograd, resolve_causal_bias
+from .checks import is_causal_bias, resolve_causal_bias
+from .routing import plain_nograd
 
 Tensor = torch.Tensor
 

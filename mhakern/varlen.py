@@ -5,7 +5,7 @@
 * :func:`attention_with_kvcache`: the inference path (new keys appended into a dense or paged
   cache in place, then attention over the cache), forward only.
 
-Both reach the same operator (``torch.ops.mhakern.attn_fwd``) as :func:`mhakern.attention`, with
+Both take the same route to a backend (mhakern/routing.py) as :func:`mhakern.attention`, with
 the call record's packing or cache fields set (mhakern/modes.py). Semantics: docs/contract.md,
 "Packed sequences" and "KV cache".
 """
@@ -16,26 +16,21 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from ._errors import ArgumentError, ArgumentTypeError
-from .attention import _parse_modes
-from .ops import (
+from .checks import (
     INT_DTYPES,
-    _host_values_checkable,
-    attn_fwd,
-    call_attention,
+    check_backend,
+    check_bool,
+    check_dropout_p,
     check_packing_and_cache,
     check_qkv,
     check_scale,
-    forward_impl,
-    prepare,
+    host_values_checkable,
+    parse_modes,
     prepare_packing_and_cache,
 )
+from .routing import route
 
 Tensor = torch.Tensor
-
-
-def _check_bool(name, x) -> None:
-    if not isinstance(x, bool):
-        raise TypeError(f"{name}: expected a bool, got {type(x).__name__}")
 
 
 def _check_dims(name: str, x, dims: int, what: str) -> None:
@@ -102,33 +97,25 @@ def attention_varlen(
     # The operator's (1, H, T, D) views: no copy.
     q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     check_qkv(q4, k4, v4)
-    _check_bool("causal", causal)
-    _check_bool("return_lse", return_lse)
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p: expected a float in [0, 1], got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p <= 1.0:
-        raise ArgumentError(f"dropout_p: expected a number in [0, 1], got {dropout_p!r}")
+    check_bool("causal", causal)
+    check_bool("return_lse", return_lse)
+    check_dropout_p(dropout_p)
     if dropout_p == 1.0:  # every probability dropped, as attention() does it
         out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                     causal_align=causal_align, window=window, scale=scale, softcap=softcap,
                                     alibi_slopes=alibi_slopes, sinks=sinks, backend=backend, return_lse=True)
         return (out * 0.0, lse) if return_lse else out * 0.0
-    if not isinstance(backend, str):
-        raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
+    check_backend(backend)
     _, H, Tq, D = q4.shape
     scale = check_scale(scale, D)
     num_seqs = cu_seqlens_q.shape[0] - 1
-    modes = _parse_modes(q4, num_seqs, H, Tq, k4.shape[2], None, dropout_p, generator, causal, causal_align, window,
-                         softcap, alibi_slopes, sinks)
+    modes = parse_modes(q4, num_seqs, H, Tq, k4.shape[2], None, dropout_p, generator, causal, causal_align, window,
+                        softcap, alibi_slopes, sinks)
     modes = modes._replace(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                            max_seqlen_k=max_seqlen_k)
     needs_grad = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad))
-    if needs_grad or torch.compiler.is_compiling():
-        out4, lse4 = call_attention(q4, k4, v4, scale, causal, None, backend, modes)
-    else:
-        q4, k4, v4, kl, be, modes = prepare(q4, k4, v4, scale, causal, None, backend, modes, qkv_checked=True)
-        out4, lse4 = forward_impl(be, q4, k4, v4, scale, causal, kl, modes)
+    out4, lse4 = route(q4, k4, v4, scale, causal, None, backend, modes, needs_grad)
     out = out4[0].transpose(0, 1)
     return (out, lse4[0]) if return_lse else out
 
@@ -192,10 +179,9 @@ def attention_with_kvcache(
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ArgumentError(f"k_cache, v_cache: (rows or pages, kv heads, length) must match, got "
                             f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    _check_bool("causal", causal)
-    _check_bool("return_lse", return_lse)
-    if not isinstance(backend, str):
-        raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
+    check_bool("causal", causal)
+    check_bool("return_lse", return_lse)
+    check_backend(backend)
     if torch.is_grad_enabled():
         for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("sinks", sinks)):
             if isinstance(x, torch.Tensor) and x.requires_grad:
@@ -238,8 +224,8 @@ def attention_with_kvcache(
         raise ArgumentError(f"cache_seqlens: must be on q's device ({q.device}) or the CPU, got {cache_seqlens.device}")
     scale = check_scale(scale, D)
     L_logical = block_table.shape[1] * Lc if paged and block_table.dim() == 2 else Lc
-    modes = _parse_modes(q, B, H, Lq, L_logical, None, 0.0, None, causal, causal_align, window, softcap,
-                         alibi_slopes, sinks)
+    modes = parse_modes(q, B, H, Lq, L_logical, None, 0.0, None, causal, causal_align, window, softcap,
+                        alibi_slopes, sinks)
     modes = modes._replace(cache_batch_idx=cache_batch_idx, block_table=block_table)
     if modes.cached:  # indices checked (shapes and values) before anything is written
         check_qkv(q, k_cache, v_cache, cached=True)
@@ -248,9 +234,8 @@ def attention_with_kvcache(
     else:
         check_qkv(q, k_cache, v_cache)
     seqlens = cache_seqlens.to(device=q.device, dtype=torch.int64)
-    compiling = torch.compiler.is_compiling()
     # Value checks read the host (as for key_lengths): none while compiling or capturing a graph.
-    checkable = _host_values_checkable(seqlens)
+    checkable = host_values_checkable(seqlens)
     if checkable and B:
         lo, hi = (int(x) for x in torch.stack(torch.aminmax(seqlens)).tolist())
         if lo < 0 or hi + L_new > L_logical:
@@ -261,14 +246,9 @@ def attention_with_kvcache(
     if L_new and B:
         _append(k_cache, v_cache, k, v, seqlens, modes, checkable)
     key_lengths = (seqlens + L_new).to(torch.int32)
-    if compiling:
-        out, lse = attn_fwd(q, k_cache, v_cache, scale, causal, key_lengths, backend, *modes.op_args())
-    else:
-        # The fit check above read the lengths once: seqlens + L_new lie in [0, L_logical].
-        qc, kc, vc, kl, be, modes = prepare(q, k_cache, v_cache, scale, causal, key_lengths, backend, modes,
-                                            qkv_checked=True, grad=False, packing_checked=True,
-                                            key_lengths_checked=checkable)
-        out, lse = forward_impl(be, qc, kc, vc, scale, causal, kl, modes)
+    # The fit check above read the lengths once: seqlens + L_new lie in [0, L_logical].
+    out, lse = route(q, k_cache, v_cache, scale, causal, key_lengths, backend, modes, False, packing_checked=True,
+                     key_lengths_checked=checkable)
     return (out, lse) if return_lse else out
 
 

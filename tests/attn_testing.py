@@ -13,7 +13,7 @@ import torch
 
 from mhakern import reference
 from mhakern.backends import Modes
-from mhakern.ops import draw_seed
+from mhakern.checks import draw_seed
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # float64 is left out of the backend dtypes: only the reference serves it (the kernels refuse

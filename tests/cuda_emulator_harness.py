@@ -37,7 +37,7 @@ import torch
 from mhakern import reference
 from mhakern._layout import heads_inner
 from mhakern.backends import DEFAULT_MODES, Modes, cuda_backend
-from mhakern.ops import draw_seed
+from mhakern.checks import draw_seed
 from attn_testing import HARD_CASES
 
 # ---------------------------------------------------------------------------------------------

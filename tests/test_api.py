@@ -316,7 +316,7 @@ def test_key_lengths_under_cuda_graph_capture_are_clamped_without_a_sync():
     kl = torch.tensor([9, 3], device="cuda")
     with pytest.raises(ValueError, match="key_lengths"):
         mhakern.attention(q, k, v, key_lengths=kl, backend="reference")
-    from mhakern.ops import prepare_key_lengths
+    from mhakern.checks import prepare_key_lengths
 
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.cuda.graph(graph):

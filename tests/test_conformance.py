@@ -236,7 +236,7 @@ def test_dropout_is_reproducible_and_drops_the_reference_keep_mask(name, dtype):
     a = mhakern.attention(q, k, v, dropout_p=p, generator=_gen(123), backend=name)
     b = mhakern.attention(q, k, v, dropout_p=p, generator=_gen(123), backend=name)
     assert torch.equal(a, b), "same generator state, different output"
-    seed = mhakern.ops.draw_seed(_gen(123))
+    seed = mhakern.checks.draw_seed(_gen(123))
     keep = mhakern.reference.dropout_keep_mask(seed, B, H, Lq, Lk, p, DEVICE)
     assert torch.equal(a != 0, keep), "dropped positions differ from the reference keep mask"
     c = mhakern.attention(q, k, v, dropout_p=p, generator=_gen(124), backend=name)

@@ -405,7 +405,7 @@ def test_register_is_idempotent_and_extra_pins_the_checked_version():
 
 def test_plain_layer_calls_take_the_checked_once_path(monkeypatch):
     # A decode step (one query, bottom-right causal: every key), a prefill without padding and a
-    # non-causal call go through ops.plain_nograd (twice each: the first call checks, the second
+    # non-causal call go through routing.plain_nograd (twice each: the first call checks, the second
     # is the remembered signature); a top-left causal single query sees key 0 only and must not
     # be read as the plain call. GQA (4 query heads over 2), q in transformers' (B, L, H, D) memory.
     g = torch.Generator().manual_seed(3)

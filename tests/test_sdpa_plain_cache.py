@@ -1,4 +1,4 @@
-"""The SDPA drop-in's plain no-gradient calls served from the dispatch cache (ops.plain_nograd):
+"""The SDPA drop-in's plain no-gradient calls served from the remembered calls (routing.plain_nograd):
 the same answer on the first (checked) call and on later (cached) ones, the checks that read
 values still made on every call, and the gradient and strict paths untouched."""
 import pytest
@@ -6,11 +6,10 @@ import torch
 
 import mhakern
 from mhakern import backends, reference
-from mhakern.ops import _PLAIN_KEY
 
 
 def _plain_entries():
-    return [k for k in backends._SELECTED if isinstance(k, tuple) and k and k[0] is _PLAIN_KEY]
+    return backends.remembered_calls()
 
 
 def test_cached_call_matches_first_and_reference():

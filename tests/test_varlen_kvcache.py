@@ -14,7 +14,7 @@ import torch
 import mhakern
 from mhakern import backends, reference
 from mhakern.modes import Modes
-from mhakern.ops import draw_seed
+from mhakern.checks import draw_seed
 
 from attn_testing import rule_check, usable_backends
 

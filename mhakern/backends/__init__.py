@@ -111,6 +111,9 @@ _LOAD_LOCK = threading.RLock()
 _ORDER: Optional[List[str]] = None
 _SELECTED: Dict[tuple, object] = {}
 _SELECTED_MAX = 4096  # distinct call signatures kept; the cache restarts when full
+# Calls checked once (remember_call): a signature whose every check reads metadata only, with
+# what serving it again needs. Kept beside the selections, forgotten with them.
+_CALLS: Dict[tuple, tuple] = {}
 
 
 def register(backend: Backend) -> Backend:
@@ -126,6 +129,7 @@ def register(backend: Backend) -> Backend:
     _REGISTRY[backend.name] = backend
     _ORDER = None
     _SELECTED.clear()
+    _CALLS.clear()
     return backend
 
 
@@ -171,8 +175,40 @@ def _refuse_fallback(be: "Backend", q, k, v, causal, key_lengths, needed) -> Non
 
 
 def clear_dispatch_cache() -> None:
-    """Forget the cached selections (for a backend whose availability changed in-process)."""
+    """Forget the cached selections and remembered calls (for a backend whose availability
+    changed in-process)."""
     _SELECTED.clear()
+    _CALLS.clear()
+
+
+def remember_call(key: tuple, entry: tuple) -> None:
+    """Remember a call signature ``key`` that passed every check once, with ``entry``: a tuple
+    whose first item is the :class:`Backend` that served it, the rest the caller's own (what
+    serving the signature again needs). For a caller whose checks read nothing but what ``key``
+    holds (mhakern/routing.py); :func:`register` and :func:`clear_dispatch_cache` forget it."""
+    if len(_CALLS) >= _SELECTED_MAX:
+        _CALLS.clear()
+    _CALLS[key] = entry
+
+
+def remembered_call(key: tuple) -> Optional[tuple]:
+    """The entry :func:`remember_call` stored under ``key``, its backend then noted as the one
+    that served this thread's last call (:func:`last_backend`); None when there is none."""
+    hit = _CALLS.get(key)
+    if hit is not None:
+        _LAST.name = hit[0].name
+    return hit
+
+
+def remembered_calls() -> List[tuple]:
+    """The keys of the calls remembered now (tests, diagnostics)."""
+    return list(_CALLS)
+
+
+def note_served(be: Backend) -> None:
+    """Note ``be`` as the backend of this thread's last call (:func:`last_backend`), for a
+    caller that runs a selection it made earlier without :func:`select`."""
+    _LAST.name = be.name
 
 
 # Dynamo cannot trace importlib: under torch.compile this runs once at trace time instead, its

@@ -67,8 +67,7 @@ import torch
 
 import mhakern
 from mhakern import backends
-from mhakern.attention import prepare_nograd
-from mhakern.ops import forward_impl, plain_nograd
+from mhakern.routing import plain_nograd, prepare_nograd
 
 Tensor = torch.Tensor
 
@@ -152,7 +151,7 @@ class Visibility:
     kv_length: int
     packing: Optional["Packing"] = None
     # The one field written after construction: attention_forward's memo of the first layer's
-    # prepared call, (signature, forward_impl's arguments), which the next layers of the same
+    # prepared call, (signature, mhakern.routing.PreparedCall), which the next layers of the same
     # forward reuse (the checks, the mode record, the mask's broadcast view, the selection).
     prepared: Optional[tuple] = field(default=None, repr=False, compare=False)
 
@@ -634,7 +633,7 @@ def attention_forward(
 
     A call that needs no gradient and carries no mask, key lengths, window, packing, dropout,
     softcap or sinks (a decode step with a KV cache, an unpadded prefill in eval mode) goes
-    through :func:`mhakern.ops.plain_nograd`: attention()'s checks on its signature's first
+    through :func:`mhakern.routing.plain_nograd`: attention()'s checks on its signature's first
     call, one lookup on later ones. Other calls without gradient, dropout, softcap or sinks (a
     padded decode step: a padding mask or key lengths) are prepared once per forward, by the
     first layer, and the later layers reuse that preparation (:func:`_prepared_call`).
@@ -703,7 +702,7 @@ def attention_forward(
 
 def _prepared_call(vis: Visibility, query, key, value, causal, align, window, scaling, key_lengths, mask) -> Tensor:
     """The layer's (B, Lq, H, Dv) output of a call without gradient over ``vis``'s masks and
-    lengths: the first layer of a forward prepares it (:func:`mhakern.attention.prepare_nograd`,
+    lengths: the first layer of a forward prepares it (:func:`mhakern.routing.prepare_nograd`,
     all of attention()'s checks), the others reuse that preparation when their q, k, v have its
     signature (a decode step's layers do; a left-padded decode call of a 4-layer Llama went from
     140 to 90 us, 2-core AMD EPYC, the same call repeated).
@@ -713,16 +712,13 @@ def _prepared_call(vis: Visibility, query, key, value, causal, align, window, sc
            value.stride(), key.dtype, value.dtype, key.device, value.device, scaling, causal, _state["backend"])
     memo = vis.prepared
     if memo is not None and memo[0] == sig:
-        be, scale, kl, modes = memo[1]
-        backends._LAST.name = be.name
-        out, _ = forward_impl(be, query, key, value, scale, causal, kl, modes)
-        return out.transpose(1, 2).contiguous()
-    be, q, k, v, scale, causal, kl, modes = prepare_nograd(
+        return memo[1].forward(query, key, value).transpose(1, 2).contiguous()
+    call, q, k, v = prepare_nograd(
         query, key, value, attn_mask=mask, causal=causal, causal_align=align, window=window, scale=scaling,
         key_lengths=key_lengths, backend=_state["backend"])
-    out, _ = forward_impl(be, q, k, v, scale, causal, kl, modes)
+    out = call.forward(q, k, v)
     if q is query and k is key and v is value:  # no layout copy: later layers pass the same way
-        vis.prepared = (sig, (be, scale, kl, modes))
+        vis.prepared = (sig, call)
     return out.transpose(1, 2).contiguous()
 
 
@@ -732,7 +728,7 @@ _KWARGS_PACKED = _KWARGS | {"position_ids"}
 
 
 def _plain(query, key, value, vis: Visibility, scaling, kwargs) -> Optional[Tensor]:
-    """The layer's (B, Lq, H, Dv) output through :func:`mhakern.ops.plain_nograd` when ``vis``
+    """The layer's (B, Lq, H, Dv) output through :func:`mhakern.routing.plain_nograd` when ``vis``
     (no mask, key lengths, window or packing; the caller checked) and the kwargs leave a plain
     call, else None (the full path then decides, and raises what it raises).
 

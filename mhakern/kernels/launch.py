@@ -187,7 +187,8 @@ class ModeArgs:
         self.cache_idx = _cache_index(getattr(m, "cache_batch_idx", None), "cache_batch_idx", (B,), device)
         self.block_table = _cache_index(getattr(m, "block_table", None), "block_table", (B, None), device)
         if self.cache_idx is not None and self.block_table is not None:
-            raise ValueError("cache_batch_idx, block_table: a paged cache picks its pages per batch element; give one")
+            # Memory safety for a direct caller: the kernels would add a row's offset to a page's.
+            raise ValueError("cache_batch_idx, block_table: the kernels address K/V through one of them, got both")
 
     def any(self) -> bool:
         """Whether some mode is on (the launch takes the modes kernel, not the plain one)."""
