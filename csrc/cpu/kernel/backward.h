@@ -90,7 +90,7 @@ MHK_STEP void zero_dmask_range(const AttnParams& p, const RowPlan& rp, int64_t b
 // products (docs/contract.md, "Tolerance rule"). All rows of a block at once, a row to a lane of
 // the transposed tiles dO^T and O^T (Dv x Rp): each lane is the same chain of Dv multiply-adds
 // as one row alone, so the same bits, without a serial chain per row (one row at a time was a
-// quarter of the backward's own instructions at 20 rows, head dim 64).
+// quarter of the backward's own samples in perf at 20 rows, head dim 64).
 inline void delta_rows(const float* dot, const float* ot, int64_t Dv, int64_t Rp, float* delta) {
   for (int64_t v = 0; v < Rp; v += VL) {
     Vec acc(0.f);
