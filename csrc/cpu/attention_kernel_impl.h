@@ -15,7 +15,7 @@
 //   few row blocks are split into key ranges whose normalised partials are merged by lse.
 // * Backward: a task owns (batch, KV head, key range): it gathers all the query rows of the
 //   heads sharing the KV head once, then for each key block recomputes P from lse and
-//   accumulates dV, dK for the block (owned: no atomics) and dQ^T for the rows; with several
+//   accumulates dV, dK for the block (owned: no atomics) and dQ for the rows; with several
 //   key ranges, dQ partials are summed in a fixed order.
 // Memory: a thread's scratch is a few tiles, plus in the backward the gathered rows of one KV
 // head's query heads (about 5 * rows * D floats); split partials stay within kPartialBudget.

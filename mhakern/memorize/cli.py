@@ -167,13 +167,21 @@ def _add_ray(p: argparse.ArgumentParser) -> None:
                    help="with --ray/--workers: how often a stack whose worker died is run again (default 3)")
 
 
+# Stacking pays where a step's fixed cost dominates: on a GPU always, on a CPU only for small steps
+# (8 stacked runs per run over one, one thread: 1.4x at H 8, n 8, d 16; 0.95x at H 8, n 16,
+# d 32; 0.75x at the paper's H 20, n 32, d 64; docs/results.md section 4).
+_STACK_HELP = ("most runs trained side by side in one stack (default 32); on a CPU a stack also stops at about "
+               "50 M multiply-adds per step, so small steps stack and large ones (the paper's H 20, n 32, d 64: "
+               "8 stacked ran 0.75-1.2x per run of one) train alone")
+
+
 def _add_model(p: argparse.ArgumentParser, listy: bool) -> None:
     g = p.add_argument_group("configuration" + (" (comma lists and start:stop:step ranges make a grid)" if listy else ""))
     for field, flag, short, _, hlp in _MODEL_FLAGS:
         names = [flag] + ([short] if short else [])
         g.add_argument(*names, dest=field, default=None, help=hlp)
     g.add_argument("--seeds", default=None, help="seeds, e.g. 0,1,2 or 0:4 (default 0)")
-    p.add_argument("--stack", default="32", help="most runs trained side by side in one stack (default 32)")
+    p.add_argument("--stack", default="32", help=_STACK_HELP)
     p.add_argument("--layout", default="rows", choices=("rows", "heads"),
                    help="how folded queries reach mhakern.attention: rows (H query rows of one head, default) or heads (MQA)")
 
@@ -219,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("name", help="preset name")
     pr.add_argument("--seeds", default=None, help="override the preset's seeds")
     pr.add_argument("--dry-run", action="store_true", help="list what would run and exit")
-    pr.add_argument("--stack", default="32", help="most runs trained side by side in one stack (default 32)")
+    pr.add_argument("--stack", default="32", help=_STACK_HELP)
     pr.add_argument("--layout", default="rows", choices=("rows", "heads"), help=argparse.SUPPRESS)
     pr.add_argument("--backend", default=None, help="mhakern backend (default: the preset's, auto)")
     _add_common(pr)

@@ -36,8 +36,10 @@ from .train import RunResult, train_stack, versions
 
 # Most work (multiply-adds of one forward step, padded, all runs) per stack. Stacking pays for
 # small steps, whose cost is fixed overhead; on a CPU, large stacked steps run slower per run than
-# separate ones (their tensors leave the caches: measured 0.8x for 8 runs at H=20, n=32, d=64),
-# while a GPU wants all the work it can get in one launch.
+# separate ones (their tensors leave the caches). 8 stacked against one, per run, one thread:
+# 1.41x at H 8, n 8, d 16 (2.6 M a step), 0.95x at H 8, n 16, d 32 (11.7 M), 0.75x at the paper's
+# H 20, n 32, d 64 (99.8 M: alone under this bound); docs/results.md section 4. A GPU wants all
+# the work it can get in one launch.
 STACK_MACS = {"cpu": 50e6, "cuda": 50e9}
 
 

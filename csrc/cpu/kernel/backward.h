@@ -1,6 +1,6 @@
 // The cpu backward: a task owns (batch, KV head, key range); backward_group gathers the query
 // rows of the heads sharing the KV head once, then per key block recomputes P from lse and
-// accumulates dV, dK (owned by the task) and dQ^T (per row block); backward_impl runs the tasks
+// accumulates dV, dK (owned by the task) and dQ (per row block, as rows); backward_impl runs the tasks
 // and sums split dQ partials in a fixed order.
 #pragma once
 
@@ -15,10 +15,10 @@
 namespace mhakern::cpu {
 namespace CPU_CAPABILITY {
 
-// Per row block: the gathered operands and the dQ^T accumulator.
+// Per row block: the gathered operands and the dQ accumulator.
 struct RowSlot {
   RowBlock rb;
-  float *qr, *qt, *dor, *dot, *lse2, *delta, *dqt;
+  float *qr, *qt, *dor, *dot, *lse2, *delta, *dqr;  // dqr: dQ of the rows (Rp x Dp)
   float* dead;      // 1 for a row that sees no key (lse -inf) and for padding rows, else 0
   uint32_t* rseed;  // dropout: the rows' r_i
   BlockRanges br;
@@ -49,12 +49,12 @@ struct DropoutConsts {
 // accumulators, K and V converted to fp32, the rows' range limits and keep factors, the rows of
 // dQ on the way out, and the pairwise visibility.
 struct BwdTiles {
-  float *st, *dst, *dkb, *dvb, *kc, *vc, *lorel, *hirel, *kv, *dqrow;
+  float *st, *dst, *dkb, *dvb, *kc, *vc, *lorel, *hirel, *kv, *kpad;
   uint8_t* vis;
   ModScratch ms;
   static int64_t floats(const BwdLayout& L, const ScoreMods& mods) {
     return mods.floats(L.Rp, true) + 2 * Scratch::size_of(kKeyBlock * L.Rp) + 2 * Scratch::size_of(kKeyBlock * L.Dp) +
-           2 * Scratch::size_of(kKeyBlock * L.Dvp) + 3 * Scratch::size_of(L.Rp) + Scratch::size_of(L.Rp * L.Dp) +
+           2 * Scratch::size_of(kKeyBlock * L.Dvp) + 3 * Scratch::size_of(L.Rp) + Scratch::size_of(kKeyBlock * L.Dp) +
            Scratch::size_of(kKeyBlock * L.Rp / 4);
   }
   BwdTiles(Scratch& buf, const BwdLayout& L, const ScoreMods& mods) {
@@ -67,7 +67,7 @@ struct BwdTiles {
     lorel = buf.take(L.Rp);
     hirel = buf.take(L.Rp);
     kv = buf.take(L.Rp);
-    dqrow = buf.take(L.Rp * L.Dp);
+    kpad = buf.take(kKeyBlock * L.Dp);
     vis = reinterpret_cast<uint8_t*>(buf.take(kKeyBlock * L.Rp / 4));
     ms = ModScratch(buf, mods, L.Rp, true);
   }
@@ -87,13 +87,17 @@ MHK_STEP void zero_dmask_range(const AttnParams& p, const RowPlan& rp, int64_t b
 // element, d = 0, 1, .., in the micro-kernel's own fmadd): a row that sees one key has O = V_j
 // exactly, so dP - delta is exactly 0 there and so are its dS, dQ and dK, as in the math
 // (softmax over one key), instead of the rounding difference of two differently summed dot
-// products (docs/contract.md, "Tolerance rule"). Dv multiply-adds per row, once per row block.
-inline float delta_like_dp(const float* dout, const float* o, int64_t Dv) {
-  Vec acc(0.f);
-  for (int64_t d = 0; d < Dv; ++d) acc = at::vec::fmadd(Vec(o[d]), Vec(dout[d]), acc);
-  float lane[VL];
-  acc.store(lane);
-  return lane[0];
+// products (docs/contract.md, "Tolerance rule"). All rows of a block at once, a row to a lane of
+// the transposed tiles dO^T and O^T (Dv x Rp): each lane is the same chain of Dv multiply-adds
+// as one row alone, so the same bits, without a serial chain per row (one row at a time was a
+// quarter of the backward's own samples in perf at 20 rows, head dim 64).
+inline void delta_rows(const float* dot, const float* ot, int64_t Dv, int64_t Rp, float* delta) {
+  for (int64_t v = 0; v < Rp; v += VL) {
+    Vec acc(0.f);
+    for (int64_t d = 0; d < Dv; ++d)
+      acc = at::vec::fmadd(Vec::loadu(ot + d * Rp + v), Vec::loadu(dot + d * Rp + v), acc);
+    acc.store(delta + v);
+  }
 }
 
 // Step 1, once per row block of the group: Q (scaled) and dO as rows and transposed, lse in
@@ -101,7 +105,7 @@ inline float delta_like_dp(const float* dout, const float* o, int64_t Dv) {
 // rows' key ranges and dropout seeds. Rows that see no key (lse -inf) stay zero.
 template <typename T>
 MHK_STEP void gather_rows(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t hkv, int64_t blk,
-                          const BwdLayout& L, const DropoutConsts& drop, Scratch& buf, float* orow_tmp,
+                          const BwdLayout& L, const DropoutConsts& drop, Scratch& buf, float* otile,
                           RowSlot& sl) {
   const int64_t D = p.D, Dv = p.Dv, Dp = L.Dp, Dvp = L.Dvp;
   const float qmul = p.scale * kLog2e;
@@ -115,15 +119,17 @@ MHK_STEP void gather_rows(const AttnParams& p, const RowPlan& rp, int64_t b, int
   sl.delta = buf.take(L.Rp);
   sl.dead = buf.take(L.Rp);
   sl.rseed = reinterpret_cast<uint32_t*>(buf.take(L.Rp));
-  sl.dqt = buf.take(Dp * L.Rp);
+  sl.dqr = buf.take(L.Rp * Dp);
   sl.dq_started = false;
   sl.poisoned = false;
   sl.br = BlockRanges{};
+  float* orows = otile;               // O of the block's rows (Rp x Dvp)
+  float* ot = otile + L.Rp * Dvp;       // and transposed (Dvp x Rp)
   for (int64_t r = 0; r < Rp; ++r) {
     float* qd = sl.qr + r * Dp;
     float* dd = sl.dor + r * Dvp;
+    float* od = orows + r * Dvp;
     sl.lse2[r] = 0.f;
-    sl.delta[r] = 0.f;
     const int64_t h = sl.rb.h0 + r / sl.rb.nq, i = sl.rb.i0 + r % sl.rb.nq;
     const float lse = r < R ? p.lse[(b * p.H + h) * p.lse_sh + i] : kNegInf;
     // Only lse = -inf marks a row that saw nothing: a NaN lse (NaN among the visible inputs)
@@ -133,20 +139,24 @@ MHK_STEP void gather_rows(const AttnParams& p, const RowPlan& rp, int64_t b, int
     sl.rseed[r] = drop.on && r < R ? dropout_row_seed(p, b, h, i) : 0u;
     if (r < R) sl.br.add(dead ? KeyRange{0, 0} : row_range(p, b, i));
     if (dead) {
+      // Zero dO and O: the row's delta is then exactly 0.
       std::fill(qd, qd + Dp, 0.f);
       std::fill(dd, dd + Dvp, 0.f);
+      std::fill(od, od + Dvp, 0.f);
       continue;
     }
     sl.lse2[r] = static_cast<float>(static_cast<double>(lse) * kLog2ed);
     load_row(static_cast<const T*>(p.q.ptr) + b * p.q.sb + h * p.q.sh + i * p.q.sl, D, qmul, qd, Dp);
     load_row(static_cast<const T*>(p.dout.ptr) + b * p.dout.sb + h * p.dout.sh + i * p.dout.sl, Dv, 1.f, dd, Dvp);
-    load_row(static_cast<const T*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + i * p.out.sl, Dv, 1.f, orow_tmp, Dvp);
-    sl.delta[r] = delta_like_dp(dd, orow_tmp, Dv);
-    sl.poisoned = sl.poisoned || !std::isfinite(sl.lse2[r]) || !std::isfinite(sl.delta[r]) ||
-                  any_nonfinite(qd, 1, D, Dp) || any_nonfinite(dd, 1, Dv, Dvp);
+    load_row(static_cast<const T*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + i * p.out.sl, Dv, 1.f, od, Dvp);
+    sl.poisoned = sl.poisoned || !std::isfinite(sl.lse2[r]) || any_nonfinite(qd, 1, D, Dp) ||
+                  any_nonfinite(dd, 1, Dv, Dvp);
   }
   transpose(sl.qr, Dp, sl.qt, Rp, Rp, Dp);
   transpose(sl.dor, Dvp, sl.dot, Rp, Rp, Dvp);
+  transpose(orows, Dvp, ot, Rp, Rp, Dvp);
+  delta_rows(sl.dot, ot, Dv, Rp, sl.delta);
+  for (int64_t r = 0; r < R && !sl.poisoned; ++r) sl.poisoned = !std::isfinite(sl.delta[r]);
 }
 
 // Step 2: the score tile S^T = K_blk * Q^T and dP^T = V_blk * dO^T (bk x Rp) of a row block,
@@ -219,9 +229,12 @@ MHK_STEP void chain_softcap(const RowSlot& sl, int64_t bk, const BwdTiles& t) {
     (Vec::loadu(t.dst + e) * Vec::loadu(t.ms.dcap + e)).store(t.dst + e);
 }
 
-// Step 5a: dV_blk += P^T dO ; dK_blk += dS^T Q ; dQ^T += K_blk^T dS^T, as tile products.
+// Step 5a: dV_blk += P^T dO ; dK_blk += dS^T Q ; dQ += dS K_blk, as tile products. dQ is kept as
+// rows (R x Dp): its product then runs over the block's R rows, not the Rp of a transposed tile
+// (20 rows are 32 with 16-float vectors), with the same multiply-adds in the same order as the
+// transposed product, so the same bits. Kp: the key block as rows padded to Dp (ldkp).
 // `started`: dK, dV of this key block already hold a contribution (else they are stored).
-MHK_STEP void accumulate_tiles(RowSlot& sl, int64_t D, int64_t bk, const float* Kb, int64_t ldk, const BwdLayout& L,
+MHK_STEP void accumulate_tiles(RowSlot& sl, int64_t bk, const float* Kp, int64_t ldkp, const BwdLayout& L,
                                const BwdTiles& t, bool& started) {
   const int64_t R = sl.rb.rows(), Rp = round_up(R, VL), Dp = L.Dp, Dvp = L.Dvp;
   if (started) {
@@ -233,9 +246,9 @@ MHK_STEP void accumulate_tiles(RowSlot& sl, int64_t D, int64_t bk, const float* 
     started = true;
   }
   if (sl.dq_started) {
-    gemm<CMode::Accumulate>(D, Rp, bk, Kb, 1, ldk, t.dst, Rp, sl.dqt, Rp);
+    gemm<CMode::Accumulate>(R, Dp, bk, t.dst, 1, Rp, Kp, ldkp, sl.dqr, Dp);
   } else {
-    gemm<CMode::Store>(D, Rp, bk, Kb, 1, ldk, t.dst, Rp, sl.dqt, Rp);
+    gemm<CMode::Store>(R, Dp, bk, t.dst, 1, Rp, Kp, ldkp, sl.dqr, Dp);
     sl.dq_started = true;
   }
 }
@@ -261,11 +274,11 @@ MHK_STEP void accumulate_pairwise(RowSlot& sl, int64_t D, int64_t Dv, int64_t bk
     }
   }
   for (int64_t d = 0; d < D; ++d)
-    for (int64_t r = 0; r < Rp; ++r) {
-      float acc = sl.dq_started ? sl.dqt[d * Rp + r] : 0.f;
+    for (int64_t r = 0; r < R; ++r) {
+      float acc = sl.dq_started ? sl.dqr[r * Dp + d] : 0.f;
       for (int64_t j = 0; j < bk; ++j)
         if (t.vis[j * Rp + r]) acc += Kb[j * ldk + d] * t.dst[j * Rp + r];
-      sl.dqt[d * Rp + r] = acc;
+      sl.dqr[r * Dp + d] = acc;
     }
   started = true;
   sl.dq_started = true;
@@ -291,17 +304,13 @@ MHK_STEP void store_key_block(const AttnParams& p, T* dkbase, T* dvbase, int64_t
 
 // Step 7: dQ = scale * dS K of a row block, to the output or to this key range's partial.
 template <typename T>
-MHK_STEP void store_dq(const AttnParams& p, int64_t b, const RowSlot& sl, const BwdLayout& L, float* dqrow,
-                       float* dq_part) {
+MHK_STEP void store_dq(const AttnParams& p, int64_t b, RowSlot& sl, const BwdLayout& L, float* dq_part) {
   const int64_t D = p.D, Dp = L.Dp;
-  const int64_t R = sl.rb.rows(), Rp = round_up(R, VL);
-  if (sl.dq_started)
-    transpose(sl.dqt, Rp, dqrow, Dp, Dp, Rp);  // rows D .. Dp of dQ^T are never read back
-  else
-    std::fill(dqrow, dqrow + Rp * Dp, 0.f);
+  const int64_t R = sl.rb.rows();
+  if (!sl.dq_started) std::fill(sl.dqr, sl.dqr + R * Dp, 0.f);  // no key seen: dQ is 0
   for (int64_t r = 0; r < R; ++r) {
     const int64_t h = sl.rb.h0 + r / sl.rb.nq, i = sl.rb.i0 + r % sl.rb.nq;
-    const float* src = dqrow + r * Dp;
+    const float* src = sl.dqr + r * Dp;
     if (dq_part == nullptr) {
       store_row(src, D, p.scale, static_cast<T*>(p.dq.ptr) + b * p.dq.sb + h * p.dq.sh + i * p.dq.sl);
     } else {
@@ -319,12 +328,12 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
   const int64_t nblk = rp.blocks();
   const DropoutConsts drop(p);
   const ScoreMods mods(p);
-  float* orow_tmp = buf.take(L.Dvp);
+  float* otile = buf.take(2 * L.Rp * L.Dvp);
   if (p.dmask) zero_dmask_range(p, rp, b, hkv, kbeg, kend);
 
   int64_t kfirst = std::numeric_limits<int64_t>::max(), kstop_all = 0;
   for (int64_t blk = 0; blk < nblk; ++blk) {
-    gather_rows<T>(p, rp, b, hkv, blk, L, drop, buf, orow_tmp, slots[blk]);
+    gather_rows<T>(p, rp, b, hkv, blk, L, drop, buf, otile, slots[blk]);
     kfirst = std::min(kfirst, slots[blk].br.first);
     kstop_all = std::max(kstop_all, slots[blk].br.stop);
   }
@@ -343,6 +352,17 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
       int64_t ldk, ldv;
       const float* Kb = rows_as_float<T>(kbase + j0 * p.k.sl, bk, D, p.k.sl, t.kc, &ldk);
       const float* Vb = rows_as_float<T>(vbase + j0 * p.v.sl, bk, Dv, p.v.sl, t.vc, &ldv);
+      // dQ's product reads the key block as rows of Dp floats: in place when that is what it is.
+      const float* Kp = Kb;
+      int64_t ldkp = ldk;
+      if (D != L.Dp) {
+        for (int64_t j = 0; j < bk; ++j) {
+          std::copy(Kb + j * ldk, Kb + j * ldk + D, t.kpad + j * L.Dp);
+          std::fill(t.kpad + j * L.Dp + D, t.kpad + (j + 1) * L.Dp, 0.f);
+        }
+        Kp = t.kpad;
+        ldkp = L.Dp;
+      }
       int kv_bad = -1;  // inf or NaN in this K or V block: -1 not looked yet
       for (int64_t blk = 0; blk < nblk; ++blk) {
         RowSlot& sl = slots[blk];
@@ -367,12 +387,12 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
         if (pairwise)
           accumulate_pairwise(sl, D, Dv, bk, Kb, ldk, L, t, started);
         else
-          accumulate_tiles(sl, D, bk, Kb, ldk, L, t, started);
+          accumulate_tiles(sl, bk, Kp, ldkp, L, t, started);
       }
     }
     store_key_block<T>(p, dkbase, dvbase, j0, bk, L, t, started);
   }
-  for (int64_t blk = 0; blk < nblk; ++blk) store_dq<T>(p, b, slots[blk], L, t.dqrow, dq_part);
+  for (int64_t blk = 0; blk < nblk; ++blk) store_dq<T>(p, b, slots[blk], L, dq_part);
 }
 
 template <typename T>
@@ -405,7 +425,7 @@ void backward_impl(const AttnParams& p) {
   L.Dvp = round_up(p.Dv, VL);
   L.Rp = round_up(rp.max_rows(), VL);
   const int64_t nblk = rp.blocks();
-  const int64_t per_thread = Scratch::size_of(L.Dvp) + nblk * L.slot_floats() + BwdTiles::floats(L, ScoreMods(p));
+  const int64_t per_thread = Scratch::size_of(2 * L.Rp * L.Dvp) + nblk * L.slot_floats() + BwdTiles::floats(L, ScoreMods(p));
 
   std::unique_ptr<Scratch> partials;
   float* dq_part = nullptr;
