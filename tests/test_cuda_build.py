@@ -1,4 +1,5 @@
-"""Every CUDA source compiles with nvcc for sm_80 and sm_90, within registers, spills and shared
+"""Every CUDA source compiles with nvcc for sm_80 and sm_90 (the mma.sync family's fp16 units in CI,
+both dtypes under MHAKERN_SLOW=1: tests/conftest.py FULL_CHECK_ARGS), within registers, spills and shared
 memory (tools/check_cuda_build.py: -Xptxas -v, SASS read for local memory in hot loops, the plain
 kernels' SASS against its recorded baseline), and the host code parses against the installed
 torch headers. No GPU needed; nvcc is. The check runs in the background from the start of the

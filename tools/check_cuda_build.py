@@ -35,7 +35,7 @@ the instruction text recorded for this nvcc release (mhakern/kernels/sass.py REC
 the files): a restructuring proves it left them unchanged, and a deliberate change re-records
 its family (``--record-plain-sass``, ``--record-sm90-sass``) in the same commit.
 
-Usage: python tools/check_cuda_build.py [-j N] [--arch 80,90] [--only fwd_fp16_d64,...]
+Usage: python tools/check_cuda_build.py [-j N] [--arch 80,90] [--only fwd_fp16_d64,...] [--dtypes fp16]
        [--allow-spills] [--no-host] [--no-sm90] [--json out.json] [--record-plain-sass]
        [--record-sm90-sass]
 """
@@ -703,6 +703,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--arch", default="80,90", help="comma-separated SM versions (default 80,90)")
     ap.add_argument("--only", default="", help="comma-separated .cu stems without 'attn_' (e.g. fwd_fp16_d64), or 'sm90' for the sm90 family only")
+    ap.add_argument("--dtypes", default="fp16,bf16",
+                    help="comma-separated dtypes of the mma.sync units to compile (default fp16,bf16); the "
+                         "sm_90a family is compiled whole")
     ap.add_argument("--allow-spills", action="store_true", help="report main-kernel spills without failing")
     ap.add_argument("--no-host", action="store_true", help="skip the syntax check of csrc/cuda_host.cpp")
     ap.add_argument("--no-sm90", action="store_true", help="skip the sm_90a family (csrc/cuda/sm90/)")
@@ -728,6 +731,14 @@ def select_sources(args) -> tuple[list[Path], list[Path]] | None:
             print(f"check_cuda_build: --only names no .cu file for {sorted(wanted - {s.stem for s in sources})}",
                   file=sys.stderr)
             return None
+    # fp16 and bf16 units are one template per kernel and head dim: a check of one dtype
+    # compiles every code path (the tests' default, within CI's time); both dtypes by default.
+    dtypes = {d.strip() for d in args.dtypes.split(",") if d.strip()}
+    unknown = dtypes - {"fp16", "bf16"}
+    if unknown or not dtypes:
+        print(f"check_cuda_build: --dtypes takes fp16 and/or bf16, got {args.dtypes!r}", file=sys.stderr)
+        return None
+    sources = [s for s in sources if s.stem.split("_")[2] in dtypes]
     sm90 = [] if args.no_sm90 or (args.only and not only_sm90) else sorted(SM90_DIR.glob("attn_*.cu"))
     return sources, sm90
 
