@@ -6,11 +6,11 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import types
 
 import torch
 import triton
 
+from ._modes_generated import PLAIN as _PLAIN  # the plain call's record, from the mode table
 from .heuristics import packed_rows, row_block
 
 
@@ -97,9 +97,6 @@ def check_buffer(name: str, t: torch.Tensor, shape, dtype, like: torch.Tensor, c
         raise ValueError(f"{name}: expected unit stride on the last dim, got strides {t.stride()}")
 
 
-# The plain call's record (what ``modes=None`` means), read like mhakern.backends.Modes.
-_PLAIN = types.SimpleNamespace(attn_mask=None, dropout_p=0.0, seed=0, top_left=False, window_left=-1, window_right=-1,
-                               softcap=0.0, alibi_slopes=None, sinks=None, cache_batch_idx=None, block_table=None)
 
 
 def kernel_key_length(modes, k: torch.Tensor) -> int:
