@@ -106,7 +106,9 @@ def missing_toolchain() -> Optional[str]:
 
 def _sources_digest(extra: Iterable[str]) -> str:
     h = hashlib.sha256()
-    for p in sorted(CUDA_SRC.rglob("*")) + [ROOT / "csrc" / "mode_params.h", ROOT / "csrc" / "capabilities.h"]:
+    # csrc/generated/: the mode table's X-macros (ModeParams' members, the feature bits).
+    for p in (sorted(CUDA_SRC.rglob("*")) + [ROOT / "csrc" / "mode_params.h", ROOT / "csrc" / "capabilities.h"]
+              + sorted((ROOT / "csrc" / "generated").glob("*.h"))):
         if p.suffix in (".h", ".cuh", ".cu", ".cpp") and p.is_file():
             h.update(p.name.encode())
             h.update(p.read_bytes())
