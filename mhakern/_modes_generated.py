@@ -124,6 +124,19 @@ class Modes(NamedTuple):
                    alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    cache_batch_idx, block_table)
 
+    @classmethod
+    def build(cls, *, window=None, **fields) -> "Modes":
+        """The record of ``fields`` by keyword (the others at their defaults) and of the public
+        arguments that give several fields at once, passed whole (None: those fields' defaults):
+
+        ``window``: ``(left, right)``, -1 = unbounded on that side (``window_left, window_right``).
+
+        The default record when every field that matters on its own has its default, as
+        :meth:`from_op_args`."""
+        if window is not None:
+            fields["window_left"], fields["window_right"] = window
+        return cls.from_op_args(**fields)
+
     # -- the C++ operators' schemas (csrc/bindings.cpp, from csrc/generated/modes.h) ----------
     def c_op_args(self) -> tuple:
         """The mode arguments of ``torch.ops.mhakern_C.fwd`` in schema order (after

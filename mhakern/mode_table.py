@@ -10,8 +10,9 @@ bindings from native_functions.yaml; the outputs are committed and marked as gen
 tests/test_mode_table.py fails when one is stale:
 
 * ``mhakern/_modes_generated.py``: the record ``Modes`` (fields and defaults, ``from_op_args``,
-  ``op_args``, ``c_op_args`` / ``c_op_bwd_args``, ``required_features``, ``for_backend``, the
-  properties of :data:`PROPERTIES`), ``DEFAULT_MODES`` and ``OP_SCHEMA_MODES``;
+  ``build`` (the fields by keyword, :data:`GROUPS` whole), ``op_args``, ``c_op_args`` /
+  ``c_op_bwd_args``, ``required_features``, ``for_backend``, the properties of
+  :data:`PROPERTIES`), ``DEFAULT_MODES`` and ``OP_SCHEMA_MODES``;
 * ``mhakern/kernels/_modes_generated.py``: the plain call's record for the Triton launchers (the
   kernel layer imports nothing from the package) and the kernels' argument names per mode;
 * ``csrc/generated/modes.h``: X-macro lists, no torch and no CUDA header: the feature bits and
@@ -195,6 +196,14 @@ PROPERTIES = {
     "packed": (("varlen",), "Whether the call holds packed sequences (either prefix sum given)."),
     "cached": (("cache_batch_idx", "paged"),
                "Whether K/V rows are addressed through the cache's indices (cache_batch_idx or pages)."),
+}
+
+#: Public arguments that give several fields at once (``mhakern.attention(window=...)``): the
+#: record's :meth:`Modes.build` takes them whole, so that a caller passes the pair through and
+#: never spells its fields. name: (the fields, in the value's order; what the value is). None
+#: leaves the fields at their defaults.
+GROUPS = {
+    "window": (("window_left", "window_right"), "``(left, right)``, -1 = unbounded on that side"),
 }
 
 PARAMS: Tuple[Param, ...] = (

@@ -72,6 +72,19 @@ def test_the_record_is_the_tables():
     assert vars(kernel_modes.PLAIN) == DEFAULT_MODES._asdict()
 
 
+def test_build_takes_the_groups_whole():
+    # A public argument that gives several fields (window) is passed through whole; None leaves
+    # them at their defaults, and a build of defaults is the default record itself.
+    assert Modes.build() is DEFAULT_MODES and Modes.build(window=None, softcap=0.0) is DEFAULT_MODES
+    for group, (fields, _) in table.GROUPS.items():
+        values = tuple(range(3, 3 + len(fields)))
+        m = Modes.build(**{group: values}, dropout_p=0.5)
+        assert tuple(getattr(m, f) for f in fields) == values and m.dropout_p == 0.5
+    assert Modes.build(window=(4, -1)) == Modes(window_left=4)
+    with pytest.raises(TypeError):
+        Modes.build(window_l=1)
+
+
 def test_feature_names_and_bits_are_the_tables():
     assert _caps.FEATURE_NAMES == tuple(f.name for f in table.FEATURES)
     for m in table.MODES:

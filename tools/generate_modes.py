@@ -51,6 +51,9 @@ def _validate(t) -> None:
         assert m.of is None or m.of in names, f"{m.name}: qualifies unknown {m.of}"
         assert not (m.backends and m.c_tail and m.c_required), f"{m.name}: the tail is defaulted"
         assert m.kind != "tensor" or m.default is None, f"{m.name}: tensors default to None"
+    for name, (fields, _) in t.GROUPS.items():
+        assert name not in names, f"group {name}: a field of that name exists"
+        assert set(fields) <= set(names), f"group {name}: unknown fields"
     for name, (feats, _) in t.PROPERTIES.items():
         assert set(feats) <= features, f"property {name}: unknown features"
     by_name = {m.name: m for m in t.MODES}
@@ -162,6 +165,15 @@ def render_py_record(t) -> str:
             out.append(f"{cast}(self.{m.name})" if cast else f"self.{m.name}")
         return ", ".join(out) + ("," if len(out) == 1 else "")
 
+    group_params = ", ".join(f"{g}=None" for g in t.GROUPS)
+    build_def = f"def build(cls, *, {group_params}, **fields) -> \"Modes\":" if t.GROUPS else \
+        "def build(cls, **fields) -> \"Modes\":"
+    group_docs = "\n".join(_doc_lines(f"``{g}``: {doc} (``{', '.join(fs)}``).", " " * 8)
+                           for g, (fs, doc) in t.GROUPS.items())
+    group_sets = "\n".join(
+        f"        if {g} is not None:\n            " + ", ".join('fields["%s"]' % f for f in fs) + f" = {g}"
+        for g, (fs, _) in t.GROUPS.items())
+
     tail_modes = [m for m in t.MODES if m.c_tail and m.backends]
     tail = ", ".join(f"{t.KINDS[m.kind][5]}(self.{m.name})" if t.KINDS[m.kind][5] else f"self.{m.name}"
                      for m in tail_modes)
@@ -229,6 +241,18 @@ class Modes(NamedTuple):
         if ({default_test}):
             return DEFAULT_MODES
 {cls_call}
+
+    @classmethod
+    {build_def}
+        """The record of ``fields`` by keyword (the others at their defaults) and of the public
+        arguments that give several fields at once, passed whole (None: those fields' defaults):
+
+{group_docs}
+
+        The default record when every field that matters on its own has its default, as
+        :meth:`from_op_args`."""
+{group_sets}
+        return cls.from_op_args(**fields)
 
     # -- the C++ operators' schemas (csrc/bindings.cpp, from csrc/generated/modes.h) ----------
     def c_op_args(self) -> tuple:
