@@ -115,9 +115,9 @@ class ModeArgs:
     """The launch arguments of a call's modes, shared by the forward and backward launchers:
     what the kernels read at run time and the constexpr flags that select their variant.
 
-    ``modes`` is the call's record (``mhakern.backends.Modes``, read by attribute: attn_mask,
-    dropout_p, seed, top_left, window_left, window_right, softcap, alibi_slopes, sinks,
-    cache_batch_idx, block_table) or None for the plain call. Three groups (docs/contract.md):
+    ``modes`` is the call's record (``mhakern.backends.Modes``, read by attribute: the fields
+    the mode table gives the kernels' arguments, ``_modes_generated.KERNEL_ARGS``, and sinks) or
+    None for the plain call. Three groups (docs/contract.md):
 
     * the **modes** (band: top-left alignment or a window; a mask; dropout) select the modes
       kernels; ``any()`` says whether one is on;
