@@ -22,6 +22,7 @@
 #include "capabilities.h"
 #include "capabilities_json.h"
 #include "cpu/attention_cpu.h"
+#include "generated/modes.h"
 #include "op_common.h"
 
 namespace mhakern {
@@ -150,18 +151,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_meta(
 
 TORCH_LIBRARY(mhakern_C, m) {
   // docs/contract.md gives the semantics; INTERFACE: one schema for CPU and CUDA, outputs
-  // allocated by the op.
-  m.def(
-      "fwd(Tensor q, Tensor k, Tensor v, float scale, bool causal, Tensor? key_lengths, Tensor? attn_mask, "
-      "float dropout_p, int seed, bool top_left, int window_left, int window_right, float softcap=0.0, "
-      "Tensor? alibi_slopes=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, "
-      "int max_seqlen_k=0, Tensor? cache_batch_idx=None, Tensor? block_table=None) -> (Tensor out, Tensor lse)");
-  m.def(
-      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, bool causal, "
-      "Tensor? key_lengths, Tensor? attn_mask, float dropout_p, int seed, bool top_left, int window_left, "
-      "int window_right, bool mask_grad, float softcap=0.0, Tensor? alibi_slopes=None, Tensor? cu_seqlens_q=None, "
-      "Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, Tensor? cache_batch_idx=None, "
-      "Tensor? block_table=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)");
+  // allocated by the op. The modes after key_lengths are the mode table's (mhakern/mode_table.py,
+  // through generated/modes.h; op_common.h fwd_op / bwd_op take them in the same order).
+  m.def("fwd(Tensor q, Tensor k, Tensor v, float scale, bool causal, Tensor? key_lengths, " MHK_MODE_FWD_SCHEMA
+        ") -> (Tensor out, Tensor lse)");
+  m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, bool causal, "
+        "Tensor? key_lengths, " MHK_MODE_BWD_SCHEMA ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)");
   // The same kernels for a call without any mode (op_common.h fwd_plain_op): what every plain
   // call of the Python layer runs (mhakern/modes.py c_fwd / c_bwd).
   m.def("fwd_plain(Tensor q, Tensor k, Tensor v, float scale, bool causal, Tensor? key_lengths) -> "

@@ -15,26 +15,23 @@
 
 #include <cstdint>
 
+#include "generated/modes.h"
+
 namespace mhakern {
 namespace caps {
 
 // Modes of docs/contract.md a family may implement (bits of a feature mask; the names are the
-// Python backends' feature names).
+// Python backends' feature names): rows of the mode table (mhakern/mode_table.py FEATURES),
+// through csrc/generated/modes.h.
 enum Feature : unsigned {
-  kAttnMask = 1u << 0,
-  kMaskGrad = 1u << 1,
-  kDropout = 1u << 2,
-  kTopLeft = 1u << 3,
-  kWindow = 1u << 4,
-  kSoftcap = 1u << 5,  // tanh capping of the scaled scores (ModeParams::softcap)
-  kAlibi = 1u << 6,    // ALiBi slopes (ModeParams::alibi)
-  kVarlen = 1u << 7,   // packed variable-length sequences (ModeParams::cu_seqlens_q / _k)
-  kCacheBatchIdx = 1u << 8,  // K/V batch rows chosen per batch element (ModeParams::kv_batch_idx)
-  kPaged = 1u << 9,    // paged K/V through a block table (ModeParams::block_table)
+#define MHK_FEATURE_BIT_(k, bit, name) k = 1u << bit,
+  MHK_MODE_FEATURES(MHK_FEATURE_BIT_)
+#undef MHK_FEATURE_BIT_
 };
-constexpr const char* kFeatureNames[] = {"attn_mask", "mask_grad", "dropout", "top_left", "window",
-                                         "softcap",   "alibi",     "varlen",  "cache_batch_idx", "paged"};
-constexpr int kNumFeatures = 10;
+#define MHK_FEATURE_NAME_(k, bit, name) name,
+constexpr const char* kFeatureNames[] = {MHK_MODE_FEATURES(MHK_FEATURE_NAME_)};
+#undef MHK_FEATURE_NAME_
+constexpr int kNumFeatures = sizeof(kFeatureNames) / sizeof(kFeatureNames[0]);
 
 // ---- cpu family (csrc/cpu/) ------------------------------------------------------------------
 // dtypes float32, bfloat16, float16 (torch names; csrc/cpu/attention_cpu.cpp dispatches on them);

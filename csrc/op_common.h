@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "capabilities.h"
+#include "generated/modes.h"
 
 namespace mhakern {
 namespace op {
@@ -36,21 +37,11 @@ namespace op {
 // the op schemas' flattened arguments in exactly one place, fwd_op / bwd_op below; every host
 // function takes this record.
 struct ModeArgs {
-  const std::optional<at::Tensor>* attn_mask = nullptr;
-  double dropout_p = 0.0;
-  int64_t seed = 0;
-  bool top_left = false;
-  int64_t window_left = -1, window_right = -1;
-  bool mask_grad = false;
-  double softcap = 0.0;  // 0 = off
-  const std::optional<at::Tensor>* alibi_slopes = nullptr;  // float32 (B, H) view, or none
-  // Packed sequences: int32 (num_seqs + 1,) prefix sums, and the longest sequence of each side.
-  const std::optional<at::Tensor>* cu_seqlens_q = nullptr;
-  const std::optional<at::Tensor>* cu_seqlens_k = nullptr;
-  int64_t max_seqlen_q = 0, max_seqlen_k = 0;
-  // KV cache (forward only): int32 (B,) K/V batch rows, int32 (B, pages) block table.
-  const std::optional<at::Tensor>* cache_batch_idx = nullptr;
-  const std::optional<at::Tensor>* block_table = nullptr;
+  // One member per mode that reaches the backends, in record order (mhakern/mode_table.py through
+  // generated/modes.h): tensors as pointers to the op's own optionals (nullptr: not given).
+#define MHK_MODE_ARG_MEMBER_(name, type, init) type name = init;
+  MHK_MODE_ARGS(MHK_MODE_ARG_MEMBER_)
+#undef MHK_MODE_ARG_MEMBER_
 
   bool has_mask() const { return attn_mask != nullptr && attn_mask->has_value() && (*attn_mask)->defined(); }
   const at::Tensor& mask() const { return **attn_mask; }
@@ -65,19 +56,13 @@ struct ModeArgs {
   // K/V rows chosen per batch element: k's batch dim need not be q's.
   bool kv_indexed() const { return has_cache_batch_idx() || paged(); }
 
-  // caps::Feature bits this call needs.
+  // caps::Feature bits this call needs (each feature's test is the table's).
   unsigned required() const {
     unsigned need = 0;
-    if (has_mask()) need |= caps::kAttnMask;
-    if (mask_grad) need |= caps::kMaskGrad;
-    if (dropout_p > 0.0) need |= caps::kDropout;
-    if (top_left) need |= caps::kTopLeft;
-    if (window_left >= 0 || window_right >= 0) need |= caps::kWindow;
-    if (softcap > 0.0) need |= caps::kSoftcap;
-    if (has_alibi()) need |= caps::kAlibi;
-    if (varlen()) need |= caps::kVarlen;
-    if (has_cache_batch_idx()) need |= caps::kCacheBatchIdx;
-    if (paged()) need |= caps::kPaged;
+#define MHK_MODE_REQUIRED_(bit, test) \
+  if (test) need |= caps::bit;
+    MHK_MODE_FEATURE_TESTS(MHK_MODE_REQUIRED_)
+#undef MHK_MODE_REQUIRED_
     return need;
   }
 };
@@ -278,11 +263,11 @@ inline void check_modes(const ModeArgs& m, const at::Tensor& q, const Sizes& s, 
 // same names, docs/contract.md). The mask's storage must outlive the kernel call.
 template <typename Params>
 void fill_mode_params(Params& p, const ModeArgs& m) {
-  p.top_left = m.top_left;
-  p.window_left = m.window_left;
-  p.window_right = m.window_right;
-  p.dropout_p = m.dropout_p;
-  p.seed = static_cast<uint64_t>(m.seed);
+  // The scalar modes the kernels read as given (the table's copied params).
+#define MHK_MODE_COPY_(name, type) p.name = static_cast<type>(m.name);
+  MHK_MODE_PARAM_COPIES(MHK_MODE_COPY_)
+#undef MHK_MODE_COPY_
+  // The modes carried by tensors: pointers, strides, kinds.
   if (m.has_mask()) {
     const at::Tensor& mk = m.mask();
     p.mask = mk.data_ptr();
@@ -292,7 +277,6 @@ void fill_mode_params(Params& p, const ModeArgs& m) {
     p.mask_sq = mk.stride(2);
     p.mask_sk = mk.stride(3);
   }
-  p.softcap = static_cast<float>(m.softcap);
   if (m.has_alibi()) {
     const at::Tensor& a = m.alibi();
     p.alibi = a.const_data_ptr<float>();
@@ -329,36 +313,31 @@ using BwdFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> (*)(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, double scale, bool causal, const std::optional<at::Tensor>& key_lengths, const ModeArgs& m);
 
+// The mode parameters of an op (MHK_MODE_FWD_PARAMS / MHK_MODE_BWD_PARAMS: the schema's), each
+// stored into the ModeArgs m (tensors by address: the op's arguments outlive the call).
+#define MHK_MODE_OP_PARAM_(name, type, addr) , type name
+#define MHK_MODE_OP_GATHER_(name, type, addr) m.name = addr name;
+
 template <FwdFn F>
 std::tuple<at::Tensor, at::Tensor> fwd_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                                          bool causal, const std::optional<at::Tensor>& key_lengths,
-                                          const std::optional<at::Tensor>& attn_mask, double dropout_p, int64_t seed,
-                                          bool top_left, int64_t window_left, int64_t window_right, double softcap,
-                                          const std::optional<at::Tensor>& alibi_slopes,
-                                          const std::optional<at::Tensor>& cu_seqlens_q,
-                                          const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
-                                          int64_t max_seqlen_k, const std::optional<at::Tensor>& cache_batch_idx,
-                                          const std::optional<at::Tensor>& block_table) {
-  const ModeArgs m{&attn_mask,    dropout_p,    seed,          top_left,     window_left,      window_right,
-                   false,         softcap,      &alibi_slopes, &cu_seqlens_q, &cu_seqlens_k, max_seqlen_q,
-                   max_seqlen_k,  &cache_batch_idx, &block_table};
+                                          bool causal, const std::optional<at::Tensor>& key_lengths
+                                          MHK_MODE_FWD_PARAMS(MHK_MODE_OP_PARAM_)) {
+  ModeArgs m;
+  MHK_MODE_FWD_PARAMS(MHK_MODE_OP_GATHER_)
   return F(q, k, v, scale, causal, key_lengths, m);
 }
 
 template <BwdFn F>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_op(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, double scale, bool causal, const std::optional<at::Tensor>& key_lengths,
-    const std::optional<at::Tensor>& attn_mask, double dropout_p, int64_t seed, bool top_left, int64_t window_left,
-    int64_t window_right, bool mask_grad, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
-    int64_t max_seqlen_k, const std::optional<at::Tensor>& cache_batch_idx,
-    const std::optional<at::Tensor>& block_table) {
-  const ModeArgs m{&attn_mask,    dropout_p,    seed,          top_left,     window_left,      window_right,
-                   mask_grad,     softcap,      &alibi_slopes, &cu_seqlens_q, &cu_seqlens_k, max_seqlen_q,
-                   max_seqlen_k,  &cache_batch_idx, &block_table};
+    const at::Tensor& lse, double scale, bool causal, const std::optional<at::Tensor>& key_lengths
+    MHK_MODE_BWD_PARAMS(MHK_MODE_OP_PARAM_)) {
+  ModeArgs m;
+  MHK_MODE_BWD_PARAMS(MHK_MODE_OP_GATHER_)
   return F(dout, q, k, v, out, lse, scale, causal, key_lengths, m);
 }
+#undef MHK_MODE_OP_PARAM_
+#undef MHK_MODE_OP_GATHER_
 
 // The plain-call operators fwd_plain / bwd_plain: the same kernels with the default record
 // (ModeArgs{}), for calls without any mode. Their schemas end at key_lengths, so a plain call

@@ -473,4 +473,5 @@ def parse_modes(q, B, H, Lq, Lk, attn_mask, dropout_p, generator, causal, causal
     check_sinks(sinks, H, q.device)
     # The default record itself when every field is at its default (the SDPA drop-in's plain
     # call names an alignment): later steps skip their checks for it.
-    return Modes.from_op_args(mask, float(dropout_p), seed, top_left, wl, wr, mask_grad, cap, slopes, sinks)
+    return Modes.build(attn_mask=mask, dropout_p=float(dropout_p), seed=seed, top_left=top_left, window=(wl, wr),
+                       mask_grad=mask_grad, softcap=cap, alibi_slopes=slopes, sinks=sinks)

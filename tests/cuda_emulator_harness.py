@@ -34,7 +34,7 @@ from typing import Iterable, Optional, Sequence
 import pytest
 import torch
 
-from mhakern import reference
+from mhakern import mode_table, reference
 from mhakern._layout import heads_inner
 from mhakern.backends import DEFAULT_MODES, Modes, cuda_backend
 from mhakern.checks import draw_seed
@@ -106,7 +106,9 @@ def missing_toolchain() -> Optional[str]:
 
 def _sources_digest(extra: Iterable[str]) -> str:
     h = hashlib.sha256()
-    for p in sorted(CUDA_SRC.rglob("*")) + [ROOT / "csrc" / "mode_params.h", ROOT / "csrc" / "capabilities.h"]:
+    # csrc/generated/: the mode table's X-macros (ModeParams' members, the feature bits).
+    for p in (sorted(CUDA_SRC.rglob("*")) + [ROOT / "csrc" / "mode_params.h", ROOT / "csrc" / "capabilities.h"]
+              + sorted((ROOT / "csrc" / "generated").glob("*.h"))):
         if p.suffix in (".h", ".cuh", ".cu", ".cpp") and p.is_file():
             h.update(p.name.encode())
             h.update(p.read_bytes())
@@ -226,7 +228,7 @@ class Emulator:
         if modes is None:
             rc = self.lib.mhk_emu_fwd(*args)
         else:
-            rc = self.lib.mhk_emu_fwd_modes(*args, *_mode_args(modes))
+            rc = self.lib.mhk_emu_fwd_modes(*args, ctypes.byref(mode_params(modes)))
         self._check(rc, "emulated forward")
         out_guard.check("out")
         return out, lse
@@ -252,7 +254,7 @@ class Emulator:
         else:
             # the op's allocation (op_common.h, alloc_dmask): zeros, the kernels write the visible entries
             dmask = torch.zeros((B, H, Lq, Lk), dtype=torch.float32) if modes.mask_grad else None
-            rc = self.lib.mhk_emu_bwd_modes(*args, *_mode_args(modes, dmask, backward=True))
+            rc = self.lib.mhk_emu_bwd_modes(*args, ctypes.byref(mode_params(modes, dmask=_ptr(dmask))))
         self._check(rc, "emulated backward")
         for name, g in (("dq", gq), ("dk", gk), ("dv", gv)):
             g.check(name)
@@ -267,23 +269,64 @@ def _st(x: torch.Tensor):
     return (ctypes.c_int64 * 3)(x.stride(0), x.stride(1), x.stride(2))
 
 
-def _mode_args(modes, dmask=None, backward=False) -> tuple:
-    """The trailing mode arguments of mhk_emu_fwd_modes / mhk_emu_bwd_modes (csrc/cuda/emulation/emu_entry.cpp);
-    the backward's also carry dmask (None: no mask gradient)."""
-    m = modes.attn_mask
-    kind = 0 if m is None else (1 if m.dtype == torch.bool else 2)
-    if m is not None and kind == 2:
-        assert m.dtype == torch.float32, "the kernels take a float32 additive mask"
-    strides = (ctypes.c_int64 * 4)(*(m.stride() if m is not None else (0, 0, 0, 0)))
-    head = (int(modes.top_left), ctypes.c_longlong(modes.window_left), ctypes.c_longlong(modes.window_right),
-            _ptr(m), kind, strides)
-    a = modes.alibi_slopes
-    if a is not None:
-        assert a.dtype == torch.float32 and a.dim() == 2, "the kernels take a float32 (B, H) view of the slopes"
-    tail = (ctypes.c_double(modes.dropout_p), ctypes.c_ulonglong(modes.seed & (2**64 - 1)),
-            ctypes.c_float(modes.softcap), _ptr(a), ctypes.c_longlong(0 if a is None else a.stride(0)),
-            ctypes.c_longlong(0 if a is None else a.stride(1)))
-    return head + (_ptr(dmask),) + tail if backward else head + tail
+# The kernels' ModeParams (csrc/mode_params.h) as a ctypes struct: its fields, types and order
+# are the mode table's PARAMS (the emulator's mhk_emu_mode_params_layout reports the compiled
+# layout, which tests/test_cuda_emulator.py compares with this one).
+_CTYPES = {"bool": ctypes.c_bool, "int": ctypes.c_int, "int64_t": ctypes.c_int64, "uint64_t": ctypes.c_uint64,
+           "float": ctypes.c_float, "double": ctypes.c_double}
+
+
+class ModeParams(ctypes.Structure):
+    _fields_ = [(p.name, ctypes.c_void_p if p.ctype.endswith("*") else _CTYPES[p.ctype]) for p in mode_table.PARAMS]
+
+    def __init__(self, **fields):
+        # the table's initialisers (nullptr, -1, 0.f, ...), then the fields given
+        defaults = {p.name: None if p.default == "nullptr" else (p.default == "true" if p.ctype == "bool" else
+                    float(p.default.rstrip("f")) if p.ctype in ("float", "double") else int(p.default))
+                    for p in mode_table.PARAMS}
+        super().__init__(**{**defaults, **fields})
+
+
+def mode_params(modes=None, **fields) -> ModeParams:
+    """The mode fields of the kernels' parameters for the record ``modes`` (a
+    :class:`mhakern.backends.Modes`, attn_mask already a (B, H, Lq, Lk) view, alibi_slopes a
+    float32 (B, H) view; None: the table's defaults), filled as op_common.h's fill_mode_params
+    fills them: the table's copied params by name, pointers and strides of the tensor modes;
+    then ``fields`` (pointers as ints or ctypes pointers: dmask, page_size, or a faked mode)."""
+    p = ModeParams()
+    if modes is not None:
+        for prm in mode_table.PARAMS:
+            if prm.copied:
+                value = getattr(modes, prm.name)
+                setattr(p, prm.name, value & (2**64 - 1) if prm.ctype == "uint64_t" else value)
+        m = modes.attn_mask
+        if m is not None:
+            assert m.dtype in (torch.bool, torch.float32), "the kernels take a bool or float32 mask"
+            p.mask, p.mask_kind = m.data_ptr(), 1 if m.dtype == torch.bool else 2
+            p.mask_sb, p.mask_sh, p.mask_sq, p.mask_sk = m.stride()
+        a = modes.alibi_slopes
+        if a is not None:
+            assert a.dtype == torch.float32 and a.dim() == 2, "the kernels take a float32 (B, H) view of the slopes"
+            p.alibi, (p.alibi_sb, p.alibi_sh) = a.data_ptr(), a.stride()
+        if modes.cu_seqlens_q is not None:
+            p.cu_seqlens_q, p.cu_seqlens_k = modes.cu_seqlens_q.data_ptr(), modes.cu_seqlens_k.data_ptr()
+            p.num_seqs = modes.cu_seqlens_q.numel() - 1
+            p.max_seqlen_q, p.max_seqlen_k = modes.max_seqlen_q, modes.max_seqlen_k
+        if modes.cache_batch_idx is not None:
+            p.kv_batch_idx = modes.cache_batch_idx.data_ptr()
+        if modes.block_table is not None:
+            p.block_table, p.block_table_stride = modes.block_table.data_ptr(), modes.block_table.stride(0)
+    for name, value in fields.items():
+        setattr(p, name, value.value if isinstance(value, ctypes.c_void_p) else value)
+    return p
+
+
+def mode_params_layout(lib) -> tuple:
+    """(sizeof, offsets of the fields in order) of ModeParams as the emulator library compiled it."""
+    out = (ctypes.c_longlong * (len(ModeParams._fields_) + 1))()
+    n = lib.mhk_emu_mode_params_layout(out, len(out))
+    assert n == len(ModeParams._fields_), f"ModeParams: {n} fields compiled, {len(ModeParams._fields_)} in the table"
+    return tuple(out)
 
 
 class _Guard:
@@ -371,12 +414,12 @@ def emulated_attention(emu: Emulator, splits: int = 1, bwd_splits: int = 1):
         modes = None
         if (attn_mask is not None or dropout_p or causal_align != "bottom_right" or window is not None or softcap
                 or alibi_slopes is not None):
-            wl, wr = (-1, -1) if window is None else window
             seed = draw_seed(generator) if dropout_p else 0
             alibi = None
             if alibi_slopes is not None:  # as the API hands them to backends: a float32 (B, H) view
                 alibi = alibi_slopes.detach().to(torch.float32).expand(q.shape[0], q.shape[1])
-            modes = Modes(None, float(dropout_p), seed, causal_align == "top_left", wl, wr, False, float(softcap), alibi)
+            modes = Modes.build(dropout_p=float(dropout_p), seed=seed, top_left=causal_align == "top_left",
+                                window=window, softcap=float(softcap), alibi_slopes=alibi)
         out, lse = EmulatedAttention.apply(q, k, v, scale, causal, kl, emu, splits, bwd_splits, attn_mask, modes)
         return (out, lse) if return_lse else out
 

@@ -45,6 +45,7 @@ from cuda_emulator_harness import (
     _make_emulator,
     _ptr,
     dispatched,
+    mode_params,
     emu_test_seed,
     emulated_attention,
     padded,
@@ -432,7 +433,7 @@ def test_hidden_key_blocks_are_never_read(emu, align, window, blocks):
     emu.schedule(None)
     B, H, Lq, Lk, D = 1, 2, 16, 300, 64
     q, k, v = make_inputs(B, H, H, Lq, Lk, D, dtype=torch.bfloat16, requires_grad=False, seed=21)
-    modes = Modes(None, 0.0, 0, align == "top_left", window[0], window[1], False)
+    modes = Modes.build(top_left=align == "top_left", window=window)
     qp, kp, vp = padded(q), padded(k), padded(v)
     scale = D**-0.5
     lo, hi = blocks
@@ -537,7 +538,7 @@ def test_dropout_keep_mask_is_the_references_bit_for_bit(emu, seed):
     q = torch.zeros(B, H, Lq, D, dtype=torch.bfloat16)
     k = torch.randn(B, Hkv, Lk, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     v = torch.eye(Lk, D, dtype=torch.bfloat16).expand(B, Hkv, Lk, D).contiguous()
-    modes = Modes(None, p, seed, False, -1, -1, False)
+    modes = Modes(dropout_p=p, seed=seed)
     out, lse = emu.forward(padded(q), padded(k), padded(v), 0.125, False, None, 1, modes)
     keep = out.float() > 0
     want = reference.dropout_keep_mask(seed, B, H, Lq, Lk, p)
@@ -576,7 +577,7 @@ def test_dropout_split_k_agrees_with_one_split(emu):
     # the rounding of the combination, never which probabilities are dropped
     emu.schedule(None)
     q, k, v = make_inputs(1, 2, 1, 6, 300, 64, dtype=torch.bfloat16, requires_grad=False, seed=8)
-    modes = Modes(None, 0.3, 99, False, -1, -1, False)
+    modes = Modes(dropout_p=0.3, seed=99)
     qp, kp, vp = padded(q), padded(k), padded(v)
     one, lse1 = emu.forward(qp, kp, vp, 0.125, False, None, 1, modes)
     three, lse3 = emu.forward(qp, kp, vp, 0.125, False, None, 3, modes)
@@ -767,6 +768,16 @@ def test_fused_tiles_are_the_capability_table(emu):
     assert set(BWD_ONLY_HEAD_DIMS) <= {int(d) for d in table}
 
 
+def test_mode_params_struct_is_the_compiled_layout(emu):
+    # The harness's ctypes ModeParams (built from the mode table's PARAMS) has the size and the
+    # field offsets of the struct the kernels were compiled with: every modes call passes it.
+    from cuda_emulator_harness import ModeParams, mode_params_layout
+
+    size, *offsets = mode_params_layout(emu.lib)
+    assert size == ctypes.sizeof(ModeParams)
+    assert offsets == [getattr(ModeParams, name).offset for name, _ in ModeParams._fields_]
+
+
 # ---------------------------------------------------------------------------------------------
 # The score modifiers (docs/contract.md "Score modifiers"): softcap and ALiBi in the kModes
 # kernels (forward, split and fused backward), against the float64 reference
@@ -874,28 +885,27 @@ def test_score_modifiers_never_go_to_the_sm90_family(emu):
 # ---------------------------------------------------------------------------------------------
 
 
+def _packing(cq, ck) -> dict:
+    """The packing fields of ModeParams (fill_mode_params' values) for prefix sums cq, ck."""
+    lens_q, lens_k = (cq[1:] - cq[:-1]), (ck[1:] - ck[:-1])
+    return dict(cu_seqlens_q=cq.data_ptr(), cu_seqlens_k=ck.data_ptr(), num_seqs=len(cq) - 1,
+                max_seqlen_q=int(lens_q.max()), max_seqlen_k=int(lens_k.max()))
+
+
 def _emu_fwd_varlen(emu, q, k, v, cq, ck, scale, causal, modes):
     """The kernel's packed forward: q, k, v (1, H*, T*, D) views of packed (T, H, D) tensors; returns
     (out (1, H, Tq, D), lse (1, H, Tq)), both NaN-filled before the call so an unwritten row shows."""
-    lib = emu.lib
-    lib.mhk_emu_fwd_varlen.argtypes = (
-        [ctypes.c_int] * 2 + [ctypes.c_void_p] * 9 + [ctypes.c_int] * 4 + [ctypes.c_float] + [ctypes.c_int] * 2
-        + [ctypes.c_longlong] * 2 + [ctypes.c_double, ctypes.c_ulonglong, ctypes.c_float, ctypes.c_void_p]
-        + [ctypes.c_longlong] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_longlong] * 3)
     _, H, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     out = torch.full((Tq, H, D), float("nan"), dtype=q.dtype).transpose(0, 1).unsqueeze(0)
     lse = torch.full((1, H, Tq), float("nan"))
     st = lambda x: (ctypes.c_int64 * 3)(x.stride(0), x.stride(1), x.stride(2))  # noqa: E731
-    a = modes.alibi_slopes
-    lens_q, lens_k = (cq[1:] - cq[:-1]), (ck[1:] - ck[:-1])
-    lib.mhk_emu_configure(int(emu.defer_async), SMEM_LIMIT)
-    rc = lib.mhk_emu_fwd_varlen(
+    emu.lib.mhk_emu_configure(int(emu.defer_async), SMEM_LIMIT)
+    # B = 1, no key lengths, unsplit (the kernels run packed calls unsplit)
+    rc = emu.lib.mhk_emu_fwd_modes(
         {torch.float16: 0, torch.bfloat16: 1}[q.dtype], D, _ptr(q), st(q), _ptr(k), st(k), _ptr(v), st(v),
-        _ptr(out), st(out), _ptr(lse), H, Hkv, Tq, Tk, scale, int(causal), int(modes.top_left),
-        modes.window_left, modes.window_right, modes.dropout_p, modes.seed & (2**64 - 1), modes.softcap, _ptr(a),
-        0 if a is None else a.stride(0), 0 if a is None else a.stride(1), _ptr(cq), _ptr(ck), len(cq) - 1,
-        int(lens_q.max()), int(lens_k.max()))
+        _ptr(out), st(out), _ptr(lse), None, 1, H, Hkv, Tq, Tk, ctypes.c_float(scale), int(causal), 1, None, None,
+        ctypes.byref(mode_params(modes, **_packing(cq, ck))))
     emu._check(rc, "emulated packed forward")
     return out, lse
 
@@ -925,9 +935,9 @@ def test_varlen_forward_against_the_per_sequence_reference(scheduled, case):
     cq = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32)
     ck = torch.tensor([0] + torch.tensor(lk).cumsum(0).tolist(), dtype=torch.int32)
     al = torch.exp2(-8 * torch.rand(S, H, generator=g)) if kw.get("alibi") else None
-    win = kw.get("window", (-1, -1))
-    m = Modes(None, kw.get("dropout_p", 0.0), 4242 if kw.get("dropout_p") else 0, kw.get("top_left", False),
-              win[0], win[1], False, kw.get("softcap", 0.0), al)
+    m = Modes.build(dropout_p=kw.get("dropout_p", 0.0), seed=4242 if kw.get("dropout_p") else 0,
+                    top_left=kw.get("top_left", False), window=kw.get("window"), softcap=kw.get("softcap", 0.0),
+                    alibi_slopes=al)
     scale = D ** -0.5
     out, lse = _emu_fwd_varlen(scheduled, q, k, v, cq, ck, scale, causal, m)
     for s in range(S):
@@ -973,27 +983,18 @@ def _emu_bwd_varlen(emu, dout, q, k, v, out, lse, cq, ck, scale, causal, modes):
     """The kernel's packed backward (the split kernels, whatever emu.bwd_kernel asks) on NaN-padded copies
     of its inputs (a read outside a tensor shows as NaN); returns (dq, dk, dv) as (1, H*, T*, D)
     views into NaN-filled buffers whose padding is checked (a write outside shows)."""
-    lib = emu.lib
-    lib.mhk_emu_bwd_varlen.argtypes = (
-        [ctypes.c_int] * 2 + [ctypes.c_void_p] * 18 + [ctypes.c_int] * 4 + [ctypes.c_float] + [ctypes.c_int] * 2
-        + [ctypes.c_longlong] * 2 + [ctypes.c_double, ctypes.c_ulonglong, ctypes.c_float, ctypes.c_void_p]
-        + [ctypes.c_longlong] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_longlong] * 3)
     _, H, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     dop, qp, kp, vp, op = (padded(x) for x in (dout, q, k, v, out))
     (dq, gq), (dk, gk), (dv, gv) = (padded_empty(x) for x in (q, k, v))
     delta = torch.full((1, H, Tq), float("nan"))
     st = lambda x: (ctypes.c_int64 * 3)(x.stride(0), x.stride(1), x.stride(2))  # noqa: E731
-    a = modes.alibi_slopes
-    lens_q, lens_k = (cq[1:] - cq[:-1]), (ck[1:] - ck[:-1])
-    lib.mhk_emu_configure(int(emu.defer_async), SMEM_LIMIT)
-    rc = lib.mhk_emu_bwd_varlen(
+    emu.lib.mhk_emu_configure(int(emu.defer_async), SMEM_LIMIT)
+    rc = emu.lib.mhk_emu_bwd_modes(
         {torch.float16: 0, torch.bfloat16: 1}[q.dtype], D, _ptr(dop), st(dop), _ptr(qp), st(qp), _ptr(kp), st(kp),
         _ptr(vp), st(vp), _ptr(op), st(op), _ptr(lse.contiguous()), _ptr(dq), st(dq), _ptr(dk), st(dk), _ptr(dv),
-        st(dv), _ptr(delta), H, Hkv, Tq, Tk, scale, int(causal), int(modes.top_left), modes.window_left,
-        modes.window_right, modes.dropout_p, modes.seed & (2**64 - 1), modes.softcap, _ptr(a),
-        0 if a is None else a.stride(0), 0 if a is None else a.stride(1), _ptr(cq), _ptr(ck), len(cq) - 1,
-        int(lens_q.max()), int(lens_k.max()))
+        st(dv), _ptr(delta), None, 1, H, Hkv, Tq, Tk, ctypes.c_float(scale), int(causal), 1, None,
+        ctypes.byref(mode_params(modes, **_packing(cq, ck))))
     emu._check(rc, "emulated packed backward")
     for name, g in (("dq", gq), ("dk", gk), ("dv", gv)):
         g.check(name)
@@ -1011,10 +1012,9 @@ def _varlen_inputs(case, seed):
     cq = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32)
     ck = torch.tensor([0] + torch.tensor(lk).cumsum(0).tolist(), dtype=torch.int32)
     al = torch.exp2(-8 * torch.rand(len(lq), H, generator=g)) if kw.get("alibi") else None
-    win = kw.get("window", (-1, -1))
-    m = Modes(None, kw.get("dropout_p", 0.0), 4242 if kw.get("dropout_p") else 0, kw.get("top_left", False),
-              win[0], win[1], False, kw.get("softcap", 0.0), al, cu_seqlens_q=cq, cu_seqlens_k=ck,
-              max_seqlen_q=max(lq), max_seqlen_k=max(lk))
+    m = Modes.build(dropout_p=kw.get("dropout_p", 0.0), seed=4242 if kw.get("dropout_p") else 0,
+                    top_left=kw.get("top_left", False), window=kw.get("window"), softcap=kw.get("softcap", 0.0),
+                    alibi_slopes=al, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=max(lq), max_seqlen_k=max(lk))
     return q, k, v, dout, m
 
 
@@ -1111,23 +1111,19 @@ def test_varlen_goes_to_the_sm90_family_only_where_it_serves_it(emu):
 
 
 def _emu_fwd_cache(emu, q, k, v, Lk, scale, causal, kl, kv_idx=None, table=None, splits=1):
-    lib = emu.lib
-    lib.mhk_emu_fwd_cache.argtypes = (
-        [ctypes.c_int] * 2 + [ctypes.c_void_p] * 10 + [ctypes.c_int] * 5 + [ctypes.c_float] + [ctypes.c_int] * 2
-        + [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_longlong] * 2 + [ctypes.c_void_p] * 2
-        + [ctypes.c_longlong] * 2)
     B, H, Lq, D = q.shape
     out = torch.full((B, H, Lq, D), float("nan"), dtype=q.dtype)
     lse = torch.full((B, H, Lq), float("nan"))
     o_part = torch.full((splits, B, H, Lq, D), float("nan")) if splits > 1 else None
     l_part = torch.full((splits, B, H, Lq), float("nan")) if splits > 1 else None
     st = lambda x: (ctypes.c_int64 * 3)(x.stride(0), x.stride(1), x.stride(2))  # noqa: E731
-    lib.mhk_emu_configure(int(emu.defer_async), SMEM_LIMIT)
-    rc = lib.mhk_emu_fwd_cache(
+    # the host sets the page size from k (num_pages, Hkv, page_size, D)
+    modes = mode_params(Modes(cache_batch_idx=kv_idx, block_table=table), page_size=0 if table is None else k.shape[2])
+    emu.lib.mhk_emu_configure(int(emu.defer_async), SMEM_LIMIT)
+    rc = emu.lib.mhk_emu_fwd_modes(
         {torch.float16: 0, torch.bfloat16: 1}[q.dtype], D, _ptr(q), st(q), _ptr(k), st(k), _ptr(v), st(v),
-        _ptr(out), st(out), _ptr(lse), _ptr(kl), B, H, k.shape[1], Lq, Lk, scale, int(causal), splits,
-        _ptr(o_part), _ptr(l_part), 0, -1, -1, _ptr(kv_idx), _ptr(table),
-        0 if table is None else table.stride(0), 0 if table is None else k.shape[2])
+        _ptr(out), st(out), _ptr(lse), _ptr(kl), B, H, k.shape[1], Lq, Lk, ctypes.c_float(scale), int(causal), splits,
+        _ptr(o_part), _ptr(l_part), ctypes.byref(modes))
     emu._check(rc, "emulated KV-cache forward")
     return out, lse
 

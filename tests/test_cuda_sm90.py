@@ -43,6 +43,7 @@ from cuda_emulator_harness import (
     _ptr,
     _st,
     build_units,
+    mode_params,
     missing_toolchain,
     padded,
     padded_empty,
@@ -73,15 +74,14 @@ class Sm90Emulator:
         lib.mhk_emu_schedule_knobs.argtypes = [ctypes.c_void_p]
         lib.mhk_emu_guard_reads.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         lib.mhk_sm90_selftest_wgmma.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 3
-        lib.mhk_emu_fwd_family.argtypes = [ctypes.c_int] * 7 + [ctypes.c_longlong]
+        # (major, minor, sm90_compiled, D, num_splits, modes, key_lengths, Hkv, k_head_stride)
+        lib.mhk_emu_fwd_family.argtypes = [ctypes.c_int] * 5 + [ctypes.c_void_p] + [ctypes.c_int] * 2 + [
+            ctypes.c_longlong]
         lib.mhk_emu_fwd_plan_splits.argtypes = [ctypes.c_int] * 10
         lib.mhk_emu_sm90_config.argtypes = [ctypes.c_int, ctypes.c_void_p]
         lib.mhk_emu_sm90_fwd_fault.argtypes = [ctypes.c_int]
         lib.mhk_emu_sm90_set_sms.argtypes = [ctypes.c_int]
         lib.mhk_emu_sm90_work_tiles.argtypes = [ctypes.c_int] * 7 + [ctypes.c_void_p, ctypes.c_int]
-        lib.mhk_emu_sm90_fwd_varlen.argtypes = ([ctypes.c_int] * 2 + [ctypes.c_void_p] * 9 + [ctypes.c_int] * 4
-                                                + [ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 2
-                                                + [ctypes.c_longlong] * 3)
 
     def config(self, D: int) -> tuple:
         """(query rows, keys per stage, K stages, dynamic smem, V stages) of the compiled
@@ -119,7 +119,7 @@ class Sm90Emulator:
         rc = self.lib.mhk_emu_sm90_fwd(
             ELEM[q.dtype], D, _ptr(q), _st(q), _ptr(k), _st(k), _ptr(v), _st(v), _ptr(out), _st(out), _ptr(lse),
             _ptr(key_lengths), B, H, Hkv, Lq, Lk, ctypes.c_float(scale), int(causal), splits, _ptr(o_part),
-            _ptr(l_part))
+            _ptr(l_part), None)
         self.lib.mhk_emu_guard_reads(0, None, None)
         if rc != 0:
             raise RuntimeError(f"emulated sm90 forward: {self.error()}")
@@ -149,10 +149,13 @@ class Sm90Emulator:
         self.lib.mhk_emu_guard_reads(len(ranges), begin, end)
         self.lib.mhk_emu_configure(1, SMEM_LIMIT_SM90)
         lens_q, lens_k = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
-        rc = self.lib.mhk_emu_sm90_fwd_varlen(
-            ELEM[q.dtype], D, _ptr(q), _st(q), _ptr(k), _st(k), _ptr(v), _st(v), _ptr(out), _st(out), _ptr(lse), H,
-            Hkv, Tq, Tk, ctypes.c_float(scale), int(causal), _ptr(cq), _ptr(ck), len(cq) - 1,
-            int(lens_q.max()) if len(lens_q) else 0, int(lens_k.max()) if len(lens_k) else 0)
+        packing = mode_params(cu_seqlens_q=cq.data_ptr(), cu_seqlens_k=ck.data_ptr(), num_seqs=len(cq) - 1,
+                              max_seqlen_q=int(lens_q.max()) if len(lens_q) else 0,
+                              max_seqlen_k=int(lens_k.max()) if len(lens_k) else 0)
+        # B = 1, no key lengths, unsplit (the family's varlen kernel)
+        rc = self.lib.mhk_emu_sm90_fwd(
+            ELEM[q.dtype], D, _ptr(q), _st(q), _ptr(k), _st(k), _ptr(v), _st(v), _ptr(out), _st(out), _ptr(lse), None,
+            1, H, Hkv, Tq, Tk, ctypes.c_float(scale), int(causal), 1, None, None, ctypes.byref(packing))
         self.lib.mhk_emu_guard_reads(0, None, None)
         if rc != 0:
             raise RuntimeError(f"emulated sm90 packed forward: {self.error()}")
@@ -673,6 +676,16 @@ def test_sm90_varlen_never_reads_or_sees_another_sequences_keys(rnd):
 # ---------------------------------------------------------------------------------------------
 
 
+# The faked call properties of the family tests, as ModeParams fields (mode 5: key lengths, not
+# a mode): 0 none, 1 attn_mask, 2 dropout, 3 window, 4 top_left, 6 packed sequences (one of 100
+# tokens), 7 packed sequences with top_left. Pointers only need to be non-null here.
+_DUMMY = torch.zeros(2, dtype=torch.int32)
+_PACKED = dict(cu_seqlens_q=_DUMMY.data_ptr(), cu_seqlens_k=_DUMMY.data_ptr(), num_seqs=1, max_seqlen_q=100,
+               max_seqlen_k=100)
+FAMILY_MODES = {0: {}, 1: dict(mask=_DUMMY.data_ptr()), 2: dict(dropout_p=0.1), 3: dict(window_left=4),
+                4: dict(top_left=True), 5: {}, 6: _PACKED, 7: dict(_PACKED, top_left=True)}
+
+
 @pytest.mark.parametrize(
     "cc,compiled,D,splits,mode,Hkv,head_stride,want",
     [
@@ -697,7 +710,9 @@ def test_sm90_varlen_never_reads_or_sees_another_sequences_keys(rnd):
     ],
 )
 def test_family_choice_by_compute_capability(emu, cc, compiled, D, splits, mode, Hkv, head_stride, want):
-    assert emu.lib.mhk_emu_fwd_family(cc[0], cc[1], compiled, D, splits, mode, Hkv, head_stride) == want
+    modes = ctypes.byref(mode_params(**FAMILY_MODES[mode]))
+    key_lengths = int(mode == 5)
+    assert emu.lib.mhk_emu_fwd_family(cc[0], cc[1], compiled, D, splits, modes, key_lengths, Hkv, head_stride) == want
 
 
 @pytest.mark.parametrize("grad", [False, True])

@@ -34,12 +34,13 @@ from cuda_emulator_harness import (
     _st,
     build_units,
     dispatched,
+    mode_params,
     missing_toolchain,
     padded,
     padded_empty,
     use_random_schedule,
 )
-from test_cuda_sm90 import SMEM_LIMIT_SM90, Sm90Emulator
+from test_cuda_sm90 import _DUMMY, FAMILY_MODES, SMEM_LIMIT_SM90, Sm90Emulator
 
 ROOT = Path(__file__).resolve().parent.parent
 _CAPS = (ROOT / "csrc" / "capabilities.h").read_text()
@@ -61,7 +62,9 @@ def build_sm90_bwd(cache_dir: Path) -> Path:
 class Sm90BwdEmulator(Sm90Emulator):
     def __init__(self, path: Path):
         super().__init__(path)
-        self.lib.mhk_emu_bwd_family.argtypes = [ctypes.c_int] * 7 + [ctypes.c_longlong] * 2
+        # (major, minor, sm90_compiled, D, num_splits, modes, Hkv, k_head_stride, q_head_stride)
+        self.lib.mhk_emu_bwd_family.argtypes = ([ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.c_int]
+                                                + [ctypes.c_longlong] * 2)
 
     def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, splits=1, fused=False,
                  deterministic=True, fault=0, workspace=None):
@@ -410,6 +413,11 @@ def test_sm90_fused_backward_out_of_order_dispatch_needs_tickets(emu):
 # ---------------------------------------------------------------------------------------------
 
 
+# The faked call properties of the backward's family tests: the forward's 0 to 4 (none,
+# attn_mask, dropout, window, top_left) and 5 the mask's gradient.
+BWD_FAMILY_MODES = {**{m: FAMILY_MODES[m] for m in range(5)}, 5: dict(mask=_DUMMY.data_ptr(), dmask=_DUMMY.data_ptr())}
+
+
 @pytest.mark.parametrize(
     "cc,compiled,D,splits,mode,Hkv,k_head_stride,q_head_stride,want",
     [
@@ -432,7 +440,8 @@ def test_sm90_fused_backward_out_of_order_dispatch_needs_tickets(emu):
 )
 def test_bwd_family_choice_by_compute_capability(emu, cc, compiled, D, splits, mode, Hkv, k_head_stride,
                                                   q_head_stride, want):
-    got = emu.lib.mhk_emu_bwd_family(cc[0], cc[1], compiled, D, splits, mode, Hkv, k_head_stride, q_head_stride)
+    modes = ctypes.byref(mode_params(**BWD_FAMILY_MODES[mode]))
+    got = emu.lib.mhk_emu_bwd_family(cc[0], cc[1], compiled, D, splits, modes, Hkv, k_head_stride, q_head_stride)
     assert got == want
 
 

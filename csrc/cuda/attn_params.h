@@ -112,16 +112,10 @@ MHK_PARAMS_HD bool needs_modes_kernel(const Params& p) {
 // kernel family must serve (its features in capabilities.h) to be given the call.
 inline unsigned mode_features_of(const ModeParams& p) {
   unsigned f = 0;
-  if (p.mask != nullptr) f |= caps::kAttnMask;
-  if (p.dmask != nullptr) f |= caps::kMaskGrad;
-  if (p.dropout_p > 0.0) f |= caps::kDropout;
-  if (p.top_left) f |= caps::kTopLeft;
-  if (p.window_left >= 0 || p.window_right >= 0) f |= caps::kWindow;
-  if (p.softcap > 0.f) f |= caps::kSoftcap;
-  if (p.alibi != nullptr) f |= caps::kAlibi;
-  if (p.cu_seqlens_q != nullptr) f |= caps::kVarlen;
-  if (p.kv_batch_idx != nullptr) f |= caps::kCacheBatchIdx;
-  if (p.block_table != nullptr) f |= caps::kPaged;
+#define MHK_PARAM_FEATURE_(bit, test) \
+  if (test) f |= caps::bit;
+  MHK_MODE_PARAM_FEATURE_TESTS(MHK_PARAM_FEATURE_)
+#undef MHK_PARAM_FEATURE_
   return f;
 }
 

@@ -559,9 +559,8 @@ def _serves_varlen(query, key, value, packed, packing, causal, window, dropout, 
     name = _state["backend"]
     q3, k3, v3 = packed
     p = modifiers.get("softcap", 0.0)
-    needed = Modes(dropout_p=dropout, window_left=-1 if window is None else window[0],
-                   window_right=-1 if window is None else window[1], softcap=p,
-                   cu_seqlens_q=packing.cu_q, cu_seqlens_k=packing.cu_k).required_features()
+    needed = Modes.build(dropout_p=dropout, window=window, softcap=p, cu_seqlens_q=packing.cu_q,
+                         cu_seqlens_k=packing.cu_k).required_features()
     try:
         be = backends.select(name, *(x.transpose(0, 1).unsqueeze(0) for x in (q3, k3, v3)), causal, None, needed)
     except ValueError:  # the named backend lacks it, or strict dispatch refuses the fallback

@@ -403,7 +403,7 @@ def attention_forward(q, k, v, out, lse, scale: float, causal: bool, key_lengths
     ``modes``: the call's record (``mhakern.backends.Modes``; None: the plain call), read as
     :class:`.launch.ModeArgs` says: attn_mask None or a (B, H, Lq, Lk) view (bool, or float32
     bias; stride 0 on broadcast dims is read as such), dropout_p in [0, 1) with the 64-bit seed,
-    top_left alignment, window_left / window_right (-1 unbounded), softcap (0 off), alibi_slopes
+    top_left alignment, the window's left and right sizes (-1 unbounded), softcap (0 off), alibi_slopes
     None or a float32 (B, H) view; the KV cache: cache_batch_idx None or int32 (B,) (k, v then
     (B_cache, Hkv, Lk, D*)), or block_table None or int32 (B, pages_per_seq) (k, v then pages
     (num_pages, Hkv, page_size, D*), Lk = pages_per_seq * page_size); their values in range

@@ -6,11 +6,11 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import types
 
 import torch
 import triton
 
+from ._modes_generated import PLAIN as _PLAIN  # the plain call's record, from the mode table
 from .heuristics import packed_rows, row_block
 
 
@@ -97,9 +97,6 @@ def check_buffer(name: str, t: torch.Tensor, shape, dtype, like: torch.Tensor, c
         raise ValueError(f"{name}: expected unit stride on the last dim, got strides {t.stride()}")
 
 
-# The plain call's record (what ``modes=None`` means), read like mhakern.backends.Modes.
-_PLAIN = types.SimpleNamespace(attn_mask=None, dropout_p=0.0, seed=0, top_left=False, window_left=-1, window_right=-1,
-                               softcap=0.0, alibi_slopes=None, sinks=None, cache_batch_idx=None, block_table=None)
 
 
 def kernel_key_length(modes, k: torch.Tensor) -> int:
@@ -118,9 +115,9 @@ class ModeArgs:
     """The launch arguments of a call's modes, shared by the forward and backward launchers:
     what the kernels read at run time and the constexpr flags that select their variant.
 
-    ``modes`` is the call's record (``mhakern.backends.Modes``, read by attribute: attn_mask,
-    dropout_p, seed, top_left, window_left, window_right, softcap, alibi_slopes, sinks,
-    cache_batch_idx, block_table) or None for the plain call. Three groups (docs/contract.md):
+    ``modes`` is the call's record (``mhakern.backends.Modes``, read by attribute: the fields
+    the mode table gives the kernels' arguments, ``_modes_generated.KERNEL_ARGS``, and sinks) or
+    None for the plain call. Three groups (docs/contract.md):
 
     * the **modes** (band: top-left alignment or a window; a mask; dropout) select the modes
       kernels; ``any()`` says whether one is on;

@@ -3,6 +3,7 @@
 // kernels' parameter structs from raw pointers and strides with the helpers cuda_host.cpp uses
 // on tensors (make_fwd_params / make_bwd_params), and go through the same dispatch switch, so
 // the emulated run covers everything from the parameter struct down. "Device memory" is host memory here.
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -78,33 +79,6 @@ using mhk_emu::finish;
 using mhk_emu::operand;
 
 namespace {
-
-// mask_strides: the (B, H, Lq, Lk) view's element strides; mask_kind 0 none, 1 bool, 2 float32.
-// softcap: 0 off; alibi: float32 slopes, slope(b, h) = alibi[b * alibi_sb + h * alibi_sh], or null.
-void fill_modes(mhakern::ModeParams& p, int top_left, long long window_left, long long window_right, const void* mask,
-                int mask_kind, const int64_t* mask_strides, float* dmask, double dropout_p, unsigned long long seed,
-                float softcap, const float* alibi, long long alibi_sb, long long alibi_sh) {
-  p.top_left = top_left != 0;
-  p.window_left = window_left;
-  p.window_right = window_right;
-  p.dropout_p = dropout_p;
-  p.seed = seed;
-  if (mask != nullptr && mask_kind != 0) {
-    p.mask = mask;
-    p.mask_kind = mask_kind;
-    p.mask_sb = mask_strides[0];
-    p.mask_sh = mask_strides[1];
-    p.mask_sq = mask_strides[2];
-    p.mask_sk = mask_strides[3];
-  }
-  p.dmask = dmask;
-  p.softcap = softcap;
-  if (alibi != nullptr) {
-    p.alibi = alibi;
-    p.alibi_sb = alibi_sb;
-    p.alibi_sh = alibi_sh;
-  }
-}
 
 // The mma.sync backward the next emulated backward calls request (capabilities.h CudaBwdKernel;
 // -1: the default), as the op's MHAKERN_CUDA_MMA_BWD setting does.
@@ -327,114 +301,54 @@ int mhk_emu_bwd(int elem, int D, const void* dout, const int64_t* do_st, const v
 }
 
 // The forward and backward with the optional modes of docs/contract.md: the parameters filled as
-// above, then the mode fields of ModeParams as op_common.h's fill_mode_params copies them from
-// the op's arguments.
+// above, then the mode fields of ModeParams from *modes (null: none), which the caller fills as
+// op_common.h's fill_mode_params does (tests/cuda_emulator_harness.py mode_params, whose ctypes
+// struct follows the mode table's PARAMS; mhk_emu_mode_params_layout checks it). Packed
+// sequences: B = 1, Lq / Lk the token counts, no key_lengths and num_splits 1 (the kernels run
+// packed calls unsplit); a KV cache: Lk the logical length, k and v paged when block_table is set.
 int mhk_emu_fwd_modes(int elem, int D, const void* q, const int64_t* q_st, const void* k, const int64_t* k_st,
                       const void* v, const int64_t* v_st, void* o, const int64_t* o_st, float* lse,
                       const int32_t* key_lengths, int B, int H, int Hkv, int Lq, int Lk, float scale, int causal,
-                      int num_splits, float* o_partial, float* lse_partial, int top_left, long long window_left,
-                      long long window_right, const void* mask, int mask_kind, const int64_t* mask_strides,
-                      double dropout_p, unsigned long long seed, float softcap, const float* alibi, long long alibi_sb,
-                      long long alibi_sh) {
+                      int num_splits, float* o_partial, float* lse_partial, const mhakern::ModeParams* modes) {
   const CallSizes s{B, H, Hkv, Lq, Lk, D};
   auto p = mhakern::cuda::make_fwd_params(s, operand(q, q_st), operand(k, k_st), operand(v, v_st), operand(o, o_st),
                                           lse, key_lengths, scale, causal != 0, num_splits, o_partial, lse_partial);
-  fill_modes(p, top_left, window_left, window_right, mask, mask_kind, mask_strides, nullptr, dropout_p, seed, softcap,
-             alibi, alibi_sb, alibi_sh);
+  mhk_emu::set_modes(p, modes);
   return finish(mhakern::cuda::dispatch_attn_fwd(static_cast<ElemType>(elem), D, p, nullptr));
 }
 
-// The forward of packed sequences (ModeParams' cu_seqlens_q / cu_seqlens_k): the modes forward
-// above with B = 1, Lq / Lk the token counts, and the packing fields set as fill_mode_params sets
-// them (num_splits must be 1: the kernels run packed calls unsplit).
-int mhk_emu_fwd_varlen(int elem, int D, const void* q, const int64_t* q_st, const void* k, const int64_t* k_st,
-                       const void* v, const int64_t* v_st, void* o, const int64_t* o_st, float* lse, int H, int Hkv,
-                       int Tq, int Tk, float scale, int causal, int top_left, long long window_left,
-                       long long window_right, double dropout_p, unsigned long long seed, float softcap,
-                       const float* alibi, long long alibi_sb, long long alibi_sh, const int32_t* cu_q,
-                       const int32_t* cu_k, long long num_seqs, long long max_q, long long max_k) {
-  const CallSizes s{1, H, Hkv, Tq, Tk, D};
-  auto p = mhakern::cuda::make_fwd_params(s, operand(q, q_st), operand(k, k_st), operand(v, v_st), operand(o, o_st),
-                                          lse, nullptr, scale, causal != 0, 1, nullptr, nullptr);
-  const int64_t no_mask[4] = {0, 0, 0, 0};
-  fill_modes(p, top_left, window_left, window_right, nullptr, 0, no_mask, nullptr, dropout_p, seed, softcap, alibi,
-             alibi_sb, alibi_sh);
-  p.cu_seqlens_q = cu_q;
-  p.cu_seqlens_k = cu_k;
-  p.num_seqs = num_seqs;
-  p.max_seqlen_q = max_q;
-  p.max_seqlen_k = max_k;
-  return finish(mhakern::cuda::dispatch_attn_fwd(static_cast<ElemType>(elem), D, p, nullptr));
-}
-
-// The forward through a KV cache: the modes forward above (no attn_mask) with K/V rows chosen by
-// kv_batch_idx (int32 (B,), or null) and/or pages of block_table (int32 (B, pages), row stride
-// bt_stride, or null; k, v then (num_pages, Hkv, page_size, D) and Lk the logical length).
-int mhk_emu_fwd_cache(int elem, int D, const void* q, const int64_t* q_st, const void* k, const int64_t* k_st,
-                      const void* v, const int64_t* v_st, void* o, const int64_t* o_st, float* lse,
-                      const int32_t* key_lengths, int B, int H, int Hkv, int Lq, int Lk, float scale, int causal,
-                      int num_splits, float* o_partial, float* lse_partial, int top_left, long long window_left,
-                      long long window_right, const int32_t* kv_batch_idx, const int32_t* block_table,
-                      long long bt_stride, long long page_size) {
-  const CallSizes s{B, H, Hkv, Lq, Lk, D};
-  auto p = mhakern::cuda::make_fwd_params(s, operand(q, q_st), operand(k, k_st), operand(v, v_st), operand(o, o_st),
-                                          lse, key_lengths, scale, causal != 0, num_splits, o_partial, lse_partial);
-  const int64_t no_mask[4] = {0, 0, 0, 0};
-  fill_modes(p, top_left, window_left, window_right, nullptr, 0, no_mask, nullptr, 0.0, 0, 0.f, nullptr, 0, 0);
-  p.kv_batch_idx = kv_batch_idx;
-  p.block_table = block_table;
-  p.block_table_stride = bt_stride;
-  p.page_size = page_size;
-  return finish(mhakern::cuda::dispatch_attn_fwd(static_cast<ElemType>(elem), D, p, nullptr));
-}
-
-// The backward of packed sequences: the modes backward with B = 1, Tq / Tk tokens and the
-// packing fields as mhk_emu_fwd_varlen sets them (unsplit); the split kernels whatever
-// mhk_emu_set_bwd_kernel says (capabilities.h cuda_bwd_kernel), as the host runs them.
-int mhk_emu_bwd_varlen(int elem, int D, const void* dout, const int64_t* do_st, const void* q, const int64_t* q_st,
-                       const void* k, const int64_t* k_st, const void* v, const int64_t* v_st, const void* o,
-                       const int64_t* o_st, const float* lse, void* dq, const int64_t* dq_st, void* dk,
-                       const int64_t* dk_st, void* dv, const int64_t* dv_st, float* delta, int H, int Hkv, int Tq,
-                       int Tk, float scale, int causal, int top_left, long long window_left, long long window_right,
-                       double dropout_p, unsigned long long seed, float softcap, const float* alibi,
-                       long long alibi_sb, long long alibi_sh, const int32_t* cu_q, const int32_t* cu_k,
-                       long long num_seqs, long long max_q, long long max_k) {
-  const CallSizes s{1, H, Hkv, Tq, Tk, D};
-  auto p = mhakern::cuda::make_bwd_params(s, operand(dout, do_st), operand(q, q_st), operand(k, k_st),
-                                          operand(v, v_st), operand(o, o_st), lse, operand(dq, dq_st),
-                                          operand(dk, dk_st), operand(dv, dv_st), delta, nullptr, scale, causal != 0,
-                                          1, nullptr);
-  const int64_t no_mask[4] = {0, 0, 0, 0};
-  fill_modes(p, top_left, window_left, window_right, nullptr, 0, no_mask, nullptr, dropout_p, seed, softcap, alibi,
-             alibi_sb, alibi_sh);
-  p.cu_seqlens_q = cu_q;
-  p.cu_seqlens_k = cu_k;
-  p.num_seqs = num_seqs;
-  p.max_seqlen_q = max_q;
-  p.max_seqlen_k = max_k;
-  FusedWorkspace ws;
-  fill_bwd_kernel(p, ws);
-  return finish(mhakern::cuda::dispatch_attn_bwd(static_cast<ElemType>(elem), D, p, nullptr));
-}
-
+// The backward with *modes as the forward above (dmask among them: the float32 (B, H, Lq, Lk)
+// gradient of an additive mask, zeroed by the caller as the op's alloc_dmask does); the kernels
+// whatever mhk_emu_set_bwd_kernel says (capabilities.h cuda_bwd_kernel), as the host runs them.
 int mhk_emu_bwd_modes(int elem, int D, const void* dout, const int64_t* do_st, const void* q, const int64_t* q_st,
                       const void* k, const int64_t* k_st, const void* v, const int64_t* v_st, const void* o,
                       const int64_t* o_st, const float* lse, void* dq, const int64_t* dq_st, void* dk,
                       const int64_t* dk_st, void* dv, const int64_t* dv_st, float* delta, const int32_t* key_lengths,
                       int B, int H, int Hkv, int Lq, int Lk, float scale, int causal, int num_splits, float* dq_partial,
-                      int top_left, long long window_left, long long window_right, const void* mask, int mask_kind,
-                      const int64_t* mask_strides, float* dmask, double dropout_p, unsigned long long seed,
-                      float softcap, const float* alibi, long long alibi_sb, long long alibi_sh) {
+                      const mhakern::ModeParams* modes) {
   const CallSizes s{B, H, Hkv, Lq, Lk, D};
   auto p = mhakern::cuda::make_bwd_params(s, operand(dout, do_st), operand(q, q_st), operand(k, k_st),
                                           operand(v, v_st), operand(o, o_st), lse, operand(dq, dq_st),
                                           operand(dk, dk_st), operand(dv, dv_st), delta, key_lengths, scale,
                                           causal != 0, num_splits, dq_partial);
-  fill_modes(p, top_left, window_left, window_right, mask, mask_kind, mask_strides, dmask, dropout_p, seed, softcap,
-             alibi, alibi_sb, alibi_sh);
+  mhk_emu::set_modes(p, modes);
   FusedWorkspace ws;
   fill_bwd_kernel(p, ws);
   return finish(mhakern::cuda::dispatch_attn_bwd(static_cast<ElemType>(elem), D, p, nullptr));
+}
+
+// ModeParams' layout as compiled: out[0] its size, out[1 + i] the offset of its i-th field in
+// the table's order (generated/modes.h MHK_MODE_PARAMS). Returns the field count; n: room in out.
+int mhk_emu_mode_params_layout(long long* out, int n) {
+  int i = 0;
+  if (i < n) out[i] = static_cast<long long>(sizeof(mhakern::ModeParams));
+  ++i;
+#define MHK_MODE_PARAM_OFFSET_(type, name, init)                                        \
+  if (i < n) out[i] = static_cast<long long>(offsetof(mhakern::ModeParams, name));      \
+  ++i;
+  MHK_MODE_PARAMS(MHK_MODE_PARAM_OFFSET_)
+#undef MHK_MODE_PARAM_OFFSET_
+  return i - 1;
 }
 
 }  // extern "C"

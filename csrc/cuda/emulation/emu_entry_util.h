@@ -1,6 +1,6 @@
 // Helpers of the emulator's C entry points (emu_entry.cpp, emu_sm90_entry.cpp): an operand from
-// a raw pointer and its (batch, head, row) element strides, and a launcher's status folded with
-// the emulator's error state (0 ok, 1 with mhk_emu_last_error()).
+// a raw pointer and its (batch, head, row) element strides, a call's modes, and a launcher's
+// status folded with the emulator's error state (0 ok, 1 with mhk_emu_last_error()).
 #pragma once
 
 #include <cstdint>
@@ -18,6 +18,12 @@ inline mhakern::cuda::Operand operand(const void* ptr, const int64_t* s) {
   o.stride.head = s[1];
   o.stride.row = s[2];
   return o;
+}
+
+// The mode fields of a kernel's parameters (the ModeParams base of FwdParams / BwdParams) from
+// the caller's struct, filled as op_common.h's fill_mode_params fills it; null: no mode.
+inline void set_modes(mhakern::ModeParams& p, const mhakern::ModeParams* modes) {
+  if (modes != nullptr) p = *modes;
 }
 
 inline int finish(cudaError_t err) {

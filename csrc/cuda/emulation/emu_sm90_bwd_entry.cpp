@@ -63,11 +63,12 @@ long long mhk_emu_sm90_bwd_fused_ws_floats(int B, int H, int Hkv, int Lq, int D)
 }
 
 // The family the host would pick for a backward (0 mma.sync, 1 sm90) on a device of capability
-// major.minor, with faked call properties: mode 0 none, 1 attn_mask, 2 dropout, 3 window,
-// 4 top_left, 5 the mask's gradient; the K head stride and the query head stride as given.
-int mhk_emu_bwd_family(int major, int minor, int sm90_compiled, int D, int num_splits, int mode, int Hkv,
-                       long long k_head_stride, long long q_head_stride) {
+// major.minor, for a call with the modes *modes (null: none); the K head stride and the query
+// head stride as given.
+int mhk_emu_bwd_family(int major, int minor, int sm90_compiled, int D, int num_splits,
+                       const mhakern::ModeParams* modes, int Hkv, long long k_head_stride, long long q_head_stride) {
   BwdParams p;
+  mhk_emu::set_modes(p, modes);
   p.D = D;
   p.num_splits = num_splits;
   p.B = 1;
@@ -79,16 +80,6 @@ int mhk_emu_bwd_family(int major, int minor, int sm90_compiled, int D, int num_s
   p.v_stride = {Hkv * 100LL * D, 100LL * D, D};
   p.q_stride = {p.H * 50LL * D, q_head_stride, D};
   p.do_stride = {p.H * 50LL * D, 50LL * D, D};
-  static const char dummy = 0;
-  static float dmask = 0.f;
-  if (mode == 1) p.mask = &dummy;
-  if (mode == 2) p.dropout_p = 0.1;
-  if (mode == 3) p.window_left = 4;
-  if (mode == 4) p.top_left = true;
-  if (mode == 5) {
-    p.mask = &dummy;
-    p.dmask = &dmask;
-  }
   return static_cast<int>(mhakern::cuda::choose_bwd_family(major, minor, sm90_compiled != 0, p));
 }
 

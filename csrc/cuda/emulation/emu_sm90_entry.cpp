@@ -123,43 +123,28 @@ void wgmma_toy(int variant, const Elem* A, const Elem* B, float* out) {
 
 extern "C" {
 
-// Strides are (batch, head, row) in elements. Returns 0, or 1 with mhk_emu_last_error().
+// Strides are (batch, head, row) in elements; *modes: the call's modes as mhk_emu_fwd_modes
+// takes them (null: none; packed sequences with B = 1, no key_lengths and num_splits 1). Returns
+// 0, or 1 with mhk_emu_last_error().
 int mhk_emu_sm90_fwd(int elem, int D, const void* q, const int64_t* q_st, const void* k, const int64_t* k_st,
                      const void* v, const int64_t* v_st, void* o, const int64_t* o_st, float* lse,
                      const int32_t* key_lengths, int B, int H, int Hkv, int Lq, int Lk, float scale, int causal,
-                     int num_splits, float* o_partial, float* lse_partial) {
+                     int num_splits, float* o_partial, float* lse_partial, const mhakern::ModeParams* modes) {
   const CallSizes s{B, H, Hkv, Lq, Lk, D};
-  const FwdParams p = mhakern::cuda::make_fwd_params(s, mhk_emu::operand(q, q_st), mhk_emu::operand(k, k_st), mhk_emu::operand(v, v_st), mhk_emu::operand(o, o_st), lse,
-                                                     key_lengths, scale, causal != 0, num_splits, o_partial,
-                                                     lse_partial);
-  return mhk_emu::finish(mhakern::cuda::dispatch_attn_fwd_sm90(static_cast<ElemType>(elem), D, p, nullptr));
-}
-
-// The packed forward (cu_seqlens_q / _k, int32 (num_seqs + 1,)) of q (1, H, Tq, D), k, v
-// (1, Hkv, Tk, D), out (1, H, Tq, D) and lse (1, H, Tq) through the family's dispatch switch
-// (the varlen kernel, unsplit).
-int mhk_emu_sm90_fwd_varlen(int elem, int D, const void* q, const int64_t* q_st, const void* k, const int64_t* k_st,
-                            const void* v, const int64_t* v_st, void* o, const int64_t* o_st, float* lse, int H,
-                            int Hkv, int Tq, int Tk, float scale, int causal, const int32_t* cu_q, const int32_t* cu_k,
-                            long long num_seqs, long long max_q, long long max_k) {
-  const CallSizes s{1, H, Hkv, Tq, Tk, D};
   FwdParams p = mhakern::cuda::make_fwd_params(s, mhk_emu::operand(q, q_st), mhk_emu::operand(k, k_st),
-                                               mhk_emu::operand(v, v_st), mhk_emu::operand(o, o_st), lse, nullptr,
-                                               scale, causal != 0, 1, nullptr, nullptr);
-  p.cu_seqlens_q = cu_q;
-  p.cu_seqlens_k = cu_k;
-  p.num_seqs = num_seqs;
-  p.max_seqlen_q = max_q;
-  p.max_seqlen_k = max_k;
+                                               mhk_emu::operand(v, v_st), mhk_emu::operand(o, o_st), lse,
+                                               key_lengths, scale, causal != 0, num_splits, o_partial, lse_partial);
+  mhk_emu::set_modes(p, modes);
   return mhk_emu::finish(mhakern::cuda::dispatch_attn_fwd_sm90(static_cast<ElemType>(elem), D, p, nullptr));
 }
 
 // The family the host would pick (0 mma.sync, 1 sm90) for a device of capability major.minor,
-// with faked call properties: mode 0 none, 1 attn_mask, 2 dropout, 3 window, 4 top_left,
-// 5 key_lengths, 6 packed sequences, 7 packed sequences with top_left.
-int mhk_emu_fwd_family(int major, int minor, int sm90_compiled, int D, int num_splits, int mode, int Hkv,
-                       long long k_head_stride) {
+// for a call with the modes *modes (null: none) and key lengths (key_lengths != 0) on dense
+// operands (B 1, Lk 100, the K head stride as given).
+int mhk_emu_fwd_family(int major, int minor, int sm90_compiled, int D, int num_splits,
+                       const mhakern::ModeParams* modes, int key_lengths, int Hkv, long long k_head_stride) {
   FwdParams p;
+  mhk_emu::set_modes(p, modes);
   p.D = D;
   p.num_splits = num_splits;
   p.B = 1;
@@ -167,20 +152,8 @@ int mhk_emu_fwd_family(int major, int minor, int sm90_compiled, int D, int num_s
   p.Lk = 100;
   p.k_stride = {Hkv * 100LL * D, k_head_stride, D};
   p.v_stride = {Hkv * 100LL * D, 100LL * D, D};
-  static const char dummy = 0;
-  if (mode == 1) p.mask = &dummy;
-  if (mode == 2) p.dropout_p = 0.1;
-  if (mode == 3) p.window_left = 4;
-  if (mode == 4) p.top_left = true;
   static const int32_t lengths[1] = {50};
-  if (mode == 5) p.key_lengths = lengths;
-  static const int32_t cu[2] = {0, 100};
-  if (mode == 6 || mode == 7) {
-    p.cu_seqlens_q = p.cu_seqlens_k = cu;
-    p.num_seqs = 1;
-    p.max_seqlen_q = p.max_seqlen_k = 100;
-    p.top_left = mode == 7;
-  }
+  if (key_lengths != 0) p.key_lengths = lengths;
   return static_cast<int>(mhakern::cuda::choose_fwd_family(major, minor, sm90_compiled != 0, p));
 }
 
