@@ -29,7 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "attention", "scaled_dot_product_attention", "attention_varlen", "attention_with_kvcache", "available_backends", "last_backend", "set_strict",
     "FusedMHA", "ArgumentError", "ArgumentTypeError", "ShapeAssertionError", "TypeAssertionError",
-    "FallbackError", "__version__",
+    "FallbackError", "self_test", "__version__",
 ]
 
 
@@ -39,4 +39,8 @@ def __getattr__(name):
         from .modules import FusedMHA
 
         return FusedMHA
+    if name == "self_test":  # the kernel families' self-test (mhakern/selftest.py), imported on first use
+        from .selftest import self_test
+
+        return self_test
     raise AttributeError(f"module 'mhakern' has no attribute {name!r}")
