@@ -211,3 +211,35 @@ def test_self_test_prints_its_table_on_a_cpu_machine(tmp_path, monkeypatch, caps
     assert got["triton"].verdict == "pass", got["triton"]
     assert table.splitlines()[0].split() == ["family", "device", "verdict", "reason"]
     assert all(r.family in table and r.reason in table for r in records)
+
+
+def test_the_cuda_backend_gates_its_families_on_a_pretend_hopper(monkeypatch):
+    """A failed sm90 family pins both passes to mma.sync and refuses the head dim only it serves
+    (D 256), so that auto routes on; a failed mma family refuses every call. (Tensor stand-ins on
+    a pretend 9.0 device; the gate's verdicts stubbed.)"""
+    from cuda_emulator_harness import _FakeCudaTensor, _compiled_table, _fresh_backend
+
+    def qkv(D):
+        return _FakeCudaTensor((1, 4, 64, D)), _FakeCudaTensor((1, 2, 64, D)), _FakeCudaTensor((1, 2, 64, D))
+
+    table = _compiled_table()
+    table["cuda"]["sm90"]["compiled"] = True
+    be = _fresh_backend(monkeypatch, "13.0", table)
+    assert be.unavailable() is None
+    asked = []
+    verdicts = {"mma": None, "sm90": "the sm90 kernels failed their self-test on this device: planted"}
+    monkeypatch.setattr(selftest, "gate", lambda fam, dev: asked.append(fam) or verdicts[fam])
+    prev_fwd = torch.ops.mhakern_C.cuda_force_fwd_family("auto")
+    prev_bwd = torch.ops.mhakern_C.cuda_force_bwd_family("auto")
+    try:
+        assert be.supports(*qkv(64), True, None) is None
+        assert asked == ["mma", "sm90"]
+        assert torch.ops.mhakern_C.cuda_force_fwd_family("auto") == "mma_sync"  # pinned
+        assert torch.ops.mhakern_C.cuda_force_bwd_family("auto") == "mma_sync"
+        why = be.supports(*qkv(256), True, None)
+        assert why is not None and "head dim 256 is served only by the sm_90a family" in why and "planted" in why
+        verdicts["mma"] = "the mma kernels hung their self-test on this device: killed"
+        assert "killed" in be.supports(*qkv(64), True, None)
+    finally:
+        torch.ops.mhakern_C.cuda_force_fwd_family(prev_fwd)
+        torch.ops.mhakern_C.cuda_force_bwd_family(prev_bwd)
