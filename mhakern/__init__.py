@@ -12,6 +12,8 @@ Public API:
   keys and values in place.
 * :class:`FusedMHA` -- a module mirroring ``torch.nn.MultiheadAttention``.
 * :func:`available_backends` -- each backend with None (usable) or the reason it is not.
+* :func:`self_test` -- test the compiled kernel families on this machine's devices now (they are
+  tested on first use anyway, once per device and build: mhakern/selftest.py).
 * :func:`last_backend` -- the backend that served this thread's last call;
   :func:`set_strict` -- refuse, rather than fall back to the plain-PyTorch reference.
 
