@@ -12,6 +12,8 @@ Public API:
   keys and values in place.
 * :class:`FusedMHA` -- a module mirroring ``torch.nn.MultiheadAttention``.
 * :func:`available_backends` -- each backend with None (usable) or the reason it is not.
+* :func:`self_test` -- test the compiled kernel families on this machine's devices now (they are
+  tested on first use anyway, once per device and build: mhakern/selftest.py).
 * :func:`last_backend` -- the backend that served this thread's last call;
   :func:`set_strict` -- refuse, rather than fall back to the plain-PyTorch reference.
 
@@ -29,7 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "attention", "scaled_dot_product_attention", "attention_varlen", "attention_with_kvcache", "available_backends", "last_backend", "set_strict",
     "FusedMHA", "ArgumentError", "ArgumentTypeError", "ShapeAssertionError", "TypeAssertionError",
-    "FallbackError", "__version__",
+    "FallbackError", "self_test", "__version__",
 ]
 
 
@@ -39,4 +41,8 @@ def __getattr__(name):
         from .modules import FusedMHA
 
         return FusedMHA
+    if name == "self_test":  # the kernel families' self-test (mhakern/selftest.py), imported on first use
+        from .selftest import self_test
+
+        return self_test
     raise AttributeError(f"module 'mhakern' has no attribute {name!r}")

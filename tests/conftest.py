@@ -14,6 +14,12 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# The first-use self-test of the kernel families (mhakern/selftest.py) trusts without testing in
+# the suite: its tests run the kernels against the reference themselves, and the tests of
+# dispatch on a pretend CUDA device must not start a self-test there. tests/test_selftest.py
+# switches it back on.
+os.environ.setdefault("MHAKERN_SELF_TEST", "0")
+
 import pytest  # noqa: E402
 
 

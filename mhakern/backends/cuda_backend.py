@@ -42,6 +42,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from .. import selftest
 from ..modes import c_bwd, c_fwd
 from . import DEFAULT_MODES, Backend, register
 from .._build import INSTALL_HINT as _BUILD_HINT
@@ -91,6 +92,7 @@ class CudaBackend(Backend):
     def __init__(self):
         self._static_reason: Optional[str] = None
         self._checked = False
+        self._sm90_pinned = False
         self._caps: Optional[Dict[int, Tuple[int, int]]] = None
         # The cuda entry of torch.ops.mhakern_C.capabilities(): the table with what this build
         # compiled (filled by _static_unavailable; its "compiled" flags are read from here).
@@ -172,6 +174,28 @@ class CudaBackend(Backend):
             need = self._min_capability
             return (f"device {q.device} has compute capability {cap[0]}.{cap[1]}; the cuda kernels need "
                     f"{need[0]}.{need[1]} or newer")
+        return self._self_tested(q.device, cap, D)
+
+    def _self_tested(self, device, cap, D: int) -> Optional[str]:
+        """The first-use self-test's gate (mhakern/selftest.py) for the families this call may run
+        on ``device``: the mma.sync family (every backward, every forward off 9.0) and, on a 9.0
+        device of a build with it, the sm_90a family. A failed mma.sync family refuses the call; a
+        failed sm_90a family pins both passes to mma.sync (process-wide: the host's family setting)
+        and refuses the head dims only it serves, so that ``auto`` routes them on."""
+        why = selftest.gate("mma", device)
+        if why is not None:
+            return why
+        if cap is None or tuple(cap) != tuple(_SM90["capability"]) or not self.table.get("sm90", {}).get("compiled"):
+            return None
+        why = selftest.gate("sm90", device)
+        if why is None:
+            return None
+        if not self._sm90_pinned:
+            torch.ops.mhakern_C.cuda_force_fwd_family("mma_sync")
+            torch.ops.mhakern_C.cuda_force_bwd_family("mma_sync")
+            self._sm90_pinned = True
+        if D in _SM90["fwd_only_head_dims"]:
+            return f"head dim {D} is served only by the sm_90a family: {why}"
         return None
 
     def mode_limits(self, q, k, v, needed) -> Optional[str]:

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from .. import selftest
 from .._layout import empty_like_heads
 from . import DEFAULT_MODES, Backend, register
 
@@ -78,7 +79,9 @@ class TritonBackend(Backend):
         programs = B * H * -(-max(Lq, Lk, 1) // 16)
         if programs > MAX_PROGRAMS:
             return f"B * H * ceil(max(Lq, Lk) / 16) = {programs} programs exceed CUDA's grid limit {MAX_PROGRAMS}"
-        return None
+        # The first-use self-test (mhakern/selftest.py) guards the compiled kernels, on a GPU; the
+        # interpreter (a test tool) is not gated.
+        return selftest.gate("triton", q.device) if q.device.type == "cuda" else None
 
     def auto_supports(self, q, k, v, causal, key_lengths):
         if _interpreting():
