@@ -11,6 +11,7 @@ Semantics: docs/contract.md.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Optional, Tuple
 
 import torch
@@ -266,22 +267,13 @@ def check_mask(attn_mask, B: int, H: int, Lq: int, Lk: int, device) -> None:
         raise ArgumentError(f"attn_mask: must be on q's device ({device}), got {attn_mask.device}")
 
 
-def _causal_bias_class():
-    try:
-        from torch.nn.attention.bias import CausalBias
-    except ImportError:  # a torch without it cannot hand us one
-        return None
-    return CausalBias
-
-
-_CAUSAL_BIAS = _causal_bias_class()
-
-
 def is_causal_bias(attn_mask) -> bool:
     """Whether ``attn_mask`` is a ``torch.nn.attention.bias.CausalBias`` (causal_upper_left /
     causal_lower_right): a tensor subclass whose storage holds no mask, to be read as causal
-    masking, never as data."""
-    return _CAUSAL_BIAS is not None and isinstance(attn_mask, _CAUSAL_BIAS)
+    masking, never as data. Read from sys.modules, not imported: one can exist only once its
+    module is loaded, and importing it loads torch._dynamo (half of ``import mhakern``'s time)."""
+    bias_module = sys.modules.get("torch.nn.attention.bias")
+    return bias_module is not None and isinstance(attn_mask, bias_module.CausalBias)
 
 
 def resolve_causal_bias(bias, Lq: int, Lk: int, exact_bottom_right: bool) -> Tuple[Optional[Tensor], bool]:
