@@ -71,7 +71,7 @@ cudaError_t run_attn_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
       !encode_kv_map<Elem>(&P.tma_v, p.v, p.v_stride, p, Cfg::kBlockN))
     return cudaErrorInvalidValue;
   // Packed sequences (cu_seqlens_q / _k): the varlen kernel over (row tile of the longest
-  // sequence, KV head, sequence), unsplit (attn_fwd_sm90_kernel.cuh seq_tile_work).
+  // sequence, KV head, sequence), unsplit (tile_scheduler.cuh seq_tile_work).
   const bool varlen = p.cu_seqlens_q != nullptr;
   if (varlen && (p.cu_seqlens_k == nullptr || p.num_splits != 1 || p.B != 1)) return cudaErrorInvalidValue;
   const int64_t items = varlen ? p.num_seqs * p.Hkv * ceil_div(p.group * static_cast<int>(p.max_seqlen_q), Cfg::kBlockM)
