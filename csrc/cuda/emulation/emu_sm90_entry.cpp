@@ -190,7 +190,7 @@ int mhk_emu_sm90_set_sms(int n) {
 }
 
 // The key tiles of each work item of the sm90 forward (D 128 tiles), in the order the grid
-// takes them (attn_fwd_sm90_kernel.cuh fwd_work_block): out[w] for w < n_items. Returns the
+// takes them (tile_scheduler.cuh fwd_work_block): out[w] for w < n_items. Returns the
 // number of items (at most cap written).
 int mhk_emu_sm90_work_tiles(int B, int Hkv, int group, int Lq, int Lk, int causal, int num_splits, int* out, int cap) {
   using C = mhakern::cuda::sm90::FwdConfigSm90<128>;
