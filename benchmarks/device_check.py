@@ -65,6 +65,10 @@ class Check:
         self.tmp = Path(tempfile.mkdtemp(prefix="device_check_"))
         self.summary = out / "summary.md"
         self.plant_kind, self.plant_step = "", ""
+        # Per kernel family: the verification steps it ran ("ok", "failed", "skipped"), and the
+        # families a verdict line named as failing: what record_self_tests() writes.
+        self.family_steps: Dict[str, List[str]] = {f: [] for f in SELF_TEST_FAMILIES}
+        self.family_failed: set = set()
 
     # ------------------------------------------------------------------ bookkeeping
     def now(self) -> float:
@@ -77,6 +81,11 @@ class Check:
 
     def say(self, line: str) -> None:
         """A verdict: printed now and appended to the summary now."""
+        words = line.split()
+        if len(words) > 1 and words[0] in FAILURE_WORDS:
+            self.family_failed.add(words[1])
+        elif len(words) > 2 and words[:2] == ["NOT", "RUN"]:
+            self.family_failed.add(words[2])
         print(f"  {line}", flush=True)
         with open(self.summary, "a") as f:
             f.write(f"- {line}\n")
@@ -127,6 +136,9 @@ class Check:
         if planted:
             env[dc.PLANT_ENV] = self.plant_kind
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        # The check verifies the families itself: its children must not spend their caps on the
+        # first-use self-test (mhakern/selftest.py), whose cache it fills at the end instead.
+        env["MHAKERN_SELF_TEST"] = "0"
         if not self.have_gpu:
             env.setdefault("TRITON_INTERPRET", "1")
         return env
@@ -202,6 +214,8 @@ class Check:
         size = f"{n} tests" if step.kind == "pytest" and n is not None else (
             f"{step.children} children" if step.kind == "children" else "")
         if t < MIN_STEP_S:
+            if step.family in self.family_steps:
+                self.family_steps[step.family].append("skipped")
             self.account.append(f"{step.name:<15} cap {cap:4d}s  SKIPPED (budget spent)  {size}")
             self.say(f"{step.name}: SKIPPED (the time budget was spent: {t}s left of its {cap}s cap)")
             return
@@ -215,6 +229,8 @@ class Check:
         deadline = t1 + t
         handler = getattr(self, f"do_{step.kind}")
         ok = handler(step, deadline)
+        if step.family in self.family_steps and step.plantable:
+            self.family_steps[step.family].append("ok" if ok else "failed")
         self.say(f"{step.name}: {'ok' if ok else 'FAILED'} in {time.monotonic() - t1:.0f}s (allowed {t}s)")
         if not ok:
             self.status = 1
@@ -591,7 +607,27 @@ class Check:
                     return self.finish(1)
                 if step.name == "build" or self.prebuilt_used:
                     self.backends_line()
+        self.record_self_tests()
         return self.finish(self.status)
+
+    def record_self_tests(self) -> None:
+        """A family whose every verification step ran and passed here, and that no verdict line
+        named, passes its first-use self-test on this device and build: recorded in the same
+        cache (``python -m mhakern.selftest --record``), so users of this machine start trusted.
+        Only on a GPU, and never in a rehearsal (its planted faults are not the kernels')."""
+        if self.dry or self.rehearsal or not self.have_gpu:
+            return
+        for fam, runs in self.family_steps.items():
+            if not runs:
+                continue
+            if fam in self.family_failed or any(r != "ok" for r in runs):
+                why = "failed here" if fam in self.family_failed or "failed" in runs else "a step was cut"
+                self.say(f"self-test cache: {fam} not recorded ({why}): its first use on this device tests it")
+                continue
+            r = subprocess.run([self.py, "-m", "mhakern.selftest", "--record", fam, "--device", "cuda:0"],
+                               capture_output=True, text=True, cwd=ROOT, timeout=120)
+            said = "recorded a pass" if r.returncode == 0 else f"could not record: {r.stderr.strip()[-200:]}"
+            self.say(f"self-test cache: {fam} {said} ({len(runs)} verification steps ok)")
 
     def backends_line(self) -> None:
         code = ("import mhakern\nbe = mhakern.available_backends()\n"
@@ -629,6 +665,12 @@ class Check:
         print(self.summary.read_text())
         shutil.rmtree(self.tmp, ignore_errors=True)
         return status
+
+
+#: The kernel families of the first-use self-test (mhakern/selftest.py) that the steps verify.
+SELF_TEST_FAMILIES = ("sm90", "mma", "triton")
+#: The first words of a verdict line that names a failing family (its second word).
+FAILURE_WORDS = ("WRONG", "HUNG", "ERROR", "CRASHED", "EXITED")
 
 
 def _test_overdue(records: Path, limit: float) -> bool:
