@@ -142,9 +142,11 @@ void forward_pairs(const AttnParams& p) {
   for_each_sequence(p, [&](int64_t s) { forward_impl<c10::BFloat16, Dot>(sequence_params(p, s)); });
 }
 
-inline void backward_bf16(const AttnParams& p) {
+template <typename Dot>
+void backward_pairs(const AttnParams& p) {
   TORCH_INTERNAL_ASSERT(p.dtype == DType::BFloat16, "mhakern cpu kernel: the bf16 variant takes bf16 inputs");
-  backward_any<c10::BFloat16>(p);
+  if (p.cu_seqlens_q == nullptr) return backward_impl<c10::BFloat16, Dot>(p);
+  for_each_sequence(p, [&](int64_t s) { backward_impl<c10::BFloat16, Dot>(sequence_params(p, s)); });
 }
 
 // Entry points of this instruction set.
@@ -181,7 +183,7 @@ inline void backward(const AttnParams& p) {
 #define MHAKERN_DEFINE_BF16_TABLE(NAME, ISA, DOT)                                          \
   namespace mhakern::cpu {                                                                \
   const KernelTable& kernels_##NAME() {                                                   \
-    static const KernelTable table{#NAME, &ISA::forward_pairs<ISA::DOT>, &ISA::backward_bf16, \
+    static const KernelTable table{#NAME, &ISA::forward_pairs<ISA::DOT>, &ISA::backward_pairs<ISA::DOT>, \
                                    &ISA::dot_pairs_lanes<ISA::DOT>};                       \
     return table;                                                                         \
   }                                                                                       \

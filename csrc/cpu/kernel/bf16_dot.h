@@ -232,7 +232,7 @@ inline void pack_rows(const Rows& rows, int64_t j0, int64_t n, int64_t cols, uin
 }
 
 // Rows j0 .. j0 + n - 1 of a bf16 V as pairs of keys: dst[jj * ldd + d] = (V[2 jj][d],
-// V[2 jj + 1][d]) for d < cols, a zero key past n.
+// V[2 jj + 1][d]) for d < cols, a zero key past n, zero columns from cols to ldd.
 template <typename Rows>
 inline void pack_key_pairs(const Rows& rows, int64_t j0, int64_t n, int64_t cols, uint32_t* dst, int64_t ldd) {
   for (int64_t jj = 0; jj < (n + 1) / 2; ++jj) {
@@ -244,6 +244,81 @@ inline void pack_key_pairs(const Rows& rows, int64_t j0, int64_t n, int64_t cols
     } else {
       for (int64_t c = 0; c < cols; ++c) d[c] = v0[c];
     }
+    std::fill(d + cols, d + ldd, 0u);
+  }
+}
+
+// Strided rows of a dense tensor, as pack_rows and pack_key_pairs read them.
+template <typename T>
+struct StridedRows {
+  const T* base;
+  int64_t sl;
+  const T* row(int64_t j) const { return base + j * sl; }
+};
+
+// fp32 rows (n x cols, row stride ld, n even) as pairs of rows: dst[rr * ldd + c] = (x[2 rr][c],
+// x[2 rr + 1][c]). round: to bf16 nearest even (probabilities, dS); else the rows hold bf16
+// values exactly and their top halves are taken.
+inline void pack_row_pairs(const float* x, int64_t ld, int64_t n, int64_t cols, uint32_t* dst, int64_t ldd,
+                           bool round) {
+  for (int64_t rr = 0; rr < n / 2; ++rr) {
+    const float* x0 = x + 2 * rr * ld;
+    const float* x1 = x0 + ld;
+    uint32_t* d = dst + rr * ldd;
+    if (round) {
+      for (int64_t c = 0; c < cols; ++c) d[c] = bf16_bits_rne(x0[c]) | (bf16_bits_rne(x1[c]) << 16);
+    } else {
+      for (int64_t c = 0; c < cols; ++c) {
+        uint32_t lo, hi;
+        std::memcpy(&lo, x0 + c, 4);
+        std::memcpy(&hi, x1 + c, 4);
+        d[c] = (lo >> 16) | (hi & 0xffff0000u);
+      }
+    }
+  }
+}
+
+// fp32 rows (n x cols, cols even) as pairs along each row, rounded to bf16 nearest even:
+// dst[j * (cols / 2) + cc] = (x[j][2 cc], x[j][2 cc + 1]).
+inline void pack_cols_rounded(const float* x, int64_t n, int64_t cols, uint32_t* dst) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* xr = x + j * cols;
+    uint32_t* d = dst + j * (cols / 2);
+    for (int64_t cc = 0; cc < cols / 2; ++cc) d[cc] = bf16_bits_rne(xr[2 * cc]) | (bf16_bits_rne(xr[2 * cc + 1]) << 16);
+  }
+}
+
+// One output element of a pair product, pair by pair, for tiles where a hidden pair meets an inf
+// or NaN (modes.h, visibility()): the chain pair_kernel runs (the model's steps are the
+// instruction's bit for bit), with both halves of a hidden pair zeroed, so its product is +0
+// where the tile would add 0 * a finite value: the visible pairs give the tile's bits.
+// a(k), b(k): the k-th pairs; hidden(k, half): that half's pair is hidden.
+template <typename A, typename B, typename Hidden>
+inline float masked_pair_chain(float acc, int64_t n, const A& a, const B& b, const Hidden& hidden) {
+  for (int64_t k = 0; k < n; ++k) {
+    uint32_t x = a(k), y = b(k);
+    if (hidden(k, 0)) {
+      x &= 0xffff0000u;
+      y &= 0xffff0000u;
+    }
+    if (hidden(k, 1)) {
+      x &= 0xffffu;
+      y &= 0xffffu;
+    }
+    acc = DotModel::lane(acc, x, y);
+  }
+  return acc;
+}
+
+// Lane-wise pair dot products over n pairs: out[r] = the chain acc = dp(acc, a[k][r], b[k][r]),
+// k = 0 .. n - 1, from 0 (a, b: n x Rp pairs, Rp a multiple of VL). The chain a GEMM's output
+// element runs, so delta = dO . O rounds as dP = dO . V_j does.
+template <typename Dot>
+inline void dot_lanes_chain(const uint32_t* a, const uint32_t* b, int64_t n, int64_t Rp, float* out) {
+  for (int64_t v = 0; v < Rp; v += VL) {
+    Vec acc(0.f);
+    for (int64_t k = 0; k < n; ++k) acc = Dot::dp(acc, Dot::load(a + k * Rp + v), Dot::load(b + k * Rp + v));
+    acc.store(out + v);
   }
 }
 

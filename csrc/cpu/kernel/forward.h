@@ -201,7 +201,20 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
       (Vec::loadu(s.l + v * VL) * Vec::loadu(s.alpha + v * VL) + sum[v]).store(s.l + v * VL);
 
     // O^T (Dv x Rp) = alpha * O^T + V_blk^T * P^T
-    if (pairwise) {
+    if (kPairs && pairwise) {
+      const int64_t bk2 = (bk + 1) / 2;
+      pack_probs(s.st, Rp, bk, s.ptp);
+      pack_key_pairs(vrows, j0, bk, Dv, s.vp, Dvp);
+      for (int64_t d = 0; d < Dv; ++d) {
+        float* od = s.ot + d * Rp;
+        for (int64_t r = 0; r < Rp; ++r) {
+          const float acc = first ? 0.f : od[r] * s.alpha[r];
+          od[r] = masked_pair_chain(
+              acc, bk2, [&](int64_t k) { return s.vp[k * Dvp + d]; }, [&](int64_t k) { return s.ptp[k * Rp + r]; },
+              [&](int64_t k, int h) { return 2 * k + h >= bk || !s.vis[(2 * k + h) * Rp + r]; });
+        }
+      }
+    } else if (pairwise) {
       for (int64_t d = 0; d < Dv; ++d) {
         float* od = s.ot + d * Rp;
         for (int64_t r = 0; r < Rp; ++r) {
