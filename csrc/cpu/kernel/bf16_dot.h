@@ -16,7 +16,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 #endif
 
@@ -203,6 +203,31 @@ inline void pack_rows_transposed(const float* rows, int64_t Dp, int64_t Rp, uint
       dst[dd * Rp + r] = (lo >> 16) | (hi & 0xffff0000u);
     }
   }
+}
+
+// Two vectors of probabilities (keys 2 jj and 2 jj + 1, VL rows) as VL pairs, rounded as
+// bf16_bits_rne rounds (the same bits, vectorised where the instruction set allows).
+inline void store_pair_rne(Vec p0, Vec p1, uint32_t* dst) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
+  const __m512i absm = _mm512_set1_epi32(0x7fffffff), infb = _mm512_set1_epi32(0x7f800000);
+  auto rne = [&](__m512 x) {  // bf16 bits in the top half
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, absm), infb);
+    const __m512i qnan = _mm512_or_si512(_mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0x80000000u))),
+                                         _mm512_set1_epi32(0x7fc00000));
+    return _mm512_mask_blend_epi32(nan, r, qnan);
+  };
+  const __m512i lo = _mm512_srli_epi32(rne(static_cast<__m512>(p0)), 16);
+  const __m512i hi = _mm512_and_si512(rne(static_cast<__m512>(p1)), _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  _mm512_storeu_si512(dst, _mm512_or_si512(lo, hi));
+#else
+  float a[VL], b[VL];
+  p0.store(a);
+  p1.store(b);
+  for (int64_t i = 0; i < VL; ++i) dst[i] = bf16_bits_rne(a[i]) | (bf16_bits_rne(b[i]) << 16);
+#endif
 }
 
 // P^T (n x Rp fp32, rows = keys) as pairs of keys, rounded to bf16 (nearest even), as the GPU

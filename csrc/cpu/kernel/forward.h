@@ -175,7 +175,23 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
       exp2v(mold - muse[v]).store(s.alpha + v * VL);
       mnew.store(s.m + v * VL);
     }
-    if (!dropout) {
+    // The bf16 products without dropout or pairwise tiles: P goes straight to pairs of keys
+    // (P^T itself is not stored; a pass over the tile less).
+    const bool fused_pack = kPairs && !dropout && !pairwise;
+    if (fused_pack) {
+      const Vec zero(0.f);
+      for (int64_t j = 0; j < bk; j += 2) {
+        const float* s0 = s.st + j * Rp;
+        uint32_t* d = s.ptp + (j / 2) * Rp;
+        for (int64_t v = 0; v < nvec; ++v) {
+          const Vec p0 = exp2v(Vec::loadu(s0 + v * VL) - muse[v]);
+          const Vec p1 = j + 1 < bk ? exp2v(Vec::loadu(s0 + Rp + v * VL) - muse[v]) : zero;
+          store_pair_rne(p0, p1, d + v * VL);
+          sum[v] = sum[v] + p0;
+          if (j + 1 < bk) sum[v] = sum[v] + p1;
+        }
+      }
+    } else if (!dropout) {
       for (int64_t j = 0; j < bk; ++j) {
         float* sp = s.st + j * Rp;
         for (int64_t v = 0; v < nvec; ++v) {
@@ -226,7 +242,7 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
       }
     } else if constexpr (kPairs) {
       const int64_t bk2 = (bk + 1) / 2;
-      pack_probs(s.st, Rp, bk, s.ptp);
+      if (!fused_pack) pack_probs(s.st, Rp, bk, s.ptp);
       pack_key_pairs(vrows, j0, bk, Dv, s.vp, Dvp);
       if (first)
         gemm_pairs<Dot, CMode::Store>(Dv, Rp, bk2, s.vp, 1, Dvp, s.ptp, Rp, s.ot, Rp);
