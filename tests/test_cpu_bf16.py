@@ -312,3 +312,24 @@ def test_deterministic_at_1_and_2_threads(variant, case):
     for got in res[1:]:
         for name, a, b in zip(NAMES, res[0], got):
             assert torch.equal(a, b), f"{name} differs between 1 and 2 threads"
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed sequences and KV caches (forward reads of K and V through page tables and row indices)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, indirect=True)
+def test_packed_sequences(variant):
+    from packed_cache_testing import check_packed
+
+    check_packed("cpu", [5, 0, 70, 17], [9, 3, 70, 150], 4, 2, 64, torch.bfloat16, "cpu")
+
+
+@pytest.mark.parametrize("kind", ["paged", "cache_batch_idx"])
+@pytest.mark.parametrize("variant", VARIANTS, indirect=True)
+def test_kv_cache(variant, kind):
+    from packed_cache_testing import check_kvcache
+
+    # Pages of 16 tokens: every key block of 128 crosses pages (gathered), odd head dim 63.
+    check_kvcache("cpu", kind, 3, 8, 2, 2, 256, [256, 37, 1], 63, torch.bfloat16, "cpu")
+    check_kvcache("cpu", kind, 2, 4, 4, 5, 160, [160, 77], 64, torch.bfloat16, "cpu", page_size=32)
