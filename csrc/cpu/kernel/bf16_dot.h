@@ -179,6 +179,19 @@ inline void gemm_pairs(int64_t M, int64_t N, int64_t K, const uint32_t* A, int64
                        const uint32_t* B, int64_t ldb, float* C, int64_t ldc, const float* cscale = nullptr,
                        float cmul = 1.f) {
   if (M <= 0 || N <= 0) return;
+  if constexpr (std::is_same_v<Dot, DotModel>) {
+    // The model element by element: each output runs the chain a tile's lane runs (the tiling
+    // never changes an element's steps), at a fraction of the register tiles' compile time.
+    for (int64_t m = 0; m < M; ++m) {
+      float* c = C + m * ldc;
+      for (int64_t n = 0; n < N; ++n) {
+        float acc = MODE == CMode::Store ? 0.f : (MODE == CMode::Accumulate ? c[n] : c[n] * cscale[n]);
+        for (int64_t kk = 0; kk < K; ++kk) acc = DotModel::lane(acc, A[m * ars + kk * acs], B[kk * ldb + n]);
+        c[n] = MODE == CMode::Store && cmul != 1.f ? acc * cmul : acc;
+      }
+    }
+    return;
+  }
   const int64_t nvec = N / VL;
   int64_t v = 0;
   auto sc = [&](int64_t vv) { return MODE == CMode::Rescale ? cscale + vv * VL : nullptr; };
