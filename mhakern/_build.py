@@ -64,6 +64,8 @@ INSTALL_HINT = "pip install -e . --no-build-isolation"
 ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+    # The bf16 variant (bf16 inputs only, issue 35): vdpbf16ps.
+    "AVX512BF16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-mavx512bf16"],
 }
 # torch's named archs (torch.utils.cpp_extension), expanded before filtering.
 NAMED_ARCHES = {

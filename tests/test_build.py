@@ -157,7 +157,9 @@ def test_cpu_plan_compiles_isa_variants_with_their_own_flags(B):
     assert ("MHAKERN_CPU_AVX2", None) in plan["define_macros"]
     assert "-fopenmp" in plan["cxx_flags"] and "-fopenmp" in plan["link_flags"]
     assert all("native" not in f for f in plan["cxx_flags"] + sum(isa.values(), []))
-    assert "CPU kernels (DEFAULT, AVX2, AVX512)" in plan["message"]
+    assert "-mavx512bf16" in isa["csrc/cpu/kernels_avx512bf16.cpp"]
+    assert "-mavx512bf16" not in isa["csrc/cpu/kernels_avx512.cpp"]
+    assert "CPU kernels (DEFAULT, AVX2, AVX512, AVX512BF16)" in plan["message"]
     for src in list(isa) + plan["sources"]:
         assert os.path.exists(os.path.join(ROOT, src)), src
     # Not x86: the portable kernels only (the ISA files are not compiled at all).

@@ -153,6 +153,14 @@ CASES = {
     "plan_splits_negative": ("ops.cuda_plan_splits(1, 1, 1, 1, 64, 64, -1)", ValueError, r"cuda_plan_splits: num_sms must be non-negative"),
     "plan_splits_head_dim": ("ops.cuda_plan_splits(1, 1, 1, 1, 64, 80, 132)", ValueError, r"cuda_plan_splits: head_dim 80 has no compiled cuda kernel"),
     "probe_tasks": ("ops.cpu_parallel_threads_probe(0)", ValueError, r"tasks: expected a positive number, got 0"),
+    "bf16_lanes_count": ("ops.cpu_bf16_dot_lanes(torch.zeros(10), torch.zeros(10, dtype=torch.int32), "
+                         "torch.zeros(10, dtype=torch.int32), 'avx512bf16_model')", ValueError,
+                         r"acc: expected a multiple of 64 lanes, got 10"),
+    "bf16_lanes_dtype": ("ops.cpu_bf16_dot_lanes(torch.zeros(64), torch.zeros(64), torch.zeros(64), 'avx512bf16_model')",
+                         ValueError, r"a, b: expected contiguous int32 CPU tensors"),
+    "bf16_lanes_variant": ("ops.cpu_bf16_dot_lanes(torch.zeros(64), torch.zeros(64, dtype=torch.int32), "
+                           "torch.zeros(64, dtype=torch.int32), 'avx9')", ValueError,
+                           r"variant: expected avx512bf16 or avx512bf16_model, got 'avx9'"),
 }
 
 

@@ -9,6 +9,8 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -56,6 +58,65 @@ const KernelTable& kernels() {
   static const KernelTable& table = pick_kernels();
   return table;
 }
+
+bool cpu_has_avx512_bf16() {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// The bf16 twin of the plain table in use: its bf16 products on the software model of
+// vdpbf16ps (kernel/bf16_dot.h), so every machine runs the bf16 variant's numerics.
+const KernelTable& model_kernels() {
+  const std::string isa = kernels().isa;
+#ifdef MHAKERN_CPU_AVX512
+  if (isa == "AVX512") return kernels_AVX512_BF16MODEL();
+#endif
+#ifdef MHAKERN_CPU_AVX2
+  if (isa == "AVX2") return kernels_AVX2_BF16MODEL();
+#endif
+  return kernels_DEFAULT_BF16MODEL();
+}
+
+// The instruction's table, or nullptr where the build or the CPU (or ATen's capability, which
+// must allow AVX512) lacks it.
+const KernelTable* hw_bf16_kernels() {
+#ifdef MHAKERN_CPU_AVX512BF16
+  static const bool ok = std::string(kernels().isa) == "AVX512" && cpu_has_avx512_bf16();
+  if (ok) return &kernels_AVX512BF16();
+#endif
+  (void)&cpu_has_avx512_bf16;
+  return nullptr;
+}
+
+// MHAKERN_CPU_ISA chooses the kernels of bf16 inputs, read at every bf16 call (so a test can
+// switch it): unset, "" or "auto": vdpbf16ps where the CPU has it, else the plain kernels
+// (fp32 products on converted inputs); "avx512bf16": the instruction, an error where it is
+// missing; "avx512bf16_model": its software model (any CPU); "fp32": the plain kernels.
+// Other dtypes always run the plain kernels.
+const KernelTable& bf16_kernels() {
+  const char* e = std::getenv("MHAKERN_CPU_ISA");
+  const std::string v = e ? e : "";
+  if (v.empty() || v == "auto") {
+    const KernelTable* hw = hw_bf16_kernels();
+    return hw ? *hw : kernels();
+  }
+  if (v == "avx512bf16") {
+    const KernelTable* hw = hw_bf16_kernels();
+    TORCH_CHECK(hw != nullptr, "MHAKERN_CPU_ISA=avx512bf16: ",
+                "this build or CPU has no AVX512-BF16 kernels (the CPU needs avx512_bf16 and ATen's capability "
+                "AVX512; the build compiles them on x86-64); use avx512bf16_model for the software model");
+    return *hw;
+  }
+  if (v == "avx512bf16_model") return model_kernels();
+  if (v == "fp32") return kernels();
+  TORCH_CHECK_VALUE(false, "MHAKERN_CPU_ISA: expected one of auto, avx512bf16, avx512bf16_model, fp32, got '", v, "'");
+  return kernels();  // not reached
+}
+
+const KernelTable& kernels_for(DType dt) { return dt == DType::BFloat16 ? bf16_kernels() : kernels(); }
 
 DType dtype_of(const at::Tensor& q) {
   switch (q.scalar_type()) {
@@ -141,7 +202,7 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tenso
   at::Tensor lse = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
   p.out = mut_view_of(o);
   p.lse = lse.data_ptr<float>();
-  kernels().forward(p);
+  kernels_for(p.dtype).forward(p);
   return {o, lse};
 }
 
@@ -166,11 +227,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
   p.dk = mut_view_of(gk);
   p.dv = mut_view_of(gv);
   if (modes.mask_grad) p.dmask = dmask.data_ptr<float>();
-  kernels().backward(p);
+  kernels_for(p.dtype).backward(p);
   return {gq, gk, gv, dmask};
 }
 
 std::string kernel_isa() { return kernels().isa; }
+
+std::string bf16_kernel_isa() { return bf16_kernels().isa; }
+
+at::Tensor bf16_dot_lanes(const at::Tensor& acc, const at::Tensor& a, const at::Tensor& b, const std::string& variant) {
+  TORCH_CHECK_VALUE(acc.scalar_type() == at::kFloat && acc.dim() == 1 && acc.is_contiguous() && acc.device().is_cpu(),
+                    "acc: expected a contiguous 1-D float32 CPU tensor");
+  TORCH_CHECK_VALUE(a.scalar_type() == at::kInt && b.scalar_type() == at::kInt && a.sizes() == acc.sizes() &&
+                    b.sizes() == acc.sizes() && a.is_contiguous() && b.is_contiguous() && a.device().is_cpu() &&
+                    b.device().is_cpu(),
+                    "a, b: expected contiguous int32 CPU tensors of acc's size (one bf16 pair each)");
+  TORCH_CHECK_VALUE(acc.numel() % 64 == 0, "acc: expected a multiple of 64 lanes, got ", acc.numel());
+  const KernelTable* t = nullptr;
+  if (variant == "avx512bf16") {
+    t = hw_bf16_kernels();
+    TORCH_CHECK(t != nullptr, "variant 'avx512bf16': no AVX512-BF16 kernels on this build or CPU");
+  } else {
+    TORCH_CHECK_VALUE(variant == "avx512bf16_model", "variant: expected avx512bf16 or avx512bf16_model, got '",
+                      variant, "'");
+    t = &model_kernels();
+  }
+  at::Tensor out = acc.clone();
+  t->dot_lanes(out.data_ptr<float>(), reinterpret_cast<const uint32_t*>(a.const_data_ptr<int32_t>()),
+               reinterpret_cast<const uint32_t*>(b.const_data_ptr<int32_t>()), out.numel());
+  return out;
+}
 
 int64_t parallel_threads_probe(int64_t tasks) {
   TORCH_CHECK_VALUE(tasks > 0, "tasks: expected a positive number, got ", tasks);
@@ -186,6 +272,13 @@ int64_t parallel_threads_probe(int64_t tasks) {
 }
 
 }  // namespace mhakern::cpu
+
+// The bf16 variant's introspection (issue 35): which kernels bf16 inputs run now, and one
+// vdpbf16ps step per lane on the instruction or its model (the bit-identity check).
+TORCH_LIBRARY_FRAGMENT(mhakern_C, m) {
+  m.def("cpu_bf16_kernel_isa() -> str", &mhakern::cpu::bf16_kernel_isa);
+  m.def("cpu_bf16_dot_lanes(Tensor acc, Tensor a, Tensor b, str variant) -> Tensor", &mhakern::cpu::bf16_dot_lanes);
+}
 
 // The CPU kernels of the ops whose schemas csrc/bindings.cpp defines.
 TORCH_LIBRARY_IMPL(mhakern_C, CPU, m) {

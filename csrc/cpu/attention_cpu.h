@@ -32,6 +32,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
 // Name of the instruction-set variant in use: "AVX512", "AVX2" or "DEFAULT".
 std::string kernel_isa();
 
+// The kernels bf16 inputs run now (MHAKERN_CPU_ISA, see attention_cpu.cpp): "AVX512BF16"
+// (vdpbf16ps), "<ISA>_BF16MODEL" (its software model) or the plain kernels' name.
+std::string bf16_kernel_isa();
+
+// One vdpbf16ps step per lane (acc[i] += a[i] . b[i], a and b one bf16 pair per int32) on the
+// instruction ("avx512bf16") or its software model ("avx512bf16_model"); a copy of acc.
+at::Tensor bf16_dot_lanes(const at::Tensor& acc, const at::Tensor& a, const at::Tensor& b, const std::string& variant);
+
 // How many distinct threads at::parallel_for ran `tasks` tasks on (checks that the module was
 // built with the same parallel runtime as torch: 1 would mean the kernels run serially).
 int64_t parallel_threads_probe(int64_t tasks);

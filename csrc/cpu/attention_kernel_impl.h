@@ -134,6 +134,21 @@ void backward_any(const AttnParams& p) {
   for_each_sequence(p, [&](int64_t s) { backward_impl<T>(sequence_params(p, s)); });
 }
 
+// The forward of bf16 inputs with the pair products of bf16_dot.h (Dot: DotHw or DotModel).
+template <typename Dot>
+void forward_pairs(const AttnParams& p) {
+  TORCH_INTERNAL_ASSERT(p.dtype == DType::BFloat16, "mhakern cpu kernel: the bf16 variant takes bf16 inputs");
+  if (p.cu_seqlens_q == nullptr) return forward_impl<c10::BFloat16, Dot>(p);
+  for_each_sequence(p, [&](int64_t s) { forward_impl<c10::BFloat16, Dot>(sequence_params(p, s)); });
+}
+
+template <typename Dot>
+void backward_pairs(const AttnParams& p) {
+  TORCH_INTERNAL_ASSERT(p.dtype == DType::BFloat16, "mhakern cpu kernel: the bf16 variant takes bf16 inputs");
+  if (p.cu_seqlens_q == nullptr) return backward_impl<c10::BFloat16, Dot>(p);
+  for_each_sequence(p, [&](int64_t s) { backward_impl<c10::BFloat16, Dot>(sequence_params(p, s)); });
+}
+
 // Entry points of this instruction set.
 inline void forward(const AttnParams& p) {
   switch (p.dtype) {
@@ -159,6 +174,17 @@ inline void backward(const AttnParams& p) {
   namespace mhakern::cpu {                                                                \
   const KernelTable& kernels_##ISA() {                                                    \
     static const KernelTable table{#ISA, &ISA::forward, &ISA::backward};                  \
+    return table;                                                                         \
+  }                                                                                       \
+  }
+
+// Defines mhakern::cpu::kernels_<NAME>(): the bf16 variant (bf16 inputs only) on pair dot
+// product DOT (DotHw, or DotModel: the software model of vdpbf16ps) in instruction set ISA.
+#define MHAKERN_DEFINE_BF16_TABLE(NAME, ISA, DOT)                                          \
+  namespace mhakern::cpu {                                                                \
+  const KernelTable& kernels_##NAME() {                                                   \
+    static const KernelTable table{#NAME, &ISA::forward_pairs<ISA::DOT>, &ISA::backward_pairs<ISA::DOT>, \
+                                   &ISA::dot_pairs_lanes<ISA::DOT>};                       \
     return table;                                                                         \
   }                                                                                       \
   }

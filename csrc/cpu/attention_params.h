@@ -57,15 +57,26 @@ struct KernelTable {
   const char* isa;
   void (*forward)(const AttnParams&);
   void (*backward)(const AttnParams&);
+  // The bf16 variants: one pair dot product step (vdpbf16ps or its model) on each of n lanes,
+  // acc[i] += a[i] . b[i] (n a multiple of the vector width); nullptr in the plain tables.
+  void (*dot_lanes)(float* acc, const uint32_t* a, const uint32_t* b, int64_t n) = nullptr;
 };
 
 // Defined by kernels_<isa>.cpp; the AVX variants exist only in x86-64 builds (see setup.py).
+// Each plain table has a bf16 twin, <ISA>_BF16MODEL, whose bf16 products run on the software
+// model of vdpbf16ps (kernel/bf16_dot.h); AVX512BF16 runs them on the instruction.
 const KernelTable& kernels_DEFAULT();
+const KernelTable& kernels_DEFAULT_BF16MODEL();
 #ifdef MHAKERN_CPU_AVX2
 const KernelTable& kernels_AVX2();
+const KernelTable& kernels_AVX2_BF16MODEL();
 #endif
 #ifdef MHAKERN_CPU_AVX512
 const KernelTable& kernels_AVX512();
+const KernelTable& kernels_AVX512_BF16MODEL();
+#endif
+#ifdef MHAKERN_CPU_AVX512BF16
+const KernelTable& kernels_AVX512BF16();
 #endif
 
 }  // namespace mhakern::cpu

@@ -9,3 +9,4 @@
 #include "attention_kernel_impl.h"
 
 MHAKERN_DEFINE_KERNEL_TABLE(AVX2)
+MHAKERN_DEFINE_BF16_TABLE(AVX2_BF16MODEL, AVX2, DotModel)

@@ -7,7 +7,12 @@ deterministic (the work split depends on the shapes only). For small query lengt
 the query heads sharing a KV head are processed together, so each key block is read once; long
 key ranges with few query rows are split across threads and merged by their lse, in bounded
 memory. The kernels exist per instruction set (AVX-512, AVX2, portable) and the one matching
-the CPU and ATen's capability (``ATEN_CPU_CAPABILITY``) is used: see ``kernel_isa()``.
+the CPU and ATen's capability (``ATEN_CPU_CAPABILITY``) is used: see ``kernel_isa()``. bf16
+inputs run a variant of their own where the CPU has AVX512-BF16: every product on bf16 operands
+through ``vdpbf16ps`` (fp32 accumulation, P and dS rounded to bf16, the softmax in fp32), or, on
+any CPU, the same kernels on a bit-exact software model of the instruction;
+``MHAKERN_CPU_ISA`` chooses (docs/install.md) and ``torch.ops.mhakern_C.cpu_bf16_kernel_isa()``
+says which runs.
 
 The kernels are the dispatcher operators ``torch.ops.mhakern_C.fwd`` / ``bwd`` (``fwd_plain`` /
 ``bwd_plain`` for calls without modes: mhakern/modes.py c_fwd; schemas in

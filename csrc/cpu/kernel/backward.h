@@ -9,6 +9,7 @@
 #include <cmath>
 #include <memory>
 
+#include "bf16_dot.h"
 #include "gemm.h"
 #include "modes.h"
 
@@ -21,6 +22,8 @@ struct RowSlot {
   float *qr, *qt, *dor, *dot, *lse2, *delta, *dqr;  // dqr: dQ of the rows (Rp x Dp)
   float* dead;      // 1 for a row that sees no key (lse -inf) and for padding rows, else 0
   uint32_t* rseed;  // dropout: the rows' r_i
+  // The bf16 products (Dot not void): Q^T and dO^T as pairs along D / Dv, Q and dO as pairs of rows.
+  uint32_t *qtp, *dotp, *qrp, *dorp;
   BlockRanges br;
   bool poisoned;  // some live row has an inf or NaN in q, dout, delta or lse
   bool dq_started;
@@ -28,9 +31,11 @@ struct RowSlot {
 
 struct BwdLayout {
   int64_t Dp, Dvp, Rp;  // Rp: the largest block's
+  bool pairs = false;   // the bf16 products' operands too
   int64_t slot_floats() const {
     return Scratch::size_of(Rp * Dp) + Scratch::size_of(Dp * Rp) + Scratch::size_of(Rp * Dvp) +
-           Scratch::size_of(Dvp * Rp) + 4 * Scratch::size_of(Rp) + Scratch::size_of(Dp * Rp);
+           Scratch::size_of(Dvp * Rp) + 4 * Scratch::size_of(Rp) + Scratch::size_of(Dp * Rp) +
+           (pairs ? 2 * Scratch::size_of(Dp / 2 * Rp) + 2 * Scratch::size_of(Dvp / 2 * Rp) : 0);
   }
 };
 
@@ -51,11 +56,18 @@ struct DropoutConsts {
 struct BwdTiles {
   float *st, *dst, *dkb, *dvb, *kc, *vc, *lorel, *hirel, *kv, *kpad;
   uint8_t* vis;
+  // The bf16 products: P^T, dS^T as pairs of rows (bk x Rp / 2), dS as pairs of keys
+  // (bk / 2 x Rp), the key block as pairs along D (kd) and of keys (kk), V as pairs along Dv.
+  uint32_t *stp = nullptr, *dstp = nullptr, *dsp = nullptr, *kd = nullptr, *kk = nullptr, *vd = nullptr;
   ModScratch ms;
+  static int64_t pair_floats(const BwdLayout& L) {
+    return 3 * Scratch::size_of(kKeyBlock * L.Rp / 2) + Scratch::size_of(kKeyBlock * L.Dp / 2) +
+           Scratch::size_of(kKeyBlock / 2 * L.Dp) + Scratch::size_of(kKeyBlock * L.Dvp / 2);
+  }
   static int64_t floats(const BwdLayout& L, const ScoreMods& mods) {
     return mods.floats(L.Rp, true) + 2 * Scratch::size_of(kKeyBlock * L.Rp) + 2 * Scratch::size_of(kKeyBlock * L.Dp) +
            2 * Scratch::size_of(kKeyBlock * L.Dvp) + 3 * Scratch::size_of(L.Rp) + Scratch::size_of(kKeyBlock * L.Dp) +
-           Scratch::size_of(kKeyBlock * L.Rp / 4);
+           Scratch::size_of(kKeyBlock * L.Rp / 4) + (L.pairs ? pair_floats(L) : 0);
   }
   BwdTiles(Scratch& buf, const BwdLayout& L, const ScoreMods& mods) {
     st = buf.take(kKeyBlock * L.Rp);
@@ -70,6 +82,15 @@ struct BwdTiles {
     kpad = buf.take(kKeyBlock * L.Dp);
     vis = reinterpret_cast<uint8_t*>(buf.take(kKeyBlock * L.Rp / 4));
     ms = ModScratch(buf, mods, L.Rp, true);
+    if (L.pairs) {
+      auto take = [&](int64_t n) { return reinterpret_cast<uint32_t*>(buf.take(n)); };
+      stp = take(kKeyBlock * L.Rp / 2);
+      dstp = take(kKeyBlock * L.Rp / 2);
+      dsp = take(kKeyBlock * L.Rp / 2);
+      kd = take(kKeyBlock * L.Dp / 2);
+      kk = take(kKeyBlock / 2 * L.Dp);
+      vd = take(kKeyBlock * L.Dvp / 2);
+    }
   }
 };
 
@@ -102,13 +123,15 @@ inline void delta_rows(const float* dot, const float* ot, int64_t Dv, int64_t Rp
 
 // Step 1, once per row block of the group: Q (scaled) and dO as rows and transposed, lse in
 // base 2 and delta = rowsum(dO * O) (which dropout leaves valid: O is the dropped output), the
-// rows' key ranges and dropout seeds. Rows that see no key (lse -inf) stay zero.
-template <typename T>
+// rows' key ranges and dropout seeds. Rows that see no key (lse -inf) stay zero. With the bf16
+// products (Dot not void) Q stays unscaled (exact), its scale goes to the scores, dK and dQ.
+template <typename T, typename Dot = void>
 MHK_STEP void gather_rows(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t hkv, int64_t blk,
                           const BwdLayout& L, const DropoutConsts& drop, Scratch& buf, float* otile,
                           RowSlot& sl) {
+  constexpr bool kPairs = !std::is_void_v<Dot>;
   const int64_t D = p.D, Dv = p.Dv, Dp = L.Dp, Dvp = L.Dvp;
-  const float qmul = p.scale * kLog2e;
+  const float qmul = kPairs ? 1.f : p.scale * kLog2e;
   sl.rb = row_block(rp, hkv, blk);
   const int64_t R = sl.rb.rows(), Rp = round_up(R, VL);
   sl.qr = buf.take(L.Rp * Dp);
@@ -120,6 +143,12 @@ MHK_STEP void gather_rows(const AttnParams& p, const RowPlan& rp, int64_t b, int
   sl.dead = buf.take(L.Rp);
   sl.rseed = reinterpret_cast<uint32_t*>(buf.take(L.Rp));
   sl.dqr = buf.take(L.Rp * Dp);
+  if constexpr (kPairs) {
+    sl.qtp = reinterpret_cast<uint32_t*>(buf.take(Dp / 2 * L.Rp));
+    sl.qrp = reinterpret_cast<uint32_t*>(buf.take(Dp / 2 * L.Rp));
+    sl.dotp = reinterpret_cast<uint32_t*>(buf.take(Dvp / 2 * L.Rp));
+    sl.dorp = reinterpret_cast<uint32_t*>(buf.take(Dvp / 2 * L.Rp));
+  }
   sl.dq_started = false;
   sl.poisoned = false;
   sl.br = BlockRanges{};
@@ -152,22 +181,43 @@ MHK_STEP void gather_rows(const AttnParams& p, const RowPlan& rp, int64_t b, int
     sl.poisoned = sl.poisoned || !std::isfinite(sl.lse2[r]) || any_nonfinite(qd, 1, D, Dp) ||
                   any_nonfinite(dd, 1, Dv, Dvp);
   }
-  transpose(sl.qr, Dp, sl.qt, Rp, Rp, Dp);
-  transpose(sl.dor, Dvp, sl.dot, Rp, Rp, Dvp);
-  transpose(orows, Dvp, ot, Rp, Rp, Dvp);
-  delta_rows(sl.dot, ot, Dv, Rp, sl.delta);
+  if constexpr (kPairs) {
+    pack_rows_transposed(sl.qr, Dp, Rp, sl.qtp);
+    pack_rows_transposed(sl.dor, Dvp, Rp, sl.dotp);
+    pack_row_pairs(sl.qr, Dp, Rp, Dp, sl.qrp, Dp, false);
+    pack_row_pairs(sl.dor, Dvp, Rp, Dvp, sl.dorp, Dvp, false);
+    // delta on the chain of dP's products (O is bf16: exact as pairs).
+    uint32_t* otp = reinterpret_cast<uint32_t*>(ot);
+    pack_rows_transposed(orows, Dvp, Rp, otp);
+    dot_lanes_chain<Dot>(otp, sl.dotp, (Dv + 1) / 2, Rp, sl.delta);
+  } else {
+    transpose(sl.qr, Dp, sl.qt, Rp, Rp, Dp);
+    transpose(sl.dor, Dvp, sl.dot, Rp, Rp, Dvp);
+    transpose(orows, Dvp, ot, Rp, Rp, Dvp);
+    delta_rows(sl.dot, ot, Dv, Rp, sl.delta);
+  }
   for (int64_t r = 0; r < R && !sl.poisoned; ++r) sl.poisoned = !std::isfinite(sl.delta[r]);
 }
 
 // Step 2: the score tile S^T = K_blk * Q^T and dP^T = V_blk * dO^T (bk x Rp) of a row block,
 // with the score modifiers as in the forward (the cap's derivative kept), then masked:
 // attn_mask, then the rows' ranges where the block cuts one (-inf scores give P = 0).
+// With the bf16 products, Kd / Vd (pairs along D / Dv, row strides ldkd / ldvd) replace Kb / Vb.
+template <typename Dot = void>
 MHK_STEP void score_tiles(const AttnParams& p, const ScoreMods& mods, int64_t b, const RowSlot& sl, int64_t j0,
-                          int64_t bk, const float* Kb, int64_t ldk, const float* Vb, int64_t ldv, const BwdTiles& t) {
+                          int64_t bk, const float* Kb, int64_t ldk, const float* Vb, int64_t ldv, const BwdTiles& t,
+                          const uint32_t* Kd = nullptr, int64_t ldkd = 0, const uint32_t* Vd = nullptr,
+                          int64_t ldvd = 0) {
   const int64_t R = sl.rb.rows(), Rp = round_up(R, VL);
   auto row_i = [&](int64_t r) { return sl.rb.i0 + r % sl.rb.nq; };
-  gemm<CMode::Store>(bk, Rp, p.D, Kb, ldk, 1, sl.qt, Rp, t.st, Rp);
-  gemm<CMode::Store>(bk, Rp, p.Dv, Vb, ldv, 1, sl.dot, Rp, t.dst, Rp);
+  if constexpr (!std::is_void_v<Dot>) {
+    gemm_pairs<Dot, CMode::Store>(bk, Rp, (p.D + 1) / 2, Kd, ldkd, 1, sl.qtp, Rp, t.st, Rp, nullptr,
+                                  p.scale * kLog2e);
+    gemm_pairs<Dot, CMode::Store>(bk, Rp, (p.Dv + 1) / 2, Vd, ldvd, 1, sl.dotp, Rp, t.dst, Rp);
+  } else {
+    gemm<CMode::Store>(bk, Rp, p.D, Kb, ldk, 1, sl.qt, Rp, t.st, Rp);
+    gemm<CMode::Store>(bk, Rp, p.Dv, Vb, ldv, 1, sl.dot, Rp, t.dst, Rp);
+  }
   if (mods.any()) apply_score_mods(p, mods, t.ms, t.st, Rp, bk, b, sl.rb, j0);
   const bool ragged = sl.br.ragged(j0, bk);
   if (p.mask) apply_attn_mask(p, t.st, Rp, bk, b, sl.rb, j0);
@@ -229,14 +279,45 @@ MHK_STEP void chain_softcap(const RowSlot& sl, int64_t bk, const BwdTiles& t) {
     (Vec::loadu(t.dst + e) * Vec::loadu(t.ms.dcap + e)).store(t.dst + e);
 }
 
+// The bf16 products' operands of a tile: P^T and dS^T rounded to bf16 (as the GPU kernels round
+// them) as pairs of rows, dS as pairs of keys.
+MHK_STEP void pack_tile_pairs(const RowSlot& sl, int64_t bk, const BwdTiles& t) {
+  const int64_t Rp = round_up(sl.rb.rows(), VL);
+  pack_cols_rounded(t.st, bk, Rp, t.stp);
+  pack_cols_rounded(t.dst, bk, Rp, t.dstp);
+  pack_probs(t.dst, Rp, bk, t.dsp);
+}
+
 // Step 5a: dV_blk += P^T dO ; dK_blk += dS^T Q ; dQ += dS K_blk, as tile products. dQ is kept as
 // rows (R x Dp): its product then runs over the block's R rows, not the Rp of a transposed tile
 // (20 rows are 32 with 16-float vectors), with the same multiply-adds in the same order as the
 // transposed product, so the same bits. Kp: the key block as rows padded to Dp (ldkp).
 // `started`: dK, dV of this key block already hold a contribution (else they are stored).
+// With the bf16 products: P^T and dS^T rounded to bf16 (as the GPU kernels round them) and
+// paired along the rows for dV and dK, dS paired along the keys for dQ against t.kk.
+template <typename Dot = void>
 MHK_STEP void accumulate_tiles(RowSlot& sl, int64_t bk, const float* Kp, int64_t ldkp, const BwdLayout& L,
                                const BwdTiles& t, bool& started) {
   const int64_t R = sl.rb.rows(), Rp = round_up(R, VL), Dp = L.Dp, Dvp = L.Dvp;
+  if constexpr (!std::is_void_v<Dot>) {
+    const int64_t R2 = (R + 1) / 2, bk2 = (bk + 1) / 2;
+    pack_tile_pairs(sl, bk, t);
+    if (started) {
+      gemm_pairs<Dot, CMode::Accumulate>(bk, Dvp, R2, t.stp, Rp / 2, 1, sl.dorp, Dvp, t.dvb, Dvp);
+      gemm_pairs<Dot, CMode::Accumulate>(bk, Dp, R2, t.dstp, Rp / 2, 1, sl.qrp, Dp, t.dkb, Dp);
+    } else {
+      gemm_pairs<Dot, CMode::Store>(bk, Dvp, R2, t.stp, Rp / 2, 1, sl.dorp, Dvp, t.dvb, Dvp);
+      gemm_pairs<Dot, CMode::Store>(bk, Dp, R2, t.dstp, Rp / 2, 1, sl.qrp, Dp, t.dkb, Dp);
+      started = true;
+    }
+    if (sl.dq_started) {
+      gemm_pairs<Dot, CMode::Accumulate>(R, Dp, bk2, t.dsp, 1, Rp, t.kk, Dp, sl.dqr, Dp);
+    } else {
+      gemm_pairs<Dot, CMode::Store>(R, Dp, bk2, t.dsp, 1, Rp, t.kk, Dp, sl.dqr, Dp);
+      sl.dq_started = true;
+    }
+    return;
+  }
   if (started) {
     gemm<CMode::Accumulate>(bk, Dvp, R, t.st, Rp, 1, sl.dor, Dvp, t.dvb, Dvp);
     gemm<CMode::Accumulate>(bk, Dp, R, t.dst, Rp, 1, sl.qr, Dp, t.dkb, Dp);
@@ -251,6 +332,37 @@ MHK_STEP void accumulate_tiles(RowSlot& sl, int64_t bk, const float* Kp, int64_t
     gemm<CMode::Store>(R, Dp, bk, t.dst, 1, Rp, Kp, ldkp, sl.dqr, Dp);
     sl.dq_started = true;
   }
+}
+
+// Step 5b, bf16 products: the same chains as step 5a's pair products, element by element, with
+// the hidden pairs' products zeroed (masked_pair_chain), so the visible pairs give the bits the
+// tiles give.
+MHK_STEP void accumulate_pairwise_pairs(RowSlot& sl, int64_t D, int64_t Dv, int64_t bk, const BwdLayout& L,
+                                        const BwdTiles& t, bool& started) {
+  const int64_t R = sl.rb.rows(), Rp = round_up(R, VL), Dp = L.Dp, Dvp = L.Dvp;
+  const int64_t R2 = (R + 1) / 2, bk2 = (bk + 1) / 2, h2 = Rp / 2;
+  pack_tile_pairs(sl, bk, t);
+  for (int64_t j = 0; j < bk; ++j) {
+    const uint8_t* vj = t.vis + j * Rp;
+    auto hid = [&](int64_t k, int h) { return 2 * k + h >= R || !vj[2 * k + h]; };
+    for (int64_t d = 0; d < Dv; ++d)
+      t.dvb[j * Dvp + d] = masked_pair_chain(
+          started ? t.dvb[j * Dvp + d] : 0.f, R2, [&](int64_t k) { return t.stp[j * h2 + k]; },
+          [&](int64_t k) { return sl.dorp[k * Dvp + d]; }, hid);
+    for (int64_t d = 0; d < D; ++d)
+      t.dkb[j * Dp + d] = masked_pair_chain(
+          started ? t.dkb[j * Dp + d] : 0.f, R2, [&](int64_t k) { return t.dstp[j * h2 + k]; },
+          [&](int64_t k) { return sl.qrp[k * Dp + d]; }, hid);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    auto hid = [&](int64_t k, int h) { return 2 * k + h >= bk || !t.vis[(2 * k + h) * Rp + r]; };
+    for (int64_t d = 0; d < D; ++d)
+      sl.dqr[r * Dp + d] = masked_pair_chain(
+          sl.dq_started ? sl.dqr[r * Dp + d] : 0.f, bk2, [&](int64_t k) { return t.dsp[k * Rp + r]; },
+          [&](int64_t k) { return t.kk[k * Dp + d]; }, hid);
+  }
+  started = true;
+  sl.dq_started = true;
 }
 
 // Step 5b: the same products pair by pair, skipping the hidden pairs (see visibility()), for
@@ -285,10 +397,12 @@ MHK_STEP void accumulate_pairwise(RowSlot& sl, int64_t D, int64_t Dv, int64_t bk
 }
 
 // Step 6: the key block's dK and dV rows. Q was scaled by scale * log2(e): dK = ln(2) * dS^T
-// (scaled Q). Keys no row sees (`started` false) get 0.
+// (scaled Q); unscaled for the bf16 products: dK = scale * dS^T Q. Keys no row sees (`started`
+// false) get 0.
 template <typename T>
 MHK_STEP void store_key_block(const AttnParams& p, T* dkbase, T* dvbase, int64_t j0, int64_t bk, const BwdLayout& L,
                               const BwdTiles& t, bool started) {
+  const float dk_mul = L.pairs ? p.scale : kLn2;
   for (int64_t j = 0; j < bk; ++j) {
     T* dkr = dkbase + (j0 + j) * p.dk.sl;
     T* dvr = dvbase + (j0 + j) * p.dv.sl;
@@ -297,7 +411,7 @@ MHK_STEP void store_key_block(const AttnParams& p, T* dkbase, T* dvbase, int64_t
       std::fill(dvr, dvr + p.Dv, static_cast<T>(0.f));
       continue;
     }
-    store_row(t.dkb + j * L.Dp, p.D, kLn2, dkr);
+    store_row(t.dkb + j * L.Dp, p.D, dk_mul, dkr);
     store_row(t.dvb + j * L.Dvp, p.Dv, 1.f, dvr);
   }
 }
@@ -321,9 +435,10 @@ MHK_STEP void store_dq(const AttnParams& p, int64_t b, RowSlot& sl, const BwdLay
 
 // One task: batch element b, KV head hkv, keys [kbeg, kend). dq_part: this key range's dQ
 // partial ((B, H, Lq, D) float32) when the keys are split, else nullptr (dQ written directly).
-template <typename T>
+template <typename T, typename Dot = void>
 void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t hkv, int64_t kbeg, int64_t kend,
                     const BwdLayout& L, Scratch& buf, RowSlot* slots, float* dq_part) {
+  constexpr bool kPairs = !std::is_void_v<Dot>;
   const int64_t D = p.D, Dv = p.Dv;
   const int64_t nblk = rp.blocks();
   const DropoutConsts drop(p);
@@ -333,7 +448,7 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
 
   int64_t kfirst = std::numeric_limits<int64_t>::max(), kstop_all = 0;
   for (int64_t blk = 0; blk < nblk; ++blk) {
-    gather_rows<T>(p, rp, b, hkv, blk, L, drop, buf, otile, slots[blk]);
+    gather_rows<T, Dot>(p, rp, b, hkv, blk, L, drop, buf, otile, slots[blk]);
     kfirst = std::min(kfirst, slots[blk].br.first);
     kstop_all = std::max(kstop_all, slots[blk].br.stop);
   }
@@ -363,12 +478,32 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
         Kp = t.kpad;
         ldkp = L.Dp;
       }
+      // The bf16 products' operands, once per key block: K, V as pairs along D, Dv (in place
+      // when their rows are whole pairs in memory) and K as pairs of keys.
+      const uint32_t *Kd = nullptr, *Vd = nullptr;
+      int64_t ldkd = 0, ldvd = 0;
+      if constexpr (kPairs) {
+        const StridedRows<T> kr{kbase, p.k.sl}, vr{vbase, p.v.sl};
+        auto pairs_along = [&](const StridedRows<T>& x, int64_t cols, uint32_t* tmp, int64_t* ld) {
+          const T* r0 = x.row(j0);
+          if (cols % 2 == 0 && x.sl % 2 == 0 && reinterpret_cast<uintptr_t>(r0) % 4 == 0) {
+            *ld = x.sl / 2;
+            return reinterpret_cast<const uint32_t*>(r0);
+          }
+          pack_rows(x, j0, bk, cols, tmp, (cols + 1) / 2);
+          *ld = (cols + 1) / 2;
+          return static_cast<const uint32_t*>(tmp);
+        };
+        Kd = pairs_along(kr, D, t.kd, &ldkd);
+        Vd = pairs_along(vr, Dv, t.vd, &ldvd);
+        pack_key_pairs(kr, j0, bk, D, t.kk, L.Dp);
+      }
       int kv_bad = -1;  // inf or NaN in this K or V block: -1 not looked yet
       for (int64_t blk = 0; blk < nblk; ++blk) {
         RowSlot& sl = slots[blk];
         if (sl.br.stop <= j0 || sl.br.first >= j0 + bk) continue;
         const int64_t Rp = round_up(sl.rb.rows(), VL);
-        score_tiles(p, mods, b, sl, j0, bk, Kb, ldk, Vb, ldv, t);
+        score_tiles<Dot>(p, mods, b, sl, j0, bk, Kb, ldk, Vb, ldv, t, Kd, ldkd, Vd, ldvd);
         // Every tile, masked or not: a -inf score hides its pair in the backward whatever made it
         // -inf (an infinite entry of q or k too), and a NaN row's P is NaN only on the pairs it
         // sees (docs/contract.md, "NaN and inf"). The scan is once per key block.
@@ -384,10 +519,12 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
         }
         if (p.dmask) store_dmask(p, b, sl, j0, bk, t.dst);
         if (mods.softcap) chain_softcap(sl, bk, t);
-        if (pairwise)
+        if (kPairs && pairwise)
+          accumulate_pairwise_pairs(sl, D, Dv, bk, L, t, started);
+        else if (pairwise)
           accumulate_pairwise(sl, D, Dv, bk, Kb, ldk, L, t, started);
         else
-          accumulate_tiles(sl, bk, Kp, ldkp, L, t, started);
+          accumulate_tiles<Dot>(sl, bk, Kp, ldkp, L, t, started);
       }
     }
     store_key_block<T>(p, dkbase, dvbase, j0, bk, L, t, started);
@@ -395,7 +532,7 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
   for (int64_t blk = 0; blk < nblk; ++blk) store_dq<T>(p, b, slots[blk], L, dq_part);
 }
 
-template <typename T>
+template <typename T, typename Dot = void>
 void backward_impl(const AttnParams& p) {
   if (p.B == 0 || p.Hkv == 0) return;
   const int64_t n_rep = p.H / p.Hkv;
@@ -424,6 +561,7 @@ void backward_impl(const AttnParams& p) {
   L.Dp = round_up(p.D, VL);
   L.Dvp = round_up(p.Dv, VL);
   L.Rp = round_up(rp.max_rows(), VL);
+  L.pairs = !std::is_void_v<Dot>;
   const int64_t nblk = rp.blocks();
   const int64_t per_thread = Scratch::size_of(2 * L.Rp * L.Dvp) + nblk * L.slot_floats() + BwdTiles::floats(L, ScoreMods(p));
 
@@ -454,7 +592,7 @@ void backward_impl(const AttnParams& p) {
         prefetch_rows(static_cast<const T*>(p.v.ptr) + b1 * p.v.sb + hkv1 * p.v.sh + j1 * p.v.sl, n1, p.Dv, p.v.sl);
       }
       buf.reset();
-      backward_group<T>(p, rp, b, hkv, kbeg, kend, L, buf, slots.get(), dq_part ? dq_part + c * rows * p.D : nullptr);
+      backward_group<T, Dot>(p, rp, b, hkv, kbeg, kend, L, buf, slots.get(), dq_part ? dq_part + c * rows * p.D : nullptr);
     }
   });
   if (n_ranges > 1) {

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <memory>
 
+#include "bf16_dot.h"
 #include "gemm.h"
 #include "kv_cache.h"
 #include "modes.h"
@@ -20,14 +21,21 @@ struct FwdScratch {
   float *qr, *qt, *st, *ot, *orow, *m, *l, *alpha, *lorel, *hirel, *kc, *vc, *kv;
   uint32_t* rseed;
   uint8_t* vis;
+  // The bf16 products' operands as pairs (bf16_dot.h): Q^T, a K block, a V block, P^T.
+  uint32_t *qtp = nullptr, *kp = nullptr, *vp = nullptr, *ptp = nullptr;
   ModScratch ms;
-  static int64_t floats(int64_t Dp, int64_t Dvp, int64_t Rp, const ScoreMods& mods) {
+  static int64_t pair_floats(int64_t Dp, int64_t Dvp, int64_t Rp) {
+    return Scratch::size_of(Dp / 2 * Rp) + Scratch::size_of(kKeyBlock * Dp / 2) +
+           Scratch::size_of(kKeyBlock / 2 * Dvp) + Scratch::size_of(kKeyBlock / 2 * Rp);
+  }
+  static int64_t floats(int64_t Dp, int64_t Dvp, int64_t Rp, const ScoreMods& mods, bool pairs = false) {
     return mods.floats(Rp, false) + Scratch::size_of(Rp * Dp) + Scratch::size_of(Dp * Rp) +
            Scratch::size_of(kKeyBlock * Rp) + Scratch::size_of(Dvp * Rp) + Scratch::size_of(Rp * Dvp) +
            7 * Scratch::size_of(Rp) +
-           Scratch::size_of(kKeyBlock * Dp) + Scratch::size_of(kKeyBlock * Dvp) + Scratch::size_of(kKeyBlock * Rp / 4);
+           Scratch::size_of(kKeyBlock * Dp) + Scratch::size_of(kKeyBlock * Dvp) + Scratch::size_of(kKeyBlock * Rp / 4) +
+           (pairs ? pair_floats(Dp, Dvp, Rp) : 0);
   }
-  FwdScratch(Scratch& s, int64_t Dp, int64_t Dvp, int64_t Rp, const ScoreMods& mods) {
+  FwdScratch(Scratch& s, int64_t Dp, int64_t Dvp, int64_t Rp, const ScoreMods& mods, bool pairs = false) {
     qr = s.take(Rp * Dp);
     qt = s.take(Dp * Rp);
     st = s.take(kKeyBlock * Rp);
@@ -44,6 +52,12 @@ struct FwdScratch {
     vc = s.take(kKeyBlock * Dvp);
     vis = reinterpret_cast<uint8_t*>(s.take(kKeyBlock * Rp / 4));  // Rp is a multiple of VL >= 4
     ms = ModScratch(s, mods, Rp, false);
+    if (pairs) {
+      qtp = reinterpret_cast<uint32_t*>(s.take(Dp / 2 * Rp));
+      kp = reinterpret_cast<uint32_t*>(s.take(kKeyBlock * Dp / 2));
+      vp = reinterpret_cast<uint32_t*>(s.take(kKeyBlock / 2 * Dvp));
+      ptp = reinterpret_cast<uint32_t*>(s.take(kKeyBlock / 2 * Rp));
+    }
   }
 };
 
@@ -61,7 +75,10 @@ struct FwdSink {
 
 // kMods: the call has a score modifier (mods.any()); a template flag, so the plain call's
 // instance has no trace of them (a runtime branch per tile cost 3% on decode-sized tasks).
-template <typename T, bool kMods>
+// Dot: void for the fp32 products (every dtype converted to fp32), else the pair dot product of
+// bf16_dot.h (DotHw, DotModel; bf16 inputs only): Q.K^T and P.V on bf16 operands with fp32
+// accumulation, P rounded to bf16, the softmax in fp32 as before.
+template <typename T, bool kMods, typename Dot = void>
 void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const RowBlock& rb, int64_t kbeg,
                   int64_t kend, const FwdScratch& s, const FwdSink& sink) {
   const int64_t D = p.D, Dv = p.Dv, n_rep = p.H / p.Hkv;
@@ -80,13 +97,20 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
     for (int64_t r = 0; r < Rp; ++r) s.rseed[r] = r < R ? dropout_row_seed(p, b, rb.h0 + r / rb.nq, row_i(r)) : 0u;
   }
 
-  // Q rows (scaled by scale * log2(e), so scores come out in base 2), then Q^T (Dp x Rp).
+  constexpr bool kPairs = !std::is_void_v<Dot>;
+  static_assert(!kPairs || std::is_same_v<T, c10::BFloat16>, "the pair products take bf16 inputs");
+  // Q rows (scaled by scale * log2(e), so scores come out in base 2), then Q^T (Dp x Rp). The
+  // pair products keep Q exact (bf16) and scale the fp32 scores instead.
   const float qmul = p.scale * kLog2e;
   const T* q = static_cast<const T*>(p.q.ptr) + b * p.q.sb;
   for (int64_t r = 0; r < R; ++r)
-    load_row(q + (rb.h0 + r / rb.nq) * p.q.sh + row_i(r) * p.q.sl, D, qmul, s.qr + r * Dp, Dp);
+    load_row(q + (rb.h0 + r / rb.nq) * p.q.sh + row_i(r) * p.q.sl, D, kPairs ? 1.f : qmul, s.qr + r * Dp, Dp);
   std::fill(s.qr + R * Dp, s.qr + Rp * Dp, 0.f);
-  transpose(s.qr, Dp, s.qt, Rp, Rp, Dp);
+  if constexpr (kPairs)
+    pack_rows_transposed(s.qr, Dp, Rp, s.qtp);
+  else
+    transpose(s.qr, Dp, s.qt, Rp, Rp, Dp);
+  const int64_t D2 = (D + 1) / 2;
   for (int64_t v = 0; v < nvec; ++v) {
     Vec(kNegInf).store(s.m + v * VL);
     Vec(0.f).store(s.l + v * VL);
@@ -97,10 +121,26 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
   bool first = true;
   for (int64_t j0 = jstart; j0 < kstop; j0 += kKeyBlock) {
     const int64_t bk = std::min(kKeyBlock, kstop - j0);
-    int64_t ldk, ldv;
-    const float* Kb = krows.block(j0, bk, D, s.kc, &ldk);
-    // S^T (bk x Rp) = K_blk * Q^T
-    gemm<CMode::Store>(bk, Rp, D, Kb, ldk, 1, s.qt, Rp, s.st, Rp);
+    int64_t ldk = 0, ldv = 0;
+    if constexpr (kPairs) {
+      // S^T (bk x Rp) = K_blk * Q^T, K read in place when its rows are whole pairs in memory.
+      const T* k0 = krows.row(j0);
+      const bool in_place = krows.run(j0, bk) == bk && D % 2 == 0 && krows.sl % 2 == 0 &&
+                            reinterpret_cast<uintptr_t>(k0) % 4 == 0;
+      const uint32_t* Kp = s.kp;
+      int64_t ldkp = D2;
+      if (in_place) {
+        Kp = reinterpret_cast<const uint32_t*>(k0);
+        ldkp = krows.sl / 2;
+      } else {
+        pack_rows(krows, j0, bk, D, s.kp, D2);
+      }
+      gemm_pairs<Dot, CMode::Store>(bk, Rp, D2, Kp, ldkp, 1, s.qtp, Rp, s.st, Rp, nullptr, qmul);
+    } else {
+      const float* Kb = krows.block(j0, bk, D, s.kc, &ldk);
+      // S^T (bk x Rp) = K_blk * Q^T
+      gemm<CMode::Store>(bk, Rp, D, Kb, ldk, 1, s.qt, Rp, s.st, Rp);
+    }
     if constexpr (kMods) apply_score_mods(p, mods, s.ms, s.st, Rp, bk, b, rb, j0);
 
     const bool ragged = br.ragged(j0, bk);
@@ -110,7 +150,8 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
       range_limits(p, b, R, Rp, j0, bk, row_i, nullptr, s.lorel, s.hirel);
       mask_block(s.st, Rp, bk, s.lorel, s.hirel, j0 < br.maxlo);
     }
-    const float* Vb = vrows.block(j0, bk, Dv, s.vc, &ldv);
+    // The pair products read V as fp32 only where a hidden pair may meet an inf or NaN.
+    const float* Vb = kPairs && !(ragged || p.mask) ? nullptr : vrows.block(j0, bk, Dv, s.vc, &ldv);
     // A hidden pair next to an inf or NaN in V: accumulate pair by pair (see visibility()).
     const bool pairwise = (ragged || p.mask) && any_nonfinite(Vb, bk, Dv, ldv);
     if (pairwise) visibility(s.st, Rp, bk, s.vis);
@@ -134,7 +175,23 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
       exp2v(mold - muse[v]).store(s.alpha + v * VL);
       mnew.store(s.m + v * VL);
     }
-    if (!dropout) {
+    // The bf16 products without dropout or pairwise tiles: P goes straight to pairs of keys
+    // (P^T itself is not stored; a pass over the tile less).
+    const bool fused_pack = kPairs && !dropout && !pairwise;
+    if (fused_pack) {
+      const Vec zero(0.f);
+      for (int64_t j = 0; j < bk; j += 2) {
+        const float* s0 = s.st + j * Rp;
+        uint32_t* d = s.ptp + (j / 2) * Rp;
+        for (int64_t v = 0; v < nvec; ++v) {
+          const Vec p0 = exp2v(Vec::loadu(s0 + v * VL) - muse[v]);
+          const Vec p1 = j + 1 < bk ? exp2v(Vec::loadu(s0 + Rp + v * VL) - muse[v]) : zero;
+          store_pair_rne(p0, p1, d + v * VL);
+          sum[v] = sum[v] + p0;
+          if (j + 1 < bk) sum[v] = sum[v] + p1;
+        }
+      }
+    } else if (!dropout) {
       for (int64_t j = 0; j < bk; ++j) {
         float* sp = s.st + j * Rp;
         for (int64_t v = 0; v < nvec; ++v) {
@@ -160,7 +217,20 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
       (Vec::loadu(s.l + v * VL) * Vec::loadu(s.alpha + v * VL) + sum[v]).store(s.l + v * VL);
 
     // O^T (Dv x Rp) = alpha * O^T + V_blk^T * P^T
-    if (pairwise) {
+    if (kPairs && pairwise) {
+      const int64_t bk2 = (bk + 1) / 2;
+      pack_probs(s.st, Rp, bk, s.ptp);
+      pack_key_pairs(vrows, j0, bk, Dv, s.vp, Dvp);
+      for (int64_t d = 0; d < Dv; ++d) {
+        float* od = s.ot + d * Rp;
+        for (int64_t r = 0; r < Rp; ++r) {
+          const float acc = first ? 0.f : od[r] * s.alpha[r];
+          od[r] = masked_pair_chain(
+              acc, bk2, [&](int64_t k) { return s.vp[k * Dvp + d]; }, [&](int64_t k) { return s.ptp[k * Rp + r]; },
+              [&](int64_t k, int h) { return 2 * k + h >= bk || !s.vis[(2 * k + h) * Rp + r]; });
+        }
+      }
+    } else if (pairwise) {
       for (int64_t d = 0; d < Dv; ++d) {
         float* od = s.ot + d * Rp;
         for (int64_t r = 0; r < Rp; ++r) {
@@ -170,6 +240,14 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
           od[r] = acc;
         }
       }
+    } else if constexpr (kPairs) {
+      const int64_t bk2 = (bk + 1) / 2;
+      if (!fused_pack) pack_probs(s.st, Rp, bk, s.ptp);
+      pack_key_pairs(vrows, j0, bk, Dv, s.vp, Dvp);
+      if (first)
+        gemm_pairs<Dot, CMode::Store>(Dv, Rp, bk2, s.vp, 1, Dvp, s.ptp, Rp, s.ot, Rp);
+      else
+        gemm_pairs<Dot, CMode::Rescale>(Dv, Rp, bk2, s.vp, 1, Dvp, s.ptp, Rp, s.ot, Rp, s.alpha);
     } else if (first) {
       gemm<CMode::Store>(Dv, Rp, bk, Vb, 1, ldv, s.st, Rp, s.ot, Rp);
     } else {
@@ -259,7 +337,7 @@ void merge_splits(const AttnParams& p, int64_t n_splits, const float* part_o, co
   });
 }
 
-template <typename T>
+template <typename T, typename Dot = void>
 void forward_impl(const AttnParams& p) {
   if (p.B == 0 || p.H == 0 || p.Lq == 0) return;
   const int64_t n_rep = p.H / p.Hkv;
@@ -276,7 +354,8 @@ void forward_impl(const AttnParams& p) {
   const int64_t Rpmax = round_up(rp.max_rows(), VL);
   const ScoreMods mods(p);
   const int64_t Dp = round_up(p.D, VL), Dvp = round_up(p.Dv, VL);
-  const int64_t per_thread = FwdScratch::floats(Dp, Dvp, Rpmax, mods);
+  constexpr bool kPairs = !std::is_void_v<Dot>;
+  const int64_t per_thread = FwdScratch::floats(Dp, Dvp, Rpmax, mods, kPairs);
 
   std::unique_ptr<Scratch> partials;
   FwdSink sink;
@@ -289,7 +368,7 @@ void forward_impl(const AttnParams& p) {
   }
   at::parallel_for(0, base * n_splits, 1, [&](int64_t t0, int64_t t1) {
     Scratch buf(per_thread, Scratch::kUninit);  // forward_rows writes each tile before reading it
-    const FwdScratch s(buf, Dp, Dvp, Rpmax, mods);
+    const FwdScratch s(buf, Dp, Dvp, Rpmax, mods, kPairs);
     auto task = [&](int64_t t, int64_t* b, int64_t* hkv, int64_t* blk, int64_t* sp) {
       *sp = t % n_splits;
       *blk = (t / n_splits) % nblk;
@@ -315,9 +394,9 @@ void forward_impl(const AttnParams& p) {
       my.split = sp;
       const int64_t kbeg = sp * span, kend = std::min(p.Lk, kbeg + span);
       if (mods.any())
-        forward_rows<T, true>(p, mods, b, row_block(rp, hkv, blk), kbeg, kend, s, my);
+        forward_rows<T, true, Dot>(p, mods, b, row_block(rp, hkv, blk), kbeg, kend, s, my);
       else
-        forward_rows<T, false>(p, mods, b, row_block(rp, hkv, blk), kbeg, kend, s, my);
+        forward_rows<T, false, Dot>(p, mods, b, row_block(rp, hkv, blk), kbeg, kend, s, my);
     }
   });
   if (n_splits > 1) merge_splits<T>(p, n_splits, sink.part_o, sink.part_m, sink.part_l);
