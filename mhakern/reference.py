@@ -563,3 +563,32 @@ def attention(
         keep = dropout_keep_mask(modes.seed, B, H, Lq, Lk, modes.dropout_p, q.device, batch_offset=batch_offset)
         p = p * keep.to(wdt) / (1.0 - modes.dropout_p)
     return torch.matmul(p, vv)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tolerance rule (docs/contract.md), for everything that checks a kernel against this
+# reference: the tests, the first-use self-test (mhakern/selftest.py), the device check.
+
+#: The rule's absolute floor per input dtype.
+ATOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+def rule_violation(got: Tensor, ref64: Tensor, math_T: Tensor, dtype: torch.dtype, factor: float,
+                   extra: float = 0.0) -> Optional[str]:
+    """None when ``max|got - ref64| <= factor * max|math_T - ref64| + ATOL[dtype] + extra``, else
+    why not, naming the worst index and both values: ``ref64`` is this reference in float64,
+    ``math_T`` the naive computation in the inputs' dtype ``dtype``; ``factor`` 2 for outputs, 3
+    for gradients. Shapes must agree; non-finite values are the caller's to judge first."""
+    got64, ref64 = got.detach().to(torch.float64).cpu(), ref64.detach().to(torch.float64).cpu()
+    if got64.numel() == 0:
+        return None
+    err = (got64 - ref64).abs()
+    math_err = (math_T.detach().to(torch.float64).cpu() - ref64).abs().max().item()
+    bound = factor * math_err + ATOL[dtype] + extra
+    worst = err.max().item()
+    if worst <= bound:
+        return None
+    idx = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
+    return (f"max error {worst:.3e} at {idx} exceeds {factor} x torch-math error {math_err:.3e} + atol "
+            f"{ATOL[dtype]:.0e} (+ {extra:.1e}) = {bound:.3e} (kernel {got64[idx].item():.6g}, reference "
+            f"{ref64[idx].item():.6g})")
