@@ -32,33 +32,17 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mhakern  # noqa: E402
+from mhakern._cpuinfo import cpu_flags, cpu_model  # noqa: E402
 
-B, H, L, D = 1, 8, 2048, 64
-N = 2048  # GEMM side
+_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16")
 
 
 def _flags() -> str:
-    want = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16")
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    have = set(line.split(":", 1)[1].split())
-                    return " ".join(w for w in want if w in have)
-    except OSError:
-        pass
-    return platform.machine()
+    return " ".join(w for w in _FLAGS if w in cpu_flags()) or platform.machine()
 
 
-def _model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+B, H, L, D = 1, 8, 2048, 64
+N = 2048  # GEMM side
 
 
 def providers(bwd: bool) -> Dict[str, tuple]:
@@ -105,7 +89,7 @@ def main(argv=None) -> int:
     from mhakern.backends.cpu_backend import kernel_isa
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"{_model()} [{_flags()}], torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    print(f"{cpu_model()} [{_flags()}], torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"cpu kernels {kernel_isa()}, load {load:.1f}; {'fwd+bwd' if args.bwd else 'fwd'} "
           f"B{B} H{H} L{L} D{D}, medians of {args.rounds} interleaved rounds")
     times: Dict[str, list] = {p: [] for p in provs}

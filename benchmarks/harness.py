@@ -17,6 +17,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from mhakern._cpuinfo import cpu_model
+
 from .cases import Case
 
 # Rounds per benchmark: enough to fill ``target`` seconds, within [lo, hi].
@@ -178,26 +180,6 @@ def copy_bandwidth_gbps(device: str) -> float:
 # The machine
 
 
-def cpu_model() -> str:
-    """CPU model name (with family/model numbers when the name is generic) and core count."""
-    name, fam, model = None, None, None
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, val = line.partition(":")
-                key, val = key.strip(), val.strip()
-                if key == "model name" and name is None:
-                    name = val
-                elif key == "cpu family" and fam is None:
-                    fam = val
-                elif key == "model" and model is None:
-                    model = val
-    except OSError:
-        pass
-    name = name or platform.processor() or platform.machine()
-    if fam is not None and model is not None and not any(ch.isdigit() for ch in name.split()[-1]):
-        name += f" (family {fam}, model {model})"
-    return name
 
 
 def _version(modname: str) -> Optional[str]:
@@ -214,7 +196,7 @@ def machine_description(device: str) -> Dict:
 
     info = {
         "device": device,
-        "cpu_model": cpu_model(),
+        "cpu_model": cpu_model(detailed=True),
         "cpu_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -39,7 +39,6 @@ import hashlib
 import importlib
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -50,6 +49,8 @@ import zlib
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
+
+from ._cpuinfo import cpu_model
 
 ENV_MODE = "MHAKERN_SELF_TEST"
 ENV_TIMEOUT = "MHAKERN_SELF_TEST_TIMEOUT"
@@ -137,15 +138,6 @@ def _driver_version() -> str:
         return "unknown"
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
 
 
 def device_facts(device) -> Dict[str, str]:
@@ -158,7 +150,7 @@ def device_facts(device) -> Dict[str, str]:
         cap = torch.cuda.get_device_capability(idx)
         facts.update(name=torch.cuda.get_device_name(idx), capability=f"{cap[0]}.{cap[1]}", driver=_driver_version())
     else:
-        facts.update(name=_cpu_name())
+        facts.update(name=cpu_model())
     return facts
 
 

@@ -4,7 +4,6 @@ compiled module's torch.ops.mhakern_C.capabilities() uses too). The committed mo
 the generator reads the header (an edit shows), the compiled module reports the same table plus
 its build facts, and `import mhakern` knows the table without mhakern._C."""
 import copy
-import importlib.util
 import json
 import os
 import shutil
@@ -18,17 +17,12 @@ import torch
 from mhakern import _caps, _extension
 from mhakern.backends import ALL_FEATURES, cuda_backend
 
+from tool_loading import load_tool
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _generator():
-    spec = importlib.util.spec_from_file_location("generate_caps", ROOT / "tools" / "generate_caps.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-gen = _generator()
+gen = load_tool("generate_caps")
 needs_compiler = pytest.mark.skipif(gen.compiler() is None, reason="no C++ compiler (the generator compiles the table)")
 
 

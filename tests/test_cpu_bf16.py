@@ -18,21 +18,13 @@ import pytest
 import torch
 
 import mhakern
+from mhakern._cpuinfo import cpu_flags
 from attn_testing import HARD_CASES, case_id, check_against_reference, make_inputs
 
 WHY = mhakern.available_backends().get("cpu", "backend 'cpu' is not registered")
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"cpu backend unavailable: {WHY}")
 
 
-def _cpu_flags() -> set:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def _ops():
@@ -47,7 +39,7 @@ def _has_hw() -> bool:
         return False
     from mhakern.backends.cpu_backend import kernel_isa
 
-    return "avx512_bf16" in _cpu_flags() and kernel_isa() == "AVX512"
+    return "avx512_bf16" in cpu_flags() and kernel_isa() == "AVX512"
 
 
 HW = _has_hw()

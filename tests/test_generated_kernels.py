@@ -1,7 +1,6 @@
 """The capability table is single: the committed CUDA instantiation files are what
 tools/generate_kernels.py makes from csrc/capabilities.h, the compiled module reports the same
 table, and the generator notices a stale or edited file."""
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -9,17 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tool_loading import load_tool
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _generator():
-    spec = importlib.util.spec_from_file_location("generate_kernels", ROOT / "tools" / "generate_kernels.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-gen = _generator()
+gen = load_tool("generate_kernels")
 
 
 def test_committed_instantiation_files_are_current():

@@ -2,7 +2,6 @@
 tools/generate_modes.py writes the Python record, the Triton launchers' plain record and the C++
 X-macros from it. The committed outputs are current, an edit of the table shows in them, and
 what they define agrees with the table (and with the compiled operators' schemas)."""
-import importlib.util
 import inspect
 import shutil
 from pathlib import Path
@@ -15,17 +14,12 @@ from mhakern.kernels import _modes_generated as kernel_modes
 from mhakern.kernels import attention_bwd, attention_fwd
 from mhakern.modes import DEFAULT_MODES, OP_SCHEMA_MODES, Modes
 
+from tool_loading import load_tool
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _generator():
-    spec = importlib.util.spec_from_file_location("generate_modes", ROOT / "tools" / "generate_modes.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-gen = _generator()
+gen = load_tool("generate_modes")
 table = gen.load_table()
 
 

@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import generated_files  # noqa: E402  (tools/generated_files.py)
 CSRC = ROOT / "csrc"
 OUTPUT = ROOT / "mhakern" / "_caps.py"
 
@@ -103,28 +105,15 @@ def render(csrc: Path = CSRC) -> str:
 
 def differences(csrc: Path = CSRC, output: Path = OUTPUT) -> List[str]:
     """What --check reports: empty when ``output`` is what ``csrc`` generates."""
-    want = render(csrc)
-    if not output.is_file():
-        return [f"missing: {output.name}"]
-    return [] if output.read_text() == want else [f"differs: {output.name}"]
+    return generated_files.differences(output.parent, {Path(output.name): render(csrc)})
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="only check that mhakern/_caps.py is current")
     args = ap.parse_args(argv)
-    if args.check:
-        diffs = differences()
-        for d in diffs:
-            print(d)
-        if diffs:
-            print("run `python tools/generate_caps.py`", file=sys.stderr)
-        return 1 if diffs else 0
-    text = render()
-    if not OUTPUT.is_file() or OUTPUT.read_text() != text:
-        OUTPUT.write_text(text)
-        print(f"wrote {OUTPUT.relative_to(ROOT)}")
-    return 0
+    return generated_files.check_or_write(ROOT, {OUTPUT.relative_to(ROOT): render()}, args.check,
+                                          "tools/generate_caps.py")
 
 
 if __name__ == "__main__":

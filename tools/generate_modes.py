@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Dict, List
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import generated_files  # noqa: E402  (tools/generated_files.py)
 TABLE = ROOT / "mhakern" / "mode_table.py"
 PY_RECORD = Path("mhakern") / "_modes_generated.py"
 PY_KERNELS = Path("mhakern") / "kernels" / "_modes_generated.py"
@@ -414,34 +416,15 @@ def render_all(table_path: Path = TABLE) -> Dict[Path, str]:
 
 
 def differences(root: Path = ROOT, table_path: Path = TABLE) -> List[str]:
-    out = []
-    for rel, text in render_all(table_path).items():
-        path = root / rel
-        if not path.is_file():
-            out.append(f"missing: {rel}")
-        elif path.read_text() != text:
-            out.append(f"differs: {rel}")
-    return out
+    """What --check reports: empty when every generated file is what the table generates."""
+    return generated_files.differences(root, render_all(table_path))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="only check that the generated files are current")
     args = ap.parse_args(argv)
-    if args.check:
-        diffs = differences()
-        for d in diffs:
-            print(d)
-        if diffs:
-            print("run `python tools/generate_modes.py`", file=sys.stderr)
-        return 1 if diffs else 0
-    for rel, text in render_all().items():
-        path = ROOT / rel
-        if not path.is_file() or path.read_text() != text:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            print(f"wrote {rel}")
-    return 0
+    return generated_files.check_or_write(ROOT, render_all(), args.check, "tools/generate_modes.py")
 
 
 if __name__ == "__main__":
