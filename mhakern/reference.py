@@ -578,15 +578,27 @@ def rule_violation(got: Tensor, ref64: Tensor, math_T: Tensor, dtype: torch.dtyp
     """None when ``max|got - ref64| <= factor * max|math_T - ref64| + ATOL[dtype] + extra``, else
     why not, naming the worst index and both values: ``ref64`` is this reference in float64,
     ``math_T`` the naive computation in the inputs' dtype ``dtype``; ``factor`` 2 for outputs, 3
-    for gradients. Shapes must agree; non-finite values are the caller's to judge first."""
+    for gradients. Shapes must agree.
+
+    The maxima run over the elements where ``ref64`` is finite (non-finite reference values are
+    the caller's to judge first), and the naive math's error over those where it is finite too:
+    where the naive math in T overflows (fp16 scores of large logits at D 256 reach inf), its
+    error elsewhere still bounds the kernel everywhere, rather than a NaN bound passing anything.
+    A non-finite ``got`` where the reference is finite is a violation. With no element to compare
+    (every reference value non-finite), or no finite naive value to bound by, nothing is judged."""
     got64, ref64 = got.detach().to(torch.float64).cpu(), ref64.detach().to(torch.float64).cpu()
     if got64.numel() == 0:
         return None
-    err = (got64 - ref64).abs()
-    math_err = (math_T.detach().to(torch.float64).cpu() - ref64).abs().max().item()
+    judged = torch.isfinite(ref64)
+    math64 = math_T.detach().to(torch.float64).cpu()
+    bounded = judged & torch.isfinite(math64)
+    if not bounded.any():
+        return None
+    err = (got64 - ref64).abs().nan_to_num(nan=math.inf).masked_fill(~judged, 0.0)
+    math_err = (math64 - ref64).abs()[bounded].max().item()
     bound = factor * math_err + ATOL[dtype] + extra
     worst = err.max().item()
-    if not worst > bound:  # a NaN where the reference and the naive math are NaN too compares False
+    if worst <= bound:
         return None
     idx = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
     return (f"max error {worst:.3e} at {idx} exceeds {factor} x torch-math error {math_err:.3e} + atol "
