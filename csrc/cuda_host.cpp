@@ -1,7 +1,7 @@
 // The CUDA kernels of the dispatcher ops mhakern_C::fwd and mhakern_C::bwd (schemas in
 // csrc/bindings.cpp; one schema for every device): see cuda_host.h.
 //
-// The kernels (csrc/cuda/*.cu) see no torch type: this file checks what keeps them in bounds
+// The kernels (csrc/cuda/{mma,sm90}/*.cu) see no torch type: this file checks what keeps them in bounds
 // (op_common.h's memory-safety checks, alike on every device, and here what the tensor-core
 // kernels need besides; the arguments a user names were checked by the Python operator layer,
 // mhakern/checks.py, before the call), fills the
@@ -28,7 +28,7 @@
 #include <utility>
 
 #include "capabilities.h"
-#include "cuda/attn_dispatch.h"
+#include "cuda/common/attn_dispatch.h"
 #include "op_common.h"
 
 namespace mhakern {
@@ -160,7 +160,7 @@ void check_no_pending_error(const char* op) {
 }
 
 // The keys split-K planning sees for one query tile of block_m packed rows (the kernels split
-// each tile's own visible key range, csrc/cuda/primitives.cuh tile_key_range): with a window
+// each tile's own visible key range, csrc/cuda/common/primitives.cuh tile_key_range): with a window
 // bounded on both sides (a left size, and a right size or causal) a row sees at most
 // left + right + 1 keys, so the tile's rows (at most min(Lq, block_m) consecutive positions
 // when it holds one head's rows; any of the Lq positions when it packs several heads) see at
@@ -200,7 +200,7 @@ std::pair<int, int> compute_capability(int device) {
   return {major, minor};
 }
 
-// Runs the forward on the family choose_fwd_family (cuda/attn_dispatch.h) picks for the device:
+// Runs the forward on the family choose_fwd_family (cuda/common/attn_dispatch.h) picks for the device:
 // the sm90 family (wgmma + TMA) where it serves the call on a 9.0 device, else mma.sync (always
 // mma.sync when forced through cuda_force_fwd_family / MHAKERN_CUDA_FWD_FAMILY).
 bool fwd_runs_sm90(const FwdParams& p, int device) {
@@ -351,7 +351,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
   }
   check_no_pending_error("mhakern_C::bwd");
   // The sm90 family's dK/dV and dQ kernels (wgmma + TMA) for the plain calls it serves on a 9.0
-  // device (choose_bwd_family, cuda/attn_dispatch.h), else mma.sync (always mma.sync when forced
+  // device (choose_bwd_family, cuda/common/attn_dispatch.h), else mma.sync (always mma.sync when forced
   // through cuda_force_bwd_family / MHAKERN_CUDA_BWD_FAMILY).
   check_launch(on_sm90 ? dispatch_attn_bwd_sm90(elem_type_of(q), p.D, p, stream)
                        : dispatch_attn_bwd(elem_type_of(q), p.D, p, stream),

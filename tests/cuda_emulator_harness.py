@@ -1,9 +1,9 @@
 """The CUDA emulator's build harness and front end, shared by the tests that run the kernels on it
 (tests/test_cuda_host.py, test_cuda_emulator.py, test_cuda_sm90.py, test_cuda_sm90_bwd.py).
 
-csrc/cuda/*.cu and the headers they include are compiled by g++ with ``-DMHAKERN_CUDA_EMULATE``
-(csrc/cuda/emulation/), which turns the PTX primitives into calls to an emulator running each
-CUDA thread as a fiber, with the documented fragment layouts of ldmatrix and mma.sync. Compiled
+csrc/cuda/mma/*.cu, csrc/cuda/sm90/*.cu and the headers they include are compiled by g++ with
+``-DMHAKERN_CUDA_EMULATE`` (csrc/cuda/emulation/), which turns the PTX primitives into calls to an
+emulator running each CUDA thread as a fiber, with the documented fragment layouts of ldmatrix and mma.sync. Compiled
 objects are cached under pytest's cache dir (a digest of the sources and flags names the
 directory), so every library of the same sources shares them. ``Emulator`` calls the C entry
 points (emulation/emu_entry.cpp); every tensor handed to them sits in a larger NaN-filled buffer
@@ -134,7 +134,7 @@ def build(cache_dir: Path, instances: Sequence[str], jobs: Optional[int] = None)
     units = [CUDA_SRC / "emulation" / u for u in RUNTIME_UNITS]
     for inst in instances:
         # a backward-only head dim (D 256) has no forward file
-        units += [f for f in (CUDA_SRC / f"attn_fwd_{inst}.cu", CUDA_SRC / f"attn_bwd_{inst}.cu") if f.exists()]
+        units += [f for f in (CUDA_SRC / "mma" / f"attn_fwd_{inst}.cu", CUDA_SRC / "mma" / f"attn_bwd_{inst}.cu") if f.exists()]
     return build_units(cache_dir, units, "libmhk_emu_" + ("_".join(sorted(instances)) or "runtime") + ".so", jobs)
 
 

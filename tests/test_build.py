@@ -468,7 +468,7 @@ def test_a_regular_install_carries_the_sources(tmp_path):
     cmd.run()
     copied = tmp_path / "mhakern" / "_src" / "csrc"
     assert (copied / "bindings.cpp").read_bytes() == open(os.path.join(ROOT, "csrc", "bindings.cpp"), "rb").read()
-    assert (copied / "cpu" / "kernels_avx2.cpp").exists() and list((copied / "cuda").glob("*.cu"))
+    assert (copied / "cpu" / "kernels_avx2.cpp").exists() and list((copied / "cuda" / "mma").glob("*.cu"))
 
 
 def test_source_root_prefers_the_checkout_then_the_carried_copy(B, tmp_path, monkeypatch):

@@ -2,7 +2,7 @@
 """Compile-check the CUDA kernels without a GPU.
 
 Checks that the instantiation files are current (tools/generate_kernels.py), then compiles
-every csrc/cuda/*.cu with nvcc for sm_80 and sm_90 (``-Xptxas -v``, the flags torch's
+every csrc/cuda/mma/*.cu with nvcc for sm_80 and sm_90 (``-Xptxas -v``, the flags torch's
 CUDAExtension and setup.py use), in parallel, and prints one table row per kernel and
 architecture: registers, spill stores/loads, stack frame, static shared memory, the dynamic
 shared memory its launcher asks for, and the local-memory instructions (LDL/STL) that sit inside a
@@ -64,6 +64,7 @@ TORCH_NVCC_FLAGS = [
     "--expt-relaxed-constexpr",
 ]
 NVCC_FLAGS = ["-std=c++17", "-O3", "-Xptxas", "-v", "-lineinfo"] + TORCH_NVCC_FLAGS
+MMA_DIR = CUDA_DIR / "mma"  # the mma.sync family (sm_80 and newer)
 SM90_DIR = CUDA_DIR / "sm90"
 SM90_GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
 SM90_SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on sm_90
@@ -104,7 +105,7 @@ NO_LOCAL_KERNELS = ("attn_fwd_decode_kernel",)
 # loops, most spill bytes per thread when no SASS can be read, why). Beyond that, it fails.
 ALLOWED_LOOP_LOCAL = {
     ("attn_fwd_kernel", 128): (2, 16, "one 4-byte reload per key step of a value parked across the loop "
-                                      "(see FwdConfig in attn_fwd_kernel.cuh)"),
+                                      "(see FwdConfig in mma/attn_fwd_kernel.cuh)"),
 }
 
 
@@ -187,14 +188,14 @@ def loop_local_memory(functions: dict) -> dict[tuple[str, int], tuple[int, int]]
     return out
 
 
-# ---- the fused mma.sync backward (csrc/cuda/attn_bwd_fused_kernel.cuh) ----------------------
+# ---- the fused mma.sync backward (csrc/cuda/mma/attn_bwd_fused_kernel.cuh) ------------------
 # Gates: no local memory at all (spill, stack frame, LDL/STL), shared memory within 99 KB, and
 # exactly FusedBwdConfig::kMmaPerStep HMMA in the main loop (the SASS loop holding the most
 # HMMA): the five products per tile, so that a recomputed S or dP (the split kernels' seven)
 # or a product split out of the loop fails. Registers and shared memory are reported.
 _FUSED_CONFIG_PROGRAM = r"""
 #include <cstdio>
-#include "attn_bwd_fused_kernel.cuh"
+#include "mma/attn_bwd_fused_kernel.cuh"
 using namespace mhakern::cuda;
 template <int D> void row() {
   using C = FusedBwdConfig<D>;
@@ -423,8 +424,8 @@ def short_name(demangled: str) -> tuple[str, str, int]:
 
 _CONFIG_PROGRAM = r"""
 #include <cstdio>
-#include "attn_fwd_kernel.cuh"
-#include "attn_bwd_kernel.cuh"
+#include "mma/attn_fwd_kernel.cuh"
+#include "mma/attn_bwd_kernel.cuh"
 using namespace mhakern::cuda;
 template <int D> void row() {
   using B = BwdConfig<D>;
@@ -711,16 +712,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-sm90", action="store_true", help="skip the sm_90a family (csrc/cuda/sm90/)")
     ap.add_argument("--json", default="", help="also write the results as JSON to this path")
     ap.add_argument("--record-plain-sass", action="store_true",
-                    help=f"rewrite csrc/cuda/{PLAIN_SASS_BASELINE.name} (this nvcc) from the plain kernels compiled")
+                    help=f"rewrite {PLAIN_SASS_BASELINE.relative_to(ROOT)} (this nvcc) from the plain kernels compiled")
     ap.add_argument("--record-sm90-sass", action="store_true",
-                    help=f"rewrite csrc/cuda/sm90/{SM90_SASS_BASELINE.name} (this nvcc) from the sm_90a kernels compiled")
+                    help=f"rewrite {SM90_SASS_BASELINE.relative_to(ROOT)} (this nvcc) from the sm_90a kernels compiled")
     return ap.parse_args(argv)
 
 
 def select_sources(args) -> tuple[list[Path], list[Path]] | None:
     """(mma.sync units, sm90 units) that --only / --no-sm90 select; None (after a message) when
     --only names a file that does not exist."""
-    sources = sorted(CUDA_DIR.glob("*.cu"))
+    sources = sorted(MMA_DIR.glob("*.cu"))
     only_sm90 = args.only.strip() == "sm90"
     if only_sm90:
         sources = []
@@ -914,7 +915,7 @@ def main(argv=None) -> int:
     fused_lines, fused_problems = check_fused_bwd(entries, fused_facts, names,
                                                   built["configs"].get("fused"))
     problems += fused_problems
-    print_section("fused mma.sync backward (csrc/cuda/attn_bwd_fused_kernel.cuh), main loop = the SASS loop holding "
+    print_section("fused mma.sync backward (csrc/cuda/mma/attn_bwd_fused_kernel.cuh), main loop = the SASS loop holding "
                   "the most HMMA:", fused_lines)
 
     plain_digests = {}

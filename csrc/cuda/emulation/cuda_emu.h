@@ -5,7 +5,7 @@
 // Barriers (__syncthreads, and the implicit warp rendezvous of ldmatrix, mma and shuffles)
 // suspend a fiber until all its peers arrive; a barrier that can never complete (a thread that
 // left while others wait) is reported as an error instead of hanging. Warp-collective
-// instructions follow the PTX ISA's documented fragment layouts (see ../primitives.cuh).
+// instructions follow the PTX ISA's documented fragment layouts (see ../common/primitives.cuh).
 //
 // Two schedules (mhk_emu_schedule in emu_schedule.cpp selects one):
 //  * fixed: fibers switch only where they must wait, and run in thread order; cp.async copies
@@ -706,7 +706,7 @@ inline std::string describe_deadlock(int64_t blk, int threads) {
 // What a kernel that orders its CTAs through global memory needs (the fused backward's dQ:
 // fp32 `red.global.add.f32` into a workspace, and, in its deterministic mode, a semaphore per
 // row block that each key block waits on with `ld.acquire.gpu` and advances with
-// `red.release.gpu`; csrc/cuda/dq_accum.cuh). PTX ISA "Memory Consistency Model", modelled as:
+// `red.release.gpu`; csrc/cuda/common/dq_accum.cuh). PTX ISA "Memory Consistency Model", modelled as:
 //  * a reduction (red_add_f32, red_add_u32) does not change memory when it is issued: under
 //    the random schedule it lands at once with the seed's p_land_now, else at a random later
 //    moment (after any fiber slice with p_land_step, or when nothing else can progress), and at

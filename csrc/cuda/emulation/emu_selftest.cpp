@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "../dq_accum.cuh"
+#include "../common/dq_accum.cuh"
 #include "cuda_emu.h"
 
 namespace mhk_selftest {
@@ -124,7 +124,7 @@ void copy_body(const unsigned char* src, int n, unsigned char* dst) {
   if (tid < n) std::memcpy(dst + 16 * tid, smem + 16 * tid, 16);
 }
 
-// Ordered accumulation across blocks (csrc/cuda/dq_accum.cuh): block b of the grid adds
+// Ordered accumulation across blocks (csrc/cuda/common/dq_accum.cuh): block b of the grid adds
 // vals[b * n + t] to acc[t] (thread t < n) as the b-th turn of counter *sem, like a key block of
 // the fused backward adding its share of a row block's dQ. variant:
 //   0 correct: dq_wait_turn(b), the adds, dq_pass_turn;

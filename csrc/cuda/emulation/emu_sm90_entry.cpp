@@ -6,7 +6,7 @@
 #include <cmath>
 #include <string>
 
-#include "../attn_dispatch.h"
+#include "../common/attn_dispatch.h"
 #include "../sm90/attn_fwd_sm90_kernel.cuh"
 #include "../sm90/primitives_sm90.cuh"
 #include "cuda_emu_sm90.h"

@@ -2,7 +2,7 @@
 // dK/dV and dQ kernels, and for split-K the mma.sync family's ordered dQ reduction.
 #pragma once
 
-#include "../attn_bwd_kernel.cuh"  // attn_bwd_delta_kernel, attn_bwd_dq_reduce_kernel
+#include "../mma/attn_bwd_kernel.cuh"  // attn_bwd_delta_kernel, attn_bwd_dq_reduce_kernel
 #include "attn_bwd_sm90_kernel.cuh"
 #include "attn_fwd_sm90_launch.cuh"  // encode_kv_map
 

@@ -25,14 +25,14 @@
 // previous item has landed (a full and an empty mbarrier per half). The rings and all barrier
 // phases run on from item to item, so the next item's first K/V tiles load under this one's end.
 //
-// Semantics are those of the mma.sync family (../attn_params.h): bottom-right causal per batch
+// Semantics are those of the mma.sync family (../common/attn_params.h): bottom-right causal per batch
 // element, key_lengths clamped into [0, Lk], the query heads of a GQA/MQA group packed into rows
 // (r = (h - hkv * group) * Lq + i), lse in natural log, rows that see no key give 0 and -inf.
 // Key tiles past every row's visible limit are never loaded (causal tiles skipped).
 //
 // Split-K (long keys, few query tiles): the item of split `split` of num_splits takes an equal
-// share of the key tiles and writes fp32 partials (o_partial, lse_partial of ../attn_params.h),
-// merged by the mma.sync family's combine kernel (../attn_fwd_kernel.cuh), which only reads them.
+// share of the key tiles and writes fp32 partials (o_partial, lse_partial of ../common/attn_params.h),
+// merged by the mma.sync family's combine kernel (../mma/attn_fwd_kernel.cuh), which only reads them.
 //
 // The two consumer warpgroups take turns issuing their products (ping-pong, named barriers).
 //

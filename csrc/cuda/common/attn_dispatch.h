@@ -11,7 +11,7 @@
 #include <cuda_runtime_api.h>
 #endif
 
-#include "../capabilities.h"
+#include "../../capabilities.h"
 #include "attn_params.h"
 
 namespace mhakern {

@@ -3,7 +3,7 @@
 // staged in shared memory.
 #pragma once
 
-#include "primitives.cuh"
+#include "../common/primitives.cuh"
 
 namespace mhakern {
 namespace cuda {

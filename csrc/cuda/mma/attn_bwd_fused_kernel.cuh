@@ -25,9 +25,9 @@
 // and both add them in the same order (half 0 + half 1), so both hold identical P and dS.
 #pragma once
 
-#include "../capabilities.h"
+#include "../../capabilities.h"
 #include "attn_bwd_kernel.cuh"  // attn_bwd_delta_kernel
-#include "dq_accum.cuh"
+#include "../common/dq_accum.cuh"
 #include "smem_opt_in.cuh"
 #include "tile_io.cuh"
 

@@ -21,7 +21,7 @@
 // max_seqlen_q per (sequence, KV head), and no block of one sequence addresses another's tokens.
 #pragma once
 
-#include "../capabilities.h"
+#include "../../capabilities.h"
 #include "smem_opt_in.cuh"
 #include "tile_io.cuh"
 

@@ -9,7 +9,7 @@
 #include <atomic>
 #include <cstdint>
 
-#include "primitives.cuh"
+#include "../common/primitives.cuh"
 
 namespace mhakern {
 namespace cuda {

@@ -13,7 +13,7 @@
 // attn_fwd_combine_kernel merges the partials through their lse.
 #pragma once
 
-#include "../capabilities.h"
+#include "../../capabilities.h"
 #include "smem_opt_in.cuh"
 #include "tile_io.cuh"
 

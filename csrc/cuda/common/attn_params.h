@@ -15,14 +15,14 @@
 // refuses the others by name.
 //
 // make_fwd_params / make_bwd_params fill the structs from plain operand descriptions; the host
-// code (cuda_host.cpp, from tensors) and the CPU emulation (emulation/emu_entry.cpp, from raw
+// code (cuda_host.cpp, from tensors) and the CPU emulation (../emulation/emu_entry.cpp, from raw
 // pointers) both call them, so the two cannot fill them differently.
 #pragma once
 
 #include <cstdint>
 
-#include "../capabilities.h"
-#include "../mode_params.h"
+#include "../../capabilities.h"
+#include "../../mode_params.h"
 
 #if defined(__CUDACC__)
 #define MHK_PARAMS_HD __host__ __device__ __forceinline__
