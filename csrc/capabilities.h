@@ -225,7 +225,7 @@ constexpr bool use_cuda_decode_fwd(int64_t group_rows, bool modes_kernel) {
 // A second family of CUDA kernels, compiled only in the sm_90a pass of nvcc
 // (-gencode=arch=compute_90a,code=sm_90a: wgmma and setmaxnreg exist only on the "a" target,
 // whose code runs on compute capability 9.0 exactly). A forward (split-K included, merged by the
-// mma.sync family's combine kernel) and a backward (the sections further down); the host
+// combine kernel both families share) and a backward (the sections further down); the host
 // (choose_fwd_family in csrc/cuda/common/attn_dispatch.h, the backward's family choice in cuda_host.cpp)
 // gives it the calls it serves on a 9.0 device (these head dims and dtypes, the modes its
 // sections declare) and everything else to the mma.sync family above, built for sm_90a too. Instances: F(tag, D).

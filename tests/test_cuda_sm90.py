@@ -364,8 +364,8 @@ def test_sm90_split_k_combines_through_lse(rnd, splits):
     # visible key (lse -inf partials), key length 0 leaves every split empty.
     _run(rnd, (2, 4, 2, 5, 600, 64, 64, True, (600, 70)), torch.bfloat16, splits=splits)
     _run(rnd, (1, 4, 4, 3, 560, 128, 128, False, (0,)), torch.float16, splits=splits)
-    # D 256: 7 key tiles of 80; the combine kernel of the mma.sync family at a head dim that
-    # family does not compile otherwise
+    # D 256: 7 key tiles of 80; the shared combine kernel (csrc/cuda/common/aux_kernels.cuh) at a
+    # head dim the mma.sync family does not compile
     _run(rnd, (1, 4, 2, 3, 540, 256, 256, True, (540,)), torch.bfloat16, splits=splits)
 
 

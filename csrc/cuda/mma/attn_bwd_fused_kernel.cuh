@@ -26,7 +26,7 @@
 #pragma once
 
 #include "../../capabilities.h"
-#include "attn_bwd_kernel.cuh"  // attn_bwd_delta_kernel
+#include "attn_bwd_kernel.cuh"  // run_attn_bwd (the split kernels, MHK_DEFINE_ATTN_BWD)
 #include "../common/dq_accum.cuh"
 #include "smem_opt_in.cuh"
 #include "tile_io.cuh"

@@ -4,7 +4,7 @@
 // delta = rowsum(dO o O):
 //   dV = P^T dO,  dK = scale * dS^T Q,  dQ = scale * dS K.
 // Three kernels, in stream order:
-//   attn_bwd_delta_kernel  delta for every query row (one warp per row).
+//   attn_bwd_delta_kernel  delta for every query row (one warp per row; ../common/aux_kernels.cuh).
 //   attn_bwd_dkdv_kernel   one CTA per (key block of 64, kv head, batch element); each warp owns
 //                          16 keys and walks every packed query row of the group (all query
 //                          heads that share the KV head) in a fixed order, so dK and dV are
@@ -22,6 +22,7 @@
 #pragma once
 
 #include "../../capabilities.h"
+#include "../common/aux_kernels.cuh"  // attn_bwd_delta_kernel, attn_bwd_dq_reduce_kernel
 #include "smem_opt_in.cuh"
 #include "tile_io.cuh"
 
@@ -119,30 +120,6 @@ template <bool kModes>
 MHK_DEVICE int64_t bwd_row_linear(const BwdParams& p, const BwdSeqView& sv, int b, int hkv, int r) {
   if (kModes && sv.on) return sv.q0 + static_cast<int64_t>(hkv * p.group + r / p.Lq) * sv.head_stride + r % p.Lq;
   return packed_row_linear(b, p.H, hkv, p.group, p.Lq, r);
-}
-
-// delta[b, h, i] = sum_d dout[b, h, i, d] * out[b, h, i, d], fp32; one warp per row.
-template <typename Elem, int D>
-__global__ void MHK_LAUNCH_BOUNDS(128, 1) attn_bwd_delta_kernel(const BwdParams p) {
-  const int tid = thread_index();
-  const int warp = tid / 32, lane = tid % 32;
-  const int64_t n_rows = static_cast<int64_t>(p.B) * p.H * p.Lq;
-  const int64_t row = block_index() * 4 + warp;
-  if (row >= n_rows) return;  // whole warps leave; no block barrier follows
-  const int i = static_cast<int>(row % p.Lq);
-  const int h = static_cast<int>((row / p.Lq) % p.H);
-  const int b = static_cast<int>(row / (static_cast<int64_t>(p.Lq) * p.H));
-  const Elem* o = static_cast<const Elem*>(p.o) + b * p.o_stride.batch + h * p.o_stride.head + static_cast<int64_t>(i) * p.o_stride.row;
-  const Elem* dout = static_cast<const Elem*>(p.dout) + b * p.do_stride.batch + h * p.do_stride.head + static_cast<int64_t>(i) * p.do_stride.row;
-  float sum = 0.f;
-  MHK_UNROLL
-  for (int d = 2 * lane; d < D; d += 64) {
-    sum += ElemTraits<Elem>::to_float(o[d]) * ElemTraits<Elem>::to_float(dout[d]);
-    sum += ElemTraits<Elem>::to_float(o[d + 1]) * ElemTraits<Elem>::to_float(dout[d + 1]);
-  }
-  MHK_UNROLL
-  for (int off = 16; off > 0; off >>= 1) sum += shfl_xor(sum, off);
-  if (lane == 0) p.delta[row] = sum;
 }
 
 // One step of the dK/dV kernel for one warp: its 16 keys (rows key_row0.. of sK, sV, global
@@ -687,28 +664,6 @@ __global__ void MHK_LAUNCH_BOUNDS(BwdConfig<D>::kThreads, 2) attn_bwd_dq_modes_k
   BwdSeqView sv;
   const BwdParams ps = bwd_seq_params(p, static_cast<int>(block_index() / (static_cast<int64_t>(n) * p.Hkv)), n, sv);
   attn_bwd_dq_body<Elem, D, true>(ps, sv);
-}
-
-// dq = sum over splits of the fp32 partials, added in split order; one thread per pair of
-// elements.
-template <typename Elem, int D>
-__global__ void MHK_LAUNCH_BOUNDS(256, 1) attn_bwd_dq_reduce_kernel(const BwdParams p) {
-  const int64_t n_rows = static_cast<int64_t>(p.B) * p.H * p.Lq;
-  const int64_t idx = block_index() * 256 + thread_index();
-  if (idx >= n_rows * (D / 2)) return;
-  const int64_t row = idx / (D / 2);
-  const int d = static_cast<int>(idx % (D / 2)) * 2;
-  float2 sum = {0.f, 0.f};
-  for (int s = 0; s < p.num_splits; ++s) {
-    const float2 part = *reinterpret_cast<const float2*>(p.dq_partial + (s * n_rows + row) * D + d);
-    sum.x += part.x;
-    sum.y += part.y;
-  }
-  const int i = static_cast<int>(row % p.Lq);
-  const int h = static_cast<int>((row / p.Lq) % p.H);
-  const int b = static_cast<int>(row / (static_cast<int64_t>(p.Lq) * p.H));
-  Elem* dst = static_cast<Elem*>(p.dq) + b * p.dq_stride.batch + h * p.dq_stride.head + static_cast<int64_t>(i) * p.dq_stride.row + d;
-  *reinterpret_cast<uint32_t*>(dst) = ElemTraits<Elem>::pack2(sum.x, sum.y);
 }
 
 // The dK/dV and dQ kernels, plain or with attn_mask / dropout / score modifiers (kModes).

@@ -10,10 +10,11 @@
 //
 // Split-K (num_splits > 1, long keys with few query tiles): CTA z takes whole key blocks
 // [z * per_split, (z + 1) * per_split) and writes its normalised partial output and lse in fp32;
-// attn_fwd_combine_kernel merges the partials through their lse.
+// attn_fwd_combine_kernel (../common/aux_kernels.cuh) merges the partials through their lse.
 #pragma once
 
 #include "../../capabilities.h"
+#include "../common/aux_kernels.cuh"  // attn_fwd_combine_kernel
 #include "smem_opt_in.cuh"
 #include "tile_io.cuh"
 
@@ -408,65 +409,6 @@ __global__ void MHK_LAUNCH_BOUNDS(FwdConfig<D>::kThreads, 2) attn_fwd_modes_kern
   sv.lse_row0 = q0;
   sv.lse_head_stride = p.Lq;  // Tq
   attn_fwd_body<Elem, D, true>(ps, sv);
-}
-
-// Merges split-K partials: lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s.
-// One warp per output row; the sums run in a fixed order (deterministic).
-template <typename Elem, int D>
-__global__ void MHK_LAUNCH_BOUNDS(128, 1) attn_fwd_combine_kernel(const FwdParams p) {
-  const int tid = thread_index();
-  const int warp = tid / 32, lane = tid % 32;
-  const int64_t n_rows = static_cast<int64_t>(p.B) * p.H * p.Lq;
-  const int64_t row = block_index() * 4 + warp;
-  if (row >= n_rows) return;  // whole warps leave; no block barrier follows
-  const int S = p.num_splits;
-
-  // A NaN partial lse (a NaN score in that split: docs/contract.md "NaN and inf") makes the row
-  // NaN; fmaxf would skip it and, when every split is NaN, read the row as dead (0, -inf).
-  // `bad` is 0, or a NaN that the warp's sum spreads to every lane.
-  float mx = -INFINITY, bad = 0.f;
-  for (int s = lane; s < S; s += 32) {
-    const float x = p.lse_partial[s * n_rows + row];
-    mx = fmaxf(mx, x);
-    if (x != x) bad = x;
-  }
-  MHK_UNROLL
-  for (int off = 16; off > 0; off >>= 1) {
-    mx = fmaxf(mx, shfl_xor(mx, off));
-    bad += shfl_xor(bad, off);
-  }
-  float sum = 0.f;
-  if (mx > -INFINITY)
-    for (int s = lane; s < S; s += 32) sum += expf(p.lse_partial[s * n_rows + row] - mx);
-  MHK_UNROLL
-  for (int off = 16; off > 0; off >>= 1) sum += shfl_xor(sum, off);
-  const float lse = bad != bad ? bad : (mx > -INFINITY ? mx + logf(sum) : -INFINITY);
-
-  const int i = static_cast<int>(row % p.Lq);
-  const int h = static_cast<int>((row / p.Lq) % p.H);
-  const int b = static_cast<int>(row / (static_cast<int64_t>(p.Lq) * p.H));
-  Elem* o = static_cast<Elem*>(p.o) + b * p.o_stride.batch + h * p.o_stride.head + static_cast<int64_t>(i) * p.o_stride.row;
-  constexpr int kPerLane = (D + 31) / 32;
-  float out[kPerLane];
-  MHK_UNROLL
-  for (int e = 0; e < kPerLane; ++e) out[e] = 0.f;
-  if (mx > -INFINITY) {
-    for (int s = 0; s < S; ++s) {
-      const float w = expf(p.lse_partial[s * n_rows + row] - lse);
-      const float* part = p.o_partial + (s * n_rows + row) * D;
-      MHK_UNROLL
-      for (int e = 0; e < kPerLane; ++e) {
-        const int d = lane + 32 * e;
-        if (d < D) out[e] += w * part[d];
-      }
-    }
-  }
-  MHK_UNROLL
-  for (int e = 0; e < kPerLane; ++e) {
-    const int d = lane + 32 * e;
-    if (d < D) o[d] = ElemTraits<Elem>::from_float(bad != bad ? bad : out[e]);
-  }
-  if (lane == 0) p.lse[row] = lse;
 }
 
 // ---- decode: few packed rows per (batch, KV head) -------------------------------------------

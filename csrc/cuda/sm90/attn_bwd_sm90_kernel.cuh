@@ -2,7 +2,8 @@
 //
 // With P recomputed from the saved lse, dP = dO V^T, delta = rowsum(dO o O) and
 // dS = P o (dP - delta):  dV = P^T dO,  dK = scale dS^T Q,  dQ = scale dS K  (as the mma.sync
-// family's ../mma/attn_bwd_kernel.cuh, whose delta kernel and split-K dQ reduction this family reuses).
+// family's ../mma/attn_bwd_kernel.cuh; the delta kernel and the split-K dQ reduction are shared:
+// ../common/aux_kernels.cuh).
 // Two kernels, each one CTA of 3 warpgroups: warpgroup 0 the producer (setmaxnreg.dec), filling
 // a ring of kSm90BwdStages shared-memory stages guarded by "full" / "empty" mbarriers; warpgroups 1 and 2
 // the consumers (setmaxnreg.inc), 64 accumulator rows each, issuing wgmma. No atomics: every sum

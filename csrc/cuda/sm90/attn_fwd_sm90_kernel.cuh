@@ -32,7 +32,7 @@
 //
 // Split-K (long keys, few query tiles): the item of split `split` of num_splits takes an equal
 // share of the key tiles and writes fp32 partials (o_partial, lse_partial of ../common/attn_params.h),
-// merged by the mma.sync family's combine kernel (../mma/attn_fwd_kernel.cuh), which only reads them.
+// merged by the combine kernel both families share (../common/aux_kernels.cuh), which only reads them.
 //
 // The two consumer warpgroups take turns issuing their products (ping-pong, named barriers).
 //
