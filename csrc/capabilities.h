@@ -4,7 +4,7 @@
 //     below (X-macros), tools/generate_kernels.py writes one csrc/cuda/{mma,sm90}/*.cu per instance from
 //     it (tests/test_generated_kernels.py checks the committed files are current);
 //   - the kernels' tile configs (FwdConfig / BwdConfig) take their tiles from cuda_tiles();
-//   - the host code (csrc/cpu/attention_cpu.cpp, csrc/cuda_host.cpp) checks against the limits;
+//   - the host code (csrc/cpu/attention_cpu.cpp, csrc/cuda/cuda_host.cpp) checks against the limits;
 //   - Python reads all of it from mhakern/_caps.py, which tools/generate_caps.py writes from
 //     this file (through csrc/capabilities_json.h, compiled on the spot; tests/test_caps.py checks
 //     the committed module is current), so that `import mhakern` knows it without mhakern._C;

@@ -17,12 +17,12 @@ One plan serves both routes, so they compile the same thing:
 What is compiled (:func:`plan`, a pure function of the environment and a description of the
 torch at hand, tested with faked ones):
 
-* CPU: ``csrc/*.cpp`` except ``csrc/cuda_*.cpp``, and ``csrc/cpu/**/*.cpp``; of these,
+* CPU: ``csrc/*.cpp`` and ``csrc/cpu/**/*.cpp``; of these,
   ``csrc/cpu/kernels_<isa>.cpp`` on x86-64 each with its own -m flags (:data:`ISA_FLAGS`, never
   -march=native: the module must run on other CPUs), the rest with the baseline flags.
 * CUDA, when torch has CUDA, nvcc is found with torch's CUDA major version, and some arch of at
   least the kernels' minimum (:func:`min_arch`, from the capability table mhakern/_caps.py) is asked for:
-  ``csrc/cuda_*.cpp`` and ``csrc/cuda/**/*.{cu,cpp}`` (not ``csrc/cuda/emulation/``, which the
+  ``csrc/cuda/**/*.{cu,cpp}`` (not ``csrc/cuda/emulation/``, which the
   emulator tests compile on their own), -DMHAKERN_WITH_CUDA. Archs: ``TORCH_CUDA_ARCH_LIST``
   with those below that minimum dropped (one line says what was dropped), else the visible
   GPUs' archs in a first-use build, else 8.0 and 9.0 + PTX.
@@ -288,15 +288,13 @@ def _sources(root: str) -> Dict[str, List[str]]:
             found.update(glob.glob(os.path.join(root, "csrc", p), recursive=True))
         return sorted(_rel(root, f) for f in found if "/emulation/" not in _rel(root, f))
 
-    top = find("*.cpp")
-    cuda_top = [s for s in top if os.path.basename(s).startswith("cuda_")]
-    cpu = [s for s in top if s not in cuda_top] + find("cpu/**/*.cpp")
+    cpu = find("*.cpp") + find("cpu/**/*.cpp")
     isa = {s for s in cpu if os.path.basename(s)[len("kernels_"):-len(".cpp")].upper() in ISA_FLAGS
            and os.path.basename(s).startswith("kernels_")}
     return {
         "cpu": [s for s in cpu if s not in isa],
         "isa": sorted(isa),
-        "cuda": cuda_top + find("cuda/**/*.cu", "cuda/**/*.cpp"),
+        "cuda": find("cuda/**/*.cu", "cuda/**/*.cpp"),
     }
 
 

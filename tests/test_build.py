@@ -174,8 +174,8 @@ def tree(tmp_path):
     for name in (
         "csrc/bindings.cpp", "csrc/cpu/attention_cpu.cpp", "csrc/cpu/kernels_default.cpp",
         "csrc/cpu/kernels_avx2.cpp", "csrc/cpu/kernels_avx512.cpp", "csrc/cpu/new_part.cpp",
-        "csrc/cuda_host.cpp", "csrc/cuda_graphs.cpp", "csrc/cuda/attn_fwd_x.cu", "csrc/cuda/attn_bwd_x.cu",
-        "csrc/cuda/generated/attn_fwd_y.cu", "csrc/cuda/host_part.cpp", "csrc/cuda/emulation/emu_entry.cpp",
+        "csrc/cuda/cuda_host.cpp", "csrc/cuda/cuda_graphs.cpp", "csrc/cuda/mma/attn_fwd_x.cu",
+        "csrc/cuda/mma/attn_bwd_x.cu", "csrc/cuda/sm90/attn_fwd_y.cu", "csrc/cuda/emulation/emu_entry.cpp",
         "csrc/cuda/emulation/emu.cu", "csrc/cpu/attention_params.h",
     ):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -191,8 +191,8 @@ def test_sources_are_globbed_by_role(B, tree):
     cuda = B.plan({}, _fake_torch(**CUDA_TORCH), tree)
     assert cuda["cuda"]
     assert cuda["sources"] == cpu["sources"] + [
-        "csrc/cuda_graphs.cpp", "csrc/cuda_host.cpp", "csrc/cuda/attn_bwd_x.cu", "csrc/cuda/attn_fwd_x.cu",
-        "csrc/cuda/generated/attn_fwd_y.cu", "csrc/cuda/host_part.cpp",
+        "csrc/cuda/cuda_graphs.cpp", "csrc/cuda/cuda_host.cpp", "csrc/cuda/mma/attn_bwd_x.cu",
+        "csrc/cuda/mma/attn_fwd_x.cu", "csrc/cuda/sm90/attn_fwd_y.cu",
     ]
     assert cuda["cpu_sources"] == cpu["sources"]
     assert "CUDA kernels (3 .cu files, torch CUDA 13.0, arch 8.0;9.0+PTX)" in cuda["message"]
@@ -205,7 +205,7 @@ def test_sources_are_globbed_by_role(B, tree):
 def test_cuda_torch_with_nvcc_adds_the_cuda_sources(B):
     plan = B.plan({}, _fake_torch(**CUDA_TORCH), ROOT)
     assert plan["cuda"] and plan["notes"] == []
-    assert "csrc/cuda_host.cpp" in plan["sources"]
+    assert "csrc/cuda/cuda_host.cpp" in plan["sources"]
     assert any(s.startswith("csrc/cuda/") and s.endswith(".cu") for s in plan["sources"])
     assert ("MHAKERN_WITH_CUDA", None) in plan["define_macros"]
     assert ("MHAKERN_WITH_SM90A", None) in plan["define_macros"]  # the default list has 9.0
@@ -334,7 +334,7 @@ def test_cuda_extension_object_on_a_fake_cuda_torch(B, tree, monkeypatch):
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", tree)
     plan = B.plan({}, _fake_torch(**CUDA_TORCH), tree)
     (ext,), _ = B.extension_modules({}, tree, plan)
-    assert "csrc/cuda/attn_fwd_x.cu" in ext.sources and ext.mhakern_cuda
+    assert "csrc/cuda/mma/attn_fwd_x.cu" in ext.sources and ext.mhakern_cuda
     assert "-Xptxas" in ext.extra_compile_args["nvcc"]
     assert "cudart" in ext.libraries
 

@@ -114,7 +114,7 @@ def test_source_digest_follows_sources_and_recipe(tree):
     d1 = prebuilt.source_digest(str(tree), ARCHS, "13.0")
     assert d1 != d0
     # a source, a header
-    host = tree / "csrc" / "cuda_host.cpp"
+    host = tree / "csrc" / "cuda" / "cuda_host.cpp"
     host.write_text(host.read_text() + "\n")
     d2 = prebuilt.source_digest(str(tree), ARCHS, "13.0")
     assert d2 != d1

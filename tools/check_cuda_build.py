@@ -13,7 +13,7 @@ local memory inside a loop (its hot loop: a spill there is a defect). A spill ou
 failed. The SASS comes from cuobjdump (the CUDA toolkit's, or the copy in Triton's package);
 without one, any spill of a main kernel fails (``--allow-spills`` turns that into a warning).
 
-It also parses csrc/cuda_host.cpp (the torch-facing host code) with g++ ``-fsyntax-only``
+It also parses csrc/cuda/cuda_host.cpp (the torch-facing host code) with g++ ``-fsyntax-only``
 against the installed torch's headers plus the CUDA runtime headers, so that code which can only
 be compiled on a CUDA-enabled torch is at least checked here (``--no-host`` skips it; it is
 skipped with a note when torch's headers or Python's are missing).
@@ -474,7 +474,7 @@ def dynamic_smem(include: Path) -> dict[tuple[str, int], int] | None:
 
 
 def host_syntax_check(include: Path) -> tuple[str, str]:
-    """('ok' | 'FAILED' | 'skipped', detail) for csrc/cuda_host.cpp parsed by g++."""
+    """('ok' | 'FAILED' | 'skipped', detail) for csrc/cuda/cuda_host.cpp parsed by g++."""
     if shutil.which("g++") is None:
         return "skipped", "g++ not found"
     try:
@@ -495,7 +495,7 @@ def host_syntax_check(include: Path) -> tuple[str, str]:
         cmd = ["g++", "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-DMHAKERN_WITH_CUDA", f"-I{ROOT / 'csrc'}"]
         for d in ce.include_paths():
             cmd += ["-isystem", d]
-        cmd += ["-isystem", tmp, "-isystem", py_inc, "-isystem", str(include), str(ROOT / "csrc" / "cuda_host.cpp")]
+        cmd += ["-isystem", tmp, "-isystem", py_inc, "-isystem", str(include), str(CUDA_DIR / "cuda_host.cpp")]
         res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0 or res.stderr.strip():
         return "FAILED", res.stderr[-6000:]
@@ -708,7 +708,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="comma-separated dtypes of the mma.sync units to compile (default fp16,bf16); the "
                          "sm_90a family is compiled whole")
     ap.add_argument("--allow-spills", action="store_true", help="report main-kernel spills without failing")
-    ap.add_argument("--no-host", action="store_true", help="skip the syntax check of csrc/cuda_host.cpp")
+    ap.add_argument("--no-host", action="store_true", help="skip the syntax check of csrc/cuda/cuda_host.cpp")
     ap.add_argument("--no-sm90", action="store_true", help="skip the sm_90a family (csrc/cuda/sm90/)")
     ap.add_argument("--json", default="", help="also write the results as JSON to this path")
     ap.add_argument("--record-plain-sass", action="store_true",

@@ -158,7 +158,7 @@ int mhk_emu_fwd_family(int major, int minor, int sm90_compiled, int D, int num_s
 }
 
 // The split-K count the host plans for a forward without modes on dense (B, H, L, D) operands,
-// on a device of capability major.minor with num_sms multiprocessors: csrc/cuda_host.cpp's
+// on a device of capability major.minor with num_sms multiprocessors: csrc/cuda/cuda_host.cpp's
 // sequence (the family choice, then capabilities.h fwd_plan_tiles of that family, then
 // plan_splits).
 int mhk_emu_fwd_plan_splits(int major, int minor, int sm90_compiled, int D, int B, int Hkv, int group, int Lq, int Lk,

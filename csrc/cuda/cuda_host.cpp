@@ -27,9 +27,9 @@
 #include <tuple>
 #include <utility>
 
-#include "capabilities.h"
-#include "cuda/common/attn_dispatch.h"
-#include "op_common.h"
+#include "../capabilities.h"
+#include "../op_common.h"
+#include "common/attn_dispatch.h"
 
 namespace mhakern {
 namespace cuda {
@@ -200,7 +200,7 @@ std::pair<int, int> compute_capability(int device) {
   return {major, minor};
 }
 
-// Runs the forward on the family choose_fwd_family (cuda/common/attn_dispatch.h) picks for the device:
+// Runs the forward on the family choose_fwd_family (common/attn_dispatch.h) picks for the device:
 // the sm90 family (wgmma + TMA) where it serves the call on a 9.0 device, else mma.sync (always
 // mma.sync when forced through cuda_force_fwd_family / MHAKERN_CUDA_FWD_FAMILY).
 bool fwd_runs_sm90(const FwdParams& p, int device) {
@@ -351,7 +351,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
   }
   check_no_pending_error("mhakern_C::bwd");
   // The sm90 family's dK/dV and dQ kernels (wgmma + TMA) for the plain calls it serves on a 9.0
-  // device (choose_bwd_family, cuda/common/attn_dispatch.h), else mma.sync (always mma.sync when forced
+  // device (choose_bwd_family, common/attn_dispatch.h), else mma.sync (always mma.sync when forced
   // through cuda_force_bwd_family / MHAKERN_CUDA_BWD_FAMILY).
   check_launch(on_sm90 ? dispatch_attn_bwd_sm90(elem_type_of(q), p.D, p, stream)
                        : dispatch_attn_bwd(elem_type_of(q), p.D, p, stream),
