@@ -1,6 +1,6 @@
 // What the compiled kernel families of mhakern._C serve: the one place where head dims, dtypes,
 // tile shapes, index limits and implemented modes are written. Everything else reads them:
-//   - csrc/cuda/common/attn_dispatch.h and csrc/cuda/emulation/emu_entry.cpp expand the instance list
+//   - csrc/cuda/common/attn_dispatch.h and tests/cuda_emulator/emu_entry.cpp expand the instance list
 //     below (X-macros), tools/generate_kernels.py writes one csrc/cuda/{mma,sm90}/*.cu per instance from
 //     it (tests/test_generated_kernels.py checks the committed files are current);
 //   - the kernels' tile configs (FwdConfig / BwdConfig) take their tiles from cuda_tiles();

@@ -170,13 +170,14 @@ def test_cpu_plan_compiles_isa_variants_with_their_own_flags(B):
 
 @pytest.fixture
 def tree(tmp_path):
-    """A fake source tree: the files the globs must find (and the emulator's, which they must not)."""
+    """A fake source tree: the files the globs must find (and the emulator's, outside csrc/, which
+    they must not)."""
     for name in (
         "csrc/bindings.cpp", "csrc/cpu/attention_cpu.cpp", "csrc/cpu/kernels_default.cpp",
         "csrc/cpu/kernels_avx2.cpp", "csrc/cpu/kernels_avx512.cpp", "csrc/cpu/new_part.cpp",
         "csrc/cuda/cuda_host.cpp", "csrc/cuda/cuda_graphs.cpp", "csrc/cuda/mma/attn_fwd_x.cu",
-        "csrc/cuda/mma/attn_bwd_x.cu", "csrc/cuda/sm90/attn_fwd_y.cu", "csrc/cuda/emulation/emu_entry.cpp",
-        "csrc/cuda/emulation/emu.cu", "csrc/cpu/attention_params.h",
+        "csrc/cuda/mma/attn_bwd_x.cu", "csrc/cuda/sm90/attn_fwd_y.cu", "csrc/cpu/attention_params.h",
+        "tests/cuda_emulator/emu_entry.cpp", "tests/cuda_emulator/emu.cu",
     ):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("// test\n")
@@ -495,9 +496,9 @@ def test_build_key_follows_sources_torch_python_and_archs(B, tree):
     with open(os.path.join(tree, "csrc", "cpu", "attention_params.h"), "a") as fh:
         fh.write("// a header changed\n")
     assert B.build_key(tree, info, plan) != key
-    # The emulator's files are not part of the module.
+    # The emulator's files (test infrastructure, outside csrc/) are not part of the module.
     key = B.build_key(tree, info, plan)
-    with open(os.path.join(tree, "csrc", "cuda", "emulation", "emu_entry.cpp"), "a") as fh:
+    with open(os.path.join(tree, "tests", "cuda_emulator", "emu_entry.cpp"), "a") as fh:
         fh.write("// changed\n")
     assert B.build_key(tree, info, plan) == key
     cinfo = _fake_torch(**CUDA_TORCH)

@@ -1,8 +1,8 @@
-"""The CUDA emulator's own checks (csrc/cuda/emulation/), and the kernels under them.
+"""The CUDA emulator's own checks (tests/cuda_emulator/), and the kernels under them.
 
 The emulator (tests/cuda_emulator_harness.py builds it) runs the CUDA kernels' source on CPU fibers. Its
 checks must be able to fail, so each one meets a toy kernel with the defect it claims to catch
-(csrc/cuda/emulation/emu_selftest.cpp) next to a correct twin:
+(tests/cuda_emulator/emu_selftest.cpp) next to a correct twin:
 
 * convergence: a ``.sync.aligned`` collective (mma, ldmatrix, shfl, vote, bar.warp.sync) reached
   from two program points, or with a partial member mask, and a ``__syncthreads`` reached from

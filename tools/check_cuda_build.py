@@ -66,6 +66,9 @@ TORCH_NVCC_FLAGS = [
 NVCC_FLAGS = ["-std=c++17", "-O3", "-Xptxas", "-v", "-lineinfo"] + TORCH_NVCC_FLAGS
 MMA_DIR = CUDA_DIR / "mma"  # the mma.sync family (sm_80 and newer)
 SM90_DIR = CUDA_DIR / "sm90"
+# The CPU emulator of the CUDA features (test infrastructure): the tile-config printers below are
+# host programs that compile the kernels' headers with MHAKERN_CUDA_EMULATE against it.
+EMULATOR_DIR = ROOT / "tests" / "cuda_emulator"
 SM90_GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
 SM90_SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on sm_90
 SM90_MAX_REGS = 255
@@ -446,8 +449,8 @@ def _run_config_program(program: str, include: Path, libs: tuple = ()) -> str | 
     with tempfile.TemporaryDirectory() as tmp:
         src, exe = Path(tmp) / "cfg.cpp", Path(tmp) / "cfg"
         src.write_text(program)
-        cmd = ["g++", "-std=c++17", "-DMHAKERN_CUDA_EMULATE", f"-I{CUDA_DIR}", f"-I{include}", str(src), "-o", str(exe),
-               *libs]
+        cmd = ["g++", "-std=c++17", "-DMHAKERN_CUDA_EMULATE", f"-I{CUDA_DIR}", f"-I{EMULATOR_DIR}", f"-I{include}",
+               str(src), "-o", str(exe), *libs]
         if subprocess.run(cmd, capture_output=True).returncode != 0:
             return None
         return subprocess.run([str(exe)], capture_output=True, text=True).stdout

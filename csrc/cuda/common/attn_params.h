@@ -15,7 +15,7 @@
 // refuses the others by name.
 //
 // make_fwd_params / make_bwd_params fill the structs from plain operand descriptions; the host
-// code (cuda_host.cpp, from tensors) and the CPU emulation (../emulation/emu_entry.cpp, from raw
+// code (cuda_host.cpp, from tensors) and the CPU emulation (tests/cuda_emulator/emu_entry.cpp, from raw
 // pointers) both call them, so the two cannot fill them differently.
 #pragma once
 

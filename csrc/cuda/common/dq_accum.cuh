@@ -19,12 +19,12 @@
 // have lower tickets: every CTA with a lower ticket has started (it is resident or done) and
 // waits only on lower tickets still, so by induction from ticket 0, which waits on nothing,
 // every wait ends, in any dispatch order and at any residency. (The CPU emulator's
-// out-of-order dispatch shows the block-index version deadlock: ../emulation/cuda_emu.h Dispatch.)
+// out-of-order dispatch shows the block-index version deadlock: tests/cuda_emulator/cuda_emu.h Dispatch.)
 //
 // Memory order (PTX ISA, memory consistency model): every thread's adds precede the block
 // barrier in dq_pass_turn, which synchronizes them with thread 0, whose release is cumulative
 // over them; the next CTA's thread 0 acquires the counter and its block barrier orders the
-// acquire before every thread's adds. The CPU emulator (../emulation/cuda_emu.h, global-memory
+// acquire before every thread's adds. The CPU emulator (tests/cuda_emulator/cuda_emu.h, global-memory
 // section) models exactly these rules and in-flight adds under random schedules.
 #pragma once
 

@@ -2,7 +2,7 @@
 // m16n8k16 (fp16/bf16 in, fp32 accumulate), cp.async with zero fill, quad shuffles, exp2.
 //
 // Compiled by nvcc these are inline PTX for sm_80 and newer. Compiled by a host C++ compiler
-// with MHAKERN_CUDA_EMULATE defined they call the CPU emulation in ../emulation/cuda_emu.h, which
+// with MHAKERN_CUDA_EMULATE defined they call the CPU emulation in tests/cuda_emulator/cuda_emu.h, which
 // runs the very same kernel source on CPU threads-as-fibers for the host-side tests; the
 // emulation implements the PTX ISA's documented fragment layouts, so the kernels' index
 // arithmetic, masking and softmax are exercised without a GPU.
@@ -20,7 +20,7 @@
 #include <cstring>
 
 #if defined(MHAKERN_CUDA_EMULATE)
-#include "../emulation/cuda_emu.h"
+#include "cuda_emu.h"  // tests/cuda_emulator/, on the include path of every emulated build
 #else
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -1,5 +1,6 @@
 // CPU emulation of the CUDA features the attention kernels use, so that the host-side tests can
-// run the kernels' own source without a GPU (tests/test_cuda_host.py builds it with g++).
+// run the kernels' own source without a GPU (tests/cuda_emulator_harness.py builds it with g++).
+// Test infrastructure (README.md here): mhakern._C never compiles it.
 //
 // Each CUDA thread of a block is a fiber on one OS thread; blocks run one after the other.
 // Barriers (__syncthreads, and the implicit warp rendezvous of ldmatrix, mma and shuffles)

@@ -1,5 +1,5 @@
-// C entry points of the CPU emulation library (built by tests/test_cuda_host.py with g++ from
-// this file and csrc/cuda/mma/*.cu compiled as C++ with -DMHAKERN_CUDA_EMULATE). They fill the
+// C entry points of the CPU emulation library (built by tests/cuda_emulator_harness.py with g++
+// from this file and csrc/cuda/mma/*.cu compiled as C++ with -DMHAKERN_CUDA_EMULATE). They fill the
 // kernels' parameter structs from raw pointers and strides with the helpers cuda_host.cpp uses
 // on tensors (make_fwd_params / make_bwd_params), and go through the same dispatch switch, so
 // the emulated run covers everything from the parameter struct down. "Device memory" is host memory here.
@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "../mma/attn_bwd_fused_kernel.cuh"
-#include "../common/attn_dispatch.h"
-#include "../mma/attn_fwd_kernel.cuh"
+#include "mma/attn_bwd_fused_kernel.cuh"
+#include "common/attn_dispatch.h"
+#include "mma/attn_fwd_kernel.cuh"
 #include "cuda_emu.h"
 #include "emu_entry_util.h"
 

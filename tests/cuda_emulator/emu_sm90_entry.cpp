@@ -6,9 +6,9 @@
 #include <cmath>
 #include <string>
 
-#include "../common/attn_dispatch.h"
-#include "../sm90/attn_fwd_sm90_kernel.cuh"
-#include "../sm90/primitives_sm90.cuh"
+#include "common/attn_dispatch.h"
+#include "sm90/attn_fwd_sm90_kernel.cuh"
+#include "sm90/primitives_sm90.cuh"
 #include "cuda_emu_sm90.h"
 #include "emu_entry_util.h"
 

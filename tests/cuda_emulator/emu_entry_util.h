@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "../common/attn_params.h"
+#include "common/attn_params.h"
 #include "cuda_emu.h"
 
 namespace mhk_emu {

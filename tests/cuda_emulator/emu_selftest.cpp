@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "../common/dq_accum.cuh"
+#include "common/dq_accum.cuh"
 #include "cuda_emu.h"
 
 namespace mhk_selftest {

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "../common/attn_dispatch.h"
+#include "common/attn_dispatch.h"
 #include "emu_entry_util.h"
 #include "cuda_emu_sm90.h"
 
