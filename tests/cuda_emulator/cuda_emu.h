@@ -6,7 +6,7 @@
 // Barriers (__syncthreads, and the implicit warp rendezvous of ldmatrix, mma and shuffles)
 // suspend a fiber until all its peers arrive; a barrier that can never complete (a thread that
 // left while others wait) is reported as an error instead of hanging. Warp-collective
-// instructions follow the PTX ISA's documented fragment layouts (see ../common/primitives.cuh).
+// instructions follow the PTX ISA's documented fragment layouts (see csrc/cuda/common/primitives.cuh).
 //
 // Two schedules (mhk_emu_schedule in emu_schedule.cpp selects one):
 //  * fixed: fibers switch only where they must wait, and run in thread order; cp.async copies
