@@ -53,11 +53,14 @@
 //   fwd_config.cuh      tiles, stages, shared-memory and register plans, parameters, the
 //                       diagnostic and fault switches
 //   tile_scheduler.cuh  the persistent grid's work items, heaviest first, and each item's key range
-// The pipelines, the main loop, the softmax and the epilogue are still in the body below: moved
-// into functions of their own headers (each role, the softmax and the epilogue as
-// __forceinline__ functions or structs), they compiled to different SASS: the same PTX
-// instructions in another order (loop-carried moves, the consumers' initial row state) and
-// another selection in the Q loads, which ptxas then scheduled and allocated differently.
+//   fwd_softmax.cuh     the online softmax of a key tile and P's packing into wgmma's A fragment
+//   fwd_epilogue.cuh    each row's normalisation and the stores of O and lse (or the partials)
+// The pipelines (the producer's roles) and the consumers' main loop are still in the body below.
+// Moved into functions of their own header, even __forceinline__ ones taking the body's state by
+// reference (which kept the softmax's SASS), they compiled to different SASS: the same
+// instructions in another order, which ptxas then scheduled and allocated differently. Likely
+// why: their loops were the body's own (the softmax was a lambda already, a function of its own
+// to the compiler), and a function's loops are optimised before it is inlined, the body's after.
 #pragma once
 
 #include "fwd_config.cuh"
