@@ -5,7 +5,7 @@ derived from its row here: the ``covers:`` lines, the time accounting, the HUNG 
 family and pass, which steps a planted fault may name. Nothing here imports torch.
 
 What a step covers is written ``<family> <pass> <what>``: family ``sm90`` (the sm_90a kernels,
-csrc/cuda/sm90), ``mma`` (the mma.sync kernels, csrc/cuda), ``triton`` (kernels/); pass ``fwd``
+csrc/cuda/sm90), ``mma`` (the mma.sync kernels, csrc/cuda/mma), ``triton`` (kernels/); pass ``fwd``
 or ``bwd``; what, joined by ``+``, from WHATS.
 
 Costs. A pytest step's cap is ``slack x (start + tests x per_test)``, the tests counted by

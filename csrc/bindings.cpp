@@ -1,6 +1,6 @@
 // The operators of mhakern._C, registered with PyTorch's dispatcher (TORCH_LIBRARY): one schema
 // per operation for every device, the per-device kernels registered beside their host code
-// (cpu/attention_cpu.cpp: CPU; cuda_host.cpp: CUDA, in builds with MHAKERN_WITH_CUDA), and the
+// (cpu/attention_cpu.cpp: CPU; cuda/cuda_host.cpp: CUDA, in builds with MHAKERN_WITH_CUDA), and the
 // meta kernels here, which torch.compile's fake tensors run to learn output shapes. Python calls
 // them as torch.ops.mhakern_C.<name>; errors raised in a kernel (TORCH_CHECK) reach Python through
 // torch's own operator machinery as ValueError / TypeError / NotImplementedError / RuntimeError.

@@ -1,10 +1,10 @@
 // What the compiled kernel families of mhakern._C serve: the one place where head dims, dtypes,
 // tile shapes, index limits and implemented modes are written. Everything else reads them:
-//   - csrc/cuda/attn_dispatch.h and csrc/cuda/emulation/emu_entry.cpp expand the instance list
-//     below (X-macros), tools/generate_kernels.py writes one csrc/cuda/*.cu per instance from
+//   - csrc/cuda/common/attn_dispatch.h and tests/cuda_emulator/emu_entry.cpp expand the instance list
+//     below (X-macros), tools/generate_kernels.py writes one csrc/cuda/{mma,sm90}/*.cu per instance from
 //     it (tests/test_generated_kernels.py checks the committed files are current);
 //   - the kernels' tile configs (FwdConfig / BwdConfig) take their tiles from cuda_tiles();
-//   - the host code (csrc/cpu/attention_cpu.cpp, csrc/cuda_host.cpp) checks against the limits;
+//   - the host code (csrc/cpu/attention_cpu.cpp, csrc/cuda/cuda_host.cpp) checks against the limits;
 //   - Python reads all of it from mhakern/_caps.py, which tools/generate_caps.py writes from
 //     this file (through csrc/capabilities_json.h, compiled on the spot; tests/test_caps.py checks
 //     the committed module is current), so that `import mhakern` knows it without mhakern._C;
@@ -49,7 +49,7 @@ constexpr unsigned kCpuFeatures =
 // here (and running tools/generate_kernels.py) is all a new instance needs; the tile shapes of
 // cuda_tiles() must cover it (the configs static_assert multiples of 16 up to 128).
 #define MHK_CUDA_FOR_EACH_HEAD_DIM(F, tag) F(tag, 32) F(tag, 64) F(tag, 96) F(tag, 128)
-// Element types by tag (fp16, bf16); csrc/cuda/attn_dispatch.h maps a tag to its C++ type and
+// Element types by tag (fp16, bf16); csrc/cuda/common/attn_dispatch.h maps a tag to its C++ type and
 // torch dtype. F(tag, D) for every instance: G(F, tag) for each tag.
 #define MHK_CUDA_FOR_EACH_ELEM(G, F) G(F, fp16) G(F, bf16)
 #define MHK_CUDA_FOR_EACH_INSTANCE(F) MHK_CUDA_FOR_EACH_ELEM(MHK_CUDA_FOR_EACH_HEAD_DIM_, F)
@@ -87,7 +87,7 @@ constexpr int kCudaMinCapabilityMajor = 8, kCudaMinCapabilityMinor = 0;
 // the end never overflow an int.
 constexpr int64_t kCudaMaxGroupRows = int64_t{1} << 30;
 constexpr int64_t kCudaMaxKeys = int64_t{1} << 30;  // Lk < kCudaMaxKeys
-// Modes the cuda kernels implement (csrc/cuda/primitives.cuh: Visibility, ExtraModes; softcap and
+// Modes the cuda kernels implement (csrc/cuda/common/primitives.cuh: Visibility, ExtraModes; softcap and
 // ALiBi in the kModes kernels, modified_score_log2; packed sequences in the kModes forward and the
 // split backward's kModes kernels, a sequence per CTA as a batch element of its own; the KV
 // cache's cache_batch_idx and paged K/V in the modes forward, attn_fwd_kernel.cuh, a forward-only
@@ -110,13 +110,13 @@ constexpr CudaTiles cuda_tiles(int d) {
   return CudaTiles{128, d <= 64 ? 64 : 32, 64, d <= 64 ? 64 : 32, 64, d <= 64 ? 64 : 32, d <= 64 ? 32 : 16};
 }
 
-// ---- mma.sync backward: split kernels or the fused kernel (csrc/cuda/attn_bwd_fused_kernel.cuh)
+// ---- mma.sync backward: split kernels or the fused kernel (csrc/cuda/mma/attn_bwd_fused_kernel.cuh)
 // The split backward (attn_bwd_kernel.cuh: a dK/dV kernel and a dQ kernel, 7 matrix products per
 // tile, no atomics, bit-identical by construction) or the fused one (FlashAttention-2's design: a
 // CTA per key block, 5 products per tile, dQ added in fp32 into a zeroed workspace by
 // red.global.add.f32 and converted by a small kernel). The fused kernel's dQ adds are ordered by
 // default (kBwdFusedOrdered: each row block's key blocks add in key order through a counter per
-// row block, csrc/cuda/dq_accum.cuh: bit-identical across runs and schedules); kBwdFusedAtomic
+// row block, csrc/cuda/common/dq_accum.cuh: bit-identical across runs and schedules); kBwdFusedAtomic
 // drops the order (faster, the last bits of dQ vary run to run).
 enum CudaBwdKernel : int { kBwdSplit = 0, kBwdFusedOrdered = 1, kBwdFusedAtomic = 2 };
 constexpr const char* kCudaBwdKernelNames[] = {"split", "fused", "fused_atomic"};
@@ -177,14 +177,14 @@ constexpr CudaFusedBwdTiles cuda_fused_bwd_tiles(int d) {
 }
 // The fused kernel's workspace: dq_accum (B * H * Lq * D fp32) and one 32-bit counter per
 // (batch, KV head, row block of the group's packed rows), then the counter the ordered kernel's
-// CTAs take their work items from (csrc/cuda/dq_accum.cuh, forward progress), all zeroed before
+// CTAs take their work items from (csrc/cuda/common/dq_accum.cuh, forward progress), all zeroed before
 // the launch.
 constexpr int64_t cuda_fused_bwd_counters(int64_t batch, int64_t kv_heads, int64_t group_rows, int d) {
   return batch * kv_heads * ((group_rows + cuda_fused_bwd_tiles(d).m - 1) / cuda_fused_bwd_tiles(d).m) + 1;
 }
 
 // The decode configuration of the mma.sync forward (attn_fwd_decode_kernel, FwdDecodeConfig in
-// csrc/cuda/attn_fwd_kernel.cuh). A decode call packs only group * Lq rows per (batch, KV head)
+// csrc/cuda/mma/attn_fwd_kernel.cuh). A decode call packs only group * Lq rows per (batch, KV head)
 // (GQA 32 / 8 at Lq = 1: 4 rows), so the 128-row tile of cuda_tiles() spends 2 x 128 x D x N
 // tensor-core work per N keys on 4 useful rows: measured on an H200 at 41% of the copy
 // bandwidth, compute-bound by the padding. This kernel takes one m16 row block per CTA and
@@ -216,7 +216,7 @@ constexpr CudaDecodeTiles cuda_decode_tiles(int d) {
 }
 // Whether a mma.sync forward call runs the decode kernel: group_rows = H / Hkv * Lq;
 // modes_kernel: the call needs the modes kernel (attn_mask, dropout, softcap or ALiBi:
-// csrc/cuda/attn_params.h needs_modes_kernel), which serves those.
+// csrc/cuda/common/attn_params.h needs_modes_kernel), which serves those.
 constexpr bool use_cuda_decode_fwd(int64_t group_rows, bool modes_kernel) {
   return !modes_kernel && group_rows <= kCudaDecodeMaxRows;
 }
@@ -225,8 +225,8 @@ constexpr bool use_cuda_decode_fwd(int64_t group_rows, bool modes_kernel) {
 // A second family of CUDA kernels, compiled only in the sm_90a pass of nvcc
 // (-gencode=arch=compute_90a,code=sm_90a: wgmma and setmaxnreg exist only on the "a" target,
 // whose code runs on compute capability 9.0 exactly). A forward (split-K included, merged by the
-// mma.sync family's combine kernel) and a backward (the sections further down); the host
-// (choose_fwd_family in csrc/cuda/attn_dispatch.h, the backward's family choice in cuda_host.cpp)
+// combine kernel both families share) and a backward (the sections further down); the host
+// (choose_fwd_family in csrc/cuda/common/attn_dispatch.h, the backward's family choice in cuda_host.cpp)
 // gives it the calls it serves on a 9.0 device (these head dims and dtypes, the modes its
 // sections declare) and everything else to the mma.sync family above, built for sm_90a too. Instances: F(tag, D).
 #define MHK_SM90_FOR_EACH_HEAD_DIM(F, tag) F(tag, 64) F(tag, 128) F(tag, 256)
@@ -237,7 +237,7 @@ constexpr int kSm90CapabilityMajor = 9, kSm90CapabilityMinor = 0;
 constexpr const char* kSm90PassNames[] = {"fwd", "bwd"};
 constexpr int kSm90NumPasses = 2;
 // Modes (Feature bits) the sm90 forward and backward serve beyond key_lengths and bottom-right
-// causal (choose_fwd_family / choose_bwd_family in csrc/cuda/attn_dispatch.h give every call
+// causal (choose_fwd_family / choose_bwd_family in csrc/cuda/common/attn_dispatch.h give every call
 // with another mode, softcap and ALiBi included, to the mma.sync family, which serves
 // kCudaFeatures): the forward, packed sequences (attn_fwd_sm90_varlen_kernel, bottom-right causal
 // per sequence; with top_left they go to mma.sync); the backward, none.
@@ -295,7 +295,7 @@ constexpr FwdPlanTiles fwd_plan_tiles(bool sm90_family, int d, int64_t group_row
              : fwd_plan_tiles(sm90_family, d);
 }
 // Backward tiles (csrc/cuda/sm90/attn_bwd_sm90_kernel.cuh: BwdConfigSm90), plain calls only
-// (no mode; choose_bwd_family in csrc/cuda/attn_dispatch.h): the dK/dV kernel's keys per CTA
+// (no mode; choose_bwd_family in csrc/cuda/common/attn_dispatch.h): the dK/dV kernel's keys per CTA
 // (2 consumer warpgroups x 64) and packed query rows per pipeline stage; the dQ kernel's packed
 // query rows per CTA (2 x 64) and keys per stage (sm90_bwd_dq_n: 64 at D 128, where the dQ
 // accumulator, S and dP share a consumer's registers); stages of both rings: 3 (unmeasured
@@ -365,7 +365,7 @@ constexpr int kSm90BwdFusedBlockN = 128, kSm90BwdFusedBlockM = 64, kSm90BwdFused
 constexpr int sm90_bwd_fused_m(int) { return kSm90BwdFusedBlockM; }
 // The workspace (fp32 elements, zero-filled by the caller): the dQ sums (B, Hkv, row tiles of
 // sm90_bwd_fused_m rows, D), then one 32-bit semaphore per (B, Hkv, row tile), then the
-// 32-bit counter the CTAs take their work items from (csrc/cuda/dq_accum.cuh, forward progress).
+// 32-bit counter the CTAs take their work items from (csrc/cuda/common/dq_accum.cuh, forward progress).
 constexpr int64_t sm90_bwd_fused_row_tiles(int64_t group, int64_t q_len, int64_t head_dim) {
   return (group * q_len + sm90_bwd_fused_m(static_cast<int>(head_dim)) - 1) / sm90_bwd_fused_m(static_cast<int>(head_dim));
 }

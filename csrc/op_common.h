@@ -6,7 +6,7 @@
 // meets (finite scale, window sizes, softcap, mask_grad's mask, messages that name every
 // combination) are the Python operator layer's (mhakern/checks.py), made before any call
 // reaches here; a direct caller who skips them gets the kernels' arithmetic, never a bad read. Header-only, included by the cpu host code
-// (cpu/attention_cpu.cpp), the CUDA host code (cuda_host.cpp) and the meta (fake) kernels
+// (cpu/attention_cpu.cpp), the CUDA host code (cuda/cuda_host.cpp) and the meta (fake) kernels
 // (bindings.cpp), so the three agree by construction.
 //
 // Errors are TORCH_CHECK_* (c10::Error subclasses) thrown from inside dispatcher kernels: torch's

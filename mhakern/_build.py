@@ -17,13 +17,12 @@ One plan serves both routes, so they compile the same thing:
 What is compiled (:func:`plan`, a pure function of the environment and a description of the
 torch at hand, tested with faked ones):
 
-* CPU: ``csrc/*.cpp`` except ``csrc/cuda_*.cpp``, and ``csrc/cpu/**/*.cpp``; of these,
+* CPU: ``csrc/*.cpp`` and ``csrc/cpu/**/*.cpp``; of these,
   ``csrc/cpu/kernels_<isa>.cpp`` on x86-64 each with its own -m flags (:data:`ISA_FLAGS`, never
   -march=native: the module must run on other CPUs), the rest with the baseline flags.
 * CUDA, when torch has CUDA, nvcc is found with torch's CUDA major version, and some arch of at
   least the kernels' minimum (:func:`min_arch`, from the capability table mhakern/_caps.py) is asked for:
-  ``csrc/cuda_*.cpp`` and ``csrc/cuda/**/*.{cu,cpp}`` (not ``csrc/cuda/emulation/``, which the
-  emulator tests compile on their own), -DMHAKERN_WITH_CUDA. Archs: ``TORCH_CUDA_ARCH_LIST``
+  ``csrc/cuda/**/*.{cu,cpp}``, -DMHAKERN_WITH_CUDA. Archs: ``TORCH_CUDA_ARCH_LIST``
   with those below that minimum dropped (one line says what was dropped), else the visible
   GPUs' archs in a first-use build, else 8.0 and 9.0 + PTX.
 * A CUDA part that fails (torch's CUDA version check or compiler bounds, nvcc, ptxas) never
@@ -286,17 +285,15 @@ def _sources(root: str) -> Dict[str, List[str]]:
         found = set()
         for p in patterns:
             found.update(glob.glob(os.path.join(root, "csrc", p), recursive=True))
-        return sorted(_rel(root, f) for f in found if "/emulation/" not in _rel(root, f))
+        return sorted(_rel(root, f) for f in found)
 
-    top = find("*.cpp")
-    cuda_top = [s for s in top if os.path.basename(s).startswith("cuda_")]
-    cpu = [s for s in top if s not in cuda_top] + find("cpu/**/*.cpp")
+    cpu = find("*.cpp") + find("cpu/**/*.cpp")
     isa = {s for s in cpu if os.path.basename(s)[len("kernels_"):-len(".cpp")].upper() in ISA_FLAGS
            and os.path.basename(s).startswith("kernels_")}
     return {
         "cpu": [s for s in cpu if s not in isa],
         "isa": sorted(isa),
-        "cuda": cuda_top + find("cuda/**/*.cu", "cuda/**/*.cpp"),
+        "cuda": find("cuda/**/*.cu", "cuda/**/*.cpp"),
     }
 
 
@@ -637,13 +634,10 @@ def cache_dir(env: Optional[Mapping[str, str]] = None) -> str:
 
 def build_key(root: str, info: dict, p: dict) -> str:
     """Directory name of a first-use build: readable versions and a hash of everything that
-    changes the module: csrc/ (sources and headers, not the emulator's), the torch, CUDA and
-    Python versions, and the plan's sources and flags (the GPU archs among them)."""
+    changes the module: csrc/ (sources and headers), the torch, CUDA and Python versions, and
+    the plan's sources and flags (the GPU archs among them)."""
     h = hashlib.sha256()
-    files = sorted(
-        f for f in glob.glob(os.path.join(root, "csrc", "**", "*"), recursive=True)
-        if os.path.isfile(f) and "/emulation/" not in _rel(root, f)
-    )
+    files = sorted(f for f in glob.glob(os.path.join(root, "csrc", "**", "*"), recursive=True) if os.path.isfile(f))
     for f in files:
         h.update(_rel(root, f).encode())
         with open(f, "rb") as fh:

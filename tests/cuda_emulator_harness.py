@@ -1,12 +1,12 @@
 """The CUDA emulator's build harness and front end, shared by the tests that run the kernels on it
 (tests/test_cuda_host.py, test_cuda_emulator.py, test_cuda_sm90.py, test_cuda_sm90_bwd.py).
 
-csrc/cuda/*.cu and the headers they include are compiled by g++ with ``-DMHAKERN_CUDA_EMULATE``
-(csrc/cuda/emulation/), which turns the PTX primitives into calls to an emulator running each
-CUDA thread as a fiber, with the documented fragment layouts of ldmatrix and mma.sync. Compiled
+csrc/cuda/mma/*.cu, csrc/cuda/sm90/*.cu and the headers they include are compiled by g++ with
+``-DMHAKERN_CUDA_EMULATE`` and the emulator (tests/cuda_emulator/) on the include path, which turns
+the PTX primitives into calls to an emulator running each CUDA thread as a fiber, with the documented fragment layouts of ldmatrix and mma.sync. Compiled
 objects are cached under pytest's cache dir (a digest of the sources and flags names the
 directory), so every library of the same sources shares them. ``Emulator`` calls the C entry
-points (emulation/emu_entry.cpp); every tensor handed to them sits in a larger NaN-filled buffer
+points (cuda_emulator/emu_entry.cpp); every tensor handed to them sits in a larger NaN-filled buffer
 (padded rows, a spare row): reading outside a tensor puts NaN into the results, and writing
 outside an output changes the padding, which is checked. ``emulated_attention`` wraps forward
 and backward into a function with ``mhakern.attention``'s calling convention, modes included.
@@ -45,6 +45,10 @@ from attn_testing import HARD_CASES
 # ---------------------------------------------------------------------------------------------
 ROOT = Path(__file__).resolve().parent.parent
 CUDA_SRC = ROOT / "csrc" / "cuda"
+# The emulator: test infrastructure, not part of mhakern._C (its README). The kernels' headers
+# include its cuda_emu.h / cuda_emu_sm90.h under MHAKERN_CUDA_EMULATE, and its entry points
+# include the kernels' headers, both through the include path (FLAGS).
+EMULATOR = ROOT / "tests" / "cuda_emulator"
 
 
 def _generator():
@@ -107,7 +111,8 @@ def missing_toolchain() -> Optional[str]:
 def _sources_digest(extra: Iterable[str]) -> str:
     h = hashlib.sha256()
     # csrc/generated/: the mode table's X-macros (ModeParams' members, the feature bits).
-    for p in (sorted(CUDA_SRC.rglob("*")) + [ROOT / "csrc" / "mode_params.h", ROOT / "csrc" / "capabilities.h"]
+    for p in (sorted(CUDA_SRC.rglob("*")) + sorted(EMULATOR.glob("*"))
+              + [ROOT / "csrc" / "mode_params.h", ROOT / "csrc" / "capabilities.h"]
               + sorted((ROOT / "csrc" / "generated").glob("*.h"))):
         if p.suffix in (".h", ".cuh", ".cu", ".cpp") and p.is_file():
             h.update(p.name.encode())
@@ -120,7 +125,8 @@ def _sources_digest(extra: Iterable[str]) -> str:
 # The emulator names a collective's program point by its call stack (cuda_emu.h): frame pointers
 # to walk it, and no jump threading, which copies a join point (a __syncthreads after an `if`)
 # into each branch and so would split one program point into two.
-FLAGS = ["-std=c++17", "-O1", "-fPIC", "-fno-omit-frame-pointer", "-fno-thread-jumps", "-DMHAKERN_CUDA_EMULATE", "-w"]
+FLAGS = ["-std=c++17", "-O1", "-fPIC", "-fno-omit-frame-pointer", "-fno-thread-jumps", "-DMHAKERN_CUDA_EMULATE", "-w",
+         f"-I{CUDA_SRC}", f"-I{EMULATOR}"]
 # The emulator's runtime entry points (schedule, read guard) and its self-test kernels.
 RUNTIME_UNITS = ("emu_entry.cpp", "emu_schedule.cpp", "emu_selftest.cpp")
 
@@ -131,10 +137,10 @@ def build(cache_dir: Path, instances: Sequence[str], jobs: Optional[int] = None)
     Objects are cached in ``cache_dir`` under a digest of the sources and flags, so a rerun with
     unchanged sources links only.
     """
-    units = [CUDA_SRC / "emulation" / u for u in RUNTIME_UNITS]
+    units = [EMULATOR / u for u in RUNTIME_UNITS]
     for inst in instances:
         # a backward-only head dim (D 256) has no forward file
-        units += [f for f in (CUDA_SRC / f"attn_fwd_{inst}.cu", CUDA_SRC / f"attn_bwd_{inst}.cu") if f.exists()]
+        units += [f for f in (CUDA_SRC / "mma" / f"attn_fwd_{inst}.cu", CUDA_SRC / "mma" / f"attn_bwd_{inst}.cu") if f.exists()]
     return build_units(cache_dir, units, "libmhk_emu_" + ("_".join(sorted(instances)) or "runtime") + ".so", jobs)
 
 
@@ -434,7 +440,7 @@ EMU_INSTANCES = ALL_INSTANCES + tuple(f"{t}_d{d}" for t, d in BWD_ONLY_INSTANCES
 DTYPE_FOR_D = {d: (torch.float16, torch.bfloat16)[i % 2] for i, d in enumerate(HEAD_DIMS)}
 
 
-# The emulator's block dispatch (csrc/cuda/emulation/cuda_emu.h Dispatch): the order in which a
+# The emulator's block dispatch (tests/cuda_emulator/cuda_emu.h Dispatch): the order in which a
 # launch's CTAs start and how many are resident at once. The hardware promises no order; with
 # fewer resident CTAs than the grid (2,048 CTAs on 132 SMs) a CTA that waits on another's turn
 # can wait on one that has not started.
@@ -557,11 +563,12 @@ def find_nvcc() -> Optional[str]:
 
 
 def _build_digest(nvcc: str) -> str:
-    """What a check's report depends on: the CUDA and host sources, the tool and the SASS reader
-    it loads, and the compiler."""
+    """What a check's report depends on: the CUDA and host sources, the emulator's headers (the
+    tile-config printers compile against them), the tool and the SASS reader it loads, and the
+    compiler."""
     h = hashlib.sha256(subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.encode())
-    files = sorted((ROOT / "csrc").rglob("*")) + [CHECK_TOOL, ROOT / "tools" / "generate_kernels.py",
-                                                 ROOT / "mhakern" / "kernels" / "sass.py"]
+    files = sorted((ROOT / "csrc").rglob("*")) + sorted(EMULATOR.glob("*")) + [
+        CHECK_TOOL, ROOT / "tools" / "generate_kernels.py", ROOT / "mhakern" / "kernels" / "sass.py"]
     for p in files:
         if p.is_file() and p.suffix in (".h", ".cuh", ".cu", ".cpp", ".py", ".json"):
             h.update(str(p.relative_to(ROOT)).encode())

@@ -170,13 +170,14 @@ def test_cpu_plan_compiles_isa_variants_with_their_own_flags(B):
 
 @pytest.fixture
 def tree(tmp_path):
-    """A fake source tree: the files the globs must find (and the emulator's, which they must not)."""
+    """A fake source tree: the files the globs must find (and the emulator's, outside csrc/, which
+    they must not)."""
     for name in (
         "csrc/bindings.cpp", "csrc/cpu/attention_cpu.cpp", "csrc/cpu/kernels_default.cpp",
         "csrc/cpu/kernels_avx2.cpp", "csrc/cpu/kernels_avx512.cpp", "csrc/cpu/new_part.cpp",
-        "csrc/cuda_host.cpp", "csrc/cuda_graphs.cpp", "csrc/cuda/attn_fwd_x.cu", "csrc/cuda/attn_bwd_x.cu",
-        "csrc/cuda/generated/attn_fwd_y.cu", "csrc/cuda/host_part.cpp", "csrc/cuda/emulation/emu_entry.cpp",
-        "csrc/cuda/emulation/emu.cu", "csrc/cpu/attention_params.h",
+        "csrc/cuda/cuda_host.cpp", "csrc/cuda/cuda_graphs.cpp", "csrc/cuda/mma/attn_fwd_x.cu",
+        "csrc/cuda/mma/attn_bwd_x.cu", "csrc/cuda/sm90/attn_fwd_y.cu", "csrc/cpu/attention_params.h",
+        "tests/cuda_emulator/emu_entry.cpp", "tests/cuda_emulator/emu.cu",
     ):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("// test\n")
@@ -191,8 +192,8 @@ def test_sources_are_globbed_by_role(B, tree):
     cuda = B.plan({}, _fake_torch(**CUDA_TORCH), tree)
     assert cuda["cuda"]
     assert cuda["sources"] == cpu["sources"] + [
-        "csrc/cuda_graphs.cpp", "csrc/cuda_host.cpp", "csrc/cuda/attn_bwd_x.cu", "csrc/cuda/attn_fwd_x.cu",
-        "csrc/cuda/generated/attn_fwd_y.cu", "csrc/cuda/host_part.cpp",
+        "csrc/cuda/cuda_graphs.cpp", "csrc/cuda/cuda_host.cpp", "csrc/cuda/mma/attn_bwd_x.cu",
+        "csrc/cuda/mma/attn_fwd_x.cu", "csrc/cuda/sm90/attn_fwd_y.cu",
     ]
     assert cuda["cpu_sources"] == cpu["sources"]
     assert "CUDA kernels (3 .cu files, torch CUDA 13.0, arch 8.0;9.0+PTX)" in cuda["message"]
@@ -205,7 +206,7 @@ def test_sources_are_globbed_by_role(B, tree):
 def test_cuda_torch_with_nvcc_adds_the_cuda_sources(B):
     plan = B.plan({}, _fake_torch(**CUDA_TORCH), ROOT)
     assert plan["cuda"] and plan["notes"] == []
-    assert "csrc/cuda_host.cpp" in plan["sources"]
+    assert "csrc/cuda/cuda_host.cpp" in plan["sources"]
     assert any(s.startswith("csrc/cuda/") and s.endswith(".cu") for s in plan["sources"])
     assert ("MHAKERN_WITH_CUDA", None) in plan["define_macros"]
     assert ("MHAKERN_WITH_SM90A", None) in plan["define_macros"]  # the default list has 9.0
@@ -334,7 +335,7 @@ def test_cuda_extension_object_on_a_fake_cuda_torch(B, tree, monkeypatch):
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", tree)
     plan = B.plan({}, _fake_torch(**CUDA_TORCH), tree)
     (ext,), _ = B.extension_modules({}, tree, plan)
-    assert "csrc/cuda/attn_fwd_x.cu" in ext.sources and ext.mhakern_cuda
+    assert "csrc/cuda/mma/attn_fwd_x.cu" in ext.sources and ext.mhakern_cuda
     assert "-Xptxas" in ext.extra_compile_args["nvcc"]
     assert "cudart" in ext.libraries
 
@@ -468,7 +469,7 @@ def test_a_regular_install_carries_the_sources(tmp_path):
     cmd.run()
     copied = tmp_path / "mhakern" / "_src" / "csrc"
     assert (copied / "bindings.cpp").read_bytes() == open(os.path.join(ROOT, "csrc", "bindings.cpp"), "rb").read()
-    assert (copied / "cpu" / "kernels_avx2.cpp").exists() and list((copied / "cuda").glob("*.cu"))
+    assert (copied / "cpu" / "kernels_avx2.cpp").exists() and list((copied / "cuda" / "mma").glob("*.cu"))
 
 
 def test_source_root_prefers_the_checkout_then_the_carried_copy(B, tmp_path, monkeypatch):
@@ -495,9 +496,9 @@ def test_build_key_follows_sources_torch_python_and_archs(B, tree):
     with open(os.path.join(tree, "csrc", "cpu", "attention_params.h"), "a") as fh:
         fh.write("// a header changed\n")
     assert B.build_key(tree, info, plan) != key
-    # The emulator's files are not part of the module.
+    # The emulator's files (test infrastructure, outside csrc/) are not part of the module.
     key = B.build_key(tree, info, plan)
-    with open(os.path.join(tree, "csrc", "cuda", "emulation", "emu_entry.cpp"), "a") as fh:
+    with open(os.path.join(tree, "tests", "cuda_emulator", "emu_entry.cpp"), "a") as fh:
         fh.write("// changed\n")
     assert B.build_key(tree, info, plan) == key
     cinfo = _fake_torch(**CUDA_TORCH)

@@ -1,8 +1,8 @@
-"""The CUDA emulator's own checks (csrc/cuda/emulation/), and the kernels under them.
+"""The CUDA emulator's own checks (tests/cuda_emulator/), and the kernels under them.
 
 The emulator (tests/cuda_emulator_harness.py builds it) runs the CUDA kernels' source on CPU fibers. Its
 checks must be able to fail, so each one meets a toy kernel with the defect it claims to catch
-(csrc/cuda/emulation/emu_selftest.cpp) next to a correct twin:
+(tests/cuda_emulator/emu_selftest.cpp) next to a correct twin:
 
 * convergence: a ``.sync.aligned`` collective (mma, ldmatrix, shfl, vote, bar.warp.sync) reached
   from two program points, or with a partial member mask, and a ``__syncthreads`` reached from
@@ -194,7 +194,7 @@ def test_read_guard_stops_a_copy_outside_the_tensors(emu):
 # ---------------------------------------------------------------------------------------------
 # Global memory: fp32 reductions and acquire/release turns across concurrent blocks
 # ---------------------------------------------------------------------------------------------
-# Block b adds vals[b] (n floats) into acc as turn b of a counter (csrc/cuda/dq_accum.cuh through
+# Block b adds vals[b] (n floats) into acc as turn b of a counter (csrc/cuda/common/dq_accum.cuh through
 # emu_selftest.cpp's ordered_add_body). The values span 2^-12 .. 2^12, so that almost any change
 # in the order of the fp32 adds changes the bits of the sums.
 ORDER_SEEDS = range(1, 17)
@@ -327,7 +327,7 @@ def _guarded(emu, *tensors):
     _guard(emu, ranges)
 
 
-# The kernels clamp key_lengths[b] into [0, Lk] (csrc/cuda/attn_params.h, key_length_of): a
+# The kernels clamp key_lengths[b] into [0, Lk] (csrc/cuda/common/attn_params.h, key_length_of): a
 # value past Lk must never make the last key block read rows past the end of k and v (on a GPU:
 # an illegal address), which the read guard turns into an error here.
 @pytest.mark.parametrize("splits", [1, 2])
@@ -586,7 +586,7 @@ def test_dropout_split_k_agrees_with_one_split(emu):
 
 
 # ---------------------------------------------------------------------------------------------
-# The fused mma.sync backward (csrc/cuda/attn_bwd_fused_kernel.cuh): 5 products per tile, dQ by
+# The fused mma.sync backward (csrc/cuda/mma/attn_bwd_fused_kernel.cuh): 5 products per tile, dQ by
 # fp32 reductions in key order (deterministic) or in any order (fused_atomic)
 # ---------------------------------------------------------------------------------------------
 
@@ -1018,7 +1018,7 @@ def _varlen_inputs(case, seed):
     return q, k, v, dout, m
 
 
-# The backward of packed sequences (csrc/cuda/attn_bwd_kernel.cuh BwdSeqView; the split kernels,
+# The backward of packed sequences (csrc/cuda/mma/attn_bwd_kernel.cuh BwdSeqView; the split kernels,
 # capabilities.h cuda_bwd_kernel): the forward cases above (empty sequences on either side, one-token ones, a sequence longer than
 # a tile and a key block, Lq_s != Lk_s, GQA, causal in both alignments, a window, dropout with
 # the per-sequence hash, softcap and per-sequence ALiBi), and those of the packed conformance

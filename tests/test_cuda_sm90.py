@@ -1,6 +1,6 @@
 """The sm_90a (Hopper) CUDA family, checked without a GPU.
 
-* The emulated sm_90 instructions (csrc/cuda/emulation/cuda_emu_sm90.h) against plain loops:
+* The emulated sm_90 instructions (tests/cuda_emulator/cuda_emu_sm90.h) against plain loops:
   TMA loads into 128-byte swizzled tiles, then wgmma from shared-memory descriptors (K-major A
   and B) or with A in registers and B N-major, must give the plain product; a wgmma without
   wgmma.fence, an mbarrier whose transaction count never reaches zero, a setmaxnreg plan over
@@ -39,6 +39,7 @@ from attn_testing import HARD_CASES, case_id, check_against_reference, make_inpu
 from cuda_emulator_harness import (
     CUDA_SRC,
     ELEM,
+    EMULATOR,
     _generator,
     _ptr,
     _st,
@@ -59,7 +60,7 @@ UNITS = ("emu_entry.cpp", "emu_schedule.cpp", "emu_sm90_entry.cpp")
 
 
 def build_sm90(cache_dir: Path) -> Path:
-    units = [CUDA_SRC / "emulation" / u for u in UNITS]
+    units = [EMULATOR / u for u in UNITS]
     units += [CUDA_SRC / "sm90" / f"attn_fwd_sm90_{t}_d{d}.cu" for t, d in SM90_INSTANCES]
     # The directory tests/cuda_emulator_harness.py builds in: the runtime objects are shared.
     return build_units(cache_dir, units, "libmhk_emu_sm90.so")
@@ -364,8 +365,8 @@ def test_sm90_split_k_combines_through_lse(rnd, splits):
     # visible key (lse -inf partials), key length 0 leaves every split empty.
     _run(rnd, (2, 4, 2, 5, 600, 64, 64, True, (600, 70)), torch.bfloat16, splits=splits)
     _run(rnd, (1, 4, 4, 3, 560, 128, 128, False, (0,)), torch.float16, splits=splits)
-    # D 256: 7 key tiles of 80; the combine kernel of the mma.sync family at a head dim that
-    # family does not compile otherwise
+    # D 256: 7 key tiles of 80; the shared combine kernel (csrc/cuda/common/aux_kernels.cuh) at a
+    # head dim the mma.sync family does not compile
     _run(rnd, (1, 4, 2, 3, 540, 256, 256, True, (540,)), torch.bfloat16, splits=splits)
 
 

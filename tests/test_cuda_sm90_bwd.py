@@ -29,6 +29,7 @@ from attn_testing import HARD_CASES, case_id, check_against_reference, make_inpu
 from cuda_emulator_harness import (
     CUDA_SRC,
     ELEM,
+    EMULATOR,
     _generator,
     _ptr,
     _st,
@@ -53,7 +54,7 @@ UNITS = ("emu_entry.cpp", "emu_schedule.cpp", "emu_sm90_entry.cpp", "emu_sm90_bw
 def build_sm90_bwd(cache_dir: Path) -> Path:
     """The emulator with the sm90 forward and backward instances (objects shared with the other
     emulator builds of the same sources)."""
-    units = [CUDA_SRC / "emulation" / u for u in UNITS]
+    units = [EMULATOR / u for u in UNITS]
     units += [CUDA_SRC / "sm90" / f"attn_fwd_sm90_{t}_d{d}.cu" for t, d in FWD_INSTANCES]
     units += [CUDA_SRC / "sm90" / f"attn_bwd_sm90_{t}_d{d}.cu" for t, d in BWD_INSTANCES]
     return build_units(cache_dir, units, "libmhk_emu_sm90_bwd.so")
@@ -595,7 +596,7 @@ def test_sass_check_catches_a_reordered_dq_writer_in_the_compiled_kernel(tmp_pat
     if not nvcc or not obj:
         pytest.skip("nvcc and cuobjdump (the CUDA compiler and disassembler) are needed")
     src = tmp_path / "csrc"
-    shutil.copytree(ROOT / "csrc", src, ignore=shutil.ignore_patterns("emulation", "*.json", "*.o", "*.so"))
+    shutil.copytree(ROOT / "csrc", src, ignore=shutil.ignore_patterns("*.json", "*.o", "*.so"))
     kern = src / "cuda" / "sm90" / "attn_bwd_fused_sm90_kernel.cuh"
     text = kern.read_text()
     wait = "          if (!MHK_FUSED_FAULT(2)) bulk_wait_done();  // the adds are performed before the next key block's\n"

@@ -1,7 +1,7 @@
 """GPU tests of the sm_90a family (csrc/cuda/sm90/), on a compute capability 9.0 device only.
 
 On such a device the cuda backend's forward runs on the sm90 family (wgmma + TMA) wherever it
-serves the call (csrc/cuda/attn_dispatch.h: choose_fwd_family). The sm90 backward is opt-in
+serves the call (csrc/cuda/common/attn_dispatch.h: choose_fwd_family). The sm90 backward is opt-in
 until this file has passed on a 9.0 GPU (csrc/capabilities.h: kSm90BwdByDefault): every test
 here opts in (the ``hopper`` fixture), so the hard cases check, on the hardware, the layouts the
 CPU emulator could only take from the PTX ISA (tests/test_cuda_sm90.py, test_cuda_sm90_bwd.py)

@@ -26,7 +26,7 @@ def test_every_instance_has_a_forward_and_a_backward_file():
     assert len(inst) == len(set(inst)) > 0
     for tag, d in inst:
         for direction in ("fwd", "bwd"):
-            text = (ROOT / "csrc" / "cuda" / f"attn_{direction}_{tag}_d{d}.cu").read_text()
+            text = (ROOT / "csrc" / "cuda" / "mma" / f"attn_{direction}_{tag}_d{d}.cu").read_text()
             assert f"MHK_DEFINE_ATTN_{direction.upper()}({tag}, {d})" in text
 
 
@@ -35,13 +35,14 @@ def test_check_mode_reports_stale_missing_and_edited_files(tmp_path):
     shutil.copytree(ROOT / "csrc" / "cuda", cuda)
     caps = ROOT / "csrc" / "capabilities.h"
     assert gen.differences(cuda, caps) == []
-    (cuda / "attn_fwd_fp16_d48.cu").write_text("// left over\n")
-    (cuda / "attn_bwd_bf16_d64.cu").unlink()
-    (cuda / "attn_fwd_bf16_d32.cu").write_text((cuda / "attn_fwd_bf16_d32.cu").read_text() + "// edit\n")
+    mma = cuda / "mma"
+    (mma / "attn_fwd_fp16_d48.cu").write_text("// left over\n")
+    (mma / "attn_bwd_bf16_d64.cu").unlink()
+    (mma / "attn_fwd_bf16_d32.cu").write_text((mma / "attn_fwd_bf16_d32.cu").read_text() + "// edit\n")
     assert gen.differences(cuda, caps) == [
-        "missing: attn_bwd_bf16_d64.cu",
-        "stale (no such instance): attn_fwd_fp16_d48.cu",
-        "differs: attn_fwd_bf16_d32.cu",
+        "missing: mma/attn_bwd_bf16_d64.cu",
+        "stale (no such instance): mma/attn_fwd_fp16_d48.cu",
+        "differs: mma/attn_fwd_bf16_d32.cu",
     ]
 
 

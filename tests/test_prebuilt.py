@@ -98,10 +98,10 @@ def test_source_digest_follows_sources_and_recipe(tree):
     d0 = prebuilt.source_digest(str(tree), ARCHS, "13.0")
     assert re.fullmatch(r"[0-9a-f]{64}", d0) and prebuilt.source_digest(str(tree), ARCHS, "13.0") == d0
     assert "csrc/bindings.cpp" in prebuilt.source_files(str(tree))
-    assert not any("/emulation/" in f for f in prebuilt.source_files(str(tree)))
-    # what the module is not built from does not count: the emulator, a comment in _build.py
-    emu = next((tree / "csrc" / "cuda" / "emulation").iterdir())
-    emu.write_text(emu.read_text() + "\n// emulator only\n")
+    # every file of csrc/ is the module's (the CUDA emulator, test infrastructure, is in tests/)
+    assert prebuilt.source_files(str(tree)) == sorted(
+        str(p.relative_to(tree)) for p in (tree / "csrc").rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    # what does not change the module does not count: a comment in _build.py
     build = tree / "mhakern" / "_build.py"
     build.write_text(build.read_text() + "\n# a comment\n")
     assert prebuilt.source_digest(str(tree), ARCHS, "13.0") == d0
@@ -114,7 +114,7 @@ def test_source_digest_follows_sources_and_recipe(tree):
     d1 = prebuilt.source_digest(str(tree), ARCHS, "13.0")
     assert d1 != d0
     # a source, a header
-    host = tree / "csrc" / "cuda_host.cpp"
+    host = tree / "csrc" / "cuda" / "cuda_host.cpp"
     host.write_text(host.read_text() + "\n")
     d2 = prebuilt.source_digest(str(tree), ARCHS, "13.0")
     assert d2 != d1

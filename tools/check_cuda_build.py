@@ -2,7 +2,7 @@
 """Compile-check the CUDA kernels without a GPU.
 
 Checks that the instantiation files are current (tools/generate_kernels.py), then compiles
-every csrc/cuda/*.cu with nvcc for sm_80 and sm_90 (``-Xptxas -v``, the flags torch's
+every csrc/cuda/mma/*.cu with nvcc for sm_80 and sm_90 (``-Xptxas -v``, the flags torch's
 CUDAExtension and setup.py use), in parallel, and prints one table row per kernel and
 architecture: registers, spill stores/loads, stack frame, static shared memory, the dynamic
 shared memory its launcher asks for, and the local-memory instructions (LDL/STL) that sit inside a
@@ -13,7 +13,7 @@ local memory inside a loop (its hot loop: a spill there is a defect). A spill ou
 failed. The SASS comes from cuobjdump (the CUDA toolkit's, or the copy in Triton's package);
 without one, any spill of a main kernel fails (``--allow-spills`` turns that into a warning).
 
-It also parses csrc/cuda_host.cpp (the torch-facing host code) with g++ ``-fsyntax-only``
+It also parses csrc/cuda/cuda_host.cpp (the torch-facing host code) with g++ ``-fsyntax-only``
 against the installed torch's headers plus the CUDA runtime headers, so that code which can only
 be compiled on a CUDA-enabled torch is at least checked here (``--no-host`` skips it; it is
 skipped with a note when torch's headers or Python's are missing).
@@ -64,7 +64,11 @@ TORCH_NVCC_FLAGS = [
     "--expt-relaxed-constexpr",
 ]
 NVCC_FLAGS = ["-std=c++17", "-O3", "-Xptxas", "-v", "-lineinfo"] + TORCH_NVCC_FLAGS
+MMA_DIR = CUDA_DIR / "mma"  # the mma.sync family (sm_80 and newer)
 SM90_DIR = CUDA_DIR / "sm90"
+# The CPU emulator of the CUDA features (test infrastructure): the tile-config printers below are
+# host programs that compile the kernels' headers with MHAKERN_CUDA_EMULATE against it.
+EMULATOR_DIR = ROOT / "tests" / "cuda_emulator"
 SM90_GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
 SM90_SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on sm_90
 SM90_MAX_REGS = 255
@@ -104,7 +108,7 @@ NO_LOCAL_KERNELS = ("attn_fwd_decode_kernel",)
 # loops, most spill bytes per thread when no SASS can be read, why). Beyond that, it fails.
 ALLOWED_LOOP_LOCAL = {
     ("attn_fwd_kernel", 128): (2, 16, "one 4-byte reload per key step of a value parked across the loop "
-                                      "(see FwdConfig in attn_fwd_kernel.cuh)"),
+                                      "(see FwdConfig in mma/attn_fwd_kernel.cuh)"),
 }
 
 
@@ -187,14 +191,14 @@ def loop_local_memory(functions: dict) -> dict[tuple[str, int], tuple[int, int]]
     return out
 
 
-# ---- the fused mma.sync backward (csrc/cuda/attn_bwd_fused_kernel.cuh) ----------------------
+# ---- the fused mma.sync backward (csrc/cuda/mma/attn_bwd_fused_kernel.cuh) ------------------
 # Gates: no local memory at all (spill, stack frame, LDL/STL), shared memory within 99 KB, and
 # exactly FusedBwdConfig::kMmaPerStep HMMA in the main loop (the SASS loop holding the most
 # HMMA): the five products per tile, so that a recomputed S or dP (the split kernels' seven)
 # or a product split out of the loop fails. Registers and shared memory are reported.
 _FUSED_CONFIG_PROGRAM = r"""
 #include <cstdio>
-#include "attn_bwd_fused_kernel.cuh"
+#include "mma/attn_bwd_fused_kernel.cuh"
 using namespace mhakern::cuda;
 template <int D> void row() {
   using C = FusedBwdConfig<D>;
@@ -423,8 +427,8 @@ def short_name(demangled: str) -> tuple[str, str, int]:
 
 _CONFIG_PROGRAM = r"""
 #include <cstdio>
-#include "attn_fwd_kernel.cuh"
-#include "attn_bwd_kernel.cuh"
+#include "mma/attn_fwd_kernel.cuh"
+#include "mma/attn_bwd_kernel.cuh"
 using namespace mhakern::cuda;
 template <int D> void row() {
   using B = BwdConfig<D>;
@@ -445,8 +449,8 @@ def _run_config_program(program: str, include: Path, libs: tuple = ()) -> str | 
     with tempfile.TemporaryDirectory() as tmp:
         src, exe = Path(tmp) / "cfg.cpp", Path(tmp) / "cfg"
         src.write_text(program)
-        cmd = ["g++", "-std=c++17", "-DMHAKERN_CUDA_EMULATE", f"-I{CUDA_DIR}", f"-I{include}", str(src), "-o", str(exe),
-               *libs]
+        cmd = ["g++", "-std=c++17", "-DMHAKERN_CUDA_EMULATE", f"-I{CUDA_DIR}", f"-I{EMULATOR_DIR}", f"-I{include}",
+               str(src), "-o", str(exe), *libs]
         if subprocess.run(cmd, capture_output=True).returncode != 0:
             return None
         return subprocess.run([str(exe)], capture_output=True, text=True).stdout
@@ -473,7 +477,7 @@ def dynamic_smem(include: Path) -> dict[tuple[str, int], int] | None:
 
 
 def host_syntax_check(include: Path) -> tuple[str, str]:
-    """('ok' | 'FAILED' | 'skipped', detail) for csrc/cuda_host.cpp parsed by g++."""
+    """('ok' | 'FAILED' | 'skipped', detail) for csrc/cuda/cuda_host.cpp parsed by g++."""
     if shutil.which("g++") is None:
         return "skipped", "g++ not found"
     try:
@@ -494,7 +498,7 @@ def host_syntax_check(include: Path) -> tuple[str, str]:
         cmd = ["g++", "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-DMHAKERN_WITH_CUDA", f"-I{ROOT / 'csrc'}"]
         for d in ce.include_paths():
             cmd += ["-isystem", d]
-        cmd += ["-isystem", tmp, "-isystem", py_inc, "-isystem", str(include), str(ROOT / "csrc" / "cuda_host.cpp")]
+        cmd += ["-isystem", tmp, "-isystem", py_inc, "-isystem", str(include), str(CUDA_DIR / "cuda_host.cpp")]
         res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0 or res.stderr.strip():
         return "FAILED", res.stderr[-6000:]
@@ -707,20 +711,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="comma-separated dtypes of the mma.sync units to compile (default fp16,bf16); the "
                          "sm_90a family is compiled whole")
     ap.add_argument("--allow-spills", action="store_true", help="report main-kernel spills without failing")
-    ap.add_argument("--no-host", action="store_true", help="skip the syntax check of csrc/cuda_host.cpp")
+    ap.add_argument("--no-host", action="store_true", help="skip the syntax check of csrc/cuda/cuda_host.cpp")
     ap.add_argument("--no-sm90", action="store_true", help="skip the sm_90a family (csrc/cuda/sm90/)")
     ap.add_argument("--json", default="", help="also write the results as JSON to this path")
     ap.add_argument("--record-plain-sass", action="store_true",
-                    help=f"rewrite csrc/cuda/{PLAIN_SASS_BASELINE.name} (this nvcc) from the plain kernels compiled")
+                    help=f"rewrite {PLAIN_SASS_BASELINE.relative_to(ROOT)} (this nvcc) from the plain kernels compiled")
     ap.add_argument("--record-sm90-sass", action="store_true",
-                    help=f"rewrite csrc/cuda/sm90/{SM90_SASS_BASELINE.name} (this nvcc) from the sm_90a kernels compiled")
+                    help=f"rewrite {SM90_SASS_BASELINE.relative_to(ROOT)} (this nvcc) from the sm_90a kernels compiled")
     return ap.parse_args(argv)
 
 
 def select_sources(args) -> tuple[list[Path], list[Path]] | None:
     """(mma.sync units, sm90 units) that --only / --no-sm90 select; None (after a message) when
     --only names a file that does not exist."""
-    sources = sorted(CUDA_DIR.glob("*.cu"))
+    sources = sorted(MMA_DIR.glob("*.cu"))
     only_sm90 = args.only.strip() == "sm90"
     if only_sm90:
         sources = []
@@ -914,7 +918,7 @@ def main(argv=None) -> int:
     fused_lines, fused_problems = check_fused_bwd(entries, fused_facts, names,
                                                   built["configs"].get("fused"))
     problems += fused_problems
-    print_section("fused mma.sync backward (csrc/cuda/attn_bwd_fused_kernel.cuh), main loop = the SASS loop holding "
+    print_section("fused mma.sync backward (csrc/cuda/mma/attn_bwd_fused_kernel.cuh), main loop = the SASS loop holding "
                   "the most HMMA:", fused_lines)
 
     plain_digests = {}

@@ -17,10 +17,9 @@ one the manifest names (its SHA-256), its extension suffix is one this interpret
 where a GPU is visible, the module carries code for its compute capability.
 
 The source digest (:func:`source_digest`) covers what went into the module: every file under
-``csrc/`` except the emulator's (``csrc/cuda/emulation/``, which the module does not compile),
-as the first-use build's cache key does, and the build recipe: the sources, macros and compiler
-flags that mhakern/_build.py's ``plan`` gives for the manifest's archs and CUDA version (so a
-changed flag counts, a changed comment in _build.py does not).
+``csrc/``, as the first-use build's cache key does, and the build recipe: the sources, macros and
+compiler flags that mhakern/_build.py's ``plan`` gives for the manifest's archs and CUDA version
+(so a changed flag counts, a changed comment in _build.py does not).
 
 This file imports nothing heavy at module level (the tests run its matching logic without
 torch); ``use`` imports torch to read the versions it must match.
@@ -72,10 +71,10 @@ def _load_build(root: str):
 
 def source_files(root: str) -> List[str]:
     """The files under ``root/csrc`` the module is built from, relative to ``root``, sorted: all
-    of them but the emulator's (the set the first-use build's cache key hashes)."""
+    of them (the set the first-use build's cache key hashes)."""
     out = []
     for dirpath, dirnames, filenames in os.walk(os.path.join(root, "csrc")):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("emulation", "__pycache__"))
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
         for name in filenames:
             out.append(os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/"))
     return sorted(out)

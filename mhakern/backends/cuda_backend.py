@@ -240,7 +240,7 @@ class CudaBackend(Backend):
 
     # -- compute -------------------------------------------------------------------------------
     # The op allocates the outputs (laid out like q, k, v), plans split-K and checks every
-    # argument (csrc/cuda_host.cpp); inputs at an odd offset or stride are copied first.
+    # argument (csrc/cuda/cuda_host.cpp); inputs at an odd offset or stride are copied first.
     def forward(self, q, k, v, scale, causal, key_lengths, modes=DEFAULT_MODES):
         q, k, v = _aligned(q), _aligned(k), _aligned(v)
         return c_fwd(q, k, v, scale, causal, key_lengths, modes)

@@ -335,7 +335,7 @@ def dq_writer_order(insns) -> Tuple[List[str], List[str]]:
 # --record-sm90-sass) and checks: {nvcc release: {"<mangled>@sm_<arch>": [instructions, digest]}}.
 # "mma": the plain mma.sync kernels (calls without modes), sm_80 and sm_90; "sm90": every kernel
 # of the sm_90a units (their own and the helpers they launch), keys "@sm_90a".
-RECORDED_SASS = {"mma": "cuda/plain_kernels_sass.json", "sm90": "cuda/sm90/sm90_kernels_sass.json"}
+RECORDED_SASS = {"mma": "cuda/mma/plain_kernels_sass.json", "sm90": "cuda/sm90/sm90_kernels_sass.json"}
 
 
 def family_build_digests(csrc_dir: str, nvcc_release: Optional[str] = None) -> Dict[str, str]:

@@ -15,7 +15,7 @@
 //     waits until the row tile's semaphore counts this CTA's key-block index (ld.acquire.gpu),
 //     and after the add has completed advances it (red.release.gpu): the fp32 adds into each row
 //     tile happen in increasing key-block order, whatever the schedule. The CTA's work item (its
-//     key block) is its ticket, taken at its start from a counter (../dq_accum.cuh
+//     key block) is its ticket, taken at its start from a counter (../common/dq_accum.cuh
 //     take_ticket), not its block index: the hardware starts CTAs in no promised order, and a
 //     CTA that waits on a key block whose CTA has not started, while every SM is held by such
 //     waiters, would wait forever (a 2,048-CTA grid on 132 SMs). With tickets, every lower
@@ -39,7 +39,7 @@
 // dropout, windows, top-left causal (capabilities.h: kSm90BwdFusedFeatures).
 #pragma once
 
-#include "../dq_accum.cuh"  // ld_acquire_gpu, red_release_add_gpu, spin_pause, take_ticket
+#include "../common/dq_accum.cuh"  // ld_acquire_gpu, red_release_add_gpu, spin_pause, take_ticket
 #include "attn_bwd_sm90_kernel.cuh"  // lse_base2, load_rows_sw128, acc_to_a, issue_abt, issue_ab
 
 namespace mhakern {
@@ -83,7 +83,7 @@ MHK_DEVICE void bulk_wait_done() { asm volatile("cp.async.bulk.wait_group 0;\n" 
 MHK_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
 #endif
 
-// One thread's wait for a row tile's turn and its pass to the next key block (../dq_accum.cuh's
+// One thread's wait for a row tile's turn and its pass to the next key block (../common/dq_accum.cuh's
 // acquire/release primitives; its CTA-wide dq_wait_turn / dq_pass_turn would stop the consumers,
 // here only the dQ writer waits).
 MHK_DEVICE void sem_wait_eq(const uint32_t* sem, uint32_t want) {

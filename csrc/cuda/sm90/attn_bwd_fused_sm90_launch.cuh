@@ -2,7 +2,7 @@
 // the fused kernel and the dQ conversion.
 #pragma once
 
-#include "../attn_bwd_kernel.cuh"  // attn_bwd_delta_kernel
+#include "../common/aux_kernels.cuh"  // attn_bwd_delta_kernel
 #include "attn_bwd_fused_sm90_kernel.cuh"
 #include "attn_bwd_sm90_launch.cuh"  // map_sizes (it includes this file at its end)
 #include "attn_fwd_sm90_launch.cuh"  // encode_kv_map

@@ -2,7 +2,8 @@
 //
 // With P recomputed from the saved lse, dP = dO V^T, delta = rowsum(dO o O) and
 // dS = P o (dP - delta):  dV = P^T dO,  dK = scale dS^T Q,  dQ = scale dS K  (as the mma.sync
-// family's ../attn_bwd_kernel.cuh, whose delta kernel and split-K dQ reduction this family reuses).
+// family's ../mma/attn_bwd_kernel.cuh; the delta kernel and the split-K dQ reduction are shared:
+// ../common/aux_kernels.cuh).
 // Two kernels, each one CTA of 3 warpgroups: warpgroup 0 the producer (setmaxnreg.dec), filling
 // a ring of kSm90BwdStages shared-memory stages guarded by "full" / "empty" mbarriers; warpgroups 1 and 2
 // the consumers (setmaxnreg.inc), 64 accumulator rows each, issuing wgmma. No atomics: every sum
@@ -24,7 +25,7 @@
 //     keys must read as zeros). Per tile: S = Q K^T, dP = dO V^T, P, dS, then dQ += dS K (B
 //     N-major). Split-K writes fp32 partials that attn_bwd_dq_reduce_kernel adds in split order.
 //
-// Semantics (../attn_params.h): bottom-right causal per batch element, key_lengths clamped into
+// Semantics (../common/attn_params.h): bottom-right causal per batch element, key_lengths clamped into
 // [0, Lk], the query heads of a GQA/MQA group packed into rows (r = (h - hkv group) Lq + i), rows
 // that see no key (lse = -inf) get zero gradients and give none. Keys at or past key_lengths[b]
 // get zero dK and dV whatever K and V hold there (the dK/dV epilogue writes zeros for them: TMA
@@ -34,7 +35,7 @@
 #pragma once
 
 #include "../../capabilities.h"
-#include "../attn_params.h"
+#include "../common/attn_params.h"
 #include "primitives_sm90.cuh"
 
 namespace mhakern {

@@ -1,8 +1,8 @@
-// Host side of the sm_90a backward: delta (the mma.sync family's kernel), the tensor maps, the
-// dK/dV and dQ kernels, and for split-K the mma.sync family's ordered dQ reduction.
+// Host side of the sm_90a backward: delta, the tensor maps, the dK/dV and dQ kernels, and for
+// split-K the ordered dQ reduction (delta and the reduction: both families' kernels, common/).
 #pragma once
 
-#include "../attn_bwd_kernel.cuh"  // attn_bwd_delta_kernel, attn_bwd_dq_reduce_kernel
+#include "../common/aux_kernels.cuh"  // attn_bwd_delta_kernel, attn_bwd_dq_reduce_kernel
 #include "attn_bwd_sm90_kernel.cuh"
 #include "attn_fwd_sm90_launch.cuh"  // encode_kv_map
 

@@ -25,14 +25,14 @@
 // previous item has landed (a full and an empty mbarrier per half). The rings and all barrier
 // phases run on from item to item, so the next item's first K/V tiles load under this one's end.
 //
-// Semantics are those of the mma.sync family (../attn_params.h): bottom-right causal per batch
+// Semantics are those of the mma.sync family (../common/attn_params.h): bottom-right causal per batch
 // element, key_lengths clamped into [0, Lk], the query heads of a GQA/MQA group packed into rows
 // (r = (h - hkv * group) * Lq + i), lse in natural log, rows that see no key give 0 and -inf.
 // Key tiles past every row's visible limit are never loaded (causal tiles skipped).
 //
 // Split-K (long keys, few query tiles): the item of split `split` of num_splits takes an equal
-// share of the key tiles and writes fp32 partials (o_partial, lse_partial of ../attn_params.h),
-// merged by the mma.sync family's combine kernel (../attn_fwd_kernel.cuh), which only reads them.
+// share of the key tiles and writes fp32 partials (o_partial, lse_partial of ../common/attn_params.h),
+// merged by the combine kernel both families share (../common/aux_kernels.cuh), which only reads them.
 //
 // The two consumer warpgroups take turns issuing their products (ping-pong, named barriers).
 //
@@ -53,14 +53,19 @@
 //   fwd_config.cuh      tiles, stages, shared-memory and register plans, parameters, the
 //                       diagnostic and fault switches
 //   tile_scheduler.cuh  the persistent grid's work items, heaviest first, and each item's key range
-// The pipelines, the main loop, the softmax and the epilogue are still in the body below: moved
-// into functions of their own headers (each role, the softmax and the epilogue as
-// __forceinline__ functions or structs), they compiled to different SASS: the same PTX
-// instructions in another order (loop-carried moves, the consumers' initial row state) and
-// another selection in the Q loads, which ptxas then scheduled and allocated differently.
+//   fwd_softmax.cuh     the online softmax of a key tile and P's packing into wgmma's A fragment
+//   fwd_epilogue.cuh    each row's normalisation and the stores of O and lse (or the partials)
+// The pipelines (the producer's roles) and the consumers' main loop are still in the body below.
+// Moved into functions of their own header, even __forceinline__ ones taking the body's state by
+// reference (which kept the softmax's SASS), they compiled to different SASS: the same
+// instructions in another order, which ptxas then scheduled and allocated differently. Likely
+// why: their loops were the body's own (the softmax was a lambda already, a function of its own
+// to the compiler), and a function's loops are optimised before it is inlined, the body's after.
 #pragma once
 
 #include "fwd_config.cuh"
+#include "fwd_epilogue.cuh"
+#include "fwd_softmax.cuh"
 #include "tile_scheduler.cuh"
 
 namespace mhakern {
@@ -326,56 +331,11 @@ MHK_DEVICE void attn_fwd_sm90_body(const FwdParamsSm90& P) {
   // (t0 + it + 1) BN > lim_min, i.e. it >= lim_min / BN - t0 (C++ division; lim_min < BN gives
   // every tile, as it should). One compare per tile instead of the multiply-add-compare.
   int it_mask = 0;  // per item, below
-  // Mask (only where the tile crosses a row's visible limit) and exponentiate tile t0 + it in
-  // place, updating m and l; alpha = exp2(m_old - m_new) rescales what O holds so far.
-  // Base 2. A row with every key so far hidden keeps m = -inf and exponentiates against 0, so
-  // that exp2(-inf - 0) = 0 instead of NaN.
+  // The softmax of tile t0 + it in place (fwd_softmax.cuh), and its P into pa.
   auto softmax = [&](float (&sc)[BN / 2], int it, float (&alpha)[2]) {
-    if (MHK_SM90_FWD_DIAG_NO_SOFTMAX) {  // diagnostic: P = S, nothing rescaled
-      alpha[0] = alpha[1] = 1.f;
-      return;
-    }
-    // Raw scores masked (sl2 > 0: a hidden key's -inf stays -inf once scaled).
-    if (it >= it_mask) {
-      const int n0 = (t0 + it) * BN;
-      MHK_UNROLL
-      for (int i = 0; i < BN / 2; ++i) {
-        const int col = n0 + 8 * (i / 4) + 2 * t + (i % 2);
-        if (col >= lim[(i % 4) / 2]) sc[i] = -INFINITY;
-      }
-    }
-    float m_use[2];
-    MHK_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
-      MHK_UNROLL
-      for (int i = 0; i < BN / 2; ++i)
-        if ((i % 4) / 2 == h) mx = fmaxf(mx, sc[i]);
-      mx = quad_max(mx) * sl2;  // the scaled maximum (sl2 > 0 commutes with max)
-      const float m_new = fmaxf(m[h], mx);
-      m_use[h] = m_new == -INFINITY ? 0.f : m_new;
-      alpha[h] = fast_exp2(m[h] - m_use[h]);
-      m[h] = m_new;
-    }
-    float rs[2] = {0.f, 0.f};
-    MHK_UNROLL
-    for (int i = 0; i < BN / 2; ++i) {
-      const int h = (i % 4) / 2;
-      sc[i] = fast_exp2(fmaf(sc[i], sl2, -m_use[h]));
-      rs[h] += sc[i];
-    }
-    MHK_UNROLL
-    for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + rs[h];
+    fwd_softmax_tile<BN>(sc, it, alpha, m, l, lim, it_mask, t0, t, sl2);
   };
-  auto pack_p = [&](const float (&sc)[BN / 2]) {
-    MHK_UNROLL
-    for (int ks = 0; ks < BN / 16; ++ks) {
-      pa[ks][0] = Tr::pack2(sc[8 * ks + 0], sc[8 * ks + 1]);
-      pa[ks][1] = Tr::pack2(sc[8 * ks + 2], sc[8 * ks + 3]);
-      pa[ks][2] = Tr::pack2(sc[8 * ks + 4], sc[8 * ks + 5]);
-      pa[ks][3] = Tr::pack2(sc[8 * ks + 6], sc[8 * ks + 7]);
-    }
-  };
+  auto pack_p = [&](const float (&sc)[BN / 2]) { fwd_pack_p<Elem, BN>(pa, sc); };
 
   // Ping-pong: the two consumer warpgroups take turns issuing their wgmma batches, so that the
   // tensor cores run one warpgroup's products while the other does its softmax. A turn is
@@ -486,37 +446,7 @@ MHK_DEVICE void attn_fwd_sm90_body(const FwdParamsSm90& P) {
     }
 
     // ---- epilogue: normalise, store O and lse (or this split's fp32 partials) ----
-    Elem* out = static_cast<Elem*>(p.o);
-    const int64_t n_rows = static_cast<int64_t>(p.B) * p.H * p.Lq;
-    MHK_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      const float lsum = quad_sum(l[h]);
-      const int r = rows[h];
-      if (r >= group_rows) continue;
-      const bool seen = lsum > 0.f;
-      const float inv = seen ? 1.f / lsum : 0.f;
-      const float lse = seen ? (m[h] + log2f(lsum)) * kLn2 : -INFINITY;
-      // lse (H, Tq) of packed sequences: query token q0 + i of head h at h * Tq + q0 + i.
-      const int64_t lin = kVarlen ? static_cast<int64_t>(hkv * p.group + r / seq_lq) * p.Lq + q0 + r % seq_lq
-                                  : packed_row_linear(b, p.H, hkv, p.group, p.Lq, r);
-      if (p.num_splits > 1) {
-        float* dst = p.o_partial + (split * n_rows + lin) * D;
-        MHK_UNROLL
-        for (int j = 0; j < D / 8; ++j) {
-          dst[8 * j + 2 * t] = o[4 * j + 2 * h] * inv;
-          dst[8 * j + 2 * t + 1] = o[4 * j + 2 * h + 1] * inv;
-        }
-        if (t == 0) p.lse_partial[split * n_rows + lin] = lse;
-      } else {
-        Elem* dst = out + static_cast<int64_t>(q0) * p.o_stride.row + packed_row_offset(p.o_stride, b, hkv, p.group, item_lq(), r);
-        MHK_UNROLL
-        for (int j = 0; j < D / 8; ++j) {
-          const uint32_t v = Tr::pack2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-          *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * t) = v;
-        }
-        if (t == 0) p.lse[lin] = lse;
-      }
-    }
+    fwd_epilogue<Elem, D, kVarlen>(p, o, m, l, rows, group_rows, hkv, b, split, q0, seq_lq, t);
   }  // items
 #endif  // MHK_SM90_ENABLED
 }

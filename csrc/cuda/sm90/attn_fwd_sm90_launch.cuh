@@ -3,7 +3,7 @@
 
 #include <algorithm>
 
-#include "../attn_fwd_kernel.cuh"  // the split-K combine kernel (attn_fwd_combine_kernel)
+#include "../common/aux_kernels.cuh"  // the split-K combine kernel (attn_fwd_combine_kernel)
 #include "attn_fwd_sm90_kernel.cuh"
 
 // A diagnostic override of capabilities.h kSm90FwdPersistent (benchmarks/diag_fwd_sm90.cu builds

@@ -5,7 +5,7 @@
 #pragma once
 
 #include "../../capabilities.h"
-#include "../attn_params.h"
+#include "../common/attn_params.h"
 #include "primitives_sm90.cuh"
 
 // Compile-time diagnostic variants (benchmarks/diag_fwd_sm90.cu builds them, one per binary, to

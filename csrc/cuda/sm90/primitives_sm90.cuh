@@ -2,8 +2,8 @@
 // registers, B and optionally A from shared-memory matrix descriptors with the 128-byte swizzle),
 // mbarrier with transaction counts, cp.async.bulk.tensor from a tensor map (TMA),
 // fence.proxy.async, setmaxnreg and named barriers. Written once: inline PTX when nvcc compiles for sm_90a
-// (__CUDA_ARCH_FEAT_SM90_ALL), the CPU emulator's implementation (emulation/cuda_emu_sm90.h)
-// when a host compiler builds with MHAKERN_CUDA_EMULATE, as ../primitives.cuh does for the
+// (__CUDA_ARCH_FEAT_SM90_ALL), the CPU emulator's implementation (tests/cuda_emulator/cuda_emu_sm90.h)
+// when a host compiler builds with MHAKERN_CUDA_EMULATE, as ../common/primitives.cuh does for the
 // mma.sync family. Other nvcc passes (sm_80, sm_86, ...) compile the kernels' bodies away.
 //
 // Layouts (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"):
@@ -19,10 +19,10 @@
 
 #include <cstdint>
 
-#include "../primitives.cuh"
+#include "../common/primitives.cuh"
 
 #if defined(MHAKERN_CUDA_EMULATE)
-#include "../emulation/cuda_emu_sm90.h"
+#include "cuda_emu_sm90.h"  // tests/cuda_emulator/, as for ../common/primitives.cuh
 #define MHK_GRID_CONSTANT
 #else
 #include <cuda.h>  // CUtensorMap, cuTensorMapEncodeTiled's types
