@@ -31,6 +31,7 @@ allow.
 from __future__ import annotations
 
 import importlib
+import sys
 import threading
 from typing import Dict, FrozenSet, List, Optional, Tuple
 
@@ -211,9 +212,22 @@ def note_served(be: Backend) -> None:
     _LAST.name = be.name
 
 
+def _constant_under_compile(fn):
+    """``torch.compiler.assume_constant_result(fn)``, without importing torch._dynamo first.
+
+    The public decorator imports dynamo (about 2 s, most of ``import mhakern``'s own time) only to
+    set the mark dynamo reads when it traces a call of ``fn``. Where dynamo is loaded already the
+    public decorator runs; otherwise the mark is set here, and dynamo reads it whenever it is
+    imported later (tests/test_compile.py compiles in a fresh interpreter to hold that)."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 # Dynamo cannot trace importlib: under torch.compile this runs once at trace time instead, its
 # (constant) result taken as is, so compiling before any eager call still fills the registry.
-@torch.compiler.assume_constant_result
+@_constant_under_compile
 def _load_builtins() -> None:
     global _loaded
     if _loaded:
@@ -253,7 +267,7 @@ def get(name: str) -> Backend:
 
 # unavailable() may import modules (the extension, triton): under torch.compile the answers are
 # computed at trace time and taken as constants, for the same reason as _load_builtins.
-@torch.compiler.assume_constant_result
+@_constant_under_compile
 def available_backends() -> Dict[str, Optional[str]]:
     """Each backend's name with None (usable in this process) or the reason it is not."""
     return {n: _REGISTRY[n].unavailable() for n in names()}
