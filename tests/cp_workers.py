@@ -66,10 +66,16 @@ class WorkerPool:
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
         while len(got) < self.P:
             left = (deadline - datetime.datetime.now()).total_seconds()
+            dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in got]
             try:
-                r, status, answer = self.outbox.get(timeout=max(left, 0.01))
+                r, status, answer = self.outbox.get(timeout=min(max(left, 0.01), 1.0))
             except queue.Empty:
+                if left > 0 and not dead:
+                    continue
                 self.close()
+                if dead:
+                    raise AssertionError(f"{what}: ranks {dead} exited (exit codes "
+                                         f"{[self.procs[r].exitcode for r in dead]}); the worker pool was closed") from None
                 raise AssertionError(f"{what}: ranks {sorted(set(range(self.P)) - set(got))} did not answer within "
                                      f"{timeout:.0f} s; the worker pool was closed") from None
             got[r] = (r, status, answer)
@@ -120,5 +126,6 @@ def digest(*tensors) -> str:
     """sha256 of the tensors' bytes: equal digests are bit-identical results."""
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+        t = t.detach().contiguous().cpu()
+        h.update((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes())
     return h.hexdigest()

@@ -69,7 +69,8 @@ class Comm:
         return ContextParallelError(f"{self.what}: rank {self.r} got no data from {waiting_for} within the group's "
                                     f"timeout (that rank failed, exited or hangs): {exc}")
 
-    def agree(self, fields: Sequence[int], names: Sequence[str], error: Optional[str]) -> None:
+    def agree(self, fields: Sequence[int], names: Sequence[str], error: Optional[str],
+              verb: str = "refused its input") -> None:
         """The agreement check (module docstring): raises ContextParallelError on every rank
         when any rank's ``error`` is set or ``fields`` differ between ranks."""
         msg = (error or "").encode("utf-8")[:_MSG_BYTES]
@@ -86,7 +87,7 @@ class Comm:
             n = int(rows[q][1])
             text = bytes(int(b) for b in rows[q][2 + len(fields) : 2 + len(fields) + n]).decode("utf-8", "replace")
             others = f" (ranks {failed} failed)" if len(failed) > 1 else ""
-            raise ContextParallelError(f"{self.what}: rank {q} refused its input{others}: {text}")
+            raise ContextParallelError(f"{self.what}: rank {q} {verb}{others}: {text}")
         for i, name in enumerate(names):
             vals = [int(rows[q][2 + i]) for q in range(self.P)]
             if any(v != vals[0] for v in vals):
@@ -95,7 +96,7 @@ class Comm:
 
     def close(self, error: Optional[BaseException]) -> None:
         """The closing status exchange: every rank raises if any rank's share failed."""
-        self.agree((), (), None if error is None else f"{type(error).__name__}: {error}")
+        self.agree((), (), None if error is None else f"{type(error).__name__}: {error}", "failed")
 
     def _gather_rows(self, row: Tensor, waiting_for: str) -> List[Tensor]:
         if self.P == 1:

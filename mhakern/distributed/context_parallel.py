@@ -183,8 +183,9 @@ def _cp_backward(call: _Call, dout, q, k, v, out, lse) -> Tuple[Tensor, Tensor, 
             if pending_acc is not None:  # the shares of the ranks before this one, in ring order
                 ak, av = pending_acc.wait()
                 gk, gv = ak + gk, av + gv
-            if P > 1:
-                pending_acc = comm.shift([gk, gv])
+            if P > 1:  # on to the next rank; the previous rank's block comes in
+                shape = call.kv_shape(k, (src - 1) % P)
+                pending_acc = comm.shift([gk, gv], [shape, shape[:3] + (v.shape[3],)])
             else:
                 dk, dv = gk, gv
             if nxt is not None:
