@@ -49,7 +49,7 @@ def _inputs(seed, shapes, dtype):
 
 def dense(method="ring", layout="zigzag", B=1, H=2, Hkv=1, L=32, D=16, Dv=16, causal=False,
           causal_align="bottom_right", window=None, key_lengths=None, softcap=None, alibi=False, sinks=False,
-          dtype="float32", seed=0, scale_inputs=1.0, group_ranks=None, mesh=False):
+          dtype="float32", seed=0, scale_inputs=1.0, group_ranks=None, mesh=False, dropout_p=0.0):
     """One dense case; returns {"errors": [...], "digest": ...} (digest over out, lse, grads)."""
     dt = _DT[dtype]
     group = None
@@ -72,7 +72,8 @@ def dense(method="ring", layout="zigzag", B=1, H=2, Hkv=1, L=32, D=16, Dv=16, ca
     def full(dtype_, backend):
         xs = [x.detach().to(dtype_).clone().requires_grad_() for x in (q, k, v)]
         s = None if sk is None else sk.detach().to(dtype_ if dtype_ == torch.float64 else torch.float32).requires_grad_()
-        out, lse = mhakern.attention(*xs, sinks=s, backend=backend, return_lse=True, **kw)
+        out, lse = mhakern.attention(*xs, sinks=s, backend=backend, return_lse=True, dropout_p=dropout_p,
+                                     generator=torch.Generator().manual_seed(seed + 7), **kw)
         (out.to(torch.float64) * dout.double()).sum().backward()
         return out.detach(), lse.detach(), [x.grad for x in xs], None if s is None else s.grad
 
@@ -80,8 +81,10 @@ def dense(method="ring", layout="zigzag", B=1, H=2, Hkv=1, L=32, D=16, Dv=16, ca
     math = full(dt, "reference")
     sh = (lambda x: cpd.shard(x, group, layout))
     xs = [sh(x.to(dt)).requires_grad_() for x in (q, k, v)]
+    # Every rank's generator in the same state, as a single-device call's: rank 0's draw is used.
     out, lse = cpd.context_parallel_attention(*xs, group=group, method=method, layout=layout, sinks=sk,
-                                              return_lse=True, **kw)
+                                              return_lse=True, dropout_p=dropout_p,
+                                              generator=torch.Generator().manual_seed(seed + 7), **kw)
     (out.to(torch.float64) * sh(dout).double()).sum().backward()
     errors = []
     _compare(errors, "out", out, sh(ref[0]), sh(math[0]), dt, 2)
@@ -184,6 +187,8 @@ def refusal(kind):
         k = v = torch.randn(1, 1, 8, 16)
     elif kind == "dropout":
         kw["dropout_p"] = 0.1
+        kw["method"] = "ulysses"
+        k = v = torch.randn(1, 2, 8, 16)
     elif kind == "kernel":  # a kernel error on rank 1 in the middle of the ring
         from mhakern.distributed import context_parallel as cpm
 

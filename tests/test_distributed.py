@@ -57,6 +57,9 @@ DENSE = [
     dict(method="ulysses", causal=True, alibi=True, H=4, Hkv=2),
     dict(method="ring", causal=True, sinks=True, H=4, Hkv=2),
     dict(method="ulysses", causal=True, sinks=True, H=4, Hkv=2),
+    # dropout: the single-device call's keep mask over the whole sequence
+    dict(method="ring", causal=True, dropout_p=0.3, H=4, Hkv=2),
+    dict(method="allgather", layout="contiguous", dropout_p=0.5, window=(5, 3), B=2, key_lengths=[30, 11]),
     # half precision: merged in fp32
     dict(method="ring", causal=True, dtype="float16"),
     dict(method="allgather", causal=True, dtype="bfloat16", layout="contiguous"),
@@ -105,7 +108,7 @@ def test_gradients_bit_identical_across_runs_and_ring_allgather(cp2):
     ("heads_local", "rank 1 refused its input: ArgumentError: k, v"),
     ("key_lengths", "the ranks disagree on key_lengths"),
     ("ulysses_heads", "method: 'ulysses' shards the heads: H (3) and Hkv (1) must be divisible by the group size 2"),
-    ("dropout", "dropout_p: dropout is not available under context parallelism"),
+    ("dropout", "dropout_p: dropout under context parallelism needs method 'ring' or 'allgather'"),
     ("kernel", "rank 1 failed: RuntimeError: injected kernel failure"),
 ])
 def test_faults_raise_on_every_rank_naming_the_rank(cp2, kind, expected):
@@ -169,3 +172,74 @@ def test_four_ranks_bits_and_faults(cp4):
     assert all(r[0] == r[1] for r in ring) and [g[0] for g in gathered] == [r[0] for r in ring]
     for a in cp4.run("refusal", kind="kernel"):
         assert "rank 1 failed" in a["message"]
+
+
+@pytest.mark.slow
+def test_usage_torchrun_example_runs_as_written(tmp_path):
+    # docs/usage.md's two-process script, run as the document says (torchrun, 2 processes, CPU).
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
+    m = re.search(r"save it as cp_example\.py.*?-->\s*```python\n(.*?)^```$", text, re.S | re.M)
+    assert m, "docs/usage.md: the torchrun example is gone"
+    script = tmp_path / "cp_example.py"
+    script.write_text(m.group(1))
+    env = dict(__import__("os").environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(__import__("cp_workers").free_port()), str(script)],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    diffs = [float(line.split()[1]) for line in res.stdout.splitlines() if re.match(r"^[01] \S+$", line)]
+    assert len(diffs) == 2 and max(diffs) < 1e-5, res.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# The dropout offsets mode (one process): a block of a longer call draws that call's keep mask
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_dropout_offsets_draw_the_longer_calls_mask(backend):
+    from mhakern import reference
+    from mhakern.modes import Modes
+    from mhakern.ops import attn_bwd, attn_fwd
+
+    if mhakern.available_backends().get(backend) is not None:
+        pytest.skip(f"backend {backend} unavailable: {mhakern.available_backends()[backend]}")
+    g = torch.Generator().manual_seed(3)
+    B, H, Hkv, L, D, p, seed = 2, 4, 2, 24, 16, 0.4, 1234567
+    a, n, c, m = 7, 9, 3, 13  # rows a .. a + n - 1 against keys c .. c + m - 1
+    q, k, v, dout = (torch.randn(B, h, l, D, generator=g) for h, l in ((H, n), (Hkv, m), (Hkv, m), (H, n)))
+    keep = reference.dropout_keep_mask(seed, B, H, L, L, p)[:, :, a : a + n, c : c + m]
+    # The oracle: softmax of the block, the longer call's keep bits, in float64.
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    kk, vv = (x.repeat_interleave(H // Hkv, 1) for x in (k64, v64))
+    pr = torch.softmax(q64 @ kk.transpose(-1, -2) * D ** -0.5, -1)
+    want = (pr * keep / (1 - p)) @ vv
+    want.backward(dout.double())
+    modes = Modes.build(dropout_p=p, seed=seed, dropout_q0=a, dropout_k0=c)
+    xs = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = attn_fwd(*xs, D ** -0.5, False, None, backend, *modes.op_args())
+    assert (out.double() - want).abs().max().item() < 1e-5
+    dq, dk, dv, _, _ = attn_bwd(dout, *xs, out, lse, D ** -0.5, False, None, backend, *modes.op_args())
+    for got, ref in ((dq, q64.grad), (dk, k64.grad), (dv, v64.grad)):
+        assert (got.double() - ref).abs().max().item() < 1e-4
+    # Offsets 0 draw the block's own mask: a different one.
+    out0, _ = attn_fwd(*xs, D ** -0.5, False, None, backend, *Modes.build(dropout_p=p, seed=seed).op_args())
+    assert (out0.double() - want).abs().max().item() > 1e-2
+
+
+def test_dropout_offsets_refused_by_backends_without_them():
+    from mhakern.modes import Modes
+    from mhakern.ops import attn_fwd
+
+    q = torch.randn(1, 1, 4, 16)
+    modes = Modes.build(dropout_p=0.1, seed=1, dropout_k0=4)
+    assert "dropout_offsets" in modes.required_features()
+    with pytest.raises(ValueError, match="does not implement dropout_offsets"):
+        attn_fwd(q, q, q, 0.25, False, None, "triton", *modes.op_args())
+    with pytest.raises(ValueError, match="dropout_k0: expected an int in"):
+        attn_fwd(q, q, q, 0.25, False, None, "reference", *Modes.build(dropout_p=0.1, dropout_k0=-1).op_args())

@@ -57,13 +57,16 @@ class Problem:
     :class:`PackedLayout` or None; ``L``: the global sequence length (dense)."""
 
     def __init__(self, *, P, layout, L, B, H, causal, top_left, window, key_lengths, softcap, slopes, packed,
-                 dtype, device):
+                 dtype, device, dropout_p=0.0, seed=0):
         self.P, self.layout, self.L, self.B, self.H = P, layout, L, B, H
         self.causal, self.top_left = causal, top_left
         self.wl, self.wr = window
         self.kl = key_lengths
         self.softcap, self.slopes, self.packed = softcap, slopes, packed
         self.dtype, self.device = dtype, device
+        # Dropout: every piece draws the whole sequence's keep mask, its hash seeing global
+        # positions (the modes dropout_q0 / dropout_k0; dense layouts only).
+        self.dropout_p, self.seed = dropout_p, seed
         # The diagonal offset per batch element: key j_g is on query i_g's diagonal at
         # j_g = i_g + off_b. Queries and keys are one sequence (length L), so bottom-right is
         # top-left unless the key lengths differ from L.
@@ -93,7 +96,11 @@ class Problem:
                     out.append(p)
         return out
 
-    def _modes(self, mask=None, top_left=False) -> Modes:
+    def _modes(self, qg: int, kg: int, mask=None, top_left=False) -> Modes:
+        """The record of a piece whose queries and keys start at global positions qg, kg."""
+        if self.dropout_p > 0.0:
+            return Modes.build(attn_mask=mask, top_left=top_left, softcap=self.softcap, dropout_p=self.dropout_p,
+                               seed=self.seed, dropout_q0=qg, dropout_k0=kg)
         return Modes.build(attn_mask=mask, top_left=top_left, softcap=self.softcap)
 
     def _dense_piece(self, qs, n, qg, ks, m, kg) -> Optional[Piece]:
@@ -108,23 +115,23 @@ class Problem:
                 if any(x != m for x in local):
                     kl = torch.tensor(local, dtype=torch.int32, device=self.device)
             if not self.causal:
-                return Piece(qs, n, ks, m, False, kl, self._modes())
+                return Piece(qs, n, ks, m, False, kl, self._modes(qg, kg))
             d = qg + self.offs[0] - kg  # row i sees local keys j <= i + d
             if d + n - 1 < 0:
                 return None
             if d >= m - 1:
-                return Piece(qs, n, ks, m, False, kl, self._modes())
+                return Piece(qs, n, ks, m, False, kl, self._modes(qg, kg))
             if d == 0:
-                return Piece(qs, n, ks, m, True, kl, self._modes(top_left=True))
+                return Piece(qs, n, ks, m, True, kl, self._modes(qg, kg, top_left=True))
             if kl is None and d == m - n:
-                return Piece(qs, n, ks, m, True, None, self._modes())
+                return Piece(qs, n, ks, m, True, None, self._modes(qg, kg))
         qpos = torch.arange(qg, qg + n, device=self.device).view(1, 1, n, 1)
         kpos = torch.arange(kg, kg + m, device=self.device).view(1, 1, 1, m)
         off = torch.tensor(self.offs, device=self.device).view(-1, 1, 1, 1)
         vis = self._visible(qpos + off, kpos)
         if self.kl is not None:
             vis = vis & (kpos < torch.tensor(self.kl, device=self.device).view(-1, 1, 1, 1))
-        return self._masked(qs, n, ks, m, vis, (qpos + off - kpos).abs(), self.slopes)
+        return self._masked(qs, n, ks, m, vis, (qpos + off - kpos).abs(), self.slopes, qg, kg)
 
     def _packed_piece(self, rq, rk) -> Optional[Piece]:
         pl: PackedLayout = self.packed
@@ -138,7 +145,7 @@ class Problem:
         slopes = None
         if self.slopes is not None:  # (num_seqs, H): the slope of each query token's sequence
             slopes = self.slopes[pl.seq[rq].to(dev)].t().unsqueeze(0)  # (1, H, n)
-        return self._masked(0, n, 0, m, vis, (qpos - kpos).abs(), slopes)
+        return self._masked(0, n, 0, m, vis, (qpos - kpos).abs(), slopes, 0, 0)
 
     def _visible(self, diag: Tensor, kpos: Tensor) -> Tensor:
         """Causal and window visibility of keys ``kpos`` for queries whose diagonal key is
@@ -152,7 +159,8 @@ class Problem:
             vis = vis & (kpos <= diag + self.wr)
         return vis
 
-    def _masked(self, qs, n, ks, m, vis: Tensor, dist_: Tensor, slopes: Optional[Tensor]) -> Optional[Piece]:
+    def _masked(self, qs, n, ks, m, vis: Tensor, dist_: Tensor, slopes: Optional[Tensor], qg: int,
+                kg: int) -> Optional[Piece]:
         if not bool(vis.any()):
             return None
         if slopes is None:
@@ -163,7 +171,7 @@ class Problem:
             s = s.view(s.shape[0], s.shape[1], 1, 1) if s.dim() == 2 else s.unsqueeze(-1)
             bias = -s * dist_.to(torch.float32)
             mask = bias.masked_fill(~vis, float("-inf")).to(mask_dtype(self.dtype))
-        return Piece(qs, n, ks, m, False, None, self._modes(mask))
+        return Piece(qs, n, ks, m, False, None, self._modes(qg, kg, mask))
 
 
 def piece_forward(p: Piece, q: Tensor, k: Tensor, v: Tensor, scale: float, backend: str) -> Tuple[Tensor, Tensor]:

@@ -43,6 +43,7 @@ from ..checks import (
     check_sinks,
     check_softcap,
     check_window,
+    draw_seed,
 )
 from ..ops import _with_sinks
 from ..reference import lse_dtype, sink_grad
@@ -319,8 +320,8 @@ def _ulysses(comm: Comm, layout, q, k, v, *, causal, causal_align, window, key_l
 # The public entry points
 
 
-def _check_common(method, layout, causal, causal_align, softcap, dropout_p, backend, return_lse, P, H, Hkv, Lg,
-                  window) -> Tuple[int, int, bool]:
+def _check_common(method, layout, causal, causal_align, softcap, dropout_p, generator, backend, return_lse, P, H,
+                  Hkv, Lg, window, packed: bool) -> Tuple[int, int, bool]:
     if method not in METHODS:
         raise ArgumentError(f"method: expected one of {METHODS}, got {method!r}")
     check_layout(layout)
@@ -332,9 +333,12 @@ def _check_common(method, layout, causal, causal_align, softcap, dropout_p, back
         check_softcap(softcap)
     check_backend(backend)
     check_dropout_p(dropout_p)
-    if dropout_p > 0.0:
-        raise ArgumentError("dropout_p: dropout is not available under context parallelism yet (the kernels' keep "
-                            "mask hashes local positions); pass 0.0")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected None or a torch.Generator, got {type(generator).__name__}")
+    if dropout_p > 0.0 and (packed or method == "ulysses"):
+        raise ArgumentError(f"dropout_p: dropout under context parallelism needs method 'ring' or 'allgather' on "
+                            f"dense sequences (the keep mask's hash sees the batch element and head of the call), "
+                            f"got method {method!r}{' on packed sequences' if packed else ''}")
     if method == "ulysses" and (H % P or Hkv % P):
         raise ArgumentError(f"method: 'ulysses' shards the heads: H ({H}) and Hkv ({Hkv}) must be divisible by the "
                             f"group size {P}")
@@ -350,6 +354,18 @@ def _fields(B, H, Hkv, Ll, D, Dv, q, method, layout, causal, top_left, wl, wr, s
             int(bool(causal)), int(bool(top_left)), wl, wr, float_bits(scale or 0.0), float_bits(softcap or 0.0),
             int(alibi is not None), int(sinks is not None), digest(values), int(bool(return_lse)),
             float_bits(dropout_p if isinstance(dropout_p, (int, float)) else -1.0)]
+
+
+def _shared_seed(comm: Comm, generator, device) -> int:
+    """The dropout seed of the call: drawn on every rank (so that every rank's generator moves
+    as a single-device call's would), rank 0's sent to all."""
+    seed = torch.tensor([draw_seed(generator)], dtype=torch.int64, device=comm.device)
+    if comm.P > 1:
+        try:
+            dist.broadcast(seed, src=comm.global_rank(0), group=comm.pg)
+        except Exception as exc:  # noqa: BLE001
+            raise comm._fail(exc, "rank 0 (the dropout seed)") from exc
+    return int(seed.item())
 
 
 def _agree(comm: Comm, fields: Optional[List[int]], error: Optional[BaseException]) -> None:
@@ -412,7 +428,10 @@ def context_parallel_attention(
             of length P * L_local); ``key_lengths`` (B,) global lengths, the same on every
             rank (checked). ALiBi slopes must not require grad; sinks get this rank's share
             of their gradient (the shares sum to the whole sequence's).
-        dropout_p, generator: only 0.0 for now (refused by name otherwise).
+        dropout_p, generator: as :func:`mhakern.attention`, methods "ring" and "allgather": the
+            keep mask is the one a single-device call over the whole sequence draws (its hash
+            sees global positions), the seed drawn from ``generator`` on every rank and rank
+            0's used. Ulysses refuses it by name (its hash would see the head shard).
 
     Every rank must call with the same shapes, dtype and arguments: they are compared before
     any data moves, and a rank whose input is bad (or a kernel that fails on one rank) makes
@@ -432,8 +451,8 @@ def context_parallel_attention(
         if Lk != Ll:
             raise ArgumentError(f"k: the shards of one sequence must have the same length: q has {Ll} tokens, k {Lk}")
         Lg = Ll * P
-        wl, wr, top_left = _check_common(method, layout, causal, causal_align, softcap, dropout_p, backend,
-                                         return_lse, P, H, Hkv, Lg, window)
+        wl, wr, top_left = _check_common(method, layout, causal, causal_align, softcap, dropout_p, generator,
+                                         backend, return_lse, P, H, Hkv, Lg, window, False)
         if Lg % num_chunks(layout, P):
             raise ArgumentError(f"q: a {layout!r} shard holds {len(range(num_chunks(layout, P) // P))} equal chunks; "
                                 f"its length {Ll} is not divisible by that")
@@ -452,6 +471,13 @@ def context_parallel_attention(
     except Exception as exc:  # noqa: BLE001 - every rank raises it after the agreement check
         error = exc
     _agree(comm, fields, error)
+    if dropout_p == 1.0:  # every probability dropped, as mhakern.attention: the output times 0
+        res = context_parallel_attention(q, k, v, group=group, method=method, layout=layout, causal=causal,
+                                         causal_align=causal_align, window=window, key_lengths=key_lengths,
+                                         scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                                         return_lse=True, backend=backend)
+        return (res[0] * 0.0, res[1]) if return_lse else res[0] * 0.0
+    seed = _shared_seed(comm, generator, q.device) if dropout_p > 0.0 else 0
     if method == "ulysses":
         out, lse = _ulysses(comm, layout, q, k, v, causal=causal, causal_align=causal_align, window=window,
                             key_lengths=key_lengths, scale=scale, softcap=softcap, slopes=slopes, sinks=sinks,
@@ -459,7 +485,7 @@ def context_parallel_attention(
     else:
         prob = Problem(P=P, layout=layout, L=Lg, B=B, H=H, causal=causal, top_left=top_left, window=(wl, wr),
                        key_lengths=kl, softcap=0.0 if softcap is None else float(softcap), slopes=slopes, packed=None,
-                       dtype=q.dtype, device=q.device)
+                       dtype=q.dtype, device=q.device, dropout_p=float(dropout_p), seed=seed)
         out, lse = _ContextParallelFunction.apply(q, k, v, sinks, _Call(comm, prob, method, scale, backend))
     return (out, lse) if return_lse else out
 
@@ -522,8 +548,8 @@ def context_parallel_attention_varlen(
             raise ArgumentError("method: 'ulysses' is not available for packed sequences; use 'ring' or 'allgather'")
         cu = cu_seqlens_list(cu_seqlens)
         Lg = cu[-1]
-        wl, wr, top_left = _check_common(method, layout, causal, causal_align, softcap, dropout_p, backend,
-                                         return_lse, P, H, Hkv, Lg, window)
+        wl, wr, top_left = _check_common(method, layout, causal, causal_align, softcap, dropout_p, generator,
+                                         backend, return_lse, P, H, Hkv, Lg, window, True)
         if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
             raise ArgumentError(f"max_seqlen: expected an int, got {max_seqlen!r}")
         longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)

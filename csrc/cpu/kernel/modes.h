@@ -62,7 +62,9 @@ struct BlockRanges {
 
 // mix32, dropout_row_hash and dropout_threshold: csrc/mode_params.h (shared with the cuda family).
 inline uint32_t dropout_row_seed(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
-  return dropout_row_hash(p.seed, static_cast<uint32_t>((b + p.hash_b0) * p.H + h), static_cast<uint32_t>(i));
+  // dropout_q0: the row's position in a longer sequence (ModeParams; 0 unless a block of one).
+  return dropout_row_hash(p.seed, static_cast<uint32_t>((b + p.hash_b0) * p.H + h),
+                          static_cast<uint32_t>(i + p.dropout_q0));
 }
 
 // kv[r] = keep(row r, key j) ? kept : 0 for the Rp rows of a tile (rseed: their r_i). A plain
