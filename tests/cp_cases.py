@@ -262,3 +262,33 @@ def fused_mha(method="ring", layout="zigzag", causal=True, seed=0):
     if e > 1e-3:
         errors.append(f"in_proj_weight grad (summed over ranks): max error {e:.3e}")
     return {"errors": errors}
+
+
+def exit_rank(dead=1, where="before"):
+    """Rank ``dead`` exits (a crash) before the call, or in the middle of the ring (``where``
+    "ring": at its second block); the others must raise a ContextParallelError naming a peer
+    within the group's timeout, not hang. Ends the group: the last case of a pool."""
+    import os
+
+    r = dist.get_rank()
+    q = torch.randn(1, 2, 16, 16)
+    if r == dead and where == "before":
+        os._exit(3)
+    if r == dead:
+        from mhakern.distributed import context_parallel as cpm
+
+        calls = []
+        orig = cpm.piece_forward
+
+        def dying(*a, **k):
+            calls.append(1)
+            if len(calls) > 2:
+                os._exit(3)
+            return orig(*a, **k)
+
+        cpm.piece_forward = dying
+    try:
+        cpd.context_parallel_attention(q, q, q, causal=True)
+        return {"message": None}
+    except cpd.ContextParallelError as exc:
+        return {"message": str(exc)}

@@ -14,7 +14,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch.distributed is not available in this torch build", allow_module_level=True)
 
-from cp_workers import WorkerPool  # noqa: E402
+from cp_workers import GROUP_TIMEOUT_S, WorkerPool  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -243,3 +243,23 @@ def test_dropout_offsets_refused_by_backends_without_them():
         attn_fwd(q, q, q, 0.25, False, None, "triton", *modes.op_args())
     with pytest.raises(ValueError, match="dropout_k0: expected an int in"):
         attn_fwd(q, q, q, 0.25, False, None, "reference", *Modes.build(dropout_p=0.1, dropout_k0=-1).op_args())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["before", "ring"])
+def test_a_rank_that_dies_makes_the_others_raise(where):
+    # Its own pool: the case ends the group. Rank 1 exits; rank 0 must raise naming a peer
+    # (gloo sees the closed connection; at worst the group's timeout ends the wait).
+    import queue as _queue
+
+    pool = WorkerPool(2)
+    try:
+        for q in pool.inbox:
+            q.put(("exit_rank", {"dead": 1, "where": where}))
+        r, status, answer = pool.outbox.get(timeout=GROUP_TIMEOUT_S + 60)
+        assert (r, status) == (0, "ok"), answer
+        assert answer["message"] and "rank 0 got no data from" in answer["message"], answer
+        with pytest.raises(_queue.Empty):
+            pool.outbox.get(timeout=1)  # rank 1 never answered: it exited
+    finally:
+        pool.close()
