@@ -9,6 +9,10 @@ and minima (on a shared machine the minimum is the least disturbed run):
   rank's wall time;
 * ``local``: the same pieces of work on the same rank with every rank's K/V already at hand
   (gathered before the clock starts): what the ring costs without its communication;
+* ``stepped``: ``local`` with a barrier wherever the ring waits for its neighbour (after each
+  block, forward and backward): the ranks kept in step as in the ring, nothing sent. On a
+  loaded machine each wait costs the ranks the slower one's delays, so ``ring / stepped`` is the
+  transfer's own cost and ``stepped / local`` the cost of keeping in step;
 * per rank, for the zigzag and the contiguous layout: how far apart the ranks' ``local`` times
   are (the load balance);
 * peak memory: the growth of each rank's resident set (VmHWM, reset before the call) during
@@ -95,9 +99,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _local(prob, r, P, q, ks, vs, dout):
+def _local(prob, r, P, q, ks, vs, dout, sync=None):
     """The ring's per-rank work with every block at hand: forward merge, then the backward's
-    pieces (dq, and the dk/dv shares this rank would send)."""
+    pieces (dq, and the dk/dv shares this rank would send). ``sync``: called where the ring
+    waits for the other ranks (after each block, forward and backward), so that the ranks keep
+    in step as in the ring but nothing is sent."""
     from mhakern.distributed._blocks import merge, piece_backward, piece_forward
 
     B, H, Lq, _ = q.shape
@@ -108,6 +114,8 @@ def _local(prob, r, P, q, ks, vs, dout):
         for p in prob.pieces(r, src):
             o, l_ = piece_forward(p, q, ks[src], vs[src], q.shape[3] ** -0.5, "auto")
             merge(acc[:, :, p.qs : p.qs + p.n], lse[:, :, p.qs : p.qs + p.n], o, l_)
+        if sync:
+            sync()
     out = acc.to(q.dtype)
     dq = torch.zeros_like(q)
     for src in order:
@@ -117,6 +125,8 @@ def _local(prob, r, P, q, ks, vs, dout):
             dq[:, :, p.qs : p.qs + p.n] += gq
             dk[:, :, p.ks : p.ks + p.m] += gk
             dv[:, :, p.ks : p.ks + p.m] += gv
+        if sync:
+            sync()
     return out
 
 
@@ -155,22 +165,26 @@ def _worker(r, P, port, args, results):
         out = cpd.context_parallel_attention(*xs, causal=True, layout=layout, method="ring")
         out.backward(ds)
 
-    def local(layout):
+    def local(layout, sync=None):
         (qs, _, _, ds), prob, ks, vs = data[layout]
-        _local(prob, r, P, qs, ks, vs, ds)
+        _local(prob, r, P, qs, ks, vs, ds, sync)
 
     # Memory first, on a fresh process: the allocator has cached nothing yet (and the
     # environment fixes glibc's mmap threshold, so that freed blocks leave the resident set).
     dist.barrier()
     peak = _peak_growth_mb(lambda: ring("zigzag"), device)
-    times = {name: [] for name in ("ring/zigzag", "local/zigzag", "ring/contiguous", "local/contiguous")}
+    times = {name: [] for name in ("ring/zigzag", "local/zigzag", "stepped/zigzag", "ring/contiguous",
+                                   "local/contiguous")}
     for i in range(args.rounds + 1):  # round 0 warms up, uncounted
         for name in times:
             kind, layout = name.split("/")
             _sync(device)
             dist.barrier()
             t0 = time.perf_counter()
-            (ring if kind == "ring" else local)(layout)
+            if kind == "ring":
+                ring(layout)
+            else:
+                local(layout, dist.barrier if kind == "stepped" else None)
             _sync(device)
             if i:
                 times[name].append(time.perf_counter() - t0)
@@ -230,6 +244,10 @@ def main() -> None:
     for r, t, peak in got:
         print(f"rank {r}: " + ", ".join(f"{k} {med:.3f} s (min {lo:.3f})" for k, (med, lo) in t.items())
               + f"; ring peak memory growth {peak:.0f} MB")
+    for i, stat in ((0, "medians"), (1, "minima")):
+        ratios = [t["ring/zigzag"][i] / t["stepped/zigzag"][i] for _, t, _ in got]
+        print(f"zigzag ({stat}): ring / stepped per rank {', '.join(f'{x:.3f}' for x in ratios)} (the transfer's "
+              f"cost alone)")
     for layout in ("zigzag", "contiguous"):
         for i, stat in ((0, "medians"), (1, "minima")):
             ratios = [t[f"ring/{layout}"][i] / t[f"local/{layout}"][i] for _, t, _ in got]

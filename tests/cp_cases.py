@@ -173,6 +173,8 @@ def refusal(kind):
     if kind == "length":  # mismatched shards: a different L_local on rank 1
         if r == 1:
             q = k = v = torch.randn(1, 2, 12, 16)
+    elif kind == "odd":  # a zigzag shard is two equal chunks: an odd local length cannot be one
+        q = k = v = torch.randn(1, 2, 7, 16)
     elif kind == "dtype":
         if r == 1:
             q, k, v = q.double(), k.double(), v.double()

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import mhakern
-from conftest import SLOW  # noqa: F401 - the slow switch also governs this file's heavy cases
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
@@ -105,6 +104,7 @@ def test_gradients_bit_identical_across_runs_and_ring_allgather(cp2):
 @pytest.mark.parametrize("kind, expected", [
     ("length", "the ranks disagree on the local sequence length: rank 0: 8, rank 1: 12"),
     ("dtype", "the ranks disagree on dtype: rank 0: torch.float32, rank 1: torch.float64"),
+    ("odd", "rank 0 refused its input (ranks [0, 1] failed): ArgumentError: q: a 'zigzag' shard holds 2 equal chunks"),
     ("heads_local", "rank 1 refused its input: ArgumentError: k, v"),
     ("key_lengths", "the ranks disagree on key_lengths"),
     ("ulysses_heads", "method: 'ulysses' shards the heads: H (3) and Hkv (1) must be divisible by the group size 2"),

@@ -48,7 +48,7 @@ from ..checks import (
 from ..ops import _with_sinks
 from ..reference import lse_dtype, sink_grad
 from ._blocks import Problem, merge, piece_backward, piece_forward
-from ._comm import Comm, ContextParallelError, comm_device, digest, dtype_code, float_bits
+from ._comm import Comm, comm_device, digest, dtype_code, float_bits
 from .layout import (
     LAYOUTS,
     PackedLayout,
@@ -454,8 +454,8 @@ def context_parallel_attention(
         wl, wr, top_left = _check_common(method, layout, causal, causal_align, softcap, dropout_p, generator,
                                          backend, return_lse, P, H, Hkv, Lg, window, False)
         if Lg % num_chunks(layout, P):
-            raise ArgumentError(f"q: a {layout!r} shard holds {len(range(num_chunks(layout, P) // P))} equal chunks; "
-                                f"its length {Ll} is not divisible by that")
+            raise ArgumentError(f"q: a {layout!r} shard holds {num_chunks(layout, P) // P} equal chunks; its length "
+                                f"{Ll} is not divisible by that")
         scale = check_scale(scale, D)
         check_key_lengths_meta(key_lengths, B, q.device)
         kl = None

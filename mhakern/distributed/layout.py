@@ -12,7 +12,7 @@ empty; a rank's tokens are, sequence by sequence, its chunks in the order above.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -197,10 +197,3 @@ def unshard_varlen(x: Tensor, cu_seqlens, group=None, layout: str = "zigzag", se
         full[pl.index[q].to(x.device)] = parts[q][: pl.tokens[q]]
     return full.movedim(0, dim)
 
-
-def check_varlen_shards(pl: PackedLayout, r: int, T: int, name: str = "q") -> Optional[str]:
-    """None, or why ``T`` local tokens do not match rank r's share of the pack."""
-    if T != pl.tokens[r]:
-        return (f"{name}: rank {r}'s share of cu_seqlens holds {pl.tokens[r]} tokens (shard_varlen's layout), "
-                f"got {T}")
-    return None
