@@ -76,6 +76,9 @@ PACKED = [
     dict(method="allgather", lengths=(1, 2, 0, 3), layout="contiguous"),
     dict(method="ring", window=(3, 0), alibi=True),
     dict(method="allgather", causal=False, sinks=True, softcap=2.0, H=4, Hkv=2),
+    dict(method="ulysses", Hkv=2),
+    dict(method="ulysses", layout="contiguous", lengths=(1, 2, 0, 3), window=(2, 0), alibi=True, sinks=True, H=4,
+         Hkv=2),
 ]
 
 
@@ -159,9 +162,9 @@ def test_four_ranks(cp4, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ring", "allgather"])
+@pytest.mark.parametrize("method", ["ring", "allgather", "ulysses"])
 def test_four_ranks_packed(cp4, method):
-    _no_errors(cp4.run("packed", method=method, lengths=(3, 29, 1, 0, 16, 7)))
+    _no_errors(cp4.run("packed", method=method, lengths=(3, 29, 1, 0, 16, 7), H=4, Hkv=4))
 
 
 @pytest.mark.slow

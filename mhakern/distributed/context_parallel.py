@@ -23,6 +23,7 @@ between ranks, make every rank raise naming the rank and the cause.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -251,36 +252,47 @@ def _heads_to_seq(x: Tensor, comm: Comm) -> Tensor:
     return out.transpose(0, 1).reshape(B, P * Hp, L // P, D)
 
 
-def _all_to_all(out: Tensor, buf: Tensor, comm: Comm) -> None:
+def _all_to_all(out: Tensor, buf: Tensor, comm: Comm, out_splits=None, in_splits=None) -> None:
     if comm.P == 1:
         out.copy_(buf)
         return
     try:
-        dist.all_to_all_single(out, buf, group=comm.pg)
+        dist.all_to_all_single(out, buf, out_splits, in_splits, group=comm.pg)
     except Exception as exc:  # noqa: BLE001
         raise comm._fail(exc, "every rank (all-to-all)") from exc
 
 
-class _SeqToHeads(torch.autograd.Function):
+def _tokens_to_heads(x: Tensor, comm: Comm, counts: Sequence[int]) -> Tensor:
+    """Packed shares (T_r, Hx, D), rank s holding counts[s] tokens -> (sum T, Hx / P, D): every
+    rank's tokens (in rank order) for this rank's head shard."""
+    T, Hx, D = x.shape
+    P = comm.P
+    buf = x.reshape(T, P, Hx // P, D).transpose(0, 1).reshape(P * T, Hx // P, D).contiguous()
+    out = x.new_empty((sum(counts), Hx // P, D))
+    _all_to_all(out, buf, comm, list(counts), [T] * P)
+    return out
+
+
+def _heads_to_tokens(x: Tensor, comm: Comm, counts: Sequence[int]) -> Tensor:
+    """The inverse of :func:`_tokens_to_heads`."""
+    _, Hp, D = x.shape
+    P, T = comm.P, counts[comm.r]
+    out = x.new_empty((P * T, Hp, D))
+    _all_to_all(out, x.contiguous(), comm, [T] * P, list(counts))
+    return out.reshape(P, T, Hp, D).transpose(0, 1).reshape(T, P * Hp, D)
+
+
+class _AllToAll(torch.autograd.Function):
+    """A redistribution ``there`` whose gradient goes back through its inverse ``back``."""
+
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _seq_to_heads(x, comm)
+    def forward(ctx, x, there, back):
+        ctx.back = back
+        return there(x)
 
     @staticmethod
     def backward(ctx, g):
-        return _heads_to_seq(g.contiguous(), ctx.comm), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _heads_to_seq(x, comm)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _seq_to_heads(g.contiguous(), ctx.comm), None
+        return ctx.back(g.contiguous()), None, None
 
 
 def _ulysses(comm: Comm, layout, q, k, v, *, causal, causal_align, window, key_lengths, scale, softcap, slopes,
@@ -290,7 +302,8 @@ def _ulysses(comm: Comm, layout, q, k, v, *, causal, causal_align, window, key_l
     P, r = comm.P, comm.r
     H = q.shape[1]
     Hp = H // P
-    qh, kh, vh = (_SeqToHeads.apply(x, comm) for x in (q, k, v))
+    there, back = functools.partial(_seq_to_heads, comm=comm), functools.partial(_heads_to_seq, comm=comm)
+    qh, kh, vh = (_AllToAll.apply(x, there, back) for x in (q, k, v))
     L = qh.shape[2]
     order = None
     if layout != "contiguous" and P > 1:  # the ranks' order -> the sequence's natural order
@@ -310,10 +323,42 @@ def _ulysses(comm: Comm, layout, q, k, v, *, causal, causal_align, window, key_l
         lse = torch.zeros(qh.shape[:3], dtype=lse_dtype(q.dtype), device=q.device)
     if order is not None:
         out, lse = out.index_select(2, order), lse.index_select(2, order)
-    out = _HeadsToSeq.apply(out, comm)
+    out = _AllToAll.apply(out, back, there)
     lse = _heads_to_seq(lse.detach().unsqueeze(-1), comm).squeeze(-1)
     comm.close(error)
     return same_layout(out, q), lse
+
+
+def _ulysses_varlen(comm: Comm, pl: PackedLayout, cu: List[int], max_seqlen: int, q, k, v, *, causal, causal_align,
+                    window, scale, softcap, slopes, sinks, backend):
+    """Ulysses over packed shares: (T_r, H, D) tokens -> every token of the pack for H / P heads,
+    in the pack's order, one attention_varlen call, and back."""
+    from ..varlen import attention_varlen
+
+    P, r = comm.P, comm.r
+    Hp = q.shape[1] // P
+    counts = pl.tokens
+    there = functools.partial(_tokens_to_heads, comm=comm, counts=counts)
+    back = functools.partial(_heads_to_tokens, comm=comm, counts=counts)
+    order = torch.cat(pl.index).to(q.device)  # pack position of each token in rank order
+    natural = torch.argsort(order)
+    qh, kh, vh = (_AllToAll.apply(x, there, back).index_select(0, natural) for x in (q, k, v))
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=q.device)
+    error = None
+    try:
+        out, lse = attention_varlen(qh, kh, vh, cu_t, cu_t, max_seqlen, max_seqlen, causal=causal,
+                                    causal_align=causal_align, window=window, scale=scale, softcap=softcap,
+                                    alibi_slopes=None if slopes is None else slopes[:, r * Hp : (r + 1) * Hp],
+                                    sinks=None if sinks is None else sinks[r * Hp : (r + 1) * Hp], backend=backend,
+                                    return_lse=True)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by comm.close
+        error = exc
+        out = qh.new_zeros(qh.shape[:2] + (v.shape[2],))
+        lse = torch.zeros(qh.shape[1], qh.shape[0], dtype=lse_dtype(q.dtype), device=q.device)
+    out = _AllToAll.apply(out.index_select(0, order), back, there)
+    lse = back(lse.detach().t().index_select(0, order).unsqueeze(-1)).squeeze(-1).t()
+    comm.close(error)
+    return out, lse
 
 
 # ---------------------------------------------------------------------------------------------
@@ -522,7 +567,7 @@ def context_parallel_attention_varlen(
         cu_seqlens: (num_seqs + 1,) integer prefix sums of the *whole* pack (first 0, last the
             total token count), the same on every rank (checked); queries and keys share them.
         max_seqlen: a bound of the sequences' lengths (checked).
-        method: "ring" or "allgather" ("ulysses" is refused for packed sequences).
+        method: "ring", "allgather" or "ulysses" (H and Hkv divisible by the group size).
         Other arguments as :func:`context_parallel_attention`; ``alibi_slopes`` (H,) or
         (num_seqs, H); causal and windows are per sequence (both alignments agree: queries
         and keys of a sequence have one length).
@@ -544,8 +589,6 @@ def context_parallel_attention_varlen(
         Hkv, Dv = kb.shape[1], vb.shape[3]
         if kb.shape[2] != T:
             raise ArgumentError(f"k: the shares of one pack must have the same tokens: q has {T}, k {kb.shape[2]}")
-        if method == "ulysses":
-            raise ArgumentError("method: 'ulysses' is not available for packed sequences; use 'ring' or 'allgather'")
         cu = cu_seqlens_list(cu_seqlens)
         Lg = cu[-1]
         wl, wr, top_left = _check_common(method, layout, causal, causal_align, softcap, dropout_p, generator,
@@ -570,6 +613,12 @@ def context_parallel_attention_varlen(
     except Exception as exc:  # noqa: BLE001
         error = exc
     _agree(comm, fields, error)
+    if method == "ulysses":
+        out, lse = _ulysses_varlen(comm, pl, cu, max_seqlen, q, k, v, causal=causal, causal_align=causal_align,
+                                   window=window, scale=scale, softcap=softcap,
+                                   slopes=slopes, sinks=sinks,
+                                   backend=backend)
+        return (out, lse) if return_lse else out
     prob = Problem(P=P, layout=layout, L=Lg, B=1, H=H, causal=causal, top_left=top_left, window=(wl, wr),
                    key_lengths=None, softcap=0.0 if softcap is None else float(softcap), slopes=slopes, packed=pl,
                    dtype=q.dtype, device=q.device)
