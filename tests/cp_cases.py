@@ -49,7 +49,7 @@ def _inputs(seed, shapes, dtype):
 
 def dense(method="ring", layout="zigzag", B=1, H=2, Hkv=1, L=32, D=16, Dv=16, causal=False,
           causal_align="bottom_right", window=None, key_lengths=None, softcap=None, alibi=False, sinks=False,
-          dtype="float32", seed=0, scale_inputs=1.0, group_ranks=None, mesh=False, dropout_p=0.0):
+          dtype="float32", seed=0, scale_inputs=1.0, group_ranks=None, mesh=False, dropout_p=0.0, strided=False):
     """One dense case; returns {"errors": [...], "digest": ...} (digest over out, lse, grads)."""
     dt = _DT[dtype]
     group = None
@@ -80,18 +80,25 @@ def dense(method="ring", layout="zigzag", B=1, H=2, Hkv=1, L=32, D=16, Dv=16, ca
     ref = full(torch.float64, "reference")
     math = full(dt, "reference")
     sh = (lambda x: cpd.shard(x, group, layout))
-    xs = [sh(x.to(dt)).requires_grad_() for x in (q, k, v)]
+    if strided:  # (B, L, H, D) memory seen as (B, H, L, D), as FusedMHA and most models hold it
+        xs = [sh(x.to(dt)).transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v)]
+        views = [x.transpose(1, 2) for x in xs]
+    else:
+        xs = views = [sh(x.to(dt)).requires_grad_() for x in (q, k, v)]
     # Every rank's generator in the same state, as a single-device call's: rank 0's draw is used.
-    out, lse = cpd.context_parallel_attention(*xs, group=group, method=method, layout=layout, sinks=sk,
+    out, lse = cpd.context_parallel_attention(*views, group=group, method=method, layout=layout, sinks=sk,
                                               return_lse=True, dropout_p=dropout_p,
                                               generator=torch.Generator().manual_seed(seed + 7), **kw)
     (out.to(torch.float64) * sh(dout).double()).sum().backward()
     errors = []
     _compare(errors, "out", out, sh(ref[0]), sh(math[0]), dt, 2)
     _lse_compare(errors, lse, sh(ref[1]), dt)
-    for name, g, r64, rT in zip(("dq", "dk", "dv"), [x.grad for x in xs], ref[2], math[2]):
+    grads = [x.grad.transpose(1, 2) if strided else x.grad for x in xs]
+    for name, g, r64, rT in zip(("dq", "dk", "dv"), grads, ref[2], math[2]):
         _compare(errors, name, g, sh(r64), sh(rT), dt, 3)
-    tensors = [out, lse] + [x.grad for x in xs]
+    if strided and out.stride(1) > out.stride(2):
+        errors.append(f"out: laid out {out.stride()}, not like q's (B, L, H, D) memory")
+    tensors = [out, lse] + grads
     if sinks:
         total = sk.grad.clone()
         dist.all_reduce(total, group=group if not mesh else group.get_group())

@@ -59,6 +59,9 @@ DENSE = [
     # dropout: the single-device call's keep mask over the whole sequence
     dict(method="ring", causal=True, dropout_p=0.3, H=4, Hkv=2),
     dict(method="allgather", layout="contiguous", dropout_p=0.5, window=(5, 3), B=2, key_lengths=[30, 11]),
+    # (B, L, H, D) memory seen through a transpose: used as it is, the output laid out alike
+    dict(method="ring", causal=True, strided=True, H=4, Hkv=2),
+    dict(method="ulysses", causal=True, strided=True, H=4, Hkv=2, layout="contiguous"),
     # half precision: merged in fp32
     dict(method="ring", causal=True, dtype="float16"),
     dict(method="allgather", causal=True, dtype="bfloat16", layout="contiguous"),
