@@ -214,8 +214,8 @@ class _ContextParallelFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        if dout is None:  # only lse was used: nothing flows back (every rank agrees: lse has no gradient)
-            return None, None, None, None, None
+        if dout is None:  # zeros, not a skip: the other ranks' backward needs this one in the ring
+            dout = torch.zeros_like(out)
         dq, dk, dv = _cp_backward(ctx.call, dout.to(q.dtype), q, k, v, out, lse)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
