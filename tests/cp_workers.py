@@ -110,8 +110,14 @@ def _worker(rank: int, P: int, port: int, inbox, outbox):
     except Exception:  # noqa: BLE001
         outbox.put((rank, "error", traceback.format_exc()))
         return
+    parent = os.getppid()
     while True:
-        msg = inbox.get()
+        try:
+            msg = inbox.get(timeout=5.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test process is gone (killed): do not linger
+                break
+            continue
         if msg is None:
             break
         case, kwargs = msg
