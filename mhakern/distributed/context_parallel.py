@@ -297,6 +297,9 @@ class _AllToAll(torch.autograd.Function):
 
 def _ulysses(comm: Comm, layout, q, k, v, *, causal, causal_align, window, key_lengths, scale, softcap, slopes,
              sinks, backend):
+    """Ulysses on dense shards: (B, H, L_local, D) sequence shards -> the whole sequence for
+    H / P heads (heads r * H / P .. of rank r, their KV heads alike), in the sequence's order,
+    one mhakern.attention call with autograd, and back. (out, lse) as the shards."""
     from ..attention import attention
 
     P, r = comm.P, comm.r
