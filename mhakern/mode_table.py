@@ -141,8 +141,9 @@ FEATURES: Tuple[Feature, ...] = (
     Feature("varlen", "packed variable-length sequences (ModeParams::cu_seqlens_q / _k)"),
     Feature("cache_batch_idx", "K/V batch rows chosen per batch element (ModeParams::kv_batch_idx)"),
     Feature("paged", "paged K/V through a block table (ModeParams::block_table)"),
-    Feature("dropout_offsets", "the dropout hash's query and key positions shifted (ModeParams::dropout_q0 / "
-            "dropout_k0): a block of a longer sequence (context parallelism) draws that sequence's keep mask"),
+    Feature("dropout_offsets", "the dropout hash's query and key positions and heads shifted (ModeParams::dropout_q0 "
+            "/ dropout_k0 / dropout_h0 / dropout_heads): a block of a longer call (context parallelism) draws that "
+            "call's keep mask"),
 )
 
 MODES: Tuple[Mode, ...] = (
@@ -196,6 +197,10 @@ MODES: Tuple[Mode, ...] = (
              "in a longer sequence of which this call computes a block (mhakern.distributed)"),
     Mode("dropout_k0", "int", 0, feature="dropout_offsets", on="positive",
          doc="the dropout hash sees key j as j + dropout_k0 (>= 0; nothing else moves)"),
+    Mode("dropout_h0", "int", 0, feature="dropout_offsets", on="positive",
+         doc="the dropout hash sees query head h as h + dropout_h0 (>= 0): a head shard of a longer call"),
+    Mode("dropout_heads", "int", 0, feature="dropout_offsets", on="positive",
+         doc="the query head count H the dropout hash multiplies b by (0: the call's own H)"),
 )
 
 #: Properties of the record, each whether one of the named features is on.
@@ -262,4 +267,7 @@ PARAMS: Tuple[Param, ...] = (
           "drawn for row i + dropout_q0 and key j + dropout_k0, visibility and every other mode unchanged; 0 = the "
           "call's own positions.", copied=True, feature="dropout_offsets", on="positive"),
     Param("dropout_k0", "int64_t", "0", copied=True, feature="dropout_offsets", on="positive"),
+    Param("dropout_h0", "int64_t", "0", "The hash's head index h + dropout_h0 of dropout_heads heads (0: H): a head "
+          "shard of a longer call.", copied=True, feature="dropout_offsets", on="positive"),
+    Param("dropout_heads", "int64_t", "0", copied=True, feature="dropout_offsets", on="positive"),
 )

@@ -59,6 +59,8 @@ DENSE = [
     # dropout: the single-device call's keep mask over the whole sequence
     dict(method="ring", causal=True, dropout_p=0.3, H=4, Hkv=2),
     dict(method="allgather", layout="contiguous", dropout_p=0.5, window=(5, 3), B=2, key_lengths=[30, 11]),
+    dict(method="ulysses", causal=True, dropout_p=0.3, H=4, Hkv=2, sinks=True),
+    dict(method="ulysses", layout="contiguous", dropout_p=0.5, window=(5, 3), B=2, key_lengths=[30, 11], Hkv=2),
     # (B, L, H, D) memory seen through a transpose: used as it is, the output laid out alike
     dict(method="ring", causal=True, strided=True, H=4, Hkv=2),
     dict(method="ulysses", causal=True, strided=True, H=4, Hkv=2, layout="contiguous"),
@@ -114,7 +116,7 @@ def test_gradients_bit_identical_across_runs_and_ring_allgather(cp2):
     ("heads_local", "rank 1 refused its input: ArgumentError: k, v"),
     ("key_lengths", "the ranks disagree on key_lengths"),
     ("ulysses_heads", "method: 'ulysses' shards the heads: H (3) and Hkv (1) must be divisible by the group size 2"),
-    ("dropout", "dropout_p: dropout under context parallelism needs method 'ring' or 'allgather'"),
+    ("generator", "rank 1 refused its input: TypeError: generator: expected None or a torch.Generator, got int"),
     ("kernel", "rank 1 failed: RuntimeError: injected kernel failure"),
 ])
 def test_faults_raise_on_every_rank_naming_the_rank(cp2, kind, expected):
@@ -209,6 +211,8 @@ def test_usage_torchrun_example_runs_as_written(tmp_path):
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_dropout_offsets_draw_the_longer_calls_mask(backend):
+    # A block of rows, keys and query heads of a longer call, through dropout_q0 / _k0 / _h0 /
+    # _heads: its keep bits are the longer call's.
     from mhakern import reference
     from mhakern.modes import Modes
     from mhakern.ops import attn_bwd, attn_fwd
@@ -218,15 +222,16 @@ def test_dropout_offsets_draw_the_longer_calls_mask(backend):
     g = torch.Generator().manual_seed(3)
     B, H, Hkv, L, D, p, seed = 2, 4, 2, 24, 16, 0.4, 1234567
     a, n, c, m = 7, 9, 3, 13  # rows a .. a + n - 1 against keys c .. c + m - 1
+    h0, heads = 4, 12  # query heads 4 .. 7 of a call of 12
     q, k, v, dout = (torch.randn(B, h, l, D, generator=g) for h, l in ((H, n), (Hkv, m), (Hkv, m), (H, n)))
-    keep = reference.dropout_keep_mask(seed, B, H, L, L, p)[:, :, a : a + n, c : c + m]
+    keep = reference.dropout_keep_mask(seed, B, heads, L, L, p)[:, h0 : h0 + H, a : a + n, c : c + m]
     # The oracle: softmax of the block, the longer call's keep bits, in float64.
     q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
     kk, vv = (x.repeat_interleave(H // Hkv, 1) for x in (k64, v64))
     pr = torch.softmax(q64 @ kk.transpose(-1, -2) * D ** -0.5, -1)
     want = (pr * keep / (1 - p)) @ vv
     want.backward(dout.double())
-    modes = Modes.build(dropout_p=p, seed=seed, dropout_q0=a, dropout_k0=c)
+    modes = Modes.build(dropout_p=p, seed=seed, dropout_q0=a, dropout_k0=c, dropout_h0=h0, dropout_heads=heads)
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
     out, lse = attn_fwd(*xs, D ** -0.5, False, None, backend, *modes.op_args())
     assert (out.double() - want).abs().max().item() < 1e-5

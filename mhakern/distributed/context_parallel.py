@@ -45,6 +45,7 @@ from ..checks import (
     check_softcap,
     check_window,
     draw_seed,
+    parse_modes,
 )
 from ..ops import _with_sinks
 from ..reference import lse_dtype, sink_grad
@@ -296,11 +297,13 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _ulysses(comm: Comm, layout, q, k, v, *, causal, causal_align, window, key_lengths, scale, softcap, slopes,
-             sinks, backend):
+             sinks, backend, dropout_p, seed):
     """Ulysses on dense shards: (B, H, L_local, D) sequence shards -> the whole sequence for
     H / P heads (heads r * H / P .. of rank r, their KV heads alike), in the sequence's order,
-    one mhakern.attention call with autograd, and back. (out, lse) as the shards."""
-    from ..attention import attention
+    one mhakern.attention call with autograd, and back. (out, lse) as the shards. With dropout
+    the local call's hash sees its heads as heads r * H / P .. of H (the modes dropout_h0 /
+    dropout_heads): the whole call's keep mask."""
+    from ..routing import route
 
     P, r = comm.P, comm.r
     H = q.shape[1]
@@ -315,11 +318,14 @@ def _ulysses(comm: Comm, layout, q, k, v, *, causal, causal_align, window, key_l
         qh, kh, vh = (x.index_select(2, natural) for x in (qh, kh, vh))
     error = None
     try:
-        out, lse = attention(qh, kh, vh, causal=causal, causal_align=causal_align, window=window,
-                             key_lengths=key_lengths, scale=scale, softcap=softcap,
-                             alibi_slopes=None if slopes is None else slopes[:, r * Hp : (r + 1) * Hp],
-                             sinks=None if sinks is None else sinks[r * Hp : (r + 1) * Hp], backend=backend,
-                             return_lse=True)
+        sk = None if sinks is None else sinks[r * Hp : (r + 1) * Hp]
+        modes = parse_modes(qh, qh.shape[0], Hp, L, L, None, 0.0, None, causal, causal_align, window, softcap,
+                            None if slopes is None else slopes[:, r * Hp : (r + 1) * Hp], sk)
+        if dropout_p > 0.0:
+            modes = modes._replace(dropout_p=float(dropout_p), seed=seed, dropout_h0=r * Hp, dropout_heads=H)
+        grad = torch.is_grad_enabled() and (qh.requires_grad or kh.requires_grad or vh.requires_grad
+                                            or (sk is not None and sk.requires_grad))
+        out, lse = route(qh, kh, vh, scale, causal, key_lengths, backend, modes, grad)
     except Exception as exc:  # noqa: BLE001 - reported to every rank by comm.close
         error = exc
         out = qh.new_zeros(qh.shape[:3] + (v.shape[3],))
@@ -383,10 +389,9 @@ def _check_common(method, layout, causal, causal_align, softcap, dropout_p, gene
     check_dropout_p(dropout_p)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator: expected None or a torch.Generator, got {type(generator).__name__}")
-    if dropout_p > 0.0 and (packed or method == "ulysses"):
-        raise ArgumentError(f"dropout_p: dropout under context parallelism needs method 'ring' or 'allgather' on "
-                            f"dense sequences (the keep mask's hash sees the batch element and head of the call), "
-                            f"got method {method!r}{' on packed sequences' if packed else ''}")
+    if dropout_p > 0.0 and packed:
+        raise ArgumentError("dropout_p: dropout under context parallelism is not available for packed sequences "
+                            "(the keep mask's hash sees each sequence as a batch element); pass 0.0")
     if method == "ulysses" and (H % P or Hkv % P):
         raise ArgumentError(f"method: 'ulysses' shards the heads: H ({H}) and Hkv ({Hkv}) must be divisible by the "
                             f"group size {P}")
@@ -476,10 +481,10 @@ def context_parallel_attention(
             of length P * L_local); ``key_lengths`` (B,) global lengths, the same on every
             rank (checked). ALiBi slopes must not require grad; sinks get this rank's share
             of their gradient (the shares sum to the whole sequence's).
-        dropout_p, generator: as :func:`mhakern.attention`, methods "ring" and "allgather": the
-            keep mask is the one a single-device call over the whole sequence draws (its hash
-            sees global positions), the seed drawn from ``generator`` on every rank and rank
-            0's used. Ulysses refuses it by name (its hash would see the head shard).
+        dropout_p, generator: as :func:`mhakern.attention`, every method: the keep mask is the
+            one a single-device call over the whole sequence draws (its hash sees global
+            positions and heads), the seed drawn from ``generator`` on every rank and rank 0's
+            used. (Packed sequences refuse it by name.)
 
     Every rank must call with the same shapes, dtype and arguments: they are compared before
     any data moves, and a rank whose input is bad (or a kernel that fails on one rank) makes
@@ -529,7 +534,7 @@ def context_parallel_attention(
     if method == "ulysses":
         out, lse = _ulysses(comm, layout, q, k, v, causal=causal, causal_align=causal_align, window=window,
                             key_lengths=key_lengths, scale=scale, softcap=softcap, slopes=slopes, sinks=sinks,
-                            backend=backend)
+                            backend=backend, dropout_p=float(dropout_p), seed=seed)
     else:
         prob = Problem(P=P, layout=layout, L=Lg, B=B, H=H, causal=causal, top_left=top_left, window=(wl, wr),
                        key_lengths=kl, softcap=0.0 if softcap is None else float(softcap), slopes=slopes, packed=None,
