@@ -42,7 +42,8 @@ constexpr int64_t kCpuMaxHeadDim = 256;
 // Modes the cpu kernels implement (csrc/cpu/attention_kernel_impl.h and its kernel/ pieces read
 // the params fields of attention_params.h). The op refuses the others with the mode's name.
 constexpr unsigned kCpuFeatures =
-    kAttnMask | kMaskGrad | kDropout | kTopLeft | kWindow | kSoftcap | kAlibi | kVarlen | kCacheBatchIdx | kPaged;
+    kAttnMask | kMaskGrad | kDropout | kTopLeft | kWindow | kSoftcap | kAlibi | kVarlen | kCacheBatchIdx | kPaged |
+    kDropoutOffsets;
 
 // ---- cuda family (csrc/cuda/) ----------------------------------------------------------------
 // One compiled instantiation per (element type, head dim): F(tag, D) for each. Adding a head dim

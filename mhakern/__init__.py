@@ -14,6 +14,8 @@ Public API:
 * :func:`available_backends` -- each backend with None (usable) or the reason it is not.
 * :func:`self_test` -- test the compiled kernel families on this machine's devices now (they are
   tested on first use anyway, once per device and build: mhakern/selftest.py).
+* :mod:`mhakern.distributed` -- context parallelism: attention over a sequence sharded across
+  the ranks of a torch.distributed group (ring, all-gather, Ulysses), forward and backward.
 * :func:`last_backend` -- the backend that served this thread's last call;
   :func:`set_strict` -- refuse, rather than fall back to the plain-PyTorch reference.
 
@@ -41,6 +43,10 @@ def __getattr__(name):
         from .modules import FusedMHA
 
         return FusedMHA
+    if name == "distributed":  # context parallelism (mhakern/distributed/), imported on first use
+        import importlib
+
+        return importlib.import_module(".distributed", __name__)
     if name == "self_test":  # the kernel families' self-test (mhakern/selftest.py), imported on first use
         from .selftest import self_test
 

@@ -10,7 +10,7 @@ what runs now, at the key paths of ``BUILD_FACTS``.
 """
 
 FEATURE_NAMES = ('attn_mask', 'mask_grad', 'dropout', 'top_left', 'window', 'softcap', 'alibi', 'varlen', 'cache_batch_idx',
- 'paged')
+ 'paged', 'dropout_offsets')
 
 BUILD_FACTS = (('cpu', 'compiled'), ('cuda', 'compiled'), ('cuda', 'sm90', 'compiled'), ('cuda', 'sm90', 'bwd_kernel'),
  ('cuda', 'sm90', 'bwd_deterministic'))
@@ -18,7 +18,7 @@ BUILD_FACTS = (('cpu', 'compiled'), ('cuda', 'compiled'), ('cuda', 'sm90', 'comp
 TABLE = {'cpu': {'dtypes': ['float32', 'bfloat16', 'float16'],
          'max_head_dim': 256,
          'features': ['attn_mask', 'mask_grad', 'dropout', 'top_left', 'window', 'softcap', 'alibi', 'varlen',
-                      'cache_batch_idx', 'paged']},
+                      'cache_batch_idx', 'paged', 'dropout_offsets']},
  'cuda': {'dtypes': ['float16', 'bfloat16'],
           'head_dims': [32, 64, 96, 128],
           'equal_head_dims': True,

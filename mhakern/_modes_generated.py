@@ -40,6 +40,12 @@ class Modes(NamedTuple):
     cache_batch_idx[b].
     ``block_table``: paged KV cache (forward only): int32 (B, pages_per_seq); k/v are (num_pages, Hkv,
     page_size, D*) and key j of element b is row j % page_size of page block_table[b, j // page_size].
+    ``dropout_q0``: the dropout hash sees query row i as i + dropout_q0 (>= 0; nothing else moves): the row's
+    position in a longer sequence of which this call computes a block (mhakern.distributed).
+    ``dropout_k0``: the dropout hash sees key j as j + dropout_k0 (>= 0; nothing else moves).
+    ``dropout_h0``: the dropout hash sees query head h as h + dropout_h0 (>= 0): a head shard of a longer
+    call.
+    ``dropout_heads``: the query head count H the dropout hash multiplies b by (0: the call's own H).
     """
 
     attn_mask: Optional[Tensor] = None
@@ -58,6 +64,10 @@ class Modes(NamedTuple):
     max_seqlen_k: int = 0
     cache_batch_idx: Optional[Tensor] = None
     block_table: Optional[Tensor] = None
+    dropout_q0: int = 0
+    dropout_k0: int = 0
+    dropout_h0: int = 0
+    dropout_heads: int = 0
 
     def required_features(self) -> FrozenSet[str]:
         """The names of the modes a backend must implement for this call (empty for the
@@ -85,6 +95,8 @@ class Modes(NamedTuple):
             need.add("cache_batch_idx")
         if self.block_table is not None:
             need.add("paged")
+        if self.dropout_q0 > 0.0 or self.dropout_k0 > 0.0 or self.dropout_h0 > 0.0 or self.dropout_heads > 0.0:
+            need.add("dropout_offsets")
         return frozenset(need)
 
     @property
@@ -111,18 +123,20 @@ class Modes(NamedTuple):
     def from_op_args(cls, attn_mask=None, dropout_p=0.0, seed=0, top_left=False, window_left=-1,
                      window_right=-1, mask_grad=False, softcap=0.0, alibi_slopes=None, sinks=None,
                      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-                     cache_batch_idx=None, block_table=None) -> "Modes":
+                     cache_batch_idx=None, block_table=None, dropout_q0=0, dropout_k0=0, dropout_h0=0,
+                     dropout_heads=0) -> "Modes":
         """The record from :meth:`op_args`' flattening (the default record when every field
         that matters on its own has its default, so that ``required_features`` is free for
         plain calls)."""
         if (attn_mask is None and dropout_p == 0.0 and top_left is False and window_left == -1
                 and window_right == -1 and mask_grad is False and softcap == 0.0 and alibi_slopes is None
                 and sinks is None and cu_seqlens_q is None and cu_seqlens_k is None and cache_batch_idx is None
-                and block_table is None):
+                and block_table is None and dropout_q0 == 0 and dropout_k0 == 0 and dropout_h0 == 0
+                and dropout_heads == 0):
             return DEFAULT_MODES
         return cls(attn_mask, dropout_p, seed, top_left, window_left, window_right, mask_grad, softcap,
                    alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   cache_batch_idx, block_table)
+                   cache_batch_idx, block_table, dropout_q0, dropout_k0, dropout_h0, dropout_heads)
 
     @classmethod
     def build(cls, *, window=None, **fields) -> "Modes":
@@ -145,7 +159,8 @@ class Modes(NamedTuple):
         head = (self.attn_mask, float(self.dropout_p), int(self.seed), bool(self.top_left),
             int(self.window_left), int(self.window_right), float(self.softcap), self.alibi_slopes)
         return head + self._c_tail() if (self.cu_seqlens_q is not None or self.cu_seqlens_k is not None or
-            self.cache_batch_idx is not None or self.block_table is not None) else head
+            self.cache_batch_idx is not None or self.block_table is not None or self.dropout_q0 > 0.0 or
+            self.dropout_k0 > 0.0 or self.dropout_h0 > 0.0 or self.dropout_heads > 0.0) else head
 
     def c_op_bwd_args(self) -> tuple:
         """The mode arguments of ``torch.ops.mhakern_C.bwd`` in schema order."""
@@ -153,11 +168,13 @@ class Modes(NamedTuple):
             int(self.window_left), int(self.window_right), bool(self.mask_grad), float(self.softcap),
             self.alibi_slopes)
         return head + self._c_tail() if (self.cu_seqlens_q is not None or self.cu_seqlens_k is not None or
-            self.cache_batch_idx is not None or self.block_table is not None) else head
+            self.cache_batch_idx is not None or self.block_table is not None or self.dropout_q0 > 0.0 or
+            self.dropout_k0 > 0.0 or self.dropout_h0 > 0.0 or self.dropout_heads > 0.0) else head
 
     def _c_tail(self) -> tuple:
         return (self.cu_seqlens_q, self.cu_seqlens_k, int(self.max_seqlen_q), int(self.max_seqlen_k),
-                self.cache_batch_idx, self.block_table)
+                self.cache_batch_idx, self.block_table, int(self.dropout_q0), int(self.dropout_k0),
+                int(self.dropout_h0), int(self.dropout_heads))
 
 
 DEFAULT_MODES = Modes()
@@ -170,5 +187,5 @@ OP_SCHEMA_MODES = (
     "window_left=-1, int window_right=-1, bool mask_grad=False, float softcap=0.0, Tensor? "
     "alibi_slopes=None, Tensor? sinks=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
     "SymInt max_seqlen_q=0, SymInt max_seqlen_k=0, Tensor? cache_batch_idx=None, Tensor? "
-    "block_table=None"
+    "block_table=None, int dropout_q0=0, int dropout_k0=0, int dropout_h0=0, int dropout_heads=0"
 )

@@ -321,6 +321,10 @@ def check_modes(modes: Modes, B: int, H: int, Lq: int, Lk: int, device) -> None:
     for name, w in (("window_left", modes.window_left), ("window_right", modes.window_right)):
         if isinstance(w, bool) or not isinstance(w, int) or w < -1:
             raise ArgumentError(f"{name}: expected an int >= -1 (-1 = unbounded), got {w!r}")
+    for name, x in (("dropout_q0", modes.dropout_q0), ("dropout_k0", modes.dropout_k0),
+                    ("dropout_h0", modes.dropout_h0), ("dropout_heads", modes.dropout_heads)):
+        if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < 2**32:
+            raise ArgumentError(f"{name}: expected an int in [0, 2**32) (a position the dropout hash sees), got {x!r}")
     check_mask(modes.attn_mask, B, H, Lq, Lk, device)
     if modes.mask_grad and (modes.attn_mask is None or not modes.attn_mask.is_floating_point()):
         raise ArgumentError("mask_grad: True needs a floating attn_mask (a bool mask has no gradient)")

@@ -141,6 +141,9 @@ FEATURES: Tuple[Feature, ...] = (
     Feature("varlen", "packed variable-length sequences (ModeParams::cu_seqlens_q / _k)"),
     Feature("cache_batch_idx", "K/V batch rows chosen per batch element (ModeParams::kv_batch_idx)"),
     Feature("paged", "paged K/V through a block table (ModeParams::block_table)"),
+    Feature("dropout_offsets", "the dropout hash's query and key positions and heads shifted (ModeParams::dropout_q0 "
+            "/ dropout_k0 / dropout_h0 / dropout_heads): a block of a longer call (context parallelism) draws that "
+            "call's keep mask"),
 )
 
 MODES: Tuple[Mode, ...] = (
@@ -189,6 +192,15 @@ MODES: Tuple[Mode, ...] = (
     Mode("block_table", "tensor", None, feature="paged", on="given", triton=("PAGED", "BT"),
          doc="paged KV cache (forward only): int32 (B, pages_per_seq); k/v are (num_pages, Hkv, page_size, D*) "
              "and key j of element b is row j % page_size of page block_table[b, j // page_size]"),
+    Mode("dropout_q0", "int", 0, feature="dropout_offsets", on="positive",
+         doc="the dropout hash sees query row i as i + dropout_q0 (>= 0; nothing else moves): the row's position "
+             "in a longer sequence of which this call computes a block (mhakern.distributed)"),
+    Mode("dropout_k0", "int", 0, feature="dropout_offsets", on="positive",
+         doc="the dropout hash sees key j as j + dropout_k0 (>= 0; nothing else moves)"),
+    Mode("dropout_h0", "int", 0, feature="dropout_offsets", on="positive",
+         doc="the dropout hash sees query head h as h + dropout_h0 (>= 0): a head shard of a longer call"),
+    Mode("dropout_heads", "int", 0, feature="dropout_offsets", on="positive",
+         doc="the query head count H the dropout hash multiplies b by (0: the call's own H)"),
 )
 
 #: Properties of the record, each whether one of the named features is on.
@@ -251,4 +263,11 @@ PARAMS: Tuple[Param, ...] = (
           "K/V.", feature="paged", on="given"),
     Param("block_table_stride", "int64_t", "0"),
     Param("page_size", "int64_t", "0"),
+    Param("dropout_q0", "int64_t", "0", "Dropout hash offsets (docs/contract.md, \"Dropout\"): keep(b, h, i, j) is "
+          "drawn for row i + dropout_q0 and key j + dropout_k0, visibility and every other mode unchanged; 0 = the "
+          "call's own positions.", copied=True, feature="dropout_offsets", on="positive"),
+    Param("dropout_k0", "int64_t", "0", copied=True, feature="dropout_offsets", on="positive"),
+    Param("dropout_h0", "int64_t", "0", "The hash's head index h + dropout_h0 of dropout_heads heads (0: H): a head "
+          "shard of a longer call.", copied=True, feature="dropout_offsets", on="positive"),
+    Param("dropout_heads", "int64_t", "0", copied=True, feature="dropout_offsets", on="positive"),
 )

@@ -63,6 +63,15 @@ class FusedMHA(nn.Module):
         sinks: True adds a learnable logit per query head, the Parameter ``sinks`` (H,),
             initialised to 0, that joins every row's softmax denominator (gpt-oss' attention
             sinks; :func:`mhakern.attention`'s ``sinks``).
+        context_parallel_group: None, or a torch.distributed group (or one-dimensional
+            DeviceMesh) over which the sequence is sharded: each rank passes its shard of the
+            sequence (laid out by ``context_parallel_layout``, :func:`mhakern.distributed.shard`)
+            and gets its shard of the output, through
+            :func:`mhakern.distributed.context_parallel_attention` (self-attention over the
+            whole sequence; ``is_causal`` and ``key_lengths`` global; no masks, weights,
+            appended keys, packing or dropout in training, each refused by name).
+        context_parallel_method, context_parallel_layout: that function's ``method`` and
+            ``layout`` ("ring", "zigzag" by default).
 
     Parameters (with Q = H * hd and K = Hkv * hd; with the defaults Q = K = E and every shape
     is exactly nn.MultiheadAttention's):
@@ -102,6 +111,9 @@ class FusedMHA(nn.Module):
         softcap: Optional[float] = None,
         alibi: Union[None, bool, Tensor] = None,
         sinks: bool = False,
+        context_parallel_group=None,
+        context_parallel_method: str = "ring",
+        context_parallel_layout: str = "zigzag",
     ) -> None:
         super().__init__()
         for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads)):
@@ -148,6 +160,11 @@ class FusedMHA(nn.Module):
         self.dropout = float(dropout)
         self.batch_first = batch_first
         self.backend = backend
+        # Not module state: a process group is not picklable, and a state dict is the same with or
+        # without context parallelism.
+        self.context_parallel_group = context_parallel_group
+        self.context_parallel_method = context_parallel_method
+        self.context_parallel_layout = context_parallel_layout
 
         q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
         if self._qkv_same_embed_dim:
@@ -357,6 +374,9 @@ class FusedMHA(nn.Module):
                                         key_lengths)
 
         batched = _check_inputs(query, key, value, self.embed_dim, self.kdim, self.vdim, self.batch_first)
+        if self.context_parallel_group is not None:
+            return self._forward_context_parallel(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                                  is_causal, key_lengths, batched)
         H, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         if batched:
             bd, ld = (0, 1) if self.batch_first else (1, 0)
@@ -490,6 +510,40 @@ class FusedMHA(nn.Module):
         if average:
             weights = weights.mean(dim=1)
         return weights if batched else weights.squeeze(0)
+
+    def _forward_context_parallel(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal,
+                                  key_lengths, batched):
+        """forward() with ``context_parallel_group``: this rank's sequence shard through
+        :func:`mhakern.distributed.context_parallel_attention`."""
+        from .distributed import context_parallel_attention
+
+        refused = (("need_weights", need_weights), ("attn_mask", attn_mask is not None),
+                   ("key_padding_mask", key_padding_mask is not None),
+                   ("add_bias_kv", self.bias_k is not None), ("add_zero_attn", self.add_zero_attn),
+                   ("dropout", self.training and self.dropout > 0.0))
+        for name, bad in refused:
+            if bad:
+                raise ArgumentError(f"{name}: not available with context_parallel_group (the sequence is sharded "
+                                    f"across ranks); pass key_lengths and is_causal for global masking")
+        if batched:
+            bd, ld = (0, 1) if self.batch_first else (1, 0)
+            N, L = query.shape[bd], query.shape[ld]
+        else:
+            N, L = 1, query.shape[0]
+        if key_lengths is not None:
+            key_lengths = key_lengths.reshape(N)
+        H, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v, _ = self._project(query, key, value, N, batched)
+        q = q.unflatten(-1, (H, hd)).transpose(1, 2)
+        k = k.unflatten(-1, (Hkv, hd)).transpose(1, 2)
+        v = v.unflatten(-1, (Hkv, hd)).transpose(1, 2)
+        o = context_parallel_attention(q, k, v, group=self.context_parallel_group, method=self.context_parallel_method,
+                                       layout=self.context_parallel_layout, causal=is_causal,
+                                       key_lengths=key_lengths, backend=self.backend, **self._modifiers(N))
+        out = self.out_proj(o.transpose(1, 2).reshape(N, L, H * hd))
+        if not batched:
+            return out.squeeze(0), None
+        return (out, None) if self.batch_first else (out.transpose(0, 1), None)
 
     def _modifiers(self, N: int) -> dict:
         """The score modifiers' keyword arguments of attention() (none when unset)."""

@@ -84,20 +84,29 @@ def dropout_keep_mask(
     row_offset: int = 0,
     rows: Optional[int] = None,
     batch_offset: int = 0,
+    q0: int = 0,
+    k0: int = 0,
+    h0: int = 0,
+    heads: int = 0,
 ) -> Tensor:
     """Bool keep mask (B, H, rows, Lk) of query rows ``row_offset ..`` (all rows by default) of
-    batch elements ``batch_offset ..`` (a packed call's sequence s hashes as b = s).
+    batch elements ``batch_offset ..`` (a packed call's sequence s hashes as b = s); the hash
+    sees row i as ``i + q0``, key j as ``j + k0`` and head h as ``h + h0`` of ``heads`` heads (0:
+    ``H``) (the modes ``dropout_q0`` / ``_k0`` / ``_h0`` / ``_heads``: a block or a head shard of
+    a longer call).
 
     ``H`` is the number of *query* heads. ``p = 0`` keeps everything.
     """
     rows = Lq - row_offset if rows is None else rows
     seed_lo, seed_hi = seed & M32, (seed >> 32) & M32
     i64 = dict(dtype=torch.int64, device=device)
-    bh = (torch.arange(batch_offset, batch_offset + B, **i64).view(B, 1) * H + torch.arange(H, **i64).view(1, H)) & M32
+    Ht = heads if heads > 0 else H
+    bh = (torch.arange(batch_offset, batch_offset + B, **i64).view(B, 1) * Ht
+          + torch.arange(h0, h0 + H, **i64).view(1, H)) & M32
     s_bh = mix32(seed_lo ^ mix32(seed_hi ^ bh))
-    i = torch.arange(row_offset, row_offset + rows, **i64) & M32
+    i = torch.arange(q0 + row_offset, q0 + row_offset + rows, **i64) & M32
     r_i = mix32(s_bh.view(B, H, 1) ^ i.view(1, 1, rows))
-    j = torch.arange(Lk, **i64)
+    j = torch.arange(k0, k0 + Lk, **i64)
     u = mix32((r_i.view(B, H, rows, 1) + j.view(1, 1, 1, Lk)) & M32)
     return u >= dropout_threshold(p)
 
@@ -384,7 +393,8 @@ def attention_forward(
         lse = (m + torch.log(l)).masked_fill(dead, -math.inf).squeeze(-1)
         p = e / l.masked_fill(dead, 1.0)
         if modes.dropout_p > 0.0:
-            keep = dropout_keep_mask(modes.seed, B, H, Lq, Lk, modes.dropout_p, q.device, r0, rows, batch_offset)
+            keep = dropout_keep_mask(modes.seed, B, H, Lq, Lk, modes.dropout_p, q.device, r0, rows, batch_offset,
+                                     modes.dropout_q0, modes.dropout_k0, modes.dropout_h0, modes.dropout_heads)
             p = p * keep.to(wdt) / (1.0 - modes.dropout_p)
         outs.append(_support_matmul(p, vv, vis))
         lses.append(lse)
@@ -470,8 +480,9 @@ def attention_backward_modes(
         p = p.masked_fill(~vis, 0.0)
     dp = _support_matmul(dow, vv.transpose(-1, -2), None)
     if modes.dropout_p > 0.0:
-        keep = dropout_keep_mask(modes.seed, B, H, Lq, Lk, modes.dropout_p, q.device,
-                                 batch_offset=batch_offset).to(wdt) / (1.0 - modes.dropout_p)
+        keep = dropout_keep_mask(modes.seed, B, H, Lq, Lk, modes.dropout_p, q.device, batch_offset=batch_offset,
+                                 q0=modes.dropout_q0, k0=modes.dropout_k0, h0=modes.dropout_h0,
+                                 heads=modes.dropout_heads).to(wdt) / (1.0 - modes.dropout_p)
         pd, dp = p * keep, dp * keep
     else:
         pd = p
@@ -560,7 +571,9 @@ def attention(
     else:
         p = torch.softmax(s, dim=-1)
     if modes.dropout_p > 0.0:
-        keep = dropout_keep_mask(modes.seed, B, H, Lq, Lk, modes.dropout_p, q.device, batch_offset=batch_offset)
+        keep = dropout_keep_mask(modes.seed, B, H, Lq, Lk, modes.dropout_p, q.device, batch_offset=batch_offset,
+                                 q0=modes.dropout_q0, k0=modes.dropout_k0, h0=modes.dropout_h0,
+                                 heads=modes.dropout_heads)
         p = p * keep.to(wdt) / (1.0 - modes.dropout_p)
     return torch.matmul(p, vv)
 

@@ -28,12 +28,12 @@ def test_schemas_match_the_interface():
     assert [a.name for a in fwd.arguments] == [
         "q", "k", "v", "scale", "causal", "key_lengths", "attn_mask", "dropout_p", "seed", "top_left",
         "window_left", "window_right", "softcap", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
-        "max_seqlen_k", "cache_batch_idx", "block_table"]
+        "max_seqlen_k", "cache_batch_idx", "block_table", "dropout_q0", "dropout_k0", "dropout_h0", "dropout_heads"]
     assert [r.name for r in fwd.returns] == ["out", "lse"]
     assert [a.name for a in bwd.arguments] == [
         "dout", "q", "k", "v", "out", "lse", "scale", "causal", "key_lengths", "attn_mask", "dropout_p", "seed",
         "top_left", "window_left", "window_right", "mask_grad", "softcap", "alibi_slopes", "cu_seqlens_q",
-        "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "cache_batch_idx", "block_table"]
+        "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "cache_batch_idx", "block_table", "dropout_q0", "dropout_k0", "dropout_h0", "dropout_heads"]
     assert [r.name for r in bwd.returns] == ["dq", "dk", "dv", "dmask"]
 
 

@@ -32,15 +32,15 @@ def test_an_edit_of_the_table_shows_in_every_output(tmp_path):
     # A new scalar mode appended to the table: every output changes, and the new field reaches the
     # record, both C++ schemas, ModeArgs, ModeParams (copied) and the feature lists.
     text = (ROOT / "mhakern" / "mode_table.py").read_text()
-    edited = text.replace(
-        'Feature("paged", "paged K/V through a block table (ModeParams::block_table)"),\n',
-        'Feature("paged", "paged K/V through a block table (ModeParams::block_table)"),\n'
-        '    Feature("q_offset", "a global query offset"),\n').replace(
+    # Appended after the tables' last rows, whatever they are (rows are only ever appended).
+    feat_end = text.index("\n)", text.index("FEATURES: Tuple[Feature, ...] = ("))
+    edited = text[:feat_end] + '\n    Feature("q_offset", "a global query offset"),' + text[feat_end:]
+    params_end = edited.index("\n)", edited.index("PARAMS: Tuple[Param, ...] = ("))
+    edited = (edited[:params_end] + "\n) + PARAMS_EXTRA" + edited[params_end + 2:]).replace(
         '\n#: Properties of the record',
         '\nMODES = MODES + (Mode("q_offset", "int", 0, feature="q_offset", on="nonneg", doc="x"),)\n'
         'PARAMS_EXTRA = (Param("q_offset", "int64_t", "0", copied=True, feature="q_offset", on="nonneg"),)\n'
-        '\n#: Properties of the record').replace(
-        '    Param("page_size", "int64_t", "0"),\n)', '    Param("page_size", "int64_t", "0"),\n) + PARAMS_EXTRA')
+        '\n#: Properties of the record')
     assert edited.count("q_offset") == 5
     path = tmp_path / "mode_table.py"
     path.write_text(edited)
@@ -51,7 +51,7 @@ def test_an_edit_of_the_table_shows_in_every_output(tmp_path):
     assert sorted(gen.differences(root, path)) == sorted(f"differs: {rel}" for rel in gen.render_all())
     out = gen.render_all(path)
     header = out[gen.CPP_HEADER]
-    assert "X(kQOffset, 10, \"q_offset\")" in header and "int q_offset=0\"" in header.replace(" \\\n  \"", "")
+    assert f"X(kQOffset, {len(table.FEATURES)}, \"q_offset\")" in header and "int q_offset=0\"" in header.replace(" \\\n  \"", "")
     assert "X(q_offset, int64_t, 0)" in header and "X(q_offset, int64_t)" in header
     assert "q_offset: int = 0" in out[gen.PY_RECORD] and "need.add(\"q_offset\")" in out[gen.PY_RECORD]
 

@@ -16,6 +16,7 @@
 //   kVarlen (varlen): packed variable-length sequences (ModeParams::cu_seqlens_q / _k)
 //   kCacheBatchIdx (cache_batch_idx): K/V batch rows chosen per batch element (ModeParams::kv_batch_idx)
 //   kPaged (paged): paged K/V through a block table (ModeParams::block_table)
+//   kDropoutOffsets (dropout_offsets): the dropout hash's query and key positions and heads shifted (ModeParams::dropout_q0 / dropout_k0 / dropout_h0 / dropout_heads): a block of a longer call (context parallelism) draws that call's keep mask
 #define MHK_MODE_FEATURES(X) \
   X(kAttnMask, 0, "attn_mask") \
   X(kMaskGrad, 1, "mask_grad") \
@@ -26,7 +27,8 @@
   X(kAlibi, 6, "alibi") \
   X(kVarlen, 7, "varlen") \
   X(kCacheBatchIdx, 8, "cache_batch_idx") \
-  X(kPaged, 9, "paged")
+  X(kPaged, 9, "paged") \
+  X(kDropoutOffsets, 10, "dropout_offsets")
 
 // The modes that reach the backends, X(name, ModeArgs member type, default), in record order:
 // op::ModeArgs' members.
@@ -45,7 +47,11 @@
   X(max_seqlen_q, int64_t, 0) \
   X(max_seqlen_k, int64_t, 0) \
   X(cache_batch_idx, const std::optional<at::Tensor>*, nullptr) \
-  X(block_table, const std::optional<at::Tensor>*, nullptr)
+  X(block_table, const std::optional<at::Tensor>*, nullptr) \
+  X(dropout_q0, int64_t, 0) \
+  X(dropout_k0, int64_t, 0) \
+  X(dropout_h0, int64_t, 0) \
+  X(dropout_heads, int64_t, 0)
 
 // The mode parameters of the C++ forward operator (after key_lengths), X(name, parameter type, &
 // for a tensor taken by address), in schema order.
@@ -63,7 +69,11 @@
   X(max_seqlen_q, int64_t, ) \
   X(max_seqlen_k, int64_t, ) \
   X(cache_batch_idx, const std::optional<at::Tensor>&, &) \
-  X(block_table, const std::optional<at::Tensor>&, &)
+  X(block_table, const std::optional<at::Tensor>&, &) \
+  X(dropout_q0, int64_t, ) \
+  X(dropout_k0, int64_t, ) \
+  X(dropout_h0, int64_t, ) \
+  X(dropout_heads, int64_t, )
 
 // The mode parameters of the C++ backward operator, as MHK_MODE_FWD_PARAMS.
 #define MHK_MODE_BWD_PARAMS(X) \
@@ -81,7 +91,11 @@
   X(max_seqlen_q, int64_t, ) \
   X(max_seqlen_k, int64_t, ) \
   X(cache_batch_idx, const std::optional<at::Tensor>&, &) \
-  X(block_table, const std::optional<at::Tensor>&, &)
+  X(block_table, const std::optional<at::Tensor>&, &) \
+  X(dropout_q0, int64_t, ) \
+  X(dropout_k0, int64_t, ) \
+  X(dropout_h0, int64_t, ) \
+  X(dropout_heads, int64_t, )
 
 // X(feature enumerator, test over ModeArgs' members): when a call needs the feature
 // (ModeArgs::required).
@@ -95,19 +109,21 @@
   X(kAlibi, given(alibi_slopes)) \
   X(kVarlen, given(cu_seqlens_q) || given(cu_seqlens_k)) \
   X(kCacheBatchIdx, given(cache_batch_idx)) \
-  X(kPaged, given(block_table))
+  X(kPaged, given(block_table)) \
+  X(kDropoutOffsets, dropout_q0 > 0.0 || dropout_k0 > 0.0 || dropout_h0 > 0.0 || dropout_heads > 0.0)
 
 // The C++ operators' schema text for the modes (csrc/bindings.cpp), after key_lengths.
 #define MHK_MODE_FWD_SCHEMA \
   "Tensor? attn_mask, float dropout_p, int seed, bool top_left, int window_left, int window_right, " \
   "float softcap=0.0, Tensor? alibi_slopes=None, Tensor? cu_seqlens_q=None, Tensor? " \
   "cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, Tensor? cache_batch_idx=None, Tensor?" \
-  " block_table=None"
+  " block_table=None, int dropout_q0=0, int dropout_k0=0, int dropout_h0=0, int dropout_heads=0"
 #define MHK_MODE_BWD_SCHEMA \
   "Tensor? attn_mask, float dropout_p, int seed, bool top_left, int window_left, int window_right, " \
   "bool mask_grad, float softcap=0.0, Tensor? alibi_slopes=None, Tensor? cu_seqlens_q=None, Tensor?" \
   " cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, Tensor? cache_batch_idx=None, " \
-  "Tensor? block_table=None"
+  "Tensor? block_table=None, int dropout_q0=0, int dropout_k0=0, int dropout_h0=0, int " \
+  "dropout_heads=0"
 
 // The mode fields of the kernels' parameter struct ModeParams (csrc/mode_params.h), X(type, name,
 // initialiser), in memory order:
@@ -137,6 +153,11 @@
 //   lives in page block_table[b * block_table_stride + j / page_size], row j % page_size; the
 //   logical key length (the params' Lk, set by the host) is pages_per_seq * page_size. nullptr:
 //   dense K/V.
+//   dropout_q0: Dropout hash offsets (docs/contract.md, "Dropout"): keep(b, h, i, j) is drawn for
+//   row i + dropout_q0 and key j + dropout_k0, visibility and every other mode unchanged; 0 = the
+//   call's own positions.
+//   dropout_h0: The hash's head index h + dropout_h0 of dropout_heads heads (0: H): a head shard of
+//   a longer call.
 #define MHK_MODE_PARAMS(X) \
   X(bool, top_left, false) \
   X(int64_t, window_left, -1) \
@@ -162,7 +183,11 @@
   X(const int32_t*, kv_batch_idx, nullptr) \
   X(const int32_t*, block_table, nullptr) \
   X(int64_t, block_table_stride, 0) \
-  X(int64_t, page_size, 0)
+  X(int64_t, page_size, 0) \
+  X(int64_t, dropout_q0, 0) \
+  X(int64_t, dropout_k0, 0) \
+  X(int64_t, dropout_h0, 0) \
+  X(int64_t, dropout_heads, 0)
 
 // X(name, type): the ModeParams fields copied from the ModeArgs member of the same name
 // (static_cast<type>); op_common.h fill_mode_params fills the others.
@@ -172,7 +197,11 @@
   X(window_right, int64_t) \
   X(dropout_p, double) \
   X(seed, uint64_t) \
-  X(softcap, float)
+  X(softcap, float) \
+  X(dropout_q0, int64_t) \
+  X(dropout_k0, int64_t) \
+  X(dropout_h0, int64_t) \
+  X(dropout_heads, int64_t)
 
 // X(feature enumerator, test over a ModeParams p): when a call's parameters use the feature (cuda
 // attn_params.h mode_features_of).
@@ -186,4 +215,5 @@
   X(kAlibi, p.alibi != nullptr) \
   X(kVarlen, p.cu_seqlens_q != nullptr) \
   X(kCacheBatchIdx, p.kv_batch_idx != nullptr) \
-  X(kPaged, p.block_table != nullptr)
+  X(kPaged, p.block_table != nullptr) \
+  X(kDropoutOffsets, p.dropout_q0 > 0.0 || p.dropout_k0 > 0.0 || p.dropout_h0 > 0.0 || p.dropout_heads > 0.0)

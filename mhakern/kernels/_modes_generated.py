@@ -7,7 +7,8 @@ import types
 PLAIN = types.SimpleNamespace(attn_mask=None, dropout_p=0.0, seed=0, top_left=False, window_left=-1,
                               window_right=-1, mask_grad=False, softcap=0.0, alibi_slopes=None, sinks=None,
                               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-                              cache_batch_idx=None, block_table=None)
+                              cache_batch_idx=None, block_table=None, dropout_q0=0, dropout_k0=0,
+                              dropout_h0=0, dropout_heads=0)
 
 #: The Triton kernels' arguments that carry each mode (the table's ``triton`` column).
 KERNEL_ARGS = {

@@ -44,10 +44,12 @@ struct DropoutConsts {
   bool on;
   uint32_t threshold;
   float keep_scale;  // 1 / (1 - p)
+  int64_t k0;        // ModeParams::dropout_k0: the position the hash sees for key 0
   explicit DropoutConsts(const AttnParams& p)
       : on(p.dropout_p > 0.f),
         threshold(on ? dropout_threshold(p.dropout_p) : 0),
-        keep_scale(on ? static_cast<float>(1.0 / (1.0 - static_cast<double>(p.dropout_p))) : 1.f) {}
+        keep_scale(on ? static_cast<float>(1.0 / (1.0 - static_cast<double>(p.dropout_p))) : 1.f),
+        k0(p.dropout_k0) {}
 };
 
 // A task's per key block tiles: S^T / P^T and dP^T / dS^T (keys x rows), the block's dK and dV
@@ -247,7 +249,7 @@ MHK_STEP void probs_and_dscores(const RowSlot& sl, int64_t j0, int64_t bk, const
     for (int64_t j = 0; j < bk; ++j) {
       float* sp = t.st + j * Rp;
       float* dp = t.dst + j * Rp;
-      dropout_keep(sl.rseed, Rp, j0 + j, drop.threshold, drop.keep_scale, t.kv);
+      dropout_keep(sl.rseed, Rp, j0 + j + drop.k0, drop.threshold, drop.keep_scale, t.kv);
       for (int64_t v = 0; v < nvec; ++v) {
         const Vec pj = exp2v(Vec::loadu(sp + v * VL) - Vec::loadu(sl.lse2 + v * VL));
         const Vec kj = Vec::loadu(t.kv + v * VL);

@@ -205,7 +205,7 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
       // kept ones, and 1 / (1 - p) when it is normalised.
       for (int64_t j = 0; j < bk; ++j) {
         float* sp = s.st + j * Rp;
-        dropout_keep(s.rseed, Rp, j0 + j, threshold, 1.f, s.kv);
+        dropout_keep(s.rseed, Rp, j0 + j + p.dropout_k0, threshold, 1.f, s.kv);
         for (int64_t v = 0; v < nvec; ++v) {
           const Vec pj = exp2v(Vec::loadu(sp + v * VL) - muse[v]);
           (pj * Vec::loadu(s.kv + v * VL)).store(sp + v * VL);

@@ -62,7 +62,11 @@ struct BlockRanges {
 
 // mix32, dropout_row_hash and dropout_threshold: csrc/mode_params.h (shared with the cuda family).
 inline uint32_t dropout_row_seed(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
-  return dropout_row_hash(p.seed, static_cast<uint32_t>((b + p.hash_b0) * p.H + h), static_cast<uint32_t>(i));
+  // dropout_q0 / _h0 / _heads: the row's position and head in a longer call (ModeParams; 0 unless
+  // this call is a block or a head shard of one).
+  const int64_t heads = p.dropout_heads > 0 ? p.dropout_heads : p.H;
+  return dropout_row_hash(p.seed, static_cast<uint32_t>((b + p.hash_b0) * heads + h + p.dropout_h0),
+                          static_cast<uint32_t>(i + p.dropout_q0));
 }
 
 // kv[r] = keep(row r, key j) ? kept : 0 for the Rp rows of a tile (rseed: their r_i). A plain
