@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -46,17 +45,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mhakern  # noqa: E402
+from mhakern._cpuinfo import cpu_model  # noqa: E402
 
 
-def _model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _rss_kb(field: str) -> int:
@@ -223,7 +214,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     args = ap.parse_args()
     P = args.ranks
-    print(f"machine: {_model()}, {os.cpu_count()} cores; load average before: {os.getloadavg()}")
+    print(f"machine: {cpu_model()}, {os.cpu_count()} cores; load average before: {os.getloadavg()}")
     where = f"{P} GPUs (NCCL)" if args.device == "cuda" else f"{P} ranks x {args.threads} thread(s) (gloo)"
     print(f"torch {torch.__version__}; B 1, H {args.heads}, L {args.L}, D 64, causal, {args.dtype}, forward + "
           f"backward, {where}, {args.rounds} rounds, medians")
