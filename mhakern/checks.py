@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -180,6 +180,24 @@ def host_values_checkable(t: Tensor) -> bool:
             and not (t.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
+def check_prefix_sums(c: List[int], name: str, total: Optional[int] = None, max_len: Optional[int] = None,
+                      max_name: str = "") -> None:
+    """Check sequence boundaries ``c`` (prefix sums of the sequence lengths, as ints): at least one
+    value, 0 first, non-decreasing, ``total`` last and each length at most ``max_len`` (named
+    ``max_name``) where given. Every caller that takes prefix sums checks them here."""
+    if not c or c[0] != 0:
+        raise ArgumentError(f"{name}: expected 0 first, got {c[0] if c else 'no values'}")
+    if total is not None and c[-1] != total:
+        raise ArgumentError(f"{name}: expected the token count {total} last, got {c[-1]}")
+    lens = [b - a for a, b in zip(c, c[1:])]
+    if lens and min(lens) < 0:
+        i = next(i for i, n in enumerate(lens) if n < 0)
+        raise ArgumentError(f"{name}: expected non-decreasing prefix sums, got {c[i]} then {c[i + 1]} at index {i}")
+    if max_len is not None and lens and max(lens) > max_len:
+        i = next(i for i, n in enumerate(lens) if n > max_len)
+        raise ArgumentError(f"{name}: sequence {i} has {lens[i]} tokens, more than {max_name} = {max_len}")
+
+
 def prepare_packing_and_cache(modes: Modes, q, k) -> Modes:
     """Check the values of the packing and cache index tensors (one host read each; none while
     compiling or capturing a CUDA graph, where the caller vouches for them) and return the record
@@ -191,19 +209,7 @@ def prepare_packing_and_cache(modes: Modes, q, k) -> Modes:
                 ("cu_seqlens_q", modes.cu_seqlens_q, q.shape[2], "max_seqlen_q", modes.max_seqlen_q),
                 ("cu_seqlens_k", modes.cu_seqlens_k, k.shape[2], "max_seqlen_k", modes.max_seqlen_k)):
             if host_values_checkable(cu):
-                c = cu.tolist()
-                if c[0] != 0:
-                    raise ArgumentError(f"{name}: expected 0 first, got {c[0]}")
-                if c[-1] != total:
-                    raise ArgumentError(f"{name}: expected the token count {total} last, got {c[-1]}")
-                lens = [b - a for a, b in zip(c, c[1:])]
-                if lens and min(lens) < 0:
-                    i = next(i for i, n in enumerate(lens) if n < 0)
-                    raise ArgumentError(f"{name}: expected non-decreasing prefix sums, got {c[i]} then {c[i + 1]} at "
-                                        f"index {i}")
-                if lens and max(lens) > mx:
-                    i = next(i for i, n in enumerate(lens) if n > mx)
-                    raise ArgumentError(f"{name}: sequence {i} has {lens[i]} tokens, more than {mname} = {mx}")
+                check_prefix_sums(cu.tolist(), name, total, mx, mname)
             upd[name] = _int32_on(cu, q.device)
     for name, t in (("cache_batch_idx", modes.cache_batch_idx), ("block_table", modes.block_table)):
         if t is None:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .._errors import ArgumentError
+from ..checks import check_prefix_sums
 
 Tensor = torch.Tensor
 
@@ -122,9 +123,7 @@ def cu_seqlens_list(cu_seqlens) -> List[int]:
         cu = [int(c) for c in cu_seqlens.tolist()]
     else:
         cu = [int(c) for c in cu_seqlens]
-    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ArgumentError(f"cu_seqlens: expected non-decreasing prefix sums starting at 0, got {cu[:8]}"
-                            f"{' ...' if len(cu) > 8 else ''}")
+    check_prefix_sums(cu, "cu_seqlens")
     return cu
 
 
