@@ -502,7 +502,12 @@ class FusedMHA(nn.Module):
         keep = None
         if dropout_seed is not None:
             seed = draw_seed(torch.Generator().manual_seed(dropout_seed))
-            keep = reference.dropout_keep_mask(seed, N, H, L, k.shape[2], p, q.device)
+            # Under torch.compile the hash runs eagerly (a graph break): inductor's CPU code for
+            # its 64-bit integer mixing does not compile (torch 2.13), and the mask is data, not
+            # something a compiled graph gains from.
+            keep_mask = torch.compiler.disable(reference.dropout_keep_mask) if _is_compiling() \
+                else reference.dropout_keep_mask
+            keep = keep_mask(seed, N, H, L, k.shape[2], p, q.device)
         weights = _attention_weights(q, k, lse, 1.0 / math.sqrt(hd), mask, lengths, causal, top_left, keep, p,
                                      **modifiers)
         if p >= 1.0:

@@ -263,3 +263,21 @@ def test_export_with_a_data_dependent_batch_size(entry):
     ep = torch.export.export(mod, (q, mask, sel))
     for s in (sel, torch.tensor([1, 1, 1])):
         torch.testing.assert_close(ep.module()(q, mask, s), mod(q, mask, s))
+
+
+def test_dropout_weights_hash_runs_eagerly_under_compile():
+    """FusedMHA with dropout and need_weights under torch.compile: the weights pass regenerates the
+    keep mask by mhakern's 64-bit integer hash, which inductor's CPU code generation miscompiles
+    (a C++ compile error, torch 2.13). The hash must stay out of every compiled graph (it runs
+    eagerly), and the weights returned must be those the output was computed with."""
+    torch.manual_seed(0)
+    m = mhakern.FusedMHA(8, 2, dropout=0.5, batch_first=True, backend="cpu" if "cpu" in BACKENDS else "reference")
+    x = torch.randn(2, 5, 8)
+    rec = GraphRecorder()
+    o, w = torch.compile(m, backend=rec.backend)(x, x, x, average_attn_weights=False)
+    xor = {torch.ops.aten.bitwise_xor.Tensor, torch.ops.aten.bitwise_xor.Scalar,
+           torch.ops.aten.__xor__.Tensor, torch.ops.aten.__xor__.Scalar}
+    assert rec.fw and not [t for gm in rec.fw for t in GraphRecorder.targets(gm) if t in xor]
+    v = (x @ m.in_proj_weight[16:].T + m.in_proj_bias[16:]).view(2, 5, 2, 4).transpose(1, 2)
+    torch.testing.assert_close(o, m.out_proj((w @ v).transpose(1, 2).reshape(2, 5, 8)))
+    assert 0 < (w == 0).float().mean() < 1  # some weights dropped, not all
