@@ -1,0 +1,490 @@
+// The cpu kernel of mhakern.flex_attention, one instance per traced modifier: mhakern/flex/codegen.py
+// writes the modifier's C++ (score_fwd, score_bwd, mask_fn and the constants below) in place of the
+// generated-code marker line, and mhakern/flex/build.py compiles the result once per graph, dtype
+// set, instruction set and build into a shared library called through ctypes (plain C entry
+// points: no Python per tile, no pybind to compile).
+//
+// Structure of the cpu attention kernel (csrc/cpu/kernel/forward.h, backward.h): per task a
+// block of query rows, scores as the transposed tile S^T (keys x rows) from the same register
+// -blocked gemm, an online softmax in base 2, the output accumulator O^T rescaled inside the
+// gemm. The key blocks come from torch's BlockMask: per (batch, head, query block) a list of
+// partial blocks (mask_fn evaluated per element) and of full blocks (mask_fn skipped); a block
+// in neither list is never read. The backward recomputes the probabilities from lse in two
+// passes with no atomics: dQ (and the captured tables' gradients) per query block, dK and dV
+// per key block over the transposed lists; every sum runs in a fixed order, so the results are
+// bit-identical run to run for a given thread count (the tables' gradients are summed per
+// fixed chunk of tasks, then chunk by chunk).
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdio>
+#include <exception>
+#include <vector>
+
+#include "gemm.h"
+#include "vec_math.h"
+
+namespace mhakern::cpu {
+namespace CPU_CAPABILITY {
+namespace flex {
+
+// The captured tensors a modifier reads, as the generated code indexes them: data (float32 or
+// int64, contiguous) and up to 4 sizes each.
+struct Caps {
+  const void* const* ptr;
+  const int64_t* size;  // [ncap * 4]
+};
+
+inline int64_t wrap_index(int64_t i, int64_t n) { return i < 0 ? i + n : i; }
+inline float fsign(float x) { return (x > 0.f) - (x < 0.f); }
+inline int64_t py_floordiv(int64_t a, int64_t b) {
+  const int64_t q = a / b;
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+inline int64_t py_mod(int64_t a, int64_t b) {
+  const int64_t r = a % b;
+  return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+inline float py_fmod(float a, float b) {
+  const float r = std::fmod(a, b);
+  return (r != 0.f && ((r < 0.f) != (b < 0.f))) ? r + b : r;
+}
+
+// MHK_FLEX_GENERATED
+
+}  // namespace flex
+
+using flex::Caps;
+
+// The argument record, mirrored field for field by mhakern/flex/build.py (ctypes).
+struct FlexArgs {
+  int64_t dtype;  // 0 float32, 1 bfloat16
+  int64_t B, H, Hkv, Lq, Lk, D, Dv;
+  double scale;
+  const void *q, *k, *v, *dout;
+  void *out, *dq, *dk, *dv;
+  float* lse;           // (B, H, Lq) contiguous
+  const float* delta;   // (B, H, Lq) contiguous: rowsum(dout * out), for the backward
+  int64_t qs[3], ks[3], vs[3], os[3], dos[3], dqs[3], dks[3], dvs[3];  // (batch, head, row) strides
+  // The BlockMask (int32, contiguous): per (mask batch, mask head, row block) the count and the
+  // indices of partial and of full key blocks, and per key block the same for row blocks.
+  int64_t QBS, KVBS, mB, mH, nqb, nkb;
+  const int32_t *kv_num, *kv_idx, *fkv_num, *fkv_idx;  // fkv_* may be null
+  int64_t kv_w, fkv_w;                                 // last-dim widths of the index tensors
+  const int32_t *q_num, *q_idx, *fq_num, *fq_idx;
+  int64_t q_w, fq_w;
+  const void* const* cap_ptr;
+  const int64_t* cap_size;
+  float* const* cap_grad;  // per capture: its float32 gradient (zeroed), or null
+  const int64_t* cap_numel;
+  int64_t ncap;
+  char err[256];
+};
+
+namespace {
+
+template <typename T>
+inline float tof(T x) {
+  return static_cast<float>(x);
+}
+template <typename T>
+inline T fromf(float x) {
+  return static_cast<T>(x);
+}
+
+// rows x D of a (B, H, L, D) view starting at row i0, as fp32 times mul, padded with zeros to
+// ld columns.
+template <typename T>
+void load_rows(const T* base, int64_t sl, int64_t rows, int64_t D, float mul, float* dst, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* s = base + r * sl;
+    float* d = dst + r * ld;
+    for (int64_t c = 0; c < D; ++c) d[c] = tof(s[c]) * mul;
+    for (int64_t c = D; c < ld; ++c) d[c] = 0.f;
+  }
+}
+
+// src (rows x cols, ld sld) -> dst (cols x ldd), columns >= rows up to ldd zeroed.
+void transpose_pad(const float* src, int64_t sld, int64_t rows, int64_t cols, float* dst, int64_t ldd) {
+  for (int64_t c = 0; c < cols; ++c) {
+    float* d = dst + c * ldd;
+    for (int64_t r = 0; r < rows; ++r) d[r] = src[r * sld + c];
+    for (int64_t r = rows; r < ldd; ++r) d[r] = 0.f;
+  }
+}
+
+struct BlockList {
+  const int32_t* idx;
+  int64_t n;
+};
+
+inline BlockList blocks(const int32_t* num, const int32_t* idx, int64_t w, int64_t mb, int64_t mh, int64_t mH,
+                        int64_t nrow, int64_t row) {
+  if (num == nullptr) return {nullptr, 0};
+  const int64_t at = (mb * mH + mh) * nrow + row;
+  return {idx + at * w, num[at]};
+}
+
+// A key block's rows (fp32): in place for float32 inputs, else converted into `buf`.
+template <typename T>
+const float* key_rows(const T* base, int64_t sl, int64_t n, int64_t D, float* buf, int64_t* ld) {
+  if constexpr (std::is_same_v<T, float>) {
+    *ld = sl;
+    return base;
+  } else {
+    load_rows(base, sl, n, D, 1.f, buf, D);
+    *ld = D;
+    return buf;
+  }
+}
+
+template <typename T>
+void forward(const FlexArgs& a) {
+  const Caps caps{a.cap_ptr, a.cap_size};
+  const int64_t D = a.D, Dv = a.Dv, QBS = a.QBS, KVBS = a.KVBS, n_rep = a.H / a.Hkv;
+  const int64_t Rmax = round_up(QBS, VL), Dp = round_up(D, VL);
+  const int64_t ntask = a.B * a.H * a.nqb;
+  // Scores in natural units for the modifier; without one, Q carries log2(e) and the tile
+  // needs no pass before the softmax.
+  const float qmul = static_cast<float>(a.scale) * (flex::kHasScoreMod ? 1.f : kLog2e);
+  at::parallel_for(0, ntask, 1, [&](int64_t t0, int64_t t1) {
+    // 9 pieces, each rounded up to 16 floats by take().
+    Scratch s(Rmax * Dp * 2 + KVBS * Rmax + Dv * Rmax + 3 * Rmax + KVBS * (D + Dv) + 16 * 9, Scratch::kUninit);
+    float* qr = s.take(Rmax * Dp);
+    float* qt = s.take(Dp * Rmax);
+    float* st = s.take(KVBS * Rmax);
+    float* ot = s.take(Dv * Rmax);
+    float* m = s.take(Rmax);
+    float* l = s.take(Rmax);
+    float* alpha = s.take(Rmax);
+    float* kc = s.take(KVBS * D);
+    float* vc = s.take(KVBS * Dv);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t qb = t % a.nqb, h = (t / a.nqb) % a.H, b = t / (a.nqb * a.H);
+      const int64_t hkv = h / n_rep, q0 = qb * QBS;
+      const int64_t R = std::min(QBS, a.Lq - q0), Rp = round_up(R, VL), nvec = Rp / VL;
+      const int64_t mb = a.mB == 1 ? 0 : b, mh = a.mH == 1 ? 0 : h;
+      const T* q = static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + q0 * a.qs[2];
+      load_rows(q, a.qs[2], R, D, qmul, qr, Dp);
+      transpose_pad(qr, Dp, R, D, qt, Rp);
+      for (int64_t r = 0; r < Rp; ++r) {
+        m[r] = kNegInf;
+        l[r] = 0.f;
+      }
+      std::fill(ot, ot + Dv * Rp, 0.f);
+      const T* kb0 = static_cast<const T*>(a.k) + b * a.ks[0] + hkv * a.ks[1];
+      const T* vb0 = static_cast<const T*>(a.v) + b * a.vs[0] + hkv * a.vs[1];
+      const BlockList lists[2] = {blocks(a.kv_num, a.kv_idx, a.kv_w, mb, mh, a.mH, a.nqb, qb),
+                                  blocks(a.fkv_num, a.fkv_idx, a.fkv_w, mb, mh, a.mH, a.nqb, qb)};
+      for (int li = 0; li < 2; ++li) {
+        const bool partial = li == 0;
+        for (int64_t n = 0; n < lists[li].n; ++n) {
+          const int64_t j0 = int64_t(lists[li].idx[n]) * KVBS;
+          if (j0 >= a.Lk) continue;
+          const int64_t bk = std::min(KVBS, a.Lk - j0);
+          int64_t ldk = 0, ldv = 0;
+          const float* Kb = key_rows(kb0 + j0 * a.ks[2], a.ks[2], bk, D, kc, &ldk);
+          gemm<CMode::Store>(bk, Rp, D, Kb, ldk, 1, qt, Rp, st, Rp);  // S^T = K Q^T
+          if (flex::kHasScoreMod || partial || R < Rp) {
+            for (int64_t j = 0; j < bk; ++j) {
+              float* sp = st + j * Rp;
+              const int64_t kv = j0 + j;
+              for (int64_t r = 0; r < R; ++r) {
+                const int64_t i = q0 + r;
+                if (partial && !flex::mask_fn(b, h, i, kv, caps)) {
+                  sp[r] = kNegInf;
+                } else if constexpr (flex::kHasScoreMod) {
+                  sp[r] = flex::score_fwd(sp[r], b, h, i, kv, caps) * kLog2e;
+                }
+              }
+              for (int64_t r = R; r < Rp; ++r) sp[r] = kNegInf;
+            }
+          }
+          // Online softmax, as forward.h: rows in vectors, keys outside.
+          for (int64_t vv = 0; vv < nvec; ++vv) {
+            Vec mx(kNegInf);
+            for (int64_t j = 0; j < bk; ++j) mx = at::vec::clamp_min(mx, Vec::loadu(st + j * Rp + vv * VL));
+            const Vec mold = Vec::loadu(m + vv * VL);
+            const Vec mnew = at::vec::clamp_min(mold, mx);
+            // Nothing visible yet: subtract 0 rather than -inf, so exp2 gives 0 and not NaN.
+            const Vec muse = Vec::blendv(mnew, Vec(0.f), mnew == Vec(kNegInf));
+            exp2v(mold - muse).store(alpha + vv * VL);
+            mnew.store(m + vv * VL);
+            Vec sum(0.f);
+            for (int64_t j = 0; j < bk; ++j) {
+              const Vec pj = exp2v(Vec::loadu(st + j * Rp + vv * VL) - muse);
+              pj.store(st + j * Rp + vv * VL);
+              sum = sum + pj;
+            }
+            (Vec::loadu(l + vv * VL) * Vec::loadu(alpha + vv * VL) + sum).store(l + vv * VL);
+          }
+          const float* Vb = key_rows(vb0 + j0 * a.vs[2], a.vs[2], bk, Dv, vc, &ldv);
+          gemm<CMode::Rescale>(Dv, Rp, bk, Vb, 1, ldv, st, Rp, ot, Rp, alpha);  // O^T = a O^T + V^T P^T
+        }
+      }
+      T* o = static_cast<T*>(a.out) + b * a.os[0] + h * a.os[1] + q0 * a.os[2];
+      float* lse = a.lse + (b * a.H + h) * a.Lq + q0;
+      for (int64_t r = 0; r < R; ++r) {
+        // A row that saw no key: output 0, lse -inf (docs/contract.md).
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        for (int64_t d = 0; d < Dv; ++d) o[r * a.os[2] + d] = fromf<T>(ot[d * Rp + r] * inv);
+        lse[r] = l[r] > 0.f ? (m[r] + std::log2(l[r])) * kLn2 : kNegInf;
+      }
+    }
+  });
+}
+
+// lse of a row as the backward uses it: +inf for a row with no visible key, so that every
+// exp(s - lse) there is 0.
+inline float lse_use(float x) { return x == kNegInf ? std::numeric_limits<float>::infinity() : x; }
+
+// Pass 1: dQ and the captured tables' gradients, per query block.
+template <typename T>
+void backward_dq(const FlexArgs& a) {
+  const Caps caps{a.cap_ptr, a.cap_size};
+  const int64_t D = a.D, Dv = a.Dv, QBS = a.QBS, KVBS = a.KVBS, n_rep = a.H / a.Hkv;
+  const int64_t Rmax = round_up(QBS, VL), Dp = round_up(D, VL), Dvp = round_up(Dv, VL);
+  const int64_t ntask = a.B * a.H * a.nqb;
+  const float scale = static_cast<float>(a.scale);
+  // The tables' gradients: one private buffer per chunk of tasks (chunks fixed by the task
+  // count and the thread count, not by which thread runs them), summed chunk by chunk.
+  int64_t gsize = 0;
+  std::vector<int64_t> goff(a.ncap + 1, 0);
+  for (int64_t c = 0; c < a.ncap; ++c) {
+    goff[c] = gsize;
+    if (a.cap_grad[c] != nullptr) gsize += a.cap_numel[c];
+  }
+  const int64_t nchunk = std::max<int64_t>(1, std::min<int64_t>(ntask, at::get_num_threads()));
+  std::vector<float> gbuf(flex::kHasCapGrad ? nchunk * gsize : 0, 0.f);
+  at::parallel_for(0, nchunk, 1, [&](int64_t c0, int64_t c1) {
+    Scratch s(Rmax * Dp * 2 + Dvp * Rmax * 2 + 3 * KVBS * Rmax + Dp * Rmax + 2 * Rmax + KVBS * (D + Dv) + 16 * 12,
+              Scratch::kUninit);
+    float* qr = s.take(Rmax * Dp);
+    float* qt = s.take(Dp * Rmax);
+    float* dor = s.take(Rmax * Dvp);
+    float* dot = s.take(Dvp * Rmax);
+    float* st = s.take(KVBS * Rmax);
+    float* sraw = s.take(KVBS * Rmax);
+    float* dpt = s.take(KVBS * Rmax);
+    float* dqt = s.take(Dp * Rmax);
+    float* lr = s.take(Rmax);
+    float* dl = s.take(Rmax);
+    float* kc = s.take(KVBS * D);
+    float* vc = s.take(KVBS * Dv);
+    std::vector<float*> gcap(a.ncap + 1, nullptr);
+    for (int64_t chunk = c0; chunk < c1; ++chunk) {
+      for (int64_t c = 0; c < a.ncap; ++c)
+        gcap[c] = a.cap_grad[c] != nullptr && flex::kHasCapGrad ? gbuf.data() + chunk * gsize + goff[c] : nullptr;
+      for (int64_t t = chunk * ntask / nchunk; t < (chunk + 1) * ntask / nchunk; ++t) {
+        const int64_t qb = t % a.nqb, h = (t / a.nqb) % a.H, b = t / (a.nqb * a.H);
+        const int64_t hkv = h / n_rep, q0 = qb * QBS;
+        const int64_t R = std::min(QBS, a.Lq - q0), Rp = round_up(R, VL), nvec = Rp / VL;
+        const int64_t mb = a.mB == 1 ? 0 : b, mh = a.mH == 1 ? 0 : h;
+        load_rows(static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + q0 * a.qs[2], a.qs[2], R, D, scale, qr, Dp);
+        transpose_pad(qr, Dp, R, D, qt, Rp);
+        load_rows(static_cast<const T*>(a.dout) + b * a.dos[0] + h * a.dos[1] + q0 * a.dos[2], a.dos[2], R, Dv, 1.f,
+                  dor, Dvp);
+        transpose_pad(dor, Dvp, R, Dv, dot, Rp);
+        const float* lse = a.lse + (b * a.H + h) * a.Lq + q0;
+        const float* delta = a.delta + (b * a.H + h) * a.Lq + q0;
+        for (int64_t r = 0; r < Rp; ++r) {
+          lr[r] = r < R ? lse_use(lse[r]) * kLog2e : std::numeric_limits<float>::infinity();
+          dl[r] = r < R ? delta[r] : 0.f;
+        }
+        std::fill(dqt, dqt + D * Rp, 0.f);
+        const T* kb0 = static_cast<const T*>(a.k) + b * a.ks[0] + hkv * a.ks[1];
+        const T* vb0 = static_cast<const T*>(a.v) + b * a.vs[0] + hkv * a.vs[1];
+        const BlockList lists[2] = {blocks(a.kv_num, a.kv_idx, a.kv_w, mb, mh, a.mH, a.nqb, qb),
+                                    blocks(a.fkv_num, a.fkv_idx, a.fkv_w, mb, mh, a.mH, a.nqb, qb)};
+        for (int li = 0; li < 2; ++li) {
+          const bool partial = li == 0;
+          for (int64_t n = 0; n < lists[li].n; ++n) {
+            const int64_t j0 = int64_t(lists[li].idx[n]) * KVBS;
+            if (j0 >= a.Lk) continue;
+            const int64_t bk = std::min(KVBS, a.Lk - j0);
+            int64_t ldk = 0, ldv = 0;
+            const float* Kb = key_rows(kb0 + j0 * a.ks[2], a.ks[2], bk, D, kc, &ldk);
+            const float* Vb = key_rows(vb0 + j0 * a.vs[2], a.vs[2], bk, Dv, vc, &ldv);
+            gemm<CMode::Store>(bk, Rp, D, Kb, ldk, 1, qt, Rp, st, Rp);     // S^T
+            gemm<CMode::Store>(bk, Rp, Dv, Vb, ldv, 1, dot, Rp, dpt, Rp);  // dP^T = V dO^T
+            for (int64_t j = 0; j < bk; ++j) {
+              float* sp = st + j * Rp;
+              float* rp = sraw + j * Rp;
+              const int64_t kv = j0 + j;
+              for (int64_t r = 0; r < Rp; ++r) {
+                const int64_t i = q0 + r;
+                rp[r] = sp[r];
+                if (r >= R || (partial && !flex::mask_fn(b, h, i, kv, caps)))
+                  sp[r] = kNegInf;
+                else if constexpr (flex::kHasScoreMod)
+                  sp[r] = flex::score_fwd(sp[r], b, h, i, kv, caps);
+              }
+              // P = exp(s - lse); dS = P (dP - delta), the gradient at the modified score.
+              for (int64_t vv = 0; vv < nvec; ++vv) {
+                const Vec p = exp2v(Vec::loadu(sp + vv * VL) * Vec(kLog2e) - Vec::loadu(lr + vv * VL));
+                (p * (Vec::loadu(dpt + j * Rp + vv * VL) - Vec::loadu(dl + vv * VL))).store(sp + vv * VL);
+              }
+              if constexpr (flex::kHasScoreMod) {
+                // Through the modifier to the raw score (and into the tables), where visible.
+                for (int64_t r = 0; r < R; ++r)
+                  if (sp[r] != 0.f || std::isnan(sp[r]))
+                    sp[r] = flex::score_bwd<flex::kHasCapGrad>(rp[r], b, h, q0 + r, kv, caps, sp[r], gcap.data());
+              }
+            }
+            gemm<CMode::Accumulate>(D, Rp, bk, Kb, 1, ldk, st, Rp, dqt, Rp);  // dQ^T += K^T dS^T
+          }
+        }
+        T* dq = static_cast<T*>(a.dq) + b * a.dqs[0] + h * a.dqs[1] + q0 * a.dqs[2];
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t d = 0; d < D; ++d) dq[r * a.dqs[2] + d] = fromf<T>(dqt[d * Rp + r] * scale);
+      }
+    }
+  });
+  if constexpr (flex::kHasCapGrad) {
+    for (int64_t c = 0; c < a.ncap; ++c) {
+      if (a.cap_grad[c] == nullptr) continue;
+      for (int64_t chunk = 0; chunk < nchunk; ++chunk) {
+        const float* g = gbuf.data() + chunk * gsize + goff[c];
+        for (int64_t e = 0; e < a.cap_numel[c]; ++e) a.cap_grad[c][e] += g[e];
+      }
+    }
+  }
+}
+
+// Pass 2: dK and dV per (batch, KV head, key block), over the query heads of the group and the
+// row blocks that list this key block.
+template <typename T>
+void backward_dkv(const FlexArgs& a) {
+  const Caps caps{a.cap_ptr, a.cap_size};
+  const int64_t D = a.D, Dv = a.Dv, QBS = a.QBS, KVBS = a.KVBS, n_rep = a.H / a.Hkv;
+  const int64_t Kp = round_up(KVBS, VL), Dp = round_up(D, VL), Dvp = round_up(Dv, VL);
+  const int64_t ntask = a.B * a.Hkv * a.nkb;
+  const float scale = static_cast<float>(a.scale);
+  at::parallel_for(0, ntask, 1, [&](int64_t t0, int64_t t1) {
+    Scratch s(KVBS * (Dp + Dvp) * 2 + Dp * Kp + Dvp * Kp + QBS * (Dp + Dvp) + 3 * QBS * Kp + 2 * QBS + 16 * 13,
+              Scratch::kUninit);
+    float* kr = s.take(KVBS * Dp);
+    float* kt = s.take(Dp * Kp);
+    float* vr = s.take(KVBS * Dvp);
+    float* vt = s.take(Dvp * Kp);
+    float* dk = s.take(KVBS * Dp);
+    float* dv = s.take(KVBS * Dvp);
+    float* qs = s.take(QBS * Dp);
+    float* dor = s.take(QBS * Dvp);
+    float* sc = s.take(QBS * Kp);
+    float* pp = s.take(QBS * Kp);
+    float* dp = s.take(QBS * Kp);
+    float* lr = s.take(QBS);
+    float* dl = s.take(QBS);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t kb = t % a.nkb, hkv = (t / a.nkb) % a.Hkv, b = t / (a.nkb * a.Hkv);
+      const int64_t j0 = kb * KVBS;
+      const int64_t bk = std::min(KVBS, a.Lk - j0), bkp = round_up(bk, VL);
+      load_rows(static_cast<const T*>(a.k) + b * a.ks[0] + hkv * a.ks[1] + j0 * a.ks[2], a.ks[2], bk, D, 1.f, kr, Dp);
+      transpose_pad(kr, Dp, bk, D, kt, bkp);
+      load_rows(static_cast<const T*>(a.v) + b * a.vs[0] + hkv * a.vs[1] + j0 * a.vs[2], a.vs[2], bk, Dv, 1.f, vr,
+                Dvp);
+      transpose_pad(vr, Dvp, bk, Dv, vt, bkp);
+      std::fill(dk, dk + bk * Dp, 0.f);
+      std::fill(dv, dv + bk * Dvp, 0.f);
+      const int64_t mb = a.mB == 1 ? 0 : b;
+      for (int64_t h = hkv * n_rep; h < (hkv + 1) * n_rep; ++h) {
+        const int64_t mh = a.mH == 1 ? 0 : h;
+        const BlockList lists[2] = {blocks(a.q_num, a.q_idx, a.q_w, mb, mh, a.mH, a.nkb, kb),
+                                    blocks(a.fq_num, a.fq_idx, a.fq_w, mb, mh, a.mH, a.nkb, kb)};
+        for (int li = 0; li < 2; ++li) {
+          const bool partial = li == 0;
+          for (int64_t n = 0; n < lists[li].n; ++n) {
+            const int64_t q0 = int64_t(lists[li].idx[n]) * QBS;
+            if (q0 >= a.Lq) continue;
+            const int64_t R = std::min(QBS, a.Lq - q0);
+            load_rows(static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + q0 * a.qs[2], a.qs[2], R, D, scale, qs,
+                      Dp);
+            load_rows(static_cast<const T*>(a.dout) + b * a.dos[0] + h * a.dos[1] + q0 * a.dos[2], a.dos[2], R, Dv,
+                      1.f, dor, Dvp);
+            const float* lse = a.lse + (b * a.H + h) * a.Lq + q0;
+            const float* delta = a.delta + (b * a.H + h) * a.Lq + q0;
+            for (int64_t r = 0; r < R; ++r) {
+              lr[r] = lse_use(lse[r]) * kLog2e;
+              dl[r] = delta[r];
+            }
+            gemm<CMode::Store>(R, bkp, D, qs, Dp, 1, kt, bkp, sc, bkp);    // S = Qs K^T
+            gemm<CMode::Store>(R, bkp, Dv, dor, Dvp, 1, vt, bkp, dp, bkp);  // dP = dO V^T
+            for (int64_t r = 0; r < R; ++r) {
+              const int64_t i = q0 + r;
+              float* srow = sc + r * bkp;
+              float* prow = pp + r * bkp;
+              float* dprow = dp + r * bkp;
+              for (int64_t j = 0; j < bkp; ++j) {
+                const int64_t kv = j0 + j;
+                float s2 = srow[j];
+                if (j >= bk || (partial && !flex::mask_fn(b, h, i, kv, caps)))
+                  s2 = kNegInf;
+                else if constexpr (flex::kHasScoreMod)
+                  s2 = flex::score_fwd(s2, b, h, i, kv, caps);
+                prow[j] = s2;
+              }
+              const Vec lv(lr[r]), dv_(dl[r]);
+              for (int64_t j = 0; j < bkp; j += VL) {
+                const Vec p = exp2v(Vec::loadu(prow + j) * Vec(kLog2e) - lv);
+                p.store(prow + j);
+                (p * (Vec::loadu(dprow + j) - dv_)).store(dprow + j);
+              }
+              if constexpr (flex::kHasScoreMod) {
+                for (int64_t j = 0; j < bk; ++j)
+                  if (dprow[j] != 0.f || std::isnan(dprow[j]))
+                    dprow[j] = flex::score_bwd<false>(srow[j], b, h, i, j0 + j, caps, dprow[j], nullptr);
+              }
+            }
+            gemm<CMode::Accumulate>(bk, Dvp, R, pp, 1, bkp, dor, Dvp, dv, Dvp);  // dV += P^T dO
+            gemm<CMode::Accumulate>(bk, Dp, R, dp, 1, bkp, qs, Dp, dk, Dp);      // dK += dS^T Qs
+          }
+        }
+      }
+      T* dkp = static_cast<T*>(a.dk) + b * a.dks[0] + hkv * a.dks[1] + j0 * a.dks[2];
+      T* dvp = static_cast<T*>(a.dv) + b * a.dvs[0] + hkv * a.dvs[1] + j0 * a.dvs[2];
+      for (int64_t j = 0; j < bk; ++j) {
+        for (int64_t d = 0; d < D; ++d) dkp[j * a.dks[2] + d] = fromf<T>(dk[j * Dp + d]);
+        for (int64_t d = 0; d < Dv; ++d) dvp[j * a.dvs[2] + d] = fromf<T>(dv[j * Dvp + d]);
+      }
+    }
+  });
+}
+
+template <typename F>
+int guarded(FlexArgs* a, F&& f) {
+  try {
+    f();
+    return 0;
+  } catch (const std::exception& e) {
+    std::snprintf(a->err, sizeof(a->err), "%s", e.what());
+    return 1;
+  }
+}
+
+}  // namespace
+}  // namespace CPU_CAPABILITY
+}  // namespace mhakern::cpu
+
+using mhakern::cpu::CPU_CAPABILITY::FlexArgs;
+
+extern "C" int mhk_flex_forward(FlexArgs* a) {
+  using namespace mhakern::cpu::CPU_CAPABILITY;
+  return guarded(a, [&] { a->dtype == 0 ? forward<float>(*a) : forward<c10::BFloat16>(*a); });
+}
+
+extern "C" int mhk_flex_backward(FlexArgs* a) {
+  using namespace mhakern::cpu::CPU_CAPABILITY;
+  return guarded(a, [&] {
+    if (a->dtype == 0) {
+      backward_dq<float>(*a);
+      backward_dkv<float>(*a);
+    } else {
+      backward_dq<c10::BFloat16>(*a);
+      backward_dkv<c10::BFloat16>(*a);
+    }
+  });
+}
+
+extern "C" int64_t mhk_flex_args_size() { return sizeof(FlexArgs); }

@@ -1,0 +1,150 @@
+"""Compiling a generated flex kernel once, and loading it.
+
+The source is csrc/flex/flex_kernel.cpp with the modifier's C++ in place of its marker
+(mhakern/flex/graph.py). It is compiled with the host C++ compiler straight into a shared
+library with plain C entry points, called through ctypes: no pybind, no torch/extension.h, so a
+unit builds in seconds. It includes the cpu kernel's own headers (csrc/cpu/kernel: the gemm,
+exp2, scratch) compiled for this machine's instruction set (mhakern._build.ISA_FLAGS, chosen by
+torch's cpu capability), and links against the already loaded libtorch for at::parallel_for.
+
+Cache: ``<mhakern cache>/flex/<key>.so`` where key hashes the generated source (so the graph,
+the captures' dtypes and ranks), the template and headers, the ISA, the compiler, torch's
+version and this file's flags. Concurrent processes compiling the same key: one file lock per
+key, the library written under a temporary name and renamed into place (a reader never sees a
+half-written file). In-process: one loaded library per key, at most ``_MAX_LOADED`` of them
+(least recently used dropped from the table; a library, once loaded, stays mapped).
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+
+from .. import _build
+
+_MAX_LOADED = 64
+_MARKER = "// MHK_FLEX_GENERATED"
+_LOCK = threading.Lock()
+_LOADED: "OrderedDict[str, ctypes.CDLL]" = OrderedDict()
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w"]
+
+
+class CompileError(RuntimeError):
+    """The host C++ compiler is missing or failed on a generated kernel."""
+
+
+def _src_root() -> str:
+    root = _build.source_root()
+    if root is None or not os.path.isfile(os.path.join(root, "csrc", "flex", "flex_kernel.cpp")):
+        raise CompileError("the flex kernel template csrc/flex/flex_kernel.cpp is not in this install")
+    return root
+
+
+def compiler() -> Optional[str]:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    return cxx
+
+
+def isa() -> str:
+    """The instruction set the kernels are compiled for: torch's cpu capability, as the main
+    kernel's dispatch picks it (AVX512BF16 is compiled as AVX512 here: no bf16 dot products)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap.startswith("AVX512"):
+        return "AVX512"
+    if cap.startswith("AVX2"):
+        return "AVX2"
+    return "DEFAULT"
+
+
+def _template(root: str) -> str:
+    with open(os.path.join(root, "csrc", "flex", "flex_kernel.cpp")) as fh:
+        return fh.read()
+
+
+def _headers_digest(root: str) -> str:
+    h = hashlib.sha256()
+    for f in sorted(glob.glob(os.path.join(root, "csrc", "cpu", "kernel", "*.h")) +
+                    [os.path.join(root, "csrc", "cpu", "attention_params.h"), os.path.join(root, "csrc", "mode_params.h")]):
+        if os.path.isfile(f):
+            with open(f, "rb") as fh:
+                h.update(os.path.basename(f).encode() + hashlib.sha256(fh.read()).digest())
+    return h.hexdigest()
+
+
+def _command(root: str, src: str, out: str, which: str) -> list:
+    from torch.utils import cpp_extension
+
+    flags = list(_FLAGS)
+    if which != "DEFAULT":
+        flags += _build.ISA_FLAGS[which] + [f"-DCPU_CAPABILITY={which}", f"-DCPU_CAPABILITY_{which}"]
+    else:
+        flags += ["-DCPU_CAPABILITY=DEFAULT"]
+    flags.append(f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
+    inc = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{os.path.join(root, 'csrc', 'cpu', 'kernel')}"]
+    libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    return [compiler(), *flags, *inc, src, "-o", out, f"-L{libdir}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{libdir}"]
+
+
+def library(generated: str) -> ctypes.CDLL:
+    """The loaded kernel library for this generated section, compiling it on first use."""
+    root = _src_root()
+    which = isa()
+    text = _template(root)
+    if _MARKER not in text:
+        raise CompileError("csrc/flex/flex_kernel.cpp lacks its generated-code marker")
+    source = text.replace(_MARKER, generated)
+    cxx = compiler()
+    if cxx is None:
+        raise CompileError("no C++ compiler found (set CXX)")
+    facts = "\0".join([source, _headers_digest(root), which, cxx, torch.__version__, " ".join(_FLAGS), sys.platform])
+    key = hashlib.sha256(facts.encode()).hexdigest()[:24]
+    with _LOCK:
+        lib = _LOADED.get(key)
+        if lib is not None:
+            _LOADED.move_to_end(key)
+            return lib
+    d = os.path.join(_build.cache_dir(), "flex")
+    os.makedirs(d, exist_ok=True)
+    so = os.path.join(d, f"{key}.so")
+    if not os.path.exists(so):
+        with _build._FileLock(so + ".lock").acquire():
+            if not os.path.exists(so):  # another process may have built it while this one waited
+                _compile(root, source, so, which)
+    lib = ctypes.CDLL(so)
+    lib.mhk_flex_forward.restype = ctypes.c_int
+    lib.mhk_flex_backward.restype = ctypes.c_int
+    lib.mhk_flex_args_size.restype = ctypes.c_int64
+    with _LOCK:
+        _LOADED[key] = lib
+        while len(_LOADED) > _MAX_LOADED:
+            _LOADED.popitem(last=False)
+    return lib
+
+
+def _compile(root: str, source: str, so: str, which: str) -> None:
+    d = os.path.dirname(so)
+    with tempfile.TemporaryDirectory(dir=d) as tmp:
+        src = os.path.join(tmp, "flex_kernel.cpp")
+        with open(src, "w") as fh:
+            fh.write(source)
+        out = os.path.join(tmp, "kernel.so")
+        try:
+            r = subprocess.run(_command(root, src, out, which), capture_output=True, text=True)
+        except OSError as e:
+            raise CompileError(f"the C++ compiler could not run: {e}") from None
+        if r.returncode != 0:
+            raise CompileError("the generated flex kernel failed to compile: "
+                               + _build.first_error(r.stdout + r.stderr))
+        os.replace(out, so)  # atomic: readers see the old absence or the whole file
+        with open(os.path.join(d, os.path.basename(so)[:-3] + ".cpp"), "w") as fh:
+            fh.write(source)  # kept beside the library, for the curious
