@@ -1,4 +1,4 @@
-// The cpu kernel of mhakern.flex_attention, one instance per traced modifier: mhakern/flex/codegen.py
+// The cpu kernel of mhakern.flex_attention, one instance per traced modifier and input dtype: mhakern/flex/codegen.py
 // writes the modifier's C++ (score_fwd, score_bwd, mask_fn and the constants below) in place of the
 // generated-code marker line, and mhakern/flex/build.py compiles the result once per graph, dtype
 // set, instruction set and build into a shared library called through ctypes (plain C entry
@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdio>
 #include <exception>
+#include <stdexcept>
 #include <vector>
 
 #include "gemm.h"
@@ -139,7 +140,7 @@ const float* key_rows(const T* base, int64_t sl, int64_t n, int64_t D, float* bu
   }
 }
 
-template <typename T>
+template <typename T, typename Mod>
 void forward(const FlexArgs& a) {
   const Caps caps{a.cap_ptr, a.cap_size};
   const int64_t D = a.D, Dv = a.Dv, QBS = a.QBS, KVBS = a.KVBS, n_rep = a.H / a.Hkv;
@@ -147,7 +148,7 @@ void forward(const FlexArgs& a) {
   const int64_t ntask = a.B * a.H * a.nqb;
   // Scores in natural units for the modifier; without one, Q carries log2(e) and the tile
   // needs no pass before the softmax.
-  const float qmul = static_cast<float>(a.scale) * (flex::kHasScoreMod ? 1.f : kLog2e);
+  const float qmul = static_cast<float>(a.scale) * (Mod::kHasScoreMod ? 1.f : kLog2e);
   at::parallel_for(0, ntask, 1, [&](int64_t t0, int64_t t1) {
     // 9 pieces, each rounded up to 16 floats by take().
     Scratch s(Rmax * Dp * 2 + KVBS * Rmax + Dv * Rmax + 3 * Rmax + KVBS * (D + Dv) + 16 * 9, Scratch::kUninit);
@@ -186,16 +187,16 @@ void forward(const FlexArgs& a) {
           int64_t ldk = 0, ldv = 0;
           const float* Kb = key_rows(kb0 + j0 * a.ks[2], a.ks[2], bk, D, kc, &ldk);
           gemm<CMode::Store>(bk, Rp, D, Kb, ldk, 1, qt, Rp, st, Rp);  // S^T = K Q^T
-          if (flex::kHasScoreMod || partial || R < Rp) {
+          if (Mod::kHasScoreMod || partial || R < Rp) {
             for (int64_t j = 0; j < bk; ++j) {
               float* sp = st + j * Rp;
               const int64_t kv = j0 + j;
               for (int64_t r = 0; r < R; ++r) {
                 const int64_t i = q0 + r;
-                if (partial && !flex::mask_fn(b, h, i, kv, caps)) {
+                if (partial && !Mod::mask_fn(b, h, i, kv, caps)) {
                   sp[r] = kNegInf;
-                } else if constexpr (flex::kHasScoreMod) {
-                  sp[r] = flex::score_fwd(sp[r], b, h, i, kv, caps) * kLog2e;
+                } else if constexpr (Mod::kHasScoreMod) {
+                  sp[r] = Mod::score_fwd(sp[r], b, h, i, kv, caps) * kLog2e;
                 }
               }
               for (int64_t r = R; r < Rp; ++r) sp[r] = kNegInf;
@@ -240,7 +241,7 @@ void forward(const FlexArgs& a) {
 inline float lse_use(float x) { return x == kNegInf ? std::numeric_limits<float>::infinity() : x; }
 
 // Pass 1: dQ and the captured tables' gradients, per query block.
-template <typename T>
+template <typename T, typename Mod>
 void backward_dq(const FlexArgs& a) {
   const Caps caps{a.cap_ptr, a.cap_size};
   const int64_t D = a.D, Dv = a.Dv, QBS = a.QBS, KVBS = a.KVBS, n_rep = a.H / a.Hkv;
@@ -256,7 +257,7 @@ void backward_dq(const FlexArgs& a) {
     if (a.cap_grad[c] != nullptr) gsize += a.cap_numel[c];
   }
   const int64_t nchunk = std::max<int64_t>(1, std::min<int64_t>(ntask, at::get_num_threads()));
-  std::vector<float> gbuf(flex::kHasCapGrad ? nchunk * gsize : 0, 0.f);
+  std::vector<float> gbuf(Mod::kHasCapGrad ? nchunk * gsize : 0, 0.f);
   at::parallel_for(0, nchunk, 1, [&](int64_t c0, int64_t c1) {
     Scratch s(Rmax * Dp * 2 + Dvp * Rmax * 2 + 3 * KVBS * Rmax + Dp * Rmax + 2 * Rmax + KVBS * (D + Dv) + 16 * 12,
               Scratch::kUninit);
@@ -275,7 +276,7 @@ void backward_dq(const FlexArgs& a) {
     std::vector<float*> gcap(a.ncap + 1, nullptr);
     for (int64_t chunk = c0; chunk < c1; ++chunk) {
       for (int64_t c = 0; c < a.ncap; ++c)
-        gcap[c] = a.cap_grad[c] != nullptr && flex::kHasCapGrad ? gbuf.data() + chunk * gsize + goff[c] : nullptr;
+        gcap[c] = a.cap_grad[c] != nullptr && Mod::kHasCapGrad ? gbuf.data() + chunk * gsize + goff[c] : nullptr;
       for (int64_t t = chunk * ntask / nchunk; t < (chunk + 1) * ntask / nchunk; ++t) {
         const int64_t qb = t % a.nqb, h = (t / a.nqb) % a.H, b = t / (a.nqb * a.H);
         const int64_t hkv = h / n_rep, q0 = qb * QBS;
@@ -315,21 +316,21 @@ void backward_dq(const FlexArgs& a) {
               for (int64_t r = 0; r < Rp; ++r) {
                 const int64_t i = q0 + r;
                 rp[r] = sp[r];
-                if (r >= R || (partial && !flex::mask_fn(b, h, i, kv, caps)))
+                if (r >= R || (partial && !Mod::mask_fn(b, h, i, kv, caps)))
                   sp[r] = kNegInf;
-                else if constexpr (flex::kHasScoreMod)
-                  sp[r] = flex::score_fwd(sp[r], b, h, i, kv, caps);
+                else if constexpr (Mod::kHasScoreMod)
+                  sp[r] = Mod::score_fwd(sp[r], b, h, i, kv, caps);
               }
               // P = exp(s - lse); dS = P (dP - delta), the gradient at the modified score.
               for (int64_t vv = 0; vv < nvec; ++vv) {
                 const Vec p = exp2v(Vec::loadu(sp + vv * VL) * Vec(kLog2e) - Vec::loadu(lr + vv * VL));
                 (p * (Vec::loadu(dpt + j * Rp + vv * VL) - Vec::loadu(dl + vv * VL))).store(sp + vv * VL);
               }
-              if constexpr (flex::kHasScoreMod) {
+              if constexpr (Mod::kHasScoreMod) {
                 // Through the modifier to the raw score (and into the tables), where visible.
                 for (int64_t r = 0; r < R; ++r)
                   if (sp[r] != 0.f || std::isnan(sp[r]))
-                    sp[r] = flex::score_bwd<flex::kHasCapGrad>(rp[r], b, h, q0 + r, kv, caps, sp[r], gcap.data());
+                    sp[r] = Mod::template score_bwd<Mod::kHasCapGrad>(rp[r], b, h, q0 + r, kv, caps, sp[r], gcap.data());
               }
             }
             gemm<CMode::Accumulate>(D, Rp, bk, Kb, 1, ldk, st, Rp, dqt, Rp);  // dQ^T += K^T dS^T
@@ -341,7 +342,7 @@ void backward_dq(const FlexArgs& a) {
       }
     }
   });
-  if constexpr (flex::kHasCapGrad) {
+  if constexpr (Mod::kHasCapGrad) {
     for (int64_t c = 0; c < a.ncap; ++c) {
       if (a.cap_grad[c] == nullptr) continue;
       for (int64_t chunk = 0; chunk < nchunk; ++chunk) {
@@ -354,7 +355,7 @@ void backward_dq(const FlexArgs& a) {
 
 // Pass 2: dK and dV per (batch, KV head, key block), over the query heads of the group and the
 // row blocks that list this key block.
-template <typename T>
+template <typename T, typename Mod>
 void backward_dkv(const FlexArgs& a) {
   const Caps caps{a.cap_ptr, a.cap_size};
   const int64_t D = a.D, Dv = a.Dv, QBS = a.QBS, KVBS = a.KVBS, n_rep = a.H / a.Hkv;
@@ -419,10 +420,10 @@ void backward_dkv(const FlexArgs& a) {
               for (int64_t j = 0; j < bkp; ++j) {
                 const int64_t kv = j0 + j;
                 float s2 = srow[j];
-                if (j >= bk || (partial && !flex::mask_fn(b, h, i, kv, caps)))
+                if (j >= bk || (partial && !Mod::mask_fn(b, h, i, kv, caps)))
                   s2 = kNegInf;
-                else if constexpr (flex::kHasScoreMod)
-                  s2 = flex::score_fwd(s2, b, h, i, kv, caps);
+                else if constexpr (Mod::kHasScoreMod)
+                  s2 = Mod::score_fwd(s2, b, h, i, kv, caps);
                 prow[j] = s2;
               }
               const Vec lv(lr[r]), dv_(dl[r]);
@@ -431,10 +432,10 @@ void backward_dkv(const FlexArgs& a) {
                 p.store(prow + j);
                 (p * (Vec::loadu(dprow + j) - dv_)).store(dprow + j);
               }
-              if constexpr (flex::kHasScoreMod) {
+              if constexpr (Mod::kHasScoreMod) {
                 for (int64_t j = 0; j < bk; ++j)
                   if (dprow[j] != 0.f || std::isnan(dprow[j]))
-                    dprow[j] = flex::score_bwd<false>(srow[j], b, h, i, j0 + j, caps, dprow[j], nullptr);
+                    dprow[j] = Mod::template score_bwd<false>(srow[j], b, h, i, j0 + j, caps, dprow[j], nullptr);
               }
             }
             gemm<CMode::Accumulate>(bk, Dvp, R, pp, 1, bkp, dor, Dvp, dv, Dvp);  // dV += P^T dO
@@ -463,28 +464,46 @@ int guarded(FlexArgs* a, F&& f) {
   }
 }
 
+// One input dtype per library (the generated section defines MHK_FLEX_BF16 or not): each
+// instantiation of the three loops costs seconds of compile time.
+#if MHK_FLEX_BF16
+using Elem = c10::BFloat16;
+constexpr int64_t kDtype = 1;
+#else
+using Elem = float;
+constexpr int64_t kDtype = 0;
+#endif
+
+template <typename Mod>
+int run_forward(FlexArgs* a) {
+  return guarded(a, [&] {
+    if (a->dtype != kDtype) throw std::runtime_error("this library was compiled for another dtype");
+    forward<Elem, Mod>(*a);
+  });
+}
+
+template <typename Mod>
+int run_backward(FlexArgs* a) {
+  return guarded(a, [&] {
+    if (a->dtype != kDtype) throw std::runtime_error("this library was compiled for another dtype");
+    backward_dq<Elem, Mod>(*a);
+    backward_dkv<Elem, Mod>(*a);
+  });
+}
+
 }  // namespace
 }  // namespace CPU_CAPABILITY
 }  // namespace mhakern::cpu
 
-using mhakern::cpu::CPU_CAPABILITY::FlexArgs;
+// The entry points of modifier i (flex::Mod<i>): a library may hold several (a bundle).
+#define MHK_FLEX_ENTRY(i)                                                                   \
+  extern "C" int mhk_flex_forward_##i(mhakern::cpu::CPU_CAPABILITY::FlexArgs* a) {          \
+    return mhakern::cpu::CPU_CAPABILITY::run_forward<mhakern::cpu::CPU_CAPABILITY::flex::Mod##i>(a);  \
+  }                                                                                         \
+  extern "C" int mhk_flex_backward_##i(mhakern::cpu::CPU_CAPABILITY::FlexArgs* a) {         \
+    return mhakern::cpu::CPU_CAPABILITY::run_backward<mhakern::cpu::CPU_CAPABILITY::flex::Mod##i>(a); \
+  }
 
-extern "C" int mhk_flex_forward(FlexArgs* a) {
-  using namespace mhakern::cpu::CPU_CAPABILITY;
-  return guarded(a, [&] { a->dtype == 0 ? forward<float>(*a) : forward<c10::BFloat16>(*a); });
-}
+// MHK_FLEX_ENTRIES
 
-extern "C" int mhk_flex_backward(FlexArgs* a) {
-  using namespace mhakern::cpu::CPU_CAPABILITY;
-  return guarded(a, [&] {
-    if (a->dtype == 0) {
-      backward_dq<float>(*a);
-      backward_dkv<float>(*a);
-    } else {
-      backward_dq<c10::BFloat16>(*a);
-      backward_dkv<c10::BFloat16>(*a);
-    }
-  });
-}
-
-extern "C" int64_t mhk_flex_args_size() { return sizeof(FlexArgs); }
+extern "C" int64_t mhk_flex_args_size() { return sizeof(mhakern::cpu::CPU_CAPABILITY::FlexArgs); }

@@ -256,8 +256,8 @@ def _strides(t: Tensor):
 class _Kernel:
     """One compiled modifier pair with the call's block structure and captures."""
 
-    def __init__(self, lib, blocks: _Blocks, caps: List[Tensor], grad_caps: List[bool]):
-        self.lib, self.blocks, self.caps_src, self.grad_caps = lib, blocks, caps, grad_caps
+    def __init__(self, entry, blocks: _Blocks, caps: List[Tensor], grad_caps: List[bool]):
+        self.entry, self.blocks, self.caps_src, self.grad_caps = entry, blocks, caps, grad_caps
         # Captures as the generated code reads them: float32 or int64, contiguous.
         self.caps = [c.detach().to(torch.float32 if c.dtype.is_floating_point else torch.int64).contiguous()
                      for c in caps]
@@ -299,7 +299,7 @@ class _Kernel:
         a.out, a.os, a.lse = out.data_ptr(), _strides(out), lse.data_ptr()
         grads = (ctypes.c_void_p * max(1, len(self.caps)))()
         a.cap_grad = ctypes.cast(grads, ctypes.c_void_p)
-        if self.lib.mhk_flex_forward(ctypes.byref(a)) != 0:
+        if self.entry.forward(ctypes.byref(a)) != 0:
             raise RuntimeError(f"mhakern.flex_attention cpu kernel: {a.err.decode(errors='replace')}")
         return out, lse
 
@@ -314,7 +314,7 @@ class _Kernel:
                                                  dv.data_ptr(), _strides(dv))
         grads = (ctypes.c_void_p * max(1, len(self.caps)))(*[None if g is None else g.data_ptr() for g in cg])
         a.cap_grad = ctypes.cast(grads, ctypes.c_void_p)
-        if self.lib.mhk_flex_backward(ctypes.byref(a)) != 0:
+        if self.entry.backward(ctypes.byref(a)) != 0:
             raise RuntimeError(f"mhakern.flex_attention cpu kernel: {a.err.decode(errors='replace')}")
         return dq, dk, dv, [None if g is None else g.to(src.dtype) for g, src in zip(cg, self.caps_src)]
 
@@ -344,24 +344,49 @@ def _cpu_unusable(query) -> Optional[str]:
     return None
 
 
-def _cpu_kernel(score_mod, blocks: _Blocks) -> _Kernel:
-    """Traces, generates and compiles (each cached); raises Untraceable or CompileError."""
+def _variant(score_mod, mask_mod):
+    """Traces the modifiers (cached) and writes their C++ struct (graph.cpp): returns
+    (source, captures, grad_caps). Raises Untraceable."""
     score_t = _trace_cached(score_mod, True) if score_mod is not None else None
-    mask_t = _trace_cached(blocks.mask_mod, False) if blocks.mask_mod is not None else None
-    # merge_captures renumbers the mask's references: work on copies of the cached traces.
+    mask_t = _trace_cached(mask_mod, False) if mask_mod is not None else None
+    # merge_captures renumbers the mask's references: work on a copy of the cached trace.
     if mask_t is not None:
         mask_t = _graph.Traced(list(mask_t.nodes), list(mask_t.inputs), mask_t.output, list(mask_t.captures),
                                dict(mask_t.cap_of))
     caps = _graph.merge_captures(score_t, mask_t)
     n_score = len(score_t.captures) if score_t is not None else 0
-    grad_caps = [i < n_score and c.requires_grad and c.dtype.is_floating_point and torch.is_grad_enabled()
-                 for i, c in enumerate(caps)]
+    # A learnable table's gradient code is generated whenever it requires grad (also under
+    # no_grad: one library serves both).
+    grad_caps = [i < n_score and c.requires_grad and c.dtype.is_floating_point for i, c in enumerate(caps)]
     # The generated code depends on the captures' kinds and ranks (and which want gradients).
     sig = "".join(f"// capture {i}: {'float' if c.dtype.is_floating_point else 'int'} rank {c.dim()} grad {int(g)}\n"
                   for i, (c, g) in enumerate(zip(caps, grad_caps)))
-    source = sig + _graph.cpp(score_t, mask_t, grad_caps)
-    lib = _build.library(source)
-    return _Kernel(lib, blocks, caps, grad_caps)
+    return sig + _graph.cpp(score_t, mask_t, grad_caps, "MOD_NAME"), caps, grad_caps
+
+
+def _cpu_kernel(score_mod, blocks: _Blocks, dtype: torch.dtype) -> _Kernel:
+    """Traces, generates and compiles (each cached); raises Untraceable or CompileError."""
+    source, caps, grad_caps = _variant(score_mod, blocks.mask_mod)
+    entry = _build.kernels([source], dtype == torch.bfloat16)[0]
+    return _Kernel(entry, blocks, caps, grad_caps)
+
+
+def precompile(modifiers, dtype: torch.dtype = torch.float32) -> int:
+    """Compiles the cpu kernels of several modifier pairs in one unit (one compiler run instead
+    of one per pair; what is compiled already is skipped). ``modifiers``: an iterable of
+    ``(score_mod, mask_mod)`` (either may be None; a BlockMask's ``mask_mod`` is its
+    ``block_mask.mask_mod``); ``dtype``: float32 or bfloat16, the inputs' dtype. Returns how
+    many pairs were given. Raises ArgumentError for a modifier that cannot be compiled."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ArgumentTypeError(f"dtype: expected torch.float32 or torch.bfloat16, got {dtype}")
+    sources = []
+    for score_mod, mask_mod in modifiers:
+        try:
+            sources.append(_variant(score_mod, mask_mod)[0])
+        except _graph.Untraceable as e:
+            raise ArgumentError(f"modifiers: {e}") from None
+    _build.kernels(sources, dtype == torch.bfloat16)
+    return len(sources)
 
 
 def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optional[Callable] = None,
@@ -400,7 +425,7 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optiona
     kernel = None
     if backend != "reference" and why is None:
         try:
-            kernel = _cpu_kernel(score_mod, blocks)
+            kernel = _cpu_kernel(score_mod, blocks, query.dtype)
         except _graph.Untraceable as e:
             if "reads a value out of a tensor" in str(e):
                 raise ArgumentError(str(e)) from None

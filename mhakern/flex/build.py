@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -26,7 +27,7 @@ import sys
 import tempfile
 import threading
 from collections import OrderedDict
-from typing import Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -34,8 +35,9 @@ from .. import _build
 
 _MAX_LOADED = 64
 _MARKER = "// MHK_FLEX_GENERATED"
+_ENTRIES = "// MHK_FLEX_ENTRIES"
 _LOCK = threading.Lock()
-_LOADED: "OrderedDict[str, ctypes.CDLL]" = OrderedDict()
+_LOADED: "OrderedDict[str, Entry]" = OrderedDict()
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w"]
 
 
@@ -95,40 +97,107 @@ def _command(root: str, src: str, out: str, which: str) -> list:
     return [compiler(), *flags, *inc, src, "-o", out, f"-L{libdir}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{libdir}"]
 
 
-def library(generated: str) -> ctypes.CDLL:
-    """The loaded kernel library for this generated section, compiling it on first use."""
+def _facts(root: str, which: str, cxx: str) -> str:
+    return "\0".join([_template(root), _headers_digest(root), which, cxx, torch.__version__, " ".join(_FLAGS),
+                      sys.platform])
+
+
+class Entry:
+    """A compiled modifier: its forward and backward entry points (ctypes functions)."""
+
+    def __init__(self, lib: ctypes.CDLL, index: int):
+        self.lib, self.index = lib, index
+        self.forward = getattr(lib, f"mhk_flex_forward_{index}")
+        self.backward = getattr(lib, f"mhk_flex_backward_{index}")
+        self.forward.restype = self.backward.restype = ctypes.c_int
+
+
+def kernels(variants: List[str], bf16: bool) -> List[Entry]:
+    """The compiled entry points of each variant (a ``struct MOD_NAME {...};`` from
+    graph.cpp), for bf16 or float32 inputs: from this process's table, from a library on disk
+    (a bundle compiled earlier, found through ``<variant key>.ref``), or compiled now -- every
+    missing variant together in one unit, so a test suite's modifiers cost one compile."""
     root = _src_root()
     which = isa()
-    text = _template(root)
-    if _MARKER not in text:
-        raise CompileError("csrc/flex/flex_kernel.cpp lacks its generated-code marker")
-    source = text.replace(_MARKER, generated)
     cxx = compiler()
     if cxx is None:
         raise CompileError("no C++ compiler found (set CXX)")
-    facts = "\0".join([source, _headers_digest(root), which, cxx, torch.__version__, " ".join(_FLAGS), sys.platform])
-    key = hashlib.sha256(facts.encode()).hexdigest()[:24]
-    with _LOCK:
-        lib = _LOADED.get(key)
-        if lib is not None:
-            _LOADED.move_to_end(key)
-            return lib
+    facts = _facts(root, which, cxx)
+    keys = [hashlib.sha256(f"{facts}\0{int(bf16)}\0{v}".encode()).hexdigest()[:24] for v in variants]
     d = os.path.join(_build.cache_dir(), "flex")
     os.makedirs(d, exist_ok=True)
-    so = os.path.join(d, f"{key}.so")
-    if not os.path.exists(so):
+    found: Dict[str, Entry] = {}
+    with _LOCK:
+        for k in keys:
+            if k in _LOADED:
+                _LOADED.move_to_end(k)
+                found[k] = _LOADED[k]
+    for k in keys:
+        if k not in found:
+            e = _from_ref(d, k)
+            if e is not None:
+                found[k] = e
+    missing = list(dict.fromkeys(k for k in keys if k not in found))
+    if missing:
+        texts = {k: v for k, v in zip(keys, variants)}
+        bundle = hashlib.sha256("\0".join(missing).encode()).hexdigest()[:24]
+        so = os.path.join(d, f"bundle-{bundle}.so")
         with _build._FileLock(so + ".lock").acquire():
             if not os.path.exists(so):  # another process may have built it while this one waited
+                source = _source(root, [texts[k] for k in missing], bf16)
                 _compile(root, source, so, which)
-    lib = ctypes.CDLL(so)
-    lib.mhk_flex_forward.restype = ctypes.c_int
-    lib.mhk_flex_backward.restype = ctypes.c_int
-    lib.mhk_flex_args_size.restype = ctypes.c_int64
+            for i, k in enumerate(missing):
+                _write_atomic(os.path.join(d, f"{k}.ref"), json.dumps({"so": os.path.basename(so), "index": i}))
+        lib = _load(so)
+        for i, k in enumerate(missing):
+            found[k] = Entry(lib, i)
     with _LOCK:
-        _LOADED[key] = lib
+        for k in keys:
+            _LOADED[k] = found[k]
+            _LOADED.move_to_end(k)
         while len(_LOADED) > _MAX_LOADED:
             _LOADED.popitem(last=False)
-    return lib
+    return [found[k] for k in keys]
+
+
+def _source(root: str, variants: List[str], bf16: bool) -> str:
+    text = _template(root)
+    if _MARKER not in text or _ENTRIES not in text:
+        raise CompileError("csrc/flex/flex_kernel.cpp lacks its generated-code markers")
+    structs = "".join(v.replace("MOD_NAME", f"Mod{i}") for i, v in enumerate(variants))
+    entries = "\n".join(f"MHK_FLEX_ENTRY({i})" for i in range(len(variants)))
+    return text.replace(_MARKER, f"#define MHK_FLEX_BF16 {int(bf16)}\n" + structs).replace(_ENTRIES, entries)
+
+
+def _from_ref(d: str, key: str) -> Optional[Entry]:
+    ref = os.path.join(d, f"{key}.ref")
+    try:
+        with open(ref) as fh:
+            info = json.load(fh)
+        so = os.path.join(d, info["so"])
+        if not os.path.exists(so):
+            return None
+        return Entry(_load(so), int(info["index"]))
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None
+
+
+_LIBS: Dict[str, ctypes.CDLL] = {}
+
+
+def _load(so: str) -> ctypes.CDLL:
+    with _LOCK:
+        lib = _LIBS.get(so)
+        if lib is None:
+            lib = _LIBS[so] = ctypes.CDLL(so)
+        return lib
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
 
 
 def _compile(root: str, source: str, so: str, which: str) -> None:

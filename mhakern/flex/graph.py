@@ -441,17 +441,18 @@ def _node_args(args) -> List[str]:
     return out
 
 
-def cpp(score: Optional[Traced], mask: Optional[Traced], want_caps: List[bool]) -> str:
-    """The generated section of csrc/flex/flex_kernel.cpp for these traced modifiers.
-    Captures are numbered score_mod's first, then mask_mod's (``mask`` shares the numbering:
-    its ``cap_of`` indices are offset by the caller, :func:`merge_captures`)."""
-    out = []
+def cpp(score: Optional[Traced], mask: Optional[Traced], want_caps: List[bool], name: str) -> str:
+    """The C++ of one modifier pair, as the struct ``name`` that csrc/flex/flex_kernel.cpp's
+    loops take as their ``Mod``: ``kHasScoreMod``, ``kHasCapGrad``, ``score_fwd``,
+    ``score_bwd<kCapGrad>`` and ``mask_fn``. Captures are numbered score_mod's first, then
+    mask_mod's (:func:`merge_captures` renumbers ``mask``)."""
+    out = [f"struct {name} {{"]
     sig = "int64_t b, int64_t h, int64_t q_idx, int64_t kv_idx, const Caps& c"
     if score is None:
-        out += ["constexpr bool kHasScoreMod = false;", "constexpr bool kHasCapGrad = false;",
-                f"inline float score_fwd(float s, {sig}) {{ return s; }}",
+        out += ["static constexpr bool kHasScoreMod = false;", "static constexpr bool kHasCapGrad = false;",
+                f"static inline float score_fwd(float s, {sig}) {{ return s; }}",
                 "template <bool kCapGrad>",
-                f"inline float score_bwd(float s, {sig}, float g, float* const* gcap) {{ return g; }}"]
+                f"static inline float score_bwd(float s, {sig}, float g, float* const* gcap) {{ return g; }}"]
     else:
         e = _Emitter(score, "score_mod")
         names = score.inputs
@@ -460,22 +461,22 @@ def cpp(score: Optional[Traced], mask: Optional[Traced], want_caps: List[bool]) 
         fwd = e.forward_lines()
         bwd, _ = e.backward_lines(want_caps)
         has_cap_grad = any(want_caps[i] for i in range(len(want_caps)) if i < len(score.captures))
-        out += ["constexpr bool kHasScoreMod = true;",
-                f"constexpr bool kHasCapGrad = {'true' if has_cap_grad else 'false'};",
-                f"inline float score_fwd(float s, {sig}) {{", bind, *fwd,
+        out += ["static constexpr bool kHasScoreMod = true;",
+                f"static constexpr bool kHasCapGrad = {'true' if has_cap_grad else 'false'};",
+                f"static inline float score_fwd(float s, {sig}) {{", bind, *fwd,
                 f"  return static_cast<float>(v_{score.output});", "}",
                 "template <bool kCapGrad>",
-                f"inline float score_bwd(float s, {sig}, float g, float* const* gcap) {{", bind, *fwd, *bwd,
+                f"static inline float score_bwd(float s, {sig}, float g, float* const* gcap) {{", bind, *fwd, *bwd,
                 f"  return g_{names[0]};", "}"]
     if mask is None:
-        out.append(f"inline bool mask_fn({sig}) {{ return true; }}")
+        out.append(f"static inline bool mask_fn({sig}) {{ return true; }}")
     else:
         e = _Emitter(mask, "mask_mod")
         names = mask.inputs
-        out += [f"inline bool mask_fn({sig}) {{",
+        out += [f"static inline bool mask_fn({sig}) {{",
                 f"  const int64_t v_{names[0]} = b, v_{names[1]} = h, v_{names[2]} = q_idx, v_{names[3]} = kv_idx;",
                 *e.forward_lines(), f"  return static_cast<bool>(v_{mask.output});", "}"]
-    return "\n".join(out) + "\n"
+    return "\n".join(out) + "\n};\n"
 
 
 def merge_captures(score: Optional[Traced], mask: Optional[Traced]) -> List[Tensor]:
