@@ -192,15 +192,17 @@ class _Blocks:
 # ------------------------------------------------------------------------------------------
 # The reference: dense, the modifiers called on broadcast index tensors.
 
-def reference(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False, upcast=True):
+def reference(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False, upcast=True,
+              work_dtype=None):
     """Plain PyTorch flex attention: ``(out, lse)``, out (B, H, Lq, Dv), lse (B, H, Lq) natural
     log. ``upcast`` computes in float64 (the oracle of the tests), else in float32 (float64
-    inputs stay float64); out is returned in the working dtype when ``upcast``, else in the
-    input dtype. Differentiable (q, k, v and whatever score_mod captures)."""
+    inputs stay float64) or in ``work_dtype`` when given (the tolerance rule's "torch math in
+    T"); out is returned in the working dtype when ``upcast``, else in the input dtype.
+    Differentiable (q, k, v and whatever score_mod captures)."""
     B, H, Lq, D = query.shape
     Hkv, Lk = key.shape[1], key.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    wdt = torch.float64 if (upcast or query.dtype == torch.float64) else torch.float32
+    wdt = torch.float64 if (upcast or query.dtype == torch.float64) else (work_dtype or torch.float32)
     q, k, v = query.to(wdt), key.to(wdt), value.to(wdt)
     if Hkv != H:
         k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
@@ -351,8 +353,7 @@ def _variant(score_mod, mask_mod):
     mask_t = _trace_cached(mask_mod, False) if mask_mod is not None else None
     # merge_captures renumbers the mask's references: work on a copy of the cached trace.
     if mask_t is not None:
-        mask_t = _graph.Traced(list(mask_t.nodes), list(mask_t.inputs), mask_t.output, list(mask_t.captures),
-                               dict(mask_t.cap_of))
+        mask_t = _graph.Traced(list(mask_t.nodes), list(mask_t.inputs), mask_t.output, list(mask_t.captures))
     caps = _graph.merge_captures(score_t, mask_t)
     n_score = len(score_t.captures) if score_t is not None else 0
     # A learnable table's gradient code is generated whenever it requires grad (also under

@@ -35,13 +35,13 @@ class Untraceable(Exception):
 class Traced:
     """A traced modifier: ``nodes`` are (name, op, args, kind) in order, ``kind`` one of "f", "i",
     "b" (float, integer, bool); ``inputs`` the placeholder names; ``output`` the output node's
-    name; ``captures`` the captured tensors in order of first use (``cap_ids[name]`` -> index)."""
+    name; ``captures`` the captured tensors in order of first use, read by "load" nodes
+    (spec: capture number and one index argument per dim)."""
 
     nodes: List[Tuple[str, str, tuple, str]]
     inputs: List[str]
     output: str
     captures: List[Tensor] = field(default_factory=list)
-    cap_of: Dict[str, int] = field(default_factory=dict)
 
 
 _UNARY_F = {
@@ -91,6 +91,29 @@ def trace(fn: Callable, is_score: bool) -> Traced:
         raise Untraceable(f"{what} could not be traced: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     t = Traced(nodes=[], inputs=[], output="")
     cap_index: Dict[int, int] = {}
+    # Captured tensors and partly indexed views of them: name -> (capture, fixed indices, one
+    # per dim: an argument or None). A view becomes a value ("load" node) once every dim is fixed.
+    views: Dict[str, Tuple[int, list]] = {}
+
+    def load(name, cap, fixed, kind):
+        t.nodes.append((name, "load", (cap, tuple(fixed)), kind))
+
+    def as_value(a):
+        """An argument that names a view: a one-element capture is read at index 0."""
+        if a[0] == "node" and a[1] in views:
+            cap, fixed = views[a[1]]
+            tensor = t.captures[cap]
+            if any(f is None for f in fixed) and tensor.numel() != 1:
+                raise Untraceable(f"{what} uses a captured tensor of shape {tuple(tensor.shape)} whole; "
+                                  "index every dimension")
+            name = f"{a[1]}_value"
+            if name not in {n[0] for n in t.nodes}:
+                load(name, cap, [f if f is not None else ("const", 0) for f in fixed], _kind(tensor.dtype))
+            return ("node", name)
+        if a[0] == "list":
+            return ("list", tuple(as_value(x) for x in a[1]))
+        return a
+
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             t.inputs.append(n.name)
@@ -100,7 +123,10 @@ def trace(fn: Callable, is_score: bool) -> Traced:
             out = out[0] if isinstance(out, (tuple, list)) else out
             if not isinstance(out, torch.fx.Node):
                 raise Untraceable(f"{what} returns a constant, not a tensor computed from its arguments")
-            t.output = out.name
+            if out.name in views:
+                t.output = as_value(("node", out.name))[1]
+            else:
+                t.output = out.name
             continue
         val = n.meta.get("val")
         if n.op == "get_attr":
@@ -116,19 +142,42 @@ def trace(fn: Callable, is_score: bool) -> Traced:
             if id(cap) not in cap_index:
                 cap_index[id(cap)] = len(t.captures)
                 t.captures.append(cap)
-            t.cap_of[n.name] = cap_index[id(cap)]
-            t.nodes.append((n.name, "capture", (cap_index[id(cap)],), "t"))
+            views[n.name] = (cap_index[id(cap)], [None] * cap.dim())
             continue
         if n.op != "call_function" or not hasattr(n.target, "_opname"):
             raise Untraceable(f"{what}: unsupported graph node {n.op} {n.target}")
         if not isinstance(val, Tensor):
             raise Untraceable(f"{what}: op {n.target} gives a non-tensor value")
+        op = n.target._opname
+        args = tuple(_arg(a, what) for a in n.args)
+        kw = {k: _arg(v, what) for k, v in n.kwargs.items()}
+        src = args[0] if args else None
+        if op in ("select", "index") and src is not None and src[0] == "node" and src[1] in views:
+            cap, fixed = views[src[1]]
+            fixed = list(fixed)
+            free = [d for d, f in enumerate(fixed) if f is None]
+            if op == "select":
+                dim, idx = args[1], args[2]
+                if dim[0] != "const":
+                    raise Untraceable(f"{what}: select over a computed dim")
+                fixed[free[dim[1] % len(free)]] = idx
+            else:
+                idxs = args[1][1]
+                if len(idxs) > len(free) or any(i[0] == "const" and i[1] is None for i in idxs):
+                    raise Untraceable(f"{what}: slicing a captured tensor is not supported; index every dimension")
+                for d, i in zip(free, idxs):
+                    fixed[d] = as_value(i)
+            if all(f is not None for f in fixed):
+                load(n.name, cap, fixed, _kind(val.dtype))
+            else:
+                views[n.name] = (cap, fixed)
+            continue
         if val.numel() != 1:
             raise Untraceable(f"{what}: op {n.target} gives a value of shape {tuple(val.shape)}, not one element "
                               "per score (index a captured tensor with every dimension)")
-        args = tuple(_arg(a, what) for a in n.args)
-        kw = {k: _arg(v, what) for k, v in n.kwargs.items()}
-        t.nodes.append((n.name, n.target._opname, (args, kw, n.target._overloadname), _kind(val.dtype)))
+        args = tuple(as_value(a) for a in args)
+        kw = {k: as_value(v) for k, v in kw.items()}
+        t.nodes.append((n.name, op, (args, kw, n.target._overloadname), _kind(val.dtype)))
     return t
 
 
@@ -208,23 +257,23 @@ class _Emitter:
         return "f" if "f" in ks else ("i" if "i" in ks else "b")
 
     def cap_index(self, cap: int, idx_args) -> str:
+        """The flat element index of a load: Python's negative indices wrap."""
         tensor = self.t.captures[cap]
-        if len(idx_args) != tensor.dim():
-            raise Untraceable(f"{self.what}: a captured {tensor.dim()}-d tensor indexed with {len(idx_args)} indices; "
-                              "index every dimension")
         terms = []
         for d, ia in enumerate(idx_args):
-            if ia[0] == "const" and ia[1] is None:
-                raise Untraceable(f"{self.what}: slicing a captured tensor is not supported; index every dimension")
             i = self.val(ia, "i")
             stride = " * ".join(f"c.size[{cap * 4 + e}]" for e in range(d + 1, tensor.dim())) or "1"
             terms.append(f"wrap_index({i}, c.size[{cap * 4 + d}]) * {stride}")
         return " + ".join(terms) or "0"
 
     def expr(self, name: str, op: str, spec) -> str:
-        args, kw, overload = spec
         kind = self.kinds[name]
         ct = _CT[kind]
+        if op == "load":
+            cap, idx = spec
+            src = "float" if self.t.captures[cap].dtype.is_floating_point else "int64_t"
+            return f"static_cast<{ct}>(static_cast<const {src}*>(c.ptr[{cap}])[{self.cap_index(cap, idx)}])"
+        args, kw, overload = spec
         V = self.val
         if op in _IDENTITY:
             return V(args[0], kind)
@@ -316,21 +365,11 @@ class _Emitter:
             return f"static_cast<{ct}>(1)"
         if op == "full_like":
             return V(args[1], kind)
-        if op == "index":
-            cap_name = args[0][1]
-            cap = self.t.cap_of.get(cap_name)
-            if cap is None:
-                raise Untraceable(f"{self.what}: only captured tensors can be indexed")
-            flat = self.cap_index(cap, args[1][1])
-            src = "float" if self.t.captures[cap].dtype.is_floating_point else "int64_t"
-            return f"static_cast<{ct}>(static_cast<const {src}*>(c.ptr[{cap}])[{flat}])"
         raise Untraceable(f"{self.what}: op aten.{op} is not supported by the cpu code generator")
 
     def forward_lines(self) -> List[str]:
         lines = []
         for name, op, spec, kind in self.t.nodes:
-            if op == "capture":
-                continue
             lines.append(f"  const {_CT[kind]} v_{name} = {self.expr(name, op, spec)};")
         return lines
 
@@ -340,13 +379,15 @@ class _Emitter:
         score = self.t.inputs[0]
         active = {score}
         for name, op, spec, kind in self.t.nodes:
-            if op == "capture" or kind != "f":
+            if kind != "f":
+                continue
+            if op == "load":
+                if want_caps[spec[0]]:
+                    active.add(name)
                 continue
             args, kw, _ = spec
             deps = _node_args(args) + _node_args(tuple(kw.values()))
-            if op == "index" and want_caps[self.t.cap_of[args[0][1]]]:
-                active.add(name)
-            elif op not in _NO_GRAD and any(d in active for d in deps):
+            if op not in _NO_GRAD and any(d in active for d in deps):
                 active.add(name)
         out = self.t.output
         lines = [f"  float g_{n} = 0.f;" for n in [score] + [n for n, _, _, k in self.t.nodes if n in active]]
@@ -359,8 +400,11 @@ class _Emitter:
         return lines, out in active
 
     def _adjoint(self, name, op, spec, active) -> List[str]:
-        args, kw, _ = spec
         g = f"g_{name}"
+        if op == "load":
+            cap, idx = spec
+            return [f"  if (kCapGrad) gcap[{cap}][{self.cap_index(cap, idx)}] += {g};"]
+        args, kw, _ = spec
         y = f"v_{name}"  # the node's value
         V = lambda a: self.val(a, "f")  # noqa: E731
 
@@ -423,9 +467,6 @@ class _Emitter:
         if op == "where":
             c = self.val(args[0], "b")
             return acc(args[1], f"({c} ? {g} : 0.f)") + acc(args[2], f"({c} ? 0.f : {g})")
-        if op == "index":
-            cap = self.t.cap_of[args[0][1]]
-            return [f"  if (kCapGrad) gcap[{cap}][{self.cap_index(cap, args[1][1])}] += {g};"]
         if op in ("scalar_tensor", "full", "full_like", "zeros_like", "ones_like", "zeros", "ones"):
             return []
         raise Untraceable(f"{self.what}: no derivative for aten.{op} in the cpu code generator")
@@ -493,9 +534,8 @@ def merge_captures(score: Optional[Traced], mask: Optional[Traced]) -> List[Tens
             else:
                 remap[i] = len(caps)
                 caps.append(t)
-        mask.cap_of = {k: remap[v] for k, v in mask.cap_of.items()}
         mask.captures = caps
-        mask.nodes = [(n, op, (remap[spec[0]],) if op == "capture" else spec, k) for n, op, spec, k in mask.nodes]
+        mask.nodes = [(n, op, (remap[spec[0]], spec[1]) if op == "load" else spec, k) for n, op, spec, k in mask.nodes]
     return caps
 
 
