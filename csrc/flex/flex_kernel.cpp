@@ -9,11 +9,11 @@
 // -blocked gemm, an online softmax in base 2, the output accumulator O^T rescaled inside the
 // gemm. The key blocks come from torch's BlockMask: per (batch, head, query block) a list of
 // partial blocks (mask_fn evaluated per element) and of full blocks (mask_fn skipped); a block
-// in neither list is never read. The backward recomputes the probabilities from lse in two
-// passes with no atomics: dQ (and the captured tables' gradients) per query block, dK and dV
-// per key block over the transposed lists; every sum runs in a fixed order, so the results are
-// bit-identical run to run for a given thread count (the tables' gradients are summed per
-// fixed chunk of tasks, then chunk by chunk).
+// in neither list is never read. The backward recomputes the probabilities from lse in one pass
+// over (batch, KV head, key range) tasks, as backward.h does, with the transposed block lists:
+// dK and dV owned by the task, dQ into per-key-range partials summed in range order, the
+// captured tables' gradients into per-chunk buffers summed chunk by chunk. Every sum runs in a
+// fixed order, so the results are bit-identical run to run for a given thread count.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
@@ -85,6 +85,9 @@ struct FlexArgs {
 
 namespace {
 
+constexpr int64_t kRows = 64;   // query rows per task (as the cpu kernel's kRowBlock)
+constexpr int64_t kKeys = 128;  // keys per step (its kKeyBlock)
+
 template <typename T>
 inline float tof(T x) {
   return static_cast<float>(x);
@@ -144,27 +147,29 @@ template <typename T, typename Mod>
 void forward(const FlexArgs& a) {
   const Caps caps{a.cap_ptr, a.cap_size};
   const int64_t D = a.D, Dv = a.Dv, QBS = a.QBS, KVBS = a.KVBS, n_rep = a.H / a.Hkv;
-  const int64_t Rmax = round_up(QBS, VL), Dp = round_up(D, VL);
-  const int64_t ntask = a.B * a.H * a.nqb;
+  const int64_t RB = std::min(QBS, kRows), nsub = ceil_div(QBS, RB), KB = std::min(KVBS, kKeys);
+  const int64_t Rmax = round_up(RB, VL), Dp = round_up(D, VL);
+  const int64_t ntask = a.B * a.H * a.nqb * nsub;
   // Scores in natural units for the modifier; without one, Q carries log2(e) and the tile
   // needs no pass before the softmax.
   const float qmul = static_cast<float>(a.scale) * (Mod::kHasScoreMod ? 1.f : kLog2e);
   at::parallel_for(0, ntask, 1, [&](int64_t t0, int64_t t1) {
     // 9 pieces, each rounded up to 16 floats by take().
-    Scratch s(Rmax * Dp * 2 + KVBS * Rmax + Dv * Rmax + 3 * Rmax + KVBS * (D + Dv) + 16 * 9, Scratch::kUninit);
+    Scratch s(Rmax * Dp * 2 + KB * Rmax + Dv * Rmax + 3 * Rmax + KB * (D + Dv) + 16 * 9, Scratch::kUninit);
     float* qr = s.take(Rmax * Dp);
     float* qt = s.take(Dp * Rmax);
-    float* st = s.take(KVBS * Rmax);
+    float* st = s.take(KB * Rmax);
     float* ot = s.take(Dv * Rmax);
     float* m = s.take(Rmax);
     float* l = s.take(Rmax);
     float* alpha = s.take(Rmax);
-    float* kc = s.take(KVBS * D);
-    float* vc = s.take(KVBS * Dv);
+    float* kc = s.take(KB * D);
+    float* vc = s.take(KB * Dv);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t qb = t % a.nqb, h = (t / a.nqb) % a.H, b = t / (a.nqb * a.H);
-      const int64_t hkv = h / n_rep, q0 = qb * QBS;
-      const int64_t R = std::min(QBS, a.Lq - q0), Rp = round_up(R, VL), nvec = Rp / VL;
+      const int64_t sub = t % nsub, qb = (t / nsub) % a.nqb, h = (t / (nsub * a.nqb)) % a.H;
+      const int64_t b = t / (nsub * a.nqb * a.H), hkv = h / n_rep, q0 = qb * QBS + sub * RB;
+      if (q0 >= std::min(a.Lq, (qb + 1) * QBS)) continue;
+      const int64_t R = std::min({RB, a.Lq - q0, (qb + 1) * QBS - q0}), Rp = round_up(R, VL), nvec = Rp / VL;
       const int64_t mb = a.mB == 1 ? 0 : b, mh = a.mH == 1 ? 0 : h;
       const T* q = static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + q0 * a.qs[2];
       load_rows(q, a.qs[2], R, D, qmul, qr, Dp);
@@ -181,47 +186,49 @@ void forward(const FlexArgs& a) {
       for (int li = 0; li < 2; ++li) {
         const bool partial = li == 0;
         for (int64_t n = 0; n < lists[li].n; ++n) {
-          const int64_t j0 = int64_t(lists[li].idx[n]) * KVBS;
-          if (j0 >= a.Lk) continue;
-          const int64_t bk = std::min(KVBS, a.Lk - j0);
-          int64_t ldk = 0, ldv = 0;
-          const float* Kb = key_rows(kb0 + j0 * a.ks[2], a.ks[2], bk, D, kc, &ldk);
-          gemm<CMode::Store>(bk, Rp, D, Kb, ldk, 1, qt, Rp, st, Rp);  // S^T = K Q^T
-          if (Mod::kHasScoreMod || partial || R < Rp) {
-            for (int64_t j = 0; j < bk; ++j) {
-              float* sp = st + j * Rp;
-              const int64_t kv = j0 + j;
-              for (int64_t r = 0; r < R; ++r) {
-                const int64_t i = q0 + r;
-                if (partial && !Mod::mask_fn(b, h, i, kv, caps)) {
-                  sp[r] = kNegInf;
-                } else if constexpr (Mod::kHasScoreMod) {
-                  sp[r] = Mod::score_fwd(sp[r], b, h, i, kv, caps) * kLog2e;
+          const int64_t jb = int64_t(lists[li].idx[n]) * KVBS, jend = std::min(jb + KVBS, a.Lk);
+          // A block mask's key block in steps of at most kKeys keys (the tile stays in L1/L2).
+          for (int64_t j0 = jb; j0 < jend; j0 += KB) {
+            const int64_t bk = std::min(KB, jend - j0);
+            int64_t ldk = 0, ldv = 0;
+            const float* Kb = key_rows(kb0 + j0 * a.ks[2], a.ks[2], bk, D, kc, &ldk);
+            gemm<CMode::Store>(bk, Rp, D, Kb, ldk, 1, qt, Rp, st, Rp);  // S^T = K Q^T
+            if (Mod::kHasScoreMod || partial || R < Rp) {
+              for (int64_t j = 0; j < bk; ++j) {
+                float* sp = st + j * Rp;
+                const int64_t kv = j0 + j;
+                for (int64_t r = 0; r < R; ++r) {
+                  const int64_t i = q0 + r;
+                  if (partial && !Mod::mask_fn(b, h, i, kv, caps)) {
+                    sp[r] = kNegInf;
+                  } else if constexpr (Mod::kHasScoreMod) {
+                    sp[r] = Mod::score_fwd(sp[r], b, h, i, kv, caps) * kLog2e;
+                  }
                 }
+                for (int64_t r = R; r < Rp; ++r) sp[r] = kNegInf;
               }
-              for (int64_t r = R; r < Rp; ++r) sp[r] = kNegInf;
             }
-          }
-          // Online softmax, as forward.h: rows in vectors, keys outside.
-          for (int64_t vv = 0; vv < nvec; ++vv) {
-            Vec mx(kNegInf);
-            for (int64_t j = 0; j < bk; ++j) mx = at::vec::clamp_min(mx, Vec::loadu(st + j * Rp + vv * VL));
-            const Vec mold = Vec::loadu(m + vv * VL);
-            const Vec mnew = at::vec::clamp_min(mold, mx);
-            // Nothing visible yet: subtract 0 rather than -inf, so exp2 gives 0 and not NaN.
-            const Vec muse = Vec::blendv(mnew, Vec(0.f), mnew == Vec(kNegInf));
-            exp2v(mold - muse).store(alpha + vv * VL);
-            mnew.store(m + vv * VL);
-            Vec sum(0.f);
-            for (int64_t j = 0; j < bk; ++j) {
-              const Vec pj = exp2v(Vec::loadu(st + j * Rp + vv * VL) - muse);
-              pj.store(st + j * Rp + vv * VL);
-              sum = sum + pj;
+            // Online softmax, as forward.h: rows in vectors, keys outside.
+            for (int64_t vv = 0; vv < nvec; ++vv) {
+              Vec mx(kNegInf);
+              for (int64_t j = 0; j < bk; ++j) mx = at::vec::clamp_min(mx, Vec::loadu(st + j * Rp + vv * VL));
+              const Vec mold = Vec::loadu(m + vv * VL);
+              const Vec mnew = at::vec::clamp_min(mold, mx);
+              // Nothing visible yet: subtract 0 rather than -inf, so exp2 gives 0 and not NaN.
+              const Vec muse = Vec::blendv(mnew, Vec(0.f), mnew == Vec(kNegInf));
+              exp2v(mold - muse).store(alpha + vv * VL);
+              mnew.store(m + vv * VL);
+              Vec sum(0.f);
+              for (int64_t j = 0; j < bk; ++j) {
+                const Vec pj = exp2v(Vec::loadu(st + j * Rp + vv * VL) - muse);
+                pj.store(st + j * Rp + vv * VL);
+                sum = sum + pj;
+              }
+              (Vec::loadu(l + vv * VL) * Vec::loadu(alpha + vv * VL) + sum).store(l + vv * VL);
             }
-            (Vec::loadu(l + vv * VL) * Vec::loadu(alpha + vv * VL) + sum).store(l + vv * VL);
+            const float* Vb = key_rows(vb0 + j0 * a.vs[2], a.vs[2], bk, Dv, vc, &ldv);
+            gemm<CMode::Rescale>(Dv, Rp, bk, Vb, 1, ldv, st, Rp, ot, Rp, alpha);  // O^T = a O^T + V^T P^T
           }
-          const float* Vb = key_rows(vb0 + j0 * a.vs[2], a.vs[2], bk, Dv, vc, &ldv);
-          gemm<CMode::Rescale>(Dv, Rp, bk, Vb, 1, ldv, st, Rp, ot, Rp, alpha);  // O^T = a O^T + V^T P^T
         }
       }
       T* o = static_cast<T*>(a.out) + b * a.os[0] + h * a.os[1] + q0 * a.os[2];
@@ -240,130 +247,35 @@ void forward(const FlexArgs& a) {
 // exp(s - lse) there is 0.
 inline float lse_use(float x) { return x == kNegInf ? std::numeric_limits<float>::infinity() : x; }
 
-// Pass 1: dQ and the captured tables' gradients, per query block.
+// The backward in one pass over (batch, KV head, key range) tasks, as the cpu kernel's
+// backward.h: per key block of the range, over the query heads of the group and the row blocks
+// the transposed lists name (partial, then full), P is recomputed from lse and dV, dK (owned by
+// the task) and dQ accumulate; dQ goes to the key range's float32 partial (rows padded to Dp),
+// and the partials are summed range by range at the end. The captured tables' gradients go to
+// one buffer per chunk of tasks, summed chunk by chunk. Every sum has a fixed order.
 template <typename T, typename Mod>
-void backward_dq(const FlexArgs& a) {
+void backward(const FlexArgs& a) {
   const Caps caps{a.cap_ptr, a.cap_size};
   const int64_t D = a.D, Dv = a.Dv, QBS = a.QBS, KVBS = a.KVBS, n_rep = a.H / a.Hkv;
-  const int64_t Rmax = round_up(QBS, VL), Dp = round_up(D, VL), Dvp = round_up(Dv, VL);
-  const int64_t ntask = a.B * a.H * a.nqb;
+  const int64_t Kp = round_up(KVBS, VL), Dp = round_up(D, VL), Dvp = round_up(Dv, VL);
   const float scale = static_cast<float>(a.scale);
-  // The tables' gradients: one private buffer per chunk of tasks (chunks fixed by the task
-  // count and the thread count, not by which thread runs them), summed chunk by chunk.
+  // Key ranges: enough tasks for the threads (4 per thread), within 256 MiB of dQ partials.
+  const int64_t nthr = at::get_num_threads(), groups = a.B * a.Hkv;
+  const int64_t part_floats = a.B * a.H * a.Lq * Dp;
+  int64_t nsplit = std::min<int64_t>(a.nkb, ceil_div(4 * nthr, std::max<int64_t>(groups, 1)));
+  nsplit = std::max<int64_t>(1, std::min<int64_t>(nsplit, (int64_t{1} << 26) / std::max<int64_t>(part_floats, 1)));
+  std::vector<float> dq_part(nsplit * part_floats, 0.f);
+  const int64_t ntask = groups * nsplit;
   int64_t gsize = 0;
   std::vector<int64_t> goff(a.ncap + 1, 0);
   for (int64_t c = 0; c < a.ncap; ++c) {
     goff[c] = gsize;
     if (a.cap_grad[c] != nullptr) gsize += a.cap_numel[c];
   }
-  const int64_t nchunk = std::max<int64_t>(1, std::min<int64_t>(ntask, at::get_num_threads()));
+  const int64_t nchunk = std::max<int64_t>(1, std::min<int64_t>(ntask, nthr));
   std::vector<float> gbuf(Mod::kHasCapGrad ? nchunk * gsize : 0, 0.f);
   at::parallel_for(0, nchunk, 1, [&](int64_t c0, int64_t c1) {
-    Scratch s(Rmax * Dp * 2 + Dvp * Rmax * 2 + 3 * KVBS * Rmax + Dp * Rmax + 2 * Rmax + KVBS * (D + Dv) + 16 * 12,
-              Scratch::kUninit);
-    float* qr = s.take(Rmax * Dp);
-    float* qt = s.take(Dp * Rmax);
-    float* dor = s.take(Rmax * Dvp);
-    float* dot = s.take(Dvp * Rmax);
-    float* st = s.take(KVBS * Rmax);
-    float* sraw = s.take(KVBS * Rmax);
-    float* dpt = s.take(KVBS * Rmax);
-    float* dqt = s.take(Dp * Rmax);
-    float* lr = s.take(Rmax);
-    float* dl = s.take(Rmax);
-    float* kc = s.take(KVBS * D);
-    float* vc = s.take(KVBS * Dv);
-    std::vector<float*> gcap(a.ncap + 1, nullptr);
-    for (int64_t chunk = c0; chunk < c1; ++chunk) {
-      for (int64_t c = 0; c < a.ncap; ++c)
-        gcap[c] = a.cap_grad[c] != nullptr && Mod::kHasCapGrad ? gbuf.data() + chunk * gsize + goff[c] : nullptr;
-      for (int64_t t = chunk * ntask / nchunk; t < (chunk + 1) * ntask / nchunk; ++t) {
-        const int64_t qb = t % a.nqb, h = (t / a.nqb) % a.H, b = t / (a.nqb * a.H);
-        const int64_t hkv = h / n_rep, q0 = qb * QBS;
-        const int64_t R = std::min(QBS, a.Lq - q0), Rp = round_up(R, VL), nvec = Rp / VL;
-        const int64_t mb = a.mB == 1 ? 0 : b, mh = a.mH == 1 ? 0 : h;
-        load_rows(static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + q0 * a.qs[2], a.qs[2], R, D, scale, qr, Dp);
-        transpose_pad(qr, Dp, R, D, qt, Rp);
-        load_rows(static_cast<const T*>(a.dout) + b * a.dos[0] + h * a.dos[1] + q0 * a.dos[2], a.dos[2], R, Dv, 1.f,
-                  dor, Dvp);
-        transpose_pad(dor, Dvp, R, Dv, dot, Rp);
-        const float* lse = a.lse + (b * a.H + h) * a.Lq + q0;
-        const float* delta = a.delta + (b * a.H + h) * a.Lq + q0;
-        for (int64_t r = 0; r < Rp; ++r) {
-          lr[r] = r < R ? lse_use(lse[r]) * kLog2e : std::numeric_limits<float>::infinity();
-          dl[r] = r < R ? delta[r] : 0.f;
-        }
-        std::fill(dqt, dqt + D * Rp, 0.f);
-        const T* kb0 = static_cast<const T*>(a.k) + b * a.ks[0] + hkv * a.ks[1];
-        const T* vb0 = static_cast<const T*>(a.v) + b * a.vs[0] + hkv * a.vs[1];
-        const BlockList lists[2] = {blocks(a.kv_num, a.kv_idx, a.kv_w, mb, mh, a.mH, a.nqb, qb),
-                                    blocks(a.fkv_num, a.fkv_idx, a.fkv_w, mb, mh, a.mH, a.nqb, qb)};
-        for (int li = 0; li < 2; ++li) {
-          const bool partial = li == 0;
-          for (int64_t n = 0; n < lists[li].n; ++n) {
-            const int64_t j0 = int64_t(lists[li].idx[n]) * KVBS;
-            if (j0 >= a.Lk) continue;
-            const int64_t bk = std::min(KVBS, a.Lk - j0);
-            int64_t ldk = 0, ldv = 0;
-            const float* Kb = key_rows(kb0 + j0 * a.ks[2], a.ks[2], bk, D, kc, &ldk);
-            const float* Vb = key_rows(vb0 + j0 * a.vs[2], a.vs[2], bk, Dv, vc, &ldv);
-            gemm<CMode::Store>(bk, Rp, D, Kb, ldk, 1, qt, Rp, st, Rp);     // S^T
-            gemm<CMode::Store>(bk, Rp, Dv, Vb, ldv, 1, dot, Rp, dpt, Rp);  // dP^T = V dO^T
-            for (int64_t j = 0; j < bk; ++j) {
-              float* sp = st + j * Rp;
-              float* rp = sraw + j * Rp;
-              const int64_t kv = j0 + j;
-              for (int64_t r = 0; r < Rp; ++r) {
-                const int64_t i = q0 + r;
-                rp[r] = sp[r];
-                if (r >= R || (partial && !Mod::mask_fn(b, h, i, kv, caps)))
-                  sp[r] = kNegInf;
-                else if constexpr (Mod::kHasScoreMod)
-                  sp[r] = Mod::score_fwd(sp[r], b, h, i, kv, caps);
-              }
-              // P = exp(s - lse); dS = P (dP - delta), the gradient at the modified score.
-              for (int64_t vv = 0; vv < nvec; ++vv) {
-                const Vec p = exp2v(Vec::loadu(sp + vv * VL) * Vec(kLog2e) - Vec::loadu(lr + vv * VL));
-                (p * (Vec::loadu(dpt + j * Rp + vv * VL) - Vec::loadu(dl + vv * VL))).store(sp + vv * VL);
-              }
-              if constexpr (Mod::kHasScoreMod) {
-                // Through the modifier to the raw score (and into the tables), where visible.
-                for (int64_t r = 0; r < R; ++r)
-                  if (sp[r] != 0.f || std::isnan(sp[r]))
-                    sp[r] = Mod::template score_bwd<Mod::kHasCapGrad>(rp[r], b, h, q0 + r, kv, caps, sp[r], gcap.data());
-              }
-            }
-            gemm<CMode::Accumulate>(D, Rp, bk, Kb, 1, ldk, st, Rp, dqt, Rp);  // dQ^T += K^T dS^T
-          }
-        }
-        T* dq = static_cast<T*>(a.dq) + b * a.dqs[0] + h * a.dqs[1] + q0 * a.dqs[2];
-        for (int64_t r = 0; r < R; ++r)
-          for (int64_t d = 0; d < D; ++d) dq[r * a.dqs[2] + d] = fromf<T>(dqt[d * Rp + r] * scale);
-      }
-    }
-  });
-  if constexpr (Mod::kHasCapGrad) {
-    for (int64_t c = 0; c < a.ncap; ++c) {
-      if (a.cap_grad[c] == nullptr) continue;
-      for (int64_t chunk = 0; chunk < nchunk; ++chunk) {
-        const float* g = gbuf.data() + chunk * gsize + goff[c];
-        for (int64_t e = 0; e < a.cap_numel[c]; ++e) a.cap_grad[c][e] += g[e];
-      }
-    }
-  }
-}
-
-// Pass 2: dK and dV per (batch, KV head, key block), over the query heads of the group and the
-// row blocks that list this key block.
-template <typename T, typename Mod>
-void backward_dkv(const FlexArgs& a) {
-  const Caps caps{a.cap_ptr, a.cap_size};
-  const int64_t D = a.D, Dv = a.Dv, QBS = a.QBS, KVBS = a.KVBS, n_rep = a.H / a.Hkv;
-  const int64_t Kp = round_up(KVBS, VL), Dp = round_up(D, VL), Dvp = round_up(Dv, VL);
-  const int64_t ntask = a.B * a.Hkv * a.nkb;
-  const float scale = static_cast<float>(a.scale);
-  at::parallel_for(0, ntask, 1, [&](int64_t t0, int64_t t1) {
-    Scratch s(KVBS * (Dp + Dvp) * 2 + Dp * Kp + Dvp * Kp + QBS * (Dp + Dvp) + 3 * QBS * Kp + 2 * QBS + 16 * 13,
+    Scratch s(KVBS * (Dp + Dvp) * 2 + Dp * Kp + Dvp * Kp + QBS * (Dp + Dvp) + 4 * QBS * Kp + 2 * QBS + 16 * 14,
               Scratch::kUninit);
     float* kr = s.take(KVBS * Dp);
     float* kt = s.take(Dp * Kp);
@@ -378,79 +290,120 @@ void backward_dkv(const FlexArgs& a) {
     float* dp = s.take(QBS * Kp);
     float* lr = s.take(QBS);
     float* dl = s.take(QBS);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t kb = t % a.nkb, hkv = (t / a.nkb) % a.Hkv, b = t / (a.nkb * a.Hkv);
-      const int64_t j0 = kb * KVBS;
-      const int64_t bk = std::min(KVBS, a.Lk - j0), bkp = round_up(bk, VL);
-      load_rows(static_cast<const T*>(a.k) + b * a.ks[0] + hkv * a.ks[1] + j0 * a.ks[2], a.ks[2], bk, D, 1.f, kr, Dp);
-      transpose_pad(kr, Dp, bk, D, kt, bkp);
-      load_rows(static_cast<const T*>(a.v) + b * a.vs[0] + hkv * a.vs[1] + j0 * a.vs[2], a.vs[2], bk, Dv, 1.f, vr,
-                Dvp);
-      transpose_pad(vr, Dvp, bk, Dv, vt, bkp);
-      std::fill(dk, dk + bk * Dp, 0.f);
-      std::fill(dv, dv + bk * Dvp, 0.f);
-      const int64_t mb = a.mB == 1 ? 0 : b;
-      for (int64_t h = hkv * n_rep; h < (hkv + 1) * n_rep; ++h) {
-        const int64_t mh = a.mH == 1 ? 0 : h;
-        const BlockList lists[2] = {blocks(a.q_num, a.q_idx, a.q_w, mb, mh, a.mH, a.nkb, kb),
-                                    blocks(a.fq_num, a.fq_idx, a.fq_w, mb, mh, a.mH, a.nkb, kb)};
-        for (int li = 0; li < 2; ++li) {
-          const bool partial = li == 0;
-          for (int64_t n = 0; n < lists[li].n; ++n) {
-            const int64_t q0 = int64_t(lists[li].idx[n]) * QBS;
-            if (q0 >= a.Lq) continue;
-            const int64_t R = std::min(QBS, a.Lq - q0);
-            load_rows(static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + q0 * a.qs[2], a.qs[2], R, D, scale, qs,
-                      Dp);
-            load_rows(static_cast<const T*>(a.dout) + b * a.dos[0] + h * a.dos[1] + q0 * a.dos[2], a.dos[2], R, Dv,
-                      1.f, dor, Dvp);
-            const float* lse = a.lse + (b * a.H + h) * a.Lq + q0;
-            const float* delta = a.delta + (b * a.H + h) * a.Lq + q0;
-            for (int64_t r = 0; r < R; ++r) {
-              lr[r] = lse_use(lse[r]) * kLog2e;
-              dl[r] = delta[r];
+    std::vector<float*> gcap(a.ncap + 1, nullptr);
+    for (int64_t chunk = c0; chunk < c1; ++chunk) {
+      for (int64_t c = 0; c < a.ncap; ++c)
+        gcap[c] = a.cap_grad[c] != nullptr && Mod::kHasCapGrad ? gbuf.data() + chunk * gsize + goff[c] : nullptr;
+      for (int64_t t = chunk * ntask / nchunk; t < (chunk + 1) * ntask / nchunk; ++t) {
+        const int64_t split = t % nsplit, hkv = (t / nsplit) % a.Hkv, b = t / (nsplit * a.Hkv);
+        float* dqp = dq_part.data() + split * part_floats;
+        const int64_t mb = a.mB == 1 ? 0 : b;
+        for (int64_t kb = split * a.nkb / nsplit; kb < (split + 1) * a.nkb / nsplit; ++kb) {
+          const int64_t j0 = kb * KVBS;
+          if (j0 >= a.Lk) break;
+          const int64_t bk = std::min(KVBS, a.Lk - j0), bkp = round_up(bk, VL);
+          load_rows(static_cast<const T*>(a.k) + b * a.ks[0] + hkv * a.ks[1] + j0 * a.ks[2], a.ks[2], bk, D, 1.f, kr,
+                    Dp);
+          transpose_pad(kr, Dp, bk, D, kt, bkp);
+          load_rows(static_cast<const T*>(a.v) + b * a.vs[0] + hkv * a.vs[1] + j0 * a.vs[2], a.vs[2], bk, Dv, 1.f, vr,
+                    Dvp);
+          transpose_pad(vr, Dvp, bk, Dv, vt, bkp);
+          bool started = false;
+          for (int64_t h = hkv * n_rep; h < (hkv + 1) * n_rep; ++h) {
+            const int64_t mh = a.mH == 1 ? 0 : h;
+            const BlockList lists[2] = {blocks(a.q_num, a.q_idx, a.q_w, mb, mh, a.mH, a.nkb, kb),
+                                        blocks(a.fq_num, a.fq_idx, a.fq_w, mb, mh, a.mH, a.nkb, kb)};
+            for (int li = 0; li < 2; ++li) {
+              const bool partial = li == 0;
+              for (int64_t n = 0; n < lists[li].n; ++n) {
+                const int64_t q0 = int64_t(lists[li].idx[n]) * QBS;
+                if (q0 >= a.Lq) continue;
+                const int64_t R = std::min(QBS, a.Lq - q0);
+                load_rows(static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + q0 * a.qs[2], a.qs[2], R, D, scale,
+                          qs, Dp);
+                load_rows(static_cast<const T*>(a.dout) + b * a.dos[0] + h * a.dos[1] + q0 * a.dos[2], a.dos[2], R,
+                          Dv, 1.f, dor, Dvp);
+                const float* lse = a.lse + (b * a.H + h) * a.Lq + q0;
+                const float* delta = a.delta + (b * a.H + h) * a.Lq + q0;
+                for (int64_t r = 0; r < R; ++r) {
+                  lr[r] = lse_use(lse[r]) * kLog2e;
+                  dl[r] = delta[r];
+                }
+                gemm<CMode::Store>(R, bkp, D, qs, Dp, 1, kt, bkp, sc, bkp);    // S = Qs K^T
+                gemm<CMode::Store>(R, bkp, Dv, dor, Dvp, 1, vt, bkp, dp, bkp);  // dP = dO V^T
+                for (int64_t r = 0; r < R; ++r) {
+                  const int64_t i = q0 + r;
+                  float* srow = sc + r * bkp;
+                  float* prow = pp + r * bkp;
+                  float* dprow = dp + r * bkp;
+                  for (int64_t j = 0; j < bkp; ++j) {
+                    const int64_t kv = j0 + j;
+                    float s2 = srow[j];
+                    if (j >= bk || (partial && !Mod::mask_fn(b, h, i, kv, caps)))
+                      s2 = kNegInf;
+                    else if constexpr (Mod::kHasScoreMod)
+                      s2 = Mod::score_fwd(s2, b, h, i, kv, caps);
+                    prow[j] = s2;
+                  }
+                  // P = exp(s - lse); dS = P (dP - delta), the gradient at the modified score.
+                  const Vec lv(lr[r]), dlv(dl[r]);
+                  for (int64_t j = 0; j < bkp; j += VL) {
+                    const Vec p = exp2v(Vec::loadu(prow + j) * Vec(kLog2e) - lv);
+                    p.store(prow + j);
+                    (p * (Vec::loadu(dprow + j) - dlv)).store(dprow + j);
+                  }
+                  if constexpr (Mod::kHasScoreMod) {
+                    // Through the modifier to the raw score (and into the tables), where visible.
+                    for (int64_t j = 0; j < bk; ++j)
+                      if (dprow[j] != 0.f || std::isnan(dprow[j]))
+                        dprow[j] = Mod::template score_bwd<Mod::kHasCapGrad>(srow[j], b, h, i, j0 + j, caps, dprow[j],
+                                                                            gcap.data());
+                  }
+                }
+                if (started) {
+                  gemm<CMode::Accumulate>(bk, Dvp, R, pp, 1, bkp, dor, Dvp, dv, Dvp);  // dV += P^T dO
+                  gemm<CMode::Accumulate>(bk, Dp, R, dp, 1, bkp, qs, Dp, dk, Dp);      // dK += dS^T Qs
+                } else {
+                  gemm<CMode::Store>(bk, Dvp, R, pp, 1, bkp, dor, Dvp, dv, Dvp);
+                  gemm<CMode::Store>(bk, Dp, R, dp, 1, bkp, qs, Dp, dk, Dp);
+                  started = true;
+                }
+                float* dqr = dqp + ((b * a.H + h) * a.Lq + q0) * Dp;
+                gemm<CMode::Accumulate>(R, Dp, bk, dp, bkp, 1, kr, Dp, dqr, Dp);  // dQ += dS K
+              }
             }
-            gemm<CMode::Store>(R, bkp, D, qs, Dp, 1, kt, bkp, sc, bkp);    // S = Qs K^T
-            gemm<CMode::Store>(R, bkp, Dv, dor, Dvp, 1, vt, bkp, dp, bkp);  // dP = dO V^T
-            for (int64_t r = 0; r < R; ++r) {
-              const int64_t i = q0 + r;
-              float* srow = sc + r * bkp;
-              float* prow = pp + r * bkp;
-              float* dprow = dp + r * bkp;
-              for (int64_t j = 0; j < bkp; ++j) {
-                const int64_t kv = j0 + j;
-                float s2 = srow[j];
-                if (j >= bk || (partial && !Mod::mask_fn(b, h, i, kv, caps)))
-                  s2 = kNegInf;
-                else if constexpr (Mod::kHasScoreMod)
-                  s2 = Mod::score_fwd(s2, b, h, i, kv, caps);
-                prow[j] = s2;
-              }
-              const Vec lv(lr[r]), dv_(dl[r]);
-              for (int64_t j = 0; j < bkp; j += VL) {
-                const Vec p = exp2v(Vec::loadu(prow + j) * Vec(kLog2e) - lv);
-                p.store(prow + j);
-                (p * (Vec::loadu(dprow + j) - dv_)).store(dprow + j);
-              }
-              if constexpr (Mod::kHasScoreMod) {
-                for (int64_t j = 0; j < bk; ++j)
-                  if (dprow[j] != 0.f || std::isnan(dprow[j]))
-                    dprow[j] = Mod::template score_bwd<false>(srow[j], b, h, i, j0 + j, caps, dprow[j], nullptr);
-              }
-            }
-            gemm<CMode::Accumulate>(bk, Dvp, R, pp, 1, bkp, dor, Dvp, dv, Dvp);  // dV += P^T dO
-            gemm<CMode::Accumulate>(bk, Dp, R, dp, 1, bkp, qs, Dp, dk, Dp);      // dK += dS^T Qs
+          }
+          T* dkp = static_cast<T*>(a.dk) + b * a.dks[0] + hkv * a.dks[1] + j0 * a.dks[2];
+          T* dvp = static_cast<T*>(a.dv) + b * a.dvs[0] + hkv * a.dvs[1] + j0 * a.dvs[2];
+          for (int64_t j = 0; j < bk; ++j) {
+            for (int64_t d = 0; d < D; ++d) dkp[j * a.dks[2] + d] = fromf<T>(started ? dk[j * Dp + d] : 0.f);
+            for (int64_t d = 0; d < Dv; ++d) dvp[j * a.dvs[2] + d] = fromf<T>(started ? dv[j * Dvp + d] : 0.f);
           }
         }
       }
-      T* dkp = static_cast<T*>(a.dk) + b * a.dks[0] + hkv * a.dks[1] + j0 * a.dks[2];
-      T* dvp = static_cast<T*>(a.dv) + b * a.dvs[0] + hkv * a.dvs[1] + j0 * a.dvs[2];
-      for (int64_t j = 0; j < bk; ++j) {
-        for (int64_t d = 0; d < D; ++d) dkp[j * a.dks[2] + d] = fromf<T>(dk[j * Dp + d]);
-        for (int64_t d = 0; d < Dv; ++d) dvp[j * a.dvs[2] + d] = fromf<T>(dv[j * Dvp + d]);
+    }
+  });
+  // dQ = scale * (sum of the key ranges' partials, in range order).
+  at::parallel_for(0, a.B * a.H * a.Lq, 256, [&](int64_t r0, int64_t r1) {
+    for (int64_t row = r0; row < r1; ++row) {
+      const int64_t i = row % a.Lq, h = (row / a.Lq) % a.H, b = row / (a.Lq * a.H);
+      T* dq = static_cast<T*>(a.dq) + b * a.dqs[0] + h * a.dqs[1] + i * a.dqs[2];
+      for (int64_t d = 0; d < D; ++d) {
+        float acc = dq_part[row * Dp + d];
+        for (int64_t sp = 1; sp < nsplit; ++sp) acc += dq_part[sp * part_floats + row * Dp + d];
+        dq[d] = fromf<T>(acc * scale);
       }
     }
   });
+  if constexpr (Mod::kHasCapGrad) {
+    for (int64_t c = 0; c < a.ncap; ++c) {
+      if (a.cap_grad[c] == nullptr) continue;
+      for (int64_t chunk = 0; chunk < nchunk; ++chunk) {
+        const float* g = gbuf.data() + chunk * gsize + goff[c];
+        for (int64_t e = 0; e < a.cap_numel[c]; ++e) a.cap_grad[c][e] += g[e];
+      }
+    }
+  }
 }
 
 template <typename F>
@@ -486,8 +439,7 @@ template <typename Mod>
 int run_backward(FlexArgs* a) {
   return guarded(a, [&] {
     if (a->dtype != kDtype) throw std::runtime_error("this library was compiled for another dtype");
-    backward_dq<Elem, Mod>(*a);
-    backward_dkv<Elem, Mod>(*a);
+    backward<Elem, Mod>(*a);
   });
 }
 
