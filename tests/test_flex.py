@@ -324,3 +324,28 @@ def test_import_is_lazy():
     code = "import sys, mhakern; print('mhakern.flex' in sys.modules, 'torch.fx.experimental.proxy_tensor' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[0] == "False"
+
+
+def test_under_torch_compile_it_is_a_graph_break():
+    """torch.compile runs the call eagerly between the compiled graphs (a graph break), with the
+    same result and gradients; fullgraph=True refuses with the reason."""
+    case = CASES[5]  # alibi + causal
+    q, k, v, do, t = _inputs(case)
+    score_mod, mask_mod = _mods(case, t)
+    bm = _block_mask(case, mask_mod)
+
+    def f(a, b, c):
+        return mhakern.flex_attention(a * 1.0, b, c, score_mod, bm, backend="cpu") * 2.0
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(f, backend="eager")
+        eager, _, g_eager = _run(lambda a, b, c: (f(a, b, c), None), q, k, v, do, [])
+        got, _, g_got = _run(lambda a, b, c: (compiled(a, b, c), None), q, k, v, do, [])
+        assert torch.equal(got, eager)
+        for x, y in zip(g_got, g_eager):
+            assert torch.equal(x, y)
+        with pytest.raises(Exception, match="runs eagerly"):
+            torch.compile(f, backend="eager", fullgraph=True)(q, k, v)
+    finally:
+        torch._dynamo.reset()
