@@ -132,7 +132,8 @@ def compiled_once():
     """Every named mod's float32 kernel in one compiler run (and the bf16 case's in another)."""
     g = torch.Generator().manual_seed(0)
     t = _tables(2, 6, 200, 200, g)
-    mhakern.flex.precompile([_mods(c, t) for c in CASES], torch.float32)
+    builder_mask = mhakern.flex.document_block_mask(torch.tensor([0, 5]), window=3).mask_mod
+    mhakern.flex.precompile([_mods(c, t) for c in CASES] + [(None, builder_mask)], torch.float32)
     mhakern.flex.precompile([_mods(BF16_CASE, t)], torch.bfloat16)
 
 
@@ -349,3 +350,62 @@ def test_under_torch_compile_it_is_a_graph_break():
             torch.compile(f, backend="eager", fullgraph=True)(q, k, v)
     finally:
         torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------------------------------
+# Block mask builders.
+
+def _check_builder(bm, B, Lq, Lk):
+    """The builder's blocks and mask_mod show exactly the pairs its mask_mod allows: full
+    blocks hold only visible pairs, every visible pair lies in a listed block."""
+    from mhakern.flex.api import _Blocks
+
+    assert tuple(bm.seq_lengths) == (Lq, Lk)
+    partial, full = _Blocks(bm, B, 1, Lq, Lk).dense(Lq, Lk)
+    m = bm.mask_mod(torch.arange(B).view(B, 1, 1, 1), torch.zeros(1, 1, 1, 1, dtype=torch.long),
+                    torch.arange(Lq).view(1, 1, Lq, 1), torch.arange(Lk).view(1, 1, 1, Lk)).expand(B, 1, Lq, Lk)
+    assert not (full.expand(B, 1, Lq, Lk) & ~m).any(), "a full block holds a hidden pair"
+    assert torch.equal(full | (partial & m), m), "a visible pair lies outside the listed blocks"
+    # torch's create_block_mask lists the same blocks (it may call a last, padded block partial).
+    ref = tflex.create_block_mask(bm.mask_mod, B, None, Lq, Lk, device="cpu", BLOCK_SIZE=bm.BLOCK_SIZE)
+    rp, rf = _Blocks(ref, B, 1, Lq, Lk).dense(Lq, Lk)
+    assert torch.equal((partial | full).expand(B, 1, Lq, Lk), (rp | rf).expand(B, 1, Lq, Lk))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(causal=False), dict(window=50), dict(causal=False, window=20)])
+@pytest.mark.parametrize("bs", [128, (64, 32)])
+def test_document_block_mask(kw, bs):
+    _check_builder(mhakern.flex.document_block_mask(torch.tensor([0, 100, 130, 400, 401, 700]), block_size=bs, **kw),
+                   1, 700, 700)
+
+
+def test_prefix_and_causal_block_masks():
+    for bs in (128, (32, 64)):
+        _check_builder(mhakern.flex.prefix_lm_block_mask(torch.tensor([0, 50, 300]), 333, block_size=bs), 3, 333, 333)
+        _check_builder(mhakern.flex.causal_block_mask(300, 200, window=70, block_size=bs), 1, 300, 200)
+        _check_builder(mhakern.flex.causal_block_mask(300, block_size=bs), 1, 300, 300)
+
+
+def test_builder_mask_runs_on_the_kernel():
+    cu = torch.tensor([0, 90, 91, 250, 300], dtype=torch.int32)
+    bm = mhakern.flex.document_block_mask(cu, window=40, block_size=(64, 32))
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 300, 32, generator=g) for _ in range(3))
+    out = mhakern.flex_attention(q, k, v, block_mask=bm, backend="cpu")
+    r64, _ = mhakern.flex.reference(q.double(), k.double(), v.double(), block_mask=bm)
+    r32, _ = mhakern.flex.reference(q, k, v, block_mask=bm, upcast=False)
+    why = ref_mod.rule_violation(out, r64, r32, torch.float32, 2.0)
+    assert why is None, why
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: mhakern.flex.document_block_mask(torch.tensor([1, 5])), "cu_seqlens"),
+    (lambda: mhakern.flex.document_block_mask(torch.tensor([0.0, 5.0])), "cu_seqlens"),
+    (lambda: mhakern.flex.document_block_mask(torch.tensor([0, 5]), window=-1), "window"),
+    (lambda: mhakern.flex.document_block_mask(torch.tensor([0, 5]), block_size=0), "block_size"),
+    (lambda: mhakern.flex.prefix_lm_block_mask(torch.tensor([-1]), 8), "prefix_lengths"),
+    (lambda: mhakern.flex.causal_block_mask(0), "q_len"),
+])
+def test_builder_errors(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()

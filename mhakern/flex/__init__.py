@@ -7,6 +7,7 @@ import torch
 
 from . import api
 from .api import KERNEL_OPTIONS, precompile, reference
+from .masks import causal_block_mask, document_block_mask, prefix_lm_block_mask
 
 # Under torch.compile a call is a graph break (the modifiers are Python callables, not operator
 # arguments): dynamo runs it eagerly, between the compiled graphs around it, and with
@@ -17,4 +18,7 @@ flex_attention = torch.compiler.disable(
     "and compiles itself, not operator arguments",
 )
 
-__all__ = ["flex_attention", "precompile", "reference", "KERNEL_OPTIONS"]
+__all__ = [
+    "flex_attention", "precompile", "reference", "KERNEL_OPTIONS", "document_block_mask", "prefix_lm_block_mask",
+    "causal_block_mask",
+]
