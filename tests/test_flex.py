@@ -51,6 +51,12 @@ def _doc_window(t):
     return doc_window
 
 
+def _head_window(t):
+    def head_window(b, h, q, kv):  # a causal window that widens with the head: mask_fn reads h
+        return (q >= kv) & (q - kv < t["win"][0] * (h + 1))
+    return head_window
+
+
 def _alibi(t):
     def alibi(score, b, h, q, kv):
         return score + t["slopes"][h] * (kv - q)
@@ -119,6 +125,7 @@ CASES = [
     # Rows q >= Lk + 37 see no key: output 0, lse -inf, zero gradients.
     Case("no_visible_rows", None, _window, (1, 2, 2, 150, 40, 32), (32, 32)),
     Case("plain", None, None, (1, 2, 2, 70, 90, 40), (128, 128)),
+    Case("per_head_window", None, _head_window, (1, 4, 4, 200, 200, 32), (64, 64)),
 ]
 
 
