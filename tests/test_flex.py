@@ -295,6 +295,29 @@ def test_unsupported_op_falls_back_with_warning_or_refuses_in_strict_mode():
         mhakern.flex_attention(q, k, v, bessel, backend="cpu")
 
 
+def test_no_compiler_falls_back_or_refuses(monkeypatch):
+    q, k, v = _small()
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with pytest.warns(UserWarning, match="compiler"):
+        out = mhakern.flex_attention(q, k, v, softcap)
+    assert mhakern.last_backend() == "reference"
+    r64, _ = mhakern.flex.reference(q.double(), k.double(), v.double(), softcap)
+    assert (out.double() - r64).abs().max() < 1e-5
+    with pytest.raises(mhakern.FallbackError, match="compiler"):
+        mhakern.flex_attention(q, k, v, softcap, kernel_options={"strict": True})
+
+
+def test_capture_on_another_device_is_refused():
+    q, k, v = _small()
+    table = torch.zeros(2, device="meta")
+
+    def on_meta(score, b, h, q_idx, kv_idx):
+        return score + table[h]
+
+    with pytest.raises(ValueError, match="meta"):
+        mhakern.flex_attention(q, k, v, on_meta, backend="cpu")
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(kernel_options={"BLOCK_M": 64}), "BLOCK_M"),
     (dict(kernel_options={"BACKEND": "TRITON"}), "BACKEND"),

@@ -7,12 +7,15 @@ unit builds in seconds. It includes the cpu kernel's own headers (csrc/cpu/kerne
 exp2, scratch) compiled for this machine's instruction set (mhakern._build.ISA_FLAGS, chosen by
 torch's cpu capability), and links against the already loaded libtorch for at::parallel_for.
 
-Cache: ``<mhakern cache>/flex/<key>.so`` where key hashes the generated source (so the graph,
-the captures' dtypes and ranks), the template and headers, the ISA, the compiler, torch's
-version and this file's flags. Concurrent processes compiling the same key: one file lock per
-key, the library written under a temporary name and renamed into place (a reader never sees a
-half-written file). In-process: one loaded library per key, at most ``_MAX_LOADED`` of them
-(least recently used dropped from the table; a library, once loaded, stays mapped).
+A library holds one or more modifiers (a bundle: :func:`kernels` compiles every modifier it is
+given that is not built yet in one compiler run, the way the tests build theirs). Cache, in
+``<mhakern cache>/flex/``: ``bundle-<hash>.so`` and, per modifier, ``<key>.ref`` naming its
+bundle and index, where key hashes the generated C++ (so the graph, the captures' kinds, ranks
+and gradients), the input dtype, the template and the cpu kernel headers, the ISA, the compiler,
+torch's version and the flags. Concurrent processes building the same bundle: a file lock per
+bundle, the library written under a temporary name and renamed into place (a reader never sees a
+half-written file). Bounded: at most ``_MAX_BUNDLES`` libraries on disk (the least recently
+built go first) and ``_MAX_LOADED`` modifiers in this process's table.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import torch
 from .. import _build
 
 _MAX_LOADED = 64
+_MAX_BUNDLES = 256
 _MARKER = "// MHK_FLEX_GENERATED"
 _ENTRIES = "// MHK_FLEX_ENTRIES"
 _LOCK = threading.Lock()
@@ -217,3 +221,16 @@ def _compile(root: str, source: str, so: str, which: str) -> None:
         os.replace(out, so)  # atomic: readers see the old absence or the whole file
         with open(os.path.join(d, os.path.basename(so)[:-3] + ".cpp"), "w") as fh:
             fh.write(source)  # kept beside the library, for the curious
+    _prune(d)
+
+
+def _prune(d: str) -> None:
+    """Drops the oldest bundles beyond _MAX_BUNDLES (their .ref files then point nowhere and are
+    rebuilt on use; a process that has one loaded keeps its mapping)."""
+    libs = sorted(glob.glob(os.path.join(d, "bundle-*.so")), key=lambda f: os.path.getmtime(f))
+    for so in libs[:max(0, len(libs) - _MAX_BUNDLES)]:
+        for f in (so, so[:-3] + ".cpp", so + ".lock"):
+            try:
+                os.remove(f)
+            except OSError:
+                pass
