@@ -42,7 +42,8 @@ _MARKER = "// MHK_FLEX_GENERATED"
 _ENTRIES = "// MHK_FLEX_ENTRIES"
 _LOCK = threading.Lock()
 _LOADED: "OrderedDict[str, Entry]" = OrderedDict()
-_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w"]
+# -fopenmp: at::parallel_for is inline OpenMP in the headers (without it every call runs on one thread).
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-w"]
 
 
 class CompileError(RuntimeError):
