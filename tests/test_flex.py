@@ -439,3 +439,19 @@ def test_builder_mask_runs_on_the_kernel():
 def test_builder_errors(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()
+
+
+def test_flex_templates_do_not_change_the_build_key(tmp_path):
+    """csrc/flex/ holds the generated kernels' template, built apart: editing it must not
+    rebuild mhakern._C (mhakern/_build.py's build_key skips it)."""
+    from mhakern import _build
+
+    (tmp_path / "csrc" / "flex").mkdir(parents=True)
+    (tmp_path / "csrc" / "a.cpp").write_text("int a;")
+    (tmp_path / "csrc" / "flex" / "flex_kernel.cpp").write_text("int b;")
+    info = {"version": "2.13.0", "cuda": None}
+    key = _build.build_key(str(tmp_path), info, {})
+    (tmp_path / "csrc" / "flex" / "flex_kernel.cpp").write_text("int c;")
+    assert _build.build_key(str(tmp_path), info, {}) == key
+    (tmp_path / "csrc" / "a.cpp").write_text("int d;")
+    assert _build.build_key(str(tmp_path), info, {}) != key
