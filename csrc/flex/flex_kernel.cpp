@@ -1,4 +1,4 @@
-// The cpu kernel of mhakern.flex_attention, one instance per traced modifier and input dtype: mhakern/flex/codegen.py
+// The cpu kernel of mhakern.flex_attention, one instance per traced modifier and input dtype: mhakern/flex/graph.py
 // writes the modifier's C++ (score_fwd, score_bwd, mask_fn and the constants below) in place of the
 // generated-code marker line, and mhakern/flex/build.py compiles the result once per graph, dtype
 // set, instruction set and build into a shared library called through ctypes (plain C entry
@@ -387,7 +387,9 @@ void backward(const FlexArgs& a) {
           load_rows(static_cast<const T*>(a.v) + b * a.vs[0] + hkv * a.vs[1] + j0 * a.vs[2], a.vs[2], bk, Dv, 1.f, vr,
                     Dvp);
           transpose_pad(vr, Dvp, bk, Dv, vt, bkp);
-          bool started = false;
+          // Keys no row sees get 0; the others sum their rows' terms onto it.
+          std::fill(dk, dk + bk * Dp, 0.f);
+          std::fill(dv, dv + bk * Dvp, 0.f);
           for (int64_t h = hkv * n_rep; h < (hkv + 1) * n_rep; ++h) {
             const int64_t mh = a.mH == 1 ? 0 : h;
             const BlockList lists[2] = {blocks(a.q_num, a.q_idx, a.q_w, mb, mh, a.mH, a.nkb, kb),
@@ -399,28 +401,38 @@ void backward(const FlexArgs& a) {
                 if (q0 >= a.Lq) continue;
                 int64_t R = std::min(QBS, a.Lq - q0);
                 const uint8_t* tvis = nullptr;
+                // The keys computed: [c0, c1) of the block, whole vectors (a partial block: only
+                // those some live row sees).
+                int64_t c0 = 0, c1 = bkp;
                 if (partial) {
-                  // The mask first; then only the rows that see some key of this block (a
-                  // document boundary leaves a block's rows of the other document dead).
-                  int64_t rlo = R, rhi = 0;
+                  // The mask first; then only the rows that see some key of this block and the
+                  // keys some row sees (a document boundary leaves a block's rows and keys of the
+                  // other document dead).
+                  int64_t rlo = R, rhi = 0, jlo = bk, jhi = 0;
                   for (int64_t r = 0; r < R; ++r) {
                     uint8_t* __restrict vp = vis + r * bkp;
-                    uint8_t any = 0;
-                    for (int64_t j = 0; j < bk; ++j) {
-                      const uint8_t m = Mod::mask_fn(b, h, q0 + r, j0 + j, caps) ? 1 : 0;
-                      vp[j] = m;
-                      any |= m;
-                    }
-                    if (any) {
+                    for (int64_t j = 0; j < bk; ++j) vp[j] = Mod::mask_fn(b, h, q0 + r, j0 + j, caps) ? 1 : 0;
+                    int64_t first = bk, last = -1;
+                    for (int64_t j = 0; j < bk; ++j)
+                      if (vp[j]) {
+                        first = std::min(first, j);
+                        last = j;
+                      }
+                    if (last >= 0) {
                       rlo = std::min(rlo, r);
                       rhi = r + 1;
+                      jlo = std::min(jlo, first);
+                      jhi = std::max(jhi, last + 1);
                     }
                   }
                   if (rlo >= rhi) continue;
                   tvis = vis + rlo * bkp;
                   q0 += rlo;
                   R = rhi - rlo;
+                  c0 = jlo / VL * VL;
+                  c1 = std::min(bkp, round_up(jhi, VL));
                 }
+                const int64_t nc = c1 - c0, nk = std::min(c1, bk) - c0;  // computed, and real keys
                 load_rows(static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + q0 * a.qs[2], a.qs[2], R, D, scale,
                           qs, Dp);
                 load_rows(static_cast<const T*>(a.dout) + b * a.dos[0] + h * a.dos[1] + q0 * a.dos[2], a.dos[2], R,
@@ -431,56 +443,51 @@ void backward(const FlexArgs& a) {
                   lr[r] = lse_use(lse[r]) * kLog2e;
                   dl[r] = delta[r];
                 }
-                gemm<CMode::Store>(R, bkp, D, qs, Dp, 1, kt, bkp, sc, bkp);    // S = Qs K^T
-                gemm<CMode::Store>(R, bkp, Dv, dor, Dvp, 1, vt, bkp, dp, bkp);  // dP = dO V^T
+                gemm<CMode::Store>(R, nc, D, qs, Dp, 1, kt + c0, bkp, sc, nc);    // S = Qs K^T
+                gemm<CMode::Store>(R, nc, Dv, dor, Dvp, 1, vt + c0, bkp, dp, nc);  // dP = dO V^T
+                const int64_t kc0 = j0 + c0;  // the first computed key
                 for (int64_t r = 0; r < R; ++r) {
                   const int64_t i = q0 + r;
-                  float* srow = sc + r * bkp;
-                  float* prow = pp + r * bkp;
-                  float* dprow = dp + r * bkp;
+                  float* srow = sc + r * nc;
+                  float* prow = pp + r * nc;
+                  float* dprow = dp + r * nc;
                   if constexpr (Mod::kHasScoreMod) {
-                    for (int64_t j = 0; j < bk; ++j) prow[j] = Mod::score_fwd(srow[j], b, h, i, j0 + j, caps);
+                    for (int64_t j = 0; j < nk; ++j) prow[j] = Mod::score_fwd(srow[j], b, h, i, kc0 + j, caps);
                   } else {
-                    for (int64_t j = 0; j < bk; ++j) prow[j] = srow[j];
+                    for (int64_t j = 0; j < nk; ++j) prow[j] = srow[j];
                   }
                   if (tvis != nullptr) {
-                    const uint8_t* vp = tvis + r * bkp;
-                    for (int64_t j = 0; j < bk; ++j) prow[j] = vp[j] ? prow[j] : kNegInf;
+                    const uint8_t* vp = tvis + r * bkp + c0;
+                    for (int64_t j = 0; j < nk; ++j) prow[j] = vp[j] ? prow[j] : kNegInf;
                   }
-                  for (int64_t j = bk; j < bkp; ++j) prow[j] = kNegInf;
+                  for (int64_t j = nk; j < nc; ++j) prow[j] = kNegInf;
                   // P = exp(s - lse); dS = P (dP - delta), the gradient at the modified score.
                   const Vec lv(lr[r]), dlv(dl[r]);
-                  for (int64_t j = 0; j < bkp; j += VL) {
+                  for (int64_t j = 0; j < nc; j += VL) {
                     const Vec p = exp2v(Vec::loadu(prow + j) * Vec(kLog2e) - lv);
                     p.store(prow + j);
                     (p * (Vec::loadu(dprow + j) - dlv)).store(dprow + j);
                   }
                   if constexpr (Mod::kHasScoreMod) {
                     // Through the modifier to the raw score (and into the tables), where visible.
-                    for (int64_t j = 0; j < bk; ++j)
+                    for (int64_t j = 0; j < nk; ++j)
                       if (dprow[j] != 0.f || std::isnan(dprow[j]))
-                        dprow[j] = Mod::template score_bwd<Mod::kHasCapGrad>(srow[j], b, h, i, j0 + j, caps, dprow[j],
+                        dprow[j] = Mod::template score_bwd<Mod::kHasCapGrad>(srow[j], b, h, i, kc0 + j, caps, dprow[j],
                                                                             gcap.data());
                   }
                 }
-                if (started) {
-                  gemm<CMode::Accumulate>(bk, Dvp, R, pp, 1, bkp, dor, Dvp, dv, Dvp);  // dV += P^T dO
-                  gemm<CMode::Accumulate>(bk, Dp, R, dp, 1, bkp, qs, Dp, dk, Dp);      // dK += dS^T Qs
-                } else {
-                  gemm<CMode::Store>(bk, Dvp, R, pp, 1, bkp, dor, Dvp, dv, Dvp);
-                  gemm<CMode::Store>(bk, Dp, R, dp, 1, bkp, qs, Dp, dk, Dp);
-                  started = true;
-                }
+                gemm<CMode::Accumulate>(nk, Dvp, R, pp, 1, nc, dor, Dvp, dv + c0 * Dvp, Dvp);  // dV += P^T dO
+                gemm<CMode::Accumulate>(nk, Dp, R, dp, 1, nc, qs, Dp, dk + c0 * Dp, Dp);        // dK += dS^T Qs
                 float* dqr = dqp + ((b * a.H + h) * a.Lq + q0) * Dp;
-                gemm<CMode::Accumulate>(R, Dp, bk, dp, bkp, 1, kr, Dp, dqr, Dp);  // dQ += dS K
+                gemm<CMode::Accumulate>(R, Dp, nk, dp, nc, 1, kr + c0 * Dp, Dp, dqr, Dp);  // dQ += dS K
               }
             }
           }
           T* dkp = static_cast<T*>(a.dk) + b * a.dks[0] + hkv * a.dks[1] + j0 * a.dks[2];
           T* dvp = static_cast<T*>(a.dv) + b * a.dvs[0] + hkv * a.dvs[1] + j0 * a.dvs[2];
           for (int64_t j = 0; j < bk; ++j) {
-            for (int64_t d = 0; d < D; ++d) dkp[j * a.dks[2] + d] = fromf<T>(started ? dk[j * Dp + d] : 0.f);
-            for (int64_t d = 0; d < Dv; ++d) dvp[j * a.dvs[2] + d] = fromf<T>(started ? dv[j * Dvp + d] : 0.f);
+            for (int64_t d = 0; d < D; ++d) dkp[j * a.dks[2] + d] = fromf<T>(dk[j * Dp + d]);
+            for (int64_t d = 0; d < Dv; ++d) dvp[j * a.dvs[2] + d] = fromf<T>(dv[j * Dvp + d]);
           }
         }
       }
