@@ -397,89 +397,96 @@ void backward(const FlexArgs& a) {
             for (int li = 0; li < 2; ++li) {
               const bool partial = li == 0;
               for (int64_t n = 0; n < lists[li].n; ++n) {
-                int64_t q0 = int64_t(lists[li].idx[n]) * QBS;
-                if (q0 >= a.Lq) continue;
-                int64_t R = std::min(QBS, a.Lq - q0);
-                const uint8_t* tvis = nullptr;
-                // The keys computed: [c0, c1) of the block, whole vectors (a partial block: only
-                // those some live row sees).
-                int64_t c0 = 0, c1 = bkp;
-                if (partial) {
-                  // The mask first; then only the rows that see some key of this block and the
-                  // keys some row sees (a document boundary leaves a block's rows and keys of the
-                  // other document dead).
-                  int64_t rlo = R, rhi = 0, jlo = bk, jhi = 0;
-                  for (int64_t r = 0; r < R; ++r) {
-                    uint8_t* __restrict vp = vis + r * bkp;
-                    for (int64_t j = 0; j < bk; ++j) vp[j] = Mod::mask_fn(b, h, q0 + r, j0 + j, caps) ? 1 : 0;
-                    int64_t first = bk, last = -1;
-                    for (int64_t j = 0; j < bk; ++j)
-                      if (vp[j]) {
-                        first = std::min(first, j);
-                        last = j;
+                const int64_t qstart = int64_t(lists[li].idx[n]) * QBS;
+                if (qstart >= a.Lq) continue;
+                const int64_t qend = std::min(qstart + QBS, a.Lq);
+                // A partial block in slices of kRowsPartial rows, each trimmed to its own live
+                // rows and keys (as the forward's row tasks).
+                const int64_t step = partial ? kRowsPartial : QBS;
+                for (int64_t qslice = qstart; qslice < qend; qslice += step) {
+                  int64_t q0 = qslice;
+                  int64_t R = std::min(step, qend - qslice);
+                  const uint8_t* tvis = nullptr;
+                  // The keys computed: [c0, c1) of the block, whole vectors (a partial block: only
+                  // those some live row sees).
+                  int64_t c0 = 0, c1 = bkp;
+                  if (partial) {
+                    // The mask first; then only the rows that see some key of this block and the
+                    // keys some row sees (a document boundary leaves a block's rows and keys of the
+                    // other document dead).
+                    int64_t rlo = R, rhi = 0, jlo = bk, jhi = 0;
+                    for (int64_t r = 0; r < R; ++r) {
+                      uint8_t* __restrict vp = vis + r * bkp;
+                      for (int64_t j = 0; j < bk; ++j) vp[j] = Mod::mask_fn(b, h, q0 + r, j0 + j, caps) ? 1 : 0;
+                      int64_t first = bk, last = -1;
+                      for (int64_t j = 0; j < bk; ++j)
+                        if (vp[j]) {
+                          first = std::min(first, j);
+                          last = j;
+                        }
+                      if (last >= 0) {
+                        rlo = std::min(rlo, r);
+                        rhi = r + 1;
+                        jlo = std::min(jlo, first);
+                        jhi = std::max(jhi, last + 1);
                       }
-                    if (last >= 0) {
-                      rlo = std::min(rlo, r);
-                      rhi = r + 1;
-                      jlo = std::min(jlo, first);
-                      jhi = std::max(jhi, last + 1);
+                    }
+                    if (rlo >= rhi) continue;
+                    tvis = vis + rlo * bkp;
+                    q0 += rlo;
+                    R = rhi - rlo;
+                    c0 = jlo / VL * VL;
+                    c1 = std::min(bkp, round_up(jhi, VL));
+                  }
+                  const int64_t nc = c1 - c0, nk = std::min(c1, bk) - c0;  // computed, and real keys
+                  load_rows(static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + q0 * a.qs[2], a.qs[2], R, D, scale,
+                            qs, Dp);
+                  load_rows(static_cast<const T*>(a.dout) + b * a.dos[0] + h * a.dos[1] + q0 * a.dos[2], a.dos[2], R,
+                            Dv, 1.f, dor, Dvp);
+                  const float* lse = a.lse + (b * a.H + h) * a.Lq + q0;
+                  const float* delta = a.delta + (b * a.H + h) * a.Lq + q0;
+                  for (int64_t r = 0; r < R; ++r) {
+                    lr[r] = lse_use(lse[r]) * kLog2e;
+                    dl[r] = delta[r];
+                  }
+                  gemm<CMode::Store>(R, nc, D, qs, Dp, 1, kt + c0, bkp, sc, nc);    // S = Qs K^T
+                  gemm<CMode::Store>(R, nc, Dv, dor, Dvp, 1, vt + c0, bkp, dp, nc);  // dP = dO V^T
+                  const int64_t kc0 = j0 + c0;  // the first computed key
+                  for (int64_t r = 0; r < R; ++r) {
+                    const int64_t i = q0 + r;
+                    float* srow = sc + r * nc;
+                    float* prow = pp + r * nc;
+                    float* dprow = dp + r * nc;
+                    if constexpr (Mod::kHasScoreMod) {
+                      for (int64_t j = 0; j < nk; ++j) prow[j] = Mod::score_fwd(srow[j], b, h, i, kc0 + j, caps);
+                    } else {
+                      for (int64_t j = 0; j < nk; ++j) prow[j] = srow[j];
+                    }
+                    if (tvis != nullptr) {
+                      const uint8_t* vp = tvis + r * bkp + c0;
+                      for (int64_t j = 0; j < nk; ++j) prow[j] = vp[j] ? prow[j] : kNegInf;
+                    }
+                    for (int64_t j = nk; j < nc; ++j) prow[j] = kNegInf;
+                    // P = exp(s - lse); dS = P (dP - delta), the gradient at the modified score.
+                    const Vec lv(lr[r]), dlv(dl[r]);
+                    for (int64_t j = 0; j < nc; j += VL) {
+                      const Vec p = exp2v(Vec::loadu(prow + j) * Vec(kLog2e) - lv);
+                      p.store(prow + j);
+                      (p * (Vec::loadu(dprow + j) - dlv)).store(dprow + j);
+                    }
+                    if constexpr (Mod::kHasScoreMod) {
+                      // Through the modifier to the raw score (and into the tables), where visible.
+                      for (int64_t j = 0; j < nk; ++j)
+                        if (dprow[j] != 0.f || std::isnan(dprow[j]))
+                          dprow[j] = Mod::template score_bwd<Mod::kHasCapGrad>(srow[j], b, h, i, kc0 + j, caps, dprow[j],
+                                                                              gcap.data());
                     }
                   }
-                  if (rlo >= rhi) continue;
-                  tvis = vis + rlo * bkp;
-                  q0 += rlo;
-                  R = rhi - rlo;
-                  c0 = jlo / VL * VL;
-                  c1 = std::min(bkp, round_up(jhi, VL));
-                }
-                const int64_t nc = c1 - c0, nk = std::min(c1, bk) - c0;  // computed, and real keys
-                load_rows(static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + q0 * a.qs[2], a.qs[2], R, D, scale,
-                          qs, Dp);
-                load_rows(static_cast<const T*>(a.dout) + b * a.dos[0] + h * a.dos[1] + q0 * a.dos[2], a.dos[2], R,
-                          Dv, 1.f, dor, Dvp);
-                const float* lse = a.lse + (b * a.H + h) * a.Lq + q0;
-                const float* delta = a.delta + (b * a.H + h) * a.Lq + q0;
-                for (int64_t r = 0; r < R; ++r) {
-                  lr[r] = lse_use(lse[r]) * kLog2e;
-                  dl[r] = delta[r];
-                }
-                gemm<CMode::Store>(R, nc, D, qs, Dp, 1, kt + c0, bkp, sc, nc);    // S = Qs K^T
-                gemm<CMode::Store>(R, nc, Dv, dor, Dvp, 1, vt + c0, bkp, dp, nc);  // dP = dO V^T
-                const int64_t kc0 = j0 + c0;  // the first computed key
-                for (int64_t r = 0; r < R; ++r) {
-                  const int64_t i = q0 + r;
-                  float* srow = sc + r * nc;
-                  float* prow = pp + r * nc;
-                  float* dprow = dp + r * nc;
-                  if constexpr (Mod::kHasScoreMod) {
-                    for (int64_t j = 0; j < nk; ++j) prow[j] = Mod::score_fwd(srow[j], b, h, i, kc0 + j, caps);
-                  } else {
-                    for (int64_t j = 0; j < nk; ++j) prow[j] = srow[j];
+                  gemm<CMode::Accumulate>(nk, Dvp, R, pp, 1, nc, dor, Dvp, dv + c0 * Dvp, Dvp);  // dV += P^T dO
+                  gemm<CMode::Accumulate>(nk, Dp, R, dp, 1, nc, qs, Dp, dk + c0 * Dp, Dp);        // dK += dS^T Qs
+                  float* dqr = dqp + ((b * a.H + h) * a.Lq + q0) * Dp;
+                  gemm<CMode::Accumulate>(R, Dp, nk, dp, nc, 1, kr + c0 * Dp, Dp, dqr, Dp);  // dQ += dS K
                   }
-                  if (tvis != nullptr) {
-                    const uint8_t* vp = tvis + r * bkp + c0;
-                    for (int64_t j = 0; j < nk; ++j) prow[j] = vp[j] ? prow[j] : kNegInf;
-                  }
-                  for (int64_t j = nk; j < nc; ++j) prow[j] = kNegInf;
-                  // P = exp(s - lse); dS = P (dP - delta), the gradient at the modified score.
-                  const Vec lv(lr[r]), dlv(dl[r]);
-                  for (int64_t j = 0; j < nc; j += VL) {
-                    const Vec p = exp2v(Vec::loadu(prow + j) * Vec(kLog2e) - lv);
-                    p.store(prow + j);
-                    (p * (Vec::loadu(dprow + j) - dlv)).store(dprow + j);
-                  }
-                  if constexpr (Mod::kHasScoreMod) {
-                    // Through the modifier to the raw score (and into the tables), where visible.
-                    for (int64_t j = 0; j < nk; ++j)
-                      if (dprow[j] != 0.f || std::isnan(dprow[j]))
-                        dprow[j] = Mod::template score_bwd<Mod::kHasCapGrad>(srow[j], b, h, i, kc0 + j, caps, dprow[j],
-                                                                            gcap.data());
-                  }
-                }
-                gemm<CMode::Accumulate>(nk, Dvp, R, pp, 1, nc, dor, Dvp, dv + c0 * Dvp, Dvp);  // dV += P^T dO
-                gemm<CMode::Accumulate>(nk, Dp, R, dp, 1, nc, qs, Dp, dk + c0 * Dp, Dp);        // dK += dS^T Qs
-                float* dqr = dqp + ((b * a.H + h) * a.Lq + q0) * Dp;
-                gemm<CMode::Accumulate>(R, Dp, nk, dp, nc, 1, kr + c0 * Dp, Dp, dqr, Dp);  // dQ += dS K
               }
             }
           }
