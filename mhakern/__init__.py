@@ -8,6 +8,8 @@ Public API:
 * :func:`scaled_dot_product_attention` -- torch's SDPA signature and semantics on mhakern.
 * :func:`attention_varlen` -- packed variable-length sequences (FlashAttention's ``cu_seqlens``
   convention), forward and backward.
+* :func:`flex_attention` -- torch's FlexAttention interface (``score_mod``, ``BlockMask``), the
+  modifiers traced and compiled into the cpu kernel, forward and backward (mhakern/flex/).
 * :func:`attention_with_kvcache` -- inference over a dense or paged KV cache, appending the new
   keys and values in place.
 * :class:`FusedMHA` -- a module mirroring ``torch.nn.MultiheadAttention``.
@@ -33,7 +35,7 @@ __version__ = "0.1.0"
 __all__ = [
     "attention", "scaled_dot_product_attention", "attention_varlen", "attention_with_kvcache", "available_backends", "last_backend", "set_strict",
     "FusedMHA", "ArgumentError", "ArgumentTypeError", "ShapeAssertionError", "TypeAssertionError",
-    "FallbackError", "self_test", "__version__",
+    "FallbackError", "self_test", "flex_attention", "__version__",
 ]
 
 
@@ -47,6 +49,11 @@ def __getattr__(name):
         import importlib
 
         return importlib.import_module(".distributed", __name__)
+    if name in ("flex", "flex_attention"):  # mhakern/flex/, imported on first use (it loads torch.fx)
+        import importlib
+
+        mod = importlib.import_module(".flex", __name__)
+        return mod if name == "flex" else mod.flex_attention
     if name == "self_test":  # the kernel families' self-test (mhakern/selftest.py), imported on first use
         from .selftest import self_test
 

@@ -637,7 +637,10 @@ def build_key(root: str, info: dict, p: dict) -> str:
     changes the module: csrc/ (sources and headers), the torch, CUDA and Python versions, and
     the plan's sources and flags (the GPU archs among them)."""
     h = hashlib.sha256()
-    files = sorted(f for f in glob.glob(os.path.join(root, "csrc", "**", "*"), recursive=True) if os.path.isfile(f))
+    # csrc/flex/ holds the templates of mhakern.flex's generated kernels (built apart, per
+    # modifier): editing them must not rebuild _C.
+    files = sorted(f for f in glob.glob(os.path.join(root, "csrc", "**", "*"), recursive=True)
+                   if os.path.isfile(f) and not _rel(root, f).startswith("csrc/flex/"))
     for f in files:
         h.update(_rel(root, f).encode())
         with open(f, "rb") as fh:
