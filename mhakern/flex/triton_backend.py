@@ -1,0 +1,263 @@
+"""``flex_attention(..., backend="triton")``: the traced modifiers generated into Triton kernels
+(triton_gen.py, triton_kernels.py), launched on CUDA tensors, or on CPU tensors through
+Triton's interpreter when TRITON_INTERPRET=1 was set before Triton was imported.
+
+The generated module is written once per source hash under ``<mhakern cache>/flex_triton/``
+(``@triton.jit`` needs a file to read its functions' source) and imported; a process keeps the
+modules it imported. Captured tables that require grad get their gradient from the per-score
+adjoints the dK/dV kernel stores, summed by ``index_put_(accumulate=True)`` under torch's
+deterministic mode (a sort-based fixed order on CUDA, a serial loop on CPU): the backward is
+bit-identical run to run. Those buffers are dense, 12 bytes per (b, h, i, j) and per load node
+that feeds a wanted gradient, and exist only while such a table requires grad.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import tempfile
+from typing import Callable, List, Optional
+
+import torch
+
+from .. import backends as _backends
+from .._errors import ArgumentError
+from . import api as _api
+from . import graph as _graph
+from . import triton_gen
+
+Tensor = torch.Tensor
+
+_MODULES = {}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def unusable(query: Tensor) -> Optional[str]:
+    """Why the Triton kernels cannot take ``query``'s call, or None."""
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # noqa: BLE001 -- ImportError, or a Triton that fails to initialise
+        return f"triton could not be imported ({type(e).__name__}: {e})"
+    if query.device.type == "cuda":
+        return None
+    if query.device.type == "cpu" and _interpreting():
+        return None
+    return (f"the Triton kernels take CUDA tensors, not {query.device} (CPU tensors only under "
+            "TRITON_INTERPRET=1, set before Triton is imported)")
+
+
+def _module(text: str):
+    key = _graph.source_hash(text)
+    mod = _MODULES.get(key)
+    if mod is not None:
+        return mod
+    from .. import _build
+
+    d = os.path.join(_build.cache_dir(), "flex_triton")
+    os.makedirs(d, exist_ok=True)
+    path = os.path.join(d, f"flex_{key}.py")
+    if not os.path.exists(path):
+        # Written whole and renamed: another process compiling the same modifier reads either
+        # nothing or the complete file.
+        fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    spec = importlib.util.spec_from_file_location(f"mhakern_flex_triton_{key}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    _MODULES[key] = mod
+    return mod
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _tile(block: int, cap: int = 64) -> int:
+    """Rows (or keys) per tile inside a mask block of ``block``: a power of two dividing it, at
+    most ``cap``; 16 at least (tl.dot), masked past the block when the block is smaller."""
+    t = 16
+    while t * 2 <= cap and block % (t * 2) == 0:
+        t *= 2
+    return t if block % t == 0 or block > 16 else max(16, _pow2(block))
+
+
+class _Kernel:
+    """One generated module with the call's block structure and captures."""
+
+    def __init__(self, mod, n_grad: int, blocks, caps: List[Tensor], grad_caps: List[bool], loads: List[int],
+                 device, B: int, H: int):
+        self.mod, self.n_grad, self.blocks, self.caps_src, self.grad_caps = mod, n_grad, blocks, caps, grad_caps
+        self.loads = loads  # per gradient buffer pair, the capture it belongs to
+        self.caps = [c.detach().to(device=device, dtype=torch.float32 if c.dtype.is_floating_point else torch.int64)
+                     .contiguous() for c in caps]
+        self.cap_args = []
+        for c in self.caps:
+            self.cap_args += [c, *c.shape, c.numel()]
+
+        def lists(num, idx, nrow):
+            if num is None:
+                return None
+            num = num.to(device).expand(B, H, nrow)
+            idx = idx.to(device).expand(B, H, nrow, idx.shape[-1])
+            return num, idx, (num.stride(0), num.stride(1), idx.stride(0), idx.stride(1), idx.stride(2))
+
+        b = blocks
+        self.kv = lists(b.kv_num, b.kv_idx, b.kv_num.shape[-1])
+        self.fkv = lists(b.fkv_num, b.fkv_idx, b.kv_num.shape[-1])
+        self.q = lists(b.q_num, b.q_idx, b.q_num.shape[-1])
+        self.fq = lists(b.fq_num, b.fq_idx, b.q_num.shape[-1])
+        self.BM, self.BN = _tile(b.QBS), _tile(b.KVBS)
+
+    def _consts(self, D, Dv):
+        return dict(D=D, DV=Dv, BLOCK_M=self.BM, BLOCK_N=self.BN, BLOCK_D=max(16, _pow2(D)),
+                    BLOCK_DV=max(16, _pow2(Dv)), HAS_MASK=self.blocks.mask_mod is not None,
+                    HAS_SCORE=self.has_score)
+
+    @staticmethod
+    def _list_args(main, full):
+        f = full if full is not None else main
+        return [main[0], main[1], f[0], f[1]], [*main[2], *f[2]]
+
+    def forward(self, q, k, v, scale):
+        B, H, Lq, D = q.shape
+        Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+        out = torch.empty(B, H, Lq, Dv, dtype=q.dtype, device=q.device)
+        lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
+        ptrs, strides = self._list_args(self.kv, self.fkv)
+        nsub = -(-self.blocks.QBS // self.BM)
+        grid = (self.kv[0].shape[-1] * nsub, B * H)
+        self.mod.flex_fwd[grid](q, k, v, out, lse, *ptrs, *self.cap_args,
+                                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *strides,
+                                H, H // Hkv, Lq, Lk, self.blocks.QBS, self.blocks.KVBS, nsub, scale,
+                                HAS_FULL=self.fkv is not None, **self._consts(D, Dv))
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, scale):
+        B, H, Lq, D = q.shape
+        Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+        dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+        delta = (dout.float() * out.float()).sum(-1).contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        want = any(self.grad_caps)
+        gbuf = []
+        for _ in range(max(self.n_grad, 1)):
+            n = B * H * Lq * Lk if (want and self.n_grad) else 1
+            gbuf += [torch.zeros(n, dtype=torch.float32, device=q.device), torch.zeros(n, dtype=torch.int64,
+                                                                                         device=q.device)]
+        consts = self._consts(D, Dv)
+        ptrs, strides = self._list_args(self.kv, self.fkv)
+        nsub = -(-self.blocks.QBS // self.BM)
+        self.mod.flex_dq[(self.kv[0].shape[-1] * nsub, B * H)](
+            q, k, v, dout, dq, lse, delta, *ptrs, *self.cap_args, *gbuf,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3], *strides,
+            H, H // Hkv, Lq, Lk, self.blocks.QBS, self.blocks.KVBS, nsub, scale, HAS_FULL=self.fkv is not None,
+            **consts)
+        ptrs, strides = self._list_args(self.q, self.fq)
+        nsub = -(-self.blocks.KVBS // self.BN)
+        self.mod.flex_dkdv[(self.q[0].shape[-1] * nsub, B * Hkv)](
+            q, k, v, dout, dk, dv, lse, delta, *ptrs, *self.cap_args, *gbuf,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
+            *dv.stride()[:3], *strides, H, Hkv, H // Hkv, Lq, Lk, self.blocks.QBS, self.blocks.KVBS, nsub, scale,
+            HAS_FULL=self.fq is not None, CAP_GRAD=bool(want and self.n_grad), **consts)
+        cap_grads = []
+        for i, (c, w) in enumerate(zip(self.caps, self.grad_caps)):
+            if not w:
+                cap_grads.append(None)
+                continue
+            g = torch.zeros(c.numel(), dtype=torch.float32, device=q.device)
+            prev = torch.are_deterministic_algorithms_enabled()
+            warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+            try:
+                # index_put_ accumulates in a fixed order under deterministic mode.
+                torch.use_deterministic_algorithms(True)
+                for k_, cap in enumerate(self.loads):
+                    if cap == i:
+                        g.index_put_((gbuf[2 * k_ + 1],), gbuf[2 * k_], accumulate=True)
+            finally:
+                torch.use_deterministic_algorithms(prev, warn_only=warn_only)
+            cap_grads.append(g.view(c.shape).to(self.caps_src[i].dtype))
+        return dq, dk, dv, cap_grads
+
+
+class _FlexFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kernel, scale, q, k, v, *grad_caps):
+        out, lse = kernel.forward(q, k, v, scale)
+        ctx.kernel, ctx.scale = kernel, scale
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv, cap_grads = ctx.kernel.backward(dout, q, k, v, out, lse, ctx.scale)
+        wanted = [g for g, w in zip(cap_grads, ctx.kernel.grad_caps) if w]
+        return (None, None, dq, dk, dv, *wanted)
+
+
+def _kernel(score_mod: Optional[Callable], blocks, device, B: int, H: int) -> _Kernel:
+    """Traces (cached per function, as the cpu backend), generates and imports (cached by
+    hash). Raises Untraceable."""
+    score_t = _api._trace_cached(score_mod, True) if score_mod is not None else None
+    mask_t = _api._trace_cached(blocks.mask_mod, False) if blocks.mask_mod is not None else None
+    if mask_t is not None:  # merge_captures renumbers the mask's references: a copy of the cached trace
+        mask_t = _graph.Traced(list(mask_t.nodes), list(mask_t.inputs), mask_t.output, list(mask_t.captures))
+    if score_t is not None:
+        score_t = _graph.Traced(list(score_t.nodes), list(score_t.inputs), score_t.output, list(score_t.captures))
+    caps = _graph.merge_captures(score_t, mask_t)
+    if score_t is not None:
+        score_t.captures = caps
+    # Only score_mod's captures can have a gradient (mask_mod's values are piecewise constant).
+    n_score = len(_api._trace_cached(score_mod, True).captures) if score_mod is not None else 0
+    grad_caps = [i < n_score and c.requires_grad and c.dtype.is_floating_point for i, c in enumerate(caps)]
+    text, n_grad = triton_gen.source(score_t, mask_t, grad_caps)
+    loads = []
+    if score_t is not None:
+        _, names = triton_gen._Emitter(score_t, "score_mod").backward_lines(grad_caps)
+        spec = {n: s for n, op, s, _ in score_t.nodes}
+        loads = [spec[n][0] for n in names]
+    k = _Kernel(_module(text), n_grad, blocks, caps, grad_caps, loads, device, B, H)
+    k.has_score = score_t is not None
+    return k
+
+
+def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+                   return_lse=False, kernel_options=None, *, return_aux=None):
+    """mhakern.flex_attention on the Triton kernels (the arguments and results of
+    :func:`mhakern.flex.api.flex_attention`). Refuses (ArgumentError) where Triton cannot run
+    or the modifier cannot be generated; nothing falls back silently."""
+    _api._check_args(query, key, value, block_mask, scale, enable_gqa, return_lse, kernel_options, return_aux, "auto")
+    if score_mod is not None and not callable(score_mod):
+        raise ArgumentError(f"score_mod: expected a callable or None, got {type(score_mod).__name__}")
+    why = unusable(query)
+    if why is not None:
+        raise ArgumentError(f"backend='triton': {why}")
+    B, H, Lq, D = query.shape
+    Lk = key.shape[2]
+    sc = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    blocks = _api._Blocks(block_mask, B, H, Lq, Lk)
+    try:
+        kernel = _kernel(score_mod, blocks, query.device, B, H)
+    except _graph.Untraceable as e:
+        raise ArgumentError(f"backend='triton': {e}") from None
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    grad_caps = [c for c, w in zip(kernel.caps_src, kernel.grad_caps) if w]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or grad_caps):
+        out, lse = _FlexFn.apply(kernel, sc, q, k, v, *grad_caps)
+    else:
+        out, lse = kernel.forward(q, k, v, sc)
+    _backends._LAST.name = "triton"
+    if return_aux is not None:
+        return out, _api._flex_module().AuxOutput(lse=lse if return_aux.lse else None, max_scores=None)
+    if return_lse:
+        return out, lse
+    return out
+
+
+__all__ = ["flex_attention", "unusable"]
