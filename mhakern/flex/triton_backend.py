@@ -16,12 +16,13 @@ import importlib.util
 import math
 import os
 import tempfile
+import warnings
 from typing import Callable, List, Optional
 
 import torch
 
 from .. import backends as _backends
-from .._errors import ArgumentError
+from .._errors import ArgumentError, ArgumentTypeError, FallbackError
 from . import api as _api
 from . import graph as _graph
 from . import triton_gen
@@ -227,25 +228,38 @@ def _kernel(score_mod: Optional[Callable], blocks, device, B: int, H: int) -> _K
     return k
 
 
-def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
-                   return_lse=False, kernel_options=None, *, return_aux=None):
+def serve(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options, return_aux,
+          backend):
     """mhakern.flex_attention on the Triton kernels (the arguments and results of
-    :func:`mhakern.flex.api.flex_attention`). Refuses (ArgumentError) where Triton cannot run
-    or the modifier cannot be generated; nothing falls back silently."""
-    _api._check_args(query, key, value, block_mask, scale, enable_gqa, return_lse, kernel_options, return_aux, "auto")
+    :func:`mhakern.flex.api.flex_attention`), for ``backend`` "triton" or "auto" (api.py routes
+    CUDA tensors here under "auto"). ``"triton"`` refuses (ArgumentError) where Triton cannot
+    run or the modifier cannot be generated. ``"auto"`` returns None there, after a warning
+    (FallbackError under strict mode), and api.py serves the call by the reference. A modifier
+    that reads a value out of a tensor is refused on every backend."""
+    strict = _api._check_args(query, key, value, block_mask, scale, enable_gqa, return_lse, kernel_options,
+                              return_aux, "auto")
     if score_mod is not None and not callable(score_mod):
-        raise ArgumentError(f"score_mod: expected a callable or None, got {type(score_mod).__name__}")
-    why = unusable(query)
-    if why is not None:
-        raise ArgumentError(f"backend='triton': {why}")
+        raise ArgumentTypeError(f"score_mod: expected a callable or None, got {type(score_mod).__name__}")
     B, H, Lq, D = query.shape
     Lk = key.shape[2]
-    sc = 1.0 / math.sqrt(D) if scale is None else float(scale)
     blocks = _api._Blocks(block_mask, B, H, Lq, Lk)
-    try:
-        kernel = _kernel(score_mod, blocks, query.device, B, H)
-    except _graph.Untraceable as e:
-        raise ArgumentError(f"backend='triton': {e}") from None
+    why = unusable(query)
+    kernel = None
+    if why is None:
+        try:
+            kernel = _kernel(score_mod, blocks, query.device, B, H)
+        except _graph.Untraceable as e:
+            if "reads a value out of a tensor" in str(e):
+                raise ArgumentError(str(e)) from None
+            why = str(e)
+    if kernel is None:
+        if backend == "triton":
+            raise ArgumentError(f"backend='triton': {why}")
+        if strict:
+            raise FallbackError(f"flex_attention would fall back to the reference: {why}")
+        warnings.warn(f"mhakern.flex_attention: served by the plain-PyTorch reference: {why}", stacklevel=3)
+        return None
+    sc = 1.0 / math.sqrt(D) if scale is None else float(scale)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     grad_caps = [c for c, w in zip(kernel.caps_src, kernel.grad_caps) if w]
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or grad_caps):
@@ -260,4 +274,4 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     return out
 
 
-__all__ = ["flex_attention", "unusable"]
+__all__ = ["serve", "unusable"]
