@@ -114,10 +114,12 @@ class _Kernel:
         self.fq = lists(b.fq_num, b.fq_idx, b.q_num.shape[-1])
         self.BM, self.BN = _tile(b.QBS), _tile(b.KVBS)
 
-    def _consts(self, D, Dv):
+    def _consts(self, D, Dv, q):
+        # 16-bit products on the tensor cores; not bf16 under the interpreter (its bf16 tl.dot is wrong).
+        lowp = q.dtype == torch.float16 or (q.dtype == torch.bfloat16 and q.device.type == "cuda")
         return dict(D=D, DV=Dv, BLOCK_M=self.BM, BLOCK_N=self.BN, BLOCK_D=max(16, _pow2(D)),
                     BLOCK_DV=max(16, _pow2(Dv)), HAS_MASK=self.blocks.mask_mod is not None,
-                    HAS_SCORE=self.has_score)
+                    HAS_SCORE=self.has_score, LOWP=lowp)
 
     @staticmethod
     def _list_args(main, full):
@@ -135,7 +137,7 @@ class _Kernel:
         self.mod.flex_fwd[grid](q, k, v, out, lse, *ptrs, *self.cap_args,
                                 *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *strides,
                                 H, H // Hkv, Lq, Lk, self.blocks.QBS, self.blocks.KVBS, nsub, scale,
-                                HAS_FULL=self.fkv is not None, **self._consts(D, Dv))
+                                HAS_FULL=self.fkv is not None, **self._consts(D, Dv, q))
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, scale):
@@ -150,7 +152,7 @@ class _Kernel:
             n = B * H * Lq * Lk if (want and self.n_grad) else 1
             gbuf += [torch.zeros(n, dtype=torch.float32, device=q.device), torch.zeros(n, dtype=torch.int64,
                                                                                          device=q.device)]
-        consts = self._consts(D, Dv)
+        consts = self._consts(D, Dv, q)
         ptrs, strides = self._list_args(self.kv, self.fkv)
         nsub = -(-self.blocks.QBS // self.BM)
         self.mod.flex_dq[(self.kv[0].shape[-1] * nsub, B * H)](

@@ -21,15 +21,36 @@ bit-identical run to run. A mask block of QBS rows is split into tiles of BLOCK_
 when QBS is smaller than the smallest tile (16, tl.dot's minimum), one tile whose rows past the
 block are masked (likewise keys); so any block size works.
 
-Everything is computed in float32 (inputs of any float dtype upcast on load, products in IEEE
-fp32, never tf32); outputs are stored in the inputs' dtype.
+Products accumulate in float32: fp32 inputs multiply in IEEE fp32 (never tf32); with ``LOWP``
+(fp16/bf16 inputs on a GPU, fp16 under the interpreter, whose bf16 tl.dot is wrong) the tiles stay
+in their 16-bit dtype and P, dS are rounded to it before their products, as flash attention
+does; everything else (scores, the modifiers, the softmax) is float32. Outputs are stored in the
+inputs' dtype.
 """
 
 TEMPLATE = '''
+
+@triton.jit
+def _up(x, LOWP: tl.constexpr):
+    """A loaded tile as the products take it: float32 (products in IEEE fp32), or with LOWP
+    (fp16/bf16 inputs) as loaded, for the tensor cores with fp32 accumulation."""
+    if LOWP:
+        return x
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _mm(a, b, LOWP: tl.constexpr):
+    """a @ b in fp32 accumulation: with LOWP ``a`` (an fp32 tile: P, dS) rounded to ``b``'s
+    16-bit dtype, as flash attention does; else both fp32, multiplied exactly (never tf32)."""
+    if LOWP:
+        return tl.dot(a.to(b.dtype), b)
+    return tl.dot(a, b, input_precision="ieee")
+
 @triton.jit
 def _fwd_blocks(acc, l_i, m_i, q, b, h, offs_m, row_ok, K, V, stride_kn, stride_vn, NUM, IDX, Lk, KVBS, sm_scale
                 __CAPS__, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_DV: tl.constexpr, PARTIAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr):
+                BLOCK_DV: tl.constexpr, PARTIAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr, LOWP: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     qi = offs_m.to(tl.int64)[:, None]
@@ -40,9 +61,9 @@ def _fwd_blocks(acc, l_i, m_i, q, b, h, offs_m, row_ok, K, V, stride_kn, stride_
         for js in range(kstart, kend, BLOCK_N):
             offs_n = js + tl.arange(0, BLOCK_N)
             key_ok = offs_n < kend
-            k = tl.load(K + offs_n[:, None] * stride_kn + offs_d[None, :],
-                        mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
+            k = _up(tl.load(K + offs_n[:, None] * stride_kn + offs_d[None, :],
+                        mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0), LOWP)
+            s = _mm(q, tl.trans(k), LOWP) * sm_scale
             kj = offs_n.to(tl.int64)[None, :]
             if HAS_SCORE:
                 s = score_fwd(s, b, h, qi, kj __CAPS__)
@@ -56,9 +77,9 @@ def _fwd_blocks(acc, l_i, m_i, q, b, h, offs_m, row_ok, K, V, stride_kn, stride_
             alpha = tl.math.exp2((m_i - m_use) * LOG2E)
             p = tl.math.exp2((s - m_use[:, None]) * LOG2E)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + offs_n[:, None] * stride_vn + offs_dv[None, :],
-                        mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            v = _up(tl.load(V + offs_n[:, None] * stride_vn + offs_dv[None, :],
+                        mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0), LOWP)
+            acc = acc * alpha[:, None] + _mm(p, v, LOWP)
             m_i = m_new
     return acc, l_i, m_i
 
@@ -69,7 +90,7 @@ def flex_fwd(Q, K, V, O, LSE, KV_NUM, KV_IDX, FKV_NUM, FKV_IDX __CAPS__,
              snb, snh, sib, sih, sir, sfnb, sfnh, sfib, sfih, sfir,
              H, n_rep, Lq, Lk, QBS, KVBS, nsub, sm_scale,
              D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr,
+             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr, LOWP: tl.constexpr,
              HAS_FULL: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -83,8 +104,8 @@ def flex_fwd(Q, K, V, O, LSE, KV_NUM, KV_IDX, FKV_NUM, FKV_IDX __CAPS__,
     row_ok = offs_m < q_end
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
-                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+    q = _up(tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0), LOWP)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -93,12 +114,12 @@ def flex_fwd(Q, K, V, O, LSE, KV_NUM, KV_IDX, FKV_NUM, FKV_IDX __CAPS__,
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, b, h, offs_m, row_ok, Kb, Vb, skn, svn,
                                 KV_NUM + b * snb + h * snh + qb, KV_IDX + b * sib + h * sih + qb * sir,
                                 Lk, KVBS, sm_scale __CAPS__, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_MASK,
-                                HAS_SCORE)
+                                HAS_SCORE, LOWP)
     if HAS_FULL:
         acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, b, h, offs_m, row_ok, Kb, Vb, skn, svn,
                                     FKV_NUM + b * sfnb + h * sfnh + qb, FKV_IDX + b * sfib + h * sfih + qb * sfir,
                                     Lk, KVBS, sm_scale __CAPS__, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_MASK,
-                                    HAS_SCORE)
+                                    HAS_SCORE, LOWP)
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -112,7 +133,7 @@ def flex_fwd(Q, K, V, O, LSE, KV_NUM, KV_IDX, FKV_NUM, FKV_IDX __CAPS__,
 def _dq_blocks(dq, q, do, lse_use, delta, b, h, offs_m, row_ok, K, V, stride_kn, stride_vn, NUM, IDX, Lk, KVBS,
                sm_scale __CAPS__ __GRADS__, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PARTIAL: tl.constexpr, HAS_MASK: tl.constexpr,
-               HAS_SCORE: tl.constexpr):
+               HAS_SCORE: tl.constexpr, LOWP: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     qi = offs_m.to(tl.int64)[:, None]
@@ -123,11 +144,11 @@ def _dq_blocks(dq, q, do, lse_use, delta, b, h, offs_m, row_ok, K, V, stride_kn,
         for js in range(kstart, kend, BLOCK_N):
             offs_n = js + tl.arange(0, BLOCK_N)
             key_ok = offs_n < kend
-            k = tl.load(K + offs_n[:, None] * stride_kn + offs_d[None, :],
-                        mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
-            v = tl.load(V + offs_n[:, None] * stride_vn + offs_dv[None, :],
-                        mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0).to(tl.float32)
-            s_raw = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
+            k = _up(tl.load(K + offs_n[:, None] * stride_kn + offs_d[None, :],
+                        mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0), LOWP)
+            v = _up(tl.load(V + offs_n[:, None] * stride_vn + offs_dv[None, :],
+                        mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0), LOWP)
+            s_raw = _mm(q, tl.trans(k), LOWP) * sm_scale
             kj = offs_n.to(tl.int64)[None, :]
             s = s_raw
             if HAS_SCORE:
@@ -137,11 +158,11 @@ def _dq_blocks(dq, q, do, lse_use, delta, b, h, offs_m, row_ok, K, V, stride_kn,
                 vis = vis & mask_fn(b, h, qi, kj __CAPS__)
             s = tl.where(vis, s, float("-inf"))
             p = tl.math.exp2((s - lse_use[:, None]) * LOG2E)
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+            dp = _mm(do, tl.trans(v), LOWP)
             ds = p * (dp - delta[:, None])
             if HAS_SCORE:
                 ds = score_bwd(s_raw, b, h, qi, kj __CAPS__, ds, qi * 0 + kj, vis __GRADS__, False)
-            dq += tl.dot(ds, k, input_precision="ieee")
+            dq += _mm(ds, k, LOWP)
     return dq
 
 
@@ -151,7 +172,7 @@ def flex_dq(Q, K, V, DO, DQ, LSE, DELTA, KV_NUM, KV_IDX, FKV_NUM, FKV_IDX __CAPS
             snb, snh, sib, sih, sir, sfnb, sfnh, sfib, sfih, sfir,
             H, n_rep, Lq, Lk, QBS, KVBS, nsub, sm_scale,
             D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr,
+            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr, LOWP: tl.constexpr,
             HAS_FULL: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -165,10 +186,10 @@ def flex_dq(Q, K, V, DO, DQ, LSE, DELTA, KV_NUM, KV_IDX, FKV_NUM, FKV_IDX __CAPS
     row_ok = offs_m < q_end
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
-                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
-    do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_dv[None, :],
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0).to(tl.float32)
+    q = _up(tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0), LOWP)
+    do = _up(tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_dv[None, :],
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0), LOWP)
     lse = tl.load(LSE + (b * H + h) * Lq + offs_m, mask=row_ok, other=0.0)
     # A row with no visible key (lse -inf) takes +inf: every exp(s - lse) there is 0.
     lse_use = tl.where(lse == float("-inf"), float("inf"), lse)
@@ -178,11 +199,11 @@ def flex_dq(Q, K, V, DO, DQ, LSE, DELTA, KV_NUM, KV_IDX, FKV_NUM, FKV_IDX __CAPS
     Vb = V + b * svb + hkv * svh
     dq = _dq_blocks(dq, q, do, lse_use, delta, b, h, offs_m, row_ok, Kb, Vb, skn, svn,
                     KV_NUM + b * snb + h * snh + qb, KV_IDX + b * sib + h * sih + qb * sir, Lk, KVBS, sm_scale
-                    __CAPS__ __GRADS__, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_MASK, HAS_SCORE)
+                    __CAPS__ __GRADS__, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_MASK, HAS_SCORE, LOWP)
     if HAS_FULL:
         dq = _dq_blocks(dq, q, do, lse_use, delta, b, h, offs_m, row_ok, Kb, Vb, skn, svn,
                         FKV_NUM + b * sfnb + h * sfnh + qb, FKV_IDX + b * sfib + h * sfih + qb * sfir, Lk, KVBS,
-                        sm_scale __CAPS__ __GRADS__, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_MASK, HAS_SCORE)
+                        sm_scale __CAPS__ __GRADS__, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_MASK, HAS_SCORE, LOWP)
     tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (offs_d[None, :] < D))
 
@@ -191,7 +212,7 @@ def flex_dq(Q, K, V, DO, DQ, LSE, DELTA, KV_NUM, KV_IDX, FKV_NUM, FKV_IDX __CAPS
 def _dkdv_blocks(dk, dv, k, v, b, h, offs_n, key_ok, Q, DO, LSE, DELTA, stride_qm, stride_dom, NUM, IDX, H, Lq, Lk,
                  QBS, sm_scale __CAPS__ __GRADS__, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PARTIAL: tl.constexpr, HAS_MASK: tl.constexpr,
-                 HAS_SCORE: tl.constexpr, CAP_GRAD: tl.constexpr):
+                 HAS_SCORE: tl.constexpr, LOWP: tl.constexpr, CAP_GRAD: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     kj = offs_n.to(tl.int64)[None, :]
@@ -202,15 +223,15 @@ def _dkdv_blocks(dk, dv, k, v, b, h, offs_n, key_ok, Q, DO, LSE, DELTA, stride_q
         for ms in range(qstart, qend, BLOCK_M):
             offs_m = ms + tl.arange(0, BLOCK_M)
             row_ok = offs_m < qend
-            q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :],
-                        mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
-            do = tl.load(DO + offs_m[:, None] * stride_dom + offs_dv[None, :],
-                         mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0).to(tl.float32)
+            q = _up(tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :],
+                        mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0), LOWP)
+            do = _up(tl.load(DO + offs_m[:, None] * stride_dom + offs_dv[None, :],
+                         mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0), LOWP)
             lse = tl.load(LSE + offs_m, mask=row_ok, other=0.0)
             lse_use = tl.where(lse == float("-inf"), float("inf"), lse)
             delta = tl.load(DELTA + offs_m, mask=row_ok, other=0.0)
             qi = offs_m.to(tl.int64)[:, None]
-            s_raw = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
+            s_raw = _mm(q, tl.trans(k), LOWP) * sm_scale
             s = s_raw
             if HAS_SCORE:
                 s = score_fwd(s_raw, b, h, qi, kj __CAPS__)
@@ -219,14 +240,14 @@ def _dkdv_blocks(dk, dv, k, v, b, h, offs_n, key_ok, Q, DO, LSE, DELTA, stride_q
                 vis = vis & mask_fn(b, h, qi, kj __CAPS__)
             s = tl.where(vis, s, float("-inf"))
             p = tl.math.exp2((s - lse_use[:, None]) * LOG2E)
-            dv += tl.dot(tl.trans(p), do, input_precision="ieee")
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+            dv += _mm(tl.trans(p), do, LOWP)
+            dp = _mm(do, tl.trans(v), LOWP)
             ds = p * (dp - delta[:, None])
             if HAS_SCORE:
                 # The captured tables' adjoints go to their dense (B, H, Lq, Lk) buffers.
                 goff = ((b * H + h) * Lq + qi) * Lk + kj
                 ds = score_bwd(s_raw, b, h, qi, kj __CAPS__, ds, goff, vis __GRADS__, CAP_GRAD)
-            dk += tl.dot(tl.trans(ds), q, input_precision="ieee")
+            dk += _mm(tl.trans(ds), q, LOWP)
     return dk, dv
 
 
@@ -236,7 +257,7 @@ def flex_dkdv(Q, K, V, DO, DK, DV_, LSE, DELTA, Q_NUM, Q_IDX, FQ_NUM, FQ_IDX __C
               snb, snh, sib, sih, sir, sfnb, sfnh, sfib, sfih, sfir,
               H, Hkv, n_rep, Lq, Lk, QBS, KVBS, nsub, sm_scale,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr, LOWP: tl.constexpr,
               HAS_FULL: tl.constexpr, CAP_GRAD: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -249,10 +270,10 @@ def flex_dkdv(Q, K, V, DO, DK, DV_, LSE, DELTA, Q_NUM, Q_IDX, FQ_NUM, FQ_IDX __C
     key_ok = offs_n < k_end
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k = tl.load(K + b * skb + hkv * skh + offs_n[:, None] * skn + offs_d[None, :],
-                mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
-    v = tl.load(V + b * svb + hkv * svh + offs_n[:, None] * svn + offs_dv[None, :],
-                mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0).to(tl.float32)
+    k = _up(tl.load(K + b * skb + hkv * skh + offs_n[:, None] * skn + offs_d[None, :],
+                mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0), LOWP)
+    v = _up(tl.load(V + b * svb + hkv * svh + offs_n[:, None] * svn + offs_dv[None, :],
+                mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0), LOWP)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     for hh in range(0, n_rep):
@@ -264,12 +285,12 @@ def flex_dkdv(Q, K, V, DO, DK, DV_, LSE, DELTA, Q_NUM, Q_IDX, FQ_NUM, FQ_IDX __C
         dk, dv = _dkdv_blocks(dk, dv, k, v, b, h, offs_n, key_ok, Qh, DOh, LSEh, DELTAh, sqm, sdom,
                               Q_NUM + b * snb + h * snh + kb, Q_IDX + b * sib + h * sih + kb * sir, H, Lq, Lk, QBS,
                               sm_scale __CAPS__ __GRADS__, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, True, HAS_MASK,
-                              HAS_SCORE, CAP_GRAD)
+                              HAS_SCORE, LOWP, CAP_GRAD)
         if HAS_FULL:
             dk, dv = _dkdv_blocks(dk, dv, k, v, b, h, offs_n, key_ok, Qh, DOh, LSEh, DELTAh, sqm, sdom,
                                   FQ_NUM + b * sfnb + h * sfnh + kb, FQ_IDX + b * sfib + h * sfih + kb * sfir, H, Lq,
                                   Lk, QBS, sm_scale __CAPS__ __GRADS__, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, False,
-                                  HAS_MASK, HAS_SCORE, CAP_GRAD)
+                                  HAS_MASK, HAS_SCORE, LOWP, CAP_GRAD)
     tl.store(DK + b * sdkb + hkv * sdkh + offs_n[:, None] * sdkn + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
              mask=key_ok[:, None] & (offs_d[None, :] < D))
     tl.store(DV_ + b * sdvb + hkv * sdvh + offs_n[:, None] * sdvn + offs_dv[None, :], dv.to(DV_.dtype.element_ty),
