@@ -213,3 +213,22 @@ def test_generated_source_is_cached_by_hash(tmp_path, monkeypatch):
     assert len(files) == 1 and "def score_fwd" in files[0].read_text()
     b = mhakern.flex_attention(q, k, v, softcap, backend="triton")
     assert torch.equal(a, b) and sorted((tmp_path / "flex_triton").glob("flex_*.py")) == files
+
+
+def _many_ops(score, b, h, q, kv):
+    """Most of the generator's ops at once, integer ones on negative operands (Python's floor
+    semantics, which compiled Triton's // and % do not have)."""
+    rel = kv - q
+    x = torch.where(rel.remainder(3) == 1, torch.sigmoid(score), torch.tanh(score) * 2.0)
+    x = x + torch.log1p(torch.abs(score)) - torch.expm1(score * 0.1) + torch.sqrt(torch.abs(score) + 1.0)
+    x = x + torch.round(score * 2.5) * 0.1 + torch.trunc(score * 3.0) * 0.05 + rel // 4
+    x = x + (rel % 3) * 0.5 + torch.fmod(rel, 5) * 0.25 + torch.floor(score) * 0.1
+    x = x + torch.clamp(score, -1.0, 0.5) + torch.maximum(score, torch.zeros_like(score)) + score ** 2 * 0.1
+    x = x + torch.exp2(torch.minimum(score, score * 0.5)) + torch.erf(score) + torch.relu(-score)
+    return x + (rel.abs() > 3).float() * torch.sin(score) - torch.cos(score) * torch.sign(score)
+
+
+def test_generated_ops_match_torch():
+    """The pointwise ops of triton_gen.py and their derivatives, against the reference."""
+    case = Case("many_ops", lambda t: _many_ops, None, (1, 1, 1, 24, 24, 16), (16, 16), 2.0)
+    _check(case)

@@ -281,6 +281,11 @@ class _Emitter:
             return acc(args[0], d[op])
         if op == "pow":
             a, b = V(args[0]), V(args[1])
+            ex = args[1]
+            if ex[0] == "const" and float(ex[1]).is_integer() and 1 <= float(ex[1]) <= 4:
+                # n a^(n-1) by products, as the forward: a negative base has a derivative too.
+                n = int(ex[1])
+                return acc(args[0], " * ".join([g, f"{float(n)!r}"] + [a] * (n - 1)))
             return (acc(args[0], f"{g} * {b} * tl.exp(({b} - 1.0) * tl.log({a}))")
                     + acc(args[1], f"{g} * {y} * tl.log({a})"))
         if op in ("minimum", "maximum", "min", "max", "fmin", "fmax"):

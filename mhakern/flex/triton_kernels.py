@@ -34,9 +34,12 @@ TEMPLATE = '''
 def _up(x, LOWP: tl.constexpr):
     """A loaded tile as the products take it: float32 (products in IEEE fp32), or with LOWP
     (fp16/bf16 inputs) as loaded, for the tensor cores with fp32 accumulation."""
+    # One return: Triton checks every return's type, even in a constexpr branch not taken.
     if LOWP:
-        return x
-    return x.to(tl.float32)
+        y = x
+    else:
+        y = x.to(tl.float32)
+    return y
 
 
 @triton.jit
@@ -44,8 +47,10 @@ def _mm(a, b, LOWP: tl.constexpr):
     """a @ b in fp32 accumulation: with LOWP ``a`` (an fp32 tile: P, dS) rounded to ``b``'s
     16-bit dtype, as flash attention does; else both fp32, multiplied exactly (never tf32)."""
     if LOWP:
-        return tl.dot(a.to(b.dtype), b)
-    return tl.dot(a, b, input_precision="ieee")
+        c = tl.dot(a.to(b.dtype), b)
+    else:
+        c = tl.dot(a, b, input_precision="ieee")
+    return c
 
 @triton.jit
 def _fwd_blocks(acc, l_i, m_i, q, b, h, offs_m, row_ok, K, V, stride_kn, stride_vn, NUM, IDX, Lk, KVBS, sm_scale
