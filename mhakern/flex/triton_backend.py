@@ -263,6 +263,11 @@ def serve(query, key, value, score_mod, block_mask, scale, enable_gqa, return_ls
         return None
     sc = 1.0 / math.sqrt(D) if scale is None else float(scale)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    # Rows are addressed in int32 inside one (batch, head): refuse what would overflow.
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.shape[2] * abs(t.stride(2)) + t.shape[3] >= 2**31:
+            raise ArgumentError(f"{name}: one head spans 2**31 elements or more; the Triton flex kernels "
+                                "address rows in 32 bits (use backend='cpu' or shorter sequences)")
     grad_caps = [c for c, w in zip(kernel.caps_src, kernel.grad_caps) if w]
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or grad_caps):
         out, lse = _FlexFn.apply(kernel, sc, q, k, v, *grad_caps)

@@ -8,9 +8,11 @@ parameters spliced into their signatures. ``@triton.jit`` reads its function's s
 module is written to a file (triton_backend.py caches it by hash) and imported.
 
 Values inside the functions: the score tile (rows x keys) in float32, ``b`` and ``h`` program
-scalars, ``q_idx`` a (rows, 1) and ``kv_idx`` a (1, keys) int64 column and row: each node's value
+scalars, ``q_idx`` a (rows, 1) and ``kv_idx`` a (1, keys) int32 column and row: each node's value
 broadcasts to whatever shape its inputs give, and every node is computed in float32 (floating
-nodes), int64 (integer nodes) or int1 (bool), as graph.py's C++ does.
+nodes), int32 (integer nodes: torch's dtype for the indices; int64 tiles doubled the registers
+and spilled) or int1 (bool). graph.py's C++ computes integers in int64: the two differ only
+where an index expression overflows int32.
 
 Captured tensors arrive as pointers (float32 or int64, contiguous) with their sizes; an element
 read outside a capture (a padding row's index, say) loads 0 rather than faulting. The gradient
@@ -25,7 +27,7 @@ from typing import List, Optional, Tuple
 
 from .graph import _CMP, _IDENTITY, _NO_GRAD, Traced, Untraceable, _node_args
 
-_TT = {"f": "tl.float32", "i": "tl.int64", "b": "tl.int1"}
+_TT = {"f": "tl.float32", "i": "tl.int32", "b": "tl.int1"}
 _CASTS = ("_to_copy", "to", "_to_dtype", "type_as", "_autocast_to_reduced_precision", "convert_element_type")
 
 _UNARY_F = {
@@ -91,14 +93,14 @@ class _Emitter:
         return "f" if "f" in ks else ("i" if "i" in ks else "b")
 
     def flat_index(self, cap: int, idx_args) -> str:
-        """The flat element index of a load (int64), Python's negative indices wrapped."""
+        """The flat element index of a load (int32), Python's negative indices wrapped."""
         tensor = self.t.captures[cap]
         terms = []
         for d, ia in enumerate(idx_args):
             i = self.val(ia, "i")
             stride = " * ".join(f"C{cap}_s{e}" for e in range(d + 1, tensor.dim())) or "1"
             terms.append(f"_wrap({i}, C{cap}_s{d}) * {stride}")
-        return "(tl.full([], 0, tl.int64) + " + (" + ".join(terms) or "0") + ")"
+        return "(tl.full([], 0, tl.int32) + " + (" + ".join(terms) or "0") + ")"
 
     def expr(self, name: str, op: str, spec) -> str:
         kind = self.kinds[name]
@@ -352,7 +354,7 @@ def functions(score: Optional[Traced], mask: Optional[Traced], want_caps: List[b
             for k, name in enumerate(loads):
                 cap, idx = next(spec for nm, op, spec, _ in score.nodes if nm == name)
                 stores.append(f"        tl.store(GV{k} + goff, tl.where(keep, g_{name}, 0.0) + zi.to(tl.float32), mask=gmask)")
-                stores.append(f"        tl.store(GI{k} + goff, {e.flat_index(cap, idx)} + zi, mask=gmask)")
+                stores.append(f"        tl.store(GI{k} + goff, ({e.flat_index(cap, idx)} + zi).to(tl.int64), mask=gmask)")
         out += ["@triton.jit", f"def score_fwd(s, {sig}):", bind, *fwd, f"    return v_{score.output}.to(tl.float32)", "",
                 "@triton.jit", f"def score_bwd(s, {sig}, g, goff, gmask{gparams}, STORE: tl.constexpr):",
                 "    # Where the gradient at the modified score is 0 (hidden, or p = 0) nothing flows:",
@@ -426,13 +428,15 @@ def _rint(x):
 def _log1p(x):
     # log(u) * x / (u - 1), u = 1 + x: the rounding of u cancels (Goldberg).
     u = 1.0 + x
-    return tl.where(u == 1.0, x, tl.log(u) * x / (u - 1.0))
+    d = tl.where(u == 1.0, 1.0, u - 1.0)  # the branch not taken must not divide by 0
+    return tl.where(u == 1.0, x, tl.log(u) * x / d)
 
 
 @triton.jit
 def _expm1(x):
     u = tl.exp(x)
-    return tl.where(u == 1.0, x, tl.where(u - 1.0 == -1.0, -1.0, (u - 1.0) * x / tl.log(u)))
+    lu = tl.where((u == 1.0) | (u == 0.0), 1.0, tl.log(u))  # the branches not taken must not divide by 0
+    return tl.where(u == 1.0, x, tl.where(u - 1.0 == -1.0, -1.0, (u - 1.0) * x / lu))
 '''
 
 

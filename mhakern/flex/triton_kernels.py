@@ -58,10 +58,13 @@ def _fwd_blocks(acc, l_i, m_i, q, b, h, offs_m, row_ok, K, V, stride_kn, stride_
                 BLOCK_DV: tl.constexpr, PARTIAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr, LOWP: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    qi = offs_m.to(tl.int64)[:, None]
+    # The modifiers see int32 indices (torch's dtype for them); addresses stay 64-bit.
+    b32 = b.to(tl.int32)
+    h32 = h.to(tl.int32)
+    qi = offs_m[:, None]
     num = tl.load(NUM)
     for n in range(0, num):
-        kstart = tl.load(IDX + n).to(tl.int64) * KVBS
+        kstart = tl.load(IDX + n) * KVBS
         kend = tl.minimum(kstart + KVBS, Lk)
         for js in range(kstart, kend, BLOCK_N):
             offs_n = js + tl.arange(0, BLOCK_N)
@@ -69,12 +72,12 @@ def _fwd_blocks(acc, l_i, m_i, q, b, h, offs_m, row_ok, K, V, stride_kn, stride_
             k = _up(tl.load(K + offs_n[:, None] * stride_kn + offs_d[None, :],
                         mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0), LOWP)
             s = _mm(q, tl.trans(k), LOWP) * sm_scale
-            kj = offs_n.to(tl.int64)[None, :]
+            kj = offs_n[None, :]
             if HAS_SCORE:
-                s = score_fwd(s, b, h, qi, kj __CAPS__)
+                s = score_fwd(s, b32, h32, qi, kj __CAPS__)
             vis = row_ok[:, None] & key_ok[None, :]
             if PARTIAL and HAS_MASK:
-                vis = vis & mask_fn(b, h, qi, kj __CAPS__)
+                vis = vis & mask_fn(b32, h32, qi, kj __CAPS__)
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row that has seen no key yet keeps m = -inf; shift by 0 there so exp2 gives 0, not NaN.
@@ -141,10 +144,13 @@ def _dq_blocks(dq, q, do, lse_use, delta, b, h, offs_m, row_ok, K, V, stride_kn,
                HAS_SCORE: tl.constexpr, LOWP: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    qi = offs_m.to(tl.int64)[:, None]
+    # The modifiers see int32 indices (torch's dtype for them); addresses stay 64-bit.
+    b32 = b.to(tl.int32)
+    h32 = h.to(tl.int32)
+    qi = offs_m[:, None]
     num = tl.load(NUM)
     for n in range(0, num):
-        kstart = tl.load(IDX + n).to(tl.int64) * KVBS
+        kstart = tl.load(IDX + n) * KVBS
         kend = tl.minimum(kstart + KVBS, Lk)
         for js in range(kstart, kend, BLOCK_N):
             offs_n = js + tl.arange(0, BLOCK_N)
@@ -154,19 +160,19 @@ def _dq_blocks(dq, q, do, lse_use, delta, b, h, offs_m, row_ok, K, V, stride_kn,
             v = _up(tl.load(V + offs_n[:, None] * stride_vn + offs_dv[None, :],
                         mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0), LOWP)
             s_raw = _mm(q, tl.trans(k), LOWP) * sm_scale
-            kj = offs_n.to(tl.int64)[None, :]
+            kj = offs_n[None, :]
             s = s_raw
             if HAS_SCORE:
-                s = score_fwd(s_raw, b, h, qi, kj __CAPS__)
+                s = score_fwd(s_raw, b32, h32, qi, kj __CAPS__)
             vis = row_ok[:, None] & key_ok[None, :]
             if PARTIAL and HAS_MASK:
-                vis = vis & mask_fn(b, h, qi, kj __CAPS__)
+                vis = vis & mask_fn(b32, h32, qi, kj __CAPS__)
             s = tl.where(vis, s, float("-inf"))
             p = tl.math.exp2((s - lse_use[:, None]) * LOG2E)
             dp = _mm(do, tl.trans(v), LOWP)
             ds = p * (dp - delta[:, None])
             if HAS_SCORE:
-                ds = score_bwd(s_raw, b, h, qi, kj __CAPS__, ds, qi * 0 + kj, vis __GRADS__, False)
+                ds = score_bwd(s_raw, b32, h32, qi, kj __CAPS__, ds, qi * 0 + kj, vis __GRADS__, False)
             dq += _mm(ds, k, LOWP)
     return dq
 
@@ -220,10 +226,13 @@ def _dkdv_blocks(dk, dv, k, v, b, h, offs_n, key_ok, Q, DO, LSE, DELTA, stride_q
                  HAS_SCORE: tl.constexpr, LOWP: tl.constexpr, CAP_GRAD: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    kj = offs_n.to(tl.int64)[None, :]
+    # The modifiers see int32 indices (torch's dtype for them); addresses stay 64-bit.
+    b32 = b.to(tl.int32)
+    h32 = h.to(tl.int32)
+    kj = offs_n[None, :]
     num = tl.load(NUM)
     for n in range(0, num):
-        qstart = tl.load(IDX + n).to(tl.int64) * QBS
+        qstart = tl.load(IDX + n) * QBS
         qend = tl.minimum(qstart + QBS, Lq)
         for ms in range(qstart, qend, BLOCK_M):
             offs_m = ms + tl.arange(0, BLOCK_M)
@@ -235,14 +244,14 @@ def _dkdv_blocks(dk, dv, k, v, b, h, offs_n, key_ok, Q, DO, LSE, DELTA, stride_q
             lse = tl.load(LSE + offs_m, mask=row_ok, other=0.0)
             lse_use = tl.where(lse == float("-inf"), float("inf"), lse)
             delta = tl.load(DELTA + offs_m, mask=row_ok, other=0.0)
-            qi = offs_m.to(tl.int64)[:, None]
+            qi = offs_m[:, None]
             s_raw = _mm(q, tl.trans(k), LOWP) * sm_scale
             s = s_raw
             if HAS_SCORE:
-                s = score_fwd(s_raw, b, h, qi, kj __CAPS__)
+                s = score_fwd(s_raw, b32, h32, qi, kj __CAPS__)
             vis = row_ok[:, None] & key_ok[None, :]
             if PARTIAL and HAS_MASK:
-                vis = vis & mask_fn(b, h, qi, kj __CAPS__)
+                vis = vis & mask_fn(b32, h32, qi, kj __CAPS__)
             s = tl.where(vis, s, float("-inf"))
             p = tl.math.exp2((s - lse_use[:, None]) * LOG2E)
             dv += _mm(tl.trans(p), do, LOWP)
@@ -251,7 +260,7 @@ def _dkdv_blocks(dk, dv, k, v, b, h, offs_n, key_ok, Q, DO, LSE, DELTA, stride_q
             if HAS_SCORE:
                 # The captured tables' adjoints go to their dense (B, H, Lq, Lk) buffers.
                 goff = ((b * H + h) * Lq + qi) * Lk + kj
-                ds = score_bwd(s_raw, b, h, qi, kj __CAPS__, ds, goff, vis __GRADS__, CAP_GRAD)
+                ds = score_bwd(s_raw, b32, h32, qi, kj __CAPS__, ds, goff, vis __GRADS__, CAP_GRAD)
             dk += _mm(tl.trans(ds), q, LOWP)
     return dk, dv
 
