@@ -147,6 +147,9 @@ class _Kernel:
         delta = (dout.float() * out.float()).sum(-1).contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         want = any(self.grad_caps)
+        if want and self.n_grad and Lq * Lk >= 2**31:
+            raise ArgumentError(f"score_mod: the gradient of a captured tensor at Lq * Lk = {Lq * Lk} (2**31 or more) "
+                                "is beyond the Triton kernels' per-score buffers; use backend='cpu'")
         gbuf = []
         for _ in range(max(self.n_grad, 1)):
             n = B * H * Lq * Lk if (want and self.n_grad) else 1

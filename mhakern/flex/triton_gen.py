@@ -337,7 +337,7 @@ def functions(score: Optional[Traced], mask: Optional[Traced], want_caps: List[b
     n_grad = 0
     if score is None:
         out += ["@triton.jit", f"def score_fwd(s, {sig}):", "    return s", "",
-                "@triton.jit", f"def score_bwd(s, {sig}, g, goff, gmask, GV, GI, STORE: tl.constexpr):", "    return g", ""]
+                "@triton.jit", f"def score_bwd(s, {sig}, g, gbase, goff, gmask, GV, GI, STORE: tl.constexpr):", "    return g", ""]
     else:
         e = _Emitter(score, "score_mod")
         n = score.inputs
@@ -353,10 +353,10 @@ def functions(score: Optional[Traced], mask: Optional[Traced], want_caps: List[b
             stores.append("        zi = goff * 0")
             for k, name in enumerate(loads):
                 cap, idx = next(spec for nm, op, spec, _ in score.nodes if nm == name)
-                stores.append(f"        tl.store(GV{k} + goff, tl.where(keep, g_{name}, 0.0) + zi.to(tl.float32), mask=gmask)")
-                stores.append(f"        tl.store(GI{k} + goff, ({e.flat_index(cap, idx)} + zi).to(tl.int64), mask=gmask)")
+                stores.append(f"        tl.store(GV{k} + gbase + goff, tl.where(keep, g_{name}, 0.0) + zi.to(tl.float32), mask=gmask)")
+                stores.append(f"        tl.store(GI{k} + gbase + goff, ({e.flat_index(cap, idx)} + zi).to(tl.int64), mask=gmask)")
         out += ["@triton.jit", f"def score_fwd(s, {sig}):", bind, *fwd, f"    return v_{score.output}.to(tl.float32)", "",
-                "@triton.jit", f"def score_bwd(s, {sig}, g, goff, gmask{gparams}, STORE: tl.constexpr):",
+                "@triton.jit", f"def score_bwd(s, {sig}, g, gbase, goff, gmask{gparams}, STORE: tl.constexpr):",
                 "    # Where the gradient at the modified score is 0 (hidden, or p = 0) nothing flows:",
                 "    # a derivative that is infinite there must not turn 0 into NaN (graph.py's C++ skips it).",
                 "    keep = g != 0.0", bind, *fwd, *bwd, *stores,

@@ -172,7 +172,7 @@ def _dq_blocks(dq, q, do, lse_use, delta, b, h, offs_m, row_ok, K, V, stride_kn,
             dp = _mm(do, tl.trans(v), LOWP)
             ds = p * (dp - delta[:, None])
             if HAS_SCORE:
-                ds = score_bwd(s_raw, b32, h32, qi, kj __CAPS__, ds, qi * 0 + kj, vis __GRADS__, False)
+                ds = score_bwd(s_raw, b32, h32, qi, kj __CAPS__, ds, 0, qi * 0 + kj, vis __GRADS__, False)
             dq += _mm(ds, k, LOWP)
     return dq
 
@@ -259,8 +259,9 @@ def _dkdv_blocks(dk, dv, k, v, b, h, offs_n, key_ok, Q, DO, LSE, DELTA, stride_q
             ds = p * (dp - delta[:, None])
             if HAS_SCORE:
                 # The captured tables' adjoints go to their dense (B, H, Lq, Lk) buffers.
-                goff = ((b * H + h) * Lq + qi) * Lk + kj
-                ds = score_bwd(s_raw, b32, h32, qi, kj __CAPS__, ds, goff, vis __GRADS__, CAP_GRAD)
+                # (b, h)'s offset in 64 bits, the tile's inside it in 32 (an int64 tile spilled).
+                ds = score_bwd(s_raw, b32, h32, qi, kj __CAPS__, ds, (b * H + h) * Lq * Lk, qi * Lk + kj, vis
+                               __GRADS__, CAP_GRAD)
             dk += _mm(tl.trans(ds), q, LOWP)
     return dk, dv
 
