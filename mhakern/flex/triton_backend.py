@@ -78,13 +78,25 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _tile(block: int, cap: int = 64) -> int:
-    """Rows (or keys) per tile inside a mask block of ``block``: a power of two dividing it, at
-    most ``cap``; 16 at least (tl.dot), masked past the block when the block is smaller."""
+def _tile(block: int, cap: int) -> int:
+    """Rows (or keys) per tile inside a mask block of ``block``: the largest power of two at
+    most ``cap`` dividing it, 16 at least (tl.dot's minimum); a tile that does not divide the
+    block has its rows past the block masked, so any block size works."""
     t = 16
     while t * 2 <= cap and block % (t * 2) == 0:
         t *= 2
-    return t if block % t == 0 or block > 16 else max(16, _pow2(block))
+    return t
+
+
+# Tiles per kernel and input width: (rows, keys, warps). From compiling the kernels for sm_80
+# and sm_90 with no GPU (triton.compile with a GPUTarget, as mhakern/kernels/aot.py does) for a
+# modifier with a captured table, its gradient and a gathered mask, D 64, and reading the SASS
+# for local memory inside loops (register spills): the forward and dQ at these tiles have none
+# (16-bit) or none at all (fp32); dK/dV, which holds four tiles across its loops, keeps a few.
+_TILES = {
+    ("fwd", 2): (64, 64, 8), ("dkdv", 2): (32, 64, 8),
+    ("fwd", 4): (32, 32, 4), ("dkdv", 4): (16, 16, 4),
+}
 
 
 class _Kernel:
@@ -112,12 +124,18 @@ class _Kernel:
         self.fkv = lists(b.fkv_num, b.fkv_idx, b.kv_num.shape[-1])
         self.q = lists(b.q_num, b.q_idx, b.q_num.shape[-1])
         self.fq = lists(b.fq_num, b.fq_idx, b.q_num.shape[-1])
-        self.BM, self.BN = _tile(b.QBS), _tile(b.KVBS)
+        self.QBS, self.KVBS = b.QBS, b.KVBS
 
-    def _consts(self, D, Dv, q):
+    def _geometry(self, kernel: str, q):
+        """(BLOCK_M, BLOCK_N, num_warps) of ``kernel`` ("fwd" for the forward and dQ, "dkdv")."""
+        bm, bn, warps = _TILES[(kernel, 4 if q.dtype == torch.float32 else 2)]
+        return _tile(self.QBS, bm), _tile(self.KVBS, bn), warps
+
+    def _consts(self, D, Dv, q, kernel):
         # 16-bit products on the tensor cores; not bf16 under the interpreter (its bf16 tl.dot is wrong).
         lowp = q.dtype == torch.float16 or (q.dtype == torch.bfloat16 and q.device.type == "cuda")
-        return dict(D=D, DV=Dv, BLOCK_M=self.BM, BLOCK_N=self.BN, BLOCK_D=max(16, _pow2(D)),
+        bm, bn, warps = self._geometry(kernel, q)
+        return dict(D=D, DV=Dv, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, BLOCK_D=max(16, _pow2(D)),
                     BLOCK_DV=max(16, _pow2(Dv)), HAS_MASK=self.blocks.mask_mod is not None,
                     HAS_SCORE=self.has_score, LOWP=lowp)
 
@@ -132,12 +150,13 @@ class _Kernel:
         out = torch.empty(B, H, Lq, Dv, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
         ptrs, strides = self._list_args(self.kv, self.fkv)
-        nsub = -(-self.blocks.QBS // self.BM)
+        consts = self._consts(D, Dv, q, "fwd")
+        nsub = -(-self.QBS // consts["BLOCK_M"])
         grid = (self.kv[0].shape[-1] * nsub, B * H)
         self.mod.flex_fwd[grid](q, k, v, out, lse, *ptrs, *self.cap_args,
                                 *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *strides,
                                 H, H // Hkv, Lq, Lk, self.blocks.QBS, self.blocks.KVBS, nsub, scale,
-                                HAS_FULL=self.fkv is not None, **self._consts(D, Dv, q))
+                                HAS_FULL=self.fkv is not None, **consts)
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, scale):
@@ -155,16 +174,17 @@ class _Kernel:
             n = B * H * Lq * Lk if (want and self.n_grad) else 1
             gbuf += [torch.zeros(n, dtype=torch.float32, device=q.device), torch.zeros(n, dtype=torch.int64,
                                                                                          device=q.device)]
-        consts = self._consts(D, Dv, q)
+        consts = self._consts(D, Dv, q, "fwd")
         ptrs, strides = self._list_args(self.kv, self.fkv)
-        nsub = -(-self.blocks.QBS // self.BM)
+        nsub = -(-self.QBS // consts["BLOCK_M"])
         self.mod.flex_dq[(self.kv[0].shape[-1] * nsub, B * H)](
             q, k, v, dout, dq, lse, delta, *ptrs, *self.cap_args, *gbuf,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3], *strides,
             H, H // Hkv, Lq, Lk, self.blocks.QBS, self.blocks.KVBS, nsub, scale, HAS_FULL=self.fkv is not None,
             **consts)
         ptrs, strides = self._list_args(self.q, self.fq)
-        nsub = -(-self.blocks.KVBS // self.BN)
+        consts = self._consts(D, Dv, q, "dkdv")
+        nsub = -(-self.KVBS // consts["BLOCK_N"])
         self.mod.flex_dkdv[(self.q[0].shape[-1] * nsub, B * Hkv)](
             q, k, v, dout, dk, dv, lse, delta, *ptrs, *self.cap_args, *gbuf,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
