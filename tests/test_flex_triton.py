@@ -232,3 +232,20 @@ def test_generated_ops_match_torch():
     """The pointwise ops of triton_gen.py and their derivatives, against the reference."""
     case = Case("many_ops", lambda t: _many_ops, None, (1, 1, 1, 24, 24, 16), (16, 16), 2.0)
     _check(case)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SLOW, reason="MHAKERN_SLOW=1 runs the AOT compile (about a minute)")
+def test_aot_compile_sm80_sm90_without_spills_in_loops():
+    """The generated kernels compile for sm_80 and sm_90 with no GPU, the forward and dQ with no
+    register spill inside a loop (python -m mhakern.flex.triton_aot)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-m", "mhakern.flex.triton_aot", "--arch", "80", "90", "--dtypes", "bf16",
+                        "fp32"], capture_output=True, text=True, env=env, cwd=root, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert r.stdout.count("flex_") == 12

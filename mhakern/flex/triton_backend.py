@@ -91,11 +91,12 @@ def _tile(block: int, cap: int) -> int:
 # Tiles per kernel and input width: (rows, keys, warps). From compiling the kernels for sm_80
 # and sm_90 with no GPU (triton.compile with a GPUTarget, as mhakern/kernels/aot.py does) for a
 # modifier with a captured table, its gradient and a gathered mask, D 64, and reading the SASS
-# for local memory inside loops (register spills): the forward and dQ at these tiles have none
-# (16-bit) or none at all (fp32); dK/dV, which holds four tiles across its loops, keeps a few.
+# for local memory inside loops (register spills): none at these tiles, but in dK/dV for 16-bit
+# inputs on sm_80 (6 accesses; it holds four tiles across its loops). python -m
+# mhakern.flex.triton_aot repeats the check.
 _TILES = {
-    ("fwd", 2): (64, 64, 8), ("dkdv", 2): (32, 64, 8),
-    ("fwd", 4): (32, 32, 4), ("dkdv", 4): (16, 16, 4),
+    ("fwd", 2): (64, 64, 8), ("dq", 2): (64, 32, 8), ("dkdv", 2): (32, 64, 8),
+    ("fwd", 4): (32, 32, 4), ("dq", 4): (32, 32, 4), ("dkdv", 4): (16, 16, 4),
 }
 
 
@@ -127,7 +128,7 @@ class _Kernel:
         self.QBS, self.KVBS = b.QBS, b.KVBS
 
     def _geometry(self, kernel: str, q):
-        """(BLOCK_M, BLOCK_N, num_warps) of ``kernel`` ("fwd" for the forward and dQ, "dkdv")."""
+        """(BLOCK_M, BLOCK_N, num_warps) of ``kernel``: "fwd", "dq" or "dkdv"."""
         bm, bn, warps = _TILES[(kernel, 4 if q.dtype == torch.float32 else 2)]
         return _tile(self.QBS, bm), _tile(self.KVBS, bn), warps
 
@@ -174,7 +175,7 @@ class _Kernel:
             n = B * H * Lq * Lk if (want and self.n_grad) else 1
             gbuf += [torch.zeros(n, dtype=torch.float32, device=q.device), torch.zeros(n, dtype=torch.int64,
                                                                                          device=q.device)]
-        consts = self._consts(D, Dv, q, "fwd")
+        consts = self._consts(D, Dv, q, "dq")
         ptrs, strides = self._list_args(self.kv, self.fkv)
         nsub = -(-self.QBS // consts["BLOCK_M"])
         self.mod.flex_dq[(self.kv[0].shape[-1] * nsub, B * H)](
