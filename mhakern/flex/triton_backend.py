@@ -91,11 +91,10 @@ def _tile(block: int, cap: int) -> int:
 # Tiles per kernel and input width: (rows, keys, warps). From compiling the kernels for sm_80
 # and sm_90 with no GPU (triton.compile with a GPUTarget, as mhakern/kernels/aot.py does) for a
 # modifier with a captured table, its gradient and a gathered mask, D 64, and reading the SASS
-# for local memory inside loops (register spills): none at these tiles, but in dK/dV for 16-bit
-# inputs on sm_80 (6 accesses; it holds four tiles across its loops). python -m
-# mhakern.flex.triton_aot repeats the check.
+# for local memory inside loops (register spills): none at these tiles (dK/dV at 32x64 kept 6 on
+# sm_80, dQ at 64x64 kept 4). python -m mhakern.flex.triton_aot repeats the check.
 _TILES = {
-    ("fwd", 2): (64, 64, 8), ("dq", 2): (64, 32, 8), ("dkdv", 2): (32, 64, 8),
+    ("fwd", 2): (64, 64, 8), ("dq", 2): (64, 32, 8), ("dkdv", 2): (32, 32, 8),
     ("fwd", 4): (32, 32, 4), ("dq", 4): (32, 32, 4), ("dkdv", 4): (16, 16, 4),
 }
 
