@@ -121,7 +121,9 @@ class _Emitter:
                 return f"({V(a, 'b')} | {V(b, 'b')})"
             return f"({V(a, kind)} {sgn} {al}{V(b, kind)})"
         if op == "mul":
-            return f"({V(args[0], 'b')} & {V(args[1], 'b')})" if kind == "b" else f"({V(args[0], kind)} * {V(args[1], kind)})"
+            if kind == "b":
+                return f"({V(args[0], 'b')} & {V(args[1], 'b')})"
+            return f"({V(args[0], kind)} * {V(args[1], kind)})"
         if op == "div":
             mode = kw.get("rounding_mode", ("const", None))[1]
             if mode is None:
@@ -182,7 +184,8 @@ class _Emitter:
         if op in _CMP:
             w = self.common(args[0], args[1])
             return f"({V(args[0], w)} {_CMP[op]} {V(args[1], w)})"
-        for ops, sym in ((("logical_and", "bitwise_and", "__and__"), "&"), (("logical_or", "bitwise_or", "__or__"), "|"),
+        for ops, sym in ((("logical_and", "bitwise_and", "__and__"), "&"),
+                         (("logical_or", "bitwise_or", "__or__"), "|"),
                          (("logical_xor", "bitwise_xor", "__xor__"), "^")):
             if op in ops:
                 w = "b" if (kind == "b" or op.startswith("logical")) else "i"
@@ -337,7 +340,8 @@ def functions(score: Optional[Traced], mask: Optional[Traced], want_caps: List[b
     n_grad = 0
     if score is None:
         out += ["@triton.jit", f"def score_fwd(s, {sig}):", "    return s", "",
-                "@triton.jit", f"def score_bwd(s, {sig}, g, gbase, goff, gmask, GV, GI, STORE: tl.constexpr):", "    return g", ""]
+                "@triton.jit", f"def score_bwd(s, {sig}, g, gbase, goff, gmask, GV, GI, STORE: tl.constexpr):",
+                "    return g", ""]
     else:
         e = _Emitter(score, "score_mod")
         n = score.inputs
@@ -353,9 +357,12 @@ def functions(score: Optional[Traced], mask: Optional[Traced], want_caps: List[b
             stores.append("        zi = goff * 0")
             for k, name in enumerate(loads):
                 cap, idx = next(spec for nm, op, spec, _ in score.nodes if nm == name)
-                stores.append(f"        tl.store(GV{k} + gbase + goff, tl.where(keep, g_{name}, 0.0) + zi.to(tl.float32), mask=gmask)")
-                stores.append(f"        tl.store(GI{k} + gbase + goff, ({e.flat_index(cap, idx)} + zi).to(tl.int64), mask=gmask)")
-        out += ["@triton.jit", f"def score_fwd(s, {sig}):", bind, *fwd, f"    return v_{score.output}.to(tl.float32)", "",
+                stores.append(f"        tl.store(GV{k} + gbase + goff, tl.where(keep, g_{name}, 0.0)"
+                              " + zi.to(tl.float32), mask=gmask)")
+                stores.append(f"        tl.store(GI{k} + gbase + goff, ({e.flat_index(cap, idx)} + zi).to(tl.int64),"
+                              " mask=gmask)")
+        out += ["@triton.jit", f"def score_fwd(s, {sig}):", bind, *fwd,
+                f"    return v_{score.output}.to(tl.float32)", "",
                 "@triton.jit", f"def score_bwd(s, {sig}, g, gbase, goff, gmask{gparams}, STORE: tl.constexpr):",
                 "    # Where the gradient at the modified score is 0 (hidden, or p = 0) nothing flows:",
                 "    # a derivative that is infinite there must not turn 0 into NaN (graph.py's C++ skips it).",

@@ -55,7 +55,8 @@ def _mm(a, b, LOWP: tl.constexpr):
 @triton.jit
 def _fwd_blocks(acc, l_i, m_i, q, b, h, offs_m, row_ok, K, V, stride_kn, stride_vn, NUM, IDX, Lk, KVBS, sm_scale
                 __CAPS__, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_DV: tl.constexpr, PARTIAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr, LOWP: tl.constexpr):
+                BLOCK_DV: tl.constexpr, PARTIAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr,
+                LOWP: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     # The modifiers see int32 indices (torch's dtype for them); addresses stay 64-bit.
@@ -98,7 +99,8 @@ def flex_fwd(Q, K, V, O, LSE, KV_NUM, KV_IDX, FKV_NUM, FKV_IDX __CAPS__,
              snb, snh, sib, sih, sir, sfnb, sfnh, sfib, sfih, sfir,
              H, n_rep, Lq, Lk, QBS, KVBS, nsub, sm_scale,
              D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr, LOWP: tl.constexpr,
+             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr,
+                LOWP: tl.constexpr,
              HAS_FULL: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -141,7 +143,8 @@ def flex_fwd(Q, K, V, O, LSE, KV_NUM, KV_IDX, FKV_NUM, FKV_IDX __CAPS__,
 def _dq_blocks(dq, q, do, lse_use, delta, b, h, offs_m, row_ok, K, V, stride_kn, stride_vn, NUM, IDX, Lk, KVBS,
                sm_scale __CAPS__ __GRADS__, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PARTIAL: tl.constexpr, HAS_MASK: tl.constexpr,
-               HAS_SCORE: tl.constexpr, LOWP: tl.constexpr):
+               HAS_SCORE: tl.constexpr,
+                LOWP: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     # The modifiers see int32 indices (torch's dtype for them); addresses stay 64-bit.
@@ -183,7 +186,8 @@ def flex_dq(Q, K, V, DO, DQ, LSE, DELTA, KV_NUM, KV_IDX, FKV_NUM, FKV_IDX __CAPS
             snb, snh, sib, sih, sir, sfnb, sfnh, sfib, sfih, sfir,
             H, n_rep, Lq, Lk, QBS, KVBS, nsub, sm_scale,
             D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr, LOWP: tl.constexpr,
+            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr,
+                LOWP: tl.constexpr,
             HAS_FULL: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -210,12 +214,15 @@ def flex_dq(Q, K, V, DO, DQ, LSE, DELTA, KV_NUM, KV_IDX, FKV_NUM, FKV_IDX __CAPS
     Vb = V + b * svb + hkv * svh
     dq = _dq_blocks(dq, q, do, lse_use, delta, b, h, offs_m, row_ok, Kb, Vb, skn, svn,
                     KV_NUM + b * snb + h * snh + qb, KV_IDX + b * sib + h * sih + qb * sir, Lk, KVBS, sm_scale
-                    __CAPS__ __GRADS__, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_MASK, HAS_SCORE, LOWP)
+                    __CAPS__ __GRADS__, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_MASK,
+                        HAS_SCORE, LOWP)
     if HAS_FULL:
         dq = _dq_blocks(dq, q, do, lse_use, delta, b, h, offs_m, row_ok, Kb, Vb, skn, svn,
                         FKV_NUM + b * sfnb + h * sfnh + qb, FKV_IDX + b * sfib + h * sfih + qb * sfir, Lk, KVBS,
-                        sm_scale __CAPS__ __GRADS__, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_MASK, HAS_SCORE, LOWP)
-    tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+                        sm_scale __CAPS__ __GRADS__, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_MASK,
+                        HAS_SCORE, LOWP)
+    tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (offs_d[None, :] < D))
 
 
@@ -223,7 +230,8 @@ def flex_dq(Q, K, V, DO, DQ, LSE, DELTA, KV_NUM, KV_IDX, FKV_NUM, FKV_IDX __CAPS
 def _dkdv_blocks(dk, dv, k, v, b, h, offs_n, key_ok, Q, DO, LSE, DELTA, stride_qm, stride_dom, NUM, IDX, H, Lq, Lk,
                  QBS, sm_scale __CAPS__ __GRADS__, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PARTIAL: tl.constexpr, HAS_MASK: tl.constexpr,
-                 HAS_SCORE: tl.constexpr, LOWP: tl.constexpr, CAP_GRAD: tl.constexpr):
+                 HAS_SCORE: tl.constexpr,
+                LOWP: tl.constexpr, CAP_GRAD: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     # The modifiers see int32 indices (torch's dtype for them); addresses stay 64-bit.
@@ -272,7 +280,8 @@ def flex_dkdv(Q, K, V, DO, DK, DV_, LSE, DELTA, Q_NUM, Q_IDX, FQ_NUM, FQ_IDX __C
               snb, snh, sib, sih, sir, sfnb, sfnh, sfib, sfih, sfir,
               H, Hkv, n_rep, Lq, Lk, QBS, KVBS, nsub, sm_scale,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr, LOWP: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr,
+                LOWP: tl.constexpr,
               HAS_FULL: tl.constexpr, CAP_GRAD: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -306,7 +315,8 @@ def flex_dkdv(Q, K, V, DO, DK, DV_, LSE, DELTA, Q_NUM, Q_IDX, FQ_NUM, FQ_IDX __C
                                   FQ_NUM + b * sfnb + h * sfnh + kb, FQ_IDX + b * sfib + h * sfih + kb * sfir, H, Lq,
                                   Lk, QBS, sm_scale __CAPS__ __GRADS__, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, False,
                                   HAS_MASK, HAS_SCORE, LOWP, CAP_GRAD)
-    tl.store(DK + b * sdkb + hkv * sdkh + offs_n[:, None] * sdkn + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
+    tl.store(DK + b * sdkb + hkv * sdkh + offs_n[:, None] * sdkn + offs_d[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty),
              mask=key_ok[:, None] & (offs_d[None, :] < D))
     tl.store(DV_ + b * sdvb + hkv * sdvh + offs_n[:, None] * sdvn + offs_dv[None, :], dv.to(DV_.dtype.element_ty),
              mask=key_ok[:, None] & (offs_dv[None, :] < DV))
