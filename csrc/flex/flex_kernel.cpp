@@ -1,4 +1,4 @@
-// The cpu kernel of mhakern.flex_attention, one instance per traced modifier and input dtype: mhakern/flex/codegen.py
+// The cpu kernel of mhakern.flex_attention, one instance per traced modifier and input dtype: mhakern/flex/graph.py
 // writes the modifier's C++ (score_fwd, score_bwd, mask_fn and the constants below) in place of the
 // generated-code marker line, and mhakern/flex/build.py compiles the result once per graph, dtype
 // set, instruction set and build into a shared library called through ctypes (plain C entry
@@ -86,7 +86,8 @@ struct FlexArgs {
 
 namespace {
 
-constexpr int64_t kRows = 64;   // query rows per task (as the cpu kernel's kRowBlock)
+constexpr int64_t kRows = 64;         // query rows per task (as the cpu kernel's kRowBlock)
+constexpr int64_t kRowsPartial = 32;  // with partial blocks: their dead keys are trimmed per task
 constexpr int64_t kKeys = 128;  // keys per step (its kKeyBlock)
 constexpr int64_t kRowVecs = (kRows + VL - 1) / VL;
 
@@ -196,23 +197,32 @@ template <typename T, typename Mod>
 void forward(const FlexArgs& a) {
   const Caps caps{a.cap_ptr, a.cap_size};
   const int64_t D = a.D, Dv = a.Dv, QBS = a.QBS, KVBS = a.KVBS, n_rep = a.H / a.Hkv;
-  const int64_t RB = std::min(QBS, kRows), nsub = ceil_div(QBS, RB), KB = std::min(KVBS, kKeys);
+  // Smaller row tasks when some block is partial: a partial block's keys are trimmed to those
+  // its task's rows see, and 32 rows cut more than 64 (document masks of 8 x 1k tokens: 0.93x
+  // attention_varlen against 0.80x); without partial blocks 64 rows are faster (0.88x at 32).
+  bool has_partial = false;
+  for (int64_t e = 0; e < a.mB * a.mH * a.nqb && !has_partial; ++e) has_partial = a.kv_num[e] > 0;
+  const int64_t RB = std::min(QBS, has_partial ? kRowsPartial : kRows), nsub = ceil_div(QBS, RB);
+  const int64_t KB = std::min(KVBS, kKeys);
   const int64_t Rmax = round_up(RB, VL), Dp = round_up(D, VL);
   const int64_t ntask = a.B * a.H * a.nqb * nsub;
   // Scores in natural units for the modifier; without one, Q carries log2(e) and the tile
   // needs no pass before the softmax.
   const float qmul = static_cast<float>(a.scale) * (Mod::kHasScoreMod ? 1.f : kLog2e);
-  // One mask per row block for all heads: mask_fn ignores the head and the lists are per batch.
-  const bool share = !Mod::kMaskReadsHead && a.mH == 1;
-  // Tasks are taken from a shared counter, a row block (every head) at a time, the last row
-  // blocks first: under a causal mask they are the heaviest, and a static split of the task
-  // range gave one thread three quarters of the work (0.54x attention(causal=True)). Each task
-  // writes only its own rows, so the order changes no bit of the result.
-  const int64_t nunit = ntask / a.H;
+
+  // Tasks are taken from a shared counter, kUnit at a time, the last first: a head's row blocks
+  // run in a row (its K and V stay in cache; heads innermost, which let the heads share a
+  // row block's mask tiles, ran 0.83x attention(causal=True) against 0.93x), and under a
+  // causal mask the last row blocks are the heaviest (a static split of the task range gave one
+  // thread three quarters of the work). Each task writes only its own rows, so the order
+  // changes no bit of the result.
+  constexpr int64_t kUnit = 4;
+  const int64_t nunit = ceil_div(ntask, kUnit);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nunit)), 1, [&](int64_t, int64_t) {
     // 9 pieces, each rounded up to 16 floats by take().
-    Scratch s(Rmax * Dp * 2 + KB * Rmax + Dv * Rmax + 3 * Rmax + KB * (D + Dv) + 16 * 9, Scratch::kUninit);
+    Scratch s(Rmax * Dp * 2 + KB * Rmax + Dv * Rmax + 3 * Rmax + KB * (D + Dv) + KB * Rmax / 4 + 1 + 16 * 10,
+              Scratch::kUninit);
     float* qr = s.take(Rmax * Dp);
     float* qt = s.take(Dp * Rmax);
     float* st = s.take(KB * Rmax);
@@ -222,22 +232,13 @@ void forward(const FlexArgs& a) {
     float* alpha = s.take(Rmax);
     float* kc = s.take(KB * D);
     float* vc = s.take(KB * Dv);
-    // The partial tiles' masks of the current rows, kept for the next head's task.
-    std::vector<uint8_t> vcache;
-    std::vector<int64_t> vrange;
-    int64_t cached_rows = -1;
+    uint8_t* vis = reinterpret_cast<uint8_t*>(s.take(KB * Rmax / 4 + 1));
     for (int64_t unit; (unit = next.fetch_add(1)) < nunit;)
-    for (int64_t t = (nunit - 1 - unit) * a.H; t < (nunit - unit) * a.H; ++t) {
-      // Heads innermost: consecutive tasks of a thread share their rows' partial-block masks
-      // when mask_fn does not read the head.
-      const int64_t h = t % a.H, sub = (t / a.H) % nsub, qb = (t / (a.H * nsub)) % a.nqb;
-      const int64_t b = t / (a.H * nsub * a.nqb), hkv = h / n_rep, q0 = qb * QBS + sub * RB;
+    for (int64_t t = std::min(ntask, (nunit - unit) * kUnit) - 1; t >= (nunit - 1 - unit) * kUnit; --t) {
+      const int64_t sub = t % nsub, qb = (t / nsub) % a.nqb, h = (t / (nsub * a.nqb)) % a.H;
+      const int64_t b = t / (nsub * a.nqb * a.H), hkv = h / n_rep, q0 = qb * QBS + sub * RB;
       if (q0 >= std::min(a.Lq, (qb + 1) * QBS)) continue;
       const int64_t R = std::min({RB, a.Lq - q0, (qb + 1) * QBS - q0}), Rp = round_up(R, VL), nvec = Rp / VL;
-      const int64_t rows_key = (b * a.nqb + qb) * nsub + sub;
-      const bool reuse = share && rows_key == cached_rows;
-      cached_rows = share ? rows_key : -1;
-      int64_t entry = 0;  // the partial tiles in iteration order (the same for every head)
       const int64_t mb = a.mB == 1 ? 0 : b, mh = a.mH == 1 ? 0 : h;
       const T* q = static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + q0 * a.qs[2];
       load_rows(q, a.qs[2], R, D, qmul, qr, Dp);
@@ -260,17 +261,9 @@ void forward(const FlexArgs& a) {
             int64_t j0 = jstep, bk = std::min(KB, jend - jstep);
             const uint8_t* tvis = nullptr;
             if (partial) {
-              if (!reuse) {
-                if (int64_t((entry + 1) * KB * Rmax) > int64_t(vcache.size())) {
-                  vcache.resize((entry + 1) * KB * Rmax);
-                  vrange.resize(2 * (entry + 1));
-                }
-                mask_tile_t<Mod>(vcache.data() + entry * KB * Rmax, Rp, R, bk, b, h, q0, j0, caps, &vrange[2 * entry],
-                                 &vrange[2 * entry + 1]);
-              }
-              const int64_t jlo = vrange[2 * entry], jhi = vrange[2 * entry + 1];
-              tvis = vcache.data() + entry * KB * Rmax + jlo * Rp;
-              ++entry;
+              int64_t jlo = 0, jhi = 0;
+              mask_tile_t<Mod>(vis, Rp, R, bk, b, h, q0, j0, caps, &jlo, &jhi);
+              tvis = vis + jlo * Rp;
               if (jlo >= jhi) continue;  // no row of this task sees these keys
               j0 += jlo;
               bk = jhi - jlo;
@@ -394,7 +387,9 @@ void backward(const FlexArgs& a) {
           load_rows(static_cast<const T*>(a.v) + b * a.vs[0] + hkv * a.vs[1] + j0 * a.vs[2], a.vs[2], bk, Dv, 1.f, vr,
                     Dvp);
           transpose_pad(vr, Dvp, bk, Dv, vt, bkp);
-          bool started = false;
+          // Keys no row sees get 0; the others sum their rows' terms onto it.
+          std::fill(dk, dk + bk * Dp, 0.f);
+          std::fill(dv, dv + bk * Dvp, 0.f);
           for (int64_t h = hkv * n_rep; h < (hkv + 1) * n_rep; ++h) {
             const int64_t mh = a.mH == 1 ? 0 : h;
             const BlockList lists[2] = {blocks(a.q_num, a.q_idx, a.q_w, mb, mh, a.mH, a.nkb, kb),
@@ -402,92 +397,104 @@ void backward(const FlexArgs& a) {
             for (int li = 0; li < 2; ++li) {
               const bool partial = li == 0;
               for (int64_t n = 0; n < lists[li].n; ++n) {
-                int64_t q0 = int64_t(lists[li].idx[n]) * QBS;
-                if (q0 >= a.Lq) continue;
-                int64_t R = std::min(QBS, a.Lq - q0);
-                const uint8_t* tvis = nullptr;
-                if (partial) {
-                  // The mask first; then only the rows that see some key of this block (a
-                  // document boundary leaves a block's rows of the other document dead).
-                  int64_t rlo = R, rhi = 0;
+                const int64_t qstart = int64_t(lists[li].idx[n]) * QBS;
+                if (qstart >= a.Lq) continue;
+                const int64_t qend = std::min(qstart + QBS, a.Lq);
+                // A partial block in slices of kRowsPartial rows, each trimmed to its own live
+                // rows and keys (as the forward's row tasks).
+                const int64_t step = partial ? kRowsPartial : QBS;
+                for (int64_t qslice = qstart; qslice < qend; qslice += step) {
+                  int64_t q0 = qslice;
+                  int64_t R = std::min(step, qend - qslice);
+                  const uint8_t* tvis = nullptr;
+                  // The keys computed: [c0, c1) of the block, whole vectors (a partial block: only
+                  // those some live row sees).
+                  int64_t c0 = 0, c1 = bkp;
+                  if (partial) {
+                    // The mask first; then only the rows that see some key of this block and the
+                    // keys some row sees (a document boundary leaves a block's rows and keys of the
+                    // other document dead).
+                    int64_t rlo = R, rhi = 0, jlo = bk, jhi = 0;
+                    for (int64_t r = 0; r < R; ++r) {
+                      uint8_t* __restrict vp = vis + r * bkp;
+                      for (int64_t j = 0; j < bk; ++j) vp[j] = Mod::mask_fn(b, h, q0 + r, j0 + j, caps) ? 1 : 0;
+                      int64_t first = bk, last = -1;
+                      for (int64_t j = 0; j < bk; ++j)
+                        if (vp[j]) {
+                          first = std::min(first, j);
+                          last = j;
+                        }
+                      if (last >= 0) {
+                        rlo = std::min(rlo, r);
+                        rhi = r + 1;
+                        jlo = std::min(jlo, first);
+                        jhi = std::max(jhi, last + 1);
+                      }
+                    }
+                    if (rlo >= rhi) continue;
+                    tvis = vis + rlo * bkp;
+                    q0 += rlo;
+                    R = rhi - rlo;
+                    c0 = jlo / VL * VL;
+                    c1 = std::min(bkp, round_up(jhi, VL));
+                  }
+                  const int64_t nc = c1 - c0, nk = std::min(c1, bk) - c0;  // computed, and real keys
+                  load_rows(static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + q0 * a.qs[2], a.qs[2], R, D, scale,
+                            qs, Dp);
+                  load_rows(static_cast<const T*>(a.dout) + b * a.dos[0] + h * a.dos[1] + q0 * a.dos[2], a.dos[2], R,
+                            Dv, 1.f, dor, Dvp);
+                  const float* lse = a.lse + (b * a.H + h) * a.Lq + q0;
+                  const float* delta = a.delta + (b * a.H + h) * a.Lq + q0;
                   for (int64_t r = 0; r < R; ++r) {
-                    uint8_t* __restrict vp = vis + r * bkp;
-                    uint8_t any = 0;
-                    for (int64_t j = 0; j < bk; ++j) {
-                      const uint8_t m = Mod::mask_fn(b, h, q0 + r, j0 + j, caps) ? 1 : 0;
-                      vp[j] = m;
-                      any |= m;
+                    lr[r] = lse_use(lse[r]) * kLog2e;
+                    dl[r] = delta[r];
+                  }
+                  gemm<CMode::Store>(R, nc, D, qs, Dp, 1, kt + c0, bkp, sc, nc);    // S = Qs K^T
+                  gemm<CMode::Store>(R, nc, Dv, dor, Dvp, 1, vt + c0, bkp, dp, nc);  // dP = dO V^T
+                  const int64_t kc0 = j0 + c0;  // the first computed key
+                  for (int64_t r = 0; r < R; ++r) {
+                    const int64_t i = q0 + r;
+                    float* srow = sc + r * nc;
+                    float* prow = pp + r * nc;
+                    float* dprow = dp + r * nc;
+                    if constexpr (Mod::kHasScoreMod) {
+                      for (int64_t j = 0; j < nk; ++j) prow[j] = Mod::score_fwd(srow[j], b, h, i, kc0 + j, caps);
+                    } else {
+                      for (int64_t j = 0; j < nk; ++j) prow[j] = srow[j];
                     }
-                    if (any) {
-                      rlo = std::min(rlo, r);
-                      rhi = r + 1;
+                    if (tvis != nullptr) {
+                      const uint8_t* vp = tvis + r * bkp + c0;
+                      for (int64_t j = 0; j < nk; ++j) prow[j] = vp[j] ? prow[j] : kNegInf;
+                    }
+                    for (int64_t j = nk; j < nc; ++j) prow[j] = kNegInf;
+                    // P = exp(s - lse); dS = P (dP - delta), the gradient at the modified score.
+                    const Vec lv(lr[r]), dlv(dl[r]);
+                    for (int64_t j = 0; j < nc; j += VL) {
+                      const Vec p = exp2v(Vec::loadu(prow + j) * Vec(kLog2e) - lv);
+                      p.store(prow + j);
+                      (p * (Vec::loadu(dprow + j) - dlv)).store(dprow + j);
+                    }
+                    if constexpr (Mod::kHasScoreMod) {
+                      // Through the modifier to the raw score (and into the tables), where visible.
+                      for (int64_t j = 0; j < nk; ++j)
+                        if (dprow[j] != 0.f || std::isnan(dprow[j]))
+                          dprow[j] = Mod::template score_bwd<Mod::kHasCapGrad>(srow[j], b, h, i, kc0 + j, caps, dprow[j],
+                                                                              gcap.data());
                     }
                   }
-                  if (rlo >= rhi) continue;
-                  tvis = vis + rlo * bkp;
-                  q0 += rlo;
-                  R = rhi - rlo;
-                }
-                load_rows(static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + q0 * a.qs[2], a.qs[2], R, D, scale,
-                          qs, Dp);
-                load_rows(static_cast<const T*>(a.dout) + b * a.dos[0] + h * a.dos[1] + q0 * a.dos[2], a.dos[2], R,
-                          Dv, 1.f, dor, Dvp);
-                const float* lse = a.lse + (b * a.H + h) * a.Lq + q0;
-                const float* delta = a.delta + (b * a.H + h) * a.Lq + q0;
-                for (int64_t r = 0; r < R; ++r) {
-                  lr[r] = lse_use(lse[r]) * kLog2e;
-                  dl[r] = delta[r];
-                }
-                gemm<CMode::Store>(R, bkp, D, qs, Dp, 1, kt, bkp, sc, bkp);    // S = Qs K^T
-                gemm<CMode::Store>(R, bkp, Dv, dor, Dvp, 1, vt, bkp, dp, bkp);  // dP = dO V^T
-                for (int64_t r = 0; r < R; ++r) {
-                  const int64_t i = q0 + r;
-                  float* srow = sc + r * bkp;
-                  float* prow = pp + r * bkp;
-                  float* dprow = dp + r * bkp;
-                  if constexpr (Mod::kHasScoreMod) {
-                    for (int64_t j = 0; j < bk; ++j) prow[j] = Mod::score_fwd(srow[j], b, h, i, j0 + j, caps);
-                  } else {
-                    for (int64_t j = 0; j < bk; ++j) prow[j] = srow[j];
+                  gemm<CMode::Accumulate>(nk, Dvp, R, pp, 1, nc, dor, Dvp, dv + c0 * Dvp, Dvp);  // dV += P^T dO
+                  gemm<CMode::Accumulate>(nk, Dp, R, dp, 1, nc, qs, Dp, dk + c0 * Dp, Dp);        // dK += dS^T Qs
+                  float* dqr = dqp + ((b * a.H + h) * a.Lq + q0) * Dp;
+                  gemm<CMode::Accumulate>(R, Dp, nk, dp, nc, 1, kr + c0 * Dp, Dp, dqr, Dp);  // dQ += dS K
                   }
-                  if (tvis != nullptr) {
-                    const uint8_t* vp = tvis + r * bkp;
-                    for (int64_t j = 0; j < bk; ++j) prow[j] = vp[j] ? prow[j] : kNegInf;
-                  }
-                  for (int64_t j = bk; j < bkp; ++j) prow[j] = kNegInf;
-                  // P = exp(s - lse); dS = P (dP - delta), the gradient at the modified score.
-                  const Vec lv(lr[r]), dlv(dl[r]);
-                  for (int64_t j = 0; j < bkp; j += VL) {
-                    const Vec p = exp2v(Vec::loadu(prow + j) * Vec(kLog2e) - lv);
-                    p.store(prow + j);
-                    (p * (Vec::loadu(dprow + j) - dlv)).store(dprow + j);
-                  }
-                  if constexpr (Mod::kHasScoreMod) {
-                    // Through the modifier to the raw score (and into the tables), where visible.
-                    for (int64_t j = 0; j < bk; ++j)
-                      if (dprow[j] != 0.f || std::isnan(dprow[j]))
-                        dprow[j] = Mod::template score_bwd<Mod::kHasCapGrad>(srow[j], b, h, i, j0 + j, caps, dprow[j],
-                                                                            gcap.data());
-                  }
-                }
-                if (started) {
-                  gemm<CMode::Accumulate>(bk, Dvp, R, pp, 1, bkp, dor, Dvp, dv, Dvp);  // dV += P^T dO
-                  gemm<CMode::Accumulate>(bk, Dp, R, dp, 1, bkp, qs, Dp, dk, Dp);      // dK += dS^T Qs
-                } else {
-                  gemm<CMode::Store>(bk, Dvp, R, pp, 1, bkp, dor, Dvp, dv, Dvp);
-                  gemm<CMode::Store>(bk, Dp, R, dp, 1, bkp, qs, Dp, dk, Dp);
-                  started = true;
-                }
-                float* dqr = dqp + ((b * a.H + h) * a.Lq + q0) * Dp;
-                gemm<CMode::Accumulate>(R, Dp, bk, dp, bkp, 1, kr, Dp, dqr, Dp);  // dQ += dS K
               }
             }
           }
           T* dkp = static_cast<T*>(a.dk) + b * a.dks[0] + hkv * a.dks[1] + j0 * a.dks[2];
           T* dvp = static_cast<T*>(a.dv) + b * a.dvs[0] + hkv * a.dvs[1] + j0 * a.dvs[2];
           for (int64_t j = 0; j < bk; ++j) {
-            for (int64_t d = 0; d < D; ++d) dkp[j * a.dks[2] + d] = fromf<T>(started ? dk[j * Dp + d] : 0.f);
-            for (int64_t d = 0; d < Dv; ++d) dvp[j * a.dvs[2] + d] = fromf<T>(started ? dv[j * Dvp + d] : 0.f);
+            for (int64_t d = 0; d < D; ++d) dkp[j * a.dks[2] + d] = fromf<T>(dk[j * Dp + d]);
+            for (int64_t d = 0; d < Dv; ++d) dvp[j * a.dvs[2] + d] = fromf<T>(dv[j * Dvp + d]);
           }
         }
       }

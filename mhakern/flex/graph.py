@@ -509,10 +509,6 @@ def cpp(score: Optional[Traced], mask: Optional[Traced], want_caps: List[bool], 
                 "template <bool kCapGrad>",
                 f"static inline float score_bwd(float s, {sig}, float g, float* const* gcap) {{", bind, *fwd, *bwd,
                 f"  return g_{names[0]};", "}"]
-    reads_head = mask is not None and any(mask.inputs[1] in _node_args(spec[0]) + _node_args(tuple(spec[1].values()))
-                                          if op != "load" else mask.inputs[1] in _node_args(spec[1])
-                                          for _, op, spec, _ in mask.nodes)
-    out.append(f"static constexpr bool kMaskReadsHead = {'true' if reads_head else 'false'};")
     if mask is None:
         out.append(f"static inline bool mask_fn({sig}) {{ return true; }}")
     else:
