@@ -237,6 +237,10 @@ def _kernel(score_mod: Optional[Callable], blocks, device, B: int, H: int) -> _K
     if score_t is not None:
         score_t = _graph.Traced(list(score_t.nodes), list(score_t.inputs), score_t.output, list(score_t.captures))
     caps = _graph.merge_captures(score_t, mask_t)
+    for c in caps:
+        if c.device != torch.device(device):
+            raise _graph.Untraceable(f"a modifier captures a tensor on {c.device}; the Triton kernels read captures "
+                                     f"on the inputs' device ({device})")
     if score_t is not None:
         score_t.captures = caps
     # Only score_mod's captures can have a gradient (mask_mod's values are piecewise constant).
