@@ -414,6 +414,15 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optiona
     Returns ``out`` (B, H, Lq, Dv) in query's dtype, and lse (B, H, Lq), float32 natural log
     (not differentiable). A row that sees no key: output 0, lse -inf, zero gradients.
     """
+    # --- Triton hook (mhakern/flex/triton_backend.py): backend="triton", and "auto" on CUDA tensors.
+    if backend == "triton" or (backend == "auto" and getattr(getattr(query, "device", None), "type", "") == "cuda"):
+        from . import triton_backend
+
+        served = triton_backend.serve(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+                                      kernel_options, return_aux, backend)
+        if served is not None:
+            return served
+    # --- end of the Triton hook
     strict = _check_args(query, key, value, block_mask, scale, enable_gqa, return_lse, kernel_options, return_aux,
                          backend)
     if score_mod is not None and not callable(score_mod):
