@@ -325,7 +325,7 @@ def test_capture_on_another_device_is_refused():
     (dict(return_aux="lse"), "return_aux"),
     (dict(return_lse=True, return_aux=tflex.AuxRequest(lse=True)), "return_lse, return_aux"),
     (dict(scale=float("nan")), "scale"),
-    (dict(backend="triton"), "backend"),
+    (dict(backend="tpu"), "backend"),
     (dict(score_mod=3), "score_mod"),
     (dict(block_mask="causal"), "block_mask"),
 ])

@@ -33,7 +33,7 @@ from __future__ import annotations
 import importlib
 import sys
 import threading
-from typing import Dict, FrozenSet, List, Optional, Tuple
+from typing import Dict, FrozenSet, List, Optional, Tuple, Union
 
 import torch
 
@@ -206,10 +206,11 @@ def remembered_calls() -> List[tuple]:
     return list(_CALLS)
 
 
-def note_served(be: Backend) -> None:
-    """Note ``be`` as the backend of this thread's last call (:func:`last_backend`), for a
-    caller that runs a selection it made earlier without :func:`select`."""
-    _LAST.name = be.name
+def note_served(be: Union[Backend, str]) -> None:
+    """Note ``be`` (a backend or its name) as the backend of this thread's last call
+    (:func:`last_backend`), for a caller that runs a selection it made earlier without
+    :func:`select`, or serves the call with kernels of its own (``mhakern.flex``)."""
+    _LAST.name = be if isinstance(be, str) else be.name
 
 
 def _constant_under_compile(fn):

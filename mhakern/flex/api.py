@@ -7,8 +7,10 @@ float32 -- float64 for float64 inputs -- with the modifiers called on broadcast 
 reference; a modifier the code generator cannot compile (an op it lacks, no C++ compiler) goes
 to the reference with a warning, and under strict mode (:func:`mhakern.set_strict`, or
 ``kernel_options={"strict": True}``) raises instead. A modifier that reads a value out of a
-tensor (data-dependent control flow, ``.item()``) is refused on every backend. Triton and CUDA
-do not serve flex yet: ``auto`` takes the reference for GPU tensors and says so in strict mode.
+tensor (data-dependent control flow, ``.item()``) is refused on every backend. ``"triton"``
+(mhakern/flex/triton_backend.py: the same traces generated into ``@triton.jit``) serves CUDA
+tensors, and ``auto`` picks it for them; on cpu tensors it runs only under the Triton
+interpreter, for tests. The CUDA families do not serve flex.
 """
 from __future__ import annotations
 
@@ -119,8 +121,8 @@ def _check_args(query, key, value, block_mask, scale, enable_gqa, return_lse, ke
         strict = kernel_options.get("strict", False)
         if not isinstance(strict, bool):
             raise ArgumentTypeError(f"kernel_options: 'strict' must be a bool, got {type(strict).__name__}")
-    if backend not in ("auto", "cpu", "reference"):
-        raise ArgumentError(f"backend: expected 'auto', 'cpu' or 'reference', got {backend!r}")
+    if backend not in ("auto", "cpu", "triton", "reference"):
+        raise ArgumentError(f"backend: expected 'auto', 'cpu', 'triton' or 'reference', got {backend!r}")
     if block_mask is not None:
         if not isinstance(block_mask, tflex.BlockMask):
             raise ArgumentTypeError(f"block_mask: expected torch's BlockMask, got {type(block_mask).__name__}")
@@ -340,7 +342,7 @@ class _FlexFn(torch.autograd.Function):
 
 def _cpu_unusable(query) -> Optional[str]:
     if query.device.type != "cpu":
-        return f"the cpu kernel takes cpu tensors, not {query.device} (Triton/CUDA do not serve flex yet)"
+        return f"the cpu kernel takes cpu tensors, not {query.device} (backend='triton' serves CUDA tensors)"
     if query.dtype not in (torch.float32, torch.bfloat16):
         return f"the cpu kernel takes float32 and bfloat16, not {query.dtype}"
     return None
@@ -368,6 +370,10 @@ def _variant(score_mod, mask_mod):
 def _cpu_kernel(score_mod, blocks: _Blocks, dtype: torch.dtype) -> _Kernel:
     """Traces, generates and compiles (each cached); raises Untraceable or CompileError."""
     source, caps, grad_caps = _variant(score_mod, blocks.mask_mod)
+    for c in caps:
+        if c.device.type != "cpu":
+            raise _graph.Untraceable(f"a modifier captures a tensor on {c.device}; the cpu kernel reads captures on "
+                                     "the cpu")
     entry = _build.kernels([source], dtype == torch.bfloat16)[0]
     return _Kernel(entry, blocks, caps, grad_caps)
 
@@ -409,7 +415,7 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optiona
         return_lse / return_aux: as torch: ``return_aux=AuxRequest(lse=True)`` returns
             ``(out, AuxOutput(lse=...))``, ``return_lse=True`` returns ``(out, lse)``.
         kernel_options: None or a dict of the keys in :data:`KERNEL_OPTIONS`.
-        backend: "auto", "cpu" or "reference".
+        backend: "auto", "cpu", "triton" or "reference" (module docstring).
 
     Returns ``out`` (B, H, Lq, Dv) in query's dtype, and lse (B, H, Lq), float32 natural log
     (not differentiable). A row that sees no key: output 0, lse -inf, zero gradients.
@@ -457,11 +463,11 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optiona
             out, lse = _FlexFn.apply(kernel, sc, q, k, v, *grad_caps)
         else:
             out, lse = kernel.forward(q, k, v, sc)
-        _backends._LAST.name = "cpu"
+        _backends.note_served("cpu")
     else:
         out, lse = reference(query, key, value, score_mod, block_mask, sc, enable_gqa, upcast=False)
         lse = lse.detach().float() if query.dtype != torch.float64 else lse.detach()
-        _backends._LAST.name = "reference"
+        _backends.note_served("reference")
     if return_aux is not None:
         return out, _flex_module().AuxOutput(lse=lse if return_aux.lse else None, max_scores=None)
     if return_lse:

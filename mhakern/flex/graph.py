@@ -133,8 +133,6 @@ def trace(fn: Callable, is_score: bool) -> Traced:
             cap = getattr(gm, n.target)
             if not isinstance(cap, Tensor):
                 raise Untraceable(f"{what} captures a {type(cap).__name__}, not a tensor")
-            if cap.device.type != "cpu":
-                raise Untraceable(f"{what} captures a tensor on {cap.device}; the cpu kernel reads captures on the cpu")
             if cap.dim() > 4:
                 raise Untraceable(f"{what} captures a {cap.dim()}-d tensor; at most 4 dims are supported")
             if cap.dtype.is_complex:

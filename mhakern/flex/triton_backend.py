@@ -300,7 +300,7 @@ def serve(query, key, value, score_mod, block_mask, scale, enable_gqa, return_ls
         out, lse = _FlexFn.apply(kernel, sc, q, k, v, *grad_caps)
     else:
         out, lse = kernel.forward(q, k, v, sc)
-    _backends._LAST.name = "triton"
+    _backends.note_served("triton")
     if return_aux is not None:
         return out, _api._flex_module().AuxOutput(lse=lse if return_aux.lse else None, max_scores=None)
     if return_lse:
