@@ -186,8 +186,8 @@ MHK_STEP void gather_rows(const AttnParams& p, const RowPlan& rp, int64_t b, int
   if constexpr (kPairs) {
     pack_rows_transposed(sl.qr, Dp, Rp, sl.qtp);
     pack_rows_transposed(sl.dor, Dvp, Rp, sl.dotp);
-    pack_row_pairs(sl.qr, Dp, Rp, Dp, sl.qrp, Dp, false);
-    pack_row_pairs(sl.dor, Dvp, Rp, Dvp, sl.dorp, Dvp, false);
+    pack_row_pairs(sl.qr, Dp, Rp, Dp, sl.qrp, Dp);
+    pack_row_pairs(sl.dor, Dvp, Rp, Dvp, sl.dorp, Dvp);
     // delta on the chain of dP's products (O is bf16: exact as pairs).
     uint32_t* otp = reinterpret_cast<uint32_t*>(ot);
     pack_rows_transposed(orows, Dvp, Rp, otp);
@@ -283,11 +283,12 @@ MHK_STEP void chain_softcap(const RowSlot& sl, int64_t bk, const BwdTiles& t) {
 
 // The bf16 products' operands of a tile: P^T and dS^T rounded to bf16 (as the GPU kernels round
 // them) as pairs of rows, dS as pairs of keys.
+template <typename Dot>
 MHK_STEP void pack_tile_pairs(const RowSlot& sl, int64_t bk, const BwdTiles& t) {
   const int64_t Rp = round_up(sl.rb.rows(), VL);
-  pack_cols_rounded(t.st, bk, Rp, t.stp);
-  pack_cols_rounded(t.dst, bk, Rp, t.dstp);
-  pack_probs(t.dst, Rp, bk, t.dsp);
+  pack_cols_rounded<Dot>(t.st, bk, Rp, t.stp);
+  pack_cols_rounded<Dot>(t.dst, bk, Rp, t.dstp);
+  pack_probs<Dot>(t.dst, Rp, bk, t.dsp);
 }
 
 // Step 5a: dV_blk += P^T dO ; dK_blk += dS^T Q ; dQ += dS K_blk, as tile products. dQ is kept as
@@ -303,7 +304,7 @@ MHK_STEP void accumulate_tiles(RowSlot& sl, int64_t bk, const float* Kp, int64_t
   const int64_t R = sl.rb.rows(), Rp = round_up(R, VL), Dp = L.Dp, Dvp = L.Dvp;
   if constexpr (!std::is_void_v<Dot>) {
     const int64_t R2 = (R + 1) / 2, bk2 = (bk + 1) / 2;
-    pack_tile_pairs(sl, bk, t);
+    pack_tile_pairs<Dot>(sl, bk, t);
     if (started) {
       gemm_pairs<Dot, CMode::Accumulate>(bk, Dvp, R2, t.stp, Rp / 2, 1, sl.dorp, Dvp, t.dvb, Dvp);
       gemm_pairs<Dot, CMode::Accumulate>(bk, Dp, R2, t.dstp, Rp / 2, 1, sl.qrp, Dp, t.dkb, Dp);
@@ -339,11 +340,12 @@ MHK_STEP void accumulate_tiles(RowSlot& sl, int64_t bk, const float* Kp, int64_t
 // Step 5b, bf16 products: the same chains as step 5a's pair products, element by element, with
 // the hidden pairs' products zeroed (masked_pair_chain), so the visible pairs give the bits the
 // tiles give.
+template <typename Dot>
 MHK_STEP void accumulate_pairwise_pairs(RowSlot& sl, int64_t D, int64_t Dv, int64_t bk, const BwdLayout& L,
                                         const BwdTiles& t, bool& started) {
   const int64_t R = sl.rb.rows(), Rp = round_up(R, VL), Dp = L.Dp, Dvp = L.Dvp;
   const int64_t R2 = (R + 1) / 2, bk2 = (bk + 1) / 2, h2 = Rp / 2;
-  pack_tile_pairs(sl, bk, t);
+  pack_tile_pairs<Dot>(sl, bk, t);
   for (int64_t j = 0; j < bk; ++j) {
     const uint8_t* vj = t.vis + j * Rp;
     auto hid = [&](int64_t k, int h) { return 2 * k + h >= R || !vj[2 * k + h]; };
@@ -521,12 +523,16 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
         }
         if (p.dmask) store_dmask(p, b, sl, j0, bk, t.dst);
         if (mods.softcap) chain_softcap(sl, bk, t);
-        if (kPairs && pairwise)
-          accumulate_pairwise_pairs(sl, D, Dv, bk, L, t, started);
-        else if (pairwise)
+        if constexpr (kPairs) {
+          if (pairwise)
+            accumulate_pairwise_pairs<Dot>(sl, D, Dv, bk, L, t, started);
+          else
+            accumulate_tiles<Dot>(sl, bk, Kp, ldkp, L, t, started);
+        } else if (pairwise) {
           accumulate_pairwise(sl, D, Dv, bk, Kb, ldk, L, t, started);
-        else
+        } else {
           accumulate_tiles<Dot>(sl, bk, Kp, ldkp, L, t, started);
+        }
       }
     }
     store_key_block<T>(p, dkbase, dvbase, j0, bk, L, t, started);
