@@ -260,6 +260,64 @@ MHK_STEP void probs_and_dscores(const RowSlot& sl, int64_t j0, int64_t bk, const
   }
 }
 
+// Steps 3 and 5a's packing in one pass, for the bf16 products where nothing else reads the fp32
+// tiles (no dropout, dmask, softcap or pairwise tile): P = 2^(S - lse2) and dS = P (dP - delta),
+// the same operations as probs_and_dscores, rounded straight into the pairs the products take
+// (P^T and dS^T along the rows, dS across two keys), NV row vectors at a time in registers.
+template <typename Dot, int NV>
+MHK_STEP void probs_dscores_to_pairs_nv(const RowSlot& sl, int64_t bk, const BwdTiles& t) {
+  constexpr int64_t Rp = NV * VL, h2 = Rp / 2;
+  Vec lse[NV], dl[NV];
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v) {
+    lse[v] = Vec::loadu(sl.lse2 + v * VL);
+    dl[v] = Vec::loadu(sl.delta + v * VL);
+  }
+  // P^T and dS^T of key j as pairs along its row: whole runs of two vectors, then (NV odd) the
+  // last vector's VL / 2 pairs through a bounce buffer.
+  auto runs = [&](const Vec* x, uint32_t* d) {
+#pragma GCC unroll 8
+    for (int v = 0; v + 2 <= NV; v += 2) Dot::round_runs(x[v], x[v + 1], d + v * VL / 2);
+    if constexpr (NV % 2 == 1) {
+      uint32_t tmp[VL];
+      Dot::round_runs(x[NV - 1], Vec(0.f), tmp);
+      std::memcpy(d + (NV - 1) * VL / 2, tmp, VL / 2 * sizeof(uint32_t));
+    }
+  };
+  for (int64_t j = 0; j < bk; j += 2) {
+    const bool two = j + 1 < bk;
+    Vec p0[NV], d0[NV], p1[NV], d1[NV];
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+      p0[v] = exp2v(Vec::loadu(t.st + j * Rp + v * VL) - lse[v]);
+      d0[v] = p0[v] * (Vec::loadu(t.dst + j * Rp + v * VL) - dl[v]);
+      if (two) {
+        p1[v] = exp2v(Vec::loadu(t.st + (j + 1) * Rp + v * VL) - lse[v]);
+        d1[v] = p1[v] * (Vec::loadu(t.dst + (j + 1) * Rp + v * VL) - dl[v]);
+      } else {
+        p1[v] = d1[v] = Vec(0.f);  // a zero key past bk
+      }
+    }
+    runs(p0, t.stp + j * h2);
+    runs(d0, t.dstp + j * h2);
+    if (two) {
+      runs(p1, t.stp + (j + 1) * h2);
+      runs(d1, t.dstp + (j + 1) * h2);
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) Dot::round_pairs(d0[v], d1[v], t.dsp + (j / 2) * Rp + v * VL);
+  }
+}
+
+// probs_dscores_to_pairs_nv for the block's Rp / VL (1 .. kRowVecs) row vectors.
+template <typename Dot, int NV = kRowVecs>
+inline void probs_dscores_to_pairs(const RowSlot& sl, int64_t bk, const BwdTiles& t) {
+  if constexpr (NV > 0) {
+    if (round_up(sl.rb.rows(), VL) == NV * VL) return probs_dscores_to_pairs_nv<Dot, NV>(sl, bk, t);
+    probs_dscores_to_pairs<Dot, NV - 1>(sl, bk, t);
+  }
+}
+
 // Step 4 (mask_grad): dL/dscore of the live rows of the tile into dmask (hidden pairs have
 // exactly 0 there).
 MHK_STEP void store_dmask(const AttnParams& p, int64_t b, const RowSlot& sl, int64_t j0, int64_t bk, const float* dst) {
@@ -298,13 +356,14 @@ MHK_STEP void pack_tile_pairs(const RowSlot& sl, int64_t bk, const BwdTiles& t) 
 // `started`: dK, dV of this key block already hold a contribution (else they are stored).
 // With the bf16 products: P^T and dS^T rounded to bf16 (as the GPU kernels round them) and
 // paired along the rows for dV and dK, dS paired along the keys for dQ against t.kk.
+// `packed`: the bf16 operands are already in the tiles (probs_dscores_to_pairs).
 template <typename Dot = void>
 MHK_STEP void accumulate_tiles(RowSlot& sl, int64_t bk, const float* Kp, int64_t ldkp, const BwdLayout& L,
-                               const BwdTiles& t, bool& started) {
+                               const BwdTiles& t, bool& started, bool packed = false) {
   const int64_t R = sl.rb.rows(), Rp = round_up(R, VL), Dp = L.Dp, Dvp = L.Dvp;
   if constexpr (!std::is_void_v<Dot>) {
     const int64_t R2 = (R + 1) / 2, bk2 = (bk + 1) / 2;
-    pack_tile_pairs<Dot>(sl, bk, t);
+    if (!packed) pack_tile_pairs<Dot>(sl, bk, t);
     if (started) {
       gemm_pairs<Dot, CMode::Accumulate>(bk, Dvp, R2, t.stp, Rp / 2, 1, sl.dorp, Dvp, t.dvb, Dvp);
       gemm_pairs<Dot, CMode::Accumulate>(bk, Dp, R2, t.dstp, Rp / 2, 1, sl.qrp, Dp, t.dkb, Dp);
@@ -515,6 +574,13 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
           kv_bad = any_nonfinite(Kb, bk, D, ldk) || any_nonfinite(Vb, bk, Dv, ldv) ? 1 : 0;
         const bool pairwise = sl.poisoned || kv_bad == 1;
         if (pairwise) visibility(t.st, Rp, bk, t.vis);
+        if constexpr (kPairs) {
+          if (!pairwise && !drop.on && !p.dmask && !mods.softcap) {
+            probs_dscores_to_pairs<Dot>(sl, bk, t);
+            accumulate_tiles<Dot>(sl, bk, Kp, ldkp, L, t, started, true);
+            continue;
+          }
+        }
         probs_and_dscores(sl, j0, bk, drop, t);
         if (pairwise) {
           // Hidden pairs to exactly 0 first: dmask reads them.
