@@ -309,6 +309,93 @@ MHK_STEP void probs_dscores_to_pairs_nv(const RowSlot& sl, int64_t bk, const Bwd
   }
 }
 
+// Steps 2, 3 and the packing fused for the bf16 products on the instruction, where the scores
+// go unchanged from their products to P (no modifier, mask, cut range, dropout, dmask or pairwise
+// tile): MR keys x NV row vectors of S and of dP in registers (2 MR NV accumulators), their
+// epilogue P = 2^(S - lse2), dS = P (dP - delta) rounded straight into P^T, dS^T (pairs along
+// the rows) and dS (pairs of keys: MR even). The chains, the scaling and the operations are
+// those of score_tiles and probs_dscores_to_pairs, so the bits are theirs (the model, which runs
+// those, checks it bit for bit); the S^T and dP^T tiles are never stored.
+// Rows j .. j + MR - 1 of the block, row vectors col0 .. col0 + NV VL - 1.
+// Never inlined: inside backward_group the accumulators went to the stack (the backward 25%
+// slower than unfused).
+template <typename Dot, int MR, int NV>
+#if defined(__GNUC__)
+__attribute__((noinline))
+#endif
+void scores_to_pairs_tile(int64_t j, int64_t col0, int64_t D2, const uint32_t* Kd, int64_t ldkd,
+                                   int64_t Dv2, const uint32_t* Vd, int64_t ldvd, float cmul, const RowSlot& sl,
+                                   int64_t Rp, const BwdTiles& t) {
+  static_assert(MR % 2 == 0, "dS pairs two keys of a tile");
+  Vec sc[MR][NV], dp[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) sc[i][v] = dp[i][v] = Vec(0.f);
+  for (int64_t kk = 0; kk < D2; ++kk) {
+    typename Dot::BV bq[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bq[v] = Dot::load(sl.qtp + kk * Rp + col0 + v * VL);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const typename Dot::BV a = Dot::bcast(Kd[(j + i) * ldkd + kk]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) sc[i][v] = Dot::dp(sc[i][v], a, bq[v]);
+    }
+  }
+  for (int64_t kk = 0; kk < Dv2; ++kk) {
+    typename Dot::BV bo[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bo[v] = Dot::load(sl.dotp + kk * Rp + col0 + v * VL);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const typename Dot::BV a = Dot::bcast(Vd[(j + i) * ldvd + kk]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) dp[i][v] = Dot::dp(dp[i][v], a, bo[v]);
+    }
+  }
+  const int64_t h2 = Rp / 2;
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) {
+    const Vec lse = Vec::loadu(sl.lse2 + col0 + v * VL), dl = Vec::loadu(sl.delta + col0 + v * VL);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const Vec s = cmul != 1.f ? sc[i][v] * Vec(cmul) : sc[i][v];
+      sc[i][v] = exp2v(s - lse);
+      dp[i][v] = sc[i][v] * (dp[i][v] - dl);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int v = 0; v + 2 <= NV; v += 2) {
+      Dot::round_runs(sc[i][v], sc[i][v + 1], t.stp + (j + i) * h2 + (col0 + v * VL) / 2);
+      Dot::round_runs(dp[i][v], dp[i][v + 1], t.dstp + (j + i) * h2 + (col0 + v * VL) / 2);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; i += 2)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) Dot::round_pairs(dp[i][v], dp[i + 1][v], t.dsp + (j + i) / 2 * Rp + col0 + v * VL);
+}
+
+// scores_to_pairs_tile over the key block (bk even) and the row block (Rp a multiple of 2 VL):
+// tiles of 6 keys by 2 row vectors (24 accumulators; 2 B vectors and a broadcast of the 32
+// AVX-512 registers), then 4 or 2 keys.
+template <typename Dot>
+inline void scores_to_pairs(const AttnParams& p, const RowSlot& sl, int64_t bk, const uint32_t* Kd, int64_t ldkd,
+                              const uint32_t* Vd, int64_t ldvd, const BwdTiles& t) {
+  constexpr int NV = 2;
+  const int64_t Rp = round_up(sl.rb.rows(), VL), D2 = (p.D + 1) / 2, Dv2 = (p.Dv + 1) / 2;
+  const float cmul = p.scale * kLog2e;
+  for (int64_t col0 = 0; col0 < Rp; col0 += NV * VL) {
+    int64_t j = 0;
+    for (; j + 6 <= bk; j += 6) scores_to_pairs_tile<Dot, 6, NV>(j, col0, D2, Kd, ldkd, Dv2, Vd, ldvd, cmul, sl, Rp, t);
+    if (bk - j == 4) scores_to_pairs_tile<Dot, 4, NV>(j, col0, D2, Kd, ldkd, Dv2, Vd, ldvd, cmul, sl, Rp, t);
+    if (bk - j == 2) scores_to_pairs_tile<Dot, 2, NV>(j, col0, D2, Kd, ldkd, Dv2, Vd, ldvd, cmul, sl, Rp, t);
+  }
+}
+
 // probs_dscores_to_pairs_nv for the block's Rp / VL (1 .. kRowVecs) row vectors.
 template <typename Dot, int NV = kRowVecs>
 inline void probs_dscores_to_pairs(const RowSlot& sl, int64_t bk, const BwdTiles& t) {
@@ -566,13 +653,23 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
         RowSlot& sl = slots[blk];
         if (sl.br.stop <= j0 || sl.br.first >= j0 + bk) continue;
         const int64_t Rp = round_up(sl.rb.rows(), VL);
-        score_tiles<Dot>(p, mods, b, sl, j0, bk, Kb, ldk, Vb, ldv, t, Kd, ldkd, Vd, ldvd);
         // Every tile, masked or not: a -inf score hides its pair in the backward whatever made it
         // -inf (an infinite entry of q or k too), and a NaN row's P is NaN only on the pairs it
         // sees (docs/contract.md, "NaN and inf"). The scan is once per key block.
         if (!sl.poisoned && kv_bad < 0)
           kv_bad = any_nonfinite(Kb, bk, D, ldk) || any_nonfinite(Vb, bk, Dv, ldv) ? 1 : 0;
         const bool pairwise = sl.poisoned || kv_bad == 1;
+        // The instruction's products (not the model: it runs the unfused steps, whose bits these
+        // are) with scores untouched between their product and P: products, P and dS in one pass.
+        if constexpr (kPairs && !std::is_same_v<Dot, DotModel>) {
+          if (!pairwise && !drop.on && !p.dmask && !mods.any() && !p.mask && !sl.br.ragged(j0, bk) && bk % 2 == 0 &&
+              Rp % (2 * VL) == 0) {
+            scores_to_pairs<Dot>(p, sl, bk, Kd, ldkd, Vd, ldvd, t);
+            accumulate_tiles<Dot>(sl, bk, Kp, ldkp, L, t, started, true);
+            continue;
+          }
+        }
+        score_tiles<Dot>(p, mods, b, sl, j0, bk, Kb, ldk, Vb, ldv, t, Kd, ldkd, Vd, ldvd);
         if (pairwise) visibility(t.st, Rp, bk, t.vis);
         if constexpr (kPairs) {
           if (!pairwise && !drop.on && !p.dmask && !mods.softcap) {
