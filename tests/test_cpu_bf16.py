@@ -301,13 +301,16 @@ def test_nan_in_a_key_hidden_by_key_lengths(variant, where):
 # Bit for bit: the model against the instruction, and across thread counts
 
 # (B, H, Hkv, Lq, Lk, D, Dv, causal, kwargs): a split key range (few rows, long keys), decode
-# with GQA, odd head dims and lengths, a strided K that is read in place, a paged-like gather.
+# with GQA, odd head dims and lengths, a strided K that is read in place, a paged-like gather,
+# and whole unmasked tiles (64 rows, key blocks of 128, 128 and 40), where the instruction's
+# backward runs its fused score tiles (all three tile heights) and the model the separate steps.
 WHOLE_CASES = [
     (1, 2, 1, 3, 3000, 64, 64, False, {}),
     (2, 8, 2, 1, 300, 64, 64, True, {}),
     (1, 2, 2, 77, 131, 63, 33, True, {}),
     (2, 4, 4, 130, 257, 64, 64, False, {"window": (50, 7)}),
     (1, 4, 2, 65, 129, 32, 48, True, {"softcap": 5.0}),
+    (1, 2, 1, 100, 296, 48, 32, False, {}),
 ]
 
 
