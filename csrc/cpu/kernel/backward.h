@@ -261,8 +261,8 @@ MHK_STEP void probs_and_dscores(const RowSlot& sl, int64_t j0, int64_t bk, const
 }
 
 // Steps 3 and 5a's packing in one pass, for the bf16 products where nothing else reads the fp32
-// tiles (no dropout, dmask, softcap or pairwise tile): P = 2^(S - lse2) and dS = P (dP - delta),
-// the same operations as probs_and_dscores, rounded straight into the pairs the products take
+// tiles (no dropout, dmask, softcap or pairwise tile): P = 2^(S - lse2) (exp2v_short: P is rounded
+// to bf16) and dS = P (dP - delta), rounded straight into the pairs the products take
 // (P^T and dS^T along the rows, dS across two keys), NV row vectors at a time in registers.
 template <typename Dot, int NV>
 MHK_STEP void probs_dscores_to_pairs_nv(const RowSlot& sl, int64_t bk, const BwdTiles& t) {
@@ -289,10 +289,10 @@ MHK_STEP void probs_dscores_to_pairs_nv(const RowSlot& sl, int64_t bk, const Bwd
     Vec p0[NV], d0[NV], p1[NV], d1[NV];
 #pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) {
-      p0[v] = exp2v(Vec::loadu(t.st + j * Rp + v * VL) - lse[v]);
+      p0[v] = exp2v_short(Vec::loadu(t.st + j * Rp + v * VL) - lse[v]);
       d0[v] = p0[v] * (Vec::loadu(t.dst + j * Rp + v * VL) - dl[v]);
       if (two) {
-        p1[v] = exp2v(Vec::loadu(t.st + (j + 1) * Rp + v * VL) - lse[v]);
+        p1[v] = exp2v_short(Vec::loadu(t.st + (j + 1) * Rp + v * VL) - lse[v]);
         d1[v] = p1[v] * (Vec::loadu(t.dst + (j + 1) * Rp + v * VL) - dl[v]);
       } else {
         p1[v] = d1[v] = Vec(0.f);  // a zero key past bk
@@ -360,8 +360,7 @@ void scores_to_pairs_tile(int64_t j, int64_t col0, int64_t D2, const uint32_t* K
     const Vec lse = Vec::loadu(sl.lse2 + col0 + v * VL), dl = Vec::loadu(sl.delta + col0 + v * VL);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
-      const Vec s = cmul != 1.f ? sc[i][v] * Vec(cmul) : sc[i][v];
-      sc[i][v] = exp2v(s - lse);
+      sc[i][v] = exp2v_short(sc[i][v] * Vec(cmul) - lse);  // x 1 is exact: as pair_kernel's skip
       dp[i][v] = sc[i][v] * (dp[i][v] - dl);
     }
   }

@@ -78,7 +78,8 @@ struct FwdSink {
 // vectors held in registers: the running max m takes the block's column max bmax (the rows'
 // maxima over the block's keys, from the S product's epilogue or a pass over S^T), alpha =
 // 2^(m_old - m_new) rescales l (here) and O (in the P.V product), and P = 2^(S - m) goes
-// straight from the exponent to bf16 pairs of keys (P^T itself is never stored).
+// straight from the exponent (exp2v_short: P is rounded to bf16) to bf16 pairs of keys (P^T
+// itself is never stored).
 template <typename Dot, int NV>
 MHK_STEP void softmax_to_pairs_nv(const float* st, int64_t Rp, int64_t bk, const float* bmax, float* m, float* l,
                                   float* alpha, uint32_t* ptp) {
@@ -99,8 +100,8 @@ MHK_STEP void softmax_to_pairs_nv(const float* st, int64_t Rp, int64_t bk, const
     uint32_t* d = ptp + (j / 2) * Rp;
 #pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) {
-      const Vec p0 = exp2v(Vec::loadu(s0 + v * VL) - muse[v]);
-      const Vec p1 = exp2v(Vec::loadu(s0 + Rp + v * VL) - muse[v]);
+      const Vec p0 = exp2v_short(Vec::loadu(s0 + v * VL) - muse[v]);
+      const Vec p1 = exp2v_short(Vec::loadu(s0 + Rp + v * VL) - muse[v]);
       Dot::round_pairs(p0, p1, d + v * VL);
       sum[v] = sum[v] + p0;
       sum[v] = sum[v] + p1;
@@ -111,7 +112,7 @@ MHK_STEP void softmax_to_pairs_nv(const float* st, int64_t Rp, int64_t bk, const
     uint32_t* d = ptp + (j / 2) * Rp;
 #pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) {
-      const Vec p0 = exp2v(Vec::loadu(s0 + v * VL) - muse[v]);
+      const Vec p0 = exp2v_short(Vec::loadu(s0 + v * VL) - muse[v]);
       Dot::round_pairs(p0, Vec(0.f), d + v * VL);
       sum[v] = sum[v] + p0;
     }
