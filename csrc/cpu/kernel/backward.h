@@ -768,14 +768,19 @@ void backward_impl(const AttnParams& p) {
   if (n_ranges > 1) {
     // dQ = sum of the key ranges' partials, in range order.
     at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+      Scratch buf(p.D + 16, Scratch::kUninit);  // acc, written before read
+      float* acc = buf.take(p.D);
       for (int64_t row = r0; row < r1; ++row) {
         const int64_t i = row % p.Lq, h = (row / p.Lq) % p.H, b = row / (p.Lq * p.H);
         T* dqr = static_cast<T*>(p.dq.ptr) + b * p.dq.sb + h * p.dq.sh + i * p.dq.sl;
-        for (int64_t d = 0; d < p.D; ++d) {
-          float acc = 0.f;
-          for (int64_t c = 0; c < n_ranges; ++c) acc += dq_part[(c * rows + row) * p.D + d];
-          dqr[d] = static_cast<T>(acc);
+        // Range by range over the whole row (vectorised; each element still adds its ranges in
+        // order from 0).
+        std::fill(acc, acc + p.D, 0.f);
+        for (int64_t c = 0; c < n_ranges; ++c) {
+          const float* part = dq_part + (c * rows + row) * p.D;
+          for (int64_t d = 0; d < p.D; ++d) acc[d] += part[d];
         }
+        for (int64_t d = 0; d < p.D; ++d) dqr[d] = static_cast<T>(acc[d]);
       }
     });
   }
