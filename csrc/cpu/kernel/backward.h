@@ -184,13 +184,13 @@ MHK_STEP void gather_rows(const AttnParams& p, const RowPlan& rp, int64_t b, int
                   any_nonfinite(dd, 1, Dv, Dvp);
   }
   if constexpr (kPairs) {
-    pack_rows_transposed(sl.qr, Dp, Rp, sl.qtp);
-    pack_rows_transposed(sl.dor, Dvp, Rp, sl.dotp);
+    pack_rows_transposed(sl.qr, Dp, Rp, sl.qtp, sl.qt);  // sl.qt, sl.dot: scratch here
+    pack_rows_transposed(sl.dor, Dvp, Rp, sl.dotp, sl.dot);
     pack_row_pairs(sl.qr, Dp, Rp, Dp, sl.qrp, Dp);
     pack_row_pairs(sl.dor, Dvp, Rp, Dvp, sl.dorp, Dvp);
     // delta on the chain of dP's products (O is bf16: exact as pairs).
     uint32_t* otp = reinterpret_cast<uint32_t*>(ot);
-    pack_rows_transposed(orows, Dvp, Rp, otp);
+    pack_rows_transposed(orows, Dvp, Rp, otp, sl.dot);
     dot_lanes_chain<Dot>(otp, sl.dotp, (Dv + 1) / 2, Rp, sl.delta);
   } else {
     transpose(sl.qr, Dp, sl.qt, Rp, Rp, Dp);

@@ -21,6 +21,7 @@
 #endif
 
 #include "gemm.h"
+#include "vec_math.h"
 
 namespace mhakern::cpu {
 namespace CPU_CAPABILITY {
@@ -264,19 +265,6 @@ inline void gemm_pairs(int64_t M, int64_t N, int64_t K, const uint32_t* A, int64
 
 // ---- Packing into pairs ----
 
-// Q^T as pairs: dst[dd * Rp + r] = (rows[r][2 dd], rows[r][2 dd + 1]) for dd < Dp / 2, r < Rp;
-// `rows` (Rp x Dp, fp32) hold bf16 values exactly, so the bits are their top halves.
-inline void pack_rows_transposed(const float* rows, int64_t Dp, int64_t Rp, uint32_t* dst) {
-  for (int64_t r = 0; r < Rp; ++r) {
-    const float* x = rows + r * Dp;
-    for (int64_t dd = 0; dd < Dp / 2; ++dd) {
-      uint32_t lo, hi;
-      std::memcpy(&lo, x + 2 * dd, 4);
-      std::memcpy(&hi, x + 2 * dd + 1, 4);
-      dst[dd * Rp + r] = (lo >> 16) | (hi & 0xffff0000u);
-    }
-  }
-}
 
 // P^T (n x Rp fp32, rows = keys) as pairs of keys, rounded to bf16 (Dot's rounding, nearest
 // even), as the GPU kernels round P: dst[jj * Rp + r] = (P[2 jj][r], P[2 jj + 1][r]), a zero key
@@ -355,6 +343,15 @@ inline void pack_row_pairs(const float* x, int64_t ld, int64_t n, int64_t cols, 
       d[c] = (lo >> 16) | (hi & 0xffff0000u);
     }
   }
+}
+
+// Q^T as pairs: dst[dd * Rp + r] = (rows[r][2 dd], rows[r][2 dd + 1]) for dd < Dp / 2, r < Rp;
+// `rows` (Rp x Dp, fp32, both multiples of 8) hold bf16 values exactly, so the bits are their top
+// halves. Through the 8x8 transposes into `tmp` (Dp x Rp floats) and pairs of its rows: whole
+// vectors, where pairing along the rows in place stored one uint32 at a time.
+inline void pack_rows_transposed(const float* rows, int64_t Dp, int64_t Rp, uint32_t* dst, float* tmp) {
+  transpose(rows, Dp, tmp, Rp, Rp, Dp);
+  pack_row_pairs(tmp, Rp, Dp, Rp, dst, Rp);
 }
 
 // fp32 rows (n x cols, cols a multiple of VL) as pairs along each row, rounded to bf16 (Dot's

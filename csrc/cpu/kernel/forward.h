@@ -165,7 +165,7 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
     load_row(q + (rb.h0 + r / rb.nq) * p.q.sh + row_i(r) * p.q.sl, D, kPairs ? 1.f : qmul, s.qr + r * Dp, Dp);
   std::fill(s.qr + R * Dp, s.qr + Rp * Dp, 0.f);
   if constexpr (kPairs)
-    pack_rows_transposed(s.qr, Dp, Rp, s.qtp);
+    pack_rows_transposed(s.qr, Dp, Rp, s.qtp, s.qt);
   else
     transpose(s.qr, Dp, s.qt, Rp, Rp, Dp);
   const int64_t D2 = (D + 1) / 2;
