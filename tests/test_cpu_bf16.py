@@ -311,6 +311,7 @@ WHOLE_CASES = [
     (2, 4, 4, 130, 257, 64, 64, False, {"window": (50, 7)}),
     (1, 4, 2, 65, 129, 32, 48, True, {"softcap": 5.0}),
     (1, 2, 1, 100, 296, 48, 32, False, {}),
+    (1, 1, 1, 128, 128, 64, 32, False, {}),  # a score the fused tile once rounded as one fma with lse
 ]
 
 

@@ -360,7 +360,8 @@ void scores_to_pairs_tile(int64_t j, int64_t col0, int64_t D2, const uint32_t* K
     const Vec lse = Vec::loadu(sl.lse2 + col0 + v * VL), dl = Vec::loadu(sl.delta + col0 + v * VL);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
-      sc[i][v] = exp2v_short(sc[i][v] * Vec(cmul) - lse);  // x 1 is exact: as pair_kernel's skip
+      // S rounded alone, as score_tiles stores it (x 1 is exact: as pair_kernel's skip).
+      sc[i][v] = exp2v_short(opaque(sc[i][v] * Vec(cmul)) - lse);
       dp[i][v] = sc[i][v] * (dp[i][v] - dl);
     }
   }

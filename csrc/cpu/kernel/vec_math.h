@@ -67,6 +67,23 @@ inline Vec exp2v_short(Vec x) {
 #endif
 }
 
+// x, opaque to the optimiser: a product passed through it is rounded on its own, as a product
+// stored to memory is, never contracted with a following addition into one fused multiply-add
+// (GCC contracts the vector operators' mul and sub; a different rounding).
+inline Vec opaque(Vec x) {
+#if defined(__GNUC__) && defined(CPU_CAPABILITY_AVX512)
+  __m512 r = x;
+  asm("" : "+v"(r));
+  return Vec(r);
+#elif defined(__GNUC__) && defined(__AVX2__)
+  __m256 r = x;
+  asm("" : "+v"(r));
+  return Vec(r);
+#else
+  return x;
+#endif
+}
+
 // tanh(x) for the softcap, within an ulp or two of float. |x| < 0.625: x + x^3 P(x^2), P a
 // degree-4 fit of (tanh x - x) / x^3 minimising the relative error (0.74 ulp at most, measured
 // over the interval in float arithmetic); beyond, sign(x) (1 - 2 / (1 + 2^(2 |x| log2 e))), whose
