@@ -161,6 +161,12 @@ CASES = {
     "bf16_lanes_variant": ("ops.cpu_bf16_dot_lanes(torch.zeros(64), torch.zeros(64, dtype=torch.int32), "
                            "torch.zeros(64, dtype=torch.int32), 'avx9')", ValueError,
                            r"variant: expected avx512bf16 or avx512bf16_model, got 'avx9'"),
+    "bf16_round_count": ("ops.cpu_bf16_round_lanes(torch.zeros(100), False, 'avx512bf16_model')", ValueError,
+                         r"x: expected a multiple of 128 values, got 100"),
+    "bf16_round_dtype": ("ops.cpu_bf16_round_lanes(torch.zeros(128, dtype=torch.int32), True, 'avx512bf16_model')",
+                         ValueError, r"x: expected a contiguous 1-D float32 CPU tensor"),
+    "bf16_round_variant": ("ops.cpu_bf16_round_lanes(torch.zeros(128), False, 'avx9')", ValueError,
+                           r"variant: expected avx512bf16 or avx512bf16_model, got 'avx9'"),
 }
 
 

@@ -1,8 +1,9 @@
 """The cpu kernels' bf16 variant (issue 35): Q.K^T and P.V on bf16 operands through vdpbf16ps
 (AVX512-BF16) or its bit-exact software model, chosen by ``MHAKERN_CPU_ISA``.
 
-* the model of one vdpbf16ps step against hand-computed values (every machine) and, where the
-  CPU has the instruction, against the instruction itself on random bits, every class of value;
+* the model of one vdpbf16ps step, and of the rounding into bf16 pairs (vcvtne2ps2bf16),
+  against hand-computed values (every machine) and, where the CPU has the instructions, against
+  the instructions themselves on random bits, every class of value;
 * the dispatch: which kernels bf16 inputs run under each value of ``MHAKERN_CPU_ISA``;
 * the conformance cases (hard cases, modes, fully masked rows, NaN in hidden keys) in bf16 on
   the model always and on the instruction where present, by the tolerance rule;
@@ -143,6 +144,58 @@ def test_model_is_bit_identical_to_the_instruction(spread):
         f"b {b[bad[0]].item():#x}: instruction {hw[bad[0]].item()!r}, model {model[bad[0]].item()!r}")
 
 
+def _round_lanes(x, runs, variant):
+    return _ops().cpu_bf16_round_lanes(x, runs, variant)
+
+
+# x -> the bf16 bits vcvtne2ps2bf16 gives (Intel SDM, VCVTNE2PS2BF16): nearest even, a zero or
+# denormal to the zero of its sign, a NaN quieted keeping its sign and top payload bits.
+ROUND_CASES = [
+    (0x3F808000, 0x3F80),  # 1 + 2^-8: a tie, stays even
+    (0x3F818000, 0x3F82),  # a tie up to even
+    (0x3F808001, 0x3F81),  # above the tie
+    (0x00400000, 0x0000),  # a denormal to +0
+    (0x80000001, 0x8000),  # a negative denormal to -0
+    (0x00800000, 0x0080),  # the smallest normal stays
+    (0x7F7FFFFF, 0x7F80),  # the largest float rounds to inf
+    (0xFF800000, 0xFF80),  # -inf
+    (0x7F800001, 0x7FC0),  # a signalling NaN quieted
+    (0xFFA12345, 0xFFE1),  # its sign and top payload bits kept
+]
+
+
+def _floats(bits):
+    return torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("runs", [False, True])
+def test_model_of_the_rounding_matches_the_manual(runs):
+    n = 64
+    xs = [c for c, _ in ROUND_CASES]
+    want = [w for _, w in ROUND_CASES]
+    lo = _floats(xs + [0] * (n - len(xs)))
+    hi = _floats(list(reversed(xs)) + [0x3F800000] * (n - len(xs)))
+    x = torch.stack([lo, hi], 1).flatten() if runs else torch.cat([lo, hi])
+    got = _round_lanes(x, runs, "avx512bf16_model")[: len(xs)].tolist()
+    for i, g in enumerate(got):
+        g &= 0xFFFFFFFF
+        assert (g & 0xFFFF, g >> 16) == (want[i], want[len(xs) - 1 - i]), f"lane {i}: {g:#010x}"
+
+
+@pytest.mark.skipif(not HW, reason=NO_HW)
+@pytest.mark.parametrize("runs", [False, True])
+def test_rounding_model_is_bit_identical_to_the_instruction(runs):
+    g = torch.Generator().manual_seed(36)
+    n = 1 << 18
+    x = torch.randint(-2 ** 31, 2 ** 31 - 1, (2 * n,), dtype=torch.int32, generator=g)
+    x[: n // 4] = torch.randint(0, 1 << 24, (n // 4,), dtype=torch.int32, generator=g) + 0x3F000000  # near 1: ties
+    x = x.view(torch.float32)
+    hw = _round_lanes(x, runs, "avx512bf16")
+    model = _round_lanes(x, runs, "avx512bf16_model")
+    bad = (hw != model).nonzero().flatten()
+    assert bad.numel() == 0, f"{bad.numel()} of {n} lanes differ; first lane {bad[0].item()}"
+
+
 # ---------------------------------------------------------------------------------------------
 # Dispatch
 
@@ -248,13 +301,17 @@ def test_nan_in_a_key_hidden_by_key_lengths(variant, where):
 # Bit for bit: the model against the instruction, and across thread counts
 
 # (B, H, Hkv, Lq, Lk, D, Dv, causal, kwargs): a split key range (few rows, long keys), decode
-# with GQA, odd head dims and lengths, a strided K that is read in place, a paged-like gather.
+# with GQA, odd head dims and lengths, a strided K that is read in place, a paged-like gather,
+# and whole unmasked tiles (64 rows, key blocks of 128, 128 and 40), where the instruction's
+# backward runs its fused score tiles (all three tile heights) and the model the separate steps.
 WHOLE_CASES = [
     (1, 2, 1, 3, 3000, 64, 64, False, {}),
     (2, 8, 2, 1, 300, 64, 64, True, {}),
     (1, 2, 2, 77, 131, 63, 33, True, {}),
     (2, 4, 4, 130, 257, 64, 64, False, {"window": (50, 7)}),
     (1, 4, 2, 65, 129, 32, 48, True, {"softcap": 5.0}),
+    (1, 2, 1, 100, 296, 48, 32, False, {}),
+    (1, 1, 1, 128, 128, 64, 32, False, {}),  # a score the fused tile once rounded as one fma with lse
 ]
 
 

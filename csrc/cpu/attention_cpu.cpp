@@ -235,6 +235,18 @@ std::string kernel_isa() { return kernels().isa; }
 
 std::string bf16_kernel_isa() { return bf16_kernels().isa; }
 
+// The table of a test variant: the instruction's ("avx512bf16") or the model's.
+const KernelTable& bf16_test_table(const std::string& variant) {
+  if (variant == "avx512bf16") {
+    const KernelTable* t = hw_bf16_kernels();
+    TORCH_CHECK(t != nullptr, "variant 'avx512bf16': no AVX512-BF16 kernels on this build or CPU");
+    return *t;
+  }
+  TORCH_CHECK_VALUE(variant == "avx512bf16_model", "variant: expected avx512bf16 or avx512bf16_model, got '", variant,
+                    "'");
+  return model_kernels();
+}
+
 at::Tensor bf16_dot_lanes(const at::Tensor& acc, const at::Tensor& a, const at::Tensor& b, const std::string& variant) {
   TORCH_CHECK_VALUE(acc.scalar_type() == at::kFloat && acc.dim() == 1 && acc.is_contiguous() && acc.device().is_cpu(),
                     "acc: expected a contiguous 1-D float32 CPU tensor");
@@ -243,18 +255,22 @@ at::Tensor bf16_dot_lanes(const at::Tensor& acc, const at::Tensor& a, const at::
                     b.device().is_cpu(),
                     "a, b: expected contiguous int32 CPU tensors of acc's size (one bf16 pair each)");
   TORCH_CHECK_VALUE(acc.numel() % 64 == 0, "acc: expected a multiple of 64 lanes, got ", acc.numel());
-  const KernelTable* t = nullptr;
-  if (variant == "avx512bf16") {
-    t = hw_bf16_kernels();
-    TORCH_CHECK(t != nullptr, "variant 'avx512bf16': no AVX512-BF16 kernels on this build or CPU");
-  } else {
-    TORCH_CHECK_VALUE(variant == "avx512bf16_model", "variant: expected avx512bf16 or avx512bf16_model, got '",
-                      variant, "'");
-    t = &model_kernels();
-  }
+  const KernelTable* t = &bf16_test_table(variant);
   at::Tensor out = acc.clone();
   t->dot_lanes(out.data_ptr<float>(), reinterpret_cast<const uint32_t*>(a.const_data_ptr<int32_t>()),
                reinterpret_cast<const uint32_t*>(b.const_data_ptr<int32_t>()), out.numel());
+  return out;
+}
+
+// x (2 n float32) rounded into n bf16 pairs (int32): lane i of (x[i], x[n + i]), or with `runs`
+// of (x[2 i], x[2 i + 1]).
+at::Tensor bf16_round_lanes(const at::Tensor& x, bool runs, const std::string& variant) {
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.dim() == 1 && x.is_contiguous() && x.device().is_cpu(),
+                    "x: expected a contiguous 1-D float32 CPU tensor");
+  TORCH_CHECK_VALUE(x.numel() % 128 == 0, "x: expected a multiple of 128 values, got ", x.numel());
+  const KernelTable* t = &bf16_test_table(variant);
+  at::Tensor out = at::empty({x.numel() / 2}, x.options().dtype(at::kInt));
+  t->round_lanes(x.const_data_ptr<float>(), reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>()), out.numel(), runs);
   return out;
 }
 
@@ -274,10 +290,12 @@ int64_t parallel_threads_probe(int64_t tasks) {
 }  // namespace mhakern::cpu
 
 // The bf16 variant's introspection (issue 35): which kernels bf16 inputs run now, and one
-// vdpbf16ps step per lane on the instruction or its model (the bit-identity check).
+// vdpbf16ps step or one rounding into pairs per lane on the instruction or its model (the
+// bit-identity checks).
 TORCH_LIBRARY_FRAGMENT(mhakern_C, m) {
   m.def("cpu_bf16_kernel_isa() -> str", &mhakern::cpu::bf16_kernel_isa);
   m.def("cpu_bf16_dot_lanes(Tensor acc, Tensor a, Tensor b, str variant) -> Tensor", &mhakern::cpu::bf16_dot_lanes);
+  m.def("cpu_bf16_round_lanes(Tensor x, bool runs, str variant) -> Tensor", &mhakern::cpu::bf16_round_lanes);
 }
 
 // The CPU kernels of the ops whose schemas csrc/bindings.cpp defines.

@@ -40,6 +40,10 @@ std::string bf16_kernel_isa();
 // instruction ("avx512bf16") or its software model ("avx512bf16_model"); a copy of acc.
 at::Tensor bf16_dot_lanes(const at::Tensor& acc, const at::Tensor& a, const at::Tensor& b, const std::string& variant);
 
+// The variant's rounding of fp32 into bf16 pairs (vcvtne2ps2bf16 or its model) on n = x.numel() / 2
+// lanes, one pair per int32: (x[i], x[n + i]), or with `runs` (x[2 i], x[2 i + 1]).
+at::Tensor bf16_round_lanes(const at::Tensor& x, bool runs, const std::string& variant);
+
 // How many distinct threads at::parallel_for ran `tasks` tasks on (checks that the module was
 // built with the same parallel runtime as torch: 1 would mean the kernels run serially).
 int64_t parallel_threads_probe(int64_t tasks);

@@ -184,7 +184,7 @@ inline void backward(const AttnParams& p) {
   namespace mhakern::cpu {                                                                \
   const KernelTable& kernels_##NAME() {                                                   \
     static const KernelTable table{#NAME, &ISA::forward_pairs<ISA::DOT>, &ISA::backward_pairs<ISA::DOT>, \
-                                   &ISA::dot_pairs_lanes<ISA::DOT>};                       \
+                                   &ISA::dot_pairs_lanes<ISA::DOT>, &ISA::round_pairs_lanes<ISA::DOT>}; \
     return table;                                                                         \
   }                                                                                       \
   }

@@ -60,6 +60,9 @@ struct KernelTable {
   // The bf16 variants: one pair dot product step (vdpbf16ps or its model) on each of n lanes,
   // acc[i] += a[i] . b[i] (n a multiple of the vector width); nullptr in the plain tables.
   void (*dot_lanes)(float* acc, const uint32_t* a, const uint32_t* b, int64_t n) = nullptr;
+  // ... and their rounding of fp32 into bf16 pairs (vcvtne2ps2bf16 or its model) on n lanes:
+  // out[i] = (x[i], x[n + i]), or with `runs` (x[2 i], x[2 i + 1]).
+  void (*round_lanes)(const float* x, uint32_t* out, int64_t n, bool runs) = nullptr;
 };
 
 // Defined by kernels_<isa>.cpp; the AVX variants exist only in x86-64 builds (see setup.py).

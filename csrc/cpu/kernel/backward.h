@@ -184,13 +184,13 @@ MHK_STEP void gather_rows(const AttnParams& p, const RowPlan& rp, int64_t b, int
                   any_nonfinite(dd, 1, Dv, Dvp);
   }
   if constexpr (kPairs) {
-    pack_rows_transposed(sl.qr, Dp, Rp, sl.qtp);
-    pack_rows_transposed(sl.dor, Dvp, Rp, sl.dotp);
-    pack_row_pairs(sl.qr, Dp, Rp, Dp, sl.qrp, Dp, false);
-    pack_row_pairs(sl.dor, Dvp, Rp, Dvp, sl.dorp, Dvp, false);
+    pack_rows_transposed(sl.qr, Dp, Rp, sl.qtp, sl.qt);  // sl.qt, sl.dot: scratch here
+    pack_rows_transposed(sl.dor, Dvp, Rp, sl.dotp, sl.dot);
+    pack_row_pairs(sl.qr, Dp, Rp, Dp, sl.qrp, Dp);
+    pack_row_pairs(sl.dor, Dvp, Rp, Dvp, sl.dorp, Dvp);
     // delta on the chain of dP's products (O is bf16: exact as pairs).
     uint32_t* otp = reinterpret_cast<uint32_t*>(ot);
-    pack_rows_transposed(orows, Dvp, Rp, otp);
+    pack_rows_transposed(orows, Dvp, Rp, otp, sl.dot);
     dot_lanes_chain<Dot>(otp, sl.dotp, (Dv + 1) / 2, Rp, sl.delta);
   } else {
     transpose(sl.qr, Dp, sl.qt, Rp, Rp, Dp);
@@ -260,6 +260,151 @@ MHK_STEP void probs_and_dscores(const RowSlot& sl, int64_t j0, int64_t bk, const
   }
 }
 
+// Steps 3 and 5a's packing in one pass, for the bf16 products where nothing else reads the fp32
+// tiles (no dropout, dmask, softcap or pairwise tile): P = 2^(S - lse2) (exp2v_short: P is rounded
+// to bf16) and dS = P (dP - delta), rounded straight into the pairs the products take
+// (P^T and dS^T along the rows, dS across two keys), NV row vectors at a time in registers.
+template <typename Dot, int NV>
+MHK_STEP void probs_dscores_to_pairs_nv(const RowSlot& sl, int64_t bk, const BwdTiles& t) {
+  constexpr int64_t Rp = NV * VL, h2 = Rp / 2;
+  Vec lse[NV], dl[NV];
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v) {
+    lse[v] = Vec::loadu(sl.lse2 + v * VL);
+    dl[v] = Vec::loadu(sl.delta + v * VL);
+  }
+  // P^T and dS^T of key j as pairs along its row: whole runs of two vectors, then (NV odd) the
+  // last vector's VL / 2 pairs through a bounce buffer.
+  auto runs = [&](const Vec* x, uint32_t* d) {
+#pragma GCC unroll 8
+    for (int v = 0; v + 2 <= NV; v += 2) Dot::round_runs(x[v], x[v + 1], d + v * VL / 2);
+    if constexpr (NV % 2 == 1) {
+      uint32_t tmp[VL];
+      Dot::round_runs(x[NV - 1], Vec(0.f), tmp);
+      std::memcpy(d + (NV - 1) * VL / 2, tmp, VL / 2 * sizeof(uint32_t));
+    }
+  };
+  for (int64_t j = 0; j < bk; j += 2) {
+    const bool two = j + 1 < bk;
+    Vec p0[NV], d0[NV], p1[NV], d1[NV];
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+      p0[v] = exp2v_short(Vec::loadu(t.st + j * Rp + v * VL) - lse[v]);
+      d0[v] = p0[v] * (Vec::loadu(t.dst + j * Rp + v * VL) - dl[v]);
+      if (two) {
+        p1[v] = exp2v_short(Vec::loadu(t.st + (j + 1) * Rp + v * VL) - lse[v]);
+        d1[v] = p1[v] * (Vec::loadu(t.dst + (j + 1) * Rp + v * VL) - dl[v]);
+      } else {
+        p1[v] = d1[v] = Vec(0.f);  // a zero key past bk
+      }
+    }
+    runs(p0, t.stp + j * h2);
+    runs(d0, t.dstp + j * h2);
+    if (two) {
+      runs(p1, t.stp + (j + 1) * h2);
+      runs(d1, t.dstp + (j + 1) * h2);
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) Dot::round_pairs(d0[v], d1[v], t.dsp + (j / 2) * Rp + v * VL);
+  }
+}
+
+// Steps 2, 3 and the packing fused for the bf16 products on the instruction, where the scores
+// go unchanged from their products to P (no modifier, mask, cut range, dropout, dmask or pairwise
+// tile): MR keys x NV row vectors of S and of dP in registers (2 MR NV accumulators), their
+// epilogue P = 2^(S - lse2), dS = P (dP - delta) rounded straight into P^T, dS^T (pairs along
+// the rows) and dS (pairs of keys: MR even). The chains, the scaling and the operations are
+// those of score_tiles and probs_dscores_to_pairs, so the bits are theirs (the model, which runs
+// those, checks it bit for bit); the S^T and dP^T tiles are never stored.
+// Rows j .. j + MR - 1 of the block, row vectors col0 .. col0 + NV VL - 1.
+// Never inlined: inside backward_group the accumulators went to the stack (the backward 25%
+// slower than unfused).
+template <typename Dot, int MR, int NV>
+#if defined(__GNUC__)
+__attribute__((noinline))
+#endif
+void scores_to_pairs_tile(int64_t j, int64_t col0, int64_t D2, const uint32_t* Kd, int64_t ldkd,
+                                   int64_t Dv2, const uint32_t* Vd, int64_t ldvd, float cmul, const RowSlot& sl,
+                                   int64_t Rp, const BwdTiles& t) {
+  static_assert(MR % 2 == 0, "dS pairs two keys of a tile");
+  Vec sc[MR][NV], dp[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) sc[i][v] = dp[i][v] = Vec(0.f);
+  for (int64_t kk = 0; kk < D2; ++kk) {
+    typename Dot::BV bq[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bq[v] = Dot::load(sl.qtp + kk * Rp + col0 + v * VL);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const typename Dot::BV a = Dot::bcast(Kd[(j + i) * ldkd + kk]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) sc[i][v] = Dot::dp(sc[i][v], a, bq[v]);
+    }
+  }
+  for (int64_t kk = 0; kk < Dv2; ++kk) {
+    typename Dot::BV bo[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bo[v] = Dot::load(sl.dotp + kk * Rp + col0 + v * VL);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const typename Dot::BV a = Dot::bcast(Vd[(j + i) * ldvd + kk]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) dp[i][v] = Dot::dp(dp[i][v], a, bo[v]);
+    }
+  }
+  const int64_t h2 = Rp / 2;
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) {
+    const Vec lse = Vec::loadu(sl.lse2 + col0 + v * VL), dl = Vec::loadu(sl.delta + col0 + v * VL);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      // S rounded alone, as score_tiles stores it (x 1 is exact: as pair_kernel's skip).
+      sc[i][v] = exp2v_short(opaque(sc[i][v] * Vec(cmul)) - lse);
+      dp[i][v] = sc[i][v] * (dp[i][v] - dl);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int v = 0; v + 2 <= NV; v += 2) {
+      Dot::round_runs(sc[i][v], sc[i][v + 1], t.stp + (j + i) * h2 + (col0 + v * VL) / 2);
+      Dot::round_runs(dp[i][v], dp[i][v + 1], t.dstp + (j + i) * h2 + (col0 + v * VL) / 2);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; i += 2)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) Dot::round_pairs(dp[i][v], dp[i + 1][v], t.dsp + (j + i) / 2 * Rp + col0 + v * VL);
+}
+
+// scores_to_pairs_tile over the key block (bk even) and the row block (Rp a multiple of 2 VL):
+// tiles of 6 keys by 2 row vectors (24 accumulators; 2 B vectors and a broadcast of the 32
+// AVX-512 registers), then 4 or 2 keys.
+template <typename Dot>
+inline void scores_to_pairs(const AttnParams& p, const RowSlot& sl, int64_t bk, const uint32_t* Kd, int64_t ldkd,
+                              const uint32_t* Vd, int64_t ldvd, const BwdTiles& t) {
+  constexpr int NV = 2;
+  const int64_t Rp = round_up(sl.rb.rows(), VL), D2 = (p.D + 1) / 2, Dv2 = (p.Dv + 1) / 2;
+  const float cmul = p.scale * kLog2e;
+  for (int64_t col0 = 0; col0 < Rp; col0 += NV * VL) {
+    int64_t j = 0;
+    for (; j + 6 <= bk; j += 6) scores_to_pairs_tile<Dot, 6, NV>(j, col0, D2, Kd, ldkd, Dv2, Vd, ldvd, cmul, sl, Rp, t);
+    if (bk - j == 4) scores_to_pairs_tile<Dot, 4, NV>(j, col0, D2, Kd, ldkd, Dv2, Vd, ldvd, cmul, sl, Rp, t);
+    if (bk - j == 2) scores_to_pairs_tile<Dot, 2, NV>(j, col0, D2, Kd, ldkd, Dv2, Vd, ldvd, cmul, sl, Rp, t);
+  }
+}
+
+// probs_dscores_to_pairs_nv for the block's Rp / VL (1 .. kRowVecs) row vectors.
+template <typename Dot, int NV = kRowVecs>
+inline void probs_dscores_to_pairs(const RowSlot& sl, int64_t bk, const BwdTiles& t) {
+  if constexpr (NV > 0) {
+    if (round_up(sl.rb.rows(), VL) == NV * VL) return probs_dscores_to_pairs_nv<Dot, NV>(sl, bk, t);
+    probs_dscores_to_pairs<Dot, NV - 1>(sl, bk, t);
+  }
+}
+
 // Step 4 (mask_grad): dL/dscore of the live rows of the tile into dmask (hidden pairs have
 // exactly 0 there).
 MHK_STEP void store_dmask(const AttnParams& p, int64_t b, const RowSlot& sl, int64_t j0, int64_t bk, const float* dst) {
@@ -283,11 +428,12 @@ MHK_STEP void chain_softcap(const RowSlot& sl, int64_t bk, const BwdTiles& t) {
 
 // The bf16 products' operands of a tile: P^T and dS^T rounded to bf16 (as the GPU kernels round
 // them) as pairs of rows, dS as pairs of keys.
+template <typename Dot>
 MHK_STEP void pack_tile_pairs(const RowSlot& sl, int64_t bk, const BwdTiles& t) {
   const int64_t Rp = round_up(sl.rb.rows(), VL);
-  pack_cols_rounded(t.st, bk, Rp, t.stp);
-  pack_cols_rounded(t.dst, bk, Rp, t.dstp);
-  pack_probs(t.dst, Rp, bk, t.dsp);
+  pack_cols_rounded<Dot>(t.st, bk, Rp, t.stp);
+  pack_cols_rounded<Dot>(t.dst, bk, Rp, t.dstp);
+  pack_probs<Dot>(t.dst, Rp, bk, t.dsp);
 }
 
 // Step 5a: dV_blk += P^T dO ; dK_blk += dS^T Q ; dQ += dS K_blk, as tile products. dQ is kept as
@@ -297,13 +443,14 @@ MHK_STEP void pack_tile_pairs(const RowSlot& sl, int64_t bk, const BwdTiles& t) 
 // `started`: dK, dV of this key block already hold a contribution (else they are stored).
 // With the bf16 products: P^T and dS^T rounded to bf16 (as the GPU kernels round them) and
 // paired along the rows for dV and dK, dS paired along the keys for dQ against t.kk.
+// `packed`: the bf16 operands are already in the tiles (probs_dscores_to_pairs).
 template <typename Dot = void>
 MHK_STEP void accumulate_tiles(RowSlot& sl, int64_t bk, const float* Kp, int64_t ldkp, const BwdLayout& L,
-                               const BwdTiles& t, bool& started) {
+                               const BwdTiles& t, bool& started, bool packed = false) {
   const int64_t R = sl.rb.rows(), Rp = round_up(R, VL), Dp = L.Dp, Dvp = L.Dvp;
   if constexpr (!std::is_void_v<Dot>) {
     const int64_t R2 = (R + 1) / 2, bk2 = (bk + 1) / 2;
-    pack_tile_pairs(sl, bk, t);
+    if (!packed) pack_tile_pairs<Dot>(sl, bk, t);
     if (started) {
       gemm_pairs<Dot, CMode::Accumulate>(bk, Dvp, R2, t.stp, Rp / 2, 1, sl.dorp, Dvp, t.dvb, Dvp);
       gemm_pairs<Dot, CMode::Accumulate>(bk, Dp, R2, t.dstp, Rp / 2, 1, sl.qrp, Dp, t.dkb, Dp);
@@ -339,11 +486,12 @@ MHK_STEP void accumulate_tiles(RowSlot& sl, int64_t bk, const float* Kp, int64_t
 // Step 5b, bf16 products: the same chains as step 5a's pair products, element by element, with
 // the hidden pairs' products zeroed (masked_pair_chain), so the visible pairs give the bits the
 // tiles give.
+template <typename Dot>
 MHK_STEP void accumulate_pairwise_pairs(RowSlot& sl, int64_t D, int64_t Dv, int64_t bk, const BwdLayout& L,
                                         const BwdTiles& t, bool& started) {
   const int64_t R = sl.rb.rows(), Rp = round_up(R, VL), Dp = L.Dp, Dvp = L.Dvp;
   const int64_t R2 = (R + 1) / 2, bk2 = (bk + 1) / 2, h2 = Rp / 2;
-  pack_tile_pairs(sl, bk, t);
+  pack_tile_pairs<Dot>(sl, bk, t);
   for (int64_t j = 0; j < bk; ++j) {
     const uint8_t* vj = t.vis + j * Rp;
     auto hid = [&](int64_t k, int h) { return 2 * k + h >= R || !vj[2 * k + h]; };
@@ -505,14 +653,31 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
         RowSlot& sl = slots[blk];
         if (sl.br.stop <= j0 || sl.br.first >= j0 + bk) continue;
         const int64_t Rp = round_up(sl.rb.rows(), VL);
-        score_tiles<Dot>(p, mods, b, sl, j0, bk, Kb, ldk, Vb, ldv, t, Kd, ldkd, Vd, ldvd);
         // Every tile, masked or not: a -inf score hides its pair in the backward whatever made it
         // -inf (an infinite entry of q or k too), and a NaN row's P is NaN only on the pairs it
         // sees (docs/contract.md, "NaN and inf"). The scan is once per key block.
         if (!sl.poisoned && kv_bad < 0)
           kv_bad = any_nonfinite(Kb, bk, D, ldk) || any_nonfinite(Vb, bk, Dv, ldv) ? 1 : 0;
         const bool pairwise = sl.poisoned || kv_bad == 1;
+        // The instruction's products (not the model: it runs the unfused steps, whose bits these
+        // are) with scores untouched between their product and P: products, P and dS in one pass.
+        if constexpr (kPairs && !std::is_same_v<Dot, DotModel>) {
+          if (!pairwise && !drop.on && !p.dmask && !mods.any() && !p.mask && !sl.br.ragged(j0, bk) && bk % 2 == 0 &&
+              Rp % (2 * VL) == 0) {
+            scores_to_pairs<Dot>(p, sl, bk, Kd, ldkd, Vd, ldvd, t);
+            accumulate_tiles<Dot>(sl, bk, Kp, ldkp, L, t, started, true);
+            continue;
+          }
+        }
+        score_tiles<Dot>(p, mods, b, sl, j0, bk, Kb, ldk, Vb, ldv, t, Kd, ldkd, Vd, ldvd);
         if (pairwise) visibility(t.st, Rp, bk, t.vis);
+        if constexpr (kPairs) {
+          if (!pairwise && !drop.on && !p.dmask && !mods.softcap) {
+            probs_dscores_to_pairs<Dot>(sl, bk, t);
+            accumulate_tiles<Dot>(sl, bk, Kp, ldkp, L, t, started, true);
+            continue;
+          }
+        }
         probs_and_dscores(sl, j0, bk, drop, t);
         if (pairwise) {
           // Hidden pairs to exactly 0 first: dmask reads them.
@@ -521,12 +686,16 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
         }
         if (p.dmask) store_dmask(p, b, sl, j0, bk, t.dst);
         if (mods.softcap) chain_softcap(sl, bk, t);
-        if (kPairs && pairwise)
-          accumulate_pairwise_pairs(sl, D, Dv, bk, L, t, started);
-        else if (pairwise)
+        if constexpr (kPairs) {
+          if (pairwise)
+            accumulate_pairwise_pairs<Dot>(sl, D, Dv, bk, L, t, started);
+          else
+            accumulate_tiles<Dot>(sl, bk, Kp, ldkp, L, t, started);
+        } else if (pairwise) {
           accumulate_pairwise(sl, D, Dv, bk, Kb, ldk, L, t, started);
-        else
+        } else {
           accumulate_tiles<Dot>(sl, bk, Kp, ldkp, L, t, started);
+        }
       }
     }
     store_key_block<T>(p, dkbase, dvbase, j0, bk, L, t, started);
@@ -600,14 +769,19 @@ void backward_impl(const AttnParams& p) {
   if (n_ranges > 1) {
     // dQ = sum of the key ranges' partials, in range order.
     at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+      Scratch buf(p.D + 16, Scratch::kUninit);  // acc, written before read
+      float* acc = buf.take(p.D);
       for (int64_t row = r0; row < r1; ++row) {
         const int64_t i = row % p.Lq, h = (row / p.Lq) % p.H, b = row / (p.Lq * p.H);
         T* dqr = static_cast<T*>(p.dq.ptr) + b * p.dq.sb + h * p.dq.sh + i * p.dq.sl;
-        for (int64_t d = 0; d < p.D; ++d) {
-          float acc = 0.f;
-          for (int64_t c = 0; c < n_ranges; ++c) acc += dq_part[(c * rows + row) * p.D + d];
-          dqr[d] = static_cast<T>(acc);
+        // Range by range over the whole row (vectorised; each element still adds its ranges in
+        // order from 0).
+        std::fill(acc, acc + p.D, 0.f);
+        for (int64_t c = 0; c < n_ranges; ++c) {
+          const float* part = dq_part + (c * rows + row) * p.D;
+          for (int64_t d = 0; d < p.D; ++d) acc[d] += part[d];
         }
+        for (int64_t d = 0; d < p.D; ++d) dqr[d] = static_cast<T>(acc[d]);
       }
     });
   }

@@ -21,18 +21,29 @@
 #endif
 
 #include "gemm.h"
+#include "vec_math.h"
 
 namespace mhakern::cpu {
 namespace CPU_CAPABILITY {
 
-// A float's bf16 bits, rounded to nearest even; a NaN stays a quiet NaN of its sign (c10's rule).
-inline uint32_t bf16_bits_rne(float f) {
+// A float's bf16 bits as vcvtne2ps2bf16 rounds (Intel SDM, VCVTNE2PS2BF16; checked bit for bit
+// against the instruction, tests/test_cpu_bf16.py): to nearest even, MXCSR ignored, a zero or
+// denormal to the zero of its sign (DAZ), a NaN quieted with its sign and top payload bits kept.
+// Every rounding of the variant (P, dS) is this one, so the model and the instruction agree.
+inline uint32_t bf16_round_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return (u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) & 0x8000u) | 0x7fc0u : r;
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+  if ((u & 0x7f800000u) == 0) return (u >> 16) & 0x8000u;
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
 
+// The variant's two instructions, as a type the kernels are templated on: the pair dot product
+// (dp: vdpbf16ps) and the rounding of two fp32 vectors into pairs (round_pairs, round_runs:
+// vcvtne2ps2bf16), either the instructions (DotHw) or their bit-exact software model (DotModel).
+//   round_pairs(x0, x1, dst): dst[i] = (x0[i], x1[i]), i < VL (two rows of a tile into pairs);
+//   round_runs(x0, x1, dst):  dst[i] = (x[2 i], x[2 i + 1]), x = x0 then x1 (2 VL consecutive
+//                             values of a row into pairs along it).
 struct DotModel {
   static constexpr const char* name = "model";
   struct BV {
@@ -72,6 +83,18 @@ struct DotModel {
     for (int64_t i = 0; i < VL; ++i) c[i] = lane(c[i], a.w[i], b.w[i]);
     return Vec::loadu(c);
   }
+  static void round_pairs(Vec x0, Vec x1, uint32_t* dst) {
+    float a[VL], b[VL];
+    x0.store(a);
+    x1.store(b);
+    for (int64_t i = 0; i < VL; ++i) dst[i] = bf16_round_bits(a[i]) | (bf16_round_bits(b[i]) << 16);
+  }
+  static void round_runs(Vec x0, Vec x1, uint32_t* dst) {
+    float x[2 * VL];
+    x0.store(x);
+    x1.store(x + VL);
+    for (int64_t i = 0; i < VL; ++i) dst[i] = bf16_round_bits(x[2 * i]) | (bf16_round_bits(x[2 * i + 1]) << 16);
+  }
 };
 
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
@@ -82,6 +105,16 @@ struct DotHw {
   static BV bcast(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
   static Vec dp(Vec acc, BV a, BV b) {
     return Vec(_mm512_dpbf16_ps(static_cast<__m512>(acc), reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b)));
+  }
+  // vcvtne2ps2bf16 puts x0's 16 bf16 below x1's; vpermw interleaves them into pairs.
+  static void round_pairs(Vec x0, Vec x1, uint32_t* dst) {
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i h = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(static_cast<__m512>(x1), static_cast<__m512>(x0)));
+    _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(idx, h));
+  }
+  static void round_runs(Vec x0, Vec x1, uint32_t* dst) {
+    _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(static_cast<__m512>(x1), static_cast<__m512>(x0))));
   }
 };
 #endif
@@ -94,12 +127,28 @@ void dot_pairs_lanes(float* acc, const uint32_t* a, const uint32_t* b, int64_t n
     Dot::dp(Vec::loadu(acc + i), Dot::load(a + i), Dot::load(b + i)).store(acc + i);
 }
 
+// The rounding into pairs lane by lane (n a multiple of VL, x of 2 n floats): out[i] =
+// round_pairs of (x[i], x[n + i]), or with `runs` round_runs of (x[2 i], x[2 i + 1]); the check
+// of the model's rounding against the instruction (tests/test_cpu_bf16.py).
+template <typename Dot>
+void round_pairs_lanes(const float* x, uint32_t* out, int64_t n, bool runs) {
+  for (int64_t i = 0; i + VL <= n; i += VL) {
+    if (runs)
+      Dot::round_runs(Vec::loadu(x + 2 * i), Vec::loadu(x + 2 * i + VL), out + i);
+    else
+      Dot::round_pairs(Vec::loadu(x + i), Vec::loadu(x + n + i), out + i);
+  }
+}
+
 // C (M x N) = A (M x K pairs) * B (K pairs x N) + beta(C), as gemm() (gemm.h) but on pairs:
 // A read by broadcasts of A[m * ars + k * acs], B row-major (ldb uint32 per pair row, N a
-// multiple of VL), C fp32. Store multiplies the products by `cmul` (the forward's scale).
+// multiple of VL), C fp32. Store multiplies the products by `cmul` (the forward's scale) and,
+// given `cmax` (N floats), folds each column's maximum into it, cmax[n] = max(C[m][n], cmax[n])
+// as MAXPS takes it (a NaN product leaves cmax as it was): the forward's row maximum of the
+// score tile S^T without a pass over it.
 template <typename Dot, int MR, int NV, CMode MODE>
 inline void pair_kernel(int64_t K, const uint32_t* A, int64_t ars, int64_t acs, const uint32_t* B, int64_t ldb,
-                        float* C, int64_t ldc, const float* cscale, float cmul) {
+                        float* C, int64_t ldc, const float* cscale, float cmul, float* cmax) {
   Vec c[MR][NV];
   if constexpr (MODE == CMode::Store) {
 #pragma GCC unroll 8
@@ -140,6 +189,15 @@ inline void pair_kernel(int64_t K, const uint32_t* A, int64_t ars, int64_t acs, 
 #pragma GCC unroll 4
       for (int j = 0; j < NV; ++j) c[i][j] = c[i][j] * m;
   }
+  if (MODE == CMode::Store && cmax != nullptr) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+      Vec mx = Vec::loadu(cmax + j * VL);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) mx = at::vec::clamp_min(mx, c[i][j]);
+      mx.store(cmax + j * VL);
+    }
+  }
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
@@ -155,29 +213,30 @@ constexpr int pair_tile_rows() {
 
 template <typename Dot, int MR, int NV, CMode MODE>
 inline void pair_tail(int64_t rem, int64_t K, const uint32_t* A, int64_t ars, int64_t acs, const uint32_t* B,
-                      int64_t ldb, float* C, int64_t ldc, const float* cscale, float cmul) {
+                      int64_t ldb, float* C, int64_t ldc, const float* cscale, float cmul, float* cmax) {
   if constexpr (MR > 0) {
     if (rem == MR)
-      pair_kernel<Dot, MR, NV, MODE>(K, A, ars, acs, B, ldb, C, ldc, cscale, cmul);
+      pair_kernel<Dot, MR, NV, MODE>(K, A, ars, acs, B, ldb, C, ldc, cscale, cmul, cmax);
     else
-      pair_tail<Dot, MR - 1, NV, MODE>(rem, K, A, ars, acs, B, ldb, C, ldc, cscale, cmul);
+      pair_tail<Dot, MR - 1, NV, MODE>(rem, K, A, ars, acs, B, ldb, C, ldc, cscale, cmul, cmax);
   }
 }
 
 template <typename Dot, int NV, CMode MODE>
 inline void pair_strip(int64_t M, int64_t K, const uint32_t* A, int64_t ars, int64_t acs, const uint32_t* B,
-                       int64_t ldb, float* C, int64_t ldc, const float* cscale, float cmul) {
+                       int64_t ldb, float* C, int64_t ldc, const float* cscale, float cmul, float* cmax) {
   constexpr int MR = pair_tile_rows<NV>();
   int64_t m = 0;
   for (; m + MR <= M; m += MR)
-    pair_kernel<Dot, MR, NV, MODE>(K, A + m * ars, ars, acs, B, ldb, C + m * ldc, ldc, cscale, cmul);
-  if (m < M) pair_tail<Dot, MR - 1, NV, MODE>(M - m, K, A + m * ars, ars, acs, B, ldb, C + m * ldc, ldc, cscale, cmul);
+    pair_kernel<Dot, MR, NV, MODE>(K, A + m * ars, ars, acs, B, ldb, C + m * ldc, ldc, cscale, cmul, cmax);
+  if (m < M)
+    pair_tail<Dot, MR - 1, NV, MODE>(M - m, K, A + m * ars, ars, acs, B, ldb, C + m * ldc, ldc, cscale, cmul, cmax);
 }
 
 template <typename Dot, CMode MODE>
 inline void gemm_pairs(int64_t M, int64_t N, int64_t K, const uint32_t* A, int64_t ars, int64_t acs,
                        const uint32_t* B, int64_t ldb, float* C, int64_t ldc, const float* cscale = nullptr,
-                       float cmul = 1.f) {
+                       float cmul = 1.f, float* cmax = nullptr) {
   if (M <= 0 || N <= 0) return;
   if constexpr (std::is_same_v<Dot, DotModel>) {
     // The model element by element: each output runs the chain a tile's lane runs (the tiling
@@ -188,6 +247,7 @@ inline void gemm_pairs(int64_t M, int64_t N, int64_t K, const uint32_t* A, int64
         float acc = MODE == CMode::Store ? 0.f : (MODE == CMode::Accumulate ? c[n] : c[n] * cscale[n]);
         for (int64_t kk = 0; kk < K; ++kk) acc = DotModel::lane(acc, A[m * ars + kk * acs], B[kk * ldb + n]);
         c[n] = MODE == CMode::Store && cmul != 1.f ? acc * cmul : acc;
+        if (MODE == CMode::Store && cmax != nullptr) cmax[n] = c[n] > cmax[n] ? c[n] : cmax[n];  // MAXPS
       }
     }
     return;
@@ -195,66 +255,29 @@ inline void gemm_pairs(int64_t M, int64_t N, int64_t K, const uint32_t* A, int64
   const int64_t nvec = N / VL;
   int64_t v = 0;
   auto sc = [&](int64_t vv) { return MODE == CMode::Rescale ? cscale + vv * VL : nullptr; };
+  auto cm = [&](int64_t vv) { return cmax ? cmax + vv * VL : nullptr; };
   for (; v + 4 <= nvec; v += 4)
-    pair_strip<Dot, 4, MODE>(M, K, A, ars, acs, B + v * VL, ldb, C + v * VL, ldc, sc(v), cmul);
+    pair_strip<Dot, 4, MODE>(M, K, A, ars, acs, B + v * VL, ldb, C + v * VL, ldc, sc(v), cmul, cm(v));
   for (; v + 2 <= nvec; v += 2)
-    pair_strip<Dot, 2, MODE>(M, K, A, ars, acs, B + v * VL, ldb, C + v * VL, ldc, sc(v), cmul);
-  if (v < nvec) pair_strip<Dot, 1, MODE>(M, K, A, ars, acs, B + v * VL, ldb, C + v * VL, ldc, sc(v), cmul);
+    pair_strip<Dot, 2, MODE>(M, K, A, ars, acs, B + v * VL, ldb, C + v * VL, ldc, sc(v), cmul, cm(v));
+  if (v < nvec) pair_strip<Dot, 1, MODE>(M, K, A, ars, acs, B + v * VL, ldb, C + v * VL, ldc, sc(v), cmul, cm(v));
 }
 
 // ---- Packing into pairs ----
 
-// Q^T as pairs: dst[dd * Rp + r] = (rows[r][2 dd], rows[r][2 dd + 1]) for dd < Dp / 2, r < Rp;
-// `rows` (Rp x Dp, fp32) hold bf16 values exactly, so the bits are their top halves.
-inline void pack_rows_transposed(const float* rows, int64_t Dp, int64_t Rp, uint32_t* dst) {
-  for (int64_t r = 0; r < Rp; ++r) {
-    const float* x = rows + r * Dp;
-    for (int64_t dd = 0; dd < Dp / 2; ++dd) {
-      uint32_t lo, hi;
-      std::memcpy(&lo, x + 2 * dd, 4);
-      std::memcpy(&hi, x + 2 * dd + 1, 4);
-      dst[dd * Rp + r] = (lo >> 16) | (hi & 0xffff0000u);
-    }
-  }
-}
 
-// Two vectors of probabilities (keys 2 jj and 2 jj + 1, VL rows) as VL pairs, rounded as
-// bf16_bits_rne rounds (the same bits, vectorised where the instruction set allows).
-inline void store_pair_rne(Vec p0, Vec p1, uint32_t* dst) {
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
-  const __m512i absm = _mm512_set1_epi32(0x7fffffff), infb = _mm512_set1_epi32(0x7f800000);
-  auto rne = [&](__m512 x) {  // bf16 bits in the top half
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, absm), infb);
-    const __m512i qnan = _mm512_or_si512(_mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0x80000000u))),
-                                         _mm512_set1_epi32(0x7fc00000));
-    return _mm512_mask_blend_epi32(nan, r, qnan);
-  };
-  const __m512i lo = _mm512_srli_epi32(rne(static_cast<__m512>(p0)), 16);
-  const __m512i hi = _mm512_and_si512(rne(static_cast<__m512>(p1)), _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-  _mm512_storeu_si512(dst, _mm512_or_si512(lo, hi));
-#else
-  float a[VL], b[VL];
-  p0.store(a);
-  p1.store(b);
-  for (int64_t i = 0; i < VL; ++i) dst[i] = bf16_bits_rne(a[i]) | (bf16_bits_rne(b[i]) << 16);
-#endif
-}
-
-// P^T (n x Rp fp32, rows = keys) as pairs of keys, rounded to bf16 (nearest even), as the GPU
-// kernels round P: dst[jj * Rp + r] = (P[2 jj][r], P[2 jj + 1][r]), a zero key past n.
+// P^T (n x Rp fp32, rows = keys) as pairs of keys, rounded to bf16 (Dot's rounding, nearest
+// even), as the GPU kernels round P: dst[jj * Rp + r] = (P[2 jj][r], P[2 jj + 1][r]), a zero key
+// past n (bf16 of +0 is 0).
+template <typename Dot>
 inline void pack_probs(const float* p, int64_t Rp, int64_t n, uint32_t* dst) {
+  const Vec zero(0.f);
   for (int64_t jj = 0; jj < (n + 1) / 2; ++jj) {
     const float* p0 = p + 2 * jj * Rp;
     const float* p1 = p0 + Rp;
     uint32_t* d = dst + jj * Rp;
-    if (2 * jj + 1 < n) {
-      for (int64_t r = 0; r < Rp; ++r) d[r] = bf16_bits_rne(p0[r]) | (bf16_bits_rne(p1[r]) << 16);
-    } else {
-      for (int64_t r = 0; r < Rp; ++r) d[r] = bf16_bits_rne(p0[r]);
-    }
+    const bool both = 2 * jj + 1 < n;
+    for (int64_t r = 0; r < Rp; r += VL) Dot::round_pairs(Vec::loadu(p0 + r), both ? Vec::loadu(p1 + r) : zero, d + r);
   }
 }
 
@@ -270,7 +293,8 @@ inline void pack_rows(const Rows& rows, int64_t j0, int64_t n, int64_t cols, uin
 }
 
 // Rows j0 .. j0 + n - 1 of a bf16 V as pairs of keys: dst[jj * ldd + d] = (V[2 jj][d],
-// V[2 jj + 1][d]) for d < cols, a zero key past n, zero columns from cols to ldd.
+// V[2 jj + 1][d]) for d < cols, a zero key past n, zero columns from cols to ldd. Bits are only
+// moved, so the AVX-512 interleave (vpermt2w, 32 columns at a time) gives the scalar loop's.
 template <typename Rows>
 inline void pack_key_pairs(const Rows& rows, int64_t j0, int64_t n, int64_t cols, uint32_t* dst, int64_t ldd) {
   for (int64_t jj = 0; jj < (n + 1) / 2; ++jj) {
@@ -278,7 +302,18 @@ inline void pack_key_pairs(const Rows& rows, int64_t j0, int64_t n, int64_t cols
     uint32_t* d = dst + jj * ldd;
     if (2 * jj + 1 < n) {
       const uint16_t* v1 = reinterpret_cast<const uint16_t*>(rows.row(j0 + 2 * jj + 1));
-      for (int64_t c = 0; c < cols; ++c) d[c] = static_cast<uint32_t>(v0[c]) | (static_cast<uint32_t>(v1[c]) << 16);
+      int64_t c = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+      const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+      const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+      for (; c + 32 <= cols; c += 32) {
+        const __m512i a = _mm512_loadu_si512(v0 + c), b = _mm512_loadu_si512(v1 + c);
+        _mm512_storeu_si512(d + c, _mm512_permutex2var_epi16(a, lo, b));
+        _mm512_storeu_si512(d + c + 16, _mm512_permutex2var_epi16(a, hi, b));
+      }
+#endif
+      for (; c < cols; ++c) d[c] = static_cast<uint32_t>(v0[c]) | (static_cast<uint32_t>(v1[c]) << 16);
     } else {
       for (int64_t c = 0; c < cols; ++c) d[c] = v0[c];
     }
@@ -294,35 +329,41 @@ struct StridedRows {
   const T* row(int64_t j) const { return base + j * sl; }
 };
 
-// fp32 rows (n x cols, row stride ld, n even) as pairs of rows: dst[rr * ldd + c] = (x[2 rr][c],
-// x[2 rr + 1][c]). round: to bf16 nearest even (probabilities, dS); else the rows hold bf16
-// values exactly and their top halves are taken.
-inline void pack_row_pairs(const float* x, int64_t ld, int64_t n, int64_t cols, uint32_t* dst, int64_t ldd,
-                           bool round) {
+// fp32 rows (n x cols, row stride ld, n even) holding bf16 values exactly, as pairs of rows:
+// dst[rr * ldd + c] = (x[2 rr][c], x[2 rr + 1][c]), the top halves of their bits.
+inline void pack_row_pairs(const float* x, int64_t ld, int64_t n, int64_t cols, uint32_t* dst, int64_t ldd) {
   for (int64_t rr = 0; rr < n / 2; ++rr) {
     const float* x0 = x + 2 * rr * ld;
     const float* x1 = x0 + ld;
     uint32_t* d = dst + rr * ldd;
-    if (round) {
-      for (int64_t c = 0; c < cols; ++c) d[c] = bf16_bits_rne(x0[c]) | (bf16_bits_rne(x1[c]) << 16);
-    } else {
-      for (int64_t c = 0; c < cols; ++c) {
-        uint32_t lo, hi;
-        std::memcpy(&lo, x0 + c, 4);
-        std::memcpy(&hi, x1 + c, 4);
-        d[c] = (lo >> 16) | (hi & 0xffff0000u);
-      }
+    for (int64_t c = 0; c < cols; ++c) {
+      uint32_t lo, hi;
+      std::memcpy(&lo, x0 + c, 4);
+      std::memcpy(&hi, x1 + c, 4);
+      d[c] = (lo >> 16) | (hi & 0xffff0000u);
     }
   }
 }
 
-// fp32 rows (n x cols, cols even) as pairs along each row, rounded to bf16 nearest even:
-// dst[j * (cols / 2) + cc] = (x[j][2 cc], x[j][2 cc + 1]).
+// Q^T as pairs: dst[dd * Rp + r] = (rows[r][2 dd], rows[r][2 dd + 1]) for dd < Dp / 2, r < Rp;
+// `rows` (Rp x Dp, fp32, both multiples of 8) hold bf16 values exactly, so the bits are their top
+// halves. Through the 8x8 transposes into `tmp` (Dp x Rp floats) and pairs of its rows: whole
+// vectors, where pairing along the rows in place stored one uint32 at a time.
+inline void pack_rows_transposed(const float* rows, int64_t Dp, int64_t Rp, uint32_t* dst, float* tmp) {
+  transpose(rows, Dp, tmp, Rp, Rp, Dp);
+  pack_row_pairs(tmp, Rp, Dp, Rp, dst, Rp);
+}
+
+// fp32 rows (n x cols, cols a multiple of VL) as pairs along each row, rounded to bf16 (Dot's
+// rounding): dst[j * (cols / 2) + cc] = (x[j][2 cc], x[j][2 cc + 1]).
+template <typename Dot>
 inline void pack_cols_rounded(const float* x, int64_t n, int64_t cols, uint32_t* dst) {
   for (int64_t j = 0; j < n; ++j) {
     const float* xr = x + j * cols;
     uint32_t* d = dst + j * (cols / 2);
-    for (int64_t cc = 0; cc < cols / 2; ++cc) d[cc] = bf16_bits_rne(xr[2 * cc]) | (bf16_bits_rne(xr[2 * cc + 1]) << 16);
+    int64_t c = 0;
+    for (; c + 2 * VL <= cols; c += 2 * VL) Dot::round_runs(Vec::loadu(xr + c), Vec::loadu(xr + c + VL), d + c / 2);
+    for (; c < cols; c += 2) d[c / 2] = bf16_round_bits(xr[c]) | (bf16_round_bits(xr[c + 1]) << 16);
   }
 }
 

@@ -18,7 +18,7 @@ namespace CPU_CAPABILITY {
 
 // A thread's scratch tiles for one row block (Rp: the largest block's padded rows).
 struct FwdScratch {
-  float *qr, *qt, *st, *ot, *orow, *m, *l, *alpha, *lorel, *hirel, *kc, *vc, *kv;
+  float *qr, *qt, *st, *ot, *orow, *m, *l, *alpha, *lorel, *hirel, *kc, *vc, *kv, *bmax;
   uint32_t* rseed;
   uint8_t* vis;
   // The bf16 products' operands as pairs (bf16_dot.h): Q^T, a K block, a V block, P^T.
@@ -31,7 +31,7 @@ struct FwdScratch {
   static int64_t floats(int64_t Dp, int64_t Dvp, int64_t Rp, const ScoreMods& mods, bool pairs = false) {
     return mods.floats(Rp, false) + Scratch::size_of(Rp * Dp) + Scratch::size_of(Dp * Rp) +
            Scratch::size_of(kKeyBlock * Rp) + Scratch::size_of(Dvp * Rp) + Scratch::size_of(Rp * Dvp) +
-           7 * Scratch::size_of(Rp) +
+           8 * Scratch::size_of(Rp) +
            Scratch::size_of(kKeyBlock * Dp) + Scratch::size_of(kKeyBlock * Dvp) + Scratch::size_of(kKeyBlock * Rp / 4) +
            (pairs ? pair_floats(Dp, Dvp, Rp) : 0);
   }
@@ -47,6 +47,7 @@ struct FwdScratch {
     lorel = s.take(Rp);
     hirel = s.take(Rp);
     kv = s.take(Rp);
+    bmax = s.take(Rp);
     rseed = reinterpret_cast<uint32_t*>(s.take(Rp));
     kc = s.take(kKeyBlock * Dp);
     vc = s.take(kKeyBlock * Dvp);
@@ -72,6 +73,63 @@ struct FwdSink {
   float* part_l = nullptr;  // (splits, B, H, Lq)
   int64_t split = 0;
 };
+
+// The online softmax of a key block for the bf16 products (no dropout, no pairwise tile), NV row
+// vectors held in registers: the running max m takes the block's column max bmax (the rows'
+// maxima over the block's keys, from the S product's epilogue or a pass over S^T), alpha =
+// 2^(m_old - m_new) rescales l (here) and O (in the P.V product), and P = 2^(S - m) goes
+// straight from the exponent (exp2v_short: P is rounded to bf16) to bf16 pairs of keys (P^T
+// itself is never stored).
+template <typename Dot, int NV>
+MHK_STEP void softmax_to_pairs_nv(const float* st, int64_t Rp, int64_t bk, const float* bmax, float* m, float* l,
+                                  float* alpha, uint32_t* ptp) {
+  Vec muse[NV], sum[NV];
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v) {
+    const Vec mold = Vec::loadu(m + v * VL);
+    const Vec mnew = at::vec::clamp_min(mold, Vec::loadu(bmax + v * VL));
+    // A row with nothing visible yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+    muse[v] = Vec::blendv(mnew, Vec(0.f), mnew == Vec(kNegInf));
+    exp2v(mold - muse[v]).store(alpha + v * VL);
+    mnew.store(m + v * VL);
+    sum[v] = Vec(0.f);
+  }
+  int64_t j = 0;
+  for (; j + 2 <= bk; j += 2) {
+    const float* s0 = st + j * Rp;
+    uint32_t* d = ptp + (j / 2) * Rp;
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+      const Vec p0 = exp2v_short(Vec::loadu(s0 + v * VL) - muse[v]);
+      const Vec p1 = exp2v_short(Vec::loadu(s0 + Rp + v * VL) - muse[v]);
+      Dot::round_pairs(p0, p1, d + v * VL);
+      sum[v] = sum[v] + p0;
+      sum[v] = sum[v] + p1;
+    }
+  }
+  if (j < bk) {  // an odd last key pairs with a zero
+    const float* s0 = st + j * Rp;
+    uint32_t* d = ptp + (j / 2) * Rp;
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+      const Vec p0 = exp2v_short(Vec::loadu(s0 + v * VL) - muse[v]);
+      Dot::round_pairs(p0, Vec(0.f), d + v * VL);
+      sum[v] = sum[v] + p0;
+    }
+  }
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v) (Vec::loadu(l + v * VL) * Vec::loadu(alpha + v * VL) + sum[v]).store(l + v * VL);
+}
+
+// softmax_to_pairs_nv for nvec (1 .. kRowVecs) row vectors.
+template <typename Dot, int NV = kRowVecs>
+inline void softmax_to_pairs(int64_t nvec, const float* st, int64_t Rp, int64_t bk, const float* bmax, float* m,
+                             float* l, float* alpha, uint32_t* ptp) {
+  if constexpr (NV > 0) {
+    if (nvec == NV) return softmax_to_pairs_nv<Dot, NV>(st, Rp, bk, bmax, m, l, alpha, ptp);
+    softmax_to_pairs<Dot, NV - 1>(nvec, st, Rp, bk, bmax, m, l, alpha, ptp);
+  }
+}
 
 // kMods: the call has a score modifier (mods.any()); a template flag, so the plain call's
 // instance has no trace of them (a runtime branch per tile cost 3% on decode-sized tasks).
@@ -107,7 +165,7 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
     load_row(q + (rb.h0 + r / rb.nq) * p.q.sh + row_i(r) * p.q.sl, D, kPairs ? 1.f : qmul, s.qr + r * Dp, Dp);
   std::fill(s.qr + R * Dp, s.qr + Rp * Dp, 0.f);
   if constexpr (kPairs)
-    pack_rows_transposed(s.qr, Dp, Rp, s.qtp);
+    pack_rows_transposed(s.qr, Dp, Rp, s.qtp, s.qt);
   else
     transpose(s.qr, Dp, s.qt, Rp, Rp, Dp);
   const int64_t D2 = (D + 1) / 2;
@@ -121,6 +179,10 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
   bool first = true;
   for (int64_t j0 = jstart; j0 < kstop; j0 += kKeyBlock) {
     const int64_t bk = std::min(kKeyBlock, kstop - j0);
+    const bool ragged = br.ragged(j0, bk);
+    // The bf16 products take the rows' max over the block from the S product's epilogue where
+    // nothing changes S^T after it (a pass over the tile less).
+    const bool fuse_max = kPairs && !kMods && !p.mask && !ragged && !dropout;
     int64_t ldk = 0, ldv = 0;
     if constexpr (kPairs) {
       // S^T (bk x Rp) = K_blk * Q^T, K read in place when its rows are whole pairs in memory.
@@ -135,7 +197,9 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
       } else {
         pack_rows(krows, j0, bk, D, s.kp, D2);
       }
-      gemm_pairs<Dot, CMode::Store>(bk, Rp, D2, Kp, ldkp, 1, s.qtp, Rp, s.st, Rp, nullptr, qmul);
+      if (fuse_max) std::fill(s.bmax, s.bmax + Rp, kNegInf);
+      gemm_pairs<Dot, CMode::Store>(bk, Rp, D2, Kp, ldkp, 1, s.qtp, Rp, s.st, Rp, nullptr, qmul,
+                                    fuse_max ? s.bmax : nullptr);
     } else {
       const float* Kb = krows.block(j0, bk, D, s.kc, &ldk);
       // S^T (bk x Rp) = K_blk * Q^T
@@ -143,7 +207,6 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
     }
     if constexpr (kMods) apply_score_mods(p, mods, s.ms, s.st, Rp, bk, b, rb, j0);
 
-    const bool ragged = br.ragged(j0, bk);
     if (p.mask) apply_attn_mask(p, s.st, Rp, bk, b, rb, j0);
     if (ragged) {
       // Some row's visible range starts or ends inside this block.
@@ -158,68 +221,66 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
 
     // Online softmax. Loops run over keys outside and row vectors inside, so the max and sum
     // reductions of the row vectors are independent chains rather than one serial one.
-    Vec mx[kRowVecs], muse[kRowVecs], sum[kRowVecs];
-    for (int64_t v = 0; v < nvec; ++v) {
-      mx[v] = Vec(kNegInf);
-      sum[v] = Vec(0.f);
-    }
-    for (int64_t j = 0; j < bk; ++j) {
-      const float* sp = s.st + j * Rp;
-      for (int64_t v = 0; v < nvec; ++v) mx[v] = at::vec::clamp_min(mx[v], Vec::loadu(sp + v * VL));
-    }
-    for (int64_t v = 0; v < nvec; ++v) {
-      const Vec mold = Vec::loadu(s.m + v * VL);
-      const Vec mnew = at::vec::clamp_min(mold, mx[v]);
-      // A row with nothing visible yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
-      muse[v] = Vec::blendv(mnew, Vec(0.f), mnew == Vec(kNegInf));
-      exp2v(mold - muse[v]).store(s.alpha + v * VL);
-      mnew.store(s.m + v * VL);
-    }
-    // The bf16 products without dropout or pairwise tiles: P goes straight to pairs of keys
-    // (P^T itself is not stored; a pass over the tile less).
-    const bool fused_pack = kPairs && !dropout && !pairwise;
-    if (fused_pack) {
-      const Vec zero(0.f);
-      for (int64_t j = 0; j < bk; j += 2) {
-        const float* s0 = s.st + j * Rp;
-        uint32_t* d = s.ptp + (j / 2) * Rp;
-        for (int64_t v = 0; v < nvec; ++v) {
-          const Vec p0 = exp2v(Vec::loadu(s0 + v * VL) - muse[v]);
-          const Vec p1 = j + 1 < bk ? exp2v(Vec::loadu(s0 + Rp + v * VL) - muse[v]) : zero;
-          store_pair_rne(p0, p1, d + v * VL);
-          sum[v] = sum[v] + p0;
-          if (j + 1 < bk) sum[v] = sum[v] + p1;
+    const bool pairs_softmax = kPairs && !dropout && !pairwise;
+    if (pairs_softmax) {
+      if (!fuse_max) {
+        Vec mx[kRowVecs];
+        for (int64_t v = 0; v < nvec; ++v) mx[v] = Vec(kNegInf);
+        for (int64_t j = 0; j < bk; ++j) {
+          const float* sp = s.st + j * Rp;
+          for (int64_t v = 0; v < nvec; ++v) mx[v] = at::vec::clamp_min(mx[v], Vec::loadu(sp + v * VL));
         }
+        for (int64_t v = 0; v < nvec; ++v) mx[v].store(s.bmax + v * VL);
       }
-    } else if (!dropout) {
-      for (int64_t j = 0; j < bk; ++j) {
-        float* sp = s.st + j * Rp;
-        for (int64_t v = 0; v < nvec; ++v) {
-          const Vec pj = exp2v(Vec::loadu(sp + v * VL) - muse[v]);
-          pj.store(sp + v * VL);
-          sum[v] = sum[v] + pj;
-        }
-      }
+      if constexpr (kPairs) softmax_to_pairs<Dot>(nvec, s.st, Rp, bk, s.bmax, s.m, s.l, s.alpha, s.ptp);
     } else {
-      // l sums the undropped probabilities (lse is the plain softmax's); the output gets the
-      // kept ones, and 1 / (1 - p) when it is normalised.
+      Vec mx[kRowVecs], muse[kRowVecs], sum[kRowVecs];
+      for (int64_t v = 0; v < nvec; ++v) {
+        mx[v] = Vec(kNegInf);
+        sum[v] = Vec(0.f);
+      }
       for (int64_t j = 0; j < bk; ++j) {
-        float* sp = s.st + j * Rp;
-        dropout_keep(s.rseed, Rp, j0 + j + p.dropout_k0, threshold, 1.f, s.kv);
-        for (int64_t v = 0; v < nvec; ++v) {
-          const Vec pj = exp2v(Vec::loadu(sp + v * VL) - muse[v]);
-          (pj * Vec::loadu(s.kv + v * VL)).store(sp + v * VL);
-          sum[v] = sum[v] + pj;
+        const float* sp = s.st + j * Rp;
+        for (int64_t v = 0; v < nvec; ++v) mx[v] = at::vec::clamp_min(mx[v], Vec::loadu(sp + v * VL));
+      }
+      for (int64_t v = 0; v < nvec; ++v) {
+        const Vec mold = Vec::loadu(s.m + v * VL);
+        const Vec mnew = at::vec::clamp_min(mold, mx[v]);
+        // A row with nothing visible yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+        muse[v] = Vec::blendv(mnew, Vec(0.f), mnew == Vec(kNegInf));
+        exp2v(mold - muse[v]).store(s.alpha + v * VL);
+        mnew.store(s.m + v * VL);
+      }
+      if (!dropout) {
+        for (int64_t j = 0; j < bk; ++j) {
+          float* sp = s.st + j * Rp;
+          for (int64_t v = 0; v < nvec; ++v) {
+            const Vec pj = exp2v(Vec::loadu(sp + v * VL) - muse[v]);
+            pj.store(sp + v * VL);
+            sum[v] = sum[v] + pj;
+          }
+        }
+      } else {
+        // l sums the undropped probabilities (lse is the plain softmax's); the output gets the
+        // kept ones, and 1 / (1 - p) when it is normalised.
+        for (int64_t j = 0; j < bk; ++j) {
+          float* sp = s.st + j * Rp;
+          dropout_keep(s.rseed, Rp, j0 + j + p.dropout_k0, threshold, 1.f, s.kv);
+          for (int64_t v = 0; v < nvec; ++v) {
+            const Vec pj = exp2v(Vec::loadu(sp + v * VL) - muse[v]);
+            (pj * Vec::loadu(s.kv + v * VL)).store(sp + v * VL);
+            sum[v] = sum[v] + pj;
+          }
         }
       }
+      for (int64_t v = 0; v < nvec; ++v)
+        (Vec::loadu(s.l + v * VL) * Vec::loadu(s.alpha + v * VL) + sum[v]).store(s.l + v * VL);
     }
-    for (int64_t v = 0; v < nvec; ++v)
-      (Vec::loadu(s.l + v * VL) * Vec::loadu(s.alpha + v * VL) + sum[v]).store(s.l + v * VL);
 
     // O^T (Dv x Rp) = alpha * O^T + V_blk^T * P^T
     if (kPairs && pairwise) {
       const int64_t bk2 = (bk + 1) / 2;
-      pack_probs(s.st, Rp, bk, s.ptp);
+      if constexpr (kPairs) pack_probs<Dot>(s.st, Rp, bk, s.ptp);
       pack_key_pairs(vrows, j0, bk, Dv, s.vp, Dvp);
       for (int64_t d = 0; d < Dv; ++d) {
         float* od = s.ot + d * Rp;
@@ -242,7 +303,7 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
       }
     } else if constexpr (kPairs) {
       const int64_t bk2 = (bk + 1) / 2;
-      if (!fused_pack) pack_probs(s.st, Rp, bk, s.ptp);
+      if (!pairs_softmax) pack_probs<Dot>(s.st, Rp, bk, s.ptp);
       pack_key_pairs(vrows, j0, bk, Dv, s.vp, Dvp);
       if (first)
         gemm_pairs<Dot, CMode::Store>(Dv, Rp, bk2, s.vp, 1, Dvp, s.ptp, Rp, s.ot, Rp);

@@ -37,6 +37,53 @@ inline Vec exp2v(Vec x) {
   return r * at::vec::cast<float>(bits);
 }
 
+// 2^x for the probabilities of the bf16 products (forward.h, backward.h), which are rounded to
+// bf16 (8 bits) before any product and summed in fp32: exp2v's range reduction, a degree-5
+// polynomial of 2^f with 2^0 = 1 exactly (a minimax fit of the relative error, 1.6e-7 at most,
+// measured in float arithmetic over [-1/2, 1/2]; exp2v's degree 7 gives 1e-8), and 2^n applied
+// as vscalefps applies it (r * 2^n rounded once): two fused multiply-adds and three integer
+// steps fewer than exp2v. x below -160 (and -inf: masked scores) gives exactly 0; between -160 and
+// -126 a denormal or 0, where exp2v gives 0 below -126.5: the bf16 rounding (DAZ) and the fp32
+// sums (each row's sum holds its maximum's 1) see no difference. The fp32 products keep exp2v.
+inline Vec exp2v_short(Vec x) {
+  x = at::vec::clamp_max(at::vec::clamp_min(x, Vec(-160.f)), Vec(127.f));
+  const Vec n = x.round();
+  const Vec f = x - n;
+  Vec r(1.3268215116113424e-03f);
+  r = at::vec::fmadd(r, f, Vec(9.671511128544807e-03f));
+  r = at::vec::fmadd(r, f, Vec(5.550721660256386e-02f));
+  r = at::vec::fmadd(r, f, Vec(2.4022242426872253e-01f));
+  r = at::vec::fmadd(r, f, Vec(6.931470036506653e-01f));
+  r = at::vec::fmadd(r, f, Vec(1.f));
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_scalef_ps(r, n));
+#else
+  // The same single rounding: r * 2^n exactly below 2^-126 as (r * 2^(n + 64)) * 2^-64, whose
+  // first product is exact.
+  const auto lo = n < Vec(-126.f);
+  const Vec e = Vec::blendv(n, n + Vec(64.f), lo);
+  const IVec bits = (at::vec::convert_to_int_of_same_size(e) + IVec(127)) << IVec(23);
+  return (r * at::vec::cast<float>(bits)) * Vec::blendv(Vec(1.f), Vec(0x1p-64f), lo);
+#endif
+}
+
+// x, opaque to the optimiser: a product passed through it is rounded on its own, as a product
+// stored to memory is, never contracted with a following addition into one fused multiply-add
+// (GCC contracts the vector operators' mul and sub; a different rounding).
+inline Vec opaque(Vec x) {
+#if defined(__GNUC__) && defined(CPU_CAPABILITY_AVX512)
+  __m512 r = x;
+  asm("" : "+v"(r));
+  return Vec(r);
+#elif defined(__GNUC__) && defined(__AVX2__)
+  __m256 r = x;
+  asm("" : "+v"(r));
+  return Vec(r);
+#else
+  return x;
+#endif
+}
+
 // tanh(x) for the softcap, within an ulp or two of float. |x| < 0.625: x + x^3 P(x^2), P a
 // degree-4 fit of (tanh x - x) / x^3 minimising the relative error (0.74 ulp at most, measured
 // over the interval in float arithmetic); beyond, sign(x) (1 - 2 / (1 + 2^(2 |x| log2 e))), whose
