@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "device_check.sh"
 sys.path.insert(0, str(ROOT))
@@ -54,6 +56,7 @@ def test_plan_table_is_consistent():
     assert dp.BY_NAME["bitident"].children == len(BWD_KERNELS)
 
 
+@pytest.mark.slow  # the whole plan in dry mode (15 s): run it before a GPU session (docs/install.md)
 def test_dry_run_fits_with_slack_and_covers_every_kernel(tmp_path):
     r, out = _run(tmp_path, DEVICE_CHECK_DRY_RUN="1")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

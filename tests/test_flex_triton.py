@@ -133,9 +133,9 @@ def test_half_inputs(case, dtype):
     _check(case, dtype)
 
 
-def test_backward_bit_identical_and_agrees_with_cpu():
+def test_backward_bit_identical():
     """Two runs give the same bits (no atomics: fixed-order sums, the table's gradient by a
-    deterministic index_put_), and the cpu kernel agrees within the rule."""
+    deterministic index_put_)."""
     case = CASES[4]  # rel_bias: q, k, v and the table
     q, k, v, do, t = _inputs(case, seed=3)
     q, k, v, do = (x.to(DEVICE) for x in (q, k, v, do))
@@ -147,8 +147,17 @@ def test_backward_bit_identical_and_agrees_with_cpu():
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
     for a, b in zip(g1, g2):
         assert torch.equal(a, b)
-    if DEVICE != "cpu":
-        return
+
+
+@pytest.mark.slow  # compiles the cpu kernel of this case's modifier (seconds on a fresh cache)
+@pytest.mark.skipif(DEVICE != "cpu", reason="the cpu kernel takes cpu tensors")
+def test_agrees_with_the_cpu_kernel():
+    """Triton and the cpu kernel within twice the other's error of the float64 oracle."""
+    case = CASES[4]  # rel_bias: q, k, v and the table
+    q, k, v, do, t = _inputs(case, seed=3)
+    score_mod, _ = _mods(case, t)
+    o1, _, g1 = _run(lambda a, b, c: mhakern.flex_attention(a, b, c, score_mod, return_lse=True, backend="triton"),
+                     q, k, v, do, [t["table"]])
     oc, lc, gc = _run(lambda a, b, c: mhakern.flex_attention(a, b, c, score_mod, return_lse=True, backend="cpu"),
                       q, k, v, do, [t["table"]])
     t64 = {n: x.detach().double().requires_grad_(x.requires_grad) if x.dtype.is_floating_point else x
