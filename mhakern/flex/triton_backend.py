@@ -210,23 +210,6 @@ class _Kernel:
         return dq, dk, dv, cap_grads
 
 
-class _FlexFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, kernel, scale, q, k, v, *grad_caps):
-        out, lse = kernel.forward(q, k, v, scale)
-        ctx.kernel, ctx.scale = kernel, scale
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv, cap_grads = ctx.kernel.backward(dout, q, k, v, out, lse, ctx.scale)
-        wanted = [g for g, w in zip(cap_grads, ctx.kernel.grad_caps) if w]
-        return (None, None, dq, dk, dv, *wanted)
-
-
 def _kernel(score_mod: Optional[Callable], blocks, device, B: int, H: int) -> _Kernel:
     """Traces (cached per function, as the cpu backend), generates and imports (cached by
     hash). Raises Untraceable."""
@@ -297,7 +280,7 @@ def serve(query, key, value, score_mod, block_mask, scale, enable_gqa, return_ls
                                 "address rows in 32 bits (use backend='cpu' or shorter sequences)")
     grad_caps = [c for c, w in zip(kernel.caps_src, kernel.grad_caps) if w]
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or grad_caps):
-        out, lse = _FlexFn.apply(kernel, sc, q, k, v, *grad_caps)
+        out, lse = _api._FlexFn.apply(kernel, sc, q, k, v, *grad_caps)  # the cpu kernel's autograd: same interface
     else:
         out, lse = kernel.forward(q, k, v, sc)
     _backends.note_served("triton")
