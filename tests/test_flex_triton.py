@@ -20,7 +20,8 @@ tflex = pytest.importorskip("torch.nn.attention.flex_attention")
 import mhakern  # noqa: E402
 from mhakern import reference as ref_mod  # noqa: E402
 from test_flex import (  # noqa: E402
-    Case, _alibi, _case_tables, _document, _head_window, _mods, _rel_bias, _t5, _tables, _window, causal, softcap,
+    Case, _alibi, _case_tables, _document, _head_window, _inputs, _mods, _rel_bias, _t5, _window, causal,
+    softcap,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -50,16 +51,6 @@ SLOW_CASES = [
     Case("per_head_window", None, _head_window, (1, 4, 4, 100, 100, 32), (64, 64)),
     Case("document_big", None, _document, (2, 2, 2, 180, 180, 48), (64, 32)),
 ]
-
-
-def _inputs(case: Case, dtype=torch.float32, seed=0):
-    B, H, Hkv, Lq, Lk, D = case.shape
-    g = torch.Generator().manual_seed(seed)
-    q = (torch.randn(B, H, Lq, D, generator=g) * case.qmul).to(dtype)
-    k = torch.randn(B, Hkv, Lk, D, generator=g).to(dtype)
-    v = torch.randn(B, Hkv, Lk, D, generator=g).to(dtype)
-    do = torch.randn(B, H, Lq, D, generator=g).to(dtype)
-    return q, k, v, do, _tables(B, H, Lq, Lk, g)
 
 
 def _on(t):
