@@ -9,6 +9,12 @@ from __future__ import annotations
 import torch
 
 
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``: ``x`` itself when it already is. (``Tensor.to`` returns ``x`` then too,
+    but its argument parsing costs about as much as a small op: this is the per-call path.)"""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def heads_inner(x: torch.Tensor) -> bool:
     """True when ``x`` (B, H, L, D) is a (B, L, H, D) tensor seen through a transpose."""
     return x.shape[1] > 1 and x.shape[2] > 1 and x.stride(1) < x.stride(2)

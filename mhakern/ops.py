@@ -22,7 +22,7 @@ import torch
 
 from . import backends, reference
 from ._errors import ArgumentError
-from ._layout import empty_like_heads, same_layout
+from ._layout import as_dtype, empty_like_heads, same_layout
 from .checks import (
     check_bool,
     check_key_lengths_meta,
@@ -65,11 +65,11 @@ def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> Tuple[Tensor, Tensor
     """(out', lse') of a softmax whose denominator also holds ``exp(sink[h])`` (docs/contract.md,
     "Score modifiers"): ``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')``, in
     lse's dtype (float64 for float64 inputs, so that the rescaling keeps their precision)."""
-    sk = sinks.detach().to(lse.dtype).view(1, -1, 1)
+    sk = as_dtype(sinks.detach(), lse.dtype).view(1, -1, 1)
     lse2 = torch.logaddexp(lse, sk)
     # A row with lse = lse' = -inf (no key, sink -inf) keeps its zeros: factor 0, not exp(nan).
     factor = torch.exp(lse - lse2).masked_fill(torch.isneginf(lse2), 0.0)
-    return (out * factor.unsqueeze(-1).to(out.dtype)), lse2
+    return (out * as_dtype(factor.unsqueeze(-1), out.dtype)), lse2
 
 
 def forward_impl(be, q, k, v, scale, causal, key_lengths, modes: Modes) -> Tuple[Tensor, Tensor]:
@@ -108,7 +108,7 @@ def backward_impl(be, dout, q, k, v, out, lse, scale, causal, key_lengths, modes
     Lk, Dv = k.shape[2], v.shape[3]
     dsinks = None
     if modes.sinks is not None:
-        delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+        delta = (as_dtype(dout, lse.dtype) * as_dtype(out, lse.dtype)).sum(-1)
         dsinks = sink_grad(modes.sinks.detach(), lse, delta)
     if _empty(B, H, Lq, Lk, Dv):
         dmask = None
@@ -340,12 +340,12 @@ class _AttnFunction(torch.autograd.Function):
                                                       modes)
             if modes.mask_grad:
                 dmask = reduce_mask_grad(dmask, mask_4d(mask).shape).reshape(mask.shape).to(mask.dtype)
-            dsinks = dsinks.to(sinks.dtype) if need[4] else None
+            dsinks = as_dtype(dsinks, sinks.dtype) if need[4] else None
         else:
             dq, dk, dv, dmask, dsinks = attn_bwd(dout, q, k, v, out, lse, scale, causal, kl, backend,
                                                  *modes.op_args())
             dmask = dmask.to(mask.dtype) if modes.mask_grad else None
-            dsinks = dsinks.to(sinks.dtype) if need[4] else None
+            dsinks = as_dtype(dsinks, sinks.dtype) if need[4] else None
         return dq, dk, dv, dmask, dsinks, None
 
 

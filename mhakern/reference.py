@@ -31,6 +31,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ._layout import as_dtype
 from .modes import DEFAULT_MODES, Modes, mask_4d
 
 Tensor = torch.Tensor
@@ -239,9 +240,9 @@ def sink_grad(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
     """dL/dsink[h] = -sum over (b, i) of ``exp(sink[h] - lse) * delta``, with ``lse`` the
     sink-inclusive log-sum-exp (B, H, Lq) and ``delta = rowsum(dout * out)`` (B, H, Lq); 0 for a
     sink of -inf. In ``lse``'s dtype."""
-    sk = sinks.to(lse.dtype).view(1, -1, 1)
+    sk = as_dtype(sinks, lse.dtype).view(1, -1, 1)
     p_sink = torch.exp(sk - lse).masked_fill(torch.isneginf(sk).expand_as(lse), 0.0)
-    return -(p_sink * delta.to(lse.dtype)).sum((0, 2))
+    return -(p_sink * as_dtype(delta, lse.dtype)).sum((0, 2))
 
 
 def _support_matmul(a: Tensor, b: Tensor, present: Optional[Tensor]) -> Tensor:
