@@ -198,7 +198,8 @@ _CASTS = ("_to_copy", "to", "_to_dtype", "type_as", "_autocast_to_reduced_precis
 _MINMAX = ("minimum", "maximum", "min", "max", "fmin", "fmax")
 _CONSTANTS = ("scalar_tensor", "full", "full_like", "zeros_like", "ones_like", "zeros", "ones")
 # (ops, the Syntax key of their bool form, their integer operator)
-_LOGICAL = ((("logical_and", "bitwise_and", "__and__"), "and_b", "&"), (("logical_or", "bitwise_or", "__or__"), "or_b", "|"),
+_LOGICAL = ((("logical_and", "bitwise_and", "__and__"), "and_b", "&"),
+            (("logical_or", "bitwise_or", "__or__"), "or_b", "|"),
             (("logical_xor", "bitwise_xor", "__xor__"), "xor_b", "^"))
 
 
@@ -294,12 +295,14 @@ class _Cpp(Syntax):
     }
     ops = {
         "cast": "static_cast<{t}>({0})", "const": "static_cast<{t}>({0})", "scalar": "{0}",
-        "select": "({0} ? {1} : {2})", "add_b": "({0} + {1})", "and_b": "({0} && {1})", "or_b": "({0} || {1})", "xor_b": "({0} != {1})",
+        "select": "({0} ? {1} : {2})", "add_b": "({0} + {1})", "and_b": "({0} && {1})", "or_b": "({0} || {1})",
+        "xor_b": "({0} != {1})",
         "not_b": "(!{0})", "abs": "std::abs({0})", "fsign": "fsign({0})", "wrap": "wrap_index({0}, {1})",
         "sign": "static_cast<{t}>(({0} > 0) - ({0} < 0))", "relu": "std::max<{t}>({0}, 0)",
         "min": "std::min<{t}>({0}, {1})", "max": "std::max<{t}>({0}, {1})",
         "floordiv_i": "py_floordiv({0}, {1})", "truncdiv_i": "({0} / {1})",
-        "mod_i": "py_mod({0}, {1})", "mod_f": "py_fmod({0}, {1})", "fmod_i": "({0} % {1})", "fmod_f": "std::fmod({0}, {1})",
+        "mod_i": "py_mod({0}, {1})", "mod_f": "py_fmod({0}, {1})", "fmod_i": "({0} % {1})",
+        "fmod_f": "std::fmod({0}, {1})",
         "define": "const {t} {0} = {1};", "zero": "float {0} = 0.f;", "assign": "{0} = {1};", "acc": "{0} += {1};",
     }
 

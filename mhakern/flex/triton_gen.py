@@ -3,9 +3,10 @@
 The analogue of :func:`mhakern.flex.graph.cpp` for the Triton kernels: :func:`source` returns
 the text of a Python module holding ``score_fwd``, ``score_bwd`` (graph.py's one walk over the
 nodes, forward and reverse mode, written through the Triton :class:`~mhakern.flex.graph.Syntax`
-here) and ``mask_fn`` as ``@triton.jit`` functions over tiles, followed by the flex kernels (forward, dQ, dK/dV) with the captures'
-parameters spliced into their signatures. ``@triton.jit`` reads its function's source, so the
-module is written to a file (triton_backend.py caches it by hash) and imported.
+here) and ``mask_fn`` as ``@triton.jit`` functions over tiles, followed by the flex kernels
+(forward, dQ, dK/dV) with the captures' parameters spliced into their signatures. ``@triton.jit``
+reads its function's source, so the module is written to a file (triton_backend.py caches it by
+hash) and imported.
 
 Values inside the functions: the score tile (rows x keys) in float32, ``b`` and ``h`` program
 scalars, ``q_idx`` a (rows, 1) and ``kv_idx`` a (1, keys) int32 column and row: each node's value
@@ -38,13 +39,15 @@ class _Triton(Syntax):
     unary = {
         "exp": "tl.exp({0})", "exp2": "tl.math.exp2({0})", "log": "tl.log({0})", "log2": "tl.math.log2({0})",
         "log1p": "_log1p({0})", "expm1": "_expm1({0})", "sqrt": "tl.sqrt({0})", "rsqrt": "(1.0 / tl.sqrt({0}))",
-        "sin": "tl.sin({0})", "cos": "tl.cos({0})", "tanh": "tanh_f32({0})", "sigmoid": "(1.0 / (1.0 + tl.exp(-({0}))))",
+        "sin": "tl.sin({0})", "cos": "tl.cos({0})", "tanh": "tanh_f32({0})",
+        "sigmoid": "(1.0 / (1.0 + tl.exp(-({0}))))",
         "erf": "tl.math.erf({0})", "floor": "tl.floor({0})", "ceil": "tl.ceil({0})", "round": "_rint({0})",
         "trunc": "_trunc({0})", "reciprocal": "(1.0 / ({0}))",
     }
     ops = {
         "const": "tl.full([], {0}, {t})", "scalar": "tl.full([], {0}, {t})",
-        "select": "tl.where({0}, {1}, {2})", "add_b": "({0} | {1})", "and_b": "({0} & {1})", "or_b": "({0} | {1})", "xor_b": "({0} ^ {1})",
+        "select": "tl.where({0}, {1}, {2})", "add_b": "({0} | {1})", "and_b": "({0} & {1})", "or_b": "({0} | {1})",
+        "xor_b": "({0} ^ {1})",
         "not_b": "({0} == 0)", "abs": "tl.abs({0})", "fsign": "(({0} > 0).to(tl.float32) - ({0} < 0).to(tl.float32))",
         "wrap": "_wrap({0}, {1})", "sign": "(({0} > 0).to({t}) - ({0} < 0).to({t}))", "relu": "tl.maximum({0}, {1})",
         "min": "tl.minimum({0}, {1})", "max": "tl.maximum({0}, {1})",

@@ -53,6 +53,20 @@ def _mm(a, b, LOWP: tl.constexpr):
     return c
 
 @triton.jit
+def _scores(q, k, b32, h32, qi, kj, row_ok, key_ok, sm_scale __CAPS__, PARTIAL: tl.constexpr, HAS_MASK: tl.constexpr,
+            HAS_SCORE: tl.constexpr, LOWP: tl.constexpr):
+    """(raw scores, modified scores with the hidden pairs at -inf, visibility) of a tile: the
+    forward and both backward loops recompute the same scores this one way."""
+    s_raw = _mm(q, tl.trans(k), LOWP) * sm_scale
+    s = s_raw
+    if HAS_SCORE:
+        s = score_fwd(s_raw, b32, h32, qi, kj __CAPS__)
+    vis = row_ok[:, None] & key_ok[None, :]
+    if PARTIAL and HAS_MASK:
+        vis = vis & mask_fn(b32, h32, qi, kj __CAPS__)
+    return s_raw, tl.where(vis, s, float("-inf")), vis
+
+@triton.jit
 def _fwd_blocks(acc, l_i, m_i, q, b, h, offs_m, row_ok, K, V, stride_kn, stride_vn, NUM, IDX, Lk, KVBS, sm_scale
                 __CAPS__, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, PARTIAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr,
@@ -72,14 +86,8 @@ def _fwd_blocks(acc, l_i, m_i, q, b, h, offs_m, row_ok, K, V, stride_kn, stride_
             key_ok = offs_n < kend
             k = _up(tl.load(K + offs_n[:, None] * stride_kn + offs_d[None, :],
                         mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0), LOWP)
-            s = _mm(q, tl.trans(k), LOWP) * sm_scale
-            kj = offs_n[None, :]
-            if HAS_SCORE:
-                s = score_fwd(s, b32, h32, qi, kj __CAPS__)
-            vis = row_ok[:, None] & key_ok[None, :]
-            if PARTIAL and HAS_MASK:
-                vis = vis & mask_fn(b32, h32, qi, kj __CAPS__)
-            s = tl.where(vis, s, float("-inf"))
+            _, s, _ = _scores(q, k, b32, h32, qi, offs_n[None, :], row_ok, key_ok, sm_scale __CAPS__, PARTIAL,
+                              HAS_MASK, HAS_SCORE, LOWP)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row that has seen no key yet keeps m = -inf; shift by 0 there so exp2 gives 0, not NaN.
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -162,15 +170,9 @@ def _dq_blocks(dq, q, do, lse_use, delta, b, h, offs_m, row_ok, K, V, stride_kn,
                         mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0), LOWP)
             v = _up(tl.load(V + offs_n[:, None] * stride_vn + offs_dv[None, :],
                         mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0), LOWP)
-            s_raw = _mm(q, tl.trans(k), LOWP) * sm_scale
             kj = offs_n[None, :]
-            s = s_raw
-            if HAS_SCORE:
-                s = score_fwd(s_raw, b32, h32, qi, kj __CAPS__)
-            vis = row_ok[:, None] & key_ok[None, :]
-            if PARTIAL and HAS_MASK:
-                vis = vis & mask_fn(b32, h32, qi, kj __CAPS__)
-            s = tl.where(vis, s, float("-inf"))
+            s_raw, s, vis = _scores(q, k, b32, h32, qi, kj, row_ok, key_ok, sm_scale __CAPS__, PARTIAL, HAS_MASK,
+                                    HAS_SCORE, LOWP)
             p = tl.math.exp2((s - lse_use[:, None]) * LOG2E)
             dp = _mm(do, tl.trans(v), LOWP)
             ds = p * (dp - delta[:, None])
@@ -253,14 +255,8 @@ def _dkdv_blocks(dk, dv, k, v, b, h, offs_n, key_ok, Q, DO, LSE, DELTA, stride_q
             lse_use = tl.where(lse == float("-inf"), float("inf"), lse)
             delta = tl.load(DELTA + offs_m, mask=row_ok, other=0.0)
             qi = offs_m[:, None]
-            s_raw = _mm(q, tl.trans(k), LOWP) * sm_scale
-            s = s_raw
-            if HAS_SCORE:
-                s = score_fwd(s_raw, b32, h32, qi, kj __CAPS__)
-            vis = row_ok[:, None] & key_ok[None, :]
-            if PARTIAL and HAS_MASK:
-                vis = vis & mask_fn(b32, h32, qi, kj __CAPS__)
-            s = tl.where(vis, s, float("-inf"))
+            s_raw, s, vis = _scores(q, k, b32, h32, qi, kj, row_ok, key_ok, sm_scale __CAPS__, PARTIAL, HAS_MASK,
+                                    HAS_SCORE, LOWP)
             p = tl.math.exp2((s - lse_use[:, None]) * LOG2E)
             dv += _mm(tl.trans(p), do, LOWP)
             dp = _mm(do, tl.trans(v), LOWP)
