@@ -53,6 +53,13 @@ def test_agrees_with_the_cpu_kernel():
         assert ref_mod.rule_violation(a, b, c, torch.float32, 2.0) is None
 
 
+@pytest.mark.slow  # the interpreter at a cpu-sized shape: many tiles and blocks per row
+def test_document_mask_at_full_size():
+    """The document mask at the shape the cpu kernel runs (several partial and full blocks per
+    row, D 48), where the conformance suite runs the interpreter at its small shape."""
+    fc.check(fc.BY_NAME["document"], "triton", device=DEVICE)
+
+
 def test_auto_keeps_cpu_tensors_on_the_cpu_kernel(monkeypatch):
     """auto never takes the Triton path (nor the interpreter) for CPU tensors."""
     from mhakern.flex import triton_backend
