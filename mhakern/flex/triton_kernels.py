@@ -94,6 +94,7 @@ def _scores(q, k, b32, h32, qi, kj, row_ok, key_ok, sm_scale __CAPS__, PARTIAL: 
         vis = vis & mask_fn(b32, h32, qi, kj __CAPS__)
     return s_raw, tl.where(vis, s, float("-inf")), vis
 
+
 @triton.jit
 def _fwd_blocks(acc, l_i, m_i, q, b, h, offs_m, row_ok, K, V, stride_kn, stride_vn, NUM, IDX, Lk, KVBS, sm_scale
                 __CAPS__, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
