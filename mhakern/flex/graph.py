@@ -207,7 +207,14 @@ class Syntax:
     """How one target language writes what :class:`Emitter` emits. ``ops`` holds format
     templates (``{0}``, ``{1}``... the operands, ``{t}`` the result's type name); ``unary`` the
     forward unary functions of a float (``{0}``). A value is named ``v_<node>``, its adjoint
-    ``g_<node>``; ``g`` is the gradient arriving at the modifier's output."""
+    ``g_<node>``; ``g`` is the gradient arriving at the modifier's output.
+
+    ``ops`` keys: ``cast`` (to type t), ``const`` (the constant {0} of type t), ``scalar`` (a
+    traced scalar), ``select`` ({0} ? {1} : {2}), ``add_b``/``and_b``/``or_b``/``xor_b``/``not_b``
+    (bool forms), ``abs``, ``sign``, ``fsign`` (a float's sign: abs's derivative), ``relu`` ({1}
+    is 0 as the language writes it), ``min``, ``max``, ``wrap`` (index {0} wrapped into size {1}
+    as Python's negative indices), ``floordiv_i``, ``truncdiv_i``, ``mod_i``/``mod_f`` (Python's
+    %), ``fmod_i``/``fmod_f`` (C's fmod); statements ``define``, ``zero``, ``assign``, ``acc``."""
 
     name = ""  # in messages: "no derivative ... in the <name> code generator"
     indent = ""
