@@ -11,7 +11,8 @@
 # sources match; the build on the device otherwise), plan (pytest --collect-only: the tests of
 # each step and so its cap), smoke, then the kernels never run on silicon first -- sm90_fwd,
 # sm90_bwd_split, sm90_bwd_fused, mma_bwd_fused (with the D 256 backward), mma_modes (packed,
-# cache_batch_idx, paged, split-K), triton_bwd, triton_cache --, bitident (every backward kernel
+# cache_batch_idx, paged, split-K), triton_bwd, triton_cache (with three named mods of
+# flex_attention's Triton kernels) --, bitident (every backward kernel
 # in its own child), ceilings, bench (the decode rows first), report. By name only: decode,
 # variants, ncu, triton_suite, cuda_suite, trainer.
 #
@@ -30,7 +31,8 @@
 # d256 (head dim 256), varlen (packed sequences), paged (a paged KV cache), cache_batch_idx,
 # splitk (split-K: decode, long keys, forced counts), split (the split backward), fused (the
 # fused deterministic backward), fused_atomic (the fused backward with atomic dQ adds), bitident
-# (two runs bit-identical, against the family's split kernel) -- device_plan.py WHATS.
+# (two runs bit-identical, against the family's split kernel), flex (mhakern.flex_attention's
+# generated kernels on named score_mod / mask_mod pairs) -- device_plan.py WHATS.
 #
 # OUTDIR receives at most 8 files (what the device machine gives back): setup.log (environment,
 # install, build, smoke), tests.log (the GPU test steps and bitident), summary.md (the verdicts),

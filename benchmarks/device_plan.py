@@ -38,11 +38,13 @@ WHATS = {
     "fused": "the fused deterministic backward (one kernel, ordered dQ adds)",
     "fused_atomic": "the fused backward with atomic dQ adds (not deterministic)",
     "bitident": "two runs bit-identical where deterministic, against the family's split kernel",
+    "flex": "mhakern.flex_attention's generated kernels: named score_mod / mask_mod pairs of tests/flex_cases.py "
+            "on torch's BlockMask, with a learnable table's gradient",
 }
 
 ENV_S = 5  # the environment step (torch's import, nvidia-smi): not capped, accounted at this in a dry run
 GPU_TEST_FILES = ("tests/test_cuda_sm90_gpu.py", "tests/test_cuda.py", "tests/test_triton_gpu.py",
-                  "tests/test_triton_varlen.py", "tests/test_triton_kvcache.py")
+                  "tests/test_triton_varlen.py", "tests/test_triton_kvcache.py", "tests/test_conformance_flex.py")
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,13 @@ class Step:
 
 S90, CU, TG = "tests/test_cuda_sm90_gpu.py", "tests/test_cuda.py", "tests/test_triton_gpu.py"
 TV, TK = "tests/test_triton_varlen.py", "tests/test_triton_kvcache.py"
+CF = "tests/test_conformance_flex.py"
+# The Triton flex tests of the triton_cache step: a score_mod with a learnable table (and its
+# backward twice, bit for bit), a mask_mod with a score_mod at lengths that are not block
+# multiples (torch's #153799), a bucketed learnable table under GQA. Each compiles its own three
+# kernels (forward, dQ, dK/dV), about as long as a Triton test of the step: the rest of the named
+# mods run there when the file is named (DEVICE_CHECK_STAGES=triton_suite).
+FLEX_MODS = ("triton-rel_bias", "triton-softcap_window_odd", "triton-t5_bucket")
 
 # Run order: the install, then the kernels never run on silicon (highest risk first), the
 # bit-identity of every backward kernel, then the speed rows and the report. The steps after
@@ -153,12 +162,14 @@ STEPS: Tuple[Step, ...] = (
          covers=("triton fwd dense+d256", "triton bwd dense+fused+d256"),
          tests=(Sel(TG, "test_hard_cases_gpu", ("bfloat16",)), Sel(TG, "test_larger_shapes_gpu", ("True-",)),
                 Sel(TG, "test_backward_deterministic_gpu"), Sel(TG, "test_large_logits_gpu"))),
-    Step("triton_cache", "pytest", "Triton: packed forward and backward, KV cache (cache_batch_idx, paged), split-K decode",
+    Step("triton_cache", "pytest", "Triton: packed forward and backward, KV cache (cache_batch_idx, paged), split-K decode; "
+         "flex_attention's generated kernels on three named mods (fwd, lse, bwd, bit-identical rerun)",
          family="triton", passname="fwd", per_test_s=0.5, xdist=8, start_s=12, test_limit_s=30.0, plantable=True,
-         covers=("triton fwd varlen+paged+cache_batch_idx+splitk", "triton bwd varlen+fused+split"),
+         covers=("triton fwd varlen+paged+cache_batch_idx+splitk+flex", "triton bwd varlen+fused+split+flex+bitident"),
          tests=(Sel(TV, "test_varlen_forward_and_backward"), Sel(TV, "test_varlen_never_reads_other_sequences"),
                 Sel(TK, "test_kvcache_forward"), Sel(TG, "test_kvcache_decode_gpu"), Sel(TG, "test_packed_sequences_gpu"),
-                Sel(TG, "test_decode_packing_gpu", ("bfloat16-4099",)))),
+                Sel(TG, "test_decode_packing_gpu", ("bfloat16-4099",)), Sel(CF, "test_named_mods", FLEX_MODS),
+                Sel(CF, "test_backward_bit_identical", ("triton",)))),
     Step("bitident", "children", "every backward kernel in its own child: two runs bit-identical, against its split peer, tolerance rule",
          family="-", passname="bwd", per_child_s=12, children=8, parallel=5, slack=1.5, plantable=True,
          covers=("sm90 bwd split+fused+bitident", "mma bwd split+fused+fused_atomic+bitident",
@@ -174,11 +185,13 @@ STEPS: Tuple[Step, ...] = (
     Step("variants", "command", "the sm_90a forward's compile-time variants at L 16k (built in the background)",
          default=False, fixed_s=25),
     Step("ncu", "command", "Nsight Compute on each main kernel (4 profiles)", default=False, fixed_s=72),
-    Step("triton_suite", "pytest", "the Triton GPU file whole and the device-generic Triton suites", family="triton",
-         passname="fwd", default=False, per_test_s=0.6, xdist=8, start_s=14,
+    Step("triton_suite", "pytest", "the Triton GPU file whole, the device-generic Triton suites and every named flex mod",
+         family="triton", passname="fwd", default=False, per_test_s=0.6, xdist=8, start_s=14,
          tests=(Sel(TG, "test_hard_cases_gpu"), Sel(TG, "test_larger_shapes_gpu"), Sel(TG, "test_long_keys_decode_gpu"),
                 Sel(TG, "test_decode_packing_gpu"), Sel(TG, "test_launched_kernels_do_not_spill_gpu"),
-                Sel(TG, "test_batch_above_the_grid_limit_gpu"), Sel(TG, "test_auto_picks_a_compiled_gpu_backend"))),
+                Sel(TG, "test_batch_above_the_grid_limit_gpu"), Sel(TG, "test_auto_picks_a_compiled_gpu_backend"),
+                Sel(CF, "test_named_mods", ("triton-",)), Sel(CF, "test_half_inputs", ("triton-",)),
+                Sel(CF, "test_backward_bit_identical", ("triton",)))),
     Step("cuda_suite", "pytest", "the cuda GPU file whole (both families, every mode)", family="mma", passname="fwd",
          default=False, per_test_s=0.2, tests=tuple(Sel(CU, f) for f in (
              "test_hard_cases", "test_hard_cases_outside_the_kernels_fall_back", "test_every_dtype_and_head_dim",

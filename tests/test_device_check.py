@@ -28,6 +28,8 @@ REQUIRED = [
     ("mma", "fwd", "cache_batch_idx"), ("mma", "fwd", "paged"), ("mma", "fwd", "splitk"),
     ("triton", "fwd", "dense"), ("triton", "bwd", "fused"), ("triton", "fwd", "varlen"), ("triton", "bwd", "varlen"),
     ("triton", "fwd", "cache_batch_idx"), ("triton", "fwd", "paged"), ("triton", "fwd", "splitk"),
+    # issue 32: mhakern.flex_attention's generated Triton kernels, forward and backward.
+    ("triton", "fwd", "flex"), ("triton", "bwd", "flex"),
 ]
 TOKEN = r"[a-z0-9_.-]+"
 

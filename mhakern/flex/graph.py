@@ -9,7 +9,9 @@ Tensors the modifier captures appear as constants of the graph (the same tensor 
 their gradient can be asked for.
 
 :func:`trace` returns a :class:`Traced` (the nodes in order, the captures, a readable reason when
-the graph cannot be compiled); :func:`cpp` writes it as the C++ the kernel template
+the graph cannot be compiled). :class:`Emitter` walks it once for every target language, the
+values forward and their adjoints in reverse mode, writing through a :class:`Syntax` (the C++
+one here, triton_gen.py's Triton one); :func:`cpp` writes it as the C++ the kernel template
 (csrc/flex/flex_kernel.cpp) expects: ``score_fwd``, ``score_bwd`` (reverse mode over the graph:
 the gradient with respect to the score, and scatter-adds into the gradients of captured tables
 that require grad) and ``mask_fn``. Every value is computed in float (floating nodes), int64
@@ -44,14 +46,6 @@ class Traced:
     captures: List[Tensor] = field(default_factory=list)
 
 
-_UNARY_F = {
-    "exp": "std::exp({0})", "exp2": "std::exp2({0})", "log": "std::log({0})", "log2": "std::log2({0})",
-    "log1p": "std::log1p({0})", "expm1": "std::expm1({0})", "sqrt": "std::sqrt({0})",
-    "rsqrt": "(1.f / std::sqrt({0}))", "sin": "std::sin({0})", "cos": "std::cos({0})", "tanh": "std::tanh({0})",
-    "sigmoid": "(1.f / (1.f + std::exp(-({0}))))", "erf": "std::erf({0})", "floor": "std::floor({0})",
-    "ceil": "std::ceil({0})", "round": "std::nearbyint({0})", "trunc": "std::trunc({0})",
-    "reciprocal": "(1.f / ({0}))",
-}
 _CMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 _IDENTITY = {"clone", "alias", "detach", "lift_fresh_copy", "view", "reshape", "squeeze", "unsqueeze", "expand",
              "contiguous", "_unsafe_view", "positive"}
@@ -196,29 +190,173 @@ def _arg(a, what):
 
 
 # ------------------------------------------------------------------------------------------
-# C++ emission.
+# Emission: one walk over the nodes (forward values, then reverse mode) for every target
+# language; a Syntax says how that language writes each piece. CPP (below) is the cpu kernel's,
+# mhakern/flex/triton_gen.py's TRITON the Triton kernels'.
 
-_CT = {"f": "float", "i": "int64_t", "b": "bool"}
-
-
-def _lit(v, kind: Optional[str] = None) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int) and kind != "f":
-        return f"INT64_C({v})"
-    v = float(v)
-    if math.isnan(v):
-        return "std::numeric_limits<float>::quiet_NaN()"
-    if math.isinf(v):
-        return ("" if v > 0 else "-") + "std::numeric_limits<float>::infinity()"
-    return repr(v) + "f" if ("." in repr(v) or "e" in repr(v)) else repr(v) + ".f"
+_CASTS = ("_to_copy", "to", "_to_dtype", "type_as", "_autocast_to_reduced_precision", "convert_element_type")
+_MINMAX = ("minimum", "maximum", "min", "max", "fmin", "fmax")
+_CONSTANTS = ("scalar_tensor", "full", "full_like", "zeros_like", "ones_like", "zeros", "ones")
+# (ops, the Syntax key of their bool form, their integer operator)
+_LOGICAL = ((("logical_and", "bitwise_and", "__and__"), "and_b", "&"),
+            (("logical_or", "bitwise_or", "__or__"), "or_b", "|"),
+            (("logical_xor", "bitwise_xor", "__xor__"), "xor_b", "^"))
 
 
-class _Emitter:
-    """Writes the nodes of a Traced as C++ statements; ``kinds`` maps names to "f"/"i"/"b"."""
+class Syntax:
+    """How one target language writes what :class:`Emitter` emits. ``ops`` holds format
+    templates (``{0}``, ``{1}``... the operands, ``{t}`` the result's type name); ``unary`` the
+    forward unary functions of a float (``{0}``). A value is named ``v_<node>``, its adjoint
+    ``g_<node>``; ``g`` is the gradient arriving at the modifier's output.
 
-    def __init__(self, t: Traced, what: str):
-        self.t, self.what = t, what
+    ``ops`` keys: ``cast`` (to type t), ``const`` (the constant {0} of type t), ``scalar`` (a
+    traced scalar), ``select`` ({0} ? {1} : {2}), ``add_b``/``and_b``/``or_b``/``xor_b``/``not_b``
+    (bool forms), ``abs``, ``sign``, ``fsign`` (a float's sign: abs's derivative), ``relu`` ({1}
+    is 0 as the language writes it), ``min``, ``max``, ``wrap`` (index {0} wrapped into size {1}
+    as Python's negative indices), ``floordiv_i``, ``truncdiv_i``, ``mod_i``/``mod_f`` (Python's
+    %), ``fmod_i``/``fmod_f`` (C's fmod); statements ``define``, ``zero``, ``assign``, ``acc``."""
+
+    name = ""  # in messages: "no derivative ... in the <name> code generator"
+    indent = ""
+    types: Dict[str, str] = {}  # "f" / "i" / "b" -> the language's type
+    ops: Dict[str, str] = {}
+    unary: Dict[str, str] = {}
+    true, false = "", ""
+    int_lit = "{}"
+    nan, inf, neg_inf = "", "", ""
+
+    def float_lit(self, text: str) -> str:
+        """A float constant from Python's repr of it, or written with a trailing "." ("1.")."""
+        raise NotImplementedError
+
+    def lit(self, v, kind: Optional[str] = None) -> str:
+        if isinstance(v, bool):
+            return self.true if v else self.false
+        if isinstance(v, int) and kind != "f":
+            return self.int_lit.format(int(v))
+        v = float(v)
+        if math.isnan(v):
+            return self.nan
+        if math.isinf(v):
+            return self.inf if v > 0 else self.neg_inf
+        return self.float_lit(repr(v))
+
+    def op(self, key: str, *a, kind: str = "f") -> str:
+        return self.ops[key].format(*a, t=self.types[kind])
+
+    def cast(self, expr: str, kind: str) -> str:
+        return self.op("cast", expr, kind=kind)
+
+    def all_of(self, conds: List[str]) -> str:
+        """The conjunction of conditions (a clamp's gradient mask)."""
+        raise NotImplementedError
+
+    def load(self, cap: int, flat: str, src_float: bool, kind: str) -> str:
+        """Element ``flat`` of capture ``cap`` (stored as float, or int64), as ``kind``."""
+        raise NotImplementedError
+
+    def size(self, cap: int, d: int) -> str:
+        raise NotImplementedError
+
+    def flat(self, terms: List[str]) -> str:
+        raise NotImplementedError
+
+    def pow(self, a: str, b: str, exponent, kind: str) -> Optional[str]:
+        """a ** b; ``exponent`` is b's value when it is a constant, else None. None: not
+        supported for ``kind``."""
+        raise NotImplementedError
+
+    def pow_base_grad(self, a: str, b: str, exponent) -> str:
+        """d(a ** b) / da for floats."""
+        raise NotImplementedError
+
+    def scatter(self, k: int, cap: int, flat: str, g: str) -> List[str]:
+        """Statements adding adjoint ``g`` to element ``flat`` of capture ``cap``'s gradient:
+        the ``k``-th load node (in graph order) that feeds a wanted capture gradient."""
+        raise NotImplementedError
+
+    # Statements, indented.
+    def define(self, name: str, expr: str, kind: str) -> str:
+        return self.indent + self.ops["define"].format(name, expr, t=self.types[kind])
+
+    def stmt(self, key: str, *a) -> str:
+        return self.indent + self.ops[key].format(*a)
+
+
+class _Cpp(Syntax):
+    """The C++ of csrc/flex/flex_kernel.cpp's ``Mod`` structs: floats in float, integers in
+    int64_t; wrap_index, fsign, py_floordiv, py_mod, py_fmod are that file's helpers."""
+
+    name, indent = "cpu", "  "
+    types = {"f": "float", "i": "int64_t", "b": "bool"}
+    true, false, int_lit = "true", "false", "INT64_C({})"
+    nan = "std::numeric_limits<float>::quiet_NaN()"
+    inf, neg_inf = "std::numeric_limits<float>::infinity()", "-std::numeric_limits<float>::infinity()"
+    unary = {
+        "exp": "std::exp({0})", "exp2": "std::exp2({0})", "log": "std::log({0})", "log2": "std::log2({0})",
+        "log1p": "std::log1p({0})", "expm1": "std::expm1({0})", "sqrt": "std::sqrt({0})",
+        "rsqrt": "(1.f / std::sqrt({0}))", "sin": "std::sin({0})", "cos": "std::cos({0})", "tanh": "std::tanh({0})",
+        "sigmoid": "(1.f / (1.f + std::exp(-({0}))))", "erf": "std::erf({0})", "floor": "std::floor({0})",
+        "ceil": "std::ceil({0})", "round": "std::nearbyint({0})", "trunc": "std::trunc({0})",
+        "reciprocal": "(1.f / ({0}))",
+    }
+    ops = {
+        "cast": "static_cast<{t}>({0})", "const": "static_cast<{t}>({0})", "scalar": "{0}",
+        "select": "({0} ? {1} : {2})", "add_b": "({0} + {1})", "and_b": "({0} && {1})", "or_b": "({0} || {1})",
+        "xor_b": "({0} != {1})",
+        "not_b": "(!{0})", "abs": "std::abs({0})", "fsign": "fsign({0})", "wrap": "wrap_index({0}, {1})",
+        "sign": "static_cast<{t}>(({0} > 0) - ({0} < 0))", "relu": "std::max<{t}>({0}, 0)",
+        "min": "std::min<{t}>({0}, {1})", "max": "std::max<{t}>({0}, {1})",
+        "floordiv_i": "py_floordiv({0}, {1})", "truncdiv_i": "({0} / {1})",
+        "mod_i": "py_mod({0}, {1})", "mod_f": "py_fmod({0}, {1})", "fmod_i": "({0} % {1})",
+        "fmod_f": "std::fmod({0}, {1})",
+        "define": "const {t} {0} = {1};", "zero": "float {0} = 0.f;", "assign": "{0} = {1};", "acc": "{0} += {1};",
+    }
+
+    def float_lit(self, text):
+        return text + "f"
+
+    def all_of(self, conds):
+        return "(" + " && ".join(["true"] + conds) + ")"
+
+    def load(self, cap, flat, src_float, kind):
+        src = "float" if src_float else "int64_t"
+        return f"static_cast<{self.types[kind]}>(static_cast<const {src}*>(c.ptr[{cap}])[{flat}])"
+
+    def size(self, cap, d):
+        return f"c.size[{cap * 4 + d}]"
+
+    def flat(self, terms):
+        return " + ".join(terms) or "0"
+
+    def pow(self, a, b, exponent, kind):
+        if kind == "f":
+            return f"std::pow({a}, {b})"
+        return f"static_cast<int64_t>(std::pow(double({a}), double({b})))"
+
+    def pow_base_grad(self, a, b, exponent):
+        return f"{b} * std::pow({a}, {b} - 1.f)"
+
+    def scatter(self, k, cap, flat, g):
+        return [f"{self.indent}if (kCapGrad) gcap[{cap}][{flat}] += {g};"]
+
+
+CPP = _Cpp()
+
+
+def _clamp_bounds(op, args, kw) -> List[Tuple[str, tuple]]:
+    """The bounds a clamp applies, as ("max", lower bound) and ("min", upper bound)."""
+    lo = kw.get("min", args[1] if len(args) > 1 and op != "clamp_max" else ("const", None))
+    hi = kw.get("max", args[2] if len(args) > 2 else (args[1] if op == "clamp_max" else ("const", None)))
+    return [(f, b) for f, b in (("max", lo), ("min", hi)) if b[1] is not None or b[0] == "node"]
+
+
+class Emitter:
+    """Writes the nodes of a Traced in ``syntax``'s language: :meth:`forward_lines` (every
+    value), :meth:`backward_lines` (reverse mode); ``kinds`` maps names to "f"/"i"/"b"."""
+
+    def __init__(self, t: Traced, what: str, syntax: Syntax = CPP):
+        self.t, self.what, self.L = t, what, syntax
         self.kinds = {n: ("f" if (i == 0 and what == "score_mod") else "i") for i, n in enumerate(t.inputs)}
         for name, op, args, kind in t.nodes:
             self.kinds[name] = kind
@@ -228,18 +366,18 @@ class _Emitter:
         if tag == "node":
             k = self.kinds[x]
             if want and k != want:
-                return f"static_cast<{_CT[want]}>(v_{x})"
+                return self.L.cast(f"v_{x}", want)
             return f"v_{x}"
         if tag == "const":
             if x is None:
                 raise Untraceable(f"{self.what}: unexpected None argument")
             if want == "f":
-                return _lit(float(x), "f")
+                return self.L.lit(float(x), "f")
             if want == "i":
-                return _lit(int(x))
+                return self.L.lit(int(x))
             if want == "b":
-                return _lit(bool(x))
-            return _lit(x, "f" if isinstance(x, float) else None)
+                return self.L.lit(bool(x))
+            return self.L.lit(x, "f" if isinstance(x, float) else None)
         raise Untraceable(f"{self.what}: unsupported argument {a}")
 
     def kind_of(self, a) -> str:
@@ -254,164 +392,149 @@ class _Emitter:
         ks = [self.kind_of(a) for a in args]
         return "f" if "f" in ks else ("i" if "i" in ks else "b")
 
-    def cap_index(self, cap: int, idx_args) -> str:
+    def flat_index(self, cap: int, idx_args) -> str:
         """The flat element index of a load: Python's negative indices wrap."""
-        tensor = self.t.captures[cap]
+        L, dims = self.L, self.t.captures[cap].dim()
         terms = []
         for d, ia in enumerate(idx_args):
-            i = self.val(ia, "i")
-            stride = " * ".join(f"c.size[{cap * 4 + e}]" for e in range(d + 1, tensor.dim())) or "1"
-            terms.append(f"wrap_index({i}, c.size[{cap * 4 + d}]) * {stride}")
-        return " + ".join(terms) or "0"
+            stride = " * ".join(L.size(cap, e) for e in range(d + 1, dims)) or "1"
+            terms.append(f"{L.op('wrap', self.val(ia, 'i'), L.size(cap, d))} * {stride}")
+        return L.flat(terms)
 
     def expr(self, name: str, op: str, spec) -> str:
         kind = self.kinds[name]
-        ct = _CT[kind]
+        L, V = self.L, self.val
+
+        def O(key, *a):  # noqa: E743
+            return L.op(key, *a, kind=kind)
+
         if op == "load":
             cap, idx = spec
-            src = "float" if self.t.captures[cap].dtype.is_floating_point else "int64_t"
-            return f"static_cast<{ct}>(static_cast<const {src}*>(c.ptr[{cap}])[{self.cap_index(cap, idx)}])"
+            return L.load(cap, self.flat_index(cap, idx), self.t.captures[cap].dtype.is_floating_point, kind)
         args, kw, overload = spec
-        V = self.val
-        if op in _IDENTITY:
-            return V(args[0], kind)
-        if op in ("_to_copy", "to", "_to_dtype", "type_as", "_autocast_to_reduced_precision", "convert_element_type"):
+        if op in _IDENTITY or op in _CASTS:
             return V(args[0], kind)
         if op in ("add", "sub", "rsub"):
             alpha = kw.get("alpha", args[2] if len(args) > 2 else ("const", 1))
             a, b = (args[1], args[0]) if op == "rsub" else (args[0], args[1])
-            w = kind
+            if kind == "b":  # bool + bool: or
+                return O("add_b", V(a, "b"), V(b, "b"))
             sgn = "-" if op != "add" else "+"
-            al = "" if alpha == ("const", 1) else f"{V(alpha, w)} * "
-            return f"({V(a, w)} {sgn} {al}{V(b, w)})"
+            al = "" if alpha == ("const", 1) else f"{V(alpha, kind)} * "
+            return f"({V(a, kind)} {sgn} {al}{V(b, kind)})"
         if op == "mul":
-            return f"({V(args[0], kind)} * {V(args[1], kind)})" if kind != "b" else f"({V(args[0], 'b')} && {V(args[1], 'b')})"
-        if op == "div":
-            mode = kw.get("rounding_mode", ("const", None))[1]
+            return f"({V(args[0], kind)} * {V(args[1], kind)})" if kind != "b" else O("and_b", V(args[0], "b"),
+                                                                                       V(args[1], "b"))
+        if op in ("div", "floor_divide"):
+            mode = "floor" if op == "floor_divide" else kw.get("rounding_mode", ("const", None))[1]
             if mode is None:
                 return f"({V(args[0], 'f')} / {V(args[1], 'f')})"
             if kind == "i":
-                a, b = V(args[0], "i"), V(args[1], "i")
-                return f"py_floordiv({a}, {b})" if mode == "floor" else f"({a} / {b})"
-            a, b = V(args[0], "f"), V(args[1], "f")
-            return f"std::{'floor' if mode == 'floor' else 'trunc'}({a} / {b})"
-        if op == "floor_divide":
-            if kind == "i":
-                return f"py_floordiv({V(args[0], 'i')}, {V(args[1], 'i')})"
-            return f"std::floor({V(args[0], 'f')} / {V(args[1], 'f')})"
-        if op == "remainder":
-            if kind == "i":
-                return f"py_mod({V(args[0], 'i')}, {V(args[1], 'i')})"
-            return f"py_fmod({V(args[0], 'f')}, {V(args[1], 'f')})"
-        if op == "fmod":
-            if kind == "i":
-                return f"({V(args[0], 'i')} % {V(args[1], 'i')})"
-            return f"std::fmod({V(args[0], 'f')}, {V(args[1], 'f')})"
+                return O("floordiv_i" if mode == "floor" else "truncdiv_i", V(args[0], "i"), V(args[1], "i"))
+            return L.unary["floor" if mode == "floor" else "trunc"].format(f"{V(args[0], 'f')} / {V(args[1], 'f')}")
+        if op in ("remainder", "fmod"):
+            w = "i" if kind == "i" else "f"
+            return O(f"{'mod' if op == 'remainder' else 'fmod'}_{w}", V(args[0], w), V(args[1], w))
         if op == "neg":
             return f"(-{V(args[0], kind)})"
-        if op == "abs":
-            return f"std::abs({V(args[0], kind)})"
-        if op == "sign" or op == "sgn":
-            return f"static_cast<{ct}>(({V(args[0], kind)} > 0) - ({V(args[0], kind)} < 0))"
-        if op == "relu":
-            return f"std::max<{ct}>({V(args[0], kind)}, 0)"
-        if op in _UNARY_F:
-            if kind != "f":
-                return f"static_cast<{ct}>({_UNARY_F[op].format(V(args[0], 'f'))})"
-            return _UNARY_F[op].format(V(args[0], "f"))
+        if op in ("abs", "sign", "relu"):
+            return O(op, V(args[0], kind), L.lit(0, kind))  # relu's 0 as the language writes it
+        if op == "sgn":
+            return O("sign", V(args[0], kind))
+        if op in L.unary:
+            e = L.unary[op].format(V(args[0], "f"))
+            return e if kind == "f" else L.cast(e, kind)
         if op == "pow":
-            return f"std::pow({V(args[0], 'f')}, {V(args[1], 'f')})" if kind == "f" else \
-                f"static_cast<int64_t>(std::pow(double({V(args[0], 'i')}), double({V(args[1], 'i')})))"
-        if op in ("minimum", "maximum", "min", "max", "fmin", "fmax"):
+            ex = args[1][1] if args[1][0] == "const" else None
+            w = "f" if kind == "f" else "i"
+            e = L.pow(V(args[0], w), V(args[1], w), ex, kind)
+            if e is None:
+                raise Untraceable(f"{self.what}: integer aten.pow is not supported by the {L.name} code generator")
+            return e
+        if op in _MINMAX:
             if len(args) != 2:
                 raise Untraceable(f"{self.what}: {op} over a dimension is not pointwise")
-            f = "min" if op in ("minimum", "min", "fmin") else "max"
-            return f"std::{f}<{ct}>({V(args[0], kind)}, {V(args[1], kind)})"
+            return O("min" if op in ("minimum", "min", "fmin") else "max", V(args[0], kind), V(args[1], kind))
         if op in ("clamp", "clamp_min", "clamp_max"):
-            lo = kw.get("min", args[1] if len(args) > 1 and op != "clamp_max" else ("const", None))
-            hi = kw.get("max", args[2] if len(args) > 2 else (args[1] if op == "clamp_max" else ("const", None)))
             x = V(args[0], kind)
-            if lo[1] is not None or lo[0] == "node":
-                x = f"std::max<{ct}>({x}, {V(lo, kind)})"
-            if hi[1] is not None or hi[0] == "node":
-                x = f"std::min<{ct}>({x}, {V(hi, kind)})"
+            for f, bound in _clamp_bounds(op, args, kw):
+                x = O(f, x, V(bound, kind))
             return x
         if op == "where":
-            return f"({V(args[0], 'b')} ? {V(args[1], kind)} : {V(args[2], kind)})"
+            return O("select", V(args[0], "b"), V(args[1], kind), V(args[2], kind))
         if op in _CMP:
             w = self.common(args[0], args[1])
             return f"({V(args[0], w)} {_CMP[op]} {V(args[1], w)})"
-        if op in ("logical_and", "bitwise_and", "__and__"):
-            if kind == "b" or op == "logical_and":
-                return f"({V(args[0], 'b')} && {V(args[1], 'b')})"
-            return f"({V(args[0], 'i')} & {V(args[1], 'i')})"
-        if op in ("logical_or", "bitwise_or", "__or__"):
-            if kind == "b" or op == "logical_or":
-                return f"({V(args[0], 'b')} || {V(args[1], 'b')})"
-            return f"({V(args[0], 'i')} | {V(args[1], 'i')})"
-        if op in ("logical_xor", "bitwise_xor", "__xor__"):
-            if kind == "b" or op == "logical_xor":
-                return f"({V(args[0], 'b')} != {V(args[1], 'b')})"
-            return f"({V(args[0], 'i')} ^ {V(args[1], 'i')})"
+        for ops, key, sym in _LOGICAL:
+            if op in ops:
+                if kind == "b" or op.startswith("logical"):
+                    return O(key, V(args[0], "b"), V(args[1], "b"))
+                return f"({V(args[0], 'i')} {sym} {V(args[1], 'i')})"
         if op in ("logical_not", "bitwise_not"):
-            return f"(!{V(args[0], 'b')})" if kind == "b" or op == "logical_not" else f"(~{V(args[0], 'i')})"
-        if op in ("scalar_tensor", "full"):
-            return V(args[-1] if op == "full" else args[0], kind)
+            return O("not_b", V(args[0], "b")) if kind == "b" or op == "logical_not" else f"(~{V(args[0], 'i')})"
+        if op in ("scalar_tensor", "full", "full_like"):
+            return O("scalar", V(args[-1] if op == "full" else (args[1] if op == "full_like" else args[0]), kind))
         if op in ("zeros_like", "zeros", "new_zeros"):
-            return f"static_cast<{ct}>(0)"
+            return O("const", "0")
         if op in ("ones_like", "ones", "new_ones"):
-            return f"static_cast<{ct}>(1)"
-        if op == "full_like":
-            return V(args[1], kind)
-        raise Untraceable(f"{self.what}: op aten.{op} is not supported by the cpu code generator")
+            return O("const", "1")
+        raise Untraceable(f"{self.what}: op aten.{op} is not supported by the {L.name} code generator")
 
     def forward_lines(self) -> List[str]:
-        lines = []
-        for name, op, spec, kind in self.t.nodes:
-            lines.append(f"  const {_CT[kind]} v_{name} = {self.expr(name, op, spec)};")
-        return lines
+        return [self.L.define(f"v_{name}", self.expr(name, op, spec), kind) for name, op, spec, kind in self.t.nodes]
 
-    # Reverse mode: g_<name> is d(output)/d(name), for floating nodes on a path from the score
-    # or from a captured tensor whose gradient is wanted.
-    def backward_lines(self, want_caps: List[bool]) -> Tuple[List[str], bool]:
-        score = self.t.inputs[0]
-        active = {score}
+    def active(self, want_caps: List[bool]) -> set:
+        """Floating nodes on a path from the score or from a capture whose gradient is wanted."""
+        act = {self.t.inputs[0]}
         for name, op, spec, kind in self.t.nodes:
             if kind != "f":
                 continue
             if op == "load":
                 if want_caps[spec[0]]:
-                    active.add(name)
+                    act.add(name)
                 continue
             args, kw, _ = spec
-            deps = _node_args(args) + _node_args(tuple(kw.values()))
-            if op not in _NO_GRAD and any(d in active for d in deps):
-                active.add(name)
-        out = self.t.output
-        lines = [f"  float g_{n} = 0.f;" for n in [score] + [n for n, _, _, k in self.t.nodes if n in active]]
-        if out in active:
-            lines.append(f"  g_{out} = g;")
-        for name, op, spec, kind in reversed(self.t.nodes):
-            if name not in active:
-                continue
-            lines += self._adjoint(name, op, spec, active)
-        return lines, out in active
+            if op not in _NO_GRAD and any(d in act for d in _node_args(args) + _node_args(tuple(kw.values()))):
+                act.add(name)
+        return act
 
-    def _adjoint(self, name, op, spec, active) -> List[str]:
-        g = f"g_{name}"
-        if op == "load":
-            cap, idx = spec
-            return [f"  if (kCapGrad) gcap[{cap}][{self.cap_index(cap, idx)}] += {g};"]
+    def grad_loads(self, want_caps: List[bool]) -> List[str]:
+        """The load nodes whose adjoint feeds a wanted capture gradient, in graph order."""
+        act = self.active(want_caps)
+        return [name for name, op, _, _ in self.t.nodes if op == "load" and name in act]
+
+    def backward_lines(self, want_caps: List[bool]) -> List[str]:
+        """Reverse mode: from ``g`` (the gradient at the output) to ``g_<score>``, each node's
+        adjoint ``g_<name>`` the sum over its uses; the loads of a wanted capture scatter theirs."""
+        act = self.active(want_caps)
+        loads = self.grad_loads(want_caps)
+        score, out, L = self.t.inputs[0], self.t.output, self.L
+        lines = [L.stmt("zero", f"g_{n}") for n in [score] + [n for n, _, _, k in self.t.nodes if n in act]]
+        if out in act:
+            lines.append(L.stmt("assign", f"g_{out}", "g"))
+        for name, op, spec, kind in reversed(self.t.nodes):
+            if name not in act:
+                continue
+            if op == "load":
+                cap, idx = spec
+                lines += L.scatter(loads.index(name), cap, self.flat_index(cap, idx), f"g_{name}")
+                continue
+            lines += [L.stmt("acc", f"g_{a}", e) for a, e in self._adjoint(name, op, spec, act)]
+        return lines
+
+    def _adjoint(self, name, op, spec, act) -> List[Tuple[str, str]]:
+        """(input, term) pairs: ``term`` is added to the adjoint of ``input``."""
+        L = self.L
+        g, y = f"g_{name}", f"v_{name}"
         args, kw, _ = spec
-        y = f"v_{name}"  # the node's value
         V = lambda a: self.val(a, "f")  # noqa: E731
+        F = L.float_lit
+        zero = F("0.")
 
         def acc(a, expr):
-            if a[0] == "node" and a[1] in active:
-                return [f"  g_{a[1]} += {expr};"]
-            return []
+            return [(a[1], expr)] if a[0] == "node" and a[1] in act else []
 
-        if op in _IDENTITY or op in ("_to_copy", "to", "_to_dtype", "type_as", "convert_element_type"):
+        if op in _IDENTITY or op in _CASTS:
             return acc(args[0], g)
         if op in ("add", "sub", "rsub"):
             alpha = kw.get("alpha", args[2] if len(args) > 2 else ("const", 1))
@@ -428,46 +551,44 @@ class _Emitter:
         if op == "neg":
             return acc(args[0], f"-{g}")
         if op == "abs":
-            return acc(args[0], f"{g} * fsign({V(args[0])})")
+            return acc(args[0], f"{g} * {L.op('fsign', V(args[0]))}")
         if op == "relu":
-            return acc(args[0], f"({y} > 0.f ? {g} : 0.f)")
+            return acc(args[0], L.op("select", f"{y} > {zero}", g, zero))
+        x = V(args[0])
+        ln2 = F("0.6931471805599453")
         d = {
-            "exp": f"{g} * {y}", "exp2": f"{g} * {y} * 0.6931471805599453f",
-            "log": f"{g} / {V(args[0])}", "log2": f"{g} / ({V(args[0])} * 0.6931471805599453f)",
-            "log1p": f"{g} / (1.f + {V(args[0])})", "expm1": f"{g} * ({y} + 1.f)",
-            "sqrt": f"{g} * 0.5f / {y}", "rsqrt": f"-0.5f * {g} * {y} * {y} * {y}",
-            "sin": f"{g} * std::cos({V(args[0])})", "cos": f"-{g} * std::sin({V(args[0])})",
-            "tanh": f"{g} * (1.f - {y} * {y})", "sigmoid": f"{g} * {y} * (1.f - {y})",
-            "erf": f"{g} * 1.1283791670955126f * std::exp(-{V(args[0])} * {V(args[0])})",
+            "exp": f"{g} * {y}", "exp2": f"{g} * {y} * {ln2}",
+            "log": f"{g} / {x}", "log2": f"{g} / ({x} * {ln2})",
+            "log1p": f"{g} / ({F('1.')} + {x})", "expm1": f"{g} * ({y} + {F('1.')})",
+            "sqrt": f"{g} * {F('0.5')} / {y}", "rsqrt": f"-{F('0.5')} * {g} * {y} * {y} * {y}",
+            "sin": f"{g} * {L.unary['cos'].format(x)}", "cos": f"-{g} * {L.unary['sin'].format(x)}",
+            "tanh": f"{g} * ({F('1.')} - {y} * {y})", "sigmoid": f"{g} * {y} * ({F('1.')} - {y})",
+            "erf": f"{g} * {F('1.1283791670955126')} * {L.unary['exp'].format(f'-{x} * {x}')}",
             "reciprocal": f"-{g} * {y} * {y}",
         }
         if op in d:
             return acc(args[0], d[op])
         if op == "pow":
-            return (acc(args[0], f"{g} * {V(args[1])} * std::pow({V(args[0])}, {V(args[1])} - 1.f)")
-                    + acc(args[1], f"{g} * {y} * std::log({V(args[0])})"))
-        if op in ("minimum", "maximum", "min", "max", "fmin", "fmax"):
+            b = V(args[1])
+            ex = args[1][1] if args[1][0] == "const" else None
+            return (acc(args[0], f"{g} * {L.pow_base_grad(x, b, ex)}")
+                    + acc(args[1], f"{g} * {y} * {L.unary['log'].format(x)}"))
+        if op in _MINMAX:
             a, b = V(args[0]), V(args[1])
             first = f"({a} < {b})" if op in ("minimum", "min", "fmin") else f"({a} > {b})"
+            half = f"{F('0.5')} * {g}"
             # Ties split the gradient evenly, as torch's derivative of minimum/maximum does.
-            return (acc(args[0], f"({first} ? {g} : ({a} == {b} ? 0.5f * {g} : 0.f))")
-                    + acc(args[1], f"({first} ? 0.f : ({a} == {b} ? 0.5f * {g} : {g}))"))
+            return (acc(args[0], L.op("select", first, g, L.op("select", f"{a} == {b}", half, zero)))
+                    + acc(args[1], L.op("select", first, zero, L.op("select", f"{a} == {b}", half, g))))
         if op in ("clamp", "clamp_min", "clamp_max"):
-            x = V(args[0])
-            lo = kw.get("min", args[1] if len(args) > 1 and op != "clamp_max" else ("const", None))
-            hi = kw.get("max", args[2] if len(args) > 2 else (args[1] if op == "clamp_max" else ("const", None)))
-            cond = ["true"]
-            if lo[1] is not None or lo[0] == "node":
-                cond.append(f"{x} >= {V(lo)}")
-            if hi[1] is not None or hi[0] == "node":
-                cond.append(f"{x} <= {V(hi)}")
-            return acc(args[0], f"(({' && '.join(cond)}) ? {g} : 0.f)")
+            conds = [f"{x} {'>=' if f == 'max' else '<='} {V(bound)}" for f, bound in _clamp_bounds(op, args, kw)]
+            return acc(args[0], L.op("select", L.all_of(conds), g, zero))
         if op == "where":
             c = self.val(args[0], "b")
-            return acc(args[1], f"({c} ? {g} : 0.f)") + acc(args[2], f"({c} ? 0.f : {g})")
-        if op in ("scalar_tensor", "full", "full_like", "zeros_like", "ones_like", "zeros", "ones"):
+            return acc(args[1], L.op("select", c, g, zero)) + acc(args[2], L.op("select", c, zero, g))
+        if op in _CONSTANTS:
             return []
-        raise Untraceable(f"{self.what}: no derivative for aten.{op} in the cpu code generator")
+        raise Untraceable(f"{self.what}: no derivative for aten.{op} in the {L.name} code generator")
 
 
 def _node_args(args) -> List[str]:
@@ -493,12 +614,12 @@ def cpp(score: Optional[Traced], mask: Optional[Traced], want_caps: List[bool], 
                 "template <bool kCapGrad>",
                 f"static inline float score_bwd(float s, {sig}, float g, float* const* gcap) {{ return g; }}"]
     else:
-        e = _Emitter(score, "score_mod")
+        e = Emitter(score, "score_mod")
         names = score.inputs
         bind = (f"  const float v_{names[0]} = s; const int64_t v_{names[1]} = b, v_{names[2]} = h, "
                 f"v_{names[3]} = q_idx, v_{names[4]} = kv_idx;")
         fwd = e.forward_lines()
-        bwd, _ = e.backward_lines(want_caps)
+        bwd = e.backward_lines(want_caps)
         has_cap_grad = any(want_caps[i] for i in range(len(want_caps)) if i < len(score.captures))
         out += ["static constexpr bool kHasScoreMod = true;",
                 f"static constexpr bool kHasCapGrad = {'true' if has_cap_grad else 'false'};",
@@ -510,7 +631,7 @@ def cpp(score: Optional[Traced], mask: Optional[Traced], want_caps: List[bool], 
     if mask is None:
         out.append(f"static inline bool mask_fn({sig}) {{ return true; }}")
     else:
-        e = _Emitter(mask, "mask_mod")
+        e = Emitter(mask, "mask_mod")
         names = mask.inputs
         out += [f"static inline bool mask_fn({sig}) {{",
                 f"  const int64_t v_{names[0]} = b, v_{names[1]} = h, v_{names[2]} = q_idx, v_{names[3]} = kv_idx;",

@@ -229,13 +229,8 @@ def _kernel(score_mod: Optional[Callable], blocks, device, B: int, H: int) -> _K
     # Only score_mod's captures can have a gradient (mask_mod's values are piecewise constant).
     n_score = len(_api._trace_cached(score_mod, True).captures) if score_mod is not None else 0
     grad_caps = [i < n_score and c.requires_grad and c.dtype.is_floating_point for i, c in enumerate(caps)]
-    text, n_grad = triton_gen.source(score_t, mask_t, grad_caps)
-    loads = []
-    if score_t is not None:
-        _, names = triton_gen._Emitter(score_t, "score_mod").backward_lines(grad_caps)
-        spec = {n: s for n, op, s, _ in score_t.nodes}
-        loads = [spec[n][0] for n in names]
-    k = _Kernel(_module(text), n_grad, blocks, caps, grad_caps, loads, device, B, H)
+    text, loads = triton_gen.source(score_t, mask_t, grad_caps)
+    k = _Kernel(_module(text), len(loads), blocks, caps, grad_caps, loads, device, B, H)
     k.has_score = score_t is not None
     return k
 

@@ -53,12 +53,53 @@ def _mm(a, b, LOWP: tl.constexpr):
     return c
 
 @triton.jit
+def _tile(P, rows, ok, stride, NCOL: tl.constexpr, BLOCK: tl.constexpr, LOWP: tl.constexpr):
+    """Rows ``rows`` of the row-major matrix at P (row stride ``stride``; rows not ``ok`` and
+    columns past NCOL read 0), BLOCK columns, as the products take it (_up)."""
+    cols = tl.arange(0, BLOCK)
+    return _up(tl.load(P + rows[:, None] * stride + cols[None, :], mask=ok[:, None] & (cols[None, :] < NCOL),
+                       other=0.0), LOWP)
+
+
+@triton.jit
+def _store_tile(P, rows, ok, stride, x, NCOL: tl.constexpr, BLOCK: tl.constexpr):
+    """Stores tile ``x`` where _tile reads, in P's dtype."""
+    cols = tl.arange(0, BLOCK)
+    tl.store(P + rows[:, None] * stride + cols[None, :], x.to(P.dtype.element_ty),
+             mask=ok[:, None] & (cols[None, :] < NCOL))
+
+
+@triton.jit
+def _program(NH, L, BS, nsub, BLOCK: tl.constexpr):
+    """This program's (batch, head, mask block, positions of its tile, which of them lie in the
+    block), for a grid of (blocks x nsub tiles of BLOCK, batch x NH heads) over L positions."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    blk = pid // nsub
+    offs = blk * BS + (pid % nsub) * BLOCK + tl.arange(0, BLOCK)
+    return (bh // NH).to(tl.int64), (bh % NH).to(tl.int64), blk, offs, offs < tl.minimum(blk * BS + BS, L)
+
+
+@triton.jit
+def _scores(q, k, b32, h32, qi, kj, row_ok, key_ok, sm_scale __CAPS__, PARTIAL: tl.constexpr, HAS_MASK: tl.constexpr,
+            HAS_SCORE: tl.constexpr, LOWP: tl.constexpr):
+    """(raw scores, modified scores with the hidden pairs at -inf, visibility) of a tile: the
+    forward and both backward loops recompute the same scores this one way."""
+    s_raw = _mm(q, tl.trans(k), LOWP) * sm_scale
+    s = s_raw
+    if HAS_SCORE:
+        s = score_fwd(s_raw, b32, h32, qi, kj __CAPS__)
+    vis = row_ok[:, None] & key_ok[None, :]
+    if PARTIAL and HAS_MASK:
+        vis = vis & mask_fn(b32, h32, qi, kj __CAPS__)
+    return s_raw, tl.where(vis, s, float("-inf")), vis
+
+
+@triton.jit
 def _fwd_blocks(acc, l_i, m_i, q, b, h, offs_m, row_ok, K, V, stride_kn, stride_vn, NUM, IDX, Lk, KVBS, sm_scale
                 __CAPS__, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, PARTIAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr,
                 LOWP: tl.constexpr):
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     # The modifiers see int32 indices (torch's dtype for them); addresses stay 64-bit.
     b32 = b.to(tl.int32)
     h32 = h.to(tl.int32)
@@ -70,24 +111,16 @@ def _fwd_blocks(acc, l_i, m_i, q, b, h, offs_m, row_ok, K, V, stride_kn, stride_
         for js in range(kstart, kend, BLOCK_N):
             offs_n = js + tl.arange(0, BLOCK_N)
             key_ok = offs_n < kend
-            k = _up(tl.load(K + offs_n[:, None] * stride_kn + offs_d[None, :],
-                        mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0), LOWP)
-            s = _mm(q, tl.trans(k), LOWP) * sm_scale
-            kj = offs_n[None, :]
-            if HAS_SCORE:
-                s = score_fwd(s, b32, h32, qi, kj __CAPS__)
-            vis = row_ok[:, None] & key_ok[None, :]
-            if PARTIAL and HAS_MASK:
-                vis = vis & mask_fn(b32, h32, qi, kj __CAPS__)
-            s = tl.where(vis, s, float("-inf"))
+            k = _tile(K, offs_n, key_ok, stride_kn, D, BLOCK_D, LOWP)
+            _, s, _ = _scores(q, k, b32, h32, qi, offs_n[None, :], row_ok, key_ok, sm_scale __CAPS__, PARTIAL,
+                              HAS_MASK, HAS_SCORE, LOWP)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row that has seen no key yet keeps m = -inf; shift by 0 there so exp2 gives 0, not NaN.
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.math.exp2((m_i - m_use) * LOG2E)
             p = tl.math.exp2((s - m_use[:, None]) * LOG2E)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = _up(tl.load(V + offs_n[:, None] * stride_vn + offs_dv[None, :],
-                        mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0), LOWP)
+            v = _tile(V, offs_n, key_ok, stride_vn, DV, BLOCK_DV, LOWP)
             acc = acc * alpha[:, None] + _mm(p, v, LOWP)
             m_i = m_new
     return acc, l_i, m_i
@@ -102,20 +135,9 @@ def flex_fwd(Q, K, V, O, LSE, KV_NUM, KV_IDX, FKV_NUM, FKV_IDX __CAPS__,
              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr,
                 LOWP: tl.constexpr,
              HAS_FULL: tl.constexpr):
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    b, h, qb, offs_m, row_ok = _program(H, Lq, QBS, nsub, BLOCK_M)
     hkv = h // n_rep
-    qb = pid // nsub
-    q0 = qb * QBS + (pid % nsub) * BLOCK_M
-    q_end = tl.minimum(qb * QBS + QBS, Lq)
-    offs_m = q0 + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < q_end
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = _up(tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
-                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0), LOWP)
+    q = _tile(Q + b * sqb + h * sqh, offs_m, row_ok, sqm, D, BLOCK_D, LOWP)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -132,9 +154,7 @@ def flex_fwd(Q, K, V, O, LSE, KV_NUM, KV_IDX, FKV_NUM, FKV_IDX __CAPS__,
                                     HAS_SCORE, LOWP)
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :], out.to(O.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    _store_tile(O + b * sob + h * soh, offs_m, row_ok, som, acc / l_safe[:, None], DV, BLOCK_DV)
     lse = tl.where(seen, m_i + tl.log(l_safe), float("-inf"))
     tl.store(LSE + (b * H + h) * Lq + offs_m, lse, mask=row_ok)
 
@@ -145,8 +165,6 @@ def _dq_blocks(dq, q, do, lse_use, delta, b, h, offs_m, row_ok, K, V, stride_kn,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PARTIAL: tl.constexpr, HAS_MASK: tl.constexpr,
                HAS_SCORE: tl.constexpr,
                 LOWP: tl.constexpr):
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     # The modifiers see int32 indices (torch's dtype for them); addresses stay 64-bit.
     b32 = b.to(tl.int32)
     h32 = h.to(tl.int32)
@@ -158,19 +176,11 @@ def _dq_blocks(dq, q, do, lse_use, delta, b, h, offs_m, row_ok, K, V, stride_kn,
         for js in range(kstart, kend, BLOCK_N):
             offs_n = js + tl.arange(0, BLOCK_N)
             key_ok = offs_n < kend
-            k = _up(tl.load(K + offs_n[:, None] * stride_kn + offs_d[None, :],
-                        mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0), LOWP)
-            v = _up(tl.load(V + offs_n[:, None] * stride_vn + offs_dv[None, :],
-                        mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0), LOWP)
-            s_raw = _mm(q, tl.trans(k), LOWP) * sm_scale
+            k = _tile(K, offs_n, key_ok, stride_kn, D, BLOCK_D, LOWP)
+            v = _tile(V, offs_n, key_ok, stride_vn, DV, BLOCK_DV, LOWP)
             kj = offs_n[None, :]
-            s = s_raw
-            if HAS_SCORE:
-                s = score_fwd(s_raw, b32, h32, qi, kj __CAPS__)
-            vis = row_ok[:, None] & key_ok[None, :]
-            if PARTIAL and HAS_MASK:
-                vis = vis & mask_fn(b32, h32, qi, kj __CAPS__)
-            s = tl.where(vis, s, float("-inf"))
+            s_raw, s, vis = _scores(q, k, b32, h32, qi, kj, row_ok, key_ok, sm_scale __CAPS__, PARTIAL, HAS_MASK,
+                                    HAS_SCORE, LOWP)
             p = tl.math.exp2((s - lse_use[:, None]) * LOG2E)
             dp = _mm(do, tl.trans(v), LOWP)
             ds = p * (dp - delta[:, None])
@@ -189,22 +199,10 @@ def flex_dq(Q, K, V, DO, DQ, LSE, DELTA, KV_NUM, KV_IDX, FKV_NUM, FKV_IDX __CAPS
             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr,
                 LOWP: tl.constexpr,
             HAS_FULL: tl.constexpr):
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    b, h, qb, offs_m, row_ok = _program(H, Lq, QBS, nsub, BLOCK_M)
     hkv = h // n_rep
-    qb = pid // nsub
-    q0 = qb * QBS + (pid % nsub) * BLOCK_M
-    q_end = tl.minimum(qb * QBS + QBS, Lq)
-    offs_m = q0 + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < q_end
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = _up(tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
-                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0), LOWP)
-    do = _up(tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_dv[None, :],
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0), LOWP)
+    q = _tile(Q + b * sqb + h * sqh, offs_m, row_ok, sqm, D, BLOCK_D, LOWP)
+    do = _tile(DO + b * sdob + h * sdoh, offs_m, row_ok, sdom, DV, BLOCK_DV, LOWP)
     lse = tl.load(LSE + (b * H + h) * Lq + offs_m, mask=row_ok, other=0.0)
     # A row with no visible key (lse -inf) takes +inf: every exp(s - lse) there is 0.
     lse_use = tl.where(lse == float("-inf"), float("inf"), lse)
@@ -221,9 +219,7 @@ def flex_dq(Q, K, V, DO, DQ, LSE, DELTA, KV_NUM, KV_IDX, FKV_NUM, FKV_IDX __CAPS
                         FKV_NUM + b * sfnb + h * sfnh + qb, FKV_IDX + b * sfib + h * sfih + qb * sfir, Lk, KVBS,
                         sm_scale __CAPS__ __GRADS__, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_MASK,
                         HAS_SCORE, LOWP)
-    tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :],
-             (dq * sm_scale).to(DQ.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_d[None, :] < D))
+    _store_tile(DQ + b * sdqb + h * sdqh, offs_m, row_ok, sdqm, dq * sm_scale, D, BLOCK_D)
 
 
 @triton.jit
@@ -232,8 +228,6 @@ def _dkdv_blocks(dk, dv, k, v, b, h, offs_n, key_ok, Q, DO, LSE, DELTA, stride_q
                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PARTIAL: tl.constexpr, HAS_MASK: tl.constexpr,
                  HAS_SCORE: tl.constexpr,
                 LOWP: tl.constexpr, CAP_GRAD: tl.constexpr):
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     # The modifiers see int32 indices (torch's dtype for them); addresses stay 64-bit.
     b32 = b.to(tl.int32)
     h32 = h.to(tl.int32)
@@ -245,22 +239,14 @@ def _dkdv_blocks(dk, dv, k, v, b, h, offs_n, key_ok, Q, DO, LSE, DELTA, stride_q
         for ms in range(qstart, qend, BLOCK_M):
             offs_m = ms + tl.arange(0, BLOCK_M)
             row_ok = offs_m < qend
-            q = _up(tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :],
-                        mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0), LOWP)
-            do = _up(tl.load(DO + offs_m[:, None] * stride_dom + offs_dv[None, :],
-                         mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0), LOWP)
+            q = _tile(Q, offs_m, row_ok, stride_qm, D, BLOCK_D, LOWP)
+            do = _tile(DO, offs_m, row_ok, stride_dom, DV, BLOCK_DV, LOWP)
             lse = tl.load(LSE + offs_m, mask=row_ok, other=0.0)
             lse_use = tl.where(lse == float("-inf"), float("inf"), lse)
             delta = tl.load(DELTA + offs_m, mask=row_ok, other=0.0)
             qi = offs_m[:, None]
-            s_raw = _mm(q, tl.trans(k), LOWP) * sm_scale
-            s = s_raw
-            if HAS_SCORE:
-                s = score_fwd(s_raw, b32, h32, qi, kj __CAPS__)
-            vis = row_ok[:, None] & key_ok[None, :]
-            if PARTIAL and HAS_MASK:
-                vis = vis & mask_fn(b32, h32, qi, kj __CAPS__)
-            s = tl.where(vis, s, float("-inf"))
+            s_raw, s, vis = _scores(q, k, b32, h32, qi, kj, row_ok, key_ok, sm_scale __CAPS__, PARTIAL, HAS_MASK,
+                                    HAS_SCORE, LOWP)
             p = tl.math.exp2((s - lse_use[:, None]) * LOG2E)
             dv += _mm(tl.trans(p), do, LOWP)
             dp = _mm(do, tl.trans(v), LOWP)
@@ -283,21 +269,9 @@ def flex_dkdv(Q, K, V, DO, DK, DV_, LSE, DELTA, Q_NUM, Q_IDX, FQ_NUM, FQ_IDX __C
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr,
                 LOWP: tl.constexpr,
               HAS_FULL: tl.constexpr, CAP_GRAD: tl.constexpr):
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // Hkv).to(tl.int64)
-    hkv = (bh % Hkv).to(tl.int64)
-    kb = pid // nsub
-    k0 = kb * KVBS + (pid % nsub) * BLOCK_N
-    k_end = tl.minimum(kb * KVBS + KVBS, Lk)
-    offs_n = k0 + tl.arange(0, BLOCK_N)
-    key_ok = offs_n < k_end
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    k = _up(tl.load(K + b * skb + hkv * skh + offs_n[:, None] * skn + offs_d[None, :],
-                mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0), LOWP)
-    v = _up(tl.load(V + b * svb + hkv * svh + offs_n[:, None] * svn + offs_dv[None, :],
-                mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0), LOWP)
+    b, hkv, kb, offs_n, key_ok = _program(Hkv, Lk, KVBS, nsub, BLOCK_N)
+    k = _tile(K + b * skb + hkv * skh, offs_n, key_ok, skn, D, BLOCK_D, LOWP)
+    v = _tile(V + b * svb + hkv * svh, offs_n, key_ok, svn, DV, BLOCK_DV, LOWP)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     for hh in range(0, n_rep):
@@ -315,9 +289,6 @@ def flex_dkdv(Q, K, V, DO, DK, DV_, LSE, DELTA, Q_NUM, Q_IDX, FQ_NUM, FQ_IDX __C
                                   FQ_NUM + b * sfnb + h * sfnh + kb, FQ_IDX + b * sfib + h * sfih + kb * sfir, H, Lq,
                                   Lk, QBS, sm_scale __CAPS__ __GRADS__, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, False,
                                   HAS_MASK, HAS_SCORE, LOWP, CAP_GRAD)
-    tl.store(DK + b * sdkb + hkv * sdkh + offs_n[:, None] * sdkn + offs_d[None, :],
-             (dk * sm_scale).to(DK.dtype.element_ty),
-             mask=key_ok[:, None] & (offs_d[None, :] < D))
-    tl.store(DV_ + b * sdvb + hkv * sdvh + offs_n[:, None] * sdvn + offs_dv[None, :], dv.to(DV_.dtype.element_ty),
-             mask=key_ok[:, None] & (offs_dv[None, :] < DV))
+    _store_tile(DK + b * sdkb + hkv * sdkh, offs_n, key_ok, sdkn, dk * sm_scale, D, BLOCK_D)
+    _store_tile(DV_ + b * sdvb + hkv * sdvh, offs_n, key_ok, sdvn, dv, DV, BLOCK_DV)
 '''
