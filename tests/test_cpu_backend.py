@@ -457,7 +457,8 @@ def test_portable_default_variant_in_a_subprocess():
 
 
 # ---------------------------------------------------------------------------------------------
-# Key-major tiles (kernel/plan.h key_tiles_fit): row blocks of 17-24 rows in AVX-512 vectors
+# The forward's key-major tiles (kernel/plan.h key_tiles_fit): row blocks of 17-24 rows in
+# AVX-512 vectors
 
 # (B, H, Hkv, Lq, Lk, D, Dv): the trainer's call (20 query rows over 32 keys), keys not a
 # multiple of 8, three key blocks, split key ranges, GQA decode of 20 heads, 19 and 24 rows.
@@ -497,10 +498,11 @@ def test_key_major_tiles_against_the_reference(case):
 
 
 def test_key_major_tiles_give_the_transposed_tiles_bits(tmp_path):
-    # The key-major tiles compute every element with the chains of the transposed ones, so a
-    # call gives the same bits whichever it runs: with the AVX-512 kernels these cases run key
-    # tiles, with the AVX2 ones (24 lanes for 20 rows: more than three quarters filled) the
-    # transposed tiles, and the two tables agree bit for bit where both run the same tiles.
+    # The forward's key-major tiles compute every element with the chains of the transposed
+    # ones, so a call gives the same bits whichever it runs: with the AVX-512 kernels these
+    # cases' forwards run key tiles, with the AVX2 ones (24 lanes for 20 rows: more than three
+    # quarters filled) the transposed tiles, and the two tables agree bit for bit where both run
+    # the same tiles (the backwards here).
     from mhakern.backends.cpu_backend import kernel_isa
 
     if kernel_isa() != "AVX512":

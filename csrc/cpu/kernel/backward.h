@@ -56,7 +56,7 @@ struct DropoutConsts {
 // accumulators, K and V converted to fp32, the rows' range limits and keep factors, the rows of
 // dQ on the way out, and the pairwise visibility.
 struct BwdTiles {
-  float *st, *dst, *dkb, *dvb, *kc, *vc, *lorel, *hirel, *kv, *kpad, *kt, *vt;
+  float *st, *dst, *dkb, *dvb, *kc, *vc, *lorel, *hirel, *kv, *kpad;
   uint8_t* vis;
   // The bf16 products: P^T, dS^T as pairs of rows (bk x Rp / 2), dS as pairs of keys
   // (bk / 2 x Rp), the key block as pairs along D (kd) and of keys (kk), V as pairs along Dv.
@@ -68,8 +68,7 @@ struct BwdTiles {
   }
   static int64_t floats(const BwdLayout& L, const ScoreMods& mods) {
     return mods.floats(L.Rp, true) + 2 * Scratch::size_of(kKeyBlock * L.Rp) + 2 * Scratch::size_of(kKeyBlock * L.Dp) +
-           2 * Scratch::size_of(kKeyBlock * L.Dvp) + 3 * Scratch::size_of(L.Rp) + 2 * Scratch::size_of(kKeyBlock * L.Dp) +
-           Scratch::size_of(kKeyBlock * L.Dvp) +
+           2 * Scratch::size_of(kKeyBlock * L.Dvp) + 3 * Scratch::size_of(L.Rp) + Scratch::size_of(kKeyBlock * L.Dp) +
            Scratch::size_of(kKeyBlock * L.Rp / 4) + (L.pairs ? pair_floats(L) : 0);
   }
   BwdTiles(Scratch& buf, const BwdLayout& L, const ScoreMods& mods) {
@@ -83,8 +82,6 @@ struct BwdTiles {
     hirel = buf.take(L.Rp);
     kv = buf.take(L.Rp);
     kpad = buf.take(kKeyBlock * L.Dp);
-    kt = buf.take(kKeyBlock * L.Dp);
-    vt = buf.take(kKeyBlock * L.Dvp);
     vis = reinterpret_cast<uint8_t*>(buf.take(kKeyBlock * L.Rp / 4));
     ms = ModScratch(buf, mods, L.Rp, true);
     if (L.pairs) {
@@ -439,34 +436,11 @@ MHK_STEP void pack_tile_pairs(const RowSlot& sl, int64_t bk, const BwdTiles& t) 
   pack_probs<Dot>(t.dst, Rp, bk, t.dsp);
 }
 
-// Step 5a's fp32 products: dV_blk += P^T dO ; dK_blk += dS^T Q ; dQ += dS K_blk, with P and dS
-// in t.st, t.dst at [j * key_stride + r * row_stride] for key j and row r (transposed tiles:
-// (Rp, 1); key-major ones: (1, bkp)); each element's chain adds over the rows (dV, dK) or the keys
-// (dQ) in order from 0 whatever the layout. Kp: the key block as rows padded to Dp (ldkp).
+// Step 5a: dV_blk += P^T dO ; dK_blk += dS^T Q ; dQ += dS K_blk, as tile products. dQ is kept as
+// rows (R x Dp): its product then runs over the block's R rows, not the Rp of a transposed tile
+// (20 rows are 32 with 16-float vectors), with the same multiply-adds in the same order as the
+// transposed product, so the same bits. Kp: the key block as rows padded to Dp (ldkp).
 // `started`: dK, dV of this key block already hold a contribution (else they are stored).
-MHK_STEP void accumulate_products(RowSlot& sl, int64_t bk, int64_t key_stride, int64_t row_stride, const float* Kp,
-                                  int64_t ldkp, const BwdLayout& L, const BwdTiles& t, bool& started) {
-  const int64_t R = sl.rb.rows(), Dp = L.Dp, Dvp = L.Dvp;
-  if (started) {
-    gemm<CMode::Accumulate>(bk, Dvp, R, t.st, key_stride, row_stride, sl.dor, Dvp, t.dvb, Dvp);
-    gemm<CMode::Accumulate>(bk, Dp, R, t.dst, key_stride, row_stride, sl.qr, Dp, t.dkb, Dp);
-  } else {
-    gemm<CMode::Store>(bk, Dvp, R, t.st, key_stride, row_stride, sl.dor, Dvp, t.dvb, Dvp);
-    gemm<CMode::Store>(bk, Dp, R, t.dst, key_stride, row_stride, sl.qr, Dp, t.dkb, Dp);
-    started = true;
-  }
-  if (sl.dq_started) {
-    gemm<CMode::Accumulate>(R, Dp, bk, t.dst, row_stride, key_stride, Kp, ldkp, sl.dqr, Dp);
-  } else {
-    gemm<CMode::Store>(R, Dp, bk, t.dst, row_stride, key_stride, Kp, ldkp, sl.dqr, Dp);
-    sl.dq_started = true;
-  }
-}
-
-// Step 5a: dV_blk += P^T dO ; dK_blk += dS^T Q ; dQ += dS K_blk, as tile products
-// (accumulate_products for fp32). dQ is kept as rows (R x Dp): its product then runs over the
-// block's R rows, not the Rp of a transposed tile (20 rows are 32 with 16-float vectors), with
-// the same multiply-adds in the same order as the transposed product, so the same bits.
 // With the bf16 products: P^T and dS^T rounded to bf16 (as the GPU kernels round them) and
 // paired along the rows for dV and dK, dS paired along the keys for dQ against t.kk.
 // `packed`: the bf16 operands are already in the tiles (probs_dscores_to_pairs).
@@ -493,34 +467,20 @@ MHK_STEP void accumulate_tiles(RowSlot& sl, int64_t bk, const float* Kp, int64_t
     }
     return;
   }
-  accumulate_products(sl, bk, Rp, 1, Kp, ldkp, L, t, started);
-}
-
-// Steps 2, 3 and 5a on key-major tiles (key_tiles_fit: short row blocks of fp32 calls) where the
-// block's scores go unchanged from their product to P (no modifier, mask, cut range, dropout,
-// dmask or pairwise tile): S = Q K^T and dP = dO V^T (R x bkp, from t.kt, t.vt: the key block
-// transposed, keys_transposed), P and dS = P (dP - delta) in place, then dV += P^T dO,
-// dK += dS^T Q and dQ += dS K with P and dS read through their strides. The products run over
-// the R rows, not the Rp lanes of the transposed tiles, with the bits of score_tiles,
-// probs_and_dscores and accumulate_tiles: every element is the same chain of fused
-// multiply-adds in the same order (a fused multiply-add is symmetric in its factors), P and dS
-// the same expressions per element. The padding keys past bk are never read.
-MHK_STEP void key_tiles_step(RowSlot& sl, int64_t D, int64_t Dv, int64_t bk, const float* Kp, int64_t ldkp,
-                             const BwdLayout& L, const BwdTiles& t, bool& started) {
-  const int64_t R = sl.rb.rows(), bkp = round_up(bk, VL);
-  gemm<CMode::Store>(R, bkp, D, sl.qr, L.Dp, 1, t.kt, bkp, t.st, bkp);
-  gemm<CMode::Store>(R, bkp, Dv, sl.dor, L.Dvp, 1, t.vt, bkp, t.dst, bkp);
-  for (int64_t r = 0; r < R; ++r) {
-    float* sp = t.st + r * bkp;
-    float* dp = t.dst + r * bkp;
-    const Vec lse(sl.lse2[r]), dl(sl.delta[r]);
-    for (int64_t v = 0; v < bkp; v += VL) {
-      const Vec pj = exp2v(Vec::loadu(sp + v) - lse);
-      pj.store(sp + v);
-      (pj * (Vec::loadu(dp + v) - dl)).store(dp + v);
-    }
+  if (started) {
+    gemm<CMode::Accumulate>(bk, Dvp, R, t.st, Rp, 1, sl.dor, Dvp, t.dvb, Dvp);
+    gemm<CMode::Accumulate>(bk, Dp, R, t.dst, Rp, 1, sl.qr, Dp, t.dkb, Dp);
+  } else {
+    gemm<CMode::Store>(bk, Dvp, R, t.st, Rp, 1, sl.dor, Dvp, t.dvb, Dvp);
+    gemm<CMode::Store>(bk, Dp, R, t.dst, Rp, 1, sl.qr, Dp, t.dkb, Dp);
+    started = true;
   }
-  accumulate_products(sl, bk, 1, bkp, Kp, ldkp, L, t, started);
+  if (sl.dq_started) {
+    gemm<CMode::Accumulate>(R, Dp, bk, t.dst, 1, Rp, Kp, ldkp, sl.dqr, Dp);
+  } else {
+    gemm<CMode::Store>(R, Dp, bk, t.dst, 1, Rp, Kp, ldkp, sl.dqr, Dp);
+    sl.dq_started = true;
+  }
 }
 
 // Step 5b, bf16 products: the same chains as step 5a's pair products, element by element, with
@@ -689,7 +649,6 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
         pack_key_pairs(kr, j0, bk, D, t.kk, L.Dp);
       }
       int kv_bad = -1;  // inf or NaN in this K or V block: -1 not looked yet
-      bool kv_transposed = false;  // t.kt, t.vt hold this key block (key_tiles_step)
       for (int64_t blk = 0; blk < nblk; ++blk) {
         RowSlot& sl = slots[blk];
         if (sl.br.stop <= j0 || sl.br.first >= j0 + bk) continue;
@@ -707,18 +666,6 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
               Rp % (2 * VL) == 0) {
             scores_to_pairs<Dot>(p, sl, bk, Kd, ldkd, Vd, ldvd, t);
             accumulate_tiles<Dot>(sl, bk, Kp, ldkp, L, t, started, true);
-            continue;
-          }
-        }
-        if constexpr (std::is_same_v<T, float> && !kPairs) {
-          if (!pairwise && !drop.on && !p.dmask && !mods.any() && !p.mask && !sl.br.ragged(j0, bk) &&
-              key_tiles_fit(p, sl.rb.rows(), Rp)) {
-            if (!kv_transposed) {
-              keys_transposed(Kb, ldk, bk, D, t.kt);
-              keys_transposed(Vb, ldv, bk, Dv, t.vt);
-              kv_transposed = true;
-            }
-            key_tiles_step(sl, D, Dv, bk, Kp, ldkp, L, t, started);
             continue;
           }
         }
