@@ -58,10 +58,9 @@ inline RowBlock row_block(const RowPlan& rp, int64_t hkv, int64_t idx) {
 // key-major tiles (forward.h forward_key_tiles), where the keys are the vector lanes and the
 // products cost R rows instead of Rp: head dims of whole vectors, and rows that fill more than
 // one vector but at most three quarters of their padded lanes (the trainer's 20 rows in 32 lanes
-// of 16). The backward keeps its transposed tiles: the same key-major steps there (S, dP, then
-// dV, dK, dQ through P's and dS's strides; 19% fewer multiply-adds at 20 rows, head dim 64)
-// measured no faster (1.80-1.93 ms against 1.85-1.88 for 256 x 20 queries over 32 keys, one
-// thread, 2-core Zen 4): its time is not in its products' lanes.
+// of 16). The backward keeps its transposed tiles: the same key-major steps there (19% fewer
+// multiply-adds at 20 rows, head dim 64) measured no faster (docs/results.md, section 4): its
+// time is not in its products' lanes.
 inline bool key_tiles_fit(const AttnParams& p, int64_t R, int64_t Rp) {
   return p.D % VL == 0 && p.Dv % VL == 0 && R > VL && 4 * R <= 3 * Rp;
 }
