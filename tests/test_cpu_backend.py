@@ -454,3 +454,65 @@ def test_portable_default_variant_in_a_subprocess():
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "DEFAULT OK" in res.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward's key-major tiles (kernel/plan.h key_tiles_fit): row blocks of 17-24 rows in
+# AVX-512 vectors
+
+# (B, H, Hkv, Lq, Lk, D, Dv): the trainer's call (20 query rows over 32 keys), keys not a
+# multiple of 8, three key blocks, split key ranges, GQA decode of 20 heads, 19 and 24 rows.
+_KEY_TILE_CASES = [
+    (4, 1, 1, 20, 32, 64, 64),
+    (2, 1, 1, 20, 37, 64, 32),
+    (2, 2, 2, 19, 300, 32, 16),
+    (1, 1, 1, 20, 3000, 64, 64),
+    (2, 40, 2, 1, 77, 64, 64),
+    (2, 1, 1, 24, 5, 128, 64),
+]
+
+
+def _key_tile_results():
+    """Forward and backward of the cpu kernels on _KEY_TILE_CASES (the first case with a NaN row
+    and a zero row), as int32 bits."""
+    ops = torch.ops.mhakern_C
+    res = []
+    for i, (B, H, Hkv, Lq, Lk, D, Dv) in enumerate(_KEY_TILE_CASES):
+        g = torch.Generator().manual_seed(i)
+        q, k, v, do = (torch.randn(*s, generator=g) for s in
+                       ((B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv), (B, H, Lq, Dv)))
+        if i == 0:
+            q[0, 0, 3, 5] = float("nan")
+            q[1, 0, 7] = 0.0
+        out, lse = ops.fwd_plain(q, k, v, D**-0.5, False, None)
+        grads = ops.bwd_plain(do, q, k, v, out, lse, D**-0.5, False, None)[:3]
+        res.append([x.view(torch.int32) for x in (out, lse, *grads)])
+    return res
+
+
+@pytest.mark.parametrize("case", _KEY_TILE_CASES[:5], ids=str)
+def test_key_major_tiles_against_the_reference(case):
+    B, H, Hkv, Lq, Lk, D, Dv = case
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv)
+    check_against_reference(cpu_attention, q, k, v)
+
+
+def test_key_major_tiles_give_the_transposed_tiles_bits(tmp_path):
+    # The forward's key-major tiles compute every element with the chains of the transposed
+    # ones, so a call gives the same bits whichever it runs: with the AVX-512 kernels these
+    # cases' forwards run key tiles, with the AVX2 ones (24 lanes for 20 rows: more than three
+    # quarters filled) the transposed tiles, and the two tables agree bit for bit where both run
+    # the same tiles (the backwards here).
+    from mhakern.backends.cpu_backend import kernel_isa
+
+    if kernel_isa() != "AVX512":
+        pytest.skip(f"the AVX-512 kernels are not in use here ({kernel_isa()})")
+    path = tmp_path / "avx2.pt"
+    code = (f"import sys, torch; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+            f"import test_cpu_backend as t; torch.save(t._key_tile_results(), {str(path)!r})")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for case, here, avx2 in zip(_KEY_TILE_CASES, _key_tile_results(), torch.load(path)):
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), here, avx2):
+            assert torch.equal(a, b), (case, name)

@@ -13,6 +13,9 @@
 // * Forward: online softmax over key blocks in base 2 (scale * log2(e) folded into Q), the
 //   output accumulated as O^T = V_blk^T * P^T; lse = (m + log2 l) * ln 2. Long key ranges with
 //   few row blocks are split into key ranges whose normalised partials are merged by lse.
+//   A short fp32 row block that would fill few of its padded row lanes (17-24 rows in 16-float
+//   vectors) and sees every key of its range runs key-major tiles instead (S = Q K_blk^T, the
+//   keys as lanes, O as rows; kernel/forward.h forward_key_tiles), with the same bits.
 // * Backward: a task owns (batch, KV head, key range): it gathers all the query rows of the
 //   heads sharing the KV head once, then for each key block recomputes P from lse and
 //   accumulates dV, dK for the block (owned: no atomics) and dQ for the rows; with several

@@ -18,7 +18,7 @@ namespace CPU_CAPABILITY {
 
 // A thread's scratch tiles for one row block (Rp: the largest block's padded rows).
 struct FwdScratch {
-  float *qr, *qt, *st, *ot, *orow, *m, *l, *alpha, *lorel, *hirel, *kc, *vc, *kv, *bmax;
+  float *qr, *qt, *st, *ot, *orow, *m, *l, *alpha, *lorel, *hirel, *kc, *vc, *kv, *bmax, *kt;
   uint32_t* rseed;
   uint8_t* vis;
   // The bf16 products' operands as pairs (bf16_dot.h): Q^T, a K block, a V block, P^T.
@@ -32,8 +32,8 @@ struct FwdScratch {
     return mods.floats(Rp, false) + Scratch::size_of(Rp * Dp) + Scratch::size_of(Dp * Rp) +
            Scratch::size_of(kKeyBlock * Rp) + Scratch::size_of(Dvp * Rp) + Scratch::size_of(Rp * Dvp) +
            8 * Scratch::size_of(Rp) +
-           Scratch::size_of(kKeyBlock * Dp) + Scratch::size_of(kKeyBlock * Dvp) + Scratch::size_of(kKeyBlock * Rp / 4) +
-           (pairs ? pair_floats(Dp, Dvp, Rp) : 0);
+           2 * Scratch::size_of(kKeyBlock * Dp) + Scratch::size_of(kKeyBlock * Dvp) +
+           Scratch::size_of(kKeyBlock * Rp / 4) + (pairs ? pair_floats(Dp, Dvp, Rp) : 0);
   }
   FwdScratch(Scratch& s, int64_t Dp, int64_t Dvp, int64_t Rp, const ScoreMods& mods, bool pairs = false) {
     qr = s.take(Rp * Dp);
@@ -50,6 +50,7 @@ struct FwdScratch {
     bmax = s.take(Rp);
     rseed = reinterpret_cast<uint32_t*>(s.take(Rp));
     kc = s.take(kKeyBlock * Dp);
+    kt = s.take(kKeyBlock * Dp);
     vc = s.take(kKeyBlock * Dvp);
     vis = reinterpret_cast<uint8_t*>(s.take(kKeyBlock * Rp / 4));  // Rp is a multiple of VL >= 4
     ms = ModScratch(s, mods, Rp, false);
@@ -131,6 +132,71 @@ inline void softmax_to_pairs(int64_t nvec, const float* st, int64_t Rp, int64_t 
   }
 }
 
+// The forward of one row block over keys [kbeg, kend) when every row sees every one of them (no
+// cut range, mask or dropout), with the keys as the vector lanes: per key block K^T (D x bkp),
+// S = Q K^T (R x bkp), P, and O = P V (R x Dv) as rows, so the block's products cost R rows,
+// not the Rp lanes of forward_rows' transposed tiles (20 rows: 32 lanes of 16; the keys, 32 at
+// the trainer's call, fill whole vectors). The bits are forward_rows' own: every S and O element
+// is the same chain of fused multiply-adds in the same order (a fused multiply-add is symmetric
+// in its factors; O is rescaled by alpha, rounded, before its block's chain, as the Rescale
+// product does in its load); each row's max and sum run over its keys in order from 0 with the
+// comparison and additions of forward_rows' per-lane ones; m, alpha and l take its vector
+// expressions, a row to a lane. Leaves O (not normalised) in s.orow (R x Dv), m and l in s.m, s.l.
+MHK_STEP void forward_key_tiles(const AttnParams& p, int64_t b, int64_t hkv, int64_t R, int64_t Rp, int64_t kbeg,
+                                int64_t kend, const FwdScratch& s) {
+  const int64_t D = p.D, Dv = p.Dv;  // whole vectors (key_tiles_fit)
+  const KvRows<float> krows(p, p.k, b, hkv), vrows(p, p.v, b, hkv);
+  float* muse = s.kv;     // the max each row's P subtracts (forward_rows' muse)
+  float* rsum = s.lorel;  // each row's sum of P over the block
+  if (kbeg >= kend) std::fill(s.orow, s.orow + R * Dv, 0.f);
+  bool first = true;
+  for (int64_t j0 = kbeg; j0 < kend; j0 += kKeyBlock) {
+    const int64_t bk = std::min(kKeyBlock, kend - j0), bkp = round_up(bk, VL);
+    int64_t ldk = 0, ldv = 0;
+    const float* Kb = krows.block(j0, bk, D, s.kc, &ldk);
+    const float* Vb = vrows.block(j0, bk, Dv, s.vc, &ldv);
+    keys_transposed(Kb, ldk, bk, D, s.kt);
+    gemm<CMode::Store>(R, bkp, D, s.qr, D, 1, s.kt, bkp, s.st, bkp);
+    // Row maxima, keys in order: forward_rows' per-lane clamp_min keeps the running max unless
+    // the key's score is greater, so NaN scores and ties of signed zeros go alike here.
+    std::fill(s.bmax, s.bmax + Rp, kNegInf);
+    std::fill(rsum, rsum + Rp, 0.f);
+    for (int64_t j = 0; j < bk; ++j)
+      for (int64_t r = 0; r < R; ++r) {
+        const float x = s.st[r * bkp + j];
+        s.bmax[r] = x > s.bmax[r] ? x : s.bmax[r];
+      }
+    for (int64_t v = 0; v < Rp; v += VL) {
+      const Vec mold = Vec::loadu(s.m + v);
+      const Vec mnew = at::vec::clamp_min(mold, Vec::loadu(s.bmax + v));
+      // A row with nothing visible yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+      const Vec mu = Vec::blendv(mnew, Vec(0.f), mnew == Vec(kNegInf));
+      exp2v(mold - mu).store(s.alpha + v);
+      mnew.store(s.m + v);
+      mu.store(muse + v);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      float* sr = s.st + r * bkp;
+      const Vec mu(muse[r]);
+      for (int64_t v = 0; v < bkp; v += VL) exp2v(Vec::loadu(sr + v) - mu).store(sr + v);
+    }
+    for (int64_t j = 0; j < bk; ++j)
+      for (int64_t r = 0; r < R; ++r) rsum[r] += s.st[r * bkp + j];
+    for (int64_t v = 0; v < Rp; v += VL)
+      (Vec::loadu(s.l + v) * Vec::loadu(s.alpha + v) + Vec::loadu(rsum + v)).store(s.l + v);
+    if (first) {
+      gemm<CMode::Store>(R, Dv, bk, s.st, bkp, 1, Vb, ldv, s.orow, Dv);
+    } else {
+      for (int64_t r = 0; r < R; ++r) {
+        const Vec a(s.alpha[r]);
+        for (int64_t v = 0; v < Dv; v += VL) (Vec::loadu(s.orow + r * Dv + v) * a).store(s.orow + r * Dv + v);
+      }
+      gemm<CMode::Accumulate>(R, Dv, bk, s.st, bkp, 1, Vb, ldv, s.orow, Dv);
+    }
+    first = false;
+  }
+}
+
 // kMods: the call has a score modifier (mods.any()); a template flag, so the plain call's
 // instance has no trace of them (a runtime branch per tile cost 3% on decode-sized tasks).
 // Dot: void for the fp32 products (every dtype converted to fp32), else the pair dot product of
@@ -164,161 +230,169 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
   for (int64_t r = 0; r < R; ++r)
     load_row(q + (rb.h0 + r / rb.nq) * p.q.sh + row_i(r) * p.q.sl, D, kPairs ? 1.f : qmul, s.qr + r * Dp, Dp);
   std::fill(s.qr + R * Dp, s.qr + Rp * Dp, 0.f);
-  if constexpr (kPairs)
-    pack_rows_transposed(s.qr, Dp, Rp, s.qtp, s.qt);
-  else
-    transpose(s.qr, Dp, s.qt, Rp, Rp, Dp);
-  const int64_t D2 = (D + 1) / 2;
   for (int64_t v = 0; v < nvec; ++v) {
     Vec(kNegInf).store(s.m + v * VL);
     Vec(0.f).store(s.l + v * VL);
   }
-  if (jstart >= kstop) std::fill(s.ot, s.ot + Dvp * Rp, 0.f);  // no key block will write it
+  // Short row blocks of fp32 calls whose rows see every key of the range: key-major tiles.
+  bool key_tiles = false;
+  if constexpr (std::is_same_v<T, float> && !kMods && !kPairs)
+    key_tiles = key_tiles_fit(p, R, Rp) && !dropout && !p.mask && br.maxlo <= kbeg && br.minhi >= kend;
+  if (key_tiles) {
+    forward_key_tiles(p, b, hkv, R, Rp, kbeg, kend, s);
+  } else {
+    if constexpr (kPairs)
+      pack_rows_transposed(s.qr, Dp, Rp, s.qtp, s.qt);
+    else
+      transpose(s.qr, Dp, s.qt, Rp, Rp, Dp);
+    const int64_t D2 = (D + 1) / 2;
+    if (jstart >= kstop) std::fill(s.ot, s.ot + Dvp * Rp, 0.f);  // no key block will write it
 
-  const KvRows<T> krows(p, p.k, b, hkv), vrows(p, p.v, b, hkv);
-  bool first = true;
-  for (int64_t j0 = jstart; j0 < kstop; j0 += kKeyBlock) {
-    const int64_t bk = std::min(kKeyBlock, kstop - j0);
-    const bool ragged = br.ragged(j0, bk);
-    // The bf16 products take the rows' max over the block from the S product's epilogue where
-    // nothing changes S^T after it (a pass over the tile less).
-    const bool fuse_max = kPairs && !kMods && !p.mask && !ragged && !dropout;
-    int64_t ldk = 0, ldv = 0;
-    if constexpr (kPairs) {
-      // S^T (bk x Rp) = K_blk * Q^T, K read in place when its rows are whole pairs in memory.
-      const T* k0 = krows.row(j0);
-      const bool in_place = krows.run(j0, bk) == bk && D % 2 == 0 && krows.sl % 2 == 0 &&
-                            reinterpret_cast<uintptr_t>(k0) % 4 == 0;
-      const uint32_t* Kp = s.kp;
-      int64_t ldkp = D2;
-      if (in_place) {
-        Kp = reinterpret_cast<const uint32_t*>(k0);
-        ldkp = krows.sl / 2;
+    const KvRows<T> krows(p, p.k, b, hkv), vrows(p, p.v, b, hkv);
+    bool first = true;
+    for (int64_t j0 = jstart; j0 < kstop; j0 += kKeyBlock) {
+      const int64_t bk = std::min(kKeyBlock, kstop - j0);
+      const bool ragged = br.ragged(j0, bk);
+      // The bf16 products take the rows' max over the block from the S product's epilogue where
+      // nothing changes S^T after it (a pass over the tile less).
+      const bool fuse_max = kPairs && !kMods && !p.mask && !ragged && !dropout;
+      int64_t ldk = 0, ldv = 0;
+      if constexpr (kPairs) {
+        // S^T (bk x Rp) = K_blk * Q^T, K read in place when its rows are whole pairs in memory.
+        const T* k0 = krows.row(j0);
+        const bool in_place = krows.run(j0, bk) == bk && D % 2 == 0 && krows.sl % 2 == 0 &&
+                              reinterpret_cast<uintptr_t>(k0) % 4 == 0;
+        const uint32_t* Kp = s.kp;
+        int64_t ldkp = D2;
+        if (in_place) {
+          Kp = reinterpret_cast<const uint32_t*>(k0);
+          ldkp = krows.sl / 2;
+        } else {
+          pack_rows(krows, j0, bk, D, s.kp, D2);
+        }
+        if (fuse_max) std::fill(s.bmax, s.bmax + Rp, kNegInf);
+        gemm_pairs<Dot, CMode::Store>(bk, Rp, D2, Kp, ldkp, 1, s.qtp, Rp, s.st, Rp, nullptr, qmul,
+                                      fuse_max ? s.bmax : nullptr);
       } else {
-        pack_rows(krows, j0, bk, D, s.kp, D2);
+        const float* Kb = krows.block(j0, bk, D, s.kc, &ldk);
+        // S^T (bk x Rp) = K_blk * Q^T
+        gemm<CMode::Store>(bk, Rp, D, Kb, ldk, 1, s.qt, Rp, s.st, Rp);
       }
-      if (fuse_max) std::fill(s.bmax, s.bmax + Rp, kNegInf);
-      gemm_pairs<Dot, CMode::Store>(bk, Rp, D2, Kp, ldkp, 1, s.qtp, Rp, s.st, Rp, nullptr, qmul,
-                                    fuse_max ? s.bmax : nullptr);
-    } else {
-      const float* Kb = krows.block(j0, bk, D, s.kc, &ldk);
-      // S^T (bk x Rp) = K_blk * Q^T
-      gemm<CMode::Store>(bk, Rp, D, Kb, ldk, 1, s.qt, Rp, s.st, Rp);
-    }
-    if constexpr (kMods) apply_score_mods(p, mods, s.ms, s.st, Rp, bk, b, rb, j0);
+      if constexpr (kMods) apply_score_mods(p, mods, s.ms, s.st, Rp, bk, b, rb, j0);
 
-    if (p.mask) apply_attn_mask(p, s.st, Rp, bk, b, rb, j0);
-    if (ragged) {
-      // Some row's visible range starts or ends inside this block.
-      range_limits(p, b, R, Rp, j0, bk, row_i, nullptr, s.lorel, s.hirel);
-      mask_block(s.st, Rp, bk, s.lorel, s.hirel, j0 < br.maxlo);
-    }
-    // The pair products read V as fp32 only where a hidden pair may meet an inf or NaN.
-    const float* Vb = kPairs && !(ragged || p.mask) ? nullptr : vrows.block(j0, bk, Dv, s.vc, &ldv);
-    // A hidden pair next to an inf or NaN in V: accumulate pair by pair (see visibility()).
-    const bool pairwise = (ragged || p.mask) && any_nonfinite(Vb, bk, Dv, ldv);
-    if (pairwise) visibility(s.st, Rp, bk, s.vis);
+      if (p.mask) apply_attn_mask(p, s.st, Rp, bk, b, rb, j0);
+      if (ragged) {
+        // Some row's visible range starts or ends inside this block.
+        range_limits(p, b, R, Rp, j0, bk, row_i, nullptr, s.lorel, s.hirel);
+        mask_block(s.st, Rp, bk, s.lorel, s.hirel, j0 < br.maxlo);
+      }
+      // The pair products read V as fp32 only where a hidden pair may meet an inf or NaN.
+      const float* Vb = kPairs && !(ragged || p.mask) ? nullptr : vrows.block(j0, bk, Dv, s.vc, &ldv);
+      // A hidden pair next to an inf or NaN in V: accumulate pair by pair (see visibility()).
+      const bool pairwise = (ragged || p.mask) && any_nonfinite(Vb, bk, Dv, ldv);
+      if (pairwise) visibility(s.st, Rp, bk, s.vis);
 
-    // Online softmax. Loops run over keys outside and row vectors inside, so the max and sum
-    // reductions of the row vectors are independent chains rather than one serial one.
-    const bool pairs_softmax = kPairs && !dropout && !pairwise;
-    if (pairs_softmax) {
-      if (!fuse_max) {
-        Vec mx[kRowVecs];
-        for (int64_t v = 0; v < nvec; ++v) mx[v] = Vec(kNegInf);
+      // Online softmax. Loops run over keys outside and row vectors inside, so the max and sum
+      // reductions of the row vectors are independent chains rather than one serial one.
+      const bool pairs_softmax = kPairs && !dropout && !pairwise;
+      if (pairs_softmax) {
+        if (!fuse_max) {
+          Vec mx[kRowVecs];
+          for (int64_t v = 0; v < nvec; ++v) mx[v] = Vec(kNegInf);
+          for (int64_t j = 0; j < bk; ++j) {
+            const float* sp = s.st + j * Rp;
+            for (int64_t v = 0; v < nvec; ++v) mx[v] = at::vec::clamp_min(mx[v], Vec::loadu(sp + v * VL));
+          }
+          for (int64_t v = 0; v < nvec; ++v) mx[v].store(s.bmax + v * VL);
+        }
+        if constexpr (kPairs) softmax_to_pairs<Dot>(nvec, s.st, Rp, bk, s.bmax, s.m, s.l, s.alpha, s.ptp);
+      } else {
+        Vec mx[kRowVecs], muse[kRowVecs], sum[kRowVecs];
+        for (int64_t v = 0; v < nvec; ++v) {
+          mx[v] = Vec(kNegInf);
+          sum[v] = Vec(0.f);
+        }
         for (int64_t j = 0; j < bk; ++j) {
           const float* sp = s.st + j * Rp;
           for (int64_t v = 0; v < nvec; ++v) mx[v] = at::vec::clamp_min(mx[v], Vec::loadu(sp + v * VL));
         }
-        for (int64_t v = 0; v < nvec; ++v) mx[v].store(s.bmax + v * VL);
-      }
-      if constexpr (kPairs) softmax_to_pairs<Dot>(nvec, s.st, Rp, bk, s.bmax, s.m, s.l, s.alpha, s.ptp);
-    } else {
-      Vec mx[kRowVecs], muse[kRowVecs], sum[kRowVecs];
-      for (int64_t v = 0; v < nvec; ++v) {
-        mx[v] = Vec(kNegInf);
-        sum[v] = Vec(0.f);
-      }
-      for (int64_t j = 0; j < bk; ++j) {
-        const float* sp = s.st + j * Rp;
-        for (int64_t v = 0; v < nvec; ++v) mx[v] = at::vec::clamp_min(mx[v], Vec::loadu(sp + v * VL));
-      }
-      for (int64_t v = 0; v < nvec; ++v) {
-        const Vec mold = Vec::loadu(s.m + v * VL);
-        const Vec mnew = at::vec::clamp_min(mold, mx[v]);
-        // A row with nothing visible yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
-        muse[v] = Vec::blendv(mnew, Vec(0.f), mnew == Vec(kNegInf));
-        exp2v(mold - muse[v]).store(s.alpha + v * VL);
-        mnew.store(s.m + v * VL);
-      }
-      if (!dropout) {
-        for (int64_t j = 0; j < bk; ++j) {
-          float* sp = s.st + j * Rp;
-          for (int64_t v = 0; v < nvec; ++v) {
-            const Vec pj = exp2v(Vec::loadu(sp + v * VL) - muse[v]);
-            pj.store(sp + v * VL);
-            sum[v] = sum[v] + pj;
+        for (int64_t v = 0; v < nvec; ++v) {
+          const Vec mold = Vec::loadu(s.m + v * VL);
+          const Vec mnew = at::vec::clamp_min(mold, mx[v]);
+          // A row with nothing visible yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+          muse[v] = Vec::blendv(mnew, Vec(0.f), mnew == Vec(kNegInf));
+          exp2v(mold - muse[v]).store(s.alpha + v * VL);
+          mnew.store(s.m + v * VL);
+        }
+        if (!dropout) {
+          for (int64_t j = 0; j < bk; ++j) {
+            float* sp = s.st + j * Rp;
+            for (int64_t v = 0; v < nvec; ++v) {
+              const Vec pj = exp2v(Vec::loadu(sp + v * VL) - muse[v]);
+              pj.store(sp + v * VL);
+              sum[v] = sum[v] + pj;
+            }
+          }
+        } else {
+          // l sums the undropped probabilities (lse is the plain softmax's); the output gets the
+          // kept ones, and 1 / (1 - p) when it is normalised.
+          for (int64_t j = 0; j < bk; ++j) {
+            float* sp = s.st + j * Rp;
+            dropout_keep(s.rseed, Rp, j0 + j + p.dropout_k0, threshold, 1.f, s.kv);
+            for (int64_t v = 0; v < nvec; ++v) {
+              const Vec pj = exp2v(Vec::loadu(sp + v * VL) - muse[v]);
+              (pj * Vec::loadu(s.kv + v * VL)).store(sp + v * VL);
+              sum[v] = sum[v] + pj;
+            }
           }
         }
+        for (int64_t v = 0; v < nvec; ++v)
+          (Vec::loadu(s.l + v * VL) * Vec::loadu(s.alpha + v * VL) + sum[v]).store(s.l + v * VL);
+      }
+
+      // O^T (Dv x Rp) = alpha * O^T + V_blk^T * P^T
+      if (kPairs && pairwise) {
+        const int64_t bk2 = (bk + 1) / 2;
+        if constexpr (kPairs) pack_probs<Dot>(s.st, Rp, bk, s.ptp);
+        pack_key_pairs(vrows, j0, bk, Dv, s.vp, Dvp);
+        for (int64_t d = 0; d < Dv; ++d) {
+          float* od = s.ot + d * Rp;
+          for (int64_t r = 0; r < Rp; ++r) {
+            const float acc = first ? 0.f : od[r] * s.alpha[r];
+            od[r] = masked_pair_chain(
+                acc, bk2, [&](int64_t k) { return s.vp[k * Dvp + d]; }, [&](int64_t k) { return s.ptp[k * Rp + r]; },
+                [&](int64_t k, int h) { return 2 * k + h >= bk || !s.vis[(2 * k + h) * Rp + r]; });
+          }
+        }
+      } else if (pairwise) {
+        for (int64_t d = 0; d < Dv; ++d) {
+          float* od = s.ot + d * Rp;
+          for (int64_t r = 0; r < Rp; ++r) {
+            float acc = first ? 0.f : od[r] * s.alpha[r];
+            for (int64_t j = 0; j < bk; ++j)
+              if (s.vis[j * Rp + r]) acc += s.st[j * Rp + r] * Vb[j * ldv + d];
+            od[r] = acc;
+          }
+        }
+      } else if constexpr (kPairs) {
+        const int64_t bk2 = (bk + 1) / 2;
+        if (!pairs_softmax) pack_probs<Dot>(s.st, Rp, bk, s.ptp);
+        pack_key_pairs(vrows, j0, bk, Dv, s.vp, Dvp);
+        if (first)
+          gemm_pairs<Dot, CMode::Store>(Dv, Rp, bk2, s.vp, 1, Dvp, s.ptp, Rp, s.ot, Rp);
+        else
+          gemm_pairs<Dot, CMode::Rescale>(Dv, Rp, bk2, s.vp, 1, Dvp, s.ptp, Rp, s.ot, Rp, s.alpha);
+      } else if (first) {
+        gemm<CMode::Store>(Dv, Rp, bk, Vb, 1, ldv, s.st, Rp, s.ot, Rp);
       } else {
-        // l sums the undropped probabilities (lse is the plain softmax's); the output gets the
-        // kept ones, and 1 / (1 - p) when it is normalised.
-        for (int64_t j = 0; j < bk; ++j) {
-          float* sp = s.st + j * Rp;
-          dropout_keep(s.rseed, Rp, j0 + j + p.dropout_k0, threshold, 1.f, s.kv);
-          for (int64_t v = 0; v < nvec; ++v) {
-            const Vec pj = exp2v(Vec::loadu(sp + v * VL) - muse[v]);
-            (pj * Vec::loadu(s.kv + v * VL)).store(sp + v * VL);
-            sum[v] = sum[v] + pj;
-          }
-        }
+        gemm<CMode::Rescale>(Dv, Rp, bk, Vb, 1, ldv, s.st, Rp, s.ot, Rp, s.alpha);
       }
-      for (int64_t v = 0; v < nvec; ++v)
-        (Vec::loadu(s.l + v * VL) * Vec::loadu(s.alpha + v * VL) + sum[v]).store(s.l + v * VL);
+      first = false;
     }
 
-    // O^T (Dv x Rp) = alpha * O^T + V_blk^T * P^T
-    if (kPairs && pairwise) {
-      const int64_t bk2 = (bk + 1) / 2;
-      if constexpr (kPairs) pack_probs<Dot>(s.st, Rp, bk, s.ptp);
-      pack_key_pairs(vrows, j0, bk, Dv, s.vp, Dvp);
-      for (int64_t d = 0; d < Dv; ++d) {
-        float* od = s.ot + d * Rp;
-        for (int64_t r = 0; r < Rp; ++r) {
-          const float acc = first ? 0.f : od[r] * s.alpha[r];
-          od[r] = masked_pair_chain(
-              acc, bk2, [&](int64_t k) { return s.vp[k * Dvp + d]; }, [&](int64_t k) { return s.ptp[k * Rp + r]; },
-              [&](int64_t k, int h) { return 2 * k + h >= bk || !s.vis[(2 * k + h) * Rp + r]; });
-        }
-      }
-    } else if (pairwise) {
-      for (int64_t d = 0; d < Dv; ++d) {
-        float* od = s.ot + d * Rp;
-        for (int64_t r = 0; r < Rp; ++r) {
-          float acc = first ? 0.f : od[r] * s.alpha[r];
-          for (int64_t j = 0; j < bk; ++j)
-            if (s.vis[j * Rp + r]) acc += s.st[j * Rp + r] * Vb[j * ldv + d];
-          od[r] = acc;
-        }
-      }
-    } else if constexpr (kPairs) {
-      const int64_t bk2 = (bk + 1) / 2;
-      if (!pairs_softmax) pack_probs<Dot>(s.st, Rp, bk, s.ptp);
-      pack_key_pairs(vrows, j0, bk, Dv, s.vp, Dvp);
-      if (first)
-        gemm_pairs<Dot, CMode::Store>(Dv, Rp, bk2, s.vp, 1, Dvp, s.ptp, Rp, s.ot, Rp);
-      else
-        gemm_pairs<Dot, CMode::Rescale>(Dv, Rp, bk2, s.vp, 1, Dvp, s.ptp, Rp, s.ot, Rp, s.alpha);
-    } else if (first) {
-      gemm<CMode::Store>(Dv, Rp, bk, Vb, 1, ldv, s.st, Rp, s.ot, Rp);
-    } else {
-      gemm<CMode::Rescale>(Dv, Rp, bk, Vb, 1, ldv, s.st, Rp, s.ot, Rp, s.alpha);
-    }
-    first = false;
+    // Rows of O (the padding rows of O^T, Dv .. Dvp, are never read back).
+    transpose(s.ot, Rp, s.orow, Dvp, Dvp, Rp);
   }
-
-  // Rows of O (the padding rows of O^T, Dv .. Dvp, are never read back).
-  transpose(s.ot, Rp, s.orow, Dvp, Dvp, Rp);
   const float keep_scale = dropout ? static_cast<float>(1.0 / (1.0 - static_cast<double>(p.dropout_p))) : 1.f;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t h = rb.h0 + r / rb.nq, i = row_i(r);

@@ -54,6 +54,17 @@ inline RowBlock row_block(const RowPlan& rp, int64_t hkv, int64_t idx) {
   return rb;
 }
 
+// Whether a forward row block of R rows (Rp: padded to whole vectors) of an fp32 call runs on
+// key-major tiles (forward.h forward_key_tiles), where the keys are the vector lanes and the
+// products cost R rows instead of Rp: head dims of whole vectors, and rows that fill more than
+// one vector but at most three quarters of their padded lanes (the trainer's 20 rows in 32 lanes
+// of 16). The backward keeps its transposed tiles: the same key-major steps there (19% fewer
+// multiply-adds at 20 rows, head dim 64) measured no faster (docs/results.md, section 4): its
+// time is not in its products' lanes.
+inline bool key_tiles_fit(const AttnParams& p, int64_t R, int64_t Rp) {
+  return p.D % VL == 0 && p.Dv % VL == 0 && R > VL && 4 * R <= 3 * Rp;
+}
+
 // Number of key ranges a group of `base` tasks is split into: enough for kTargetTasks tasks,
 // each range at least `min_keys` long, partial results within kPartialBudget.
 inline int64_t plan_key_splits(int64_t base, int64_t Lk, int64_t min_keys, int64_t floats_per_split) {

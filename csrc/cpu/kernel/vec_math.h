@@ -201,5 +201,18 @@ inline void transpose(const float* src, int64_t lds, float* dst, int64_t ldd, in
 #endif
 }
 
+// A key block (bk rows of `cols` floats, row stride ld) transposed into xt (cols x bkp, bkp =
+// bk rounded up to whole vectors), the columns past bk zero: the B operand of the key-major
+// tiles' score product (rows of Q times K^T, forward.h). cols: a multiple of 8.
+inline void keys_transposed(const float* x, int64_t ld, int64_t bk, int64_t cols, float* xt) {
+  const int64_t bkp = round_up(bk, VL), bk8 = bk / 8 * 8;
+  transpose(x, ld, xt, bkp, bk8, cols);
+  for (int64_t c = 0; c < cols; ++c) {
+    float* row = xt + c * bkp;
+    for (int64_t j = bk8; j < bk; ++j) row[j] = x[j * ld + c];
+    std::fill(row + bk, row + bkp, 0.f);
+  }
+}
+
 }  // namespace CPU_CAPABILITY
 }  // namespace mhakern::cpu
