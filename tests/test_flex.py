@@ -12,6 +12,7 @@ import torch
 
 import mhakern
 from mhakern import reference as ref_mod
+from mhakern.flex import graph
 
 tflex = pytest.importorskip("torch.nn.attention.flex_attention")
 
@@ -227,3 +228,29 @@ def test_flex_templates_do_not_change_the_build_key(tmp_path):
     assert _build.build_key(str(tmp_path), info, {}) == key
     (tmp_path / "csrc" / "a.cpp").write_text("int d;")
     assert _build.build_key(str(tmp_path), info, {}) != key
+
+
+def _reading_h(mask_mod):
+    """mask_mod, written so that it reads h (the same mask)."""
+    def reads_h(b, h, q, kv):
+        return mask_mod(b, h, q, kv) & (h >= 0)
+    return reads_h
+
+
+@pytest.mark.parametrize("name", ["causal", "document_window"])
+def test_mask_shared_across_heads_is_bit_identical(name):
+    """The cpu kernel evaluates a mask_mod that reads neither h nor b once per partial block for
+    all heads (causal), one that reads b once per batch element (document_window): the same
+    mask read per head gives the same bits, forward and backward."""
+    case = fc.BY_NAME[name]
+    case = case._replace(shape=(2, 4, 4) + case.shape[3:])
+    q, k, v, do, t = fc.inputs(case, seed=7)
+    _, mask_mod = fc.mods(case, t)
+    assert graph.reads(graph.trace(mask_mod, False))[:2] == [name != "causal", False]
+    res = []
+    for mm in (mask_mod, _reading_h(mask_mod)):
+        res.append(fc.run(fc.flex_call("cpu", None, fc.block_mask(case, mm), False), q, k, v, do, []))
+    (o1, l1, g1), (o2, l2, g2) = res
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)

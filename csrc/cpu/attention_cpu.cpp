@@ -274,6 +274,21 @@ at::Tensor bf16_round_lanes(const at::Tensor& x, bool runs, const std::string& v
   return out;
 }
 
+// The address of instruction set isa's flex runtime table (flex_runtime.h) for
+// mhakern/flex/build.py to hand to the generated libraries, or 0 when this build lacks it or
+// the CPU cannot run it.
+int64_t flex_runtime(const std::string& isa) {
+  const flex_rt::Runtime* t = nullptr;
+#ifdef MHAKERN_CPU_AVX512
+  if (isa == "AVX512" && cpu_has_avx512()) t = flex_runtime_AVX512();
+#endif
+#ifdef MHAKERN_CPU_AVX2
+  if (isa == "AVX2" && cpu_has_avx2()) t = flex_runtime_AVX2();
+#endif
+  if (isa == "DEFAULT") t = flex_runtime_DEFAULT();
+  return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t));
+}
+
 int64_t parallel_threads_probe(int64_t tasks) {
   TORCH_CHECK_VALUE(tasks > 0, "tasks: expected a positive number, got ", tasks);
   std::vector<std::atomic<int>> seen(static_cast<size_t>(std::max(at::get_num_threads(), 1)));
@@ -294,6 +309,7 @@ int64_t parallel_threads_probe(int64_t tasks) {
 // bit-identity checks).
 TORCH_LIBRARY_FRAGMENT(mhakern_C, m) {
   m.def("cpu_bf16_kernel_isa() -> str", &mhakern::cpu::bf16_kernel_isa);
+  m.def("cpu_flex_runtime(str isa) -> int", &mhakern::cpu::flex_runtime);
   m.def("cpu_bf16_dot_lanes(Tensor acc, Tensor a, Tensor b, str variant) -> Tensor", &mhakern::cpu::bf16_dot_lanes);
   m.def("cpu_bf16_round_lanes(Tensor x, bool runs, str variant) -> Tensor", &mhakern::cpu::bf16_round_lanes);
 }

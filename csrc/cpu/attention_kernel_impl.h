@@ -47,6 +47,7 @@
 //   modes.h     visible key ranges, dropout, attn_mask, the pairwise fallback
 //   forward.h   the forward (online softmax, split merge, task loop)
 //   backward.h  the backward (gather, per key block steps, dQ, task loop)
+//   flex_runtime_impl.h  mhakern.flex_attention's modifier-independent steps (../flex_runtime.h)
 // This file adds the entry points of the instruction set and the table that names them.
 #pragma once
 
@@ -56,6 +57,7 @@
 
 #include "kernel/backward.h"
 #include "kernel/forward.h"
+#include "kernel/flex_runtime_impl.h"
 
 #include <type_traits>
 #include <vector>

@@ -82,4 +82,16 @@ const KernelTable& kernels_AVX512_BF16MODEL();
 const KernelTable& kernels_AVX512BF16();
 #endif
 
+// The flex runtime tables (flex_runtime.h), defined beside the plain kernels.
+namespace flex_rt {
+struct Runtime;
+}
+const flex_rt::Runtime* flex_runtime_DEFAULT();
+#ifdef MHAKERN_CPU_AVX2
+const flex_rt::Runtime* flex_runtime_AVX2();
+#endif
+#ifdef MHAKERN_CPU_AVX512
+const flex_rt::Runtime* flex_runtime_AVX512();
+#endif
+
 }  // namespace mhakern::cpu

@@ -1,8 +1,8 @@
-// The cpu kernel of mhakern.flex_attention, one instance per traced modifier and input dtype: mhakern/flex/graph.py
+// The cpu kernel of mhakern.flex_attention, one instance per traced modifier: mhakern/flex/graph.py
 // writes the modifier's C++ (score_fwd, score_bwd, mask_fn and the constants below) in place of the
-// generated-code marker line, and mhakern/flex/build.py compiles the result once per graph, dtype
-// set, instruction set and build into a shared library called through ctypes (plain C entry
-// points: no Python per tile, no pybind to compile).
+// generated-code marker line, and mhakern/flex/build.py compiles the result once per graph,
+// instruction set and build into a shared library called through ctypes (plain C entry points:
+// no Python per tile, no pybind to compile).
 //
 // Structure of the cpu attention kernel (csrc/cpu/kernel/forward.h, backward.h): per task a
 // block of query rows, scores as the transposed tile S^T (keys x rows) from the same register
@@ -14,18 +14,27 @@
 // dK and dV owned by the task, dQ into per-key-range partials summed in range order, the
 // captured tables' gradients into per-chunk buffers summed chunk by chunk. Every sum runs in a
 // fixed order, so the results are bit-identical run to run for a given thread count.
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
+//
+// What does not depend on the modifier -- the gemm, the softmax step, 2^x, the dtype
+// conversions -- is mhakern._C's flex runtime table (csrc/cpu/flex_runtime.h), passed in
+// FlexArgs::rt: this unit includes no ATen header and instantiates no gemm, so it compiles in
+// about a second (with them: 5 to 7 s, most of a first call). Threads: OpenMP, as many as
+// torch's intra-op setting (FlexArgs::nthreads).
+#include <omp.h>
 
-#include <cmath>
-#include <cstdio>
-#include <exception>
-#include <stdexcept>
+#include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <new>
+#include <stdexcept>
 #include <vector>
 
-#include "gemm.h"
-#include "vec_math.h"
+#include "flex_runtime.h"
 
 namespace mhakern::cpu {
 namespace CPU_CAPABILITY {
@@ -59,9 +68,9 @@ inline float py_fmod(float a, float b) {
 
 using flex::Caps;
 
-// The argument record, mirrored field for field by mhakern/flex/build.py (ctypes).
+// The argument record, mirrored field for field by mhakern/flex/api.py (ctypes).
 struct FlexArgs {
-  int64_t dtype;  // 0 float32, 1 bfloat16
+  int64_t dtype;  // flex_rt::kFloat32 or kBFloat16: q, k, v, dout, out, dq, dk, dv
   int64_t B, H, Hkv, Lq, Lk, D, Dv;
   double scale;
   const void *q, *k, *v, *dout;
@@ -81,6 +90,11 @@ struct FlexArgs {
   float* const* cap_grad;  // per capture: its float32 gradient (zeroed), or null
   const int64_t* cap_numel;
   int64_t ncap;
+  const flex_rt::Runtime* rt;  // mhakern._C's table for this instruction set
+  int64_t nthreads;            // torch's intra-op thread count
+  // 1 when mask_mod reads that argument (mhakern/flex/graph.py, reads): a mask that reads
+  // neither h nor b is evaluated once per partial block for all heads (MaskCache).
+  int64_t mask_reads_b, mask_reads_h;
   char err[256];
 };
 
@@ -89,27 +103,57 @@ namespace {
 constexpr int64_t kRows = 64;         // query rows per task (as the cpu kernel's kRowBlock)
 constexpr int64_t kRowsPartial = 32;  // with partial blocks: their dead keys are trimmed per task
 constexpr int64_t kKeys = 128;  // keys per step (its kKeyBlock)
-constexpr int64_t kRowVecs = (kRows + VL - 1) / VL;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+enum GemmMode : int64_t { kStore = 0, kAccumulate = 1, kRescale = 2 };  // flex_rt::Runtime::gemm
 
-template <typename T>
-inline float tof(T x) {
-  return static_cast<float>(x);
-}
-template <typename T>
-inline T fromf(float x) {
-  return static_cast<T>(x);
-}
+#if defined(__GNUC__)
+#define MHK_STEP inline __attribute__((always_inline))
+#else
+#define MHK_STEP inline
+#endif
 
-// rows x D of a (B, H, L, D) view starting at row i0, as fp32 times mul, padded with zeros to
-// ld columns.
-template <typename T>
-void load_rows(const T* base, int64_t sl, int64_t rows, int64_t D, float mul, float* dst, int64_t ld) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* s = base + r * sl;
-    float* d = dst + r * ld;
-    for (int64_t c = 0; c < D; ++c) d[c] = tof(s[c]) * mul;
-    for (int64_t c = D; c < ld; ++c) d[c] = 0.f;
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// A thread's scratch: 64-byte aligned floats handed out in whole cache lines, uninitialised
+// (every tile is written before it is read).
+class Scratch {
+ public:
+  explicit Scratch(int64_t n) : n_(std::max<int64_t>(n, 1)) {
+    p_ = static_cast<float*>(::operator new[](n_ * sizeof(float), std::align_val_t(64)));
   }
+  ~Scratch() { ::operator delete[](p_, std::align_val_t(64)); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  float* take(int64_t n) {
+    float* r = p_ + used_;
+    used_ += round_up(std::max<int64_t>(n, 0), 16);
+    if (used_ > n_) throw std::runtime_error("flex kernel: scratch overflow");
+    return r;
+  }
+
+ private:
+  int64_t n_, used_ = 0;
+  float* p_ = nullptr;
+};
+
+// Runs body(thread) on nthreads OpenMP threads; the first exception of any thread is rethrown
+// here (one escaping an OpenMP region would end the process).
+template <typename F>
+void parallel(int64_t nthreads, F&& body) {
+  std::exception_ptr err;
+  std::atomic<bool> failed{false};
+#pragma omp parallel num_threads(static_cast<int>(std::max<int64_t>(nthreads, 1)))
+  {
+    try {
+      body(static_cast<int64_t>(omp_get_thread_num()), static_cast<int64_t>(omp_get_num_threads()));
+    } catch (...) {
+      if (!failed.exchange(true)) err = std::current_exception();
+    }
+  }
+  if (err) std::rethrow_exception(err);
 }
 
 // src (rows x cols, ld sld) -> dst (cols x ldd), columns >= rows up to ldd zeroed.
@@ -133,43 +177,52 @@ inline BlockList blocks(const int32_t* num, const int32_t* idx, int64_t w, int64
   return {idx + at * w, num[at]};
 }
 
-// A key block's rows (fp32): in place for float32 inputs, else converted into `buf`.
-template <typename T>
-const float* key_rows(const T* base, int64_t sl, int64_t n, int64_t D, float* buf, int64_t* ld) {
-  if constexpr (std::is_same_v<T, float>) {
+inline int64_t elem_size(int64_t dtype) { return dtype == flex_rt::kBFloat16 ? 2 : 4; }
+
+inline const char* at_row(const void* base, int64_t dtype, int64_t offset) {
+  return static_cast<const char*>(base) + offset * elem_size(dtype);
+}
+
+// n key rows (row stride sl) as fp32: in place for float32 inputs, else converted into `buf`.
+inline const float* key_rows(const flex_rt::Runtime& rt, int64_t dtype, const void* base, int64_t sl, int64_t n,
+                             int64_t D, float* buf, int64_t* ld) {
+  if (dtype == flex_rt::kFloat32) {
     *ld = sl;
-    return base;
-  } else {
-    load_rows(base, sl, n, D, 1.f, buf, D);
-    *ld = D;
-    return buf;
+    return static_cast<const float*>(base);
   }
+  rt.load_rows(dtype, base, sl, n, D, 1.f, buf, D);
+  *ld = D;
+  return buf;
 }
 
 // mask_fn over a partial block's transposed tile (bk keys x R rows, rows q0 .., keys j0 ..):
 // vis[j * Rp + r] = 1 where visible. Returns the keys [*jlo, *jhi) that some row sees, so the
 // products skip the block's dead keys (a document boundary cuts most partial blocks in two:
-// without the trim a document mask computed 1.2x the pairs attention_varlen does).
+// without the trim a document mask computed 1.2x the pairs attention_varlen does), and whether
+// every row sees every one of those keys (*dense: then the tile needs no mask pass).
 template <typename Mod>
 MHK_STEP void mask_tile_t(uint8_t* vis, int64_t Rp, int64_t R, int64_t bk, int64_t b, int64_t h, int64_t q0,
-                          int64_t j0, const Caps& caps, int64_t* jlo, int64_t* jhi) {
-  int64_t lo = bk, hi = 0;
+                          int64_t j0, const Caps& caps, int64_t* jlo, int64_t* jhi, bool* dense) {
+  int64_t lo = bk, hi = 0, seen = 0;
   for (int64_t j = 0; j < bk; ++j) {
     uint8_t* __restrict vp = vis + j * Rp;
     const int64_t kv = j0 + j;
-    uint8_t any = 0;
+    int64_t cnt = 0;
+#pragma omp simd reduction(+ : cnt)
     for (int64_t r = 0; r < R; ++r) {
       const uint8_t m = Mod::mask_fn(b, h, q0 + r, kv, caps) ? 1 : 0;
       vp[r] = m;
-      any |= m;
+      cnt += m;
     }
-    if (any) {
+    if (cnt) {
       lo = std::min(lo, j);
       hi = j + 1;
+      seen += cnt;
     }
   }
   *jlo = lo;
   *jhi = hi;
+  *dense = hi > lo && seen == (hi - lo) * R;
 }
 
 // The modifiers on a transposed score tile S^T (bk keys x Rp rows; rows q0 .., keys j0 ..):
@@ -193,9 +246,92 @@ MHK_STEP void mods_tile_t(float* st, int64_t Rp, int64_t R, int64_t bk, int64_t 
   }
 }
 
-template <typename T, typename Mod>
+// The mask tiles of the partial blocks, computed once for all query heads when mask_mod does
+// not read h and the BlockMask is the same for every head (document masks, causal, prefix-LM):
+// with 8 heads, evaluating mask_mod per head cost a fifth of a document-masked forward.
+// A slot per (cache batch, row block, partial block of its list, tile of the block): the
+// tile's visibility (layout given by the pass), its live key range [jlo, jhi) and live row
+// range [rlo, rhi), and whether those rows see all those keys (dense: no mask pass). Cache
+// batch cb: b when mask_mod reads b, else the BlockMask's batch. Tiles of a row block lie
+// at `first[cb * nrow + row]` onwards. Bounded by kMaxBytes, else each task evaluates its own.
+struct TileInfo {
+  int64_t jlo, jhi, rlo, rhi;
+  bool dense;
+};
+
+struct MaskCache {
+  static constexpr int64_t kMaxBytes = int64_t{64} << 20;
+  bool on = false;
+  int64_t cB = 0, per_block = 0, tile_bytes = 0;
+  std::vector<int64_t> first;  // (cB * nrow + 1) prefix sums of the lists' partial counts, in tiles
+  std::vector<uint8_t> vis;
+  std::vector<TileInfo> info;
+
+  // Lists num[(mb * mH + 0) * nrow + row]; per_block tiles of tile_bytes per partial block.
+  bool plan(const FlexArgs& a, const int32_t* num, int64_t nrow, int64_t tiles_per_block, int64_t bytes) {
+    if (a.mask_reads_h || a.mH != 1 || a.H <= 1 || num == nullptr) return false;
+    cB = a.mask_reads_b ? a.B : a.mB;
+    per_block = tiles_per_block;
+    tile_bytes = bytes;
+    first.assign(cB * nrow + 1, 0);
+    for (int64_t cb = 0; cb < cB; ++cb)
+      for (int64_t row = 0; row < nrow; ++row) {
+        const int64_t mb = a.mB == 1 ? 0 : cb, e = cb * nrow + row;
+        first[e + 1] = first[e] + num[mb * nrow + row] * per_block;
+      }
+    const int64_t ntiles = first.back();
+    if (ntiles == 0 || ntiles * tile_bytes > kMaxBytes) return false;
+    vis.resize(ntiles * tile_bytes);
+    info.resize(ntiles);
+    on = true;
+    return true;
+  }
+  int64_t cache_batch(const FlexArgs& a, int64_t b) const { return a.mask_reads_b ? b : (a.mB == 1 ? 0 : b); }
+  // The slot of tile `tile` of partial block n (of the list of (cb, row)).
+  int64_t slot(int64_t cb, int64_t nrow, int64_t row, int64_t n, int64_t tile) const {
+    return first[cb * nrow + row] + n * per_block + tile;
+  }
+};
+
+// mask_fn over a partial block's slice in the backward's layout (R rows x bk keys, rows q0 ..,
+// keys j0 ..): vis[r * ld + j]. The rows that see some key, [rlo, rhi), the keys some row sees,
+// [jlo, jhi) (a document boundary leaves a block's rows and keys of the other document dead),
+// and whether those rows see all those keys.
+template <typename Mod>
+MHK_STEP void mask_slice(uint8_t* vis, int64_t ld, int64_t R, int64_t bk, int64_t b, int64_t h, int64_t q0,
+                         int64_t j0, const Caps& caps, TileInfo* ti) {
+  int64_t rlo = R, rhi = 0, jlo = bk, jhi = 0, seen = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    uint8_t* __restrict vp = vis + r * ld;
+#pragma omp simd
+    for (int64_t j = 0; j < bk; ++j) vp[j] = Mod::mask_fn(b, h, q0 + r, j0 + j, caps) ? 1 : 0;
+    int64_t first = bk, last = -1, cnt = 0;
+    for (int64_t j = 0; j < bk; ++j)
+      if (vp[j]) {
+        first = std::min(first, j);
+        last = j;
+        ++cnt;
+      }
+    if (last >= 0) {
+      rlo = std::min(rlo, r);
+      rhi = r + 1;
+      jlo = std::min(jlo, first);
+      jhi = std::max(jhi, last + 1);
+      seen += cnt;
+    }
+  }
+  ti->rlo = rlo;
+  ti->rhi = rhi;
+  ti->jlo = jlo;
+  ti->jhi = jhi;
+  ti->dense = rhi > rlo && seen == (rhi - rlo) * (jhi - jlo);
+}
+
+template <typename Mod>
 void forward(const FlexArgs& a) {
+  const flex_rt::Runtime& rt = *a.rt;
   const Caps caps{a.cap_ptr, a.cap_size};
+  const int64_t VL = rt.vl, dt = a.dtype;
   const int64_t D = a.D, Dv = a.Dv, QBS = a.QBS, KVBS = a.KVBS, n_rep = a.H / a.Hkv;
   // Smaller row tasks when some block is partial: a partial block's keys are trimmed to those
   // its task's rows see, and 32 rows cut more than 64 (document masks of 8 x 1k tokens: 0.93x
@@ -216,13 +352,43 @@ void forward(const FlexArgs& a) {
   // causal mask the last row blocks are the heaviest (a static split of the task range gave one
   // thread three quarters of the work). Each task writes only its own rows, so the order
   // changes no bit of the result.
+  // The partial blocks' mask tiles of all heads at once, when they are the same for all heads:
+  // per (row block, partial block) its nsub x nstep tiles, as each task would compute them.
+  const int64_t nstep = ceil_div(KVBS, KB);
+  MaskCache mc;
+  if (has_partial && mc.plan(a, a.kv_num, a.nqb, nsub * nstep, KB * Rmax)) {
+    const int64_t nblk = mc.first.back() / mc.per_block;
+    std::atomic<int64_t> next_blk{0};
+    parallel(std::min(a.nthreads, nblk), [&](int64_t, int64_t) {
+      for (int64_t e; (e = next_blk.fetch_add(1)) < nblk;) {
+        // The (cb, qb, n) of the e-th partial block: the row whose tiles hold it.
+        const int64_t tile0 = e * mc.per_block;
+        const int64_t row = std::upper_bound(mc.first.begin(), mc.first.end(), tile0) - mc.first.begin() - 1;
+        const int64_t cb = row / a.nqb, qb = row % a.nqb, n = (tile0 - mc.first[row]) / mc.per_block;
+        const int64_t mb = a.mB == 1 ? 0 : cb;
+        const BlockList list = blocks(a.kv_num, a.kv_idx, a.kv_w, mb, 0, 1, a.nqb, qb);
+        const int64_t jb = int64_t(list.idx[n]) * KVBS, jend = std::min(jb + KVBS, a.Lk);
+        for (int64_t sub = 0; sub < nsub; ++sub) {
+          const int64_t q0 = qb * QBS + sub * RB;
+          if (q0 >= std::min(a.Lq, (qb + 1) * QBS)) continue;
+          const int64_t R = std::min({RB, a.Lq - q0, (qb + 1) * QBS - q0}), Rp = round_up(R, VL);
+          for (int64_t step = 0; step < nstep && jb + step * KB < jend; ++step) {
+            const int64_t j0 = jb + step * KB, sl = mc.slot(cb, a.nqb, qb, n, sub * nstep + step);
+            TileInfo& ti = mc.info[sl];
+            mask_tile_t<Mod>(mc.vis.data() + sl * mc.tile_bytes, Rp, R, std::min(KB, jend - j0), cb, 0, q0, j0, caps,
+                             &ti.jlo, &ti.jhi, &ti.dense);
+          }
+        }
+      }
+    });
+  }
+
   constexpr int64_t kUnit = 4;
   const int64_t nunit = ceil_div(ntask, kUnit);
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nunit)), 1, [&](int64_t, int64_t) {
-    // 9 pieces, each rounded up to 16 floats by take().
-    Scratch s(Rmax * Dp * 2 + KB * Rmax + Dv * Rmax + 3 * Rmax + KB * (D + Dv) + KB * Rmax / 4 + 1 + 16 * 10,
-              Scratch::kUninit);
+  parallel(std::min(a.nthreads, nunit), [&](int64_t, int64_t) {
+    // 10 pieces, each rounded up to 16 floats by take().
+    Scratch s(Rmax * Dp * 2 + KB * Rmax + Dv * Rmax + 3 * Rmax + KB * (D + Dv) + KB * Rmax / 4 + 1 + Dv + 16 * 11);
     float* qr = s.take(Rmax * Dp);
     float* qt = s.take(Dp * Rmax);
     float* st = s.take(KB * Rmax);
@@ -233,87 +399,69 @@ void forward(const FlexArgs& a) {
     float* kc = s.take(KB * D);
     float* vc = s.take(KB * Dv);
     uint8_t* vis = reinterpret_cast<uint8_t*>(s.take(KB * Rmax / 4 + 1));
+    float* orow = s.take(Dv);
     for (int64_t unit; (unit = next.fetch_add(1)) < nunit;)
     for (int64_t t = std::min(ntask, (nunit - unit) * kUnit) - 1; t >= (nunit - 1 - unit) * kUnit; --t) {
       const int64_t sub = t % nsub, qb = (t / nsub) % a.nqb, h = (t / (nsub * a.nqb)) % a.H;
       const int64_t b = t / (nsub * a.nqb * a.H), hkv = h / n_rep, q0 = qb * QBS + sub * RB;
       if (q0 >= std::min(a.Lq, (qb + 1) * QBS)) continue;
-      const int64_t R = std::min({RB, a.Lq - q0, (qb + 1) * QBS - q0}), Rp = round_up(R, VL), nvec = Rp / VL;
+      const int64_t R = std::min({RB, a.Lq - q0, (qb + 1) * QBS - q0}), Rp = round_up(R, VL);
       const int64_t mb = a.mB == 1 ? 0 : b, mh = a.mH == 1 ? 0 : h;
-      const T* q = static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + q0 * a.qs[2];
-      load_rows(q, a.qs[2], R, D, qmul, qr, Dp);
+      rt.load_rows(dt, at_row(a.q, dt, b * a.qs[0] + h * a.qs[1] + q0 * a.qs[2]), a.qs[2], R, D, qmul, qr, Dp);
       transpose_pad(qr, Dp, R, D, qt, Rp);
       for (int64_t r = 0; r < Rp; ++r) {
         m[r] = kNegInf;
         l[r] = 0.f;
       }
-      std::fill(ot, ot + Dv * Rp, 0.f);
-      const T* kb0 = static_cast<const T*>(a.k) + b * a.ks[0] + hkv * a.ks[1];
-      const T* vb0 = static_cast<const T*>(a.v) + b * a.vs[0] + hkv * a.vs[1];
+      bool first = true;  // no key step yet: O^T is 0, its product is stored, not rescaled
+      const int64_t koff = b * a.ks[0] + hkv * a.ks[1], voff = b * a.vs[0] + hkv * a.vs[1];
       const BlockList lists[2] = {blocks(a.kv_num, a.kv_idx, a.kv_w, mb, mh, a.mH, a.nqb, qb),
                                   blocks(a.fkv_num, a.fkv_idx, a.fkv_w, mb, mh, a.mH, a.nqb, qb)};
+      const int64_t cb = mc.on ? mc.cache_batch(a, b) : 0;
       for (int li = 0; li < 2; ++li) {
         const bool partial = li == 0;
         for (int64_t n = 0; n < lists[li].n; ++n) {
           const int64_t jb = int64_t(lists[li].idx[n]) * KVBS, jend = std::min(jb + KVBS, a.Lk);
           // A block mask's key block in steps of at most kKeys keys (the tile stays in L1/L2).
-          for (int64_t jstep = jb; jstep < jend; jstep += KB) {
+          for (int64_t jstep = jb, step = 0; jstep < jend; jstep += KB, ++step) {
             int64_t j0 = jstep, bk = std::min(KB, jend - jstep);
             const uint8_t* tvis = nullptr;
             if (partial) {
-              int64_t jlo = 0, jhi = 0;
-              mask_tile_t<Mod>(vis, Rp, R, bk, b, h, q0, j0, caps, &jlo, &jhi);
-              tvis = vis + jlo * Rp;
-              if (jlo >= jhi) continue;  // no row of this task sees these keys
-              j0 += jlo;
-              bk = jhi - jlo;
+              TileInfo own;
+              const TileInfo* ti = &own;
+              const uint8_t* tile = vis;
+              if (mc.on) {
+                const int64_t sl = mc.slot(cb, a.nqb, qb, n, sub * nstep + step);
+                ti = &mc.info[sl];
+                tile = mc.vis.data() + sl * mc.tile_bytes;
+              } else {
+                mask_tile_t<Mod>(vis, Rp, R, bk, b, h, q0, j0, caps, &own.jlo, &own.jhi, &own.dense);
+              }
+              if (ti->jlo >= ti->jhi) continue;  // no row of this task sees these keys
+              tvis = ti->dense ? nullptr : tile + ti->jlo * Rp;
+              j0 += ti->jlo;
+              bk = ti->jhi - ti->jlo;
             }
             int64_t ldk = 0, ldv = 0;
-            const float* Kb = key_rows(kb0 + j0 * a.ks[2], a.ks[2], bk, D, kc, &ldk);
-            gemm<CMode::Store>(bk, Rp, D, Kb, ldk, 1, qt, Rp, st, Rp);  // S^T = K Q^T
-            if (Mod::kHasScoreMod || partial || R < Rp)
+            const float* Kb = key_rows(rt, dt, at_row(a.k, dt, koff + j0 * a.ks[2]), a.ks[2], bk, D, kc, &ldk);
+            rt.gemm(kStore, bk, Rp, D, Kb, ldk, 1, qt, Rp, st, Rp, nullptr);  // S^T = K Q^T
+            if (Mod::kHasScoreMod || tvis != nullptr || R < Rp)
               mods_tile_t<Mod>(st, Rp, R, bk, b, h, q0, j0, tvis, caps, kLog2e);
-            // Online softmax, as forward.h: keys outside and row vectors inside, so the max and
-            // sum reductions of the row vectors are independent chains (vectors outside, keys
-            // inside ran the forward at 0.7x).
-            Vec mx[kRowVecs], muse[kRowVecs], sum[kRowVecs];
-            for (int64_t vv = 0; vv < nvec; ++vv) {
-              mx[vv] = Vec(kNegInf);
-              sum[vv] = Vec(0.f);
-            }
-            for (int64_t j = 0; j < bk; ++j) {
-              const float* sp = st + j * Rp;
-              for (int64_t vv = 0; vv < nvec; ++vv) mx[vv] = at::vec::clamp_min(mx[vv], Vec::loadu(sp + vv * VL));
-            }
-            for (int64_t vv = 0; vv < nvec; ++vv) {
-              const Vec mold = Vec::loadu(m + vv * VL);
-              const Vec mnew = at::vec::clamp_min(mold, mx[vv]);
-              // Nothing visible yet: subtract 0 rather than -inf, so exp2 gives 0 and not NaN.
-              muse[vv] = Vec::blendv(mnew, Vec(0.f), mnew == Vec(kNegInf));
-              exp2v(mold - muse[vv]).store(alpha + vv * VL);
-              mnew.store(m + vv * VL);
-            }
-            for (int64_t j = 0; j < bk; ++j) {
-              float* sp = st + j * Rp;
-              for (int64_t vv = 0; vv < nvec; ++vv) {
-                const Vec pj = exp2v(Vec::loadu(sp + vv * VL) - muse[vv]);
-                pj.store(sp + vv * VL);
-                sum[vv] = sum[vv] + pj;
-              }
-            }
-            for (int64_t vv = 0; vv < nvec; ++vv)
-              (Vec::loadu(l + vv * VL) * Vec::loadu(alpha + vv * VL) + sum[vv]).store(l + vv * VL);
-            const float* Vb = key_rows(vb0 + j0 * a.vs[2], a.vs[2], bk, Dv, vc, &ldv);
-            gemm<CMode::Rescale>(Dv, Rp, bk, Vb, 1, ldv, st, Rp, ot, Rp, alpha);  // O^T = a O^T + V^T P^T
+            rt.softmax_step(st, Rp, bk, m, l, alpha);
+            const float* Vb = key_rows(rt, dt, at_row(a.v, dt, voff + j0 * a.vs[2]), a.vs[2], bk, Dv, vc, &ldv);
+            rt.gemm(first ? kStore : kRescale, Dv, Rp, bk, Vb, 1, ldv, st, Rp, ot, Rp, alpha);  // O^T = a O^T + V^T P^T
+            first = false;
           }
         }
       }
-      T* o = static_cast<T*>(a.out) + b * a.os[0] + h * a.os[1] + q0 * a.os[2];
+      if (first) std::fill(ot, ot + Dv * Rp, 0.f);  // no key visible to any row
+      char* o = static_cast<char*>(a.out) + (b * a.os[0] + h * a.os[1] + q0 * a.os[2]) * elem_size(dt);
       float* lse = a.lse + (b * a.H + h) * a.Lq + q0;
       for (int64_t r = 0; r < R; ++r) {
         // A row that saw no key: output 0, lse -inf (docs/contract.md).
         const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        for (int64_t d = 0; d < Dv; ++d) o[r * a.os[2] + d] = fromf<T>(ot[d * Rp + r] * inv);
+        for (int64_t d = 0; d < Dv; ++d) orow[d] = ot[d * Rp + r];
+        rt.store_row(dt, orow, Dv, inv, o + r * a.os[2] * elem_size(dt));
         lse[r] = l[r] > 0.f ? (m[r] + std::log2(l[r])) * kLn2 : kNegInf;
       }
     }
@@ -330,14 +478,16 @@ inline float lse_use(float x) { return x == kNegInf ? std::numeric_limits<float>
 // the task) and dQ accumulate; dQ goes to the key range's float32 partial (rows padded to Dp),
 // and the partials are summed range by range at the end. The captured tables' gradients go to
 // one buffer per chunk of tasks, summed chunk by chunk. Every sum has a fixed order.
-template <typename T, typename Mod>
+template <typename Mod>
 void backward(const FlexArgs& a) {
+  const flex_rt::Runtime& rt = *a.rt;
   const Caps caps{a.cap_ptr, a.cap_size};
+  const int64_t VL = rt.vl, dt = a.dtype;
   const int64_t D = a.D, Dv = a.Dv, QBS = a.QBS, KVBS = a.KVBS, n_rep = a.H / a.Hkv;
   const int64_t Kp = round_up(KVBS, VL), Dp = round_up(D, VL), Dvp = round_up(Dv, VL);
   const float scale = static_cast<float>(a.scale);
   // Key ranges: enough tasks for the threads (4 per thread), within 256 MiB of dQ partials.
-  const int64_t nthr = at::get_num_threads(), groups = a.B * a.Hkv;
+  const int64_t nthr = std::max<int64_t>(a.nthreads, 1), groups = a.B * a.Hkv;
   const int64_t part_floats = a.B * a.H * a.Lq * Dp;
   int64_t nsplit = std::min<int64_t>(a.nkb, ceil_div(4 * nthr, std::max<int64_t>(groups, 1)));
   nsplit = std::max<int64_t>(1, std::min<int64_t>(nsplit, (int64_t{1} << 26) / std::max<int64_t>(part_floats, 1)));
@@ -349,12 +499,39 @@ void backward(const FlexArgs& a) {
     goff[c] = gsize;
     if (a.cap_grad[c] != nullptr) gsize += a.cap_numel[c];
   }
+  // The chunks (and so the order of the tables' gradient sums) depend on the thread count
+  // only, as the tasks of at::parallel_for's split of [0, nchunk) did.
   const int64_t nchunk = std::max<int64_t>(1, std::min<int64_t>(ntask, nthr));
   std::vector<float> gbuf(Mod::kHasCapGrad ? nchunk * gsize : 0, 0.f);
-  at::parallel_for(0, nchunk, 1, [&](int64_t c0, int64_t c1) {
+  // The partial blocks' mask slices of all heads at once (MaskCache), in the order the tasks
+  // walk them: per (key block, partial row block) its slices of kRowsPartial rows.
+  const int64_t nslice = ceil_div(QBS, kRowsPartial);
+  MaskCache mc;
+  if (mc.plan(a, a.q_num, a.nkb, nslice, kRowsPartial * Kp)) {
+    const int64_t nblk = mc.first.back() / mc.per_block;
+    std::atomic<int64_t> next_blk{0};
+    parallel(std::min(nthr, nblk), [&](int64_t, int64_t) {
+      for (int64_t e; (e = next_blk.fetch_add(1)) < nblk;) {
+        const int64_t tile0 = e * mc.per_block;
+        const int64_t row = std::upper_bound(mc.first.begin(), mc.first.end(), tile0) - mc.first.begin() - 1;
+        const int64_t cb = row / a.nkb, kb = row % a.nkb, n = (tile0 - mc.first[row]) / mc.per_block;
+        const int64_t mb = a.mB == 1 ? 0 : cb;
+        const int64_t qstart = int64_t(blocks(a.q_num, a.q_idx, a.q_w, mb, 0, 1, a.nkb, kb).idx[n]) * QBS;
+        const int64_t j0 = kb * KVBS;
+        if (qstart >= a.Lq || j0 >= a.Lk) continue;
+        const int64_t qend = std::min(qstart + QBS, a.Lq), bk = std::min(KVBS, a.Lk - j0), bkp = round_up(bk, VL);
+        for (int64_t sl = 0; sl < nslice && qstart + sl * kRowsPartial < qend; ++sl) {
+          const int64_t q0 = qstart + sl * kRowsPartial, at = mc.slot(cb, a.nkb, kb, n, sl);
+          mask_slice<Mod>(mc.vis.data() + at * mc.tile_bytes, bkp, std::min(kRowsPartial, qend - q0), bk, cb, 0, q0, j0,
+                          caps, &mc.info[at]);
+        }
+      }
+    });
+  }
+  std::atomic<int64_t> next_chunk{0};
+  parallel(nchunk, [&](int64_t, int64_t) {
     Scratch s(KVBS * (Dp + Dvp) * 2 + Dp * Kp + Dvp * Kp + QBS * (Dp + Dvp) + 4 * QBS * Kp + 2 * QBS + QBS * Kp / 4 + 1 +
-                  16 * 15,
-              Scratch::kUninit);
+              16 * 15);
     float* kr = s.take(KVBS * Dp);
     float* kt = s.take(Dp * Kp);
     float* vr = s.take(KVBS * Dvp);
@@ -370,22 +547,20 @@ void backward(const FlexArgs& a) {
     float* dl = s.take(QBS);
     uint8_t* vis = reinterpret_cast<uint8_t*>(s.take(QBS * Kp / 4 + 1));
     std::vector<float*> gcap(a.ncap + 1, nullptr);
-    for (int64_t chunk = c0; chunk < c1; ++chunk) {
+    for (int64_t chunk; (chunk = next_chunk.fetch_add(1)) < nchunk;) {
       for (int64_t c = 0; c < a.ncap; ++c)
         gcap[c] = a.cap_grad[c] != nullptr && Mod::kHasCapGrad ? gbuf.data() + chunk * gsize + goff[c] : nullptr;
       for (int64_t t = chunk * ntask / nchunk; t < (chunk + 1) * ntask / nchunk; ++t) {
         const int64_t split = t % nsplit, hkv = (t / nsplit) % a.Hkv, b = t / (nsplit * a.Hkv);
         float* dqp = dq_part.data() + split * part_floats;
-        const int64_t mb = a.mB == 1 ? 0 : b;
+        const int64_t mb = a.mB == 1 ? 0 : b, cb = mc.on ? mc.cache_batch(a, b) : 0;
         for (int64_t kb = split * a.nkb / nsplit; kb < (split + 1) * a.nkb / nsplit; ++kb) {
           const int64_t j0 = kb * KVBS;
           if (j0 >= a.Lk) break;
           const int64_t bk = std::min(KVBS, a.Lk - j0), bkp = round_up(bk, VL);
-          load_rows(static_cast<const T*>(a.k) + b * a.ks[0] + hkv * a.ks[1] + j0 * a.ks[2], a.ks[2], bk, D, 1.f, kr,
-                    Dp);
+          rt.load_rows(dt, at_row(a.k, dt, b * a.ks[0] + hkv * a.ks[1] + j0 * a.ks[2]), a.ks[2], bk, D, 1.f, kr, Dp);
           transpose_pad(kr, Dp, bk, D, kt, bkp);
-          load_rows(static_cast<const T*>(a.v) + b * a.vs[0] + hkv * a.vs[1] + j0 * a.vs[2], a.vs[2], bk, Dv, 1.f, vr,
-                    Dvp);
+          rt.load_rows(dt, at_row(a.v, dt, b * a.vs[0] + hkv * a.vs[1] + j0 * a.vs[2]), a.vs[2], bk, Dv, 1.f, vr, Dvp);
           transpose_pad(vr, Dvp, bk, Dv, vt, bkp);
           // Keys no row sees get 0; the others sum their rows' terms onto it.
           std::fill(dk, dk + bk * Dp, 0.f);
@@ -411,46 +586,37 @@ void backward(const FlexArgs& a) {
                   // those some live row sees).
                   int64_t c0 = 0, c1 = bkp;
                   if (partial) {
-                    // The mask first; then only the rows that see some key of this block and the
-                    // keys some row sees (a document boundary leaves a block's rows and keys of the
-                    // other document dead).
-                    int64_t rlo = R, rhi = 0, jlo = bk, jhi = 0;
-                    for (int64_t r = 0; r < R; ++r) {
-                      uint8_t* __restrict vp = vis + r * bkp;
-                      for (int64_t j = 0; j < bk; ++j) vp[j] = Mod::mask_fn(b, h, q0 + r, j0 + j, caps) ? 1 : 0;
-                      int64_t first = bk, last = -1;
-                      for (int64_t j = 0; j < bk; ++j)
-                        if (vp[j]) {
-                          first = std::min(first, j);
-                          last = j;
-                        }
-                      if (last >= 0) {
-                        rlo = std::min(rlo, r);
-                        rhi = r + 1;
-                        jlo = std::min(jlo, first);
-                        jhi = std::max(jhi, last + 1);
-                      }
+                    TileInfo own;
+                    const TileInfo* ti = &own;
+                    const uint8_t* tile = vis;
+                    if (mc.on) {
+                      const int64_t sl = mc.slot(cb, a.nkb, kb, n, (qslice - qstart) / kRowsPartial);
+                      ti = &mc.info[sl];
+                      tile = mc.vis.data() + sl * mc.tile_bytes;
+                    } else {
+                      mask_slice<Mod>(vis, bkp, R, bk, b, h, q0, j0, caps, &own);
                     }
-                    if (rlo >= rhi) continue;
-                    tvis = vis + rlo * bkp;
-                    q0 += rlo;
-                    R = rhi - rlo;
-                    c0 = jlo / VL * VL;
-                    c1 = std::min(bkp, round_up(jhi, VL));
+                    if (ti->rlo >= ti->rhi) continue;
+                    q0 += ti->rlo;
+                    R = ti->rhi - ti->rlo;
+                    c0 = ti->jlo / VL * VL;
+                    c1 = std::min(bkp, round_up(ti->jhi, VL));
+                    // Dense over exactly the computed keys: no mask pass.
+                    if (!(ti->dense && c0 == ti->jlo && std::min(c1, bk) == ti->jhi)) tvis = tile + ti->rlo * bkp;
                   }
                   const int64_t nc = c1 - c0, nk = std::min(c1, bk) - c0;  // computed, and real keys
-                  load_rows(static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + q0 * a.qs[2], a.qs[2], R, D, scale,
-                            qs, Dp);
-                  load_rows(static_cast<const T*>(a.dout) + b * a.dos[0] + h * a.dos[1] + q0 * a.dos[2], a.dos[2], R,
-                            Dv, 1.f, dor, Dvp);
+                  rt.load_rows(dt, at_row(a.q, dt, b * a.qs[0] + h * a.qs[1] + q0 * a.qs[2]), a.qs[2], R, D, scale, qs,
+                               Dp);
+                  rt.load_rows(dt, at_row(a.dout, dt, b * a.dos[0] + h * a.dos[1] + q0 * a.dos[2]), a.dos[2], R, Dv,
+                               1.f, dor, Dvp);
                   const float* lse = a.lse + (b * a.H + h) * a.Lq + q0;
                   const float* delta = a.delta + (b * a.H + h) * a.Lq + q0;
                   for (int64_t r = 0; r < R; ++r) {
                     lr[r] = lse_use(lse[r]) * kLog2e;
                     dl[r] = delta[r];
                   }
-                  gemm<CMode::Store>(R, nc, D, qs, Dp, 1, kt + c0, bkp, sc, nc);    // S = Qs K^T
-                  gemm<CMode::Store>(R, nc, Dv, dor, Dvp, 1, vt + c0, bkp, dp, nc);  // dP = dO V^T
+                  rt.gemm(kStore, R, nc, D, qs, Dp, 1, kt + c0, bkp, sc, nc, nullptr);    // S = Qs K^T
+                  rt.gemm(kStore, R, nc, Dv, dor, Dvp, 1, vt + c0, bkp, dp, nc, nullptr);  // dP = dO V^T
                   const int64_t kc0 = j0 + c0;  // the first computed key
                   for (int64_t r = 0; r < R; ++r) {
                     const int64_t i = q0 + r;
@@ -468,12 +634,7 @@ void backward(const FlexArgs& a) {
                     }
                     for (int64_t j = nk; j < nc; ++j) prow[j] = kNegInf;
                     // P = exp(s - lse); dS = P (dP - delta), the gradient at the modified score.
-                    const Vec lv(lr[r]), dlv(dl[r]);
-                    for (int64_t j = 0; j < nc; j += VL) {
-                      const Vec p = exp2v(Vec::loadu(prow + j) * Vec(kLog2e) - lv);
-                      p.store(prow + j);
-                      (p * (Vec::loadu(dprow + j) - dlv)).store(dprow + j);
-                    }
+                    rt.prob_row(prow, dprow, nc, lr[r], dl[r]);
                     if constexpr (Mod::kHasScoreMod) {
                       // Through the modifier to the raw score (and into the tables), where visible.
                       for (int64_t j = 0; j < nk; ++j)
@@ -482,33 +643,39 @@ void backward(const FlexArgs& a) {
                                                                               gcap.data());
                     }
                   }
-                  gemm<CMode::Accumulate>(nk, Dvp, R, pp, 1, nc, dor, Dvp, dv + c0 * Dvp, Dvp);  // dV += P^T dO
-                  gemm<CMode::Accumulate>(nk, Dp, R, dp, 1, nc, qs, Dp, dk + c0 * Dp, Dp);        // dK += dS^T Qs
+                  rt.gemm(kAccumulate, nk, Dvp, R, pp, 1, nc, dor, Dvp, dv + c0 * Dvp, Dvp, nullptr);  // dV += P^T dO
+                  rt.gemm(kAccumulate, nk, Dp, R, dp, 1, nc, qs, Dp, dk + c0 * Dp, Dp, nullptr);        // dK += dS^T Qs
                   float* dqr = dqp + ((b * a.H + h) * a.Lq + q0) * Dp;
-                  gemm<CMode::Accumulate>(R, Dp, nk, dp, nc, 1, kr + c0 * Dp, Dp, dqr, Dp);  // dQ += dS K
-                  }
+                  rt.gemm(kAccumulate, R, Dp, nk, dp, nc, 1, kr + c0 * Dp, Dp, dqr, Dp, nullptr);  // dQ += dS K
+                }
               }
             }
           }
-          T* dkp = static_cast<T*>(a.dk) + b * a.dks[0] + hkv * a.dks[1] + j0 * a.dks[2];
-          T* dvp = static_cast<T*>(a.dv) + b * a.dvs[0] + hkv * a.dvs[1] + j0 * a.dvs[2];
+          char* dkp = static_cast<char*>(a.dk) + (b * a.dks[0] + hkv * a.dks[1] + j0 * a.dks[2]) * elem_size(dt);
+          char* dvp = static_cast<char*>(a.dv) + (b * a.dvs[0] + hkv * a.dvs[1] + j0 * a.dvs[2]) * elem_size(dt);
           for (int64_t j = 0; j < bk; ++j) {
-            for (int64_t d = 0; d < D; ++d) dkp[j * a.dks[2] + d] = fromf<T>(dk[j * Dp + d]);
-            for (int64_t d = 0; d < Dv; ++d) dvp[j * a.dvs[2] + d] = fromf<T>(dv[j * Dvp + d]);
+            rt.store_row(dt, dk + j * Dp, D, 1.f, dkp + j * a.dks[2] * elem_size(dt));
+            rt.store_row(dt, dv + j * Dvp, Dv, 1.f, dvp + j * a.dvs[2] * elem_size(dt));
           }
         }
       }
     }
   });
   // dQ = scale * (sum of the key ranges' partials, in range order).
-  at::parallel_for(0, a.B * a.H * a.Lq, 256, [&](int64_t r0, int64_t r1) {
-    for (int64_t row = r0; row < r1; ++row) {
-      const int64_t i = row % a.Lq, h = (row / a.Lq) % a.H, b = row / (a.Lq * a.H);
-      T* dq = static_cast<T*>(a.dq) + b * a.dqs[0] + h * a.dqs[1] + i * a.dqs[2];
-      for (int64_t d = 0; d < D; ++d) {
-        float acc = dq_part[row * Dp + d];
-        for (int64_t sp = 1; sp < nsplit; ++sp) acc += dq_part[sp * part_floats + row * Dp + d];
-        dq[d] = fromf<T>(acc * scale);
+  const int64_t nrows = a.B * a.H * a.Lq;
+  std::atomic<int64_t> next_rows{0};
+  parallel(std::min(nthr, ceil_div(nrows, 256)), [&](int64_t, int64_t) {
+    std::vector<float> acc(D);
+    for (int64_t r0; (r0 = next_rows.fetch_add(256)) < nrows;) {
+      for (int64_t row = r0; row < std::min(r0 + 256, nrows); ++row) {
+        const int64_t i = row % a.Lq, h = (row / a.Lq) % a.H, b = row / (a.Lq * a.H);
+        for (int64_t d = 0; d < D; ++d) {
+          float x = dq_part[row * Dp + d];
+          for (int64_t sp = 1; sp < nsplit; ++sp) x += dq_part[sp * part_floats + row * Dp + d];
+          acc[d] = x;
+        }
+        rt.store_row(dt, acc.data(), D, scale,
+                     static_cast<char*>(a.dq) + (b * a.dqs[0] + h * a.dqs[1] + i * a.dqs[2]) * elem_size(dt));
       }
     }
   });
@@ -526,6 +693,9 @@ void backward(const FlexArgs& a) {
 template <typename F>
 int guarded(FlexArgs* a, F&& f) {
   try {
+    if (a->rt == nullptr || a->rt->version != flex_rt::kVersion)
+      throw std::runtime_error("mhakern._C's flex runtime is of another version than this kernel (rebuild mhakern._C)");
+    if (a->dtype != flex_rt::kFloat32 && a->dtype != flex_rt::kBFloat16) throw std::runtime_error("unknown dtype");
     f();
     return 0;
   } catch (const std::exception& e) {
@@ -534,30 +704,14 @@ int guarded(FlexArgs* a, F&& f) {
   }
 }
 
-// One input dtype per library (the generated section defines MHK_FLEX_BF16 or not): each
-// instantiation of the three loops costs seconds of compile time.
-#if MHK_FLEX_BF16
-using Elem = c10::BFloat16;
-constexpr int64_t kDtype = 1;
-#else
-using Elem = float;
-constexpr int64_t kDtype = 0;
-#endif
-
 template <typename Mod>
 int run_forward(FlexArgs* a) {
-  return guarded(a, [&] {
-    if (a->dtype != kDtype) throw std::runtime_error("this library was compiled for another dtype");
-    forward<Elem, Mod>(*a);
-  });
+  return guarded(a, [&] { forward<Mod>(*a); });
 }
 
 template <typename Mod>
 int run_backward(FlexArgs* a) {
-  return guarded(a, [&] {
-    if (a->dtype != kDtype) throw std::runtime_error("this library was compiled for another dtype");
-    backward<Elem, Mod>(*a);
-  });
+  return guarded(a, [&] { backward<Mod>(*a); });
 }
 
 }  // namespace

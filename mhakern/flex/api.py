@@ -246,7 +246,8 @@ class _Args(ctypes.Structure):
                 + [(n, ctypes.c_void_p) for n in ("q_num", "q_idx", "fq_num", "fq_idx")]
                 + [("q_w", ctypes.c_int64), ("fq_w", ctypes.c_int64)]
                 + [(n, ctypes.c_void_p) for n in ("cap_ptr", "cap_size", "cap_grad", "cap_numel")]
-                + [("ncap", ctypes.c_int64), ("err", ctypes.c_char * 256)])
+                + [("ncap", ctypes.c_int64), ("rt", ctypes.c_void_p), ("nthreads", ctypes.c_int64),
+                   ("mask_reads_b", ctypes.c_int64), ("mask_reads_h", ctypes.c_int64), ("err", ctypes.c_char * 256)])
 
 
 def _ptr(t: Optional[Tensor]) -> Optional[int]:
@@ -260,8 +261,12 @@ def _strides(t: Tensor):
 class _Kernel:
     """One compiled modifier pair with the call's block structure and captures."""
 
-    def __init__(self, entry, blocks: _Blocks, caps: List[Tensor], grad_caps: List[bool]):
-        self.entry, self.blocks, self.caps_src, self.grad_caps = entry, blocks, caps, grad_caps
+    def __init__(self, entry, runtime: int, blocks: _Blocks, caps: List[Tensor], grad_caps: List[bool]):
+        self.entry, self.runtime, self.blocks, self.caps_src, self.grad_caps = entry, runtime, blocks, caps, grad_caps
+        # Whether mask_mod reads b and h (a mask that reads neither is evaluated once for all
+        # heads: csrc/flex/flex_kernel.cpp's MaskCache).
+        mask_t = _trace_cached(blocks.mask_mod, False) if blocks.mask_mod is not None else None
+        self.mask_reads_b, self.mask_reads_h = _graph.reads(mask_t)[:2] if mask_t is not None else (False, False)
         # Captures as the generated code reads them: float32 or int64, contiguous.
         self.caps = [c.detach().to(torch.float32 if c.dtype.is_floating_point else torch.int64).contiguous()
                      for c in caps]
@@ -293,6 +298,9 @@ class _Kernel:
         a.cap_size = ctypes.cast(self.cap_sizes, ctypes.c_void_p)
         a.cap_numel = ctypes.cast(self.cap_numel, ctypes.c_void_p)
         a.ncap = len(self.caps)
+        a.rt = self.runtime
+        a.nthreads = torch.get_num_threads()
+        a.mask_reads_b, a.mask_reads_h = int(self.mask_reads_b), int(self.mask_reads_h)
         return a
 
     def forward(self, q, k, v, scale) -> Tuple[Tensor, Tensor]:
@@ -374,15 +382,17 @@ def _cpu_kernel(score_mod, blocks: _Blocks, dtype: torch.dtype) -> _Kernel:
         if c.device.type != "cpu":
             raise _graph.Untraceable(f"a modifier captures a tensor on {c.device}; the cpu kernel reads captures on "
                                      "the cpu")
-    entry = _build.kernels([source], dtype == torch.bfloat16)[0]
-    return _Kernel(entry, blocks, caps, grad_caps)
+    runtime = _build.runtime()
+    entry = _build.kernels([source])[0]
+    return _Kernel(entry, runtime, blocks, caps, grad_caps)
 
 
 def precompile(modifiers, dtype: torch.dtype = torch.float32) -> int:
     """Compiles the cpu kernels of several modifier pairs in one unit (one compiler run instead
     of one per pair; what is compiled already is skipped). ``modifiers``: an iterable of
     ``(score_mod, mask_mod)`` (either may be None; a BlockMask's ``mask_mod`` is its
-    ``block_mask.mask_mod``); ``dtype``: float32 or bfloat16, the inputs' dtype. Returns how
+    ``block_mask.mask_mod``); ``dtype``: float32 or bfloat16, the inputs' dtype (checked only:
+    one library serves both). Returns how
     many pairs were given. Raises ArgumentError for a modifier that cannot be compiled."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ArgumentTypeError(f"dtype: expected torch.float32 or torch.bfloat16, got {dtype}")
@@ -392,7 +402,7 @@ def precompile(modifiers, dtype: torch.dtype = torch.float32) -> int:
             sources.append(_variant(score_mod, mask_mod)[0])
         except _graph.Untraceable as e:
             raise ArgumentError(f"modifiers: {e}") from None
-    _build.kernels(sources, dtype == torch.bfloat16)
+    _build.kernels(sources)
     return len(sources)
 
 

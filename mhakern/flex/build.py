@@ -2,20 +2,23 @@
 
 The source is csrc/flex/flex_kernel.cpp with the modifier's C++ in place of its marker
 (mhakern/flex/graph.py). It is compiled with the host C++ compiler straight into a shared
-library with plain C entry points, called through ctypes: no pybind, no torch/extension.h, so a
-unit builds in seconds. It includes the cpu kernel's own headers (csrc/cpu/kernel: the gemm,
-exp2, scratch) compiled for this machine's instruction set (mhakern._build.ISA_FLAGS, chosen by
-torch's cpu capability), and links against the already loaded libtorch for at::parallel_for.
+library with plain C entry points, called through ctypes: no pybind, no torch or ATen header.
+What does not depend on the modifier (the gemm, the softmax step, the dtype conversions) is
+mhakern._C's flex runtime table for this machine's instruction set (csrc/cpu/flex_runtime.h,
+:func:`runtime`), which the calls pass in; so a unit is the modifier's loops and the block walk,
+compiled for that instruction set's vectors (mhakern._build.ISA_FLAGS, chosen by torch's cpu
+capability) with OpenMP (the libgomp torch loads), in about a second. One library serves every
+input dtype (the conversions are the runtime's).
 
 A library holds one or more modifiers (a bundle: :func:`kernels` compiles every modifier it is
 given that is not built yet in one compiler run, the way the tests build theirs). Cache, in
 ``<mhakern cache>/flex/``: ``bundle-<hash>.so`` and, per modifier, ``<key>.ref`` naming its
 bundle and index, where key hashes the generated C++ (so the graph, the captures' kinds, ranks
-and gradients), the input dtype, the template and the cpu kernel headers, the ISA, the compiler,
-torch's version and the flags. Concurrent processes building the same bundle: a file lock per
-bundle, the library written under a temporary name and renamed into place (a reader never sees a
-half-written file). Bounded: at most ``_MAX_BUNDLES`` libraries on disk (the least recently
-built go first) and ``_MAX_LOADED`` modifiers in this process's table.
+and gradients), the template and the runtime interface header it includes, the ISA, the
+compiler, torch's version and the flags. Concurrent processes building the same bundle: a file
+lock per bundle, the library written under a temporary name and renamed into place (a reader
+never sees a half-written file). Bounded: at most ``_MAX_BUNDLES`` libraries on disk (the least
+recently built go first) and ``_MAX_LOADED`` modifiers in this process's table.
 """
 from __future__ import annotations
 
@@ -42,8 +45,11 @@ _MARKER = "// MHK_FLEX_GENERATED"
 _ENTRIES = "// MHK_FLEX_ENTRIES"
 _LOCK = threading.Lock()
 _LOADED: "OrderedDict[str, Entry]" = OrderedDict()
-# -fopenmp: at::parallel_for is inline OpenMP in the headers (without it every call runs on one thread).
+# -fopenmp: the kernel's threads (libgomp.so.1, the soname torch loads its own copy under, so
+# the process keeps one OpenMP runtime).
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-w"]
+# The files the unit includes besides its template (the runtime table's interface).
+_HEADERS = [("csrc", "cpu", "flex_runtime.h")]
 
 
 class CompileError(RuntimeError):
@@ -80,26 +86,45 @@ def _template(root: str) -> str:
 
 def _headers_digest(root: str) -> str:
     h = hashlib.sha256()
-    for f in sorted(glob.glob(os.path.join(root, "csrc", "cpu", "kernel", "*.h")) +
-                    [os.path.join(root, "csrc", "cpu", "attention_params.h"), os.path.join(root, "csrc", "mode_params.h")]):
-        if os.path.isfile(f):
-            with open(f, "rb") as fh:
-                h.update(os.path.basename(f).encode() + hashlib.sha256(fh.read()).digest())
+    for parts in _HEADERS:
+        with open(os.path.join(root, *parts), "rb") as fh:
+            h.update("/".join(parts).encode() + hashlib.sha256(fh.read()).digest())
     return h.hexdigest()
 
 
 def _command(root: str, src: str, out: str, which: str) -> list:
-    from torch.utils import cpp_extension
-
     flags = list(_FLAGS)
     if which != "DEFAULT":
         flags += _build.ISA_FLAGS[which] + [f"-DCPU_CAPABILITY={which}", f"-DCPU_CAPABILITY_{which}"]
     else:
         flags += ["-DCPU_CAPABILITY=DEFAULT"]
-    flags.append(f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
-    inc = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{os.path.join(root, 'csrc', 'cpu', 'kernel')}"]
     libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
-    return [compiler(), *flags, *inc, src, "-o", out, f"-L{libdir}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{libdir}"]
+    return [compiler(), *flags, f"-I{os.path.join(root, 'csrc', 'cpu')}", src, "-o", out, f"-Wl,-rpath,{libdir}"]
+
+
+def runtime(which: Optional[str] = None) -> int:
+    """The address of mhakern._C's flex runtime table for instruction set ``which`` (default
+    :func:`isa`), for FlexArgs.rt. Raises CompileError when mhakern._C is missing or lacks it."""
+    from .. import _extension
+
+    which = which or isa()
+    with _LOCK:
+        if which in _RUNTIME:
+            return _RUNTIME[which]
+    if _extension.load() is None:
+        raise CompileError(f"the cpu kernel needs mhakern._C: {_extension.load_error()}")
+    try:
+        addr = int(torch.ops.mhakern_C.cpu_flex_runtime(which))
+    except (AttributeError, RuntimeError) as e:
+        raise CompileError(f"mhakern._C has no flex runtime (rebuild it): {str(e).splitlines()[0]}") from None
+    if addr == 0:
+        raise CompileError(f"mhakern._C has no flex runtime for {which} on this build or CPU")
+    with _LOCK:
+        _RUNTIME[which] = addr
+    return addr
+
+
+_RUNTIME: Dict[str, int] = {}
 
 
 def _facts(root: str, which: str, cxx: str) -> str:
@@ -117,9 +142,9 @@ class Entry:
         self.forward.restype = self.backward.restype = ctypes.c_int
 
 
-def kernels(variants: List[str], bf16: bool) -> List[Entry]:
+def kernels(variants: List[str]) -> List[Entry]:
     """The compiled entry points of each variant (a ``struct MOD_NAME {...};`` from
-    graph.cpp), for bf16 or float32 inputs: from this process's table, from a library on disk
+    graph.cpp), for every input dtype: from this process's table, from a library on disk
     (a bundle compiled earlier, found through ``<variant key>.ref``), or compiled now -- every
     missing variant together in one unit, so a test suite's modifiers cost one compile."""
     root = _src_root()
@@ -128,7 +153,7 @@ def kernels(variants: List[str], bf16: bool) -> List[Entry]:
     if cxx is None:
         raise CompileError("no C++ compiler found (set CXX)")
     facts = _facts(root, which, cxx)
-    keys = [hashlib.sha256(f"{facts}\0{int(bf16)}\0{v}".encode()).hexdigest()[:24] for v in variants]
+    keys = [hashlib.sha256(f"{facts}\0{v}".encode()).hexdigest()[:24] for v in variants]
     d = os.path.join(_build.cache_dir(), "flex")
     os.makedirs(d, exist_ok=True)
     found: Dict[str, Entry] = {}
@@ -149,7 +174,7 @@ def kernels(variants: List[str], bf16: bool) -> List[Entry]:
         so = os.path.join(d, f"bundle-{bundle}.so")
         with _build._FileLock(so + ".lock").acquire():
             if not os.path.exists(so):  # another process may have built it while this one waited
-                source = _source(root, [texts[k] for k in missing], bf16)
+                source = _source(root, [texts[k] for k in missing])
                 _compile(root, source, so, which)
             for i, k in enumerate(missing):
                 _write_atomic(os.path.join(d, f"{k}.ref"), json.dumps({"so": os.path.basename(so), "index": i}))
@@ -165,13 +190,13 @@ def kernels(variants: List[str], bf16: bool) -> List[Entry]:
     return [found[k] for k in keys]
 
 
-def _source(root: str, variants: List[str], bf16: bool) -> str:
+def _source(root: str, variants: List[str]) -> str:
     text = _template(root)
     if _MARKER not in text or _ENTRIES not in text:
         raise CompileError("csrc/flex/flex_kernel.cpp lacks its generated-code markers")
     structs = "".join(v.replace("MOD_NAME", f"Mod{i}") for i, v in enumerate(variants))
     entries = "\n".join(f"MHK_FLEX_ENTRY({i})" for i in range(len(variants)))
-    return text.replace(_MARKER, f"#define MHK_FLEX_BF16 {int(bf16)}\n" + structs).replace(_ENTRIES, entries)
+    return text.replace(_MARKER, structs).replace(_ENTRIES, entries)
 
 
 def _from_ref(d: str, key: str) -> Optional[Entry]:

@@ -658,5 +658,19 @@ def merge_captures(score: Optional[Traced], mask: Optional[Traced]) -> List[Tens
     return caps
 
 
+def reads(t: Traced) -> List[bool]:
+    """Per input of ``t`` (in order: score_mod's score, b, h, q_idx, kv_idx; mask_mod's b, h,
+    q_idx, kv_idx) whether the graph reads it: the cpu kernel evaluates a mask that reads
+    neither b nor h once for all batch elements and heads."""
+    used = {t.output}
+    for _name, op, spec, _kind in t.nodes:
+        if op == "load":
+            used.update(_node_args(spec[1]))
+        else:
+            args, kw, _ = spec
+            used.update(_node_args(args) + _node_args(tuple(kw.values())))
+    return [n in used for n in t.inputs]
+
+
 def source_hash(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
