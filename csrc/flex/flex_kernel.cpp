@@ -30,6 +30,7 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <memory>
 #include <new>
 #include <stdexcept>
 #include <vector>
@@ -201,19 +202,19 @@ inline const float* key_rows(const flex_rt::Runtime& rt, int64_t dtype, const vo
 // without the trim a document mask computed 1.2x the pairs attention_varlen does), and whether
 // every row sees every one of those keys (*dense: then the tile needs no mask pass).
 template <typename Mod>
-MHK_STEP void mask_tile_t(uint8_t* vis, int64_t Rp, int64_t R, int64_t bk, int64_t b, int64_t h, int64_t q0,
+MHK_STEP void mask_tile_t(bool* vis, int64_t Rp, int64_t R, int64_t bk, int64_t b, int64_t h, int64_t q0,
                           int64_t j0, const Caps& caps, int64_t* jlo, int64_t* jhi, bool* dense) {
   int64_t lo = bk, hi = 0, seen = 0;
   for (int64_t j = 0; j < bk; ++j) {
-    uint8_t* __restrict vp = vis + j * Rp;
+    bool* __restrict vp = vis + j * Rp;
     const int64_t kv = j0 + j;
+    // Two loops, each one the compiler vectorizes (mask_fn's capture reads become gathers).
+    // bool, not uint8_t: a store through a character type may alias the captures' pointers
+    // and sizes, which then are reloaded per element and the loop stays scalar.
+#pragma omp simd
+    for (int64_t r = 0; r < R; ++r) vp[r] = Mod::mask_fn(b, h, q0 + r, kv, caps);
     int64_t cnt = 0;
-#pragma omp simd reduction(+ : cnt)
-    for (int64_t r = 0; r < R; ++r) {
-      const uint8_t m = Mod::mask_fn(b, h, q0 + r, kv, caps) ? 1 : 0;
-      vp[r] = m;
-      cnt += m;
-    }
+    for (int64_t r = 0; r < R; ++r) cnt += vp[r];
     if (cnt) {
       lo = std::min(lo, j);
       hi = j + 1;
@@ -231,7 +232,7 @@ MHK_STEP void mask_tile_t(uint8_t* vis, int64_t Rp, int64_t R, int64_t bk, int64
 // compiler vectorizes them (one branchy loop ran the mask at a third of the speed).
 template <typename Mod>
 MHK_STEP void mods_tile_t(float* st, int64_t Rp, int64_t R, int64_t bk, int64_t b, int64_t h, int64_t q0, int64_t j0,
-                          const uint8_t* vis, const Caps& caps, float post) {
+                          const bool* vis, const Caps& caps, float post) {
   for (int64_t j = 0; j < bk; ++j) {
     float* __restrict sp = st + j * Rp;
     const int64_t kv = j0 + j;
@@ -239,7 +240,7 @@ MHK_STEP void mods_tile_t(float* st, int64_t Rp, int64_t R, int64_t bk, int64_t 
       for (int64_t r = 0; r < R; ++r) sp[r] = Mod::score_fwd(sp[r], b, h, q0 + r, kv, caps) * post;
     }
     if (vis != nullptr) {
-      const uint8_t* vp = vis + j * Rp;
+      const bool* vp = vis + j * Rp;
       for (int64_t r = 0; r < R; ++r) sp[r] = vp[r] ? sp[r] : kNegInf;
     }
     for (int64_t r = R; r < Rp; ++r) sp[r] = kNegInf;
@@ -264,7 +265,7 @@ struct MaskCache {
   bool on = false;
   int64_t cB = 0, per_block = 0, tile_bytes = 0;
   std::vector<int64_t> first;  // (cB * nrow + 1) prefix sums of the lists' partial counts, in tiles
-  std::vector<uint8_t> vis;
+  std::unique_ptr<bool[]> vis;  // (not std::vector<bool>: that one packs bits)
   std::vector<TileInfo> info;
 
   // Lists num[(mb * mH + 0) * nrow + row]; per_block tiles of tile_bytes per partial block.
@@ -281,7 +282,7 @@ struct MaskCache {
       }
     const int64_t ntiles = first.back();
     if (ntiles == 0 || ntiles * tile_bytes > kMaxBytes) return false;
-    vis.resize(ntiles * tile_bytes);
+    vis.reset(new bool[ntiles * tile_bytes]);
     info.resize(ntiles);
     on = true;
     return true;
@@ -298,13 +299,13 @@ struct MaskCache {
 // [jlo, jhi) (a document boundary leaves a block's rows and keys of the other document dead),
 // and whether those rows see all those keys.
 template <typename Mod>
-MHK_STEP void mask_slice(uint8_t* vis, int64_t ld, int64_t R, int64_t bk, int64_t b, int64_t h, int64_t q0,
+MHK_STEP void mask_slice(bool* vis, int64_t ld, int64_t R, int64_t bk, int64_t b, int64_t h, int64_t q0,
                          int64_t j0, const Caps& caps, TileInfo* ti) {
   int64_t rlo = R, rhi = 0, jlo = bk, jhi = 0, seen = 0;
   for (int64_t r = 0; r < R; ++r) {
-    uint8_t* __restrict vp = vis + r * ld;
+    bool* __restrict vp = vis + r * ld;
 #pragma omp simd
-    for (int64_t j = 0; j < bk; ++j) vp[j] = Mod::mask_fn(b, h, q0 + r, j0 + j, caps) ? 1 : 0;
+    for (int64_t j = 0; j < bk; ++j) vp[j] = Mod::mask_fn(b, h, q0 + r, j0 + j, caps);
     int64_t first = bk, last = -1, cnt = 0;
     for (int64_t j = 0; j < bk; ++j)
       if (vp[j]) {
@@ -375,7 +376,7 @@ void forward(const FlexArgs& a) {
           for (int64_t step = 0; step < nstep && jb + step * KB < jend; ++step) {
             const int64_t j0 = jb + step * KB, sl = mc.slot(cb, a.nqb, qb, n, sub * nstep + step);
             TileInfo& ti = mc.info[sl];
-            mask_tile_t<Mod>(mc.vis.data() + sl * mc.tile_bytes, Rp, R, std::min(KB, jend - j0), cb, 0, q0, j0, caps,
+            mask_tile_t<Mod>(mc.vis.get() + sl * mc.tile_bytes, Rp, R, std::min(KB, jend - j0), cb, 0, q0, j0, caps,
                              &ti.jlo, &ti.jhi, &ti.dense);
           }
         }
@@ -398,7 +399,7 @@ void forward(const FlexArgs& a) {
     float* alpha = s.take(Rmax);
     float* kc = s.take(KB * D);
     float* vc = s.take(KB * Dv);
-    uint8_t* vis = reinterpret_cast<uint8_t*>(s.take(KB * Rmax / 4 + 1));
+    bool* vis = reinterpret_cast<bool*>(s.take(KB * Rmax / 4 + 1));
     float* orow = s.take(Dv);
     for (int64_t unit; (unit = next.fetch_add(1)) < nunit;)
     for (int64_t t = std::min(ntask, (nunit - unit) * kUnit) - 1; t >= (nunit - 1 - unit) * kUnit; --t) {
@@ -425,15 +426,15 @@ void forward(const FlexArgs& a) {
           // A block mask's key block in steps of at most kKeys keys (the tile stays in L1/L2).
           for (int64_t jstep = jb, step = 0; jstep < jend; jstep += KB, ++step) {
             int64_t j0 = jstep, bk = std::min(KB, jend - jstep);
-            const uint8_t* tvis = nullptr;
+            const bool* tvis = nullptr;
             if (partial) {
               TileInfo own;
               const TileInfo* ti = &own;
-              const uint8_t* tile = vis;
+              const bool* tile = vis;
               if (mc.on) {
                 const int64_t sl = mc.slot(cb, a.nqb, qb, n, sub * nstep + step);
                 ti = &mc.info[sl];
-                tile = mc.vis.data() + sl * mc.tile_bytes;
+                tile = mc.vis.get() + sl * mc.tile_bytes;
               } else {
                 mask_tile_t<Mod>(vis, Rp, R, bk, b, h, q0, j0, caps, &own.jlo, &own.jhi, &own.dense);
               }
@@ -522,7 +523,7 @@ void backward(const FlexArgs& a) {
         const int64_t qend = std::min(qstart + QBS, a.Lq), bk = std::min(KVBS, a.Lk - j0), bkp = round_up(bk, VL);
         for (int64_t sl = 0; sl < nslice && qstart + sl * kRowsPartial < qend; ++sl) {
           const int64_t q0 = qstart + sl * kRowsPartial, at = mc.slot(cb, a.nkb, kb, n, sl);
-          mask_slice<Mod>(mc.vis.data() + at * mc.tile_bytes, bkp, std::min(kRowsPartial, qend - q0), bk, cb, 0, q0, j0,
+          mask_slice<Mod>(mc.vis.get() + at * mc.tile_bytes, bkp, std::min(kRowsPartial, qend - q0), bk, cb, 0, q0, j0,
                           caps, &mc.info[at]);
         }
       }
@@ -545,7 +546,7 @@ void backward(const FlexArgs& a) {
     float* dp = s.take(QBS * Kp);
     float* lr = s.take(QBS);
     float* dl = s.take(QBS);
-    uint8_t* vis = reinterpret_cast<uint8_t*>(s.take(QBS * Kp / 4 + 1));
+    bool* vis = reinterpret_cast<bool*>(s.take(QBS * Kp / 4 + 1));
     std::vector<float*> gcap(a.ncap + 1, nullptr);
     for (int64_t chunk; (chunk = next_chunk.fetch_add(1)) < nchunk;) {
       for (int64_t c = 0; c < a.ncap; ++c)
@@ -581,18 +582,18 @@ void backward(const FlexArgs& a) {
                 for (int64_t qslice = qstart; qslice < qend; qslice += step) {
                   int64_t q0 = qslice;
                   int64_t R = std::min(step, qend - qslice);
-                  const uint8_t* tvis = nullptr;
+                  const bool* tvis = nullptr;
                   // The keys computed: [c0, c1) of the block, whole vectors (a partial block: only
                   // those some live row sees).
                   int64_t c0 = 0, c1 = bkp;
                   if (partial) {
                     TileInfo own;
                     const TileInfo* ti = &own;
-                    const uint8_t* tile = vis;
+                    const bool* tile = vis;
                     if (mc.on) {
                       const int64_t sl = mc.slot(cb, a.nkb, kb, n, (qslice - qstart) / kRowsPartial);
                       ti = &mc.info[sl];
-                      tile = mc.vis.data() + sl * mc.tile_bytes;
+                      tile = mc.vis.get() + sl * mc.tile_bytes;
                     } else {
                       mask_slice<Mod>(vis, bkp, R, bk, b, h, q0, j0, caps, &own);
                     }
@@ -629,7 +630,7 @@ void backward(const FlexArgs& a) {
                       for (int64_t j = 0; j < nk; ++j) prow[j] = srow[j];
                     }
                     if (tvis != nullptr) {
-                      const uint8_t* vp = tvis + r * bkp + c0;
+                      const bool* vp = tvis + r * bkp + c0;
                       for (int64_t j = 0; j < nk; ++j) prow[j] = vp[j] ? prow[j] : kNegInf;
                     }
                     for (int64_t j = nk; j < nc; ++j) prow[j] = kNegInf;
