@@ -255,6 +255,9 @@ MHK_STEP void mods_tile_t(float* st, int64_t Rp, int64_t R, int64_t bk, int64_t 
 // range [rlo, rhi), and whether those rows see all those keys (dense: no mask pass). Cache
 // batch cb: b when mask_mod reads b, else the BlockMask's batch. Tiles of a row block lie
 // at `first[cb * nrow + row]` onwards. Bounded by kMaxBytes, else each task evaluates its own.
+// A slot is filled by the first task that needs it (no pass of its own: a barrier more, which
+// costs when the machine is shared); a task that finds it being filled computes its own copy
+// (the same values), so no task waits.
 struct TileInfo {
   int64_t jlo, jhi, rlo, rhi;
   bool dense;
@@ -262,11 +265,13 @@ struct TileInfo {
 
 struct MaskCache {
   static constexpr int64_t kMaxBytes = int64_t{64} << 20;
+  enum : uint8_t { kEmpty = 0, kFilling = 1, kReady = 2 };
   bool on = false;
   int64_t cB = 0, per_block = 0, tile_bytes = 0;
   std::vector<int64_t> first;  // (cB * nrow + 1) prefix sums of the lists' partial counts, in tiles
   std::unique_ptr<bool[]> vis;  // (not std::vector<bool>: that one packs bits)
-  std::vector<TileInfo> info;
+  std::unique_ptr<TileInfo[]> info;
+  std::unique_ptr<std::atomic<uint8_t>[]> state;
 
   // Lists num[(mb * mH + 0) * nrow + row]; per_block tiles of tile_bytes per partial block.
   bool plan(const FlexArgs& a, const int32_t* num, int64_t nrow, int64_t tiles_per_block, int64_t bytes) {
@@ -283,14 +288,34 @@ struct MaskCache {
     const int64_t ntiles = first.back();
     if (ntiles == 0 || ntiles * tile_bytes > kMaxBytes) return false;
     vis.reset(new bool[ntiles * tile_bytes]);
-    info.resize(ntiles);
+    info.reset(new TileInfo[ntiles]);
+    state.reset(new std::atomic<uint8_t>[ntiles]());
     on = true;
     return true;
   }
   int64_t cache_batch(const FlexArgs& a, int64_t b) const { return a.mask_reads_b ? b : (a.mB == 1 ? 0 : b); }
-  // The slot of tile `tile` of partial block n (of the list of (cb, row)).
-  int64_t slot(int64_t cb, int64_t nrow, int64_t row, int64_t n, int64_t tile) const {
-    return first[cb * nrow + row] + n * per_block + tile;
+
+  // Tile `tile` of partial block n of the list of (cb, row): its visibility in *tile_vis and
+  // its TileInfo; fill(vis, info) computes them (for cache batch cb and head 0), into the cache
+  // or, while another task fills the slot, into `own_vis` and `own`.
+  template <typename Fill>
+  const TileInfo* get(int64_t cb, int64_t nrow, int64_t row, int64_t n, int64_t tile, bool* own_vis, TileInfo* own,
+                      const bool** tile_vis, Fill&& fill) {
+    const int64_t sl = first[cb * nrow + row] + n * per_block + tile;
+    bool* v = vis.get() + sl * tile_bytes;
+    uint8_t s = state[sl].load(std::memory_order_acquire);
+    if (s == kEmpty && state[sl].compare_exchange_strong(s, kFilling, std::memory_order_acq_rel)) {
+      fill(v, &info[sl]);
+      state[sl].store(kReady, std::memory_order_release);
+      s = kReady;
+    }
+    if (s == kReady) {
+      *tile_vis = v;
+      return &info[sl];
+    }
+    fill(own_vis, own);
+    *tile_vis = own_vis;
+    return own;
   }
 };
 
@@ -357,32 +382,7 @@ void forward(const FlexArgs& a) {
   // per (row block, partial block) its nsub x nstep tiles, as each task would compute them.
   const int64_t nstep = ceil_div(KVBS, KB);
   MaskCache mc;
-  if (has_partial && mc.plan(a, a.kv_num, a.nqb, nsub * nstep, KB * Rmax)) {
-    const int64_t nblk = mc.first.back() / mc.per_block;
-    std::atomic<int64_t> next_blk{0};
-    parallel(std::min(a.nthreads, nblk), [&](int64_t, int64_t) {
-      for (int64_t e; (e = next_blk.fetch_add(1)) < nblk;) {
-        // The (cb, qb, n) of the e-th partial block: the row whose tiles hold it.
-        const int64_t tile0 = e * mc.per_block;
-        const int64_t row = std::upper_bound(mc.first.begin(), mc.first.end(), tile0) - mc.first.begin() - 1;
-        const int64_t cb = row / a.nqb, qb = row % a.nqb, n = (tile0 - mc.first[row]) / mc.per_block;
-        const int64_t mb = a.mB == 1 ? 0 : cb;
-        const BlockList list = blocks(a.kv_num, a.kv_idx, a.kv_w, mb, 0, 1, a.nqb, qb);
-        const int64_t jb = int64_t(list.idx[n]) * KVBS, jend = std::min(jb + KVBS, a.Lk);
-        for (int64_t sub = 0; sub < nsub; ++sub) {
-          const int64_t q0 = qb * QBS + sub * RB;
-          if (q0 >= std::min(a.Lq, (qb + 1) * QBS)) continue;
-          const int64_t R = std::min({RB, a.Lq - q0, (qb + 1) * QBS - q0}), Rp = round_up(R, VL);
-          for (int64_t step = 0; step < nstep && jb + step * KB < jend; ++step) {
-            const int64_t j0 = jb + step * KB, sl = mc.slot(cb, a.nqb, qb, n, sub * nstep + step);
-            TileInfo& ti = mc.info[sl];
-            mask_tile_t<Mod>(mc.vis.get() + sl * mc.tile_bytes, Rp, R, std::min(KB, jend - j0), cb, 0, q0, j0, caps,
-                             &ti.jlo, &ti.jhi, &ti.dense);
-          }
-        }
-      }
-    });
-  }
+  if (has_partial) mc.plan(a, a.kv_num, a.nqb, nsub * nstep, KB * Rmax);
 
   constexpr int64_t kUnit = 4;
   const int64_t nunit = ceil_div(ntask, kUnit);
@@ -432,9 +432,9 @@ void forward(const FlexArgs& a) {
               const TileInfo* ti = &own;
               const bool* tile = vis;
               if (mc.on) {
-                const int64_t sl = mc.slot(cb, a.nqb, qb, n, sub * nstep + step);
-                ti = &mc.info[sl];
-                tile = mc.vis.get() + sl * mc.tile_bytes;
+                ti = mc.get(cb, a.nqb, qb, n, sub * nstep + step, vis, &own, &tile, [&](bool* v, TileInfo* t) {
+                  mask_tile_t<Mod>(v, Rp, R, bk, cb, 0, q0, j0, caps, &t->jlo, &t->jhi, &t->dense);
+                });
               } else {
                 mask_tile_t<Mod>(vis, Rp, R, bk, b, h, q0, j0, caps, &own.jlo, &own.jhi, &own.dense);
               }
@@ -504,31 +504,10 @@ void backward(const FlexArgs& a) {
   // only, as the tasks of at::parallel_for's split of [0, nchunk) did.
   const int64_t nchunk = std::max<int64_t>(1, std::min<int64_t>(ntask, nthr));
   std::vector<float> gbuf(Mod::kHasCapGrad ? nchunk * gsize : 0, 0.f);
-  // The partial blocks' mask slices of all heads at once (MaskCache), in the order the tasks
-  // walk them: per (key block, partial row block) its slices of kRowsPartial rows.
-  const int64_t nslice = ceil_div(QBS, kRowsPartial);
+  // The partial blocks' mask slices of all heads at once (MaskCache): per (key block, partial
+  // row block) its slices of kRowsPartial rows.
   MaskCache mc;
-  if (mc.plan(a, a.q_num, a.nkb, nslice, kRowsPartial * Kp)) {
-    const int64_t nblk = mc.first.back() / mc.per_block;
-    std::atomic<int64_t> next_blk{0};
-    parallel(std::min(nthr, nblk), [&](int64_t, int64_t) {
-      for (int64_t e; (e = next_blk.fetch_add(1)) < nblk;) {
-        const int64_t tile0 = e * mc.per_block;
-        const int64_t row = std::upper_bound(mc.first.begin(), mc.first.end(), tile0) - mc.first.begin() - 1;
-        const int64_t cb = row / a.nkb, kb = row % a.nkb, n = (tile0 - mc.first[row]) / mc.per_block;
-        const int64_t mb = a.mB == 1 ? 0 : cb;
-        const int64_t qstart = int64_t(blocks(a.q_num, a.q_idx, a.q_w, mb, 0, 1, a.nkb, kb).idx[n]) * QBS;
-        const int64_t j0 = kb * KVBS;
-        if (qstart >= a.Lq || j0 >= a.Lk) continue;
-        const int64_t qend = std::min(qstart + QBS, a.Lq), bk = std::min(KVBS, a.Lk - j0), bkp = round_up(bk, VL);
-        for (int64_t sl = 0; sl < nslice && qstart + sl * kRowsPartial < qend; ++sl) {
-          const int64_t q0 = qstart + sl * kRowsPartial, at = mc.slot(cb, a.nkb, kb, n, sl);
-          mask_slice<Mod>(mc.vis.get() + at * mc.tile_bytes, bkp, std::min(kRowsPartial, qend - q0), bk, cb, 0, q0, j0,
-                          caps, &mc.info[at]);
-        }
-      }
-    });
-  }
+  mc.plan(a, a.q_num, a.nkb, ceil_div(QBS, kRowsPartial), kRowsPartial * Kp);
   std::atomic<int64_t> next_chunk{0};
   parallel(nchunk, [&](int64_t, int64_t) {
     Scratch s(KVBS * (Dp + Dvp) * 2 + Dp * Kp + Dvp * Kp + QBS * (Dp + Dvp) + 4 * QBS * Kp + 2 * QBS + QBS * Kp / 4 + 1 +
@@ -591,9 +570,8 @@ void backward(const FlexArgs& a) {
                     const TileInfo* ti = &own;
                     const bool* tile = vis;
                     if (mc.on) {
-                      const int64_t sl = mc.slot(cb, a.nkb, kb, n, (qslice - qstart) / kRowsPartial);
-                      ti = &mc.info[sl];
-                      tile = mc.vis.get() + sl * mc.tile_bytes;
+                      ti = mc.get(cb, a.nkb, kb, n, (qslice - qstart) / kRowsPartial, vis, &own, &tile,
+                                  [&](bool* v, TileInfo* t) { mask_slice<Mod>(v, bkp, R, bk, cb, 0, q0, j0, caps, t); });
                     } else {
                       mask_slice<Mod>(vis, bkp, R, bk, b, h, q0, j0, caps, &own);
                     }

@@ -132,6 +132,24 @@ def _facts(root: str, which: str, cxx: str) -> str:
                       sys.platform])
 
 
+# (ISA, $CXX) -> (root, ISA, compiler, digest of _facts): looked up once per process, not per call
+# (the compiler search and the template's hash were a millisecond of every call).
+_FACTS: Dict[tuple, tuple] = {}
+
+
+def _setup() -> tuple:
+    which = isa()
+    memo = (which, os.environ.get("CXX"))
+    hit = _FACTS.get(memo)
+    if hit is None:
+        root = _src_root()
+        cxx = compiler()
+        if cxx is None:
+            raise CompileError("no C++ compiler found (set CXX)")
+        hit = _FACTS[memo] = (root, which, cxx, hashlib.sha256(_facts(root, which, cxx).encode()).hexdigest())
+    return hit
+
+
 class Entry:
     """A compiled modifier: its forward and backward entry points (ctypes functions)."""
 
@@ -147,12 +165,7 @@ def kernels(variants: List[str]) -> List[Entry]:
     graph.cpp), for every input dtype: from this process's table, from a library on disk
     (a bundle compiled earlier, found through ``<variant key>.ref``), or compiled now -- every
     missing variant together in one unit, so a test suite's modifiers cost one compile."""
-    root = _src_root()
-    which = isa()
-    cxx = compiler()
-    if cxx is None:
-        raise CompileError("no C++ compiler found (set CXX)")
-    facts = _facts(root, which, cxx)
+    root, which, _cxx, facts = _setup()
     keys = [hashlib.sha256(f"{facts}\0{v}".encode()).hexdigest()[:24] for v in variants]
     d = os.path.join(_build.cache_dir(), "flex")
     os.makedirs(d, exist_ok=True)
