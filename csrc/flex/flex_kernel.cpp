@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "flex_runtime.h"
+#include "kernel/scalar.h"
 
 namespace mhakern::cpu {
 namespace CPU_CAPABILITY {
@@ -104,19 +105,7 @@ namespace {
 constexpr int64_t kRows = 64;         // query rows per task (as the cpu kernel's kRowBlock)
 constexpr int64_t kRowsPartial = 32;  // with partial blocks: their dead keys are trimmed per task
 constexpr int64_t kKeys = 128;  // keys per step (its kKeyBlock)
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 enum GemmMode : int64_t { kStore = 0, kAccumulate = 1, kRescale = 2 };  // flex_rt::Runtime::gemm
-
-#if defined(__GNUC__)
-#define MHK_STEP inline __attribute__((always_inline))
-#else
-#define MHK_STEP inline
-#endif
-
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
 // A thread's scratch: 64-byte aligned floats handed out in whole cache lines, uninitialised
 // (every tile is written before it is read).
@@ -201,8 +190,10 @@ inline const float* key_rows(const flex_rt::Runtime& rt, int64_t dtype, const vo
 // products skip the block's dead keys (a document boundary cuts most partial blocks in two:
 // without the trim a document mask computed 1.2x the pairs attention_varlen does), and whether
 // every row sees every one of those keys (*dense: then the tile needs no mask pass).
+// Not inlined: its callers (a cache slot, a task's own tile) would each compile the
+// vectorized mask loops again, and a call per tile costs nothing measurable.
 template <typename Mod>
-MHK_STEP void mask_tile_t(bool* vis, int64_t Rp, int64_t R, int64_t bk, int64_t b, int64_t h, int64_t q0,
+__attribute__((noinline)) void mask_tile_t(bool* vis, int64_t Rp, int64_t R, int64_t bk, int64_t b, int64_t h, int64_t q0,
                           int64_t j0, const Caps& caps, int64_t* jlo, int64_t* jhi, bool* dense) {
   int64_t lo = bk, hi = 0, seen = 0;
   for (int64_t j = 0; j < bk; ++j) {
@@ -304,18 +295,17 @@ struct MaskCache {
     const int64_t sl = first[cb * nrow + row] + n * per_block + tile;
     bool* v = vis.get() + sl * tile_bytes;
     uint8_t s = state[sl].load(std::memory_order_acquire);
-    if (s == kEmpty && state[sl].compare_exchange_strong(s, kFilling, std::memory_order_acq_rel)) {
-      fill(v, &info[sl]);
-      state[sl].store(kReady, std::memory_order_release);
-      s = kReady;
-    }
     if (s == kReady) {
       *tile_vis = v;
       return &info[sl];
     }
-    fill(own_vis, own);
-    *tile_vis = own_vis;
-    return own;
+    const bool mine = s == kEmpty && state[sl].compare_exchange_strong(s, kFilling, std::memory_order_acq_rel);
+    TileInfo* t = mine ? &info[sl] : own;
+    bool* dst = mine ? v : own_vis;
+    *tile_vis = dst;
+    fill(dst, t);
+    if (mine) state[sl].store(kReady, std::memory_order_release);
+    return t;
   }
 };
 
@@ -324,7 +314,7 @@ struct MaskCache {
 // [jlo, jhi) (a document boundary leaves a block's rows and keys of the other document dead),
 // and whether those rows see all those keys.
 template <typename Mod>
-MHK_STEP void mask_slice(bool* vis, int64_t ld, int64_t R, int64_t bk, int64_t b, int64_t h, int64_t q0,
+__attribute__((noinline)) void mask_slice(bool* vis, int64_t ld, int64_t R, int64_t bk, int64_t b, int64_t h, int64_t q0,
                          int64_t j0, const Caps& caps, TileInfo* ti) {
   int64_t rlo = R, rhi = 0, jlo = bk, jhi = 0, seen = 0;
   for (int64_t r = 0; r < R; ++r) {

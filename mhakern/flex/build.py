@@ -14,7 +14,7 @@ A library holds one or more modifiers (a bundle: :func:`kernels` compiles every 
 given that is not built yet in one compiler run, the way the tests build theirs). Cache, in
 ``<mhakern cache>/flex/``: ``bundle-<hash>.so`` and, per modifier, ``<key>.ref`` naming its
 bundle and index, where key hashes the generated C++ (so the graph, the captures' kinds, ranks
-and gradients), the template and the runtime interface header it includes, the ISA, the
+and gradients), the template and the headers it includes (_HEADERS), the ISA, the
 compiler, torch's version and the flags. Concurrent processes building the same bundle: a file
 lock per bundle, the library written under a temporary name and renamed into place (a reader
 never sees a half-written file). Bounded: at most ``_MAX_BUNDLES`` libraries on disk (the least
@@ -48,8 +48,8 @@ _LOADED: "OrderedDict[str, Entry]" = OrderedDict()
 # -fopenmp: the kernel's threads (libgomp.so.1, the soname torch loads its own copy under, so
 # the process keeps one OpenMP runtime).
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-w"]
-# The files the unit includes besides its template (the runtime table's interface).
-_HEADERS = [("csrc", "cpu", "flex_runtime.h")]
+# The files the unit includes besides its template (the runtime table's interface, scalar basics).
+_HEADERS = [("csrc", "cpu", "flex_runtime.h"), ("csrc", "cpu", "kernel", "scalar.h")]
 
 
 class CompileError(RuntimeError):

@@ -4,9 +4,7 @@
 // Vectorized<float> is the AVX-512, AVX2 or portable one.
 #pragma once
 
-#ifndef CPU_CAPABILITY
-#error "define CPU_CAPABILITY (and CPU_CAPABILITY_<ISA>) before including the cpu kernel headers"
-#endif
+#include "scalar.h"  // first: it checks that CPU_CAPABILITY is defined
 
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/Exception.h>
@@ -26,24 +24,6 @@ namespace CPU_CAPABILITY {
 using Vec = at::vec::Vectorized<float>;
 using IVec = at::vec::Vectorized<int32_t>;
 constexpr int64_t VL = Vec::size();
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr double kLn2d = 0.6931471805599453094;
-constexpr double kLog2ed = 1.4426950408889634074;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// The named steps of the forward and backward are functions for the reader, not for the
-// call: forced inline, so the split leaves the code the compiler emits as it was (a call per
-// step and tile costs measurably on decode-sized tasks).
-#if defined(__GNUC__)
-#define MHK_STEP inline __attribute__((always_inline))
-#else
-#define MHK_STEP inline
-#endif
-
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
 // Scratch memory: one 64-byte aligned float buffer per thread chunk, zeroed (the backward's
 // accumulators rely on it) or left as it comes (kUninit: the forward, whose every tile is
