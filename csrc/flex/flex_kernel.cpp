@@ -576,8 +576,17 @@ void backward(const FlexArgs& a) {
                   const int64_t nc = c1 - c0, nk = std::min(c1, bk) - c0;  // computed, and real keys
                   rt.load_rows(dt, at_row(a.q, dt, b * a.qs[0] + h * a.qs[1] + q0 * a.qs[2]), a.qs[2], R, D, scale, qs,
                                Dp);
-                  rt.load_rows(dt, at_row(a.dout, dt, b * a.dos[0] + h * a.dos[1] + q0 * a.dos[2]), a.dos[2], R, Dv,
-                               1.f, dor, Dvp);
+                  // dO: float32 rows of whole vectors are read in place (the copy was a thirtieth of
+                  // the backward), others converted and padded.
+                  const float* dO = dor;
+                  int64_t ldo = Dvp;
+                  if (dt == flex_rt::kFloat32 && Dv == Dvp) {
+                    dO = static_cast<const float*>(a.dout) + b * a.dos[0] + h * a.dos[1] + q0 * a.dos[2];
+                    ldo = a.dos[2];
+                  } else {
+                    rt.load_rows(dt, at_row(a.dout, dt, b * a.dos[0] + h * a.dos[1] + q0 * a.dos[2]), a.dos[2], R, Dv,
+                                 1.f, dor, Dvp);
+                  }
                   const float* lse = a.lse + (b * a.H + h) * a.Lq + q0;
                   const float* delta = a.delta + (b * a.H + h) * a.Lq + q0;
                   for (int64_t r = 0; r < R; ++r) {
@@ -585,7 +594,7 @@ void backward(const FlexArgs& a) {
                     dl[r] = delta[r];
                   }
                   rt.gemm(kStore, R, nc, D, qs, Dp, 1, kt + c0, bkp, sc, nc, nullptr);    // S = Qs K^T
-                  rt.gemm(kStore, R, nc, Dv, dor, Dvp, 1, vt + c0, bkp, dp, nc, nullptr);  // dP = dO V^T
+                  rt.gemm(kStore, R, nc, Dv, dO, ldo, 1, vt + c0, bkp, dp, nc, nullptr);  // dP = dO V^T
                   const int64_t kc0 = j0 + c0;  // the first computed key
                   for (int64_t r = 0; r < R; ++r) {
                     const int64_t i = q0 + r;
@@ -612,7 +621,7 @@ void backward(const FlexArgs& a) {
                                                                               gcap.data());
                     }
                   }
-                  rt.gemm(kAccumulate, nk, Dvp, R, pp, 1, nc, dor, Dvp, dv + c0 * Dvp, Dvp, nullptr);  // dV += P^T dO
+                  rt.gemm(kAccumulate, nk, Dvp, R, pp, 1, nc, dO, ldo, dv + c0 * Dvp, Dvp, nullptr);  // dV += P^T dO
                   rt.gemm(kAccumulate, nk, Dp, R, dp, 1, nc, qs, Dp, dk + c0 * Dp, Dp, nullptr);        // dK += dS^T Qs
                   float* dqr = dqp + ((b * a.H + h) * a.Lq + q0) * Dp;
                   rt.gemm(kAccumulate, R, Dp, nk, dp, nc, 1, kr + c0 * Dp, Dp, dqr, Dp, nullptr);  // dQ += dS K
