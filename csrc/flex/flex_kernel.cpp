@@ -491,7 +491,7 @@ void backward(const FlexArgs& a) {
     if (a.cap_grad[c] != nullptr) gsize += a.cap_numel[c];
   }
   // The chunks (and so the order of the tables' gradient sums) depend on the thread count
-  // only, as the tasks of at::parallel_for's split of [0, nchunk) did.
+  // only, not on which thread takes which.
   const int64_t nchunk = std::max<int64_t>(1, std::min<int64_t>(ntask, nthr));
   std::vector<float> gbuf(Mod::kHasCapGrad ? nchunk * gsize : 0, 0.f);
   // The partial blocks' mask slices of all heads at once (MaskCache): per (key block, partial
