@@ -451,8 +451,13 @@ void forward(const FlexArgs& a) {
       for (int64_t r = 0; r < R; ++r) {
         // A row that saw no key: output 0, lse -inf (docs/contract.md).
         const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        for (int64_t d = 0; d < Dv; ++d) orow[d] = ot[d * Rp + r];
-        rt.store_row(dt, orow, Dv, inv, o + r * a.os[2] * elem_size(dt));
+        if (dt == flex_rt::kFloat32) {  // in one pass (a copy and a call per row cost 1-2%)
+          float* orf = reinterpret_cast<float*>(o) + r * a.os[2];
+          for (int64_t d = 0; d < Dv; ++d) orf[d] = ot[d * Rp + r] * inv;
+        } else {
+          for (int64_t d = 0; d < Dv; ++d) orow[d] = ot[d * Rp + r];
+          rt.store_row(dt, orow, Dv, inv, o + r * a.os[2] * elem_size(dt));
+        }
         lse[r] = l[r] > 0.f ? (m[r] + std::log2(l[r])) * kLn2 : kNegInf;
       }
     }
