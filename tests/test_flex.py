@@ -189,11 +189,16 @@ def test_prefix_and_causal_block_masks():
         _check_builder(mhakern.flex.causal_block_mask(300, block_size=bs), 1, 300, 300)
 
 
-def test_builder_mask_runs_on_the_kernel():
-    cu = torch.tensor([0, 90, 91, 250, 300], dtype=torch.int32)
-    bm = mhakern.flex.document_block_mask(cu, window=40, block_size=(64, 32))
+@pytest.mark.parametrize("make, L", [
+    (lambda: mhakern.flex.document_block_mask(torch.tensor([0, 90, 91, 250, 300], dtype=torch.int32), window=40,
+                                              block_size=(64, 32)), 300),
+    # Few partial blocks (9 of 45): the cpu forward's 64-row tasks, trimming the diagonal's keys.
+    (lambda: mhakern.flex.causal_block_mask(520, block_size=64), 520),
+])
+def test_builder_mask_runs_on_the_kernel(make, L):
+    bm = make()
     g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, 2, 300, 32, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, L, 32, generator=g) for _ in range(3))
     out = mhakern.flex_attention(q, k, v, block_mask=bm, backend="cpu")
     r64, _ = mhakern.flex.reference(q.double(), k.double(), v.double(), block_mask=bm)
     r32, _ = mhakern.flex.reference(q, k, v, block_mask=bm, upcast=False)
