@@ -16,7 +16,7 @@
 
 namespace mhakern::cpu::flex_rt {
 
-constexpr int64_t kVersion = 1;
+constexpr int64_t kVersion = 2;
 
 // dtype codes of FlexArgs::dtype.
 constexpr int64_t kFloat32 = 0, kBFloat16 = 1;
@@ -41,6 +41,9 @@ struct Runtime {
                     int64_t ld);
   // dst[0, n) = src[0, n) * mul in dtype `dtype` (round to nearest even for bf16).
   void (*store_row)(int64_t dtype, const float* src, int64_t n, float mul, void* dst);
+  // dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols, both multiples of 8
+  // (kernel/vec_math.h's transpose: 8x8 register tiles where the set has them).
+  void (*transpose)(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows, int64_t cols);
 };
 
 }  // namespace mhakern::cpu::flex_rt

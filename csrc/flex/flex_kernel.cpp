@@ -362,7 +362,7 @@ void forward(const FlexArgs& a) {
   const bool has_partial = npart > 0;
   const int64_t RB = std::min(QBS, 4 * npart > npart + nfull ? kRowsPartial : kRows), nsub = ceil_div(QBS, RB);
   const int64_t KB = std::min(KVBS, kKeys);
-  const int64_t Rmax = round_up(RB, VL), Dp = round_up(D, VL);
+  const int64_t Rmax = round_up(RB, VL), Dp = round_up(D, VL), Dvp = round_up(Dv, VL), Dv8 = round_up(Dv, 8);
   const int64_t ntask = a.B * a.H * a.nqb * nsub;
   // Scores in natural units for the modifier; without one, Q carries log2(e) and the tile
   // needs no pass before the softmax.
@@ -384,19 +384,20 @@ void forward(const FlexArgs& a) {
   const int64_t nunit = ceil_div(ntask, kUnit);
   std::atomic<int64_t> next{0};
   parallel(std::min(a.nthreads, nunit), [&](int64_t, int64_t) {
-    // 10 pieces, each rounded up to 16 floats by take().
-    Scratch s(Rmax * Dp * 2 + KB * Rmax + Dv * Rmax + 3 * Rmax + KB * (D + Dv) + KB * Rmax / 4 + 1 + Dv + 16 * 11);
+    // 11 pieces, each rounded up to 16 floats by take().
+    Scratch s(Rmax * Dp * 2 + KB * Rmax + Dvp * Rmax + 3 * Rmax + KB * (D + Dv) + KB * Rmax / 4 + 1 + Rmax * Dvp +
+              16 * 11);
     float* qr = s.take(Rmax * Dp);
     float* qt = s.take(Dp * Rmax);
     float* st = s.take(KB * Rmax);
-    float* ot = s.take(Dv * Rmax);
+    float* ot = s.take(Dvp * Rmax);  // rows Dv .. Dv8 are transposed with the rest, never read back
     float* m = s.take(Rmax);
     float* l = s.take(Rmax);
     float* alpha = s.take(Rmax);
     float* kc = s.take(KB * D);
     float* vc = s.take(KB * Dv);
     bool* vis = reinterpret_cast<bool*>(s.take(KB * Rmax / 4 + 1));
-    float* orow = s.take(Dv);
+    float* orows = s.take(Rmax * Dvp);  // O as rows
     for (int64_t unit; (unit = next.fetch_add(1)) < nunit;)
     for (int64_t t = std::min(ntask, (nunit - unit) * kUnit) - 1; t >= (nunit - 1 - unit) * kUnit; --t) {
       const int64_t sub = t % nsub, qb = (t / nsub) % a.nqb, h = (t / (nsub * a.nqb)) % a.H;
@@ -405,7 +406,8 @@ void forward(const FlexArgs& a) {
       const int64_t R = std::min({RB, a.Lq - q0, (qb + 1) * QBS - q0}), Rp = round_up(R, VL);
       const int64_t mb = a.mB == 1 ? 0 : b, mh = a.mH == 1 ? 0 : h;
       rt.load_rows(dt, at_row(a.q, dt, b * a.qs[0] + h * a.qs[1] + q0 * a.qs[2]), a.qs[2], R, D, qmul, qr, Dp);
-      transpose_pad(qr, Dp, R, D, qt, Rp);
+      std::fill(qr + R * Dp, qr + Rp * Dp, 0.f);
+      rt.transpose(qr, Dp, qt, Rp, Rp, Dp);  // whole 8x8 tiles (a scalar loop here cost 1-2%)
       for (int64_t r = 0; r < Rp; ++r) {
         m[r] = kNegInf;
         l[r] = 0.f;
@@ -451,18 +453,19 @@ void forward(const FlexArgs& a) {
           }
         }
       }
-      if (first) std::fill(ot, ot + Dv * Rp, 0.f);  // no key visible to any row
+      if (first) std::fill(ot, ot + Dv8 * Rp, 0.f);  // no key visible to any row
+      rt.transpose(ot, Rp, orows, Dvp, Dv8, Rp);        // as the Q tile: a strided read per row cost 1-2%
       char* o = static_cast<char*>(a.out) + (b * a.os[0] + h * a.os[1] + q0 * a.os[2]) * elem_size(dt);
       float* lse = a.lse + (b * a.H + h) * a.Lq + q0;
       for (int64_t r = 0; r < R; ++r) {
         // A row that saw no key: output 0, lse -inf (docs/contract.md).
         const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        if (dt == flex_rt::kFloat32) {  // in one pass (a copy and a call per row cost 1-2%)
+        const float* src = orows + r * Dvp;
+        if (dt == flex_rt::kFloat32) {  // inline (a call per row cost 1-2%)
           float* orf = reinterpret_cast<float*>(o) + r * a.os[2];
-          for (int64_t d = 0; d < Dv; ++d) orf[d] = ot[d * Rp + r] * inv;
+          for (int64_t d = 0; d < Dv; ++d) orf[d] = src[d] * inv;
         } else {
-          for (int64_t d = 0; d < Dv; ++d) orow[d] = ot[d * Rp + r];
-          rt.store_row(dt, orow, Dv, inv, o + r * a.os[2] * elem_size(dt));
+          rt.store_row(dt, src, Dv, inv, o + r * a.os[2] * elem_size(dt));
         }
         lse[r] = l[r] > 0.f ? (m[r] + std::log2(l[r])) * kLn2 : kNegInf;
       }

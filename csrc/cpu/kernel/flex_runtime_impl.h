@@ -89,7 +89,7 @@ inline void store_row_any(int64_t dtype, const float* src, int64_t n, float mul,
 
 inline const flex_rt::Runtime& table() {
   static const flex_rt::Runtime t{flex_rt::kVersion, VL, &gemm_any, &softmax_step, &prob_row, &load_rows,
-                                  &store_row_any};
+                                  &store_row_any, &transpose};
   return t;
 }
 
