@@ -353,7 +353,7 @@ void forward(const FlexArgs& a) {
   // those its task's rows see, and 32 rows cut more than 64 (document masks of 8 x 1k tokens,
   // a third of the blocks partial: 0.93x attention_varlen against 0.80x); where few blocks are
   // partial 64 rows are faster (causal, one partial block in 8.5: 0.93x attention(causal=True)
-  // against 0.89x at 32, three same-session runs each).
+  // against 0.88x at 32, medians of three same-session runs each).
   int64_t npart = 0, nfull = 0;
   for (int64_t e = 0; e < a.mB * a.mH * a.nqb; ++e) {
     npart += a.kv_num[e];
