@@ -231,7 +231,9 @@ MHK_STEP void mods_tile_t(float* st, int64_t Rp, int64_t R, int64_t bk, int64_t 
       for (int64_t r = 0; r < R; ++r) sp[r] = Mod::score_fwd(sp[r], b, h, q0 + r, kv, caps) * post;
     }
     if (vis != nullptr) {
-      const bool* vp = vis + j * Rp;
+      // Read as bytes: GCC vectorizes no select on a bool (a branch and a store per masked
+      // score, 3% of the causal forward on one thread), it does on unsigned char.
+      const unsigned char* __restrict vp = reinterpret_cast<const unsigned char*>(vis + j * Rp);
       for (int64_t r = 0; r < R; ++r) sp[r] = vp[r] ? sp[r] : kNegInf;
     }
     for (int64_t r = R; r < Rp; ++r) sp[r] = kNegInf;
