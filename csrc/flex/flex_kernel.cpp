@@ -623,7 +623,8 @@ void backward(const FlexArgs& a) {
                       for (int64_t j = 0; j < nk; ++j) prow[j] = srow[j];
                     }
                     if (tvis != nullptr) {
-                      const bool* vp = tvis + r * bkp + c0;
+                      // Bytes, as in mods_tile_t: a select on bool is not vectorized.
+                      const unsigned char* __restrict vp = reinterpret_cast<const unsigned char*>(tvis + r * bkp + c0);
                       for (int64_t j = 0; j < nk; ++j) prow[j] = vp[j] ? prow[j] : kNegInf;
                     }
                     for (int64_t j = nk; j < nc; ++j) prow[j] = kNegInf;
