@@ -7,6 +7,7 @@
 #include <c10/util/BFloat16.h>
 
 #include "../flex_runtime.h"
+#include "forward.h"
 #include "gemm.h"
 #include "vec_math.h"
 
@@ -14,9 +15,10 @@ namespace mhakern::cpu {
 namespace CPU_CAPABILITY {
 namespace flex_rt_impl {
 
-// The forward handles at most this many rows per tile (flex_kernel.cpp's kRows).
+// The forward handles at most this many rows per tile (flex_kernel.cpp's kRows): forward.h's
+// softmax step takes up to kRowBlock.
 constexpr int64_t kMaxRows = 64;
-constexpr int64_t kMaxRowVecs = (kMaxRows + VL - 1) / VL;
+static_assert(kMaxRows <= kRowBlock, "flex tiles exceed forward.h's softmax step");
 
 inline void gemm_any(int64_t mode, int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int64_t acs,
                      const float* B, int64_t ldb, float* C, int64_t ldc, const float* cscale) {
@@ -27,38 +29,10 @@ inline void gemm_any(int64_t mode, int64_t M, int64_t N, int64_t K, const float*
   }
 }
 
-// As forward.h: keys outside and row vectors inside, so the max and sum reductions of the row
-// vectors are independent chains (vectors outside, keys inside ran the forward at 0.7x).
+// forward.h's step, without dropout.
 inline void softmax_step(float* st, int64_t Rp, int64_t bk, float* m, float* l, float* alpha) {
-  const int64_t nvec = Rp / VL;
-  TORCH_INTERNAL_ASSERT(nvec <= kMaxRowVecs, "flex runtime: softmax tile of ", Rp, " rows");
-  Vec mx[kMaxRowVecs], muse[kMaxRowVecs], sum[kMaxRowVecs];
-  for (int64_t vv = 0; vv < nvec; ++vv) {
-    mx[vv] = Vec(kNegInf);
-    sum[vv] = Vec(0.f);
-  }
-  for (int64_t j = 0; j < bk; ++j) {
-    const float* sp = st + j * Rp;
-    for (int64_t vv = 0; vv < nvec; ++vv) mx[vv] = at::vec::clamp_min(mx[vv], Vec::loadu(sp + vv * VL));
-  }
-  for (int64_t vv = 0; vv < nvec; ++vv) {
-    const Vec mold = Vec::loadu(m + vv * VL);
-    const Vec mnew = at::vec::clamp_min(mold, mx[vv]);
-    // Nothing visible yet: subtract 0 rather than -inf, so exp2 gives 0 and not NaN.
-    muse[vv] = Vec::blendv(mnew, Vec(0.f), mnew == Vec(kNegInf));
-    exp2v(mold - muse[vv]).store(alpha + vv * VL);
-    mnew.store(m + vv * VL);
-  }
-  for (int64_t j = 0; j < bk; ++j) {
-    float* sp = st + j * Rp;
-    for (int64_t vv = 0; vv < nvec; ++vv) {
-      const Vec pj = exp2v(Vec::loadu(sp + vv * VL) - muse[vv]);
-      pj.store(sp + vv * VL);
-      sum[vv] = sum[vv] + pj;
-    }
-  }
-  for (int64_t vv = 0; vv < nvec; ++vv)
-    (Vec::loadu(l + vv * VL) * Vec::loadu(alpha + vv * VL) + sum[vv]).store(l + vv * VL);
+  TORCH_INTERNAL_ASSERT(Rp <= kMaxRows, "flex runtime: softmax tile of ", Rp, " rows");
+  CPU_CAPABILITY::softmax_step(st, Rp, bk, m, l, alpha, [](int64_t) -> const float* { return nullptr; });
 }
 
 inline void prob_row(float* prow, float* dprow, int64_t n, float lse2, float delta) {

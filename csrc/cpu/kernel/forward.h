@@ -202,6 +202,46 @@ MHK_STEP void forward_key_tiles(const AttnParams& p, int64_t b, int64_t hkv, int
 // Dot: void for the fp32 products (every dtype converted to fp32), else the pair dot product of
 // bf16_dot.h (DotHw, DotModel; bf16 inputs only): Q.K^T and P.V on bf16 operands with fp32
 // accumulation, P rounded to bf16, the softmax in fp32 as before.
+// One key block's step of the online softmax in base 2 on the score tile S^T (bk keys x Rp
+// rows, Rp a multiple of VL, at most kRowBlock): per row the new running maximum m, alpha =
+// 2^(m_old - m_new), the tile replaced by P = 2^(S - m_new) (0 where -inf: a row with nothing
+// visible yet subtracts 0, not -inf, so no NaN) and l = l * alpha + the row's sum of P. keep(j)
+// gives key j's factors per row to store P with (dropout: l still sums the undropped P), or
+// null. Loops run over keys outside and row vectors inside, so the max and sum reductions of
+// the row vectors are independent chains rather than one serial one. Also the flex kernel's
+// step (flex_runtime_impl.h).
+template <typename Keep>
+MHK_STEP void softmax_step(float* st, int64_t Rp, int64_t bk, float* m, float* l, float* alpha, Keep&& keep) {
+  const int64_t nvec = Rp / VL;
+  Vec mx[kRowVecs], muse[kRowVecs], sum[kRowVecs];
+  for (int64_t v = 0; v < nvec; ++v) {
+    mx[v] = Vec(kNegInf);
+    sum[v] = Vec(0.f);
+  }
+  for (int64_t j = 0; j < bk; ++j) {
+    const float* sp = st + j * Rp;
+    for (int64_t v = 0; v < nvec; ++v) mx[v] = at::vec::clamp_min(mx[v], Vec::loadu(sp + v * VL));
+  }
+  for (int64_t v = 0; v < nvec; ++v) {
+    const Vec mold = Vec::loadu(m + v * VL);
+    const Vec mnew = at::vec::clamp_min(mold, mx[v]);
+    muse[v] = Vec::blendv(mnew, Vec(0.f), mnew == Vec(kNegInf));
+    exp2v(mold - muse[v]).store(alpha + v * VL);
+    mnew.store(m + v * VL);
+  }
+  for (int64_t j = 0; j < bk; ++j) {
+    float* sp = st + j * Rp;
+    const float* kv = keep(j);
+    for (int64_t v = 0; v < nvec; ++v) {
+      const Vec pj = exp2v(Vec::loadu(sp + v * VL) - muse[v]);
+      (kv ? pj * Vec::loadu(kv + v * VL) : pj).store(sp + v * VL);
+      sum[v] = sum[v] + pj;
+    }
+  }
+  for (int64_t v = 0; v < nvec; ++v)
+    (Vec::loadu(l + v * VL) * Vec::loadu(alpha + v * VL) + sum[v]).store(l + v * VL);
+}
+
 template <typename T, bool kMods, typename Dot = void>
 void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const RowBlock& rb, int64_t kbeg,
                   int64_t kend, const FwdScratch& s, const FwdSink& sink) {
@@ -306,48 +346,15 @@ void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const R
           for (int64_t v = 0; v < nvec; ++v) mx[v].store(s.bmax + v * VL);
         }
         if constexpr (kPairs) softmax_to_pairs<Dot>(nvec, s.st, Rp, bk, s.bmax, s.m, s.l, s.alpha, s.ptp);
+      } else if (!dropout) {
+        softmax_step(s.st, Rp, bk, s.m, s.l, s.alpha, [](int64_t) -> const float* { return nullptr; });
       } else {
-        Vec mx[kRowVecs], muse[kRowVecs], sum[kRowVecs];
-        for (int64_t v = 0; v < nvec; ++v) {
-          mx[v] = Vec(kNegInf);
-          sum[v] = Vec(0.f);
-        }
-        for (int64_t j = 0; j < bk; ++j) {
-          const float* sp = s.st + j * Rp;
-          for (int64_t v = 0; v < nvec; ++v) mx[v] = at::vec::clamp_min(mx[v], Vec::loadu(sp + v * VL));
-        }
-        for (int64_t v = 0; v < nvec; ++v) {
-          const Vec mold = Vec::loadu(s.m + v * VL);
-          const Vec mnew = at::vec::clamp_min(mold, mx[v]);
-          // A row with nothing visible yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
-          muse[v] = Vec::blendv(mnew, Vec(0.f), mnew == Vec(kNegInf));
-          exp2v(mold - muse[v]).store(s.alpha + v * VL);
-          mnew.store(s.m + v * VL);
-        }
-        if (!dropout) {
-          for (int64_t j = 0; j < bk; ++j) {
-            float* sp = s.st + j * Rp;
-            for (int64_t v = 0; v < nvec; ++v) {
-              const Vec pj = exp2v(Vec::loadu(sp + v * VL) - muse[v]);
-              pj.store(sp + v * VL);
-              sum[v] = sum[v] + pj;
-            }
-          }
-        } else {
-          // l sums the undropped probabilities (lse is the plain softmax's); the output gets the
-          // kept ones, and 1 / (1 - p) when it is normalised.
-          for (int64_t j = 0; j < bk; ++j) {
-            float* sp = s.st + j * Rp;
-            dropout_keep(s.rseed, Rp, j0 + j + p.dropout_k0, threshold, 1.f, s.kv);
-            for (int64_t v = 0; v < nvec; ++v) {
-              const Vec pj = exp2v(Vec::loadu(sp + v * VL) - muse[v]);
-              (pj * Vec::loadu(s.kv + v * VL)).store(sp + v * VL);
-              sum[v] = sum[v] + pj;
-            }
-          }
-        }
-        for (int64_t v = 0; v < nvec; ++v)
-          (Vec::loadu(s.l + v * VL) * Vec::loadu(s.alpha + v * VL) + sum[v]).store(s.l + v * VL);
+        // l sums the undropped probabilities (lse is the plain softmax's); the output gets the
+        // kept ones, and 1 / (1 - p) when it is normalised.
+        softmax_step(s.st, Rp, bk, s.m, s.l, s.alpha, [&](int64_t j) -> const float* {
+          dropout_keep(s.rseed, Rp, j0 + j + p.dropout_k0, threshold, 1.f, s.kv);
+          return s.kv;
+        });
       }
 
       // O^T (Dv x Rp) = alpha * O^T + V_blk^T * P^T
