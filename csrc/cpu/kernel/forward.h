@@ -197,11 +197,6 @@ MHK_STEP void forward_key_tiles(const AttnParams& p, int64_t b, int64_t hkv, int
   }
 }
 
-// kMods: the call has a score modifier (mods.any()); a template flag, so the plain call's
-// instance has no trace of them (a runtime branch per tile cost 3% on decode-sized tasks).
-// Dot: void for the fp32 products (every dtype converted to fp32), else the pair dot product of
-// bf16_dot.h (DotHw, DotModel; bf16 inputs only): Q.K^T and P.V on bf16 operands with fp32
-// accumulation, P rounded to bf16, the softmax in fp32 as before.
 // One key block's step of the online softmax in base 2 on the score tile S^T (bk keys x Rp
 // rows, Rp a multiple of VL, at most kRowBlock): per row the new running maximum m, alpha =
 // 2^(m_old - m_new), the tile replaced by P = 2^(S - m_new) (0 where -inf: a row with nothing
@@ -242,6 +237,11 @@ MHK_STEP void softmax_step(float* st, int64_t Rp, int64_t bk, float* m, float* l
     (Vec::loadu(l + v * VL) * Vec::loadu(alpha + v * VL) + sum[v]).store(l + v * VL);
 }
 
+// kMods: the call has a score modifier (mods.any()); a template flag, so the plain call's
+// instance has no trace of them (a runtime branch per tile cost 3% on decode-sized tasks).
+// Dot: void for the fp32 products (every dtype converted to fp32), else the pair dot product of
+// bf16_dot.h (DotHw, DotModel; bf16 inputs only): Q.K^T and P.V on bf16 operands with fp32
+// accumulation, P rounded to bf16, the softmax in fp32 as before.
 template <typename T, bool kMods, typename Dot = void>
 void forward_rows(const AttnParams& p, const ScoreMods& mods, int64_t b, const RowBlock& rb, int64_t kbeg,
                   int64_t kend, const FwdScratch& s, const FwdSink& sink) {
