@@ -165,10 +165,10 @@ def _load(path: str) -> List[dict]:
 
 
 def _append(path: str, row: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    # The store's side-file append (locked, flushed and synced): a line is whole or absent.
+    from mhakern.memorize.store import _append_locked
+
+    _append_locked(path, json.dumps(row) + "\n")
 
 
 def report(rows: List[dict], names: List[str]) -> str:
@@ -178,10 +178,9 @@ def report(rows: List[dict], names: List[str]) -> str:
         s = CONFIGS[name]
         vals = {side: [_statistic(s, r["mem_acc"], r["mem_loss"]) for r in rows if r["config"] == name and r["side"] == side]
                 for side in ("paper", "mhakern")}
-        cell = {k: (f"{statistics.fmean(v):.4g} ({min(v):.4g}-{max(v):.4g}), {len(v)}" if v else "-")
-                for k, v in vals.items()}
-        ratio = (statistics.fmean(vals["mhakern"]) / statistics.fmean(vals["paper"])
-                 if vals["paper"] and vals["mhakern"] and statistics.fmean(vals["paper"]) else math.nan)
+        mean = {k: statistics.fmean(v) if v else math.nan for k, v in vals.items()}
+        cell = {k: (f"{mean[k]:.4g} ({min(v):.4g}-{max(v):.4g}), {len(v)}" if v else "-") for k, v in vals.items()}
+        ratio = mean["mhakern"] / mean["paper"] if mean["paper"] else math.nan  # nan propagates
         stat = "training MSE" if s.task == "regress" else f"examples memorized of {s.T}"
         shape = f"{name}: H {s.heads}, n {s.context}, d_h {s.d_head}, T {s.T}, {s.data}, {s.task}"
         out.append(f"| {shape} | {stat} | {cell['paper']} | {cell['mhakern']} | {ratio:.3f} "
