@@ -35,6 +35,9 @@ STACKS = {
     # runs leave the stack at different steps (early stop at a lower target); float64, eager
     "drops": [RunConfig(heads=4, context=4, d_model=8, T=32, steps=300, eval_every=13, lr=1e-2, dtype="float64",
                         impl="eager", target_acc=0.5, seed=s) for s in (0, 1, 2)],
+    # float32 runs leaving the stack: the one-sweep Adam on a stack that shrinks
+    "drops-float32": [RunConfig(heads=2, context=4, d_model=8, T=32, steps=200, eval_every=13, lr=1e-2,
+                                target_acc=0.5, seed=s) for s in (0, 1, 2)],
     # shared context, regression (no early stop), on-the-fly data generation
     "regress-shared-generated": [RunConfig(heads=2, context=3, d_model=8, T=50, batch=8, steps=70, eval_every=30,
                                            task="regress", data="shared", seed=1)],
@@ -45,7 +48,7 @@ STACKS = {
 def test_engine_trains_exactly_as_the_per_step_loop(name):
     kw = dict(data_max_bytes=0) if "generated" in name else {}
     res = _same_results(STACKS[name], **kw)
-    if name == "drops":
+    if name.startswith("drops"):
         assert len({r.steps_done for r in res}) > 1  # they did leave at different steps
 
 
@@ -175,6 +178,114 @@ def test_captured_steps_do_not_sync_on_cuda():
         torch.cuda.set_sync_debug_mode("default")
     res = T.train_stack(cfgs, device="cuda", progress=False)
     assert all(r.steps_done == 100 for r in res)
+
+
+# ---------------------------------------------------------------------------- Adam in one sweep
+def _adam_case(seed=0):
+    """Stacked parameters (runs first) whose per-run lengths leave every tail of 8 and 16 lanes and
+    cross the kernel's 16,384-element chunks, gradients with exact zeros, and two strided
+    gradients laid out as autograd gives the trainer's W_Q and W_K gradients."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(3, 5, 7), (2, 64, 5, 16), (2, 5, 16, 16), (1, 20001), (2, 100), (3, 1, 1)]
+    params = [torch.randn(s, generator=g) for s in shapes]
+    grads = []
+    for step in range(4):
+        gs = [torch.randn(s, generator=g) * 10.0 ** -(step + 1) for s in shapes]
+        gs[0].view(-1)[::5] = 0.0
+        gs[1] = (gs[1].permute(0, 2, 1, 3).contiguous()).permute(0, 2, 1, 3)  # strides of W_Q's gradient
+        gs[2] = gs[2].transpose(2, 3).contiguous().transpose(2, 3)  # and of W_K's
+        grads.append(gs)
+    return params, grads
+
+
+def _run_adam(params, grads, step_fn):
+    import math
+
+    ps = [p.clone() for p in params]
+    m, v = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+    ss = torch.tensor([[1e-3], [5e-4], [2e-2]])
+    for t, gs in enumerate(grads, start=1):
+        sb = torch.tensor([math.sqrt(1 - 0.999**t)])
+        for i in range(len(ps)):
+            step_fn([ps[i]], [gs[i]], [m[i]], [v[i]], sb, ss[: ps[i].shape[0]])
+    return ps + m + v
+
+
+def test_fused_adam_gives_the_foreach_passes_bits():
+    """The engine's one-sweep Adam (csrc/cpu/adam.cpp) against PyTorch's foreach passes, bit for
+    bit, with the variant the engine picks on this host; the other variant differs (so the check
+    that picks it can tell them apart)."""
+    from mhakern.memorize import optim
+
+    params, grads = _adam_case()
+    variant = optim.fused_adam_variant(params)
+    if variant is None:
+        pytest.skip("the one-sweep Adam does not reproduce ATen's kernels on this host (the engine keeps foreach)")
+    ref = _run_adam(params, grads, lambda *a: optim.adam_foreach(*a, 0.9, 0.999, 1e-8))
+    fused = _run_adam(params, grads, lambda *a: optim.adam_fused(*a, 0.9, 0.999, 1e-8, variant))
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(ref, fused))
+    try:
+        other = _run_adam(params, grads, lambda *a: optim.adam_fused(*a, 0.9, 0.999, 1e-8, not variant))
+    except RuntimeError:
+        return  # the fma variant is not built for this CPU
+    assert not all(torch.equal(a, b) for a, b in zip(ref, other))
+    st = T._Stack(STACKS["partial-batches"], "cpu", "rows", 2 << 30)
+    assert T.StepEngine(st).fused_adam is variant
+    st64 = T._Stack(STACKS["drops"], "cpu", "rows", 2 << 30)
+    assert T.StepEngine(st64).fused_adam is None  # float64: the foreach passes
+
+
+def test_fused_adam_names_its_bad_arguments():
+    from mhakern.memorize import optim
+
+    p = [torch.zeros(2, 3), torch.zeros(2, 4)]
+    if optim.fused_adam_variant(p) is None:
+        pytest.skip("no one-sweep Adam on this host")
+    op = torch.ops.mhakern_C.adam_step_
+    ss, sb = torch.ones(2), torch.ones(1)
+
+    def call(params=p, grads=p, m=p, v=p, step_size=ss, sqrt_bc2=sb, w=0.1):
+        op(params, grads, m, v, step_size, sqrt_bc2, w, 0.001, 0.999, 1e-8, False)
+
+    with pytest.raises(RuntimeError, match=r"params\[1\] must be a contiguous float32"):
+        call(params=[p[0], torch.zeros(2, 4, dtype=torch.float64)])
+    with pytest.raises(RuntimeError, match=r"grads\[1\] has shape \[2, 5\], params\[1\] \[2, 4\]"):
+        call(grads=[p[0], torch.zeros(2, 5)])
+    with pytest.raises(RuntimeError, match="exp_avg has 1 tensors, params 2"):
+        call(m=[p[0]])
+    with pytest.raises(RuntimeError, match=r"step_size must be a float32 CPU tensor of shape \(R,\)"):
+        call(step_size=torch.ones(2, 2))
+    with pytest.raises(RuntimeError, match=r"params\[0\] must have the runs \(3\) as its first dim"):
+        call(step_size=torch.ones(3))
+    with pytest.raises(RuntimeError, match="lerp_weight"):
+        call(w=0.6)
+
+
+def test_fused_adam_reproduces_the_portable_kernels_too():
+    """Under ATEN_CPU_CAPABILITY=default ATen's kernels use no fused multiply-add: the check picks
+    the other variant there, and the engine still trains exactly as the per-step loop."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; torch.set_num_threads(1)\n"
+        "from mhakern.memorize import optim, train as T\n"
+        "from mhakern.memorize.config import RunConfig\n"
+        "cfgs = [RunConfig(heads=2, context=4, d_model=8, T=40, batch=16, steps=60, eval_every=20, seed=s)"
+        " for s in (0, 1)]\n"
+        "st = T._Stack(cfgs, 'cpu', 'rows', 1 << 30)\n"
+        "print(torch.backends.cpu.get_cpu_capability(), T.StepEngine(st).fused_adam)\n"
+        "a = T.train_stack(cfgs, progress=False, engine=False)\n"
+        "b = T.train_stack(cfgs, progress=False, engine=True)\n"
+        "print([x.history == y.history for x, y in zip(a, b)])\n"
+    )
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    cap, variant = out.stdout.splitlines()[0].split()
+    assert cap == "DEFAULT" and variant in ("False", "None")
+    assert out.stdout.splitlines()[1] == "[True, True]"
 
 
 # ---------------------------------------------------------------------------- direct attention op

@@ -37,7 +37,7 @@ from . import data as data_mod
 from .config import ConfigError, RunConfig
 from .extras import progress_bar
 from .model import ModelShape, StackedParams, attention_weights, forward, sinusoidal_positions
-from .optim import BatchedAdam, lr_factor
+from .optim import BatchedAdam, adam_foreach, adam_fused, fused_adam_variant, lr_factor
 
 Tensor = torch.Tensor
 
@@ -432,7 +432,8 @@ class StepEngine:
         self.epoch0 = torch.zeros((R, 1), dtype=torch.int64, device=dev)
         self.step_size = torch.zeros((R, self.segment), dtype=st.dtype, device=dev)
         self.sqrt_bc2 = torch.zeros(self.segment, dtype=st.dtype, device=dev)
-        self._bshape = [(-1,) + (1,) * (p.dim() - 1) for p in st.P.tensors()]
+        # Adam in one sweep per tensor where that gives the foreach passes' bits (optim.py).
+        self.fused_adam = fused_adam_variant(st.P.tensors()) if dev.type == "cpu" else None
         self.graph = None
 
     def select(self, keep: List[int]) -> None:
@@ -505,17 +506,12 @@ class StepEngine:
         loss = (per * w).sum(1) / w.sum(1)
         grads = torch.autograd.grad(loss.sum(), params)
         with torch.no_grad():
-            m, v = self.m, self.v
-            torch._foreach_lerp_(m, grads, 1 - self.b1)
-            torch._foreach_mul_(v, self.b2)
-            torch._foreach_addcmul_(v, grads, grads, 1 - self.b2)
-            denom = torch._foreach_sqrt(v)
-            torch._foreach_div_(denom, self.sqrt_bc2.index_select(0, self.pos_t).view(()))
-            torch._foreach_add_(denom, self.eps)
-            upd = torch._foreach_div(m, denom)
             ss = self.step_size.index_select(1, self.pos_t)
-            torch._foreach_mul_(upd, [ss.view(sh) for sh in self._bshape])
-            torch._foreach_sub_(params, upd)
+            sb = self.sqrt_bc2.index_select(0, self.pos_t)
+            if self.fused_adam is None:
+                adam_foreach(params, grads, self.m, self.v, sb, ss, self.b1, self.b2, self.eps)
+            else:
+                adam_fused(params, grads, self.m, self.v, sb, ss, self.b1, self.b2, self.eps, self.fused_adam)
             self.step_t += 1
             self.pos_t += 1
 
