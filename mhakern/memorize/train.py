@@ -481,24 +481,34 @@ class StepEngine:
         self.step_t.fill_(s0)
 
     # ------------------------------------------------------------------ the step
-    def _indices(self) -> Tuple[Tensor, Tensor]:
-        """Example indices (R, b) and 0/1 weights (R, b) of this step's batches, on the device."""
-        s, b, ar = self.step_t, self.b, self.ar
+    def _indices(self, s: Tensor) -> Tuple[Tensor, Tensor]:
+        """Example indices (K, R, b) and 0/1 weights (K, R, b) of the batches of steps ``s``
+        (K, 1, 1) of this segment, on the device."""
+        b, ar = self.b, self.ar
         e = torch.div(s, self.nb_t, rounding_mode="floor")
         start = (s - e * self.nb_t) * b
         valid = ar < torch.minimum(self.T_t - start, torch.full_like(start, b))
         # Slots past a partial batch read the batch's first example, weighted 0 (as _Sampler).
         pos = torch.where(valid, start + ar, start)
         flat = (e - self.epoch0) * self.Tmax + pos
-        idx = torch.where(self.full_t, self.full_idx, self.perm.gather(1, torch.where(self.full_t, 0, flat)))
+        perm = self.perm.expand(flat.shape[0], -1, -1)
+        idx = torch.where(self.full_t, self.full_idx, perm.gather(2, torch.where(self.full_t, 0, flat)))
         valid = torch.where(self.full_t, ar < self.T_t, valid)
         return idx, valid.to(torch.float32)
 
-    def _step(self) -> None:
-        """One training step of every active run; reads nothing back to the host."""
+    def _block_indices(self, s0: int, k: int) -> Tuple[Tensor, Tensor]:
+        """:meth:`_indices` of steps s0 .. s0 + k - 1 at once (eager steps: a dozen small ops a
+        block instead of a step; about 1.5% of a step at the paper's shape)."""
+        return self._indices(torch.arange(s0, s0 + k, device=self.st.device).view(-1, 1, 1))
+
+    def _step(self, idx: Optional[Tensor] = None, w: Optional[Tensor] = None) -> None:
+        """One training step of every active run; reads nothing back to the host. ``idx``, ``w``:
+        this step's batch (from :meth:`_block_indices`), else computed from the step counter."""
         st = self.st
         params = st.P.tensors()
-        idx, w = self._indices()
+        if idx is None:
+            idx, w = self._indices(self.step_t.view(1, 1, 1))
+            idx, w = idx[0], w[0]
         runs = None if len(st.act) == len(st.cfgs) else self.runs_t
         q, c, y = st.data.batch(idx, runs)
         out = st.logits(st.P, q, c)
@@ -540,11 +550,16 @@ class StepEngine:
             self._fill_segment(self.step_host, n)
             if self.capture and self.graph is None:
                 self._capture()
-            for _ in range(n):
-                if self.graph is not None:
+            if self.graph is not None:
+                for _ in range(n):
                     self.graph.replay()
-                else:
-                    self._step()
+            else:
+                # Eager steps take their batches from blocks of steps (at most about 2^20 indices).
+                k = max(1, (1 << 20) // (self.R * self.b))
+                for i0 in range(0, n, k):
+                    idx, w = self._block_indices(self.step_host + i0, min(k, n - i0))
+                    for i in range(idx.shape[0]):
+                        self._step(idx[i], w[i])
             self.step_host += n
             steps -= n
 
