@@ -65,6 +65,22 @@ def test_engine_crosses_segments_and_epochs_exactly():
     assert [h[-1] for h in (r.history for r in loop)] == [(45, a, l) for a, l in zip(accs, losses)]
 
 
+def test_step_counter_indices_equal_the_block_indices():
+    """The captured step (CUDA) computes its batch from the step counter; eager steps take theirs
+    from blocks of steps. The same batches, so the same weights, on a stack with partial batches
+    and epochs crossing a segment."""
+    cfgs = STACKS["partial-batches"][:2]
+    engines = [T.StepEngine(T._Stack(cfgs, "cpu", "rows", 2 << 30), segment=7) for _ in range(2)]
+    engines[0].run(17)
+    e = engines[1]
+    for s0, n in ((0, 7), (7, 7), (14, 3)):
+        e._fill_segment(s0, n)
+        for _ in range(n):
+            e._step()
+    for a, b in zip(engines[0].st.P.tensors(), e.st.P.tensors()):
+        assert torch.equal(a, b)
+
+
 class _Counter:
     """Counts calls that read a tensor's value on the host (on CUDA each is a device sync)."""
 
