@@ -198,9 +198,10 @@ def test_captured_steps_do_not_sync_on_cuda():
 
 # ---------------------------------------------------------------------------- Adam in one sweep
 def _adam_case(seed=0):
-    """Stacked parameters (runs first) whose per-run lengths leave every tail of 8 and 16 lanes and
-    cross the kernel's 16,384-element chunks, gradients with exact zeros, and two strided
-    gradients laid out as autograd gives the trainer's W_Q and W_K gradients."""
+    """Stacked parameters (runs first) whose per-run lengths leave tails past whole 8- and 16-lane
+    vectors (1, 3, 4 elements) and cross the kernel's 16,384-element chunks, gradients with exact
+    zeros, and two strided gradients laid out as autograd gives the trainer's W_Q and W_K
+    gradients."""
     g = torch.Generator().manual_seed(seed)
     shapes = [(3, 5, 7), (2, 64, 5, 16), (2, 5, 16, 16), (1, 20001), (2, 100), (3, 1, 1)]
     params = [torch.randn(s, generator=g) for s in shapes]

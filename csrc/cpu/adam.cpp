@@ -9,11 +9,11 @@
 //   p -= (m / (s / sqrt(1 - b2^t) + eps)) * step_size[run]      each operation rounded alone
 //
 // After the forward and backward the step's optimizer state is out of the caches, and each of
-// the ten passes streamed its tensors back in: about 1 ms of a 12 ms step at the paper's shape
-// on one thread, against about 0.3 ms for one sweep in chunks that stay in L2. Which variant
-// (fma or not) reproduces ATen's kernels on this host is decided by the caller, which checks the
-// bits against the foreach passes before using this (train.py, fused_adam_variant); a host where
-// neither does keeps the foreach passes.
+// the ten passes streamed its tensors back in: 1.06-1.10 ms of a 12 ms step at the paper's shape
+// on one thread, against 0.75 ms for one sweep in chunks that stay in L2 (docs/results.md,
+// section 4). Which variant (fma or not) reproduces ATen's kernels on this host is decided by
+// the caller, which checks the bits against the foreach passes before using this
+// (mhakern/memorize/optim.py, fused_adam_variant); a host where neither does keeps the passes.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
