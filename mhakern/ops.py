@@ -387,11 +387,17 @@ def _differentiable_backward(need, dout, q, k, v, scale, causal, key_lengths, mo
     sources = (q, k, v, modes.attn_mask, modes.sinks)
     # fp32 work for half inputs, as every backend accumulates; the casts are part of the graph.
     wdt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    inputs = [x for x, w in zip(sources, wanted) if w]
     with torch.enable_grad():
-        out = reference.attention(q.to(wdt), k.to(wdt), v.to(wdt), scale, causal, key_lengths, upcast=False,
-                                  modes=modes)
+        # Each argument's own partial derivative: the gradients are taken with respect to a fresh
+        # node per argument slot. With respect to the arguments themselves, one tensor given as k
+        # and v (v a view of k: apply_autograd) would get dK + dV as k's gradient and dV again
+        # as v's, which autograd then adds to it: dV counted twice.
+        slots = [x.to(wdt).view_as(x) for x in (q, k, v)] + list(sources[3:])
+        out = reference.attention(*slots[:3], scale, causal, key_lengths, upcast=False, modes=modes)
+        inputs = [x for x, w in zip(slots, wanted) if w]
         grads = torch.autograd.grad(out, inputs, dout.to(wdt), create_graph=True, allow_unused=True)
     it = iter(grads)
     res = [next(it) if w else None for w in wanted]
-    return tuple(torch.zeros_like(x) if w and g is None else g for x, g, w in zip(sources, res, wanted))
+    # In each argument's dtype: the gradients were taken at the slots, after the casts.
+    return tuple(torch.zeros_like(x) if w and g is None else (g if g is None else g.to(x.dtype))
+                 for x, g, w in zip(sources, res, wanted))
