@@ -99,11 +99,25 @@ def forward_impl(be, q, k, v, scale, causal, key_lengths, modes: Modes) -> Tuple
     return out, lse
 
 
-def backward_impl(be, dout, q, k, v, out, lse, scale, causal, key_lengths, modes: Modes):
+def backward_impl(be, dout, q, k, v, out, lse, scale, causal, key_lengths, modes: Modes, kv_sum: bool = False):
     """(dq, dk, dv, dmask, dsinks) of one checked call, from the forward's (out, lse) (both
     sink-inclusive: the softmax the backend recomputes from lse is then the one with the sink).
     ``dmask`` None unless ``modes.mask_grad``, else (B, H, Lq, Lk); ``dsinks`` None without
-    sinks, else (H,); both float32 (float64 for float64 inputs: lse's dtype)."""
+    sinks, else (H,); both float32 (float64 for float64 inputs: lse's dtype).
+
+    ``kv_sum``: k and v are one tensor, whose gradient is then dk = dK + dV (dv None), summed as
+    autograd sums two gradients of one tensor; in the backend's kernel where it has one
+    (:meth:`~mhakern.backends.Backend.backward_kv_sum`: no dV tensor and no pass of its own for
+    the sum), else added here."""
+    if kv_sum:
+        if modes is DEFAULT_MODES and not _empty(*q.shape[:3], k.shape[2], v.shape[3]) and q.shape[3] > 0:
+            fused = be.backward_kv_sum(dout if dout.stride(-1) == 1 else dout.contiguous(), q, k, out, lse, scale,
+                                       causal, key_lengths)
+            if fused is not None:
+                dq, dkv = fused
+                return same_layout(dq, q), same_layout(dkv, k), None, None, None
+        dq, dk, dv, dmask, dsinks = backward_impl(be, dout, q, k, v, out, lse, scale, causal, key_lengths, modes)
+        return dq, dk + dv, None, dmask, dsinks
     B, H, Lq, D = q.shape
     Lk, Dv = k.shape[2], v.shape[3]
     dsinks = None
@@ -289,7 +303,7 @@ class _AttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, sinks, call):
-        keyset, scale, causal, key_lengths, backend, given = call
+        keyset, scale, causal, key_lengths, backend, given, ctx.kv_sum = call
         if torch.compiler.is_compiling():
             with torch._C._AutoDispatchBelowAutograd():
                 out, lse = attn_fwd.redispatch(keyset & _AFTER_AUTOGRAD, q, k, v, scale, causal, key_lengths,
@@ -326,6 +340,8 @@ class _AttnFunction(torch.autograd.Function):
             # kernel's backward is. They come from the math formula instead (docs/contract.md,
             # "Second derivatives").
             dq, dk, dv, dmask, dsinks = _differentiable_backward(need, dout, q, k, v, scale, causal, kl, modes)
+            if ctx.kv_sum and dk is not None:
+                dk, dv = dk + dv, None
         elif ctx.be is not None:
             # kl was checked and converted by the forward; q, k, v and the mask take the same
             # (free) steps again.
@@ -337,13 +353,15 @@ class _AttnFunction(torch.autograd.Function):
                 modes = modes._replace(attn_mask=expand_mask(m, B, H, Lq, k.shape[2]))
             dq, dk, dv, dmask, dsinks = backward_impl(ctx.be, dout, _unit_last_stride(q), _unit_last_stride(k),
                                                       _unit_last_stride(v), out, lse, float(scale), causal, kl,
-                                                      modes)
+                                                      modes, kv_sum=ctx.kv_sum and need[1])
             if modes.mask_grad:
                 dmask = reduce_mask_grad(dmask, mask_4d(mask).shape).reshape(mask.shape).to(mask.dtype)
             dsinks = as_dtype(dsinks, sinks.dtype) if need[4] else None
         else:
             dq, dk, dv, dmask, dsinks = attn_bwd(dout, q, k, v, out, lse, scale, causal, kl, backend,
                                                  *modes.op_args())
+            if ctx.kv_sum and need[1]:
+                dk, dv = dk + dv, None
             dmask = dmask.to(mask.dtype) if modes.mask_grad else None
             dsinks = as_dtype(dsinks, sinks.dtype) if need[4] else None
         return dq, dk, dv, dmask, dsinks, None
@@ -357,13 +375,16 @@ def apply_autograd(keyset, q, k, v, scale, causal, key_lengths, backend, modes: 
     call's forward + backward took 207 us through the operator against 166 us directly, 2-core
     Xeon, torch 2.13, benchmarks/bench_call_overhead.py, same run)."""
     # Self-attention callers may pass one tensor as q, k and v; torch.compile refuses an
-    # autograd.Function given the same tensor twice, so distinct views (free) stand in.
+    # autograd.Function given the same tensor twice, so distinct views (free) stand in. One
+    # tensor as k and v (keys that are their own values) gets its gradient dK + dV through k
+    # alone (kv_sum: backward_impl).
+    kv_sum = v is k and k is not q
     if k is q:
         k = k.view(k.shape)
     if v is q or v is k:
         v = v.view(v.shape)
     return _AttnFunction.apply(q, k, v, modes.attn_mask, modes.sinks,
-                               (keyset, scale, causal, key_lengths, backend, modes))
+                               (keyset, scale, causal, key_lengths, backend, modes, kv_sum))
 
 
 def _attn_fwd_autograd(keyset, q, k, v, scale, causal, key_lengths, backend, *mode_args):

@@ -516,3 +516,70 @@ def test_key_major_tiles_give_the_transposed_tiles_bits(tmp_path):
     for case, here, avx2 in zip(_KEY_TILE_CASES, _key_tile_results(), torch.load(path)):
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), here, avx2):
             assert torch.equal(a, b), (case, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# One tensor as keys and values: its gradient dK + dV from the kernel
+
+_KV_CASES = [
+    # (q shape, kv shape, kwargs): the trainer's call (20 rows over 32 keys), causal GQA with a
+    # long key range (split into key ranges), head dims not a multiple of 16, key lengths with an
+    # empty row, a NaN key (the pairwise tiles), bf16 and a mask (the sum in the op layer)
+    ((16, 1, 20, 64), (16, 1, 32, 64), dict(scale=0.125)),
+    ((1, 4, 37, 24), (1, 2, 1300, 24), dict(causal=True)),
+    ((1, 2, 5, 72), (1, 1, 300, 72), {}),
+    ((2, 2, 9, 16), (2, 2, 11, 16), dict(key_lengths=torch.tensor([3, 0]))),
+    ((2, 2, 9, 8), (2, 2, 11, 8), dict(nan_key=True)),
+    ((2, 2, 9, 16), (2, 2, 11, 16), dict(dtype=torch.bfloat16)),
+    ((2, 2, 9, 16), (2, 2, 11, 16), dict(attn_mask=torch.rand(9, 11) > 0.3)),
+]
+
+
+@pytest.mark.parametrize("qs,kvs,kw", _KV_CASES, ids=range(len(_KV_CASES)))
+def test_one_tensor_as_keys_and_values_gets_the_sum_of_their_gradients(qs, kvs, kw, monkeypatch):
+    """k is v: the tensor's gradient is dK + dV with autograd's rounding of the sum of two
+    gradients (bit for bit the gradient of the same values given as two tensors), from the
+    kernel itself for a plain float32 call (no dV tensor, no pass of its own for the sum)."""
+    kw = dict(kw)
+    dtype, nan_key = kw.pop("dtype", torch.float32), kw.pop("nan_key", False)
+    g = torch.Generator().manual_seed(3)
+    q, kv = torch.randn(qs, generator=g).to(dtype), torch.randn(kvs, generator=g).to(dtype)
+    if nan_key:
+        kv[0, 0, 4, 1] = float("nan")
+    dout = torch.randn(qs[:3] + kvs[3:], generator=g).to(dtype)
+    calls = []
+    orig = type(backends.get("cpu")).backward_kv_sum
+    def counted(self, *a):
+        out = orig(self, *a)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(type(backends.get("cpu")), "backward_kv_sum", counted)
+
+    def grads(shared):
+        qq, k = q.clone().requires_grad_(), kv.clone().requires_grad_()
+        v = k if shared else kv.clone().requires_grad_()
+        out = cpu_attention(qq, k, v, **kw)
+        out.backward(dout)
+        return qq.grad, (k.grad if shared else k.grad + v.grad)
+
+    one, two = grads(True), grads(False)
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[dtype]
+    assert all(torch.equal(a.view(bits), b.view(bits)) for a, b in zip(one, two))
+    assert sum(calls) == (1 if dtype == torch.float32 and "attn_mask" not in kw else 0)
+    if nan_key:
+        assert one[1].isnan().any() and not one[1][1].isnan().any()
+
+
+def test_self_attention_and_bad_kv_sum_calls():
+    """q is k is v keeps the three gradients apart (their sum is autograd's); the kv-sum operator
+    names a non-float32 kv."""
+    q = torch.randn(1, 2, 6, 8, requires_grad=True)
+    cpu_attention(q, q, q).sum().backward()
+    q2 = q.detach().clone().requires_grad_()
+    cpu_attention(q2, q2.view(q2.shape), q2.view(q2.shape)).sum().backward()
+    assert torch.equal(q.grad, q2.grad)
+    x = torch.randn(1, 1, 4, 8, dtype=torch.bfloat16)
+    out, lse = torch.ops.mhakern_C.fwd_plain(x, x, x, 1.0, False, None)
+    with pytest.raises(ValueError, match="kv: expected float32"):
+        torch.ops.mhakern_C.bwd_plain_kv_sum(out, x, x, out, lse, 1.0, False, None)

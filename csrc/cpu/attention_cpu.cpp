@@ -231,6 +231,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
   return {gq, gk, gv, dmask};
 }
 
+// The plain backward of a call whose k and v are one float32 tensor kv: (dq, dK + dV), the sum
+// rounded as autograd sums the two gradients of one tensor, without a dV tensor or the separate
+// sum's pass (mhakern/ops.py, backward_impl with kv_sum).
+std::tuple<at::Tensor, at::Tensor> attn_bwd_kv_sum(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& kv,
+                                                   const at::Tensor& out, const at::Tensor& lse, double scale,
+                                                   bool causal, const std::optional<at::Tensor>& key_lengths) {
+  AttnParams p;
+  const op::ModeArgs modes{};
+  const at::Tensor kl = check_common(p, q, kv, kv, scale, causal, key_lengths, modes, true);
+  TORCH_CHECK_VALUE(p.dtype == DType::Float32, "bwd_plain_kv_sum: kv: expected float32, got ", kv.scalar_type());
+  const op::Sizes s{p.B, p.H, p.Hkv, p.Lq, p.Lk, p.D, p.Dv};
+  op::check_bwd_operands(dout, q, out, lse, s);
+  const at::Tensor lse_c = lse.contiguous();
+  at::Tensor gq = op::empty_like_heads(q, p.D);
+  at::Tensor gkv = op::empty_like_heads(kv, p.D);
+  p.out = mut_view_of(out);  // read only in the backward
+  p.lse = const_cast<float*>(lse_c.const_data_ptr<float>());
+  p.dout = view_of(dout);
+  p.dq = mut_view_of(gq);
+  p.dk = p.dv = mut_view_of(gkv);
+  p.kv_sum = true;
+  kernels_for(p.dtype).backward(p);
+  return {gq, gkv};
+}
+
 std::string kernel_isa() { return kernels().isa; }
 
 std::string bf16_kernel_isa() { return bf16_kernels().isa; }
@@ -312,9 +337,13 @@ TORCH_LIBRARY_FRAGMENT(mhakern_C, m) {
   m.def("cpu_flex_runtime(str isa) -> int", &mhakern::cpu::flex_runtime);
   m.def("cpu_bf16_dot_lanes(Tensor acc, Tensor a, Tensor b, str variant) -> Tensor", &mhakern::cpu::bf16_dot_lanes);
   m.def("cpu_bf16_round_lanes(Tensor x, bool runs, str variant) -> Tensor", &mhakern::cpu::bf16_round_lanes);
+  // A CPU-only plain backward for k and v given as one tensor (float32): (dq, dK + dV).
+  m.def("bwd_plain_kv_sum(Tensor dout, Tensor q, Tensor kv, Tensor out, Tensor lse, float scale, bool causal, "
+        "Tensor? key_lengths) -> (Tensor dq, Tensor dkv)");
 }
 
 // The CPU kernels of the ops whose schemas csrc/bindings.cpp defines.
 TORCH_LIBRARY_IMPL(mhakern_C, CPU, m) {
   MHAKERN_IMPL_ATTENTION_OPS(m, &mhakern::cpu::attn_fwd, &mhakern::cpu::attn_bwd);
+  m.impl("bwd_plain_kv_sum", &mhakern::cpu::attn_bwd_kv_sum);
 }

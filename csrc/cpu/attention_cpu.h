@@ -29,6 +29,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
     const at::Tensor& lse, double scale, bool causal, const std::optional<at::Tensor>& key_lengths,
     const op::ModeArgs& modes);
 
+// The plain backward (no modes) of a call whose k and v are one float32 tensor kv: (dq, dkv),
+// dkv = dK + dV rounded as autograd sums the two gradients of one tensor.
+std::tuple<at::Tensor, at::Tensor> attn_bwd_kv_sum(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& kv,
+                                                   const at::Tensor& out, const at::Tensor& lse, double scale,
+                                                   bool causal, const std::optional<at::Tensor>& key_lengths);
+
 // Name of the instruction-set variant in use: "AVX512", "AVX2" or "DEFAULT".
 std::string kernel_isa();
 

@@ -49,6 +49,9 @@ struct AttnParams : ModeParams {  // the modes: ../mode_params.h
   // Backward only.
   View dout;
   MutView dq, dk, dv;
+  // k and v are one tensor (float32): dk receives dK + dV, each rounded as stored and then added
+  // (as autograd sums the two gradients of one tensor), and dv aliases dk.
+  bool kv_sum = false;
 };
 
 // One instruction set's kernels. Both functions are deterministic: every output element is

@@ -79,6 +79,12 @@ class Backend:
     ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
         raise NotImplementedError
 
+    def backward_kv_sum(self, dout, q, kv, out, lse, scale, causal, key_lengths) -> Optional[Tuple[Tensor, Tensor]]:
+        """``(dq, dK + dV)`` of a call without modes whose keys and values are one tensor ``kv``,
+        the sum rounded as autograd sums two gradients of one tensor; None where this backend has
+        no kernel for it (the op layer then adds the two)."""
+        return None
+
 
 def missing_features(be: Backend, needed: FrozenSet[str], q=None, k=None, v=None) -> Optional[str]:
     """The reason ``be`` cannot serve a call needing ``needed`` modes, or None: modes outside its

@@ -70,5 +70,11 @@ class CpuBackend(Backend):
     def backward(self, dout, q, k, v, out, lse, scale, causal, key_lengths, modes=DEFAULT_MODES):
         return c_bwd(dout, q, k, v, out, lse, scale, causal, key_lengths, modes)
 
+    def backward_kv_sum(self, dout, q, kv, out, lse, scale, causal, key_lengths):
+        # float32: other dtypes round dK and dV to the dtype before their sum (op layer).
+        if q.dtype != torch.float32:
+            return None
+        return torch.ops.mhakern_C.bwd_plain_kv_sum(dout, q, kv, out, lse, float(scale), bool(causal), key_lengths)
+
 
 register(CpuBackend())

@@ -553,6 +553,27 @@ template <typename T>
 MHK_STEP void store_key_block(const AttnParams& p, T* dkbase, T* dvbase, int64_t j0, int64_t bk, const BwdLayout& L,
                               const BwdTiles& t, bool started) {
   const float dk_mul = L.pairs ? p.scale : kLn2;
+  if constexpr (std::is_same_v<T, float>) {
+    if (p.kv_sum) {
+      // One row dK + dV: the product rounded on its own (store_row's), then the sum.
+      for (int64_t j = 0; j < bk; ++j) {
+        float* dr = dkbase + (j0 + j) * p.dk.sl;
+        if (!started) {
+          std::fill(dr, dr + p.D, 0.f);
+          continue;
+        }
+        const float* a = t.dkb + j * L.Dp;
+        const float* v = t.dvb + j * L.Dvp;
+        int64_t c = 0;
+        for (; c + VL <= p.D; c += VL) (opaque(Vec::loadu(a + c) * Vec(dk_mul)) + Vec::loadu(v + c)).store(dr + c);
+        for (; c < p.D; ++c) {
+          volatile float x = a[c] * dk_mul;  // rounded alone, as store_row's tail
+          dr[c] = x + v[c];
+        }
+      }
+      return;
+    }
+  }
   for (int64_t j = 0; j < bk; ++j) {
     T* dkr = dkbase + (j0 + j) * p.dk.sl;
     T* dvr = dvbase + (j0 + j) * p.dv.sl;
