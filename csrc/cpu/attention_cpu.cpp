@@ -206,23 +206,33 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tenso
   return {o, lse};
 }
 
+// A backward call's checks and read-only operands into p; `keep` holds what p points into (the
+// converted key lengths, lse made contiguous).
+static op::Sizes backward_inputs(AttnParams& p, at::Tensor (&keep)[2], const at::Tensor& dout, const at::Tensor& q,
+                                 const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                 double scale, bool causal, const std::optional<at::Tensor>& key_lengths,
+                                 const op::ModeArgs& modes) {
+  keep[0] = check_common(p, q, k, v, scale, causal, key_lengths, modes, true);
+  const op::Sizes s{p.B, p.H, p.Hkv, p.Lq, p.Lk, p.D, p.Dv};
+  op::check_bwd_operands(dout, q, out, lse, s);
+  keep[1] = lse.contiguous();
+  p.out = mut_view_of(out);  // read only in the backward
+  p.lse = const_cast<float*>(keep[1].const_data_ptr<float>());
+  p.dout = view_of(dout);
+  return s;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, double scale, bool causal, const std::optional<at::Tensor>& key_lengths,
     const op::ModeArgs& modes) {
   AttnParams p;
-  const at::Tensor kl = check_common(p, q, k, v, scale, causal, key_lengths, modes, true);
-  const op::Sizes s{p.B, p.H, p.Hkv, p.Lq, p.Lk, p.D, p.Dv};
-  op::check_bwd_operands(dout, q, out, lse, s);
-  const at::Tensor lse_c = lse.contiguous();
+  at::Tensor keep[2];
+  const op::Sizes s = backward_inputs(p, keep, dout, q, k, v, out, lse, scale, causal, key_lengths, modes);
   at::Tensor gq = op::empty_like_heads(q, p.D);
   at::Tensor gk = op::empty_like_heads(k, p.D);
   at::Tensor gv = op::empty_like_heads(v, p.Dv);
   at::Tensor dmask = op::alloc_dmask(modes, q, s);
-
-  p.out = mut_view_of(out);  // read only in the backward
-  p.lse = const_cast<float*>(lse_c.const_data_ptr<float>());
-  p.dout = view_of(dout);
   p.dq = mut_view_of(gq);
   p.dk = mut_view_of(gk);
   p.dv = mut_view_of(gv);
@@ -237,18 +247,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd(
 std::tuple<at::Tensor, at::Tensor> attn_bwd_kv_sum(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& kv,
                                                    const at::Tensor& out, const at::Tensor& lse, double scale,
                                                    bool causal, const std::optional<at::Tensor>& key_lengths) {
+  TORCH_CHECK_VALUE(kv.scalar_type() == at::kFloat, "bwd_plain_kv_sum: kv: expected float32, got ", kv.scalar_type());
   AttnParams p;
-  const op::ModeArgs modes{};
-  const at::Tensor kl = check_common(p, q, kv, kv, scale, causal, key_lengths, modes, true);
-  TORCH_CHECK_VALUE(p.dtype == DType::Float32, "bwd_plain_kv_sum: kv: expected float32, got ", kv.scalar_type());
-  const op::Sizes s{p.B, p.H, p.Hkv, p.Lq, p.Lk, p.D, p.Dv};
-  op::check_bwd_operands(dout, q, out, lse, s);
-  const at::Tensor lse_c = lse.contiguous();
+  at::Tensor keep[2];
+  backward_inputs(p, keep, dout, q, kv, kv, out, lse, scale, causal, key_lengths, op::ModeArgs{});
   at::Tensor gq = op::empty_like_heads(q, p.D);
   at::Tensor gkv = op::empty_like_heads(kv, p.D);
-  p.out = mut_view_of(out);  // read only in the backward
-  p.lse = const_cast<float*>(lse_c.const_data_ptr<float>());
-  p.dout = view_of(dout);
   p.dq = mut_view_of(gq);
   p.dk = p.dv = mut_view_of(gkv);
   p.kv_sum = true;
