@@ -105,19 +105,10 @@ def backward_impl(be, dout, q, k, v, out, lse, scale, causal, key_lengths, modes
     ``dmask`` None unless ``modes.mask_grad``, else (B, H, Lq, Lk); ``dsinks`` None without
     sinks, else (H,); both float32 (float64 for float64 inputs: lse's dtype).
 
-    ``kv_sum``: k and v are one tensor, whose gradient is then dk = dK + dV (dv None), summed as
-    autograd sums two gradients of one tensor; in the backend's kernel where it has one
-    (:meth:`~mhakern.backends.Backend.backward_kv_sum`: no dV tensor and no pass of its own for
-    the sum), else added here."""
-    if kv_sum:
-        if modes is DEFAULT_MODES and not _empty(*q.shape[:3], k.shape[2], v.shape[3]) and q.shape[3] > 0:
-            fused = be.backward_kv_sum(dout if dout.stride(-1) == 1 else dout.contiguous(), q, k, out, lse, scale,
-                                       causal, key_lengths)
-            if fused is not None:
-                dq, dkv = fused
-                return same_layout(dq, q), same_layout(dkv, k), None, None, None
-        dq, dk, dv, dmask, dsinks = backward_impl(be, dout, q, k, v, out, lse, scale, causal, key_lengths, modes)
-        return dq, dk + dv, None, dmask, dsinks
+    ``kv_sum``: k and v are one tensor. A plain call then asks the backend for dk = dK + dV from
+    its kernel (:meth:`~mhakern.backends.Backend.backward_kv_sum`: no dV tensor and no pass of
+    its own for the sum) and returns dv None; where it has none, dk and dv come apart and the
+    caller adds them (:class:`_AttnFunction`)."""
     B, H, Lq, D = q.shape
     Lk, Dv = k.shape[2], v.shape[3]
     dsinks = None
@@ -138,6 +129,10 @@ def backward_impl(be, dout, q, k, v, out, lse, scale, causal, key_lengths, modes
         q, k = _head_dim_zero(q, k)
         _, _, dv, dmask = be.backward(dout, q, k, v, out, lse, scale, causal, key_lengths, bmodes)
         return empty_like_heads(q0, 0), empty_like_heads(k0, 0), same_layout(dv, v), dmask, dsinks
+    if kv_sum and modes is DEFAULT_MODES:
+        fused = be.backward_kv_sum(dout, q, k, out, lse, scale, causal, key_lengths)
+        if fused is not None:
+            return same_layout(fused[0], q), same_layout(fused[1], k), None, None, dsinks
     dq, dk, dv, dmask = be.backward(dout, q, k, v, out, lse, scale, causal, key_lengths, bmodes)
     return same_layout(dq, q), same_layout(dk, k), same_layout(dv, v), dmask, dsinks
 
@@ -340,8 +335,6 @@ class _AttnFunction(torch.autograd.Function):
             # kernel's backward is. They come from the math formula instead (docs/contract.md,
             # "Second derivatives").
             dq, dk, dv, dmask, dsinks = _differentiable_backward(need, dout, q, k, v, scale, causal, kl, modes)
-            if ctx.kv_sum and dk is not None:
-                dk, dv = dk + dv, None
         elif ctx.be is not None:
             # kl was checked and converted by the forward; q, k, v and the mask take the same
             # (free) steps again.
@@ -360,10 +353,12 @@ class _AttnFunction(torch.autograd.Function):
         else:
             dq, dk, dv, dmask, dsinks = attn_bwd(dout, q, k, v, out, lse, scale, causal, kl, backend,
                                                  *modes.op_args())
-            if ctx.kv_sum and need[1]:
-                dk, dv = dk + dv, None
             dmask = dmask.to(mask.dtype) if modes.mask_grad else None
             dsinks = as_dtype(dsinks, sinks.dtype) if need[4] else None
+        if ctx.kv_sum and need[1] and dv is not None:
+            # One tensor as k and v, its two gradients apart: their sum goes back through k alone,
+            # rounded as autograd would sum them (the kernel's own sum left dv None).
+            dk, dv = dk + dv, None
         return dq, dk, dv, dmask, dsinks, None
 
 

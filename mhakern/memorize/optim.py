@@ -40,30 +40,17 @@ class BatchedAdam:
         self.t = 0
         self.m = [torch.zeros_like(p) for p in self.params]
         self.v = [torch.zeros_like(p) for p in self.params]
-        self._shapes()
-
-    def _shapes(self) -> None:
-        # The per-run step size (R,) viewed to broadcast over each parameter.
-        self._bshape = [(-1,) + (1,) * (p.dim() - 1) for p in self.params]
 
     @torch.no_grad()
     def step(self, lr: Tensor) -> None:
         self.t += 1
         bc1 = 1 - self.b1**self.t
-        bc2 = 1 - self.b2**self.t
-        grads = [p.grad for p in self.params]
-        torch._foreach_lerp_(self.m, grads, 1 - self.b1)
-        torch._foreach_mul_(self.v, self.b2)
-        torch._foreach_addcmul_(self.v, grads, grads, 1 - self.b2)
-        denom = torch._foreach_sqrt(self.v)
-        torch._foreach_div_(denom, math.sqrt(bc2))
-        torch._foreach_add_(denom, self.eps)
-        # All in foreach calls: a stack's step is small, and a Python loop over the parameters
-        # with several ops each was a fifth of the fixed cost of a step.
-        upd = torch._foreach_div(self.m, denom)
-        step_size = (lr / bc1).to(self.params[0].dtype)
-        torch._foreach_mul_(upd, [step_size.view(s) for s in self._bshape])
-        torch._foreach_sub_(self.params, upd)
+        p0 = self.params[0]
+        # All in foreach calls (adam_foreach): a stack's step is small, and a Python loop over the
+        # parameters with several ops each was a fifth of the fixed cost of a step.
+        adam_foreach(self.params, [p.grad for p in self.params], self.m, self.v,
+                     torch.tensor(math.sqrt(1 - self.b2**self.t), dtype=p0.dtype, device=p0.device),
+                     (lr / bc1).to(p0.dtype), self.b1, self.b2, self.eps)
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -74,7 +61,6 @@ class BatchedAdam:
         self.params = list(new_params)
         self.m = [m[runs].contiguous() for m in self.m]
         self.v = [v[runs].contiguous() for v in self.v]
-        self._shapes()
 
 
 def adam_foreach(params: List[Tensor], grads: Sequence[Tensor], m: List[Tensor], v: List[Tensor], sqrt_bc2: Tensor,
