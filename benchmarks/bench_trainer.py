@@ -41,6 +41,7 @@ Run: ``pytest benchmarks/bench_trainer.py --benchmark-only``.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -159,6 +160,33 @@ def _paper_code_stepper():
     return None, steps
 
 
+class _StampedLoader:
+    """A DataLoader as the paper's ``Trainer.train`` iterates it (``iter`` at each epoch, ``next``
+    per step), reading ``clock`` when batch ``mark`` (0-based, counted over epochs) is requested:
+    the start of step mark + 1, its fetch included."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.arm(0, time.perf_counter)
+
+    def arm(self, mark: int, clock) -> None:
+        self.mark, self.clock, self.fetched, self.t = mark, clock, 0, None
+
+    def __iter__(self):
+        it = None
+        while True:
+            if self.fetched == self.mark and self.t is None:
+                self.t = self.clock()
+            if it is None:
+                it = iter(self.loader)
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            self.fetched += 1
+            yield batch
+
+
 def _paper_loop_stepper():
     """The paper's whole training loop: its ``Trainer.train`` (``src/trainers.py``) run as is, on
     a ``DataLoader(shuffle=True, batch_size=256)`` as its ``main.py`` builds, with its tqdm bar,
@@ -169,7 +197,12 @@ def _paper_loop_stepper():
     ``tasks.py`` imports Hugging Face packages: cross-entropy and accuracy on token 0's logits).
     The data is a ``TensorDataset`` of the same random shape in place of its ``RandomDataset``.
     Each call of ``steps(k)`` runs ``Trainer.train`` for k steps (its optimizer and scheduler made
-    anew: microseconds against a step of about a second at this shape)."""
+    anew: microseconds against a step of about a second at this shape). ``steps(k, warm, clock)``
+    runs it for warm + k steps and its run() returns the ``clock`` seconds of the last k: from the
+    request of batch warm + 1 (its fetch included) to the return of ``train``. The first steps of
+    a call run slower than the loop's steady state (its allocations fault their pages in again
+    after other work, 0.2-0.4 s of system time a step more), which a reader running the paper's
+    code for thousands of steps never sees; interleaved rounds leave them out (``interleaved``)."""
     import tempfile
 
     import torch.nn.functional as F
@@ -200,16 +233,18 @@ def _paper_loop_stepper():
     g = torch.Generator().manual_seed(0)
     X = torch.rand(SHAPE["T"], SHAPE["context"] + 1, 64, generator=g)
     Y = torch.randint(0, 100, (SHAPE["T"],), generator=g)
-    loader = DataLoader(TensorDataset(X, Y), batch_size=SHAPE["batch"], shuffle=True)
+    loader = _StampedLoader(DataLoader(TensorDataset(X, Y), batch_size=SHAPE["batch"], shuffle=True))
     ckpt = tempfile.mkdtemp(prefix="mhakern-bench-paper-")
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
 
-    def steps(k):
+    def steps(k, warm=0, clock=None):
         def run():
-            cfg = TrainerConfig(lr=1e-3, train_steps=max(k, 1), validate_every_n_steps=10**9, checkpoint_path=ckpt,
-                                task=_Task(), device=dev, early_stop=False)
+            cfg = TrainerConfig(lr=1e-3, train_steps=max(warm + k, 1), validate_every_n_steps=10**9,
+                                checkpoint_path=ckpt, task=_Task(), device=dev, early_stop=False)
+            loader.arm(warm, clock or time.perf_counter)
             _NoEvalTrainer(model, _Logger(), cfg).train(loader, None)
             sync()
+            return (clock or time.perf_counter)() - loader.t if loader.t is not None else 0.0
 
         return run
 
@@ -257,7 +292,7 @@ def test_trainer_steps_per_second(benchmark, variant):
     per_step = (clock() - t) / 2
     k = max(1, int(0.5 / max(per_step, 1e-6)))
     rounds = 5 if per_step * k * 5 < 30 else 3
-    benchmark.pedantic(steps(k), rounds=rounds, iterations=1)
+    benchmark.pedantic(steps(k), rounds=rounds, iterations=1, warmup_rounds=1)
     med = benchmark.stats.stats.median
     sps = k / med
     if impl in ("fused", "engine"):
@@ -306,10 +341,21 @@ def _engine_stepper(impl, runs, engine, compiled, device, shape=SHAPE):
     from mhakern.memorize.model import forward
     from mhakern.memorize.train import StepEngine
 
-    if impl in ("paper-code", "paper-loop"):
-        _, steps = (_paper_code_stepper if impl == "paper-code" else _paper_loop_stepper)()
+    if impl == "paper-loop":
+        _, steps = _paper_loop_stepper()
         steps(1)()
-        return (lambda k: steps(k)()), None
+        return (lambda k, warm=0, clock=time.perf_counter: steps(k, warm, clock)()), None
+    if impl == "paper-code":
+        _, steps = _paper_code_stepper()
+        steps(1)()
+
+        def run_code(k, warm=0, clock=time.perf_counter):
+            steps(warm)()
+            t = clock()
+            steps(k)()
+            return clock() - t
+
+        return run_code, None
     cfgs = [RunConfig(**shape, impl=impl, steps=1_000_000, eval_every=10**9, seed=s) for s in range(runs)]
     st = _Stack(cfgs, device, "rows", 1 << 30)
     compile_s = None
@@ -322,7 +368,7 @@ def _engine_stepper(impl, runs, engine, compiled, device, shape=SHAPE):
     counter = [0]
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
-    def run(k):
+    def steps(k):
         if eng is not None:
             eng.run(k)
         else:
@@ -331,36 +377,46 @@ def _engine_stepper(impl, runs, engine, compiled, device, shape=SHAPE):
                 counter[0] += 1
         sync()
 
+    def run(k, warm=0, clock=time.perf_counter):
+        steps(warm)
+        t = clock()
+        steps(k)
+        return clock() - t
+
     t = time.perf_counter()
-    run(3)  # first calls, compilation, capture
+    steps(3)  # first calls, compilation, capture
     if compiled:
         compile_s = time.perf_counter() - t
     return run, compile_s
 
 
-def interleaved(variants, rounds=6, seconds=1.0, device=None, shape=SHAPE):
+def interleaved(variants, rounds=6, seconds=1.0, device=None, shape=SHAPE, warmup=1.0):
     """Run-steps/s (steps/s times the runs stacked) of each variant: {name: [round values]},
-    plus compile times."""
+    plus compile times.
+
+    Each round of a variant first runs ``warmup`` seconds' worth of its steps (at least 2; none
+    when ``warmup`` is 0) untimed, then times about ``seconds`` of steps: the steps right after
+    another variant ran are not the variant's steady state. The paper's whole loop measured
+    0.6-0.8 s a step from its third step of a call on but 1.2-1.3 s for its first two after the
+    engine's steps (page faults of its allocations; docs/results.md, section 4), so rounds of a
+    few of its steps timed whole overstated every ratio to it."""
     device = device or _device()
     cuda = torch.device(device).type == "cuda"
     clock = time.perf_counter if cuda else time.process_time
-    runners, sizes, compile_s = {}, {}, {}
+    runners, sizes, warm, compile_s = {}, {}, {}, {}
     for name in variants:
         impl, runs, engine, compiled = ENGINE_VARIANTS[name]
         run, cs = _engine_stepper(impl, runs, engine, compiled, device, shape)
         if cs is not None:
             compile_s[name] = cs
-        t = clock()
-        run(2)
-        per = (clock() - t) / 2
+        per = run(2, 0, clock) / 2
         runners[name], sizes[name] = run, max(1, int(seconds / max(per, 1e-6)))
+        warm[name] = 0 if warmup <= 0 else max(2, math.ceil(warmup / max(per, 1e-6)))
     out = {n: [] for n in variants}
     for _ in range(rounds):
         for name in variants:
             k = sizes[name]
-            t = clock()
-            runners[name](k)
-            out[name].append(k * ENGINE_VARIANTS[name][1] / (clock() - t))
+            out[name].append(k * ENGINE_VARIANTS[name][1] / runners[name](k, warm[name], clock))
     return out, compile_s
 
 
@@ -419,7 +475,9 @@ def main(argv=None):
 
     ap = argparse.ArgumentParser(description="Interleaved trainer step rounds (see the module docstring).")
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--seconds", type=float, default=1.0, help="length of one variant's round")
+    ap.add_argument("--seconds", type=float, default=1.0, help="length of one variant's timed round")
+    ap.add_argument("--warmup", type=float, default=1.0,
+                    help="untimed steps at the start of each round, in seconds (at least 2 steps; 0: none)")
     ap.add_argument("--variants", default=None, help="comma list of " + ",".join(ENGINE_VARIANTS))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--project", default=None, metavar="PRESET",
@@ -441,10 +499,12 @@ def main(argv=None):
     names = a.variants.split(",") if a.variants else [
         n for n in ENGINE_VARIANTS if not n.startswith("paper-") or os.environ.get("MHAKERN_PAPER_SRC")]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    res, comp = interleaved(names, a.rounds, a.seconds, dev)
+    res, comp = interleaved(names, a.rounds, a.seconds, dev, warmup=a.warmup)
     load2 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"trainer step at H=20, n=32, d=64, batch 256; {device_name(torch.device(dev))}; "
-          f"{a.rounds} interleaved rounds of ~{a.seconds:g} s; load average {load:.1f} -> {load2:.1f}")
+          f"{a.rounds} interleaved rounds of ~{a.seconds:g} s timed, "
+          + (f"after ~{a.warmup:g} s (at least 2 steps) untimed" if a.warmup > 0 else "no untimed steps")
+          + f"; load average {load:.1f} -> {load2:.1f}")
     for n in names:
         med = statistics.median(res[n])
         extra = f"  (first steps incl. compilation: {comp[n]:.1f} s wall)" if n in comp else ""
