@@ -75,11 +75,11 @@ inline int64_t plan_key_splits(int64_t base, int64_t Lk, int64_t min_keys, int64
 }
 
 // The query rows of a block in view `x` (heads h0 .., queries i0 ..), at most kRowBlock of them.
-template <typename T, int RW = 0, typename V>
+template <typename T, int RW = 0, int LOC = 3, typename V>
 inline void prefetch_block_rows(const V& x, int64_t b, const RowBlock& rb, int64_t elems) {
   const T* base = static_cast<const T*>(x.ptr) + b * x.sb;
   for (int64_t hh = 0; hh < rb.nh; ++hh)
-    prefetch_rows<RW>(base + (rb.h0 + hh) * x.sh + rb.i0 * x.sl, std::min<int64_t>(rb.nq, kRowBlock), elems, x.sl);
+    prefetch_rows<RW, LOC>(base + (rb.h0 + hh) * x.sh + rb.i0 * x.sl, std::min<int64_t>(rb.nq, kRowBlock), elems, x.sl);
 }
 
 }  // namespace CPU_CAPABILITY

@@ -151,12 +151,12 @@ inline void store_row(const float* src, int64_t n, float mul, T* dst) {
 
 // Asks for the cache lines of `rows` rows of `row_elems` elements (row stride `ld`) ahead of
 // use: decode-sized tasks are short, so the next task's inputs are fetched while this one computes.
-template <int RW = 0, typename T>
+template <int RW = 0, int LOC = 3, typename T>
 inline void prefetch_rows(const T* base, int64_t rows, int64_t row_elems, int64_t ld) {
 #if defined(__GNUC__)
   constexpr int64_t kLine = 64 / sizeof(T);
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < row_elems; c += kLine) __builtin_prefetch(base + r * ld + c, RW, 3);
+    for (int64_t c = 0; c < row_elems; c += kLine) __builtin_prefetch(base + r * ld + c, RW, LOC);
 #else
   (void)base, (void)rows, (void)row_elems, (void)ld;
 #endif
