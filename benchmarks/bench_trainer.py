@@ -291,9 +291,25 @@ def test_trainer_steps_per_second(benchmark, variant):
     steps(2)()
     per_step = (clock() - t) / 2
     k = max(1, int(0.5 / max(per_step, 1e-6)))
+    if impl == "paper-loop":
+        # Each round is a Trainer.train call, whose first steps run slower than the loop's steady
+        # state (see _paper_loop_stepper): 2 of them untimed in the figure; pytest-benchmark's own
+        # statistics time the calls whole.
+        k = max(k, 4)
+        steady = []
+
+        def target():
+            steady.append(steps(k, 2, clock)())
+
+    else:
+        target = steps(k)
     rounds = 5 if per_step * k * 5 < 30 else 3
-    benchmark.pedantic(steps(k), rounds=rounds, iterations=1, warmup_rounds=1)
+    benchmark.pedantic(target, rounds=rounds, iterations=1, warmup_rounds=1)
     med = benchmark.stats.stats.median
+    if impl == "paper-loop":
+        import statistics
+
+        med = statistics.median(steady[1:])  # the warm-up round's left out, as pytest-benchmark's
     sps = k / med
     if impl in ("fused", "engine"):
         import mhakern
