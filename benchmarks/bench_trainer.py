@@ -201,8 +201,9 @@ def _paper_loop_stepper():
     runs it for warm + k steps and its run() returns the ``clock`` seconds of the last k: from the
     request of batch warm + 1 (its fetch included) to the return of ``train``. The first steps of
     a call run slower than the loop's steady state (its allocations fault their pages in again
-    after other work, 0.2-0.4 s of system time a step more), which a reader running the paper's
-    code for thousands of steps never sees; interleaved rounds leave them out (``interleaved``)."""
+    after other work: 0.39 s of system time a step over a call's first 5 steps, 0.13-0.29 s
+    later), which a reader running the paper's code for thousands of steps never sees;
+    interleaved rounds leave them out (``interleaved``)."""
     import tempfile
 
     import torch.nn.functional as F
@@ -413,8 +414,8 @@ def interleaved(variants, rounds=6, seconds=1.0, device=None, shape=SHAPE, warmu
     Each round of a variant first runs ``warmup`` seconds' worth of its steps (at least 2; none
     when ``warmup`` is 0) untimed, then times about ``seconds`` of steps: the steps right after
     another variant ran are not the variant's steady state. The paper's whole loop measured
-    0.6-0.8 s a step from its third step of a call on but 1.2-1.3 s for its first two after the
-    engine's steps (page faults of its allocations; docs/results.md, section 4), so rounds of a
+    0.5-0.8 s a step from its third step of a call on but up to 1.2-1.3 s for its first two after
+    the engine's steps (page faults of its allocations; docs/results.md, section 4), so rounds of a
     few of its steps timed whole overstated every ratio to it."""
     device = device or _device()
     cuda = torch.device(device).type == "cuda"

@@ -27,7 +27,6 @@ def test_paper_loop_trains_through_its_trainer():
     assert all(p.grad is None or not p.grad.any() for p in model.parameters()), "zero_grad after the step"
 
 
-
 def test_stamped_loader_times_from_the_request_of_batch_mark_across_epochs():
     # The paper's loop iterates as its Trainer does: iter() per epoch, next() per step. With
     # 3 batches an epoch and mark 4, the clock is read once, when the 5th batch (the second of
