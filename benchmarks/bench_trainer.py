@@ -201,9 +201,8 @@ def _paper_loop_stepper():
     runs it for warm + k steps and its run() returns the ``clock`` seconds of the last k: from the
     request of batch warm + 1 (its fetch included) to the return of ``train``. The first steps of
     a call run slower than the loop's steady state (its allocations fault their pages in again
-    after other work: 0.39 s of system time a step over a call's first 5 steps, 0.13-0.29 s
-    later), which a reader running the paper's code for thousands of steps never sees;
-    interleaved rounds leave them out (``interleaved``)."""
+    after other work; see ``MIN_WARM_STEPS``), which a reader running the paper's code for
+    thousands of steps never sees; interleaved rounds leave them out (``interleaved``)."""
     import tempfile
 
     import torch.nn.functional as F
@@ -294,13 +293,13 @@ def test_trainer_steps_per_second(benchmark, variant):
     k = max(1, int(0.5 / max(per_step, 1e-6)))
     if impl == "paper-loop":
         # Each round is a Trainer.train call, whose first steps run slower than the loop's steady
-        # state (see _paper_loop_stepper): 2 of them untimed in the figure; pytest-benchmark's own
-        # statistics time the calls whole.
-        k = max(k, 4)
+        # state (MIN_WARM_STEPS): those untimed in the figure; pytest-benchmark's own statistics
+        # time the calls whole.
+        k = max(k, 8)
         steady = []
 
         def target():
-            steady.append(steps(k, 2, clock)())
+            steady.append(steps(k, MIN_WARM_STEPS, clock)())
 
     else:
         target = steps(k)
@@ -407,16 +406,23 @@ def _engine_stepper(impl, runs, engine, compiled, device, shape=SHAPE):
     return run, compile_s
 
 
-def interleaved(variants, rounds=6, seconds=1.0, device=None, shape=SHAPE, warmup=1.0):
+# Untimed steps at the start of every interleaved round, at least (``interleaved``). The paper's
+# whole loop right after 2,000 of the engine's steps, two calls of 41 steps (process time, the
+# Zen 4 host of docs/results.md, section 4): 0.65 and 0.72 s a step over a call's first five
+# steps (system time 0.21 and 0.27 s of them: its allocations fault their pages in again), then
+# 0.45-0.68 s over each later five (0.55-0.59 s over most; system time 0.08-0.20 s).
+MIN_WARM_STEPS = 5
+
+
+def interleaved(variants, rounds=6, seconds=1.0, device=None, shape=SHAPE, warmup=3.0):
     """Run-steps/s (steps/s times the runs stacked) of each variant: {name: [round values]},
     plus compile times.
 
-    Each round of a variant first runs ``warmup`` seconds' worth of its steps (at least 2; none
-    when ``warmup`` is 0) untimed, then times about ``seconds`` of steps: the steps right after
-    another variant ran are not the variant's steady state. The paper's whole loop measured
-    0.5-0.8 s a step from its third step of a call on but up to 1.2-1.3 s for its first two after
-    the engine's steps (page faults of its allocations; docs/results.md, section 4), so rounds of a
-    few of its steps timed whole overstated every ratio to it."""
+    Each round of a variant first runs ``warmup`` seconds' worth of its steps untimed (at least
+    MIN_WARM_STEPS; none when ``warmup`` is 0), then times about ``seconds`` of steps: the steps
+    right after another variant ran are not the variant's steady state, and rounds of a few of
+    the paper's loop's steps timed whole overstated every ratio to it (docs/results.md,
+    section 4)."""
     device = device or _device()
     cuda = torch.device(device).type == "cuda"
     clock = time.perf_counter if cuda else time.process_time
@@ -428,7 +434,7 @@ def interleaved(variants, rounds=6, seconds=1.0, device=None, shape=SHAPE, warmu
             compile_s[name] = cs
         per = run(2, 0, clock) / 2
         runners[name], sizes[name] = run, max(1, int(seconds / max(per, 1e-6)))
-        warm[name] = 0 if warmup <= 0 else max(2, math.ceil(warmup / max(per, 1e-6)))
+        warm[name] = 0 if warmup <= 0 else max(MIN_WARM_STEPS, math.ceil(warmup / max(per, 1e-6)))
     out = {n: [] for n in variants}
     for _ in range(rounds):
         for name in variants:
@@ -493,8 +499,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="Interleaved trainer step rounds (see the module docstring).")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--seconds", type=float, default=1.0, help="length of one variant's timed round")
-    ap.add_argument("--warmup", type=float, default=1.0,
-                    help="untimed steps at the start of each round, in seconds (at least 2 steps; 0: none)")
+    ap.add_argument("--warmup", type=float, default=3.0,
+                    help=f"untimed steps at the start of each round, in seconds (at least {MIN_WARM_STEPS} steps; "
+                         "0: none)")
     ap.add_argument("--variants", default=None, help="comma list of " + ",".join(ENGINE_VARIANTS))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--project", default=None, metavar="PRESET",
@@ -520,7 +527,8 @@ def main(argv=None):
     load2 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"trainer step at H=20, n=32, d=64, batch 256; {device_name(torch.device(dev))}; "
           f"{a.rounds} interleaved rounds of ~{a.seconds:g} s timed, "
-          + (f"after ~{a.warmup:g} s (at least 2 steps) untimed" if a.warmup > 0 else "no untimed steps")
+          + (f"after ~{a.warmup:g} s (at least {MIN_WARM_STEPS} steps) untimed" if a.warmup > 0
+             else "no untimed steps")
           + f"; load average {load:.1f} -> {load2:.1f}")
     for n in names:
         med = statistics.median(res[n])
