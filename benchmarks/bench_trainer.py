@@ -237,14 +237,14 @@ def _paper_loop_stepper():
     ckpt = tempfile.mkdtemp(prefix="mhakern-bench-paper-")
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
 
-    def steps(k, warm=0, clock=None):
+    def steps(k, warm=0, clock=time.perf_counter):
         def run():
             cfg = TrainerConfig(lr=1e-3, train_steps=max(warm + k, 1), validate_every_n_steps=10**9,
                                 checkpoint_path=ckpt, task=_Task(), device=dev, early_stop=False)
-            loader.arm(warm, clock or time.perf_counter)
+            loader.arm(warm, clock)
             _NoEvalTrainer(model, _Logger(), cfg).train(loader, None)
             sync()
-            return (clock or time.perf_counter)() - loader.t if loader.t is not None else 0.0
+            return clock() - loader.t if loader.t is not None else 0.0
 
         return run
 
@@ -353,6 +353,14 @@ ENGINE_VARIANTS = {
 }
 
 
+def _time_last(steps, k, warm, clock):
+    """``clock`` seconds of the last k of warm + k steps (``steps(n)`` runs n of them)."""
+    steps(warm)
+    t = clock()
+    steps(k)
+    return clock() - t
+
+
 def _engine_stepper(impl, runs, engine, compiled, device, shape=SHAPE):
     from mhakern.memorize.model import forward
     from mhakern.memorize.train import StepEngine
@@ -364,14 +372,7 @@ def _engine_stepper(impl, runs, engine, compiled, device, shape=SHAPE):
     if impl == "paper-code":
         _, steps = _paper_code_stepper()
         steps(1)()
-
-        def run_code(k, warm=0, clock=time.perf_counter):
-            steps(warm)()
-            t = clock()
-            steps(k)()
-            return clock() - t
-
-        return run_code, None
+        return (lambda k, warm=0, clock=time.perf_counter: _time_last(lambda n: steps(n)(), k, warm, clock)), None
     cfgs = [RunConfig(**shape, impl=impl, steps=1_000_000, eval_every=10**9, seed=s) for s in range(runs)]
     st = _Stack(cfgs, device, "rows", 1 << 30)
     compile_s = None
@@ -394,10 +395,7 @@ def _engine_stepper(impl, runs, engine, compiled, device, shape=SHAPE):
         sync()
 
     def run(k, warm=0, clock=time.perf_counter):
-        steps(warm)
-        t = clock()
-        steps(k)
-        return clock() - t
+        return _time_last(steps, k, warm, clock)
 
     t = time.perf_counter()
     steps(3)  # first calls, compilation, capture

@@ -784,12 +784,12 @@ void backward_impl(const AttnParams& p) {
         prefetch_block_rows<T, 0, 2>(p.dout, b1, rb1, p.Dv);
         prefetch_block_rows<T, 0, 2>(p.out, b1, rb1, p.Dv);
         if (n_ranges == 1) prefetch_block_rows<T, 1, 2>(p.dq, b1, rb1, p.D);
-        prefetch_rows<1, 2>(static_cast<const T*>(p.dk.ptr) + b1 * p.dk.sb + hkv1 * p.dk.sh + j1 * p.dk.sl, n1, p.D, p.dk.sl);
-        if (p.dv.ptr != p.dk.ptr)
-          prefetch_rows<1, 2>(static_cast<const T*>(p.dv.ptr) + b1 * p.dv.sb + hkv1 * p.dv.sh + j1 * p.dv.sl, n1, p.Dv, p.dv.sl);
-        prefetch_rows<0, 2>(static_cast<const T*>(p.k.ptr) + b1 * p.k.sb + hkv1 * p.k.sh + j1 * p.k.sl, n1, p.D, p.k.sl);
-        if (p.v.ptr != p.k.ptr)
-          prefetch_rows<0, 2>(static_cast<const T*>(p.v.ptr) + b1 * p.v.sb + hkv1 * p.v.sh + j1 * p.v.sl, n1, p.Dv, p.v.sl);
+        // Key row j1 of view x for the next task.
+        auto key0 = [&](const auto& x) { return static_cast<const T*>(x.ptr) + b1 * x.sb + hkv1 * x.sh + j1 * x.sl; };
+        prefetch_rows<1, 2>(key0(p.dk), n1, p.D, p.dk.sl);
+        if (p.dv.ptr != p.dk.ptr) prefetch_rows<1, 2>(key0(p.dv), n1, p.Dv, p.dv.sl);
+        prefetch_rows<0, 2>(key0(p.k), n1, p.D, p.k.sl);
+        if (p.v.ptr != p.k.ptr) prefetch_rows<0, 2>(key0(p.v), n1, p.Dv, p.v.sl);
       }
       buf.reset();
       backward_group<T, Dot>(p, rp, b, hkv, kbeg, kend, L, buf, slots.get(), dq_part ? dq_part + c * rows * p.D : nullptr);
