@@ -182,6 +182,28 @@ def test_trainer_shape_mqa_one_query_per_head(dtype):
     check_against_reference(cpu_attention, q, k, v, False, None)
 
 
+@pytest.mark.parametrize(
+    "B,H,Hkv,Lq,Lk,D,Dv",
+    [(8, 1, 1, 20, 32, 64, 64), (4, 4, 2, 5, 200, 64, 64), (3, 2, 2, 7, 33, 40, 24), (2, 3, 1, 3, 130, 12, 12)],
+)
+def test_row_major_backward_tiles_give_the_transposed_tiles_bits(B, H, Hkv, Lq, Lk, D, Dv):
+    # The fp32 backward does a plain key block of a short row block (R rows padding to more
+    # lanes than the keys do) as rows x keys tiles; any mask sends it through the keys x rows
+    # tiles, and a mask of zeros changes no score. Both orders make every element by the same
+    # chain of multiply-adds, so the gradients agree bit for bit (including a tensor given as
+    # both k and v, head dims off the vector width and a partial second key block).
+    q, k, v = make_inputs(B, H, Hkv, Lq, Lk, D, Dv, seed=13)
+    for kv_same in (False, True) if D == Dv else (False,):
+        vv = k if kv_same else v
+        ins = (q, k) if kv_same else (q, k, vv)
+        o = cpu_attention(q, k, vv)
+        g = torch.randn_like(o)
+        plain = torch.autograd.grad(o, ins, g)
+        masked = torch.autograd.grad(cpu_attention(q, k, vv, attn_mask=torch.zeros(Lq, Lk)), ins, g)
+        for a, b in zip(plain, masked):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("D,Dv", [(256, 256), (256, 8), (1, 1), (3, 130), (200, 17)])
 def test_head_dims(D, Dv):
     q, k, v = make_inputs(2, 2, 1, 19, 23, D, Dv, seed=7)

@@ -27,6 +27,7 @@ struct RowSlot {
   BlockRanges br;
   bool poisoned;  // some live row has an inf or NaN in q, dout, delta or lse
   bool dq_started;
+  bool qt_ready;  // fp32: qt holds Q^T (made on first use: row_tiles reads Q as rows)
 };
 
 struct BwdLayout {
@@ -57,6 +58,7 @@ struct DropoutConsts {
 // dQ on the way out, and the pairwise visibility.
 struct BwdTiles {
   float *st, *dst, *dkb, *dvb, *kc, *vc, *lorel, *hirel, *kv, *kpad;
+  float *kt, *vt;  // the key block's K^T, V^T (D x bkp, Dv x bkp) for row-major score tiles
   uint8_t* vis;
   // The bf16 products: P^T, dS^T as pairs of rows (bk x Rp / 2), dS as pairs of keys
   // (bk / 2 x Rp), the key block as pairs along D (kd) and of keys (kk), V as pairs along Dv.
@@ -69,7 +71,8 @@ struct BwdTiles {
   static int64_t floats(const BwdLayout& L, const ScoreMods& mods) {
     return mods.floats(L.Rp, true) + 2 * Scratch::size_of(kKeyBlock * L.Rp) + 2 * Scratch::size_of(kKeyBlock * L.Dp) +
            2 * Scratch::size_of(kKeyBlock * L.Dvp) + 3 * Scratch::size_of(L.Rp) + Scratch::size_of(kKeyBlock * L.Dp) +
-           Scratch::size_of(kKeyBlock * L.Rp / 4) + (L.pairs ? pair_floats(L) : 0);
+           Scratch::size_of(kKeyBlock * L.Rp / 4) + Scratch::size_of(kKeyBlock * L.Dp) +
+           Scratch::size_of(kKeyBlock * L.Dvp) + (L.pairs ? pair_floats(L) : 0);
   }
   BwdTiles(Scratch& buf, const BwdLayout& L, const ScoreMods& mods) {
     st = buf.take(kKeyBlock * L.Rp);
@@ -83,6 +86,8 @@ struct BwdTiles {
     kv = buf.take(L.Rp);
     kpad = buf.take(kKeyBlock * L.Dp);
     vis = reinterpret_cast<uint8_t*>(buf.take(kKeyBlock * L.Rp / 4));
+    kt = buf.take(kKeyBlock * L.Dp);
+    vt = buf.take(kKeyBlock * L.Dvp);
     ms = ModScratch(buf, mods, L.Rp, true);
     if (L.pairs) {
       auto take = [&](int64_t n) { return reinterpret_cast<uint32_t*>(buf.take(n)); };
@@ -152,6 +157,7 @@ MHK_STEP void gather_rows(const AttnParams& p, const RowPlan& rp, int64_t b, int
     sl.dorp = reinterpret_cast<uint32_t*>(buf.take(Dvp / 2 * L.Rp));
   }
   sl.dq_started = false;
+  sl.qt_ready = false;
   sl.poisoned = false;
   sl.br = BlockRanges{};
   float* orows = otile;               // O of the block's rows (Rp x Dvp)
@@ -193,7 +199,6 @@ MHK_STEP void gather_rows(const AttnParams& p, const RowPlan& rp, int64_t b, int
     pack_rows_transposed(orows, Dvp, Rp, otp, sl.dot);
     dot_lanes_chain<Dot>(otp, sl.dotp, (Dv + 1) / 2, Rp, sl.delta);
   } else {
-    transpose(sl.qr, Dp, sl.qt, Rp, Rp, Dp);
     transpose(sl.dor, Dvp, sl.dot, Rp, Rp, Dvp);
     transpose(orows, Dvp, ot, Rp, Rp, Dvp);
     delta_rows(sl.dot, ot, Dv, Rp, sl.delta);
@@ -483,6 +488,65 @@ MHK_STEP void accumulate_tiles(RowSlot& sl, int64_t bk, const float* Kp, int64_t
   }
 }
 
+// The key block (bk rows of `cols` floats, row stride ld) transposed to xt (cols x bkp), for the
+// row-major score tiles of row_tiles.
+inline void key_block_transposed(const float* x, int64_t ld, int64_t bk, int64_t cols, float* xt) {
+  if (cols % 8 == 0) {
+    keys_transposed(x, ld, bk, cols, xt);
+    return;
+  }
+  const int64_t bkp = round_up(bk, VL);
+  for (int64_t c = 0; c < cols; ++c) {
+    float* row = xt + c * bkp;
+    for (int64_t j = 0; j < bk; ++j) row[j] = x[j * ld + c];
+    std::fill(row + bk, row + bkp, 0.f);
+  }
+}
+
+// Whether row_tiles does a row block's key block in fewer products than the transposed tiles:
+// R x bkp score elements against bk x Rp (20 rows are 32 lanes with 16-float vectors; the keys
+// pad instead, to whole vectors).
+inline bool row_tiles_pay(int64_t R, int64_t bk) { return R * round_up(bk, VL) < bk * round_up(R, VL); }
+
+// Steps 2, 3 and 5a of a plain tile (fp32; no modifier, mask, cut range, dropout, dmask or
+// hidden pair) in the rows' own layout: S = Q K^T and dP = dO V^T as R x bkp tiles (rows x keys)
+// instead of S^T and dP^T (bk x Rp), so a block of R rows costs R rows of products, not Rp. Each
+// element is the chain of multiply-adds the transposed tiles make (a b = b a, and the order over
+// d, rows and keys is theirs), so the bits are theirs; the padding keys' columns (bk .. bkp) are
+// computed but never read. kt, vt: the key block transposed (key_block_transposed).
+MHK_STEP void row_tiles(RowSlot& sl, int64_t D, int64_t Dv, int64_t bk, const float* kt, const float* vt,
+                        const float* Kp, int64_t ldkp, const BwdLayout& L, const BwdTiles& t, bool& started) {
+  const int64_t R = sl.rb.rows(), bkp = round_up(bk, VL), nvec = bkp / VL, Dp = L.Dp, Dvp = L.Dvp;
+  gemm<CMode::Store>(R, bkp, D, sl.qr, Dp, 1, kt, bkp, t.st, bkp);
+  gemm<CMode::Store>(R, bkp, Dv, sl.dor, Dvp, 1, vt, bkp, t.dst, bkp);
+  for (int64_t r = 0; r < R; ++r) {
+    const Vec lse(sl.lse2[r]), dl(sl.delta[r]);
+    float* sp = t.st + r * bkp;
+    float* dp = t.dst + r * bkp;
+    for (int64_t v = 0; v < nvec; ++v) {
+      const Vec pj = exp2v(Vec::loadu(sp + v * VL) - lse);
+      pj.store(sp + v * VL);
+      (pj * (Vec::loadu(dp + v * VL) - dl)).store(dp + v * VL);
+    }
+  }
+  // dV_blk += P^T dO, dK_blk += dS^T Q, dQ += dS K_blk: P and dS read by broadcasts through
+  // their transposes' strides.
+  if (started) {
+    gemm<CMode::Accumulate>(bk, Dvp, R, t.st, 1, bkp, sl.dor, Dvp, t.dvb, Dvp);
+    gemm<CMode::Accumulate>(bk, Dp, R, t.dst, 1, bkp, sl.qr, Dp, t.dkb, Dp);
+  } else {
+    gemm<CMode::Store>(bk, Dvp, R, t.st, 1, bkp, sl.dor, Dvp, t.dvb, Dvp);
+    gemm<CMode::Store>(bk, Dp, R, t.dst, 1, bkp, sl.qr, Dp, t.dkb, Dp);
+    started = true;
+  }
+  if (sl.dq_started) {
+    gemm<CMode::Accumulate>(R, Dp, bk, t.dst, bkp, 1, Kp, ldkp, sl.dqr, Dp);
+  } else {
+    gemm<CMode::Store>(R, Dp, bk, t.dst, bkp, 1, Kp, ldkp, sl.dqr, Dp);
+    sl.dq_started = true;
+  }
+}
+
 // Step 5b, bf16 products: the same chains as step 5a's pair products, element by element, with
 // the hidden pairs' products zeroed (masked_pair_chain), so the visible pairs give the bits the
 // tiles give.
@@ -670,6 +734,7 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
         pack_key_pairs(kr, j0, bk, D, t.kk, L.Dp);
       }
       int kv_bad = -1;  // inf or NaN in this K or V block: -1 not looked yet
+      bool transposed = false;  // t.kt, t.vt hold this key block (row_tiles)
       for (int64_t blk = 0; blk < nblk; ++blk) {
         RowSlot& sl = slots[blk];
         if (sl.br.stop <= j0 || sl.br.first >= j0 + bk) continue;
@@ -689,6 +754,24 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
             accumulate_tiles<Dot>(sl, bk, Kp, ldkp, L, t, started, true);
             continue;
           }
+        }
+        if constexpr (!kPairs) {
+          if (!pairwise && !drop.on && !p.dmask && !mods.any() && !p.mask && !sl.br.ragged(j0, bk) &&
+              row_tiles_pay(sl.rb.rows(), bk)) {
+            if (!transposed) {
+              key_block_transposed(Kb, ldk, bk, D, t.kt);
+              // A tensor given as both k and v is transposed once.
+              if (Vb != Kb || ldv != ldk || Dv != D) key_block_transposed(Vb, ldv, bk, Dv, t.vt);
+              transposed = true;
+            }
+            const float* vt = (Vb != Kb || ldv != ldk || Dv != D) ? t.vt : t.kt;
+            row_tiles(sl, D, Dv, bk, t.kt, vt, Kp, ldkp, L, t, started);
+            continue;
+          }
+        }
+        if (!kPairs && !sl.qt_ready) {
+          transpose(sl.qr, L.Dp, sl.qt, Rp, Rp, L.Dp);
+          sl.qt_ready = true;
         }
         score_tiles<Dot>(p, mods, b, sl, j0, bk, Kb, ldk, Vb, ldv, t, Kd, ldkd, Vd, ldvd);
         if (pairwise) visibility(t.st, Rp, bk, t.vis);
