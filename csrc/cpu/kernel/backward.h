@@ -128,8 +128,8 @@ inline void delta_rows(const float* dot, const float* ot, int64_t Dv, int64_t Rp
   }
 }
 
-// Step 1, once per row block of the group: Q (scaled) and dO as rows and transposed, lse in
-// base 2 and delta = rowsum(dO * O) (which dropout leaves valid: O is the dropped output), the
+// Step 1, once per row block of the group: Q (scaled) and dO as rows and transposed (fp32: Q^T
+// later, where a keys x rows tile needs it), lse in base 2 and delta = rowsum(dO * O) (which dropout leaves valid: O is the dropped output), the
 // rows' key ranges and dropout seeds. Rows that see no key (lse -inf) stay zero. With the bf16
 // products (Dot not void) Q stays unscaled (exact), its scale goes to the scores, dK and dQ.
 template <typename T, typename Dot = void>
