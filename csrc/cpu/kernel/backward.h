@@ -129,9 +129,10 @@ inline void delta_rows(const float* dot, const float* ot, int64_t Dv, int64_t Rp
 }
 
 // Step 1, once per row block of the group: Q (scaled) and dO as rows and transposed (fp32: Q^T
-// later, where a keys x rows tile needs it), lse in base 2 and delta = rowsum(dO * O) (which dropout leaves valid: O is the dropped output), the
-// rows' key ranges and dropout seeds. Rows that see no key (lse -inf) stay zero. With the bf16
-// products (Dot not void) Q stays unscaled (exact), its scale goes to the scores, dK and dQ.
+// later, where a keys x rows tile needs it), lse in base 2 and delta = rowsum(dO * O) (which
+// dropout leaves valid: O is the dropped output), the rows' key ranges and dropout seeds. Rows
+// that see no key (lse -inf) stay zero. With the bf16 products (Dot not void) Q stays unscaled
+// (exact), its scale goes to the scores, dK and dQ.
 template <typename T, typename Dot = void>
 MHK_STEP void gather_rows(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t hkv, int64_t blk,
                           const BwdLayout& L, const DropoutConsts& drop, Scratch& buf, float* otile,
@@ -488,21 +489,6 @@ MHK_STEP void accumulate_tiles(RowSlot& sl, int64_t bk, const float* Kp, int64_t
   }
 }
 
-// The key block (bk rows of `cols` floats, row stride ld) transposed to xt (cols x bkp), for the
-// row-major score tiles of row_tiles.
-inline void key_block_transposed(const float* x, int64_t ld, int64_t bk, int64_t cols, float* xt) {
-  if (cols % 8 == 0) {
-    keys_transposed(x, ld, bk, cols, xt);
-    return;
-  }
-  const int64_t bkp = round_up(bk, VL);
-  for (int64_t c = 0; c < cols; ++c) {
-    float* row = xt + c * bkp;
-    for (int64_t j = 0; j < bk; ++j) row[j] = x[j * ld + c];
-    std::fill(row + bk, row + bkp, 0.f);
-  }
-}
-
 // Whether row_tiles does a row block's key block in fewer products than the transposed tiles:
 // R x bkp score elements against bk x Rp (20 rows are 32 lanes with 16-float vectors; the keys
 // pad instead, to whole vectors).
@@ -513,7 +499,7 @@ inline bool row_tiles_pay(int64_t R, int64_t bk) { return R * round_up(bk, VL) <
 // instead of S^T and dP^T (bk x Rp), so a block of R rows costs R rows of products, not Rp. Each
 // element is the chain of multiply-adds the transposed tiles make (a b = b a, and the order over
 // d, rows and keys is theirs), so the bits are theirs; the padding keys' columns (bk .. bkp) are
-// computed but never read. kt, vt: the key block transposed (key_block_transposed).
+// computed but never read. kt, vt: the key block transposed (keys_transposed).
 MHK_STEP void row_tiles(RowSlot& sl, int64_t D, int64_t Dv, int64_t bk, const float* kt, const float* vt,
                         const float* Kp, int64_t ldkp, const BwdLayout& L, const BwdTiles& t, bool& started) {
   const int64_t R = sl.rb.rows(), bkp = round_up(bk, VL), nvec = bkp / VL, Dp = L.Dp, Dvp = L.Dvp;
@@ -735,6 +721,8 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
       }
       int kv_bad = -1;  // inf or NaN in this K or V block: -1 not looked yet
       bool transposed = false;  // t.kt, t.vt hold this key block (row_tiles)
+      // A tensor given as both k and v (as fp32 in place) is transposed once, into t.kt.
+      const bool own_vt = Vb != Kb || ldv != ldk || Dv != D;
       for (int64_t blk = 0; blk < nblk; ++blk) {
         RowSlot& sl = slots[blk];
         if (sl.br.stop <= j0 || sl.br.first >= j0 + bk) continue;
@@ -759,13 +747,11 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
           if (!pairwise && !drop.on && !p.dmask && !mods.any() && !p.mask && !sl.br.ragged(j0, bk) &&
               row_tiles_pay(sl.rb.rows(), bk)) {
             if (!transposed) {
-              key_block_transposed(Kb, ldk, bk, D, t.kt);
-              // A tensor given as both k and v is transposed once.
-              if (Vb != Kb || ldv != ldk || Dv != D) key_block_transposed(Vb, ldv, bk, Dv, t.vt);
+              keys_transposed(Kb, ldk, bk, D, t.kt);
+              if (own_vt) keys_transposed(Vb, ldv, bk, Dv, t.vt);
               transposed = true;
             }
-            const float* vt = (Vb != Kb || ldv != ldk || Dv != D) ? t.vt : t.kt;
-            row_tiles(sl, D, Dv, bk, t.kt, vt, Kp, ldkp, L, t, started);
+            row_tiles(sl, D, Dv, bk, t.kt, own_vt ? t.vt : t.kt, Kp, ldkp, L, t, started);
             continue;
           }
         }

@@ -203,13 +203,14 @@ inline void transpose(const float* src, int64_t lds, float* dst, int64_t ldd, in
 
 // A key block (bk rows of `cols` floats, row stride ld) transposed into xt (cols x bkp, bkp =
 // bk rounded up to whole vectors), the columns past bk zero: the B operand of the key-major
-// tiles' score product (rows of Q times K^T, forward.h). cols: a multiple of 8.
+// tiles' score product (rows of Q times K^T, forward.h and the backward's row tiles). Whole 8 x 8
+// blocks by transpose, the rest of the keys and of the columns element by element.
 inline void keys_transposed(const float* x, int64_t ld, int64_t bk, int64_t cols, float* xt) {
-  const int64_t bkp = round_up(bk, VL), bk8 = bk / 8 * 8;
-  transpose(x, ld, xt, bkp, bk8, cols);
+  const int64_t bkp = round_up(bk, VL), bk8 = bk / 8 * 8, cols8 = cols / 8 * 8;
+  transpose(x, ld, xt, bkp, bk8, cols8);
   for (int64_t c = 0; c < cols; ++c) {
     float* row = xt + c * bkp;
-    for (int64_t j = bk8; j < bk; ++j) row[j] = x[j * ld + c];
+    for (int64_t j = c < cols8 ? bk8 : 0; j < bk; ++j) row[j] = x[j * ld + c];
     std::fill(row + bk, row + bkp, 0.f);
   }
 }
