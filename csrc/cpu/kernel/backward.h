@@ -442,6 +442,28 @@ MHK_STEP void pack_tile_pairs(const RowSlot& sl, int64_t bk, const BwdTiles& t) 
   pack_probs<Dot>(t.dst, Rp, bk, t.dsp);
 }
 
+// Step 5a's fp32 products: dV_blk += P^T dO, dK_blk += dS^T Q, dQ += dS K_blk, with P and dS
+// read by broadcasts from their tiles in t.st, t.dst, where key j, row r sits at j * ks + r * rs
+// (keys x rows tiles: ks = Rp, rs = 1; row_tiles' rows x keys: ks = 1, rs = bkp).
+MHK_STEP void fp32_tile_products(RowSlot& sl, int64_t bk, int64_t ks, int64_t rs, const float* Kp, int64_t ldkp,
+                                 const BwdLayout& L, const BwdTiles& t, bool& started) {
+  const int64_t R = sl.rb.rows(), Dp = L.Dp, Dvp = L.Dvp;
+  if (started) {
+    gemm<CMode::Accumulate>(bk, Dvp, R, t.st, ks, rs, sl.dor, Dvp, t.dvb, Dvp);
+    gemm<CMode::Accumulate>(bk, Dp, R, t.dst, ks, rs, sl.qr, Dp, t.dkb, Dp);
+  } else {
+    gemm<CMode::Store>(bk, Dvp, R, t.st, ks, rs, sl.dor, Dvp, t.dvb, Dvp);
+    gemm<CMode::Store>(bk, Dp, R, t.dst, ks, rs, sl.qr, Dp, t.dkb, Dp);
+    started = true;
+  }
+  if (sl.dq_started) {
+    gemm<CMode::Accumulate>(R, Dp, bk, t.dst, rs, ks, Kp, ldkp, sl.dqr, Dp);
+  } else {
+    gemm<CMode::Store>(R, Dp, bk, t.dst, rs, ks, Kp, ldkp, sl.dqr, Dp);
+    sl.dq_started = true;
+  }
+}
+
 // Step 5a: dV_blk += P^T dO ; dK_blk += dS^T Q ; dQ += dS K_blk, as tile products. dQ is kept as
 // rows (R x Dp): its product then runs over the block's R rows, not the Rp of a transposed tile
 // (20 rows are 32 with 16-float vectors), with the same multiply-adds in the same order as the
@@ -473,20 +495,7 @@ MHK_STEP void accumulate_tiles(RowSlot& sl, int64_t bk, const float* Kp, int64_t
     }
     return;
   }
-  if (started) {
-    gemm<CMode::Accumulate>(bk, Dvp, R, t.st, Rp, 1, sl.dor, Dvp, t.dvb, Dvp);
-    gemm<CMode::Accumulate>(bk, Dp, R, t.dst, Rp, 1, sl.qr, Dp, t.dkb, Dp);
-  } else {
-    gemm<CMode::Store>(bk, Dvp, R, t.st, Rp, 1, sl.dor, Dvp, t.dvb, Dvp);
-    gemm<CMode::Store>(bk, Dp, R, t.dst, Rp, 1, sl.qr, Dp, t.dkb, Dp);
-    started = true;
-  }
-  if (sl.dq_started) {
-    gemm<CMode::Accumulate>(R, Dp, bk, t.dst, 1, Rp, Kp, ldkp, sl.dqr, Dp);
-  } else {
-    gemm<CMode::Store>(R, Dp, bk, t.dst, 1, Rp, Kp, ldkp, sl.dqr, Dp);
-    sl.dq_started = true;
-  }
+  fp32_tile_products(sl, bk, Rp, 1, Kp, ldkp, L, t, started);
 }
 
 // Whether row_tiles does a row block's key block in fewer products than the transposed tiles:
@@ -515,22 +524,7 @@ MHK_STEP void row_tiles(RowSlot& sl, int64_t D, int64_t Dv, int64_t bk, const fl
       (pj * (Vec::loadu(dp + v * VL) - dl)).store(dp + v * VL);
     }
   }
-  // dV_blk += P^T dO, dK_blk += dS^T Q, dQ += dS K_blk: P and dS read by broadcasts through
-  // their transposes' strides.
-  if (started) {
-    gemm<CMode::Accumulate>(bk, Dvp, R, t.st, 1, bkp, sl.dor, Dvp, t.dvb, Dvp);
-    gemm<CMode::Accumulate>(bk, Dp, R, t.dst, 1, bkp, sl.qr, Dp, t.dkb, Dp);
-  } else {
-    gemm<CMode::Store>(bk, Dvp, R, t.st, 1, bkp, sl.dor, Dvp, t.dvb, Dvp);
-    gemm<CMode::Store>(bk, Dp, R, t.dst, 1, bkp, sl.qr, Dp, t.dkb, Dp);
-    started = true;
-  }
-  if (sl.dq_started) {
-    gemm<CMode::Accumulate>(R, Dp, bk, t.dst, bkp, 1, Kp, ldkp, sl.dqr, Dp);
-  } else {
-    gemm<CMode::Store>(R, Dp, bk, t.dst, bkp, 1, Kp, ldkp, sl.dqr, Dp);
-    sl.dq_started = true;
-  }
+  fp32_tile_products(sl, bk, 1, bkp, Kp, ldkp, L, t, started);
 }
 
 // Step 5b, bf16 products: the same chains as step 5a's pair products, element by element, with
