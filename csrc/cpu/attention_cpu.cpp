@@ -318,6 +318,8 @@ int64_t flex_runtime(const std::string& isa) {
   return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t));
 }
 
+void dense_product(const DenseProduct& d) { kernels().dense(d); }
+
 int64_t parallel_threads_probe(int64_t tasks) {
   TORCH_CHECK_VALUE(tasks > 0, "tasks: expected a positive number, got ", tasks);
   std::vector<std::atomic<int>> seen(static_cast<size_t>(std::max(at::get_num_threads(), 1)));

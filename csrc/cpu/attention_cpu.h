@@ -50,6 +50,10 @@ at::Tensor bf16_dot_lanes(const at::Tensor& acc, const at::Tensor& a, const at::
 // lanes, one pair per int32: (x[i], x[n + i]), or with `runs` (x[2 i], x[2 i + 1]).
 at::Tensor bf16_round_lanes(const at::Tensor& x, bool runs, const std::string& variant);
 
+// A dense fp32 product (attention_params.h) on the plain kernels of this CPU, serially.
+struct DenseProduct;
+void dense_product(const DenseProduct& d);
+
 // How many distinct threads at::parallel_for ran `tasks` tasks on (checks that the module was
 // built with the same parallel runtime as torch: 1 would mean the kernels run serially).
 int64_t parallel_threads_probe(int64_t tasks);

@@ -47,6 +47,7 @@
 //   modes.h     visible key ranges, dropout, attn_mask, the pairwise fallback
 //   forward.h   the forward (online softmax, split merge, task loop)
 //   backward.h  the backward (gather, per key block steps, dQ, task loop)
+//   dense.h     dense products outside attention (../products.cpp) on the same micro-kernel
 //   flex_runtime_impl.h  mhakern.flex_attention's modifier-independent steps (../flex_runtime.h)
 // This file adds the entry points of the instruction set and the table that names them.
 #pragma once
@@ -57,6 +58,7 @@
 
 #include "kernel/backward.h"
 #include "kernel/forward.h"
+#include "kernel/dense.h"
 #include "kernel/flex_runtime_impl.h"
 
 #include <type_traits>
@@ -178,7 +180,7 @@ inline void backward(const AttnParams& p) {
 #define MHAKERN_DEFINE_KERNEL_TABLE(ISA)                                                   \
   namespace mhakern::cpu {                                                                \
   const KernelTable& kernels_##ISA() {                                                    \
-    static const KernelTable table{#ISA, &ISA::forward, &ISA::backward};                  \
+    static const KernelTable table{#ISA, &ISA::forward, &ISA::backward, nullptr, nullptr, &ISA::dense_product}; \
     return table;                                                                         \
   }                                                                                       \
   }

@@ -54,6 +54,26 @@ struct AttnParams : ModeParams {  // the modes: ../mode_params.h
   bool kv_sum = false;
 };
 
+// A dense fp32 product outside attention (csrc/cpu/products.cpp: the memorization trainer's
+// products) on the attention kernels' micro-kernel: C[m, n] = sum_k A[m, k] B[k, n], each block
+// of k (see kc) one chain of fused multiply-adds from zero and the blocks' sums added in order,
+// then, with a bias, plus bias[(row0 + m) % period, n] (one rounded add). Element (m, k) of A is
+// A[m * ars + k * acs], of B B[k * brs + n * bcs]; C and bias rows have unit stride.
+// kc = 0: one block. kc > 0: K <= kc one block, K <= 2 kc two halves (K even), else blocks of kc
+// with the remainder last (how MKL's sgemm splits k on the hosts measured).
+struct DenseProduct {
+  int64_t M = 0, N = 0, K = 0;
+  const float* A = nullptr;
+  int64_t ars = 0, acs = 0;
+  const float* B = nullptr;
+  int64_t brs = 0, bcs = 0;
+  float* C = nullptr;
+  int64_t ldc = 0;
+  const float* bias = nullptr;
+  int64_t bias_ld = 0, period = 1, row0 = 0;
+  int64_t kc = 0;
+};
+
 // One instruction set's kernels. Both functions are deterministic: every output element is
 // produced by one fixed sequence of operations whatever the thread count.
 struct KernelTable {
@@ -66,6 +86,8 @@ struct KernelTable {
   // ... and their rounding of fp32 into bf16 pairs (vcvtne2ps2bf16 or its model) on n lanes:
   // out[i] = (x[i], x[n + i]), or with `runs` (x[2 i], x[2 i + 1]).
   void (*round_lanes)(const float* x, uint32_t* out, int64_t n, bool runs) = nullptr;
+  // A DenseProduct (set in the plain tables only).
+  void (*dense)(const DenseProduct&) = nullptr;
 };
 
 // Defined by kernels_<isa>.cpp; the AVX variants exist only in x86-64 builds (see setup.py).
