@@ -18,6 +18,10 @@ same function with the same weights:
 what ``train_stack`` runs; on CUDA one captured CUDA graph per step, no host sync between
 evaluations); the others step through the per-step loop (``_Stack.train_step``).
 
+``fused-aten`` is ``fused`` with the model's dense products as the ATen calls they replace
+(``memorize.products.disabled``; the same numbers): ``fused / fused-aten`` is what running them
+on the extension's micro-kernel gives, measured in the same run.
+
 ``-x8`` variants train 8 seeds stacked as one batched model (what sweeps do): their steps/s is
 per run, and the ratios compare run-steps per second.
 
@@ -344,6 +348,9 @@ ENGINE_VARIANTS = {
     "compiled": ("eager", 1, True, True),
     "paper": ("paper", 1, True, False),
     "fused-x8": ("fused", 8, True, False),
+    # fused with the model's dense products as ATen calls (memorize.products.disabled): the same
+    # numbers; what the products on the micro-kernel give, measured in the same run
+    "fused-aten": ("fused-aten", 1, True, False),
     "loop": ("fused", 1, False, False),
     # the paper's whole training loop, its Trainer.train (see _paper_loop_stepper; needs
     # MHAKERN_PAPER_SRC): the reference the docs quote
@@ -362,6 +369,9 @@ def _time_last(steps, k, warm, clock):
 
 
 def _engine_stepper(impl, runs, engine, compiled, device, shape=SHAPE):
+    import contextlib
+
+    from mhakern.memorize import products
     from mhakern.memorize.model import forward
     from mhakern.memorize.train import StepEngine
 
@@ -373,6 +383,8 @@ def _engine_stepper(impl, runs, engine, compiled, device, shape=SHAPE):
         _, steps = _paper_code_stepper()
         steps(1)()
         return (lambda k, warm=0, clock=time.perf_counter: _time_last(lambda n: steps(n)(), k, warm, clock)), None
+    aten = impl == "fused-aten"
+    impl = "fused" if aten else impl
     cfgs = [RunConfig(**shape, impl=impl, steps=1_000_000, eval_every=10**9, seed=s) for s in range(runs)]
     st = _Stack(cfgs, device, "rows", 1 << 30)
     compile_s = None
@@ -386,12 +398,13 @@ def _engine_stepper(impl, runs, engine, compiled, device, shape=SHAPE):
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
     def steps(k):
-        if eng is not None:
-            eng.run(k)
-        else:
-            for _ in range(k):
-                st.train_step(counter[0])
-                counter[0] += 1
+        with products.disabled() if aten else contextlib.nullcontext():
+            if eng is not None:
+                eng.run(k)
+            else:
+                for _ in range(k):
+                    st.train_step(counter[0])
+                    counter[0] += 1
         sync()
 
     def run(k, warm=0, clock=time.perf_counter):
@@ -534,9 +547,10 @@ def main(argv=None):
         print(f"  {n:10s} {med:9.2f} run-steps/s (median)  rounds {min(res[n]):.2f}-{max(res[n]):.2f}{extra}")
     # Ratios of run-steps per second (a stacked variant's steps advance all its runs).
     for n in names:
-        for base in ("eager", "compiled", "paper", "paper-loop", "paper-code", "fused"):
-            if n != base and base in res and not (n in ("eager", "compiled", "paper", "paper-loop", "paper-code") and
-                                                  base in ("fused",)):
+        for base in ("eager", "compiled", "paper", "paper-loop", "paper-code", "fused", "fused-aten"):
+            if n != base and base in res and not (n in ("eager", "compiled", "paper", "paper-loop", "paper-code",
+                                                        "fused-aten") and base == "fused") and \
+                    (base != "fused-aten" or n == "fused"):
                 ratios = [x / y for x, y in zip(res[n], res[base])]
                 print(f"  {n} / {base}: {statistics.median(ratios):.2f}x "
                       f"(round ratios {min(ratios):.2f}-{max(ratios):.2f})")

@@ -34,6 +34,7 @@ import torch
 
 import mhakern
 
+from . import products
 from .config import INITS  # names of the initialisations of _init_run
 
 Tensor = torch.Tensor
@@ -177,11 +178,9 @@ class StackedParams:
 
 
 def _embed(P: StackedParams, x: Tensor, pe: Tensor) -> Tensor:
-    """Embed tokens ``x`` (R, ..., L, d_in) at positions ``pe`` (L, d): (R, ..., L, d)."""
-    R = x.shape[0]
-    lead = x.shape[1:-1]
-    y = torch.bmm(x.reshape(R, -1, x.shape[-1]), P["W_E"]).view(R, *lead, -1)
-    return y + (P["b_E"].view(R, *([1] * len(lead)), -1) + pe)
+    """Embed tokens ``x`` (R, ..., L, d_in) at positions ``pe`` (L, d): (R, ..., L, d)
+    (``products.embed``: the bias added as the product's tiles are made, where the bits agree)."""
+    return products.embed(x, P["W_E"], P["b_E"], pe)
 
 
 def _folded_queries(P: StackedParams, t0: Tensor) -> Tensor:
@@ -195,9 +194,9 @@ def _folded_queries(P: StackedParams, t0: Tensor) -> Tensor:
     W_Q, W_K = P["W_Q"], P["W_K"]
     H, dh = W_K.shape[1], W_K.shape[3]
     if H * d * d * dh + b * H * d * d < 2 * b * H * d * dh:
-        A = torch.einsum("rdhe,rhfe->rdhf", W_Q, W_K).reshape(R, d, H * d)
-        return torch.bmm(t0, A).view(R, b, H, d)
-    qh = torch.bmm(t0, W_Q.reshape(R, d, H * dh)).view(R, b, H, dh)
+        A = products.fold(W_Q, W_K)  # (R, d, H d): einsum "rdhe,rhfe->rdhf", or its bits
+        return products.bmm(t0, A).view(R, b, H, d)
+    qh = products.bmm(t0, W_Q.reshape(R, d, H * dh)).view(R, b, H, dh)
     return torch.einsum("rbhe,rhfe->rbhf", qh, W_K)
 
 
@@ -271,8 +270,8 @@ def _decode(P: StackedParams, heads_out: Tensor) -> Tensor:
     W_O, W_D = P["W_O"], P["W_D"]
     if heads_out.shape[-1] == 1 or W_D.shape[-1] == 1:
         return _bmm(_bmm(heads_out, W_O), W_D) + P["b_D"].unsqueeze(1)
-    o = torch.bmm(heads_out, W_O)
-    return torch.baddbmm(P["b_D"].unsqueeze(1), o, W_D)
+    o = products.bmm(heads_out, W_O)
+    return products.baddbmm(P["b_D"].unsqueeze(1), o, W_D)
 
 
 def folded_forward(
