@@ -66,8 +66,11 @@ inline void dense_product(const DenseProduct& d) {
   // C is written in place where its rows are whole vectors, else through a padded tile; the
   // second and later blocks of k go through a tile of their own and are added to it.
   const bool direct = Np == d.N;
-  if (!direct || kb < d.K) cp.resize(static_cast<size_t>(2 * kDenseRows * Np));
-  float* part = cp.data() + kDenseRows * Np;
+  float* part = nullptr;
+  if (!direct || kb < d.K) {
+    cp.resize(static_cast<size_t>(2 * kDenseRows * Np));
+    part = cp.data() + kDenseRows * Np;
+  }
   for (int64_t m0 = 0; m0 < d.M; m0 += kDenseRows) {
     const int64_t mc = std::min(kDenseRows, d.M - m0);
     float* c = direct ? d.C + m0 * d.ldc : cp.data();
