@@ -12,7 +12,7 @@ Every product, backward ones included, goes through ``torch.ops.mhakern_C.dense_
 (csrc/cpu/products.cpp) where that gives ``torch.bmm``'s bits, else ``torch.bmm`` itself; the
 gradients of the biases are the composite's own reductions (``sum_to_size``, as autograd's
 engine reduces a broadcast operand's gradient). At the paper's shape on one CPU thread the
-trainer's step ran 7-8% faster than with the composites (docs/trainer.md).
+trainer's step ran 8-13% faster than with the composites (docs/results.md, section 4).
 
 The stored results fix the trainer's bits (``config.SCHEMA_VERSION``), so nothing here runs where
 it would change them. MKL's sgemm on the hosts measured computes every output as chains of fused
