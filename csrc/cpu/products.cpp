@@ -6,8 +6,10 @@
 // is what ATen's products (MKL) give for these shapes on the hosts measured, but it is a
 // property of the BLAS and the CPU: the caller compares the bits with the ATen composite it
 // replaces, once per shape and process, and keeps the composite where they differ.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <algorithm>
