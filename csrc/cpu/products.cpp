@@ -1,11 +1,12 @@
 // The memorization trainer's dense products (mhakern/memorize/products.py) on the cpu kernels'
 // micro-kernel (kernel/dense.h): the folded query weights A_h = W_Q,h W_K,h^T and their
-// gradients, and token embeddings x W_E + (b_E + pe) with the bias added as each tile is made.
+// gradients (fold_heads, fold_heads_backward: one chain over the contraction), and any batched
+// product, with a bias row added as each tile is made (dense_bmm: the token embeddings
+// x W_E + (b_E + pe), the decoder, every weight gradient; the contraction in blocks, kc).
 //
-// Each output element is one chain of fused multiply-adds over the contraction from zero. That
-// is what ATen's products (MKL) give for these shapes on the hosts measured, but it is a
-// property of the BLAS and the CPU: the caller compares the bits with the ATen composite it
-// replaces, once per shape and process, and keeps the composite where they differ.
+// Those chains and blocks are how ATen's products (MKL) sum on the hosts measured, but they are a
+// property of the BLAS and the CPU: the caller compares the bits with the ATen call it replaces,
+// once per shape, layout and process, and keeps the ATen call where they differ.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
