@@ -725,7 +725,7 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
         // -inf (an infinite entry of q or k too), and a NaN row's P is NaN only on the pairs it
         // sees (docs/contract.md, "NaN and inf"). The scan is once per key block.
         if (!sl.poisoned && kv_bad < 0)
-          kv_bad = any_nonfinite(Kb, bk, D, ldk) || any_nonfinite(Vb, bk, Dv, ldv) ? 1 : 0;
+          kv_bad = any_nonfinite(Kb, bk, D, ldk) || (own_vt && any_nonfinite(Vb, bk, Dv, ldv)) ? 1 : 0;
         const bool pairwise = sl.poisoned || kv_bad == 1;
         // The instruction's products (not the model: it runs the unfused steps, whose bits these
         // are) with scores untouched between their product and P: products, P and dS in one pass.
