@@ -723,7 +723,8 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
         const int64_t Rp = round_up(sl.rb.rows(), VL);
         // Every tile, masked or not: a -inf score hides its pair in the backward whatever made it
         // -inf (an infinite entry of q or k too), and a NaN row's P is NaN only on the pairs it
-        // sees (docs/contract.md, "NaN and inf"). The scan is once per key block.
+        // sees (docs/contract.md, "NaN and inf"). The scan is once per key block, and of K alone
+        // where V is K (own_vt false: one tensor given as both).
         if (!sl.poisoned && kv_bad < 0)
           kv_bad = any_nonfinite(Kb, bk, D, ldk) || (own_vt && any_nonfinite(Vb, bk, Dv, ldv)) ? 1 : 0;
         const bool pairwise = sl.poisoned || kv_bad == 1;
