@@ -27,7 +27,7 @@ struct RowSlot {
   BlockRanges br;
   bool poisoned;  // some live row has an inf or NaN in q, dout, delta or lse
   bool dq_started;
-  bool qt_ready;  // fp32: qt holds Q^T (made on first use: row_tiles reads Q as rows)
+  bool qt_ready;  // fp32: qt, dot hold Q^T, dO^T (made on first use: row_tiles reads Q and dO as rows)
 };
 
 struct BwdLayout {
@@ -115,21 +115,45 @@ MHK_STEP void zero_dmask_range(const AttnParams& p, const RowPlan& rp, int64_t b
 // element, d = 0, 1, .., in the micro-kernel's own fmadd): a row that sees one key has O = V_j
 // exactly, so dP - delta is exactly 0 there and so are its dS, dQ and dK, as in the math
 // (softmax over one key), instead of the rounding difference of two differently summed dot
-// products (docs/contract.md, "Tolerance rule"). All rows of a block at once, a row to a lane of
-// the transposed tiles dO^T and O^T (Dv x Rp): each lane is the same chain of Dv multiply-adds
-// as one row alone, so the same bits, without a serial chain per row (one row at a time was a
-// quarter of the backward's own samples in perf at 20 rows, head dim 64).
-inline void delta_rows(const float* dot, const float* ot, int64_t Dv, int64_t Rp, float* delta) {
+// products (docs/contract.md, "Tolerance rule").
+//
+// Where Vec's fmadd is the fused instruction (AVX2, AVX-512), from the rows as gathered (Rp rows
+// of dO and O, row stride ld, zero past R; Rp a multiple of 8), eight rows' chains interleaved so that each waits on its own
+// latency only: a fused multiply-add rounds once in a vector lane or a scalar alike, so these
+// are the bits of the lanes. Transposing dO and O to run the rows as lanes was 11% of the
+// backward at 20 rows, head dim 64 (0.18 of 1.6 ms, one thread). Elsewhere (ATen's generic
+// Vectorized, whose fmadd may round twice) the lanes of dO^T and O^T (ldt = Rp), as before.
+// Rows R .. Rp - 1 get 0.
+inline void delta_rows(const float* dor, const float* orow, int64_t ld, int64_t R, int64_t Rp, int64_t Dv,
+                       float* dot, float* ot, float* delta) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  (void)dot, (void)ot;
+  // Whole groups of eight rows, the last padded from the rows R .. Rp - 1 (zero as gathered):
+  // a group of fewer chains waits on their latency (rows 16 .. 19 one at a time took most of
+  // the gain).
+  for (int64_t r = 0; r < R; r += 8) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int64_t d = 0; d < Dv; ++d)
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) acc[i] = std::fma(orow[(r + i) * ld + d], dor[(r + i) * ld + d], acc[i]);
+    for (int i = 0; i < 8; ++i) delta[r + i] = acc[i];
+  }
+  std::fill(delta + R, delta + Rp, 0.f);
+#else
+  transpose(dor, ld, dot, Rp, Rp, ld);
+  transpose(orow, ld, ot, Rp, Rp, ld);
   for (int64_t v = 0; v < Rp; v += VL) {
     Vec acc(0.f);
     for (int64_t d = 0; d < Dv; ++d)
       acc = at::vec::fmadd(Vec::loadu(ot + d * Rp + v), Vec::loadu(dot + d * Rp + v), acc);
     acc.store(delta + v);
   }
+  for (int64_t r = R; r < Rp; ++r) delta[r] = 0.f;
+#endif
 }
 
 // Step 1, once per row block of the group: Q (scaled) and dO as rows and transposed (fp32: Q^T
-// later, where a keys x rows tile needs it), lse in base 2 and delta = rowsum(dO * O) (which
+// and dO^T later, where a keys x rows tile needs them), lse in base 2 and delta = rowsum(dO * O) (which
 // dropout leaves valid: O is the dropped output), the rows' key ranges and dropout seeds. Rows
 // that see no key (lse -inf) stay zero. With the bf16 products (Dot not void) Q stays unscaled
 // (exact), its scale goes to the scores, dK and dQ.
@@ -200,9 +224,7 @@ MHK_STEP void gather_rows(const AttnParams& p, const RowPlan& rp, int64_t b, int
     pack_rows_transposed(orows, Dvp, Rp, otp, sl.dot);
     dot_lanes_chain<Dot>(otp, sl.dotp, (Dv + 1) / 2, Rp, sl.delta);
   } else {
-    transpose(sl.dor, Dvp, sl.dot, Rp, Rp, Dvp);
-    transpose(orows, Dvp, ot, Rp, Rp, Dvp);
-    delta_rows(sl.dot, ot, Dv, Rp, sl.delta);
+    delta_rows(sl.dor, orows, Dvp, R, Rp, Dv, sl.dot, ot, sl.delta);
   }
   for (int64_t r = 0; r < R && !sl.poisoned; ++r) sl.poisoned = !std::isfinite(sl.delta[r]);
 }
@@ -752,6 +774,7 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
         }
         if (!kPairs && !sl.qt_ready) {
           transpose(sl.qr, L.Dp, sl.qt, Rp, Rp, L.Dp);
+          transpose(sl.dor, L.Dvp, sl.dot, Rp, Rp, L.Dvp);
           sl.qt_ready = true;
         }
         score_tiles<Dot>(p, mods, b, sl, j0, bk, Kb, ldk, Vb, ldv, t, Kd, ldkd, Vd, ldvd);
