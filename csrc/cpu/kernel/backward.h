@@ -117,20 +117,19 @@ MHK_STEP void zero_dmask_range(const AttnParams& p, const RowPlan& rp, int64_t b
 // (softmax over one key), instead of the rounding difference of two differently summed dot
 // products (docs/contract.md, "Tolerance rule").
 //
-// Where Vec's fmadd is the fused instruction (AVX2, AVX-512), from the rows as gathered (Rp rows
-// of dO and O, row stride ld, zero past R; Rp a multiple of 8), eight rows' chains interleaved so that each waits on its own
-// latency only: a fused multiply-add rounds once in a vector lane or a scalar alike, so these
-// are the bits of the lanes. Transposing dO and O to run the rows as lanes was 11% of the
-// backward at 20 rows, head dim 64 (0.18 of 1.6 ms, one thread). Elsewhere (ATen's generic
-// Vectorized, whose fmadd may round twice) the lanes of dO^T and O^T (ldt = Rp), as before.
-// Rows R .. Rp - 1 get 0.
+// Where Vec's fmadd is the fused instruction (AVX2, AVX-512): from the rows as gathered (Rp rows
+// of dO and O, row stride ld, zero past R; Rp a multiple of 8), eight rows' chains interleaved
+// so that each waits on its own latency only. A fused multiply-add rounds once in a vector lane
+// or in a scalar alike, so these are the lanes' bits. Transposing dO and O to run the rows as
+// lanes was 11% of the backward at 20 rows, head dim 64 (0.18 of 1.6 ms, one thread); the
+// backward is 2% faster this way. Elsewhere (ATen's generic Vectorized, whose fmadd may round
+// twice) the lanes of dO^T and O^T (dot, ot: Dv x Rp), as before. Rows R .. Rp - 1 get 0.
 inline void delta_rows(const float* dor, const float* orow, int64_t ld, int64_t R, int64_t Rp, int64_t Dv,
                        float* dot, float* ot, float* delta) {
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   (void)dot, (void)ot;
-  // Whole groups of eight rows, the last padded from the rows R .. Rp - 1 (zero as gathered):
-  // a group of fewer chains waits on their latency (rows 16 .. 19 one at a time took most of
-  // the gain).
+  // Whole groups of eight rows, the last padded with rows R .. Rp - 1 (zero as gathered): a group
+  // of fewer chains waits on their latency (rows 16 .. 19 as single chains lost most of the gain).
   for (int64_t r = 0; r < R; r += 8) {
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int64_t d = 0; d < Dv; ++d)
@@ -153,10 +152,10 @@ inline void delta_rows(const float* dor, const float* orow, int64_t ld, int64_t 
 }
 
 // Step 1, once per row block of the group: Q (scaled) and dO as rows and transposed (fp32: Q^T
-// and dO^T later, where a keys x rows tile needs them), lse in base 2 and delta = rowsum(dO * O) (which
-// dropout leaves valid: O is the dropped output), the rows' key ranges and dropout seeds. Rows
-// that see no key (lse -inf) stay zero. With the bf16 products (Dot not void) Q stays unscaled
-// (exact), its scale goes to the scores, dK and dQ.
+// and dO^T later, where a keys x rows tile needs them), lse in base 2 and delta = rowsum(dO * O)
+// (which dropout leaves valid: O is the dropped output), the rows' key ranges and dropout seeds.
+// Rows that see no key (lse -inf) stay zero. With the bf16 products (Dot not void) Q stays
+// unscaled (exact), its scale goes to the scores, dK and dQ.
 template <typename T, typename Dot = void>
 MHK_STEP void gather_rows(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t hkv, int64_t blk,
                           const BwdLayout& L, const DropoutConsts& drop, Scratch& buf, float* otile,
