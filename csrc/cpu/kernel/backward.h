@@ -145,9 +145,8 @@ inline void delta_rows(const float* dor, const float* orow, int64_t ld, int64_t 
     Vec acc(0.f);
     for (int64_t d = 0; d < Dv; ++d)
       acc = at::vec::fmadd(Vec::loadu(ot + d * Rp + v), Vec::loadu(dot + d * Rp + v), acc);
-    acc.store(delta + v);
+    acc.store(delta + v);  // rows R .. Rp - 1 are zero as gathered: their lanes give 0
   }
-  for (int64_t r = R; r < Rp; ++r) delta[r] = 0.f;
 #endif
 }
 
