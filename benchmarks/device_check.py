@@ -44,7 +44,7 @@ class Check:
     def __init__(self, out: Path):
         self.out = out
         self.py = os.environ.get("PYTHON", sys.executable)
-        self.budget = int(_flag("DEVICE_CHECK_BUDGET_S", "360"))
+        self.budget = int(_flag("DEVICE_CHECK_BUDGET_S", str(dp.BUDGET_S)))
         self.dry = _flag("DEVICE_CHECK_DRY_RUN") == "1"
         self.rehearsal = _flag("DEVICE_CHECK_REHEARSAL") == "1"
         self.install = _flag("DEVICE_CHECK_INSTALL", "1") != "0"
@@ -102,15 +102,21 @@ class Check:
         p._log_fh = fh  # type: ignore[attr-defined]
         return p
 
-    def wait(self, procs: List[Tuple[subprocess.Popen, float]], stalled=None) -> Dict[int, str]:
+    def wait(self, procs: List[Tuple[subprocess.Popen, float]], stalled=None, extend=None) -> Dict[int, str]:
         """Waits for each (process, deadline); a process past its deadline gets SIGINT (pytest
         then still writes its summary and JSON), its whole group SIGKILL KILL_GRACE_S later, all
-        of them at once; ``stalled()`` true kills them too (a test past its own limit). Returns
-        {pid: 'done' | 'killed'}."""
+        of them at once; ``stalled()`` true kills them too (a test past its own limit);
+        ``extend()``, once it returns a time, is every process's deadline from then on (a
+        fallback step's cap, known when its child has collected). Returns {pid: 'done' |
+        'killed'}."""
         state: Dict[int, str] = {}
         signalled: Dict[int, float] = {}
         while len(state) < len(procs):
             now = time.monotonic()
+            if extend is not None:
+                later = extend()
+                if later is not None:
+                    procs, extend = [(p, max(d, later)) for p, d in procs], None
             for p, deadline in procs:
                 if p.pid in state:
                     continue
@@ -357,8 +363,14 @@ class Check:
             child_log.unlink(missing_ok=True)
             p = self.spawn(self.pytest_cmd(step, todo, extra), self.child_env(step, rec, self.planted_first(step)),
                            child_log)
+            extend = None
+            if step.name in self.fallback_ids and ids is self.fallback_ids[step.name]:
+                # Functions whole, uncounted by the plan: the cap follows the child's own count,
+                # within what the budget has left before the report.
+                t_spawn, until = time.monotonic(), self.t0 + self.budget - self.plan.cap(dp.BY_NAME["report"])
+                extend = lambda: _extended(rec, step, t_spawn, until)  # noqa: E731
             killed = self.wait([(p, time.monotonic() + left - KILL_GRACE_S - 1)],
-                               stalled=lambda: _test_overdue(rec, step.test_limit_s))[p.pid] == "killed"
+                               stalled=lambda: _test_overdue(rec, step.test_limit_s), extend=extend)[p.pid] == "killed"
             v, finished, broken = self.verdicts(step, rec, killed, p.returncode)
             text = child_log.read_text()
             with open(log, "a") as f:
@@ -432,20 +444,28 @@ class Check:
         return ok
 
     def collect(self, deadline: Optional[float]) -> bool:
-        """pytest --collect-only of the GPU test files this run's steps select from (and of the
-        benchmark file where bench runs): the node ids each step selects, and its test count.
-        A collection that fails or runs out of time leaves each pytest step its selections as
-        ``file::function`` (every parametrization of them), and says so."""
+        """pytest --collect-only of the GPU test files this run's steps select from and of the
+        benchmark file where bench runs, both at once: the node ids each step selects, and its
+        test count. A collection that fails or runs out of time leaves each pytest step its
+        selections as ``file::function`` (every parametrization of them), its cap then taken
+        from the count its own child collects (do_pytest), and says so."""
         files = sorted({sel.file for s in self.plan.steps if s.kind == "pytest" for sel in s.tests})
         env = self.child_env(dp.BY_NAME["plan"], self.tmp / "none.jsonl", False)
+        cmds = {}
+        if files:
+            cmds["tests"] = [self.py, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files]
+        if any(s.name == "bench" for s in self.plan.steps) and not self.dry:
+            cmds["bench"] = [self.py, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                             "benchmarks/test_bench_attention.py", *self.bench_args()]
+        outs = self._collect_run(cmds, env, deadline)
         ok = True
         if files:
-            cmd = [self.py, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files]
-            out, rc = self._collect_run(cmd, env, deadline)
+            out, rc = outs["tests"]
             self.nodeids = [ln.strip() for ln in out.splitlines() if "::" in ln and not ln.startswith(" ")]
             ok = rc == 0 and bool(self.nodeids)
             if not ok:
-                self.say(f"plan: the collection failed or ran out of time ({rc}): each test step runs its functions whole")
+                self.say(f"plan: the collection of the GPU tests failed or ran out of time ({rc}): each test step "
+                         "runs its functions whole, capped by the count its own child collects")
                 self.nodeids = []
         for s in self.plan.steps:
             if s.kind == "pytest":
@@ -453,10 +473,8 @@ class Check:
                 if not sel:
                     self.fallback_ids[s.name] = sorted({f"{t.file}::{t.func}" for t in s.tests})
                 self.plan.counts[s.name] = len(sel) if sel else len(s.tests)
-        if any(s.name == "bench" for s in self.plan.steps) and not self.dry:
-            bcmd = [self.py, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                    "benchmarks/test_bench_attention.py", *self.bench_args()]
-            out, rc = self._collect_run(bcmd, env, deadline)
+        if "bench" in cmds:
+            out, rc = outs["bench"]
             ids = bench_rows([ln.strip() for ln in out.splitlines() if "::" in ln])
             # The decode rows first, then the forward rows, then forward+backward: a step cut by
             # its time limit loses the backward rows, which the bitident step has timed already.
@@ -465,15 +483,27 @@ class Check:
             ok = ok and rc == 0
         return ok
 
-    def _collect_run(self, cmd: List[str], env: Dict[str, str], deadline: Optional[float]) -> Tuple[str, object]:
-        try:
-            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env,
-                               timeout=None if deadline is None else max(3, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            return "", "timed out"
-        with open(self.log("setup.log"), "a") as f:
-            f.write(f"$ {' '.join(cmd)}\n{r.stdout[-3000:]}{r.stderr[-3000:]}\n")
-        return r.stdout, r.returncode
+    def _collect_run(self, cmds: Dict[str, List[str]], env: Dict[str, str],
+                     deadline: Optional[float]) -> Dict[str, Tuple[str, object]]:
+        """Runs the collections side by side (each a cold start of torch on a fresh machine: one
+        took over 15 s on the H200 of 2026-12-04); {name: (stdout, exit status or 'timed out')}."""
+        procs = {name: subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, start_new_session=True) for name, cmd in cmds.items()}
+        res: Dict[str, Tuple[str, object]] = {}
+        for name, p in procs.items():
+            try:
+                out, err = p.communicate(timeout=None if deadline is None else max(3, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _killpg(p.pid, signal.SIGKILL)
+                out, err = p.communicate()
+                res[name] = (out or "", "timed out")
+                with open(self.log("setup.log"), "a") as f:
+                    f.write(f"$ {' '.join(cmds[name])}\n[timed out]\n{(out or '')[-1500:]}{(err or '')[-1500:]}\n")
+                continue
+            with open(self.log("setup.log"), "a") as f:
+                f.write(f"$ {' '.join(cmds[name])}\n{out[-3000:]}{err[-3000:]}\n")
+            res[name] = (out, p.returncode)
+        return res
 
     def bench_args(self) -> List[str]:
         args = ["--bench-set", "headline"]
@@ -671,6 +701,19 @@ class Check:
 SELF_TEST_FAMILIES = ("sm90", "mma", "triton")
 #: The first words of a verdict line that names a failing family (its second word).
 FAILURE_WORDS = ("WRONG", "HUNG", "ERROR", "CRASHED", "EXITED")
+
+
+def _extended(records: Path, step: dp.Step, t_spawn: float, until: float) -> Optional[float]:
+    """The deadline of a fallback step's child once it has recorded its collected count: its
+    start plus the step's cap for that count, no later than ``until``; None before."""
+    try:
+        text = records.read_text()
+    except OSError:
+        return None
+    counts = [json.loads(ln).get("n", 0) for ln in text.splitlines() if '"collected"' in ln]
+    if not counts:
+        return None
+    return min(until, t_spawn + step.cap(max(counts))) - KILL_GRACE_S - 1
 
 
 def _test_overdue(records: Path, limit: float) -> bool:

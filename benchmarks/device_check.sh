@@ -41,8 +41,8 @@
 # (ceilings, bitident rows), and with the named diagnostics diag.md and ncu.tar.gz.
 #
 # Without a GPU it records the environment, then stops with exit status 3.
-# Environment knobs: PYTHON (default python3); DEVICE_CHECK_BUDGET_S (default 360 s for the
-# whole run: the default stages take about 5 minutes of it by their caps; a step whose allowance
+# Environment knobs: PYTHON (default python3); DEVICE_CHECK_BUDGET_S (the whole run's; default
+# device_plan.py BUDGET_S, about a tenth over the default stages' caps; a step whose allowance
 # is spent is skipped and says so); DEVICE_CHECK_STAGES (names from the table, spaces or commas;
 # default: every default step): a second run after fixes names only the steps it must repeat;
 # DEVICE_CHECK_INSTALL=0 skips install and build (a rerun on a machine that has them);

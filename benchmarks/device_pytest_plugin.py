@@ -45,6 +45,8 @@ def pytest_configure(config):
 
 
 def pytest_collection_finish(session):
+    if os.environ.get(dc.RECORDS_ENV):  # the count a fallback step's cap follows (device_check.py)
+        dc.record("collected", n=len(session.items))
     if os.environ.get(dc.RECORDS_ENV) and dc.planted() == "wrong":
         dc.install_wrong_plant(*[m for m in list(sys.modules.values()) if m is not None and hasattr(m, "rule_check")])
 

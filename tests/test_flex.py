@@ -259,3 +259,22 @@ def test_mask_shared_across_heads_is_bit_identical(name):
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
     for a, b in zip(g1, g2):
         assert torch.equal(a, b)
+
+
+def test_modifiers_are_traced_on_the_calls_device():
+    """A mask_mod that mixes its index arguments with a captured tensor (prefix_lm's
+    ``kv < prefix[b]``) is traced with the arguments on the call's device, where the capture
+    lives: on a GPU the cpu arguments failed the trace (found by the H200 device check of
+    2026-12-04). The meta device stands in for a GPU here; each device keeps its own trace."""
+    from mhakern.flex import api
+
+    prefix = torch.tensor([23, 70, 5], device="meta")
+
+    def prefix_lm(b, h, q, kv):
+        return (kv <= q) | (kv < prefix[b])
+
+    t = graph.trace(prefix_lm, False, "meta")
+    assert [n[1] for n in t.nodes] == ["le", "load", "lt", "bitwise_or"] and t.captures == [prefix]
+    assert api._trace_cached(prefix_lm, False, torch.device("meta")).nodes == t.nodes
+    with pytest.raises(graph.Untraceable, match="mask_mod could not be traced"):
+        api._trace_cached(prefix_lm, False, "cpu")  # cpu arguments beside a capture elsewhere

@@ -36,7 +36,8 @@ KERNEL_OPTIONS = {
 }
 _DEFAULT_BLOCK = 128
 
-# Traces are kept per function object (weakly): a modifier is traced once.
+# Traces are kept per function object (weakly) and device type: a modifier is traced once on
+# each device its calls use (its arguments there, beside its captures).
 _TRACES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -46,20 +47,19 @@ def _flex_module():
     return tflex
 
 
-def _trace_cached(fn: Callable, is_score: bool):
+def _trace_cached(fn: Callable, is_score: bool, device="cpu"):
+    dev = torch.device(device).type
     try:
-        hit = _TRACES.get(fn)
+        per_device = _TRACES.setdefault(fn, {})
     except TypeError:  # not weak-referenceable: trace every call
-        hit = None
+        per_device = {}
+    hit = per_device.get(dev)
     if hit is None:
         try:
-            hit = _graph.trace(fn, is_score)
+            hit = _graph.trace(fn, is_score, dev)
         except _graph.Untraceable as e:
             hit = e
-        try:
-            _TRACES[fn] = hit
-        except TypeError:
-            pass
+        per_device[dev] = hit
     if isinstance(hit, Exception):
         raise hit
     return hit

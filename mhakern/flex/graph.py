@@ -63,18 +63,20 @@ def _kind(dtype: torch.dtype) -> str:
     return "i"
 
 
-def _dummy_inputs(with_score: bool) -> List[Tensor]:
-    idx = [torch.zeros(1, dtype=torch.int32) for _ in range(4)]
-    return ([torch.zeros(1, dtype=torch.float32)] if with_score else []) + idx
+def _dummy_inputs(with_score: bool, device) -> List[Tensor]:
+    idx = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(4)]
+    return ([torch.zeros(1, dtype=torch.float32, device=device)] if with_score else []) + idx
 
 
-def trace(fn: Callable, is_score: bool) -> Traced:
-    """Traces ``fn`` (a score_mod when ``is_score``, else a mask_mod). Raises Untraceable."""
+def trace(fn: Callable, is_score: bool, device="cpu") -> Traced:
+    """Traces ``fn`` (a score_mod when ``is_score``, else a mask_mod) with its arguments on
+    ``device``, the call's: a modifier mixes them with the tensors it captures, which live
+    there (``kv < prefix[b]`` with ``prefix`` on a GPU). Raises Untraceable."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     what = "score_mod" if is_score else "mask_mod"
     try:
-        gm = make_fx(fn)(*_dummy_inputs(is_score))
+        gm = make_fx(fn)(*_dummy_inputs(is_score, device))
     except RuntimeError as e:
         text = str(e)
         if "data-dependent" in text or "_local_scalar_dense" in text:

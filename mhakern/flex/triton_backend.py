@@ -213,8 +213,8 @@ class _Kernel:
 def _kernel(score_mod: Optional[Callable], blocks, device, B: int, H: int) -> _Kernel:
     """Traces (cached per function, as the cpu backend), generates and imports (cached by
     hash). Raises Untraceable."""
-    score_t = _api._trace_cached(score_mod, True) if score_mod is not None else None
-    mask_t = _api._trace_cached(blocks.mask_mod, False) if blocks.mask_mod is not None else None
+    score_t = _api._trace_cached(score_mod, True, device) if score_mod is not None else None
+    mask_t = _api._trace_cached(blocks.mask_mod, False, device) if blocks.mask_mod is not None else None
     if mask_t is not None:  # merge_captures renumbers the mask's references: a copy of the cached trace
         mask_t = _graph.Traced(list(mask_t.nodes), list(mask_t.inputs), mask_t.output, list(mask_t.captures))
     if score_t is not None:
@@ -227,7 +227,7 @@ def _kernel(score_mod: Optional[Callable], blocks, device, B: int, H: int) -> _K
     if score_t is not None:
         score_t.captures = caps
     # Only score_mod's captures can have a gradient (mask_mod's values are piecewise constant).
-    n_score = len(_api._trace_cached(score_mod, True).captures) if score_mod is not None else 0
+    n_score = len(_api._trace_cached(score_mod, True, device).captures) if score_mod is not None else 0
     grad_caps = [i < n_score and c.requires_grad and c.dtype.is_floating_point for i, c in enumerate(caps)]
     text, loads = triton_gen.source(score_t, mask_t, grad_caps)
     k = _Kernel(_module(text), len(loads), blocks, caps, grad_caps, loads, device, B, H)
