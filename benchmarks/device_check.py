@@ -6,7 +6,8 @@ Runs the steps of benchmarks/device_plan.py in table order, each under its allow
 less what the budget has left after the report's reserve), every kernel family in its own child
 process (a process group) under a watchdog shorter than the allowance. A child that does not
 finish is killed (SIGINT, then SIGKILL of the whole group 3 s later) and named
-``HUNG <family> <pass> <case>``; a wrong answer ``WRONG <family> <pass> <case> <error> <bound>``;
+``HUNG <family> <pass> <case>`` (``CUT`` where a test step's cap ran out while its test was
+still under its own limit); a wrong answer ``WRONG <family> <pass> <case> <error> <bound>``;
 an exception ``ERROR``, a process killed by a signal ``CRASHED``. A pytest step whose child hung or
 crashed starts again on the tests not yet run while its allowance lasts. Each step's verdicts
 are printed and appended to OUTDIR/summary.md as the step ends, so a kill from outside loses
@@ -108,9 +109,10 @@ class Check:
         of them at once; ``stalled()`` true kills them too (a test past its own limit);
         ``extend()``, once it returns a time, is every process's deadline from then on (a
         fallback step's cap, known when its child has collected). Returns {pid: 'done' |
-        'killed'}."""
+        'killed' (at its deadline) | 'stalled' (by ``stalled()``)}."""
         state: Dict[int, str] = {}
         signalled: Dict[int, float] = {}
+        why: Dict[int, str] = {}
         while len(state) < len(procs):
             now = time.monotonic()
             if extend is not None:
@@ -121,10 +123,11 @@ class Check:
                 if p.pid in state:
                     continue
                 if p.poll() is not None:
-                    state[p.pid] = "killed" if p.pid in signalled else "done"
+                    state[p.pid] = why.get(p.pid, "done")
                     _killpg(p.pid, signal.SIGKILL)  # what the child left running in its group
                 elif p.pid not in signalled and (now > deadline or (stalled is not None and stalled())):
                     signalled[p.pid] = now
+                    why[p.pid] = "killed" if now > deadline else "stalled"
                     _killpg(p.pid, signal.SIGINT)
                 elif p.pid in signalled and now > signalled[p.pid] + KILL_GRACE_S:
                     _killpg(p.pid, signal.SIGKILL)
@@ -157,9 +160,10 @@ class Check:
 
     # ------------------------------------------------------------------ verdicts from records
     def verdicts(self, step: dp.Step, records: Path, killed: bool, rc: Optional[int],
-                 fallback: Optional[Tuple[str, str, str]] = None) -> Tuple[List[str], List[str], str]:
+                 fallback: Optional[Tuple[str, str, str]] = None, cut: bool = False) -> Tuple[List[str], List[str], str]:
         """(lines, finished cases, the case that hung or crashed or '') from one child's records;
-        ``fallback``: (family, pass, case) of a child that hung before its first record."""
+        ``fallback``: (family, pass, case) of a child that hung before its first record; ``cut``:
+        the child was killed at its step's cap, not for a test past its own limit (CUT, not HUNG)."""
         lines, finished = [], []
         current: Dict[int, dict] = {}
         broken = ""
@@ -193,14 +197,14 @@ class Check:
                 finished.append(case)
         for pid, c in current.items():
             fam = fam_of.get(c["case"], (step.family, step.passname))[0]
-            word = "HUNG" if killed else "CRASHED"
+            word = ("CUT" if cut else "HUNG") if killed else "CRASHED"
             if not killed and rc is not None and rc >= 0:
                 word = "EXITED"
             lines.append(f"{word} {fam} {c['pass']} {dc.token(step.name + '/' + c['case'])}" + ("" if killed else f" (exit {rc})"))
             broken = broken or c["case"]
         if killed and not current and not finished:
             fam, ps, case = fallback or (step.family, step.passname, "startup")
-            lines.append(f"HUNG {fam} {ps} {dc.token(f'{step.name}/{case}')}")
+            lines.append(f"{'CUT' if cut else 'HUNG'} {fam} {ps} {dc.token(f'{step.name}/{case}')}")
             broken = broken or case
         return lines, finished, broken
 
@@ -369,12 +373,16 @@ class Check:
                 # within what the budget has left before the report.
                 t_spawn, until = time.monotonic(), self.t0 + self.budget - self.plan.cap(dp.BY_NAME["report"])
                 extend = lambda: _extended(rec, step, t_spawn, until)  # noqa: E731
-            killed = self.wait([(p, time.monotonic() + left - KILL_GRACE_S - 1)],
-                               stalled=lambda: _test_overdue(rec, step.test_limit_s), extend=extend)[p.pid] == "killed"
-            v, finished, broken = self.verdicts(step, rec, killed, p.returncode)
+            state = self.wait([(p, time.monotonic() + left - KILL_GRACE_S - 1)],
+                               stalled=lambda: _test_overdue(rec, step.test_limit_s), extend=extend)[p.pid]
+            # Killed at the step's cap, a running test is CUT (under its own limit, maybe just
+            # slow); past its own limit it is HUNG.
+            killed, cut = state != "done", state == "killed"
+            v, finished, broken = self.verdicts(step, rec, killed, p.returncode, cut=cut)
             text = child_log.read_text()
+            how = " (cut at the step's cap)" if cut else " (killed by the watchdog: a test past its limit)" if killed else ""
             with open(log, "a") as f:
-                f.write(text + f"[{step.name}: exit {p.returncode}{' (killed by the watchdog)' if killed else ''}]\n")
+                f.write(text + f"[{step.name}: exit {p.returncode}{how}]\n")
             counts.append(_pytest_counts(text) or f"exit {p.returncode}")
             lines += v
             if killed or broken or (p.returncode not in (0, 1, 5)):

@@ -19,6 +19,7 @@
 # Every kernel family runs in its own child process under a watchdog shorter than its step's
 # allowance. A child that does not finish is killed (its whole process group) and named
 #   HUNG <family> <pass> <case>
+# (CUT in place of HUNG where a test step's cap ran out while its test was under its own limit)
 # and the check goes on (a test step starts again on the tests it had not run); a wrong answer:
 #   WRONG <family> <pass> <case> <error> <bound>      (the tolerance rule's numbers)
 # (and ERROR / CRASHED for an exception or a signal). Each step's verdicts are appended to

@@ -77,8 +77,9 @@ def pytest_runtest_protocol(item, nextitem):
                     _canary()
                 except AssertionError as e:
                     dc.record("fail", case=item.nodeid, exc="AssertionError", msg=str(e).splitlines()[0][:300])
-    yield
-    if os.environ.get(dc.RECORDS_ENV):
+    outcome = yield
+    interrupted = outcome.excinfo is not None and issubclass(outcome.excinfo[0], KeyboardInterrupt)
+    if os.environ.get(dc.RECORDS_ENV) and not interrupted:  # a test stopped by the watchdog did not end
         dc.record("end", case=item.nodeid)
 
 

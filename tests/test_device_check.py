@@ -172,3 +172,32 @@ def test_a_step_without_the_plans_count_is_capped_by_its_childs(tmp_path):
     assert late == pytest.approx(t0 + step.cap(43) - chk.KILL_GRACE_S - 1)
     assert step.cap(43) > 2 * step.cap(len(step.tests))  # 30 s against the 12 s the device gave it
     assert chk._extended(rec, step, t0, t0 + 10) == pytest.approx(t0 + 10 - chk.KILL_GRACE_S - 1)  # the budget's end
+
+
+def test_a_cut_step_is_told_from_a_hang(tmp_path):
+    # The same run: the step's cap ran out with Triton tests compiling under their own 30 s limit,
+    # and the summary said HUNG. A child killed at its deadline leaves its running test CUT; one
+    # killed for a test past its own limit, HUNG.
+    import json
+    import shutil
+    import time
+
+    from benchmarks import device_check as chk
+
+    check = chk.Check(tmp_path)
+    try:
+        log = tmp_path / "child.log"
+        for stalled, want in ((None, "killed"), (lambda: True, "stalled")):
+            p = check.spawn([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), log)
+            t = time.monotonic()
+            assert check.wait([(p, t + (0.3 if stalled is None else 60))], stalled=stalled)[p.pid] == want
+            assert time.monotonic() - t < 20
+        step, rec = dp.BY_NAME["triton_cache"], tmp_path / "r.jsonl"
+        rec.write_text("".join(json.dumps(r) + "\n" for r in (
+            {"ev": "collected", "n": 2, "pid": 1}, {"ev": "start", "case": "a", "pid": 1}, {"ev": "end", "case": "a", "pid": 1},
+            {"ev": "start", "case": "t::b", "pid": 1})))
+        for cut, word in ((True, "CUT"), (False, "HUNG")):
+            lines, finished, broken = check.verdicts(step, rec, True, -2, cut=cut)
+            assert lines == [f"{word} triton fwd triton_cache/t::b"] and finished == ["a"] and broken == "t::b"
+    finally:
+        shutil.rmtree(check.tmp, ignore_errors=True)

@@ -199,3 +199,38 @@ def test_manifest_targets_are_the_builds_gencode_targets():
     assert targets("9.0") == ["sm_90a"]
     assert targets("8.0;9.0+PTX") == ["sm_80", "sm_90a", "compute_90"]
     assert prebuilt.covers(targets("9.0"), (9, 0)) and not prebuilt.covers(targets("9.0"), (8, 0))
+
+
+def test_the_use_line_says_how_the_sass_compared(tmp_path, tree):
+    sass = {"sm90": "42/42 kernels identical to csrc/cuda/sm90/sm90_kernels_sass.json"}
+    d = _prebuilt_dir(tmp_path, tree, recorded_sass=sass)
+    rc, line = prebuilt.use(str(d), root=str(tree), facts=lambda: ("2.11.0+cu130", "13.0", (9, 0)))
+    assert rc == 0 and line.endswith("; sm90 SASS 42/42 kernels identical to csrc/cuda/sm90/sm90_kernels_sass.json"), line
+
+
+def test_the_modules_sass_is_compared_per_cubin_with_the_record(tmp_path):
+    # A helper kernel two units instantiate is in the module twice (one cubin each): read as one
+    # listing it doubled, and 12 of 42 sm_90a kernels looked changed when none had.
+    import check_cuda_build as ccb
+    import prebuild_device as pd
+
+    def cubin(*funcs):
+        out = "\nFatbin elf code:\n================\narch = sm_90a\n\n\tcode for sm_90a\n"
+        for name, ops in funcs:
+            out += f"\t\tFunction : {name}\n"
+            out += "".join(f"        /*{16 * i:04x}*/                   {op} ;  /* 0x0 */\n" for i, op in enumerate(ops))
+        return out
+
+    helper, kern = ("_Z6helperv", ["MOV R1, c[0x0][0x28]", "EXIT"]), ("_Z4kernv", ["IMAD R2, R3, R4, RZ", "EXIT"])
+    one = {k.split("@")[0]: v for k, v in ccb.plain_kernel_digests(ccb.sass_reader.parse_functions(cubin(helper, kern))).items()}
+    assert set(one) == {"_Z6helperv", "_Z4kernv"}
+    book = tmp_path / "book.json"
+    book.write_text(json.dumps({"nvcc X": {f"{k}@sm_90a": v for k, v in one.items()}}))
+    books = {"fam": (book, "@sm_90a")}
+    listing = cubin(helper, kern) + cubin(helper)
+    assert pd.compare_sass(listing, books, "nvcc X") == {"fam": f"2/2 kernels identical to {os.path.relpath(book, ROOT)}"}
+    changed = cubin(helper, ("_Z4kernv", ["IMAD R2, R3, R5, RZ", "EXIT"]))
+    assert "1/2 kernels identical" in pd.compare_sass(changed, books, "nvcc X")["fam"]
+    assert "1 differ, 0 missing" in pd.compare_sass(changed, books, "nvcc X")["fam"]
+    assert "1 differ" not in pd.compare_sass(cubin(helper), books, "nvcc X")["fam"]  # kern missing
+    assert pd.compare_sass(listing, books, "nvcc Y")["fam"].startswith("no record for nvcc Y")

@@ -200,6 +200,53 @@ def check_targets(cuobjdump: Optional[str], module: str, planned: List[str]) -> 
     return "cuobjdump: " + ", ".join(f"{k} in {v} objects" for k, v in sorted(seen.items()))
 
 
+def recorded_sass(cuobjdump: Optional[str], module: str, nvcc: str) -> Dict[str, str]:
+    """The module's kernels against the recorded SASS that CI's gates hold (tools/
+    check_cuda_build.py): {family: 'k/n kernels identical to <record>', plus what differs or is
+    missing}. The sm_90a family is recorded at sm_90a, the plain mma.sync kernels at sm_90 (the
+    same code: this build compiles them for sm_90a)."""
+    if cuobjdump is None:
+        return {"all": "no cuobjdump found: not compared"}
+    import check_cuda_build as ccb  # noqa: E402  (tools/: the digests as CI's gates compute them)
+
+    out = run([cuobjdump, "-sass", module], timeout=900)
+    if out.returncode != 0:
+        return {"all": f"cuobjdump -sass failed: {out.stderr.strip()[-200:]}"}
+    # The record's key: nvcc's last --version line, as check_cuda_build.py writes it.
+    version = (run([nvcc, "--version"]).stdout.strip().splitlines() or [""])[-1]
+    books = {"sm90": (ccb.ROOT / "csrc" / ccb.sass_reader.RECORDED_SASS["sm90"], "@sm_90a"),
+             "mma.sync plain": (ccb.ROOT / "csrc" / ccb.sass_reader.RECORDED_SASS["mma"], "@sm_90")}
+    return compare_sass(out.stdout, books, version)
+
+
+def compare_sass(listing: str, books: Dict[str, tuple], version: str) -> Dict[str, str]:
+    """{family: verdict} of a module's ``cuobjdump -sass`` listing against each family's record
+    (books: {family: (record path, the key suffix kept)}) for nvcc ``version``. A helper kernel
+    that two units instantiate is in the module twice, one cubin each: the listing is split per
+    cubin, and any copy may match."""
+    import check_cuda_build as ccb  # noqa: E402
+
+    copies: Dict[str, List[list]] = {}
+    for chunk in re.split(r"^\s*Fatbin elf code:.*$", listing, flags=re.MULTILINE):
+        for key, val in ccb.plain_kernel_digests(ccb.sass_reader.parse_functions(chunk)).items():
+            copies.setdefault(key.split("@")[0], []).append(val)
+    res = {}
+    for fam, (path, keep) in books.items():
+        book = json.loads(path.read_text()) if path.exists() else {}
+        base = {k: v for k, v in book.get(version, {}).items() if k.endswith(keep)}
+        rel = os.path.relpath(path, ROOT)
+        if not base:
+            res[fam] = f"no record for {version} in {rel}: not compared"
+            continue
+        same = sum(1 for k, v in base.items() if v in copies.get(k.split("@")[0], []))
+        missing = sum(1 for k in base if k.split("@")[0] not in copies)
+        text = f"{same}/{len(base)} kernels identical to {rel}"
+        if same < len(base):
+            text += f" ({len(base) - same - missing} differ, {missing} missing: not the code CI's SASS gates hold)"
+        res[fam] = text
+    return res
+
+
 def git_commit() -> Optional[str]:
     head = run(["git", "-C", ROOT, "rev-parse", "HEAD"])
     if head.returncode != 0:
@@ -366,7 +413,11 @@ def _main(args) -> int:
         raise Failed(f"{size_after / 2**20:.1f} MiB after stripping is over the {LIMIT_BYTES // 2**20} MiB that travels to "
                      f"the device: drop archs the device does not need (--archs 9.0 for an H100/H200)")
     targets = planned_targets(recipe["nvcc_flags"])
-    say(check_targets(find_cuobjdump(cuda_home, py), dst, targets))
+    cuobjdump = find_cuobjdump(cuda_home, py)
+    say(check_targets(cuobjdump, dst, targets))
+    sass = recorded_sass(cuobjdump, dst, nvcc)
+    for fam, text in sass.items():
+        say(f"recorded SASS, {fam}: {text}")
     manifest = {
         "format": prebuilt.FORMAT,
         "module": module_name,
@@ -385,6 +436,7 @@ def _main(args) -> int:
         "archs": archs,
         "targets": targets,
         "families": [],
+        "recorded_sass": sass,
         "nvcc": nv,
         "source_digest": digest,
         "source_files": len(prebuilt.source_files(ROOT)),

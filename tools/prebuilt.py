@@ -251,9 +251,11 @@ def use(directory: str, root: str = ROOT, facts=None) -> Tuple[int, str]:
     os.replace(tmp, dst)  # a process importing meanwhile sees the old file or the new one, never half
     rel = os.path.relpath(dst, os.getcwd())
     shown = dst if rel.startswith("..") else rel
+    # What tools/prebuild_device.py found of the module's SASS against CI's records, if it did.
+    sass = "; ".join(f"{fam} SASS {text}" for fam, text in (manifest.get("recorded_sass") or {}).items())
     return 0, (
         f"prebuilt: used {shown} (torch {manifest['torch']}, CUDA {manifest['cuda']}, {manifest['python_tag']}, "
-        f"archs {','.join(manifest['targets'])})"
+        f"archs {','.join(manifest['targets'])}){'; ' + sass if sass else ''}"
     )
 
 
