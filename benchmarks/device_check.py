@@ -348,12 +348,19 @@ class Check:
     def do_pytest(self, step: dp.Step, deadline: float, ids: Optional[List[str]] = None, log_name: str = "tests.log",
                   extra: Sequence[str] = ()) -> bool:
         if ids is None:
-            ids = dp.selected(step, self.nodeids) or self.fallback_ids.get(step.name, [])
+            ids = dp.selected(step, self.nodeids)
+            if not ids:  # the plan found none of them, or never ran (its step skipped): functions whole
+                ids = self.fallback_ids.setdefault(step.name, sorted({f"{t.file}::{t.func}" for t in step.tests}))
         if not ids:
             self.say(f"{step.name}: no tests selected (the collection found none of its selections)")
             return False
         log = self.log(log_name)
         ok, todo, lines, counts = True, list(ids), [], []
+        # Functions whole, uncounted by the plan: each child's cap follows its own count, within
+        # what the budget has left before the report; after a hang the tests that ended and the
+        # one that hung are deselected (its node ids are not in todo, which names functions).
+        whole = step.name in self.fallback_ids and ids is self.fallback_ids[step.name]
+        deselect: List[str] = []
         while todo:
             left = deadline - time.monotonic()
             if counts and left < max(MIN_STEP_S, step.start_s + KILL_GRACE_S + 2):  # no time to start again
@@ -365,16 +372,18 @@ class Check:
             rec.unlink(missing_ok=True)
             child_log = self.tmp / f"{step.name}.log"
             child_log.unlink(missing_ok=True)
-            p = self.spawn(self.pytest_cmd(step, todo, extra), self.child_env(step, rec, self.planted_first(step)),
-                           child_log)
+            more = [a for n in deselect for a in ("--deselect", n)]
+            p = self.spawn(self.pytest_cmd(step, todo, [*extra, *more]),
+                           self.child_env(step, rec, self.planted_first(step)), child_log)
             extend = None
-            if step.name in self.fallback_ids and ids is self.fallback_ids[step.name]:
-                # Functions whole, uncounted by the plan: the cap follows the child's own count,
-                # within what the budget has left before the report.
+            if whole:
                 t_spawn, until = time.monotonic(), self.t0 + self.budget - self.plan.cap(dp.BY_NAME["report"])
                 extend = lambda: _extended(rec, step, t_spawn, until)  # noqa: E731
             state = self.wait([(p, time.monotonic() + left - KILL_GRACE_S - 1)],
-                               stalled=lambda: _test_overdue(rec, step.test_limit_s), extend=extend)[p.pid]
+                              stalled=lambda: _test_overdue(rec, step.test_limit_s), extend=extend)[p.pid]
+            if whole:  # the step's own deadline moves with its child's
+                later = _extended(rec, step, t_spawn, until)
+                deadline = max(deadline, later + KILL_GRACE_S + 1) if later is not None else deadline
             # Killed at the step's cap, a running test is CUT (under its own limit, maybe just
             # slow); past its own limit it is HUNG.
             killed, cut = state != "done", state == "killed"
@@ -388,7 +397,10 @@ class Check:
             if killed or broken or (p.returncode not in (0, 1, 5)):
                 ok = False
                 done = set(finished) | {broken}
-                todo = [n for n in todo if n not in done]
+                if whole:
+                    deselect += sorted(n for n in done if n and n not in deselect)
+                else:
+                    todo = [n for n in todo if n not in done]
                 if not broken:
                     break
                 continue
@@ -478,8 +490,6 @@ class Check:
         for s in self.plan.steps:
             if s.kind == "pytest":
                 sel = dp.selected(s, self.nodeids)
-                if not sel:
-                    self.fallback_ids[s.name] = sorted({f"{t.file}::{t.func}" for t in s.tests})
                 self.plan.counts[s.name] = len(sel) if sel else len(s.tests)
         if "bench" in cmds:
             out, rc = outs["bench"]

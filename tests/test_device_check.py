@@ -201,3 +201,25 @@ def test_a_cut_step_is_told_from_a_hang(tmp_path):
             assert lines == [f"{word} triton fwd triton_cache/t::b"] and finished == ["a"] and broken == "t::b"
     finally:
         shutil.rmtree(check.tmp, ignore_errors=True)
+
+
+@pytest.mark.slow  # a planted hang under the per-test limit: about 20 s
+def test_rehearsal_without_the_plans_collection_still_names_a_hang_and_runs_the_rest(tmp_path):
+    # The H200 run of 2026-12-04, rehearsed: the collection runs out of time, so sm90_fwd runs its
+    # functions whole. Its child's own count must raise its cap above the 12 s per-test limit
+    # (else the planted hang would be CUT at the step's cap), and the rerun must deselect the
+    # hung test and run the rest.
+    driver = ("import sys; from benchmarks import device_check as chk; "
+              "chk.Check._collect_run = lambda self, cmds, env, deadline: {n: ('', 'timed out') for n in cmds}; "
+              "sys.exit(chk.main([sys.argv[1]]))")
+    env = dict(os.environ, PYTHON=sys.executable, DEVICE_CHECK_REHEARSAL="1", DEVICE_CHECK_INSTALL="0",
+               DEVICE_CHECK_STAGES="sm90_fwd", DEVICE_CHECK_PLANT="hang:sm90_fwd")
+    env.pop("DEVICE_CHECK_BUDGET_S", None)
+    env.pop("DEVICE_CHECK_DRY_RUN", None)
+    r = subprocess.run([sys.executable, "-c", driver, str(tmp_path / "out")], capture_output=True, text=True,
+                       env=env, timeout=150, cwd=ROOT)
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "each test step runs its functions whole" in summary, summary
+    assert re.search(r"^- HUNG sm90 fwd sm90_fwd/\S+$", summary, re.M), summary
+    assert re.search(r"^- sm90_fwd: exit 2; \d+ skipped, 1 deselected", summary, re.M), summary
+    assert "NOT RUN" not in summary and "CUT" not in summary and r.returncode == 1, summary
