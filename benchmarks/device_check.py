@@ -475,8 +475,7 @@ class Check:
         if files:
             cmds["tests"] = [self.py, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files]
         if any(s.name == "bench" for s in self.plan.steps) and not self.dry:
-            cmds["bench"] = [self.py, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                             "benchmarks/test_bench_attention.py", *self.bench_args()]
+            cmds["bench"] = self.bench_collect_cmd()
         outs = self._collect_run(cmds, env, deadline)
         ok = True
         if files:
@@ -493,13 +492,20 @@ class Check:
                 self.plan.counts[s.name] = len(sel) if sel else len(s.tests)
         if "bench" in cmds:
             out, rc = outs["bench"]
-            ids = bench_rows([ln.strip() for ln in out.splitlines() if "::" in ln])
-            # The decode rows first, then the forward rows, then forward+backward: a step cut by
-            # its time limit loses the backward rows, which the bitident step has timed already.
-            rank = lambda n: (0 if "decode-" in n else 1 if "-fwd-" in n else 2)  # noqa: E731
-            self.bench_ids = sorted(ids, key=rank)
+            self.set_bench_ids(out)
             ok = ok and rc == 0
         return ok
+
+    def bench_collect_cmd(self) -> List[str]:
+        return [self.py, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                "benchmarks/test_bench_attention.py", *self.bench_args()]
+
+    def set_bench_ids(self, collected: str) -> None:
+        ids = bench_rows([ln.strip() for ln in collected.splitlines() if "::" in ln])
+        # The decode rows first, then the forward rows, then forward+backward: a step cut by
+        # its time limit loses the backward rows, which the bitident step has timed already.
+        rank = lambda n: (0 if "decode-" in n else 1 if "-fwd-" in n else 2)  # noqa: E731
+        self.bench_ids = sorted(ids, key=rank)
 
     def _collect_run(self, cmds: Dict[str, List[str]], env: Dict[str, str],
                      deadline: Optional[float]) -> Dict[str, Tuple[str, object]]:
@@ -540,6 +546,12 @@ class Check:
         return rc == 0
 
     def do_bench(self, step: dp.Step, deadline: float) -> bool:
+        if not self.bench_ids:  # the plan's collection failed (a cold machine): once more, warm now
+            env = self.child_env(dp.BY_NAME["plan"], self.tmp / "none.jsonl", False)
+            out, rc = self._collect_run({"bench": self.bench_collect_cmd()}, env,
+                                        min(deadline - 10, time.monotonic() + 30))["bench"]
+            self.set_bench_ids(out)
+            self.say(f"bench: the rows collected again here: {len(self.bench_ids)} ({rc})")
         if not self.bench_ids:
             self.say("bench: no benchmark rows collected")
             return False
