@@ -1,0 +1,68 @@
+"""benchmarks/trainer_grid.py: a paper grid trained as far as a time budget allows (issue 34,
+What 4: for a lent GPU's last minutes; device-generic, so it is tested here on the CPU)."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks import trainer_grid as tg  # noqa: E402
+from mhakern.memorize import presets, sweep  # noqa: E402
+
+
+def test_every_prefix_of_the_order_spans_the_axis():
+    vals = [1, 5, 10, 20, 30, 40, 50, 60]
+    # The middle, the ends, then the midpoint of the widest gap left: (1, 30) before (30, 60).
+    assert tg.bisection_order(vals) == [30, 1, 60, 10, 40, 5, 20, 50]
+    assert tg.bisection_order(list(reversed(vals))) == [30, 1, 60, 10, 40, 5, 20, 50]
+    assert tg.bisection_order([7]) == [7] and tg.bisection_order([3, 1]) == [1, 3]
+    assert tg.bisection_order([1, 2, 4, 8]) == [4, 1, 8, 2]
+
+
+def test_the_paper_grid_runs_smallest_t_first_then_its_values_in_bisection_order():
+    p = presets.get("paper-heads")
+    cfgs = [c for pt in p.parts for c in sweep.expand_grid(pt.base, pt.grid, p.seeds)]
+    axis, order = tg.ordered_runs(cfgs)
+    assert axis == "heads" and len(order) == len(cfgs) == 80
+    assert [(c.heads, c.T, c.data) for c in order[:4]] == [(30, 10_000, "shared"), (1, 10_000, "shared"),
+                                                           (60, 10_000, "shared"), (10, 10_000, "shared")]
+    assert [c.T for c in order] == sorted(c.T for c in order)
+    random = [c for c in cfgs if c.data == "random"]
+    _, order = tg.ordered_runs(random)
+    assert [(c.heads, c.T) for c in order[:3]] == [(30, 30_000), (1, 30_000), (60, 30_000)]
+
+
+def _grid(tmp_path, budget, *extra):
+    out = tmp_path / "grid.md"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.trainer_grid", "--preset", "quick", "--budget-s", str(budget),
+                        "--out", str(out), "--threads", "1", *extra], capture_output=True, text=True, cwd=ROOT,
+                       timeout=300)
+    return r, out
+
+
+def test_a_budget_too_small_for_any_run_still_writes_what_it_skipped(tmp_path):
+    r, out = _grid(tmp_path, 1)
+    assert r.returncode == 0, r.stderr[-2000:]
+    text = out.read_text()
+    assert "0 runs in" in text and text.count("the budget was spent") == 12, text
+    r, _ = _grid(tmp_path, 3, "--data", "shared")
+    assert r.returncode == 2 and "--preset: quick has no sweep over shared data" in r.stderr
+
+
+@pytest.mark.slow  # two runs of the quick preset: about 15 s
+def test_the_runs_that_fit_are_trained_stored_and_tabled(tmp_path):
+    from mhakern.memorize.store import ResultStore
+
+    r, out = _grid(tmp_path, 15, "--db", str(tmp_path / "g.sqlite"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    text = out.read_text()
+    rows = re.findall(r"^\| (\d+) \| 500 \| random \| 0 \| 3000 / 3000 \| ([\d.]+) \| (\d+) \|", text, re.M)
+    assert [h for h, _, _ in rows][:2] == ["4", "1"], text  # bisection order: the middle, then the ends
+    for _, acc, ex in rows:
+        assert int(ex) == round(float(acc) * 500)
+    with ResultStore(str(tmp_path / "g.sqlite")) as st:
+        assert len(st.runs("quick-grid")) == len(rows)
