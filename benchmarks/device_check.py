@@ -740,7 +740,13 @@ def _extended(records: Path, step: dp.Step, t_spawn: float, until: float) -> Opt
         text = records.read_text()
     except OSError:
         return None
-    counts = [json.loads(ln).get("n", 0) for ln in text.splitlines() if '"collected"' in ln]
+    counts = []
+    for ln in text.splitlines():
+        if '"collected"' in ln:
+            try:
+                counts.append(int(json.loads(ln).get("n", 0)))
+            except (ValueError, TypeError):  # a line the child is still writing
+                continue
     if not counts:
         return None
     return min(until, t_spawn + step.cap(max(counts))) - KILL_GRACE_S - 1
