@@ -36,8 +36,8 @@ KERNEL_OPTIONS = {
 }
 _DEFAULT_BLOCK = 128
 
-# Traces are kept per function object (weakly) and device type: a modifier is traced once on
-# each device its calls use (its arguments there, beside its captures).
+# Traces are kept per function object (weakly) and device: a modifier is traced once on each
+# device its calls use (its arguments there, beside its captures: cuda:1's, not cuda:0's).
 _TRACES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -48,7 +48,7 @@ def _flex_module():
 
 
 def _trace_cached(fn: Callable, is_score: bool, device="cpu"):
-    dev = torch.device(device).type
+    dev = str(torch.device(device))
     try:
         per_device = _TRACES.setdefault(fn, {})
     except TypeError:  # not weak-referenceable: trace every call
