@@ -53,6 +53,28 @@ def test_a_budget_too_small_for_any_run_still_writes_what_it_skipped(tmp_path):
     assert r.returncode == 2 and "--preset: quick has no sweep over shared data" in r.stderr
 
 
+def test_several_grids_get_a_table_each(tmp_path):
+    r, out = _grid(tmp_path, 1, "--preset", "quick,trend-context")
+    assert r.returncode == 0, r.stderr[-2000:]
+    text = out.read_text()
+    quick, context = text.split("## quick (random data)")[1].split("## trend-context (random data)")
+    assert quick.count("the budget was spent") == 12 and "| heads | T |" in quick
+    # Every run of every series listed (d_v 1, 4, 16 at H 4 and d_v 1 at H 16), none dropped.
+    assert context.count("the budget was spent") == 144 and "| context | T |" in context
+    for series in ("H 4, d_h 16, d_v 1, random", "H 4, d_h 16, d_v 16, random", "H 16, d_h 16, d_v 1, random"):
+        assert context.count(f"T 512, {series}, seed 0") == 6, series
+
+
+def test_a_grid_with_series_keeps_them_apart():
+    p = presets.get("trend-dhead")
+    cfgs = [c for pt in p.parts for c in sweep.expand_grid(pt.base, pt.grid, p.seeds)]
+    axis, order = tg.ordered_runs(cfgs, "d_head")
+    assert axis == "d_head" and sorted(map(id, order)) == sorted(map(id, cfgs))
+    first = [(c.d_head, tg.series(c, axis)) for c in order[:4]]
+    assert first == [(8, "H 4, n 16, d_v 1, random"), (2, "H 4, n 16, d_v 1, random"),
+                     (16, "H 4, n 16, d_v 1, random"), (4, "H 4, n 16, d_v 1, random")], first
+
+
 @pytest.mark.slow  # two runs of the quick preset: about 15 s
 def test_the_runs_that_fit_are_trained_stored_and_tabled(tmp_path):
     from mhakern.memorize.store import ResultStore
@@ -60,7 +82,8 @@ def test_the_runs_that_fit_are_trained_stored_and_tabled(tmp_path):
     r, out = _grid(tmp_path, 15, "--db", str(tmp_path / "g.sqlite"))
     assert r.returncode == 0, r.stderr[-2000:]
     text = out.read_text()
-    rows = re.findall(r"^\| (\d+) \| 500 \| random \| 0 \| 3000 / 3000 \| ([\d.]+) \| (\d+) \|", text, re.M)
+    rows = re.findall(r"^\| (\d+) \| 500 \| n 8, d_h 16, d_v 1, random \| 0 \| 3000 / 3000 \| ([\d.]+) \| (\d+) \|",
+                      text, re.M)
     assert [h for h, _, _ in rows][:2] == ["4", "1"], text  # bisection order: the middle, then the ends
     for _, acc, ex in rows:
         assert int(ex) == round(float(acc) * 500)
