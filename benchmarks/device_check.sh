@@ -11,7 +11,7 @@
 # sources match; the build on the device otherwise), plan (pytest --collect-only: the tests of
 # each step and so its cap), smoke, then the kernels never run on silicon first -- sm90_fwd,
 # sm90_bwd_split, sm90_bwd_fused, mma_bwd_fused (with the D 256 backward), mma_modes (packed,
-# cache_batch_idx, paged, split-K), triton_bwd, triton_cache (with three named mods of
+# cache_batch_idx, paged, split-K), triton_bwd, triton_cache (with four named mods of
 # flex_attention's Triton kernels) --, bitident (every backward kernel
 # in its own child), ceilings, bench (the decode rows first), report. By name only: decode,
 # variants, ncu, triton_suite, cuda_suite, trainer.

@@ -106,10 +106,12 @@ TV, TK = "tests/test_triton_varlen.py", "tests/test_triton_kvcache.py"
 CF = "tests/test_conformance_flex.py"
 # The Triton flex tests of the triton_cache step: a score_mod with a learnable table (and its
 # backward twice, bit for bit), a mask_mod with a score_mod at lengths that are not block
-# multiples (torch's #153799), a bucketed learnable table under GQA. Each compiles its own three
-# kernels (forward, dQ, dK/dV), about as long as a Triton test of the step: the rest of the named
-# mods run there when the file is named (DEVICE_CHECK_STAGES=triton_suite).
-FLEX_MODS = ("triton-rel_bias", "triton-softcap_window_odd", "triton-t5_bucket")
+# multiples (torch's #153799), a bucketed learnable table under GQA, and the prefix-LM mask, which
+# compares its index arguments with a captured tensor (it failed to trace on the H200 of
+# 2026-12-04: the arguments were made on the CPU). Each compiles its own three kernels (forward,
+# dQ, dK/dV), about as long as a Triton test of the step: the rest of the named mods run there
+# when the file is named (DEVICE_CHECK_STAGES=triton_suite).
+FLEX_MODS = ("triton-rel_bias", "triton-softcap_window_odd", "triton-t5_bucket", "triton-prefix_lm")
 
 # Run order: the install, then the kernels never run on silicon (highest risk first), the
 # bit-identity of every backward kernel, then the speed rows and the report. The steps after
@@ -167,7 +169,7 @@ STEPS: Tuple[Step, ...] = (
          tests=(Sel(TG, "test_hard_cases_gpu", ("bfloat16",)), Sel(TG, "test_larger_shapes_gpu", ("True-",)),
                 Sel(TG, "test_backward_deterministic_gpu"), Sel(TG, "test_large_logits_gpu"))),
     Step("triton_cache", "pytest", "Triton: packed forward and backward, KV cache (cache_batch_idx, paged), split-K decode; "
-         "flex_attention's generated kernels on three named mods (fwd, lse, bwd, bit-identical rerun)",
+         "flex_attention's generated kernels on four named mods (fwd, lse, bwd, bit-identical rerun)",
          family="triton", passname="fwd", per_test_s=0.5, xdist=8, start_s=12, test_limit_s=30.0, plantable=True,
          covers=("triton fwd varlen+paged+cache_batch_idx+splitk+flex", "triton bwd varlen+fused+split+flex+bitident"),
          tests=(Sel(TV, "test_varlen_forward_and_backward"), Sel(TV, "test_varlen_never_reads_other_sequences"),
