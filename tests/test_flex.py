@@ -278,3 +278,14 @@ def test_modifiers_are_traced_on_the_calls_device():
     assert api._trace_cached(prefix_lm, False, torch.device("meta")).nodes == t.nodes
     with pytest.raises(graph.Untraceable, match="mask_mod could not be traced"):
         api._trace_cached(prefix_lm, False, "cpu")  # cpu arguments beside a capture elsewhere
+    # A capture left on the CPU in a call elsewhere (the kernels read a copy on the call's
+    # device): the CPU's arguments trace it, as before.
+    table = torch.randn(2, 9)
+
+    def bias(score, b, h, q, kv):
+        return score + table[h, q - kv + 4]
+
+    t = api._trace_cached(bias, True, "meta")
+    assert t.captures == [table] and "load" in [n[1] for n in t.nodes]
+    with pytest.raises(graph.Untraceable, match="mask_mod could not be traced"):  # neither device traces it
+        graph.trace(lambda b, h, q, kv: (kv < prefix[b]) & (q < table[h, kv]), False, "meta")

@@ -71,12 +71,28 @@ def _dummy_inputs(with_score: bool, device) -> List[Tensor]:
 def trace(fn: Callable, is_score: bool, device="cpu") -> Traced:
     """Traces ``fn`` (a score_mod when ``is_score``, else a mask_mod) with its arguments on
     ``device``, the call's: a modifier mixes them with the tensors it captures, which live
-    there (``kv < prefix[b]`` with ``prefix`` on a GPU). Raises Untraceable."""
+    there (``kv < prefix[b]`` with ``prefix`` on a GPU). Captures left on the CPU (the kernels
+    read a copy of each on the call's device) trace with the arguments there: where the call's
+    device fails, the CPU is tried before giving up. Raises Untraceable (the call's device's
+    reason)."""
+    try:
+        gm = _make_fx(fn, is_score, device)
+    except Untraceable as first:
+        if torch.device(device).type == "cpu":
+            raise
+        try:
+            gm = _make_fx(fn, is_score, "cpu")
+        except Untraceable:
+            raise first from None
+    return _from_graph(gm, is_score)
+
+
+def _make_fx(fn: Callable, is_score: bool, device):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     what = "score_mod" if is_score else "mask_mod"
     try:
-        gm = make_fx(fn)(*_dummy_inputs(is_score, device))
+        return make_fx(fn)(*_dummy_inputs(is_score, device))
     except RuntimeError as e:
         text = str(e)
         if "data-dependent" in text or "_local_scalar_dense" in text:
@@ -85,6 +101,10 @@ def trace(fn: Callable, is_score: bool, device="cpu") -> Traced:
         raise Untraceable(f"{what} could not be traced: {text.splitlines()[0] if text else type(e).__name__}") from None
     except Exception as e:  # noqa: BLE001 -- any failure of user code while tracing is the modifier's
         raise Untraceable(f"{what} could not be traced: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def _from_graph(gm, is_score: bool) -> Traced:
+    what = "score_mod" if is_score else "mask_mod"
     t = Traced(nodes=[], inputs=[], output="")
     cap_index: Dict[int, int] = {}
     # Captured tensors and partly indexed views of them: name -> (capture, fixed indices, one
