@@ -84,10 +84,11 @@ def ordered_runs(cfgs: Sequence[RunConfig], axis: Optional[str] = None) -> Tuple
     for c in cfgs:
         key = series(c, axis)
         first.setdefault(key, len(first))
-        groups.setdefault((c.T, c.seed, first[key]), {})[getattr(c, axis)] = c
+        # A list per value: configurations that differ in a field no series names stay apart.
+        groups.setdefault((c.T, c.seed, first[key]), {}).setdefault(getattr(c, axis), []).append(c)
     out: List[RunConfig] = []
     for k in sorted(groups):
-        out += [groups[k][v] for v in bisection_order(list(groups[k]))]
+        out += [c for v in bisection_order(list(groups[k])) for c in groups[k][v]]
     return axis, out
 
 

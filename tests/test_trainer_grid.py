@@ -65,6 +65,15 @@ def test_several_grids_get_a_table_each(tmp_path):
         assert context.count(f"T 512, {series}, seed 0") == 6, series
 
 
+def test_no_run_is_dropped_where_a_field_outside_the_series_differs():
+    import dataclasses
+
+    base = presets.get("quick").parts[0].base
+    cfgs = [dataclasses.replace(base, heads=h, dist=dist) for h in (1, 2, 4) for dist in ("uniform", "gaussian")]
+    axis, order = tg.ordered_runs(cfgs)
+    assert axis == "heads" and sorted(map(id, order)) == sorted(map(id, cfgs))
+
+
 def test_a_grid_with_series_keeps_them_apart():
     p = presets.get("trend-dhead")
     cfgs = [c for pt in p.parts for c in sweep.expand_grid(pt.base, pt.grid, p.seeds)]
