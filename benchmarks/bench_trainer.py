@@ -466,7 +466,7 @@ def project_preset(name: str, seconds: float = 2.0, device=None, data_max_bytes:
     (label, runs, run-steps/s measured, steps of its longest run, projected seconds).
     """
     from mhakern.memorize import presets, sweep
-    from mhakern.memorize.train import StepEngine, max_stack_runs, stack_label
+    from mhakern.memorize.train import max_stack_runs, stack_label, stack_rate
 
     device = torch.device(device or _device())
     p = presets.get(name)
@@ -478,28 +478,13 @@ def project_preset(name: str, seconds: float = 2.0, device=None, data_max_bytes:
     for s in sweep.plan_stacks(cfgs, max_stack=10**6, max_bytes=1 << 62, max_macs=bound):
         fit = max_stack_runs(s, device, data_max_bytes=data_max_bytes)
         stacks += [s[i : i + fit] for i in range(0, len(s), fit)]
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows, total = [], 0.0
     for s in stacks:
-        st = _Stack(s, device, "rows", data_max_bytes)
-        eng = StepEngine(st)
-        eng.run(3)
-        sync()
-        k, t0 = 8, time.perf_counter()
-        done = 0
-        while time.perf_counter() - t0 < seconds:
-            eng.run(k)
-            sync()
-            done += k
-            k = min(2 * k, 4096)
-        rs = done * len(s) / (time.perf_counter() - t0)
+        rs = stack_rate(s, device, seconds, data_max_bytes)
         longest = max(c.total_steps for c in s)
         est = longest * len(s) / rs
         rows.append((stack_label(s), len(s), rs, longest, est))
         total += est
-        del st, eng
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
     return rows, total
 
 

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mhakern.memorize import presets, sweep  # noqa: E402
 from mhakern.memorize.config import RunConfig  # noqa: E402
-from mhakern.memorize.train import StepEngine, _Stack, device_name, train_stack, versions  # noqa: E402
+from mhakern.memorize.train import device_name, stack_rate, train_stack, versions  # noqa: E402
 
 AXES = ("heads", "context", "d_head")
 
@@ -90,26 +90,6 @@ def ordered_runs(cfgs: Sequence[RunConfig], axis: Optional[str] = None) -> Tuple
     for k in sorted(groups):
         out += [c for v in bisection_order(list(groups[k])) for c in groups[k][v]]
     return axis, out
-
-
-def measure(cfg: RunConfig, device: torch.device, seconds: float) -> float:
-    """Run-steps per second of ``cfg`` trained alone, after its first steps (the capture)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    st = _Stack([cfg], device, "rows", 2 << 30)
-    eng = StepEngine(st)
-    eng.run(3)
-    sync()
-    k, done, t0 = 4, 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        eng.run(k)
-        sync()
-        done += k
-        k = min(2 * k, 4096)
-    rate = done / (time.perf_counter() - t0)
-    del st, eng
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return rate
 
 
 def main(argv=None) -> int:
@@ -166,7 +146,7 @@ def main(argv=None) -> int:
         if left < 2 * a.measure_s + 2:
             skipped[name].append((cfg, None, "the budget was spent"))
             continue
-        rate = measure(cfg, device, a.measure_s)
+        rate = stack_rate([cfg], device, a.measure_s)
         need = cfg.total_steps / rate
         left = a.budget_s - (time.perf_counter() - t_start)
         if need > left:
