@@ -124,6 +124,12 @@ MHK_STEP void zero_dmask_range(const AttnParams& p, const RowPlan& rp, int64_t b
 // lanes was 11% of the backward at 20 rows, head dim 64 (0.18 of 1.6 ms, one thread); the
 // backward is 2% faster this way. Elsewhere (ATen's generic Vectorized, whose fmadd may round
 // twice) the lanes of dO^T and O^T (dot, ot: Dv x Rp), as before. Rows R .. Rp - 1 get 0.
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+constexpr bool kDeltaMakesDoT = false;
+#else
+constexpr bool kDeltaMakesDoT = true;  // the lanes' path leaves dO^T in dot
+#endif
+
 inline void delta_rows(const float* dor, const float* orow, int64_t ld, int64_t R, int64_t Rp, int64_t Dv,
                        float* dot, float* ot, float* delta) {
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
@@ -772,7 +778,7 @@ void backward_group(const AttnParams& p, const RowPlan& rp, int64_t b, int64_t h
         }
         if (!kPairs && !sl.qt_ready) {
           transpose(sl.qr, L.Dp, sl.qt, Rp, Rp, L.Dp);
-          transpose(sl.dor, L.Dvp, sl.dot, Rp, Rp, L.Dvp);
+          if (!kDeltaMakesDoT) transpose(sl.dor, L.Dvp, sl.dot, Rp, Rp, L.Dvp);
           sl.qt_ready = true;
         }
         score_tiles<Dot>(p, mods, b, sl, j0, bk, Kb, ldk, Vb, ldv, t, Kd, ldkd, Vd, ldvd);
