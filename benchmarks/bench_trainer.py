@@ -22,6 +22,10 @@ evaluations); the others step through the per-step loop (``_Stack.train_step``).
 (``memorize.products.disabled``; the same numbers): ``fused / fused-aten`` is what running them
 on the extension's micro-kernel gives, measured in the same run.
 
+``fused-autograd`` (interleaved rounds only) is ``fused`` with each step's gradients through autograd
+rather than ``memorize.fused_step``'s one operator call (the same numbers): ``fused /
+fused-autograd`` is what that call gives, measured in the same run.
+
 ``-x8`` variants train 8 seeds stacked as one batched model (what sweeps do): their steps/s is
 per run, and the ratios compare run-steps per second.
 
@@ -351,6 +355,8 @@ ENGINE_VARIANTS = {
     # fused with the model's dense products as ATen calls (memorize.products.disabled): the same
     # numbers; what the products on the micro-kernel give, measured in the same run
     "fused-aten": ("fused-aten", 1, True, False),
+    # fused with the step's gradients through autograd, not fused_step's one call: the same numbers
+    "fused-autograd": ("fused-autograd", 1, True, False),
     "loop": ("fused", 1, False, False),
     # the paper's whole training loop, its Trainer.train (see _paper_loop_stepper; needs
     # MHAKERN_PAPER_SRC): the reference the docs quote
@@ -383,8 +389,8 @@ def _engine_stepper(impl, runs, engine, compiled, device, shape=SHAPE):
         _, steps = _paper_code_stepper()
         steps(1)()
         return (lambda k, warm=0, clock=time.perf_counter: _time_last(lambda n: steps(n)(), k, warm, clock)), None
-    aten = impl == "fused-aten"
-    impl = "fused" if aten else impl
+    aten, autograd = impl == "fused-aten", impl == "fused-autograd"
+    impl = "fused" if aten or autograd else impl
     cfgs = [RunConfig(**shape, impl=impl, steps=1_000_000, eval_every=10**9, seed=s) for s in range(runs)]
     st = _Stack(cfgs, device, "rows", 1 << 30)
     compile_s = None
@@ -394,6 +400,8 @@ def _engine_stepper(impl, runs, engine, compiled, device, shape=SHAPE):
         fn = torch.compile(lambda P, q, c, pe: forward(P, q, c, pe, "eager"), dynamic=False)
         st.logits = lambda P, q, c: fn(P, q, c, st.pe)
     eng = StepEngine(st) if engine else None
+    if autograd:
+        eng.fused = False  # never the one-call gradients (StepEngine._grads)
     counter = [0]
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
@@ -532,10 +540,10 @@ def main(argv=None):
         print(f"  {n:10s} {med:9.2f} run-steps/s (median)  rounds {min(res[n]):.2f}-{max(res[n]):.2f}{extra}")
     # Ratios of run-steps per second (a stacked variant's steps advance all its runs).
     for n in names:
-        for base in ("eager", "compiled", "paper", "paper-loop", "paper-code", "fused", "fused-aten"):
+        for base in ("eager", "compiled", "paper", "paper-loop", "paper-code", "fused", "fused-aten", "fused-autograd"):
             if n != base and base in res and not (n in ("eager", "compiled", "paper", "paper-loop", "paper-code",
-                                                        "fused-aten") and base == "fused") and \
-                    (base != "fused-aten" or n == "fused"):
+                                                        "fused-aten", "fused-autograd") and base == "fused") and \
+                    (base not in ("fused-aten", "fused-autograd") or n == "fused"):
                 ratios = [x / y for x, y in zip(res[n], res[base])]
                 print(f"  {n} / {base}: {statistics.median(ratios):.2f}x "
                       f"(round ratios {min(ratios):.2f}-{max(ratios):.2f})")

@@ -183,6 +183,11 @@ def _embed(P: StackedParams, x: Tensor, pe: Tensor) -> Tensor:
     return products.embed(x, P["W_E"], P["b_E"], pe)
 
 
+def folds(b: int, H: int, d: int, dh: int) -> bool:
+    """Whether :func:`_folded_queries` forms A_h = W_Q,h W_K,h^T (for a batch of b queries)."""
+    return H * d * d * dh + b * H * d * d < 2 * b * H * d * dh
+
+
 def _folded_queries(P: StackedParams, t0: Tensor) -> Tensor:
     """u_h = W_K,h W_Q,h^T t_0 for query tokens ``t0`` (R, b, d): (R, b, H, d).
 
@@ -193,7 +198,7 @@ def _folded_queries(P: StackedParams, t0: Tensor) -> Tensor:
     R, b, d = t0.shape
     W_Q, W_K = P["W_Q"], P["W_K"]
     H, dh = W_K.shape[1], W_K.shape[3]
-    if H * d * d * dh + b * H * d * d < 2 * b * H * d * dh:
+    if folds(b, H, d, dh):
         A = products.fold(W_Q, W_K)  # (R, d, H d): einsum "rdhe,rhfe->rdhf", or its bits
         return products.bmm(t0, A).view(R, b, H, d)
     qh = products.bmm(t0, W_Q.reshape(R, d, H * dh)).view(R, b, H, dh)

@@ -62,6 +62,12 @@ def disabled():
         _DISABLED[0] -= 1
 
 
+def enabled() -> bool:
+    """Whether products may run on the micro-kernel now (not within :func:`disabled`, not traced
+    by ``torch.compile``)."""
+    return not _DISABLED[0] and not torch.compiler.is_compiling()
+
+
 def _eligible(*ts: Tensor) -> bool:
     if _DISABLED[0] or torch.compiler.is_compiling():
         return False
@@ -173,8 +179,9 @@ class _Baddbmm(torch.autograd.Function):
         return dbias, da, db, None
 
 
-def baddbmm(bias: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """``torch.baddbmm(bias, a, b)`` for a bias (R, 1, N) with its bits, forward and backward."""
+def baddbmm_kc(bias: Tensor, a: Tensor, b: Tensor) -> Optional[int]:
+    """The blocking with which ``dense_bmm(a, b, bias)`` gives ``torch.baddbmm(bias, a, b)``'s
+    bits for a bias (R, 1, N), or None."""
     if bias.dim() == 3 and bias.shape[1] == 1 and _eligible(bias, a, b):
         kc = _kc(a, b)
         if kc is not None:
@@ -183,8 +190,14 @@ def baddbmm(bias: Tensor, a: Tensor, b: Tensor) -> Tensor:
                 return True if _same(torch.baddbmm(sb, sa, sm), torch.ops.mhakern_C.dense_bmm(sa, sm, sb, kc)) else None
 
             if _checked(("baddbmm", tuple(a.shape), a.stride(), tuple(b.shape), b.stride()), check):
-                return _Baddbmm.apply(bias, a, b, kc)
-    return torch.baddbmm(bias, a, b)
+                return kc
+    return None
+
+
+def baddbmm(bias: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``torch.baddbmm(bias, a, b)`` for a bias (R, 1, N) with its bits, forward and backward."""
+    kc = baddbmm_kc(bias, a, b)
+    return torch.baddbmm(bias, a, b) if kc is None else _Baddbmm.apply(bias, a, b, kc)
 
 
 # ------------------------------------------------------------------------------------ fold
@@ -222,13 +235,16 @@ def _check_fold(qs, ks):
     return check
 
 
+def fold_agrees(W_Q: Tensor, W_K: Tensor) -> bool:
+    """Whether ``fold_heads`` and its backward give :func:`fold_reference`'s bits here."""
+    return bool(W_Q.dim() == 4 and W_K.dim() == 4 and _eligible(W_Q, W_K)
+                and _checked(("fold", tuple(W_Q.shape), tuple(W_K.shape)), _check_fold(W_Q.shape, W_K.shape)))
+
+
 def fold(W_Q: Tensor, W_K: Tensor) -> Tensor:
     """A (R, d, H f) from ``W_Q`` (R, d, H, e) and ``W_K`` (R, H, f, e): the bits of
     :func:`fold_reference`, forward and backward."""
-    if (W_Q.dim() == 4 and W_K.dim() == 4 and _eligible(W_Q, W_K)
-            and _checked(("fold", tuple(W_Q.shape), tuple(W_K.shape)), _check_fold(W_Q.shape, W_K.shape))):
-        return _Fold.apply(W_Q, W_K)
-    return fold_reference(W_Q, W_K)
+    return _Fold.apply(W_Q, W_K) if fold_agrees(W_Q, W_K) else fold_reference(W_Q, W_K)
 
 
 # ----------------------------------------------------------------------------------- embed
@@ -274,11 +290,16 @@ class _Embed(torch.autograd.Function):
         return dx, dW, db, dpe, None
 
 
-def embed(x: Tensor, W_E: Tensor, b_E: Tensor, pe: Tensor) -> Tensor:
-    """:func:`embed_reference` with its bits, forward and backward."""
+def embed_kc(x: Tensor, W_E: Tensor, b_E: Tensor, pe: Tensor) -> Optional[int]:
+    """The blocking of :func:`embed`'s product (its :class:`_Embed` node), or None where it
+    runs :func:`embed_reference`."""
     if (x.dim() >= 3 and pe.dim() == 2 and W_E.dim() == 3 and b_E.dim() == 2 and pe.shape[0] == x.shape[-2]
             and _eligible(x, W_E, b_E, pe)):
-        kc = _kc(x.reshape(x.shape[0], -1, x.shape[-1]), W_E)
-        if kc is not None:
-            return _Embed.apply(x, W_E, b_E, pe, kc)
-    return embed_reference(x, W_E, b_E, pe)
+        return _kc(x.reshape(x.shape[0], -1, x.shape[-1]), W_E)
+    return None
+
+
+def embed(x: Tensor, W_E: Tensor, b_E: Tensor, pe: Tensor) -> Tensor:
+    """:func:`embed_reference` with its bits, forward and backward."""
+    kc = embed_kc(x, W_E, b_E, pe)
+    return embed_reference(x, W_E, b_E, pe) if kc is None else _Embed.apply(x, W_E, b_E, pe, kc)

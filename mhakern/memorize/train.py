@@ -34,6 +34,7 @@ import torch.nn.functional as F
 import mhakern
 
 from . import data as data_mod
+from . import fused_step, products
 from .config import ConfigError, RunConfig
 from .extras import progress_bar
 from .model import ModelShape, StackedParams, attention_weights, forward, sinusoidal_positions
@@ -434,6 +435,9 @@ class StepEngine:
         self.sqrt_bc2 = torch.zeros(self.segment, dtype=st.dtype, device=dev)
         # Adam in one sweep per tensor where that gives the foreach passes' bits (optim.py).
         self.fused_adam = fused_adam_variant(st.P.tensors()) if dev.type == "cpu" else None
+        # The step's gradients in one call (fused_step): None until the first step decides,
+        # False where they go through autograd, else (verdict key, plan).
+        self.fused = None
         self.graph = None
 
     def select(self, keep: List[int]) -> None:
@@ -496,6 +500,36 @@ class StepEngine:
         valid = torch.where(self.full_t, ar < self.T_t, valid)
         return idx, valid.to(torch.float32)
 
+    def _autograd_grads(self, q: Tensor, c: Tensor, y: Tensor, w: Tensor) -> Sequence[Tensor]:
+        """The weights' gradients of the runs' summed weighted-mean losses on batch (q, c, y, w)."""
+        st = self.st
+        per = _per_run_loss(st.logits(st.P, q, c), y, self.task)
+        loss = (per * w).sum(1) / w.sum(1)
+        return torch.autograd.grad(loss.sum(), st.P.tensors())
+
+    def _grads(self, q: Tensor, c: Tensor, y: Tensor, w: Tensor) -> Sequence[Tensor]:
+        """:meth:`_autograd_grads`, in one operator call where that gives the same bits
+        (fused_step: the step's fixed cost on the CPU)."""
+        st = self.st
+        if self.fused is not False and products.enabled():
+            if self.fused is None:
+                c0 = st.c0
+                the_plan = None
+                # Only the trainer's own forward (a caller may have put another in st.logits).
+                if (c0.impl == "fused" and st.layout == "rows" and self.task == "classify" and not self.capture
+                        and "logits" not in vars(st)):
+                    the_plan = fused_step.plan(st.P, q, c, st.pe, c0.backend)
+                self.fused = False if the_plan is None else (fused_step.key_of(st.P, q, c, the_plan), the_plan)
+            if self.fused:
+                key, the_plan = self.fused
+                if fused_step.known(key):
+                    return fused_step.grads(st.P, q, c, y, w, st.pe, the_plan)
+                ref = self._autograd_grads(q, c, y, w)
+                if not fused_step.verified(key, ref, lambda: fused_step.grads(st.P, q, c, y, w, st.pe, the_plan)):
+                    self.fused = False
+                return ref
+        return self._autograd_grads(q, c, y, w)
+
     def _block_indices(self, s0: int, k: int) -> Tuple[Tensor, Tensor]:
         """:meth:`_indices` of steps s0 .. s0 + k - 1 at once (eager steps: a dozen small ops a
         block instead of a step; about 1.5% of a step at the paper's shape)."""
@@ -511,10 +545,7 @@ class StepEngine:
             idx, w = idx[0], w[0]
         runs = None if len(st.act) == len(st.cfgs) else self.runs_t
         q, c, y = st.data.batch(idx, runs)
-        out = st.logits(st.P, q, c)
-        per = _per_run_loss(out, y, self.task)
-        loss = (per * w).sum(1) / w.sum(1)
-        grads = torch.autograd.grad(loss.sum(), params)
+        grads = self._grads(q, c, y, w)
         with torch.no_grad():
             ss = self.step_size.index_select(1, self.pos_t)
             sb = self.sqrt_bc2.index_select(0, self.pos_t)
