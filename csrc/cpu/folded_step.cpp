@@ -73,6 +73,10 @@ at::Tensor embed(const at::Tensor& x, const at::Tensor& W_E, const at::Tensor& b
   return dense_bmm(x.reshape({R, -1, x.size(-1)}), W_E, bias.reshape({R, -1, d}), kc);
 }
 
+// params: W_E (R, d_in, d), b_E (R, d), W_Q (R, d, H, d_h), W_K (R, H, d, d_h), W_V (R, H, d, 1),
+// W_O (R, H, d), W_D (R, d, C), b_D (R, C) (model.PARAM_NAMES' order); query (R, b, d_in), ctx
+// (R, b, n, d_in), y (R, b) class indices, w (R, b) example weights, pe (n + 1, d) positions.
+// Returns the eight gradients, in params' order.
 std::vector<at::Tensor> folded_step_grads(at::TensorList params, const at::Tensor& query, const at::Tensor& ctx,
                                           const at::Tensor& y, const at::Tensor& w, const at::Tensor& pe,
                                           double scale, at::IntArrayRef plan) {

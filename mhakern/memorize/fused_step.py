@@ -1,8 +1,9 @@
 """A training step's weight gradients in one operator call, where that gives autograd's bits (CPU).
 
 :class:`~mhakern.memorize.train.StepEngine` computes each step's gradients as
-``autograd.grad`` of the weighted mean loss through :func:`model.folded_forward` (``train._step_grads``): about 320 operator calls, views included, each through the interpreter, and
-the autograd engine between them. At the paper's shape (H 20, n 32, d 64, batch 256, one CPU
+``autograd.grad`` of the weighted mean loss through :func:`model.folded_forward`
+(``StepEngine._autograd_grads``): about 320 operator calls, views included, each through the
+interpreter, and the autograd engine between them. At the paper's shape (H 20, n 32, d 64, batch 256, one CPU
 thread) that was about 1 ms of a 7.2 ms step. ``torch.ops.mhakern_C.folded_step_grads``
 (csrc/cpu/folded_step.cpp) runs the same operations -- the same ATen calls and mhakern_C operators
 on the same operands, in the order the autograd engine runs them -- in one call.
@@ -31,7 +32,7 @@ from .model import StackedParams, folds
 
 Tensor = torch.Tensor
 
-# plan key -> whether the operator gave autograd's bits on that shape (None: not checked yet)
+# verdict key (key_of) -> whether the operator gave autograd's bits there; absent: not checked yet
 _VERIFIED: Dict[Tuple, bool] = {}
 
 
@@ -108,9 +109,10 @@ def plan(P: StackedParams, q: Tensor, c: Tensor, pe: Tensor, backend: str) -> Op
     return [int(fields[k]) for k in names]
 
 
-def grads(P: StackedParams, q: Tensor, c: Tensor, y: Tensor, w: Tensor, pe: Tensor, the_plan: Sequence[int]) -> List[Tensor]:
-    """The summed weighted-mean cross-entropy's gradients of the fused model, in one call (``the_plan`` from
-    :func:`plan`; use it only where :func:`verified` said yes)."""
+def grads(P: StackedParams, q: Tensor, c: Tensor, y: Tensor, w: Tensor, pe: Tensor,
+          the_plan: Sequence[int]) -> List[Tensor]:
+    """The gradients of the runs' summed weighted-mean cross-entropy through the fused model, in
+    one call (``the_plan`` from :func:`plan`; use it only where :func:`verified` said yes)."""
     d = P["W_E"].shape[2]
     return list(torch.ops.mhakern_C.folded_step_grads(P.tensors(), q, c, y, w, pe, 1.0 / math.sqrt(d),
                                                       list(the_plan)))
