@@ -30,9 +30,13 @@ def _bits(ts):
     return [t.detach().contiguous().view(torch.int32).clone() for t in ts]
 
 
-def test_engine_takes_the_call_and_trains_as_autograd_bit_for_bit():
+# A context per example, and one per run (at a context length whose products, on this host, take
+# the micro-kernel: smaller ones keep ATen's calls there, and so autograd).
+@pytest.mark.parametrize("shape", [SMALL, dict(SMALL, context=32, d_model=8, d_in=8, data="shared")],
+                         ids=["random", "shared"])
+def test_engine_takes_the_call_and_trains_as_autograd_bit_for_bit(shape):
     _need_op()
-    cfgs = [RunConfig(**SMALL, seed=s) for s in (0, 1)]
+    cfgs = [RunConfig(**shape, seed=s) for s in (0, 1)]
     fast, slow = _engine(cfgs), _engine(cfgs)
     slow.fused = False  # autograd every step
     fast.run(1)
@@ -80,7 +84,7 @@ def test_at_the_papers_shape_the_call_is_planned_and_verified():
 
 
 @pytest.mark.parametrize("change", [
-    dict(impl="eager"), dict(task="regress"), dict(data="shared"), dict(d_value=2), dict(layout="heads"),
+    dict(impl="eager"), dict(task="regress"), dict(d_value=2), dict(layout="heads"),
     dict(dtype="float64"), dict(batch=2),  # b = 2: the queries through d_h (no fold)
 ])
 def test_other_configurations_step_through_autograd(change):
@@ -137,4 +141,6 @@ def test_the_operator_names_its_bad_arguments():
     with pytest.raises(ValueError, match="params must be the 8 weights"):
         torch.ops.mhakern_C.folded_step_grads(st.P.tensors()[:3], q, c, y, w, st.pe, 0.5, [0] * len(fields))
     with pytest.raises(ValueError, match="ctx"):
-        torch.ops.mhakern_C.folded_step_grads(st.P.tensors(), q, c[:, :, 0], y, w, st.pe, 0.5, [0] * len(fields))
+        torch.ops.mhakern_C.folded_step_grads(st.P.tensors(), q, c[..., :-1], y, w, st.pe, 0.5, [0] * len(fields))
+    with pytest.raises(ValueError, match="pe must be"):
+        torch.ops.mhakern_C.folded_step_grads(st.P.tensors(), q, c, y, w, st.pe[:-1], 0.5, [0] * len(fields))

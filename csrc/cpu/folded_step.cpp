@@ -1,6 +1,6 @@
 // The memorization trainer's training gradients in one call (CPU, float32): the folded model's
 // forward (mhakern/memorize/model.py, folded_forward with attn "fused", layout "rows", a context
-// per example, d_v = 1), the per-example cross-entropy, the weighted mean per run and the
+// per example or one per run, d_v = 1), the per-example cross-entropy, the weighted mean per run and the
 // gradients of its sum with respect to the eight weights -- the operations autograd runs for
 // StepEngine._step (mhakern/memorize/train.py), each one the same ATen call or the same
 // mhakern_C operator on the same operands, so the same bits, without the interpreter and the
@@ -75,7 +75,8 @@ at::Tensor embed(const at::Tensor& x, const at::Tensor& W_E, const at::Tensor& b
 
 // params: W_E (R, d_in, d), b_E (R, d), W_Q (R, d, H, d_h), W_K (R, H, d, d_h), W_V (R, H, d, 1),
 // W_O (R, H, d), W_D (R, d, C), b_D (R, C) (model.PARAM_NAMES' order); query (R, b, d_in), ctx
-// (R, b, n, d_in), y (R, b) class indices, w (R, b) example weights, pe (n + 1, d) positions.
+// (R, b, n, d_in) a context per example or (R, n, d_in) one per run, y (R, b) class indices, w
+// (R, b) example weights, pe (n + 1, d) positions.
 // Returns the eight gradients, in params' order.
 std::vector<at::Tensor> folded_step_grads(at::TensorList params, const at::Tensor& query, const at::Tensor& ctx,
                                           const at::Tensor& y, const at::Tensor& w, const at::Tensor& pe,
@@ -91,18 +92,23 @@ std::vector<at::Tensor> folded_step_grads(at::TensorList params, const at::Tenso
   for (size_t i = 0; i < params.size(); ++i)
     TORCH_CHECK_VALUE(params[i].device().is_cpu() && params[i].scalar_type() == at::kFloat,
                       "folded_step_grads: params[", i, "] must be a float32 CPU tensor");
-  TORCH_CHECK_VALUE(query.dim() == 3 && ctx.dim() == 4 && W_V.dim() == 4 && W_V.size(3) == 1 && W_K.dim() == 4,
-                    "folded_step_grads: query (R, b, d_in), ctx (R, b, n, d_in) and W_V (R, H, d, 1) expected, got ",
+  TORCH_CHECK_VALUE(query.dim() == 3 && (ctx.dim() == 4 || ctx.dim() == 3) && W_V.dim() == 4 && W_V.size(3) == 1 &&
+                        W_K.dim() == 4,
+                    "folded_step_grads: query (R, b, d_in), ctx (R, b, n, d_in) or (R, n, d_in) and W_V (R, H, d, 1) "
+                    "expected, got ",
                     query.sizes(), ", ", ctx.sizes(), ", ", W_V.sizes());
   TORCH_CHECK_VALUE(W_E.dim() == 3 && W_D.dim() == 3 && pe.dim() == 2, "folded_step_grads: W_E (R, d_in, d), ",
                     "W_D (R, d, C) and pe (n + 1, d) expected, got ", W_E.sizes(), ", ", W_D.sizes(), ", ", pe.sizes());
-  const int64_t R = query.size(0), b = query.size(1), n = ctx.size(2), d = W_E.size(2), H = W_K.size(1);
+  // shared: one context per run, which every query of the run reads (model._attend's C.dim() == 3)
+  const bool shared = ctx.dim() == 3;
+  const int64_t R = query.size(0), b = query.size(1), n = ctx.size(-2), d = W_E.size(2), H = W_K.size(1);
   const int64_t C = W_D.size(2);
   TORCH_CHECK_VALUE(b > 0 && n > 0, "folded_step_grads: query and ctx must hold examples and tokens, got ",
                     query.sizes(), " and ", ctx.sizes());
-  TORCH_CHECK_VALUE(ctx.size(0) == R && ctx.size(1) == b && ctx.size(3) == query.size(2) && W_E.size(0) == R &&
-                        W_E.size(1) == query.size(2),
-                    "folded_step_grads: ctx must be (R, b, n, d_in) and W_E (R, d_in, d) for query (R, b, d_in) = ",
+  TORCH_CHECK_VALUE(ctx.size(0) == R && (shared || ctx.size(1) == b) && ctx.size(-1) == query.size(2) &&
+                        W_E.size(0) == R && W_E.size(1) == query.size(2),
+                    "folded_step_grads: ctx must be (R, b, n, d_in) or (R, n, d_in) and W_E (R, d_in, d) for query "
+                    "(R, b, d_in) = ",
                     query.sizes(), ", got ", ctx.sizes(), " and ", W_E.sizes());
   const int64_t dh = W_K.size(3);
   auto want = [&](const at::Tensor& t, at::IntArrayRef shape, const char* name, const char* dims) {
@@ -133,14 +139,19 @@ std::vector<at::Tensor> folded_step_grads(at::TensorList params, const at::Tenso
   // ---- forward (model.folded_forward)
   const at::Tensor xq = query.unsqueeze(-2);  // (R, b, 1, d_in)
   const at::Tensor t0 = embed(xq, W_E, b_E, pe.slice(0, 0, 1), plan[kEmbedQuery]).view({R, b, 1, d}).squeeze(-2);
-  const at::Tensor Cm = embed(ctx, W_E, b_E, pe.slice(0, 1), plan[kEmbedCtx]).view({R, b, n, d});
+  const at::Tensor Cm = embed(ctx, W_E, b_E, pe.slice(0, 1), plan[kEmbedCtx]).view(
+      shared ? at::IntArrayRef{R, n, d} : at::IntArrayRef{R, b, n, d});
   static auto fold_op = c10::Dispatcher::singleton()
                             .findSchemaOrThrow("mhakern_C::fold_heads", "")
                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
   const at::Tensor A = fold_op.call(W_Q, W_K);  // (R, d, H d)
   const at::Tensor u = mm(t0, A, plan[kQueries]).view({R, b, H, d});
-  const at::Tensor q4 = u.reshape({R * b, 1, H, d});
-  const at::Tensor kv = Cm.reshape({R * b, 1, n, d});
+  // Per example: the heads as the query rows of one head over the example's context; shared:
+  // the run's b H folded queries over its one context.
+  const std::vector<int64_t> qshape = shared ? std::vector<int64_t>{R, 1, b * H, d}
+                                             : std::vector<int64_t>{R * b, 1, H, d};
+  const at::Tensor q4 = u.reshape(qshape);
+  const at::Tensor kv = shared ? Cm.unsqueeze(1) : Cm.reshape({R * b, 1, n, d});
   static auto fwd_op = c10::Dispatcher::singleton()
                            .findSchemaOrThrow("mhakern_C::fwd_plain", "")
                            .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
@@ -188,7 +199,7 @@ std::vector<at::Tensor> folded_step_grads(at::TensorList params, const at::Tenso
                                const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, double, bool, const std::optional<at::Tensor>&)>();
   at::Tensor dq, dkv;
-  std::tie(dq, dkv) = bwd_op.call(dz.reshape({R * b, 1, H, d}).contiguous(), q4, kv, out, lse, scale, false,
+  std::tie(dq, dkv) = bwd_op.call(dz.reshape(qshape).contiguous(), q4, kv, out, lse, scale, false,
                                   std::nullopt);
   const at::Tensor du = dq.contiguous().reshape({R, b, H, d}).reshape({R, b, H * d});
   // u = t0 A (products._Bmm), A = fold(W_Q, W_K) (products._Fold)
@@ -201,10 +212,12 @@ std::vector<at::Tensor> folded_step_grads(at::TensorList params, const at::Tenso
   at::Tensor dWQ, dWK;
   std::tie(dWQ, dWK) = fold_bwd_op.call(dA, W_Q, W_K);
   // the context's embedding (products._Embed.backward)
-  const at::Tensor gC = dkv.contiguous().reshape({R, b, n, d});
+  const at::Tensor gC = shared ? dkv.contiguous().squeeze(1) : dkv.contiguous().reshape({R, b, n, d});
   const at::Tensor dWE_c = mm(ctx.reshape({R, -1, ctx.size(-1)}).transpose(1, 2), gC.reshape({R, -1, d}),
                               plan[kGradEmbedCtx]);
-  const at::Tensor dbE_c = gC.sum_to_size({R, 1, n, d}).sum_to_size({R, 1, 1, d}).reshape(b_E.sizes());
+  // _Embed.backward: the bias's shape (b_E as (R, 1.., d) + pe), then b_E's
+  const at::Tensor dbE_c = shared ? gC.sum_to_size({R, n, d}).sum_to_size({R, 1, d}).reshape(b_E.sizes())
+                                  : gC.sum_to_size({R, 1, n, d}).sum_to_size({R, 1, 1, d}).reshape(b_E.sizes());
   // the query's (SqueezeBackward1, then products._Embed.backward)
   const at::Tensor g0 = dt0.unsqueeze(-2);  // (R, b, 1, d)
   const at::Tensor dWE_0 = mm(xq.reshape({R, -1, xq.size(-1)}).transpose(1, 2), g0.reshape({R, -1, d}),

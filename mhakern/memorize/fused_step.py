@@ -15,10 +15,11 @@ products module's own decisions, so it moves with them; and before a plan is use
 gradients are computed both ways and compared bit for bit (once per shape and process,
 :func:`verified`); a plan that differs anywhere is never used.
 
-Only the configuration the sweeps run at the paper's shape takes this path: CPU, float32, the
-fused model with its heads as query rows, a context per example, d_v = 1, classification, the
-folded query weights formed (``model.folds``), and the products on the micro-kernel (not inside
-``products.disabled``). Every other configuration steps through autograd as before.
+Only the configurations of the paper's classification sweeps take this path: CPU, float32, the
+fused model with its heads as query rows, a context per example or one per run, d_v = 1,
+classification, the folded query weights formed (``model.folds``), and the products on the
+micro-kernel (not inside ``products.disabled``). Every other configuration steps through
+autograd as before.
 """
 from __future__ import annotations
 
@@ -44,13 +45,15 @@ def _have_op() -> bool:
 
 def plan(P: StackedParams, q: Tensor, c: Tensor, pe: Tensor, backend: str) -> Optional[List[int]]:
     """The operator's plan for a batch of queries ``q`` (R, b, d_in) and contexts ``c``
-    (R, b, n, d_in) through :func:`model.folded_forward` (fused, heads as rows), or None where
-    that forward's operations are not the operator's (see the module docstring)."""
+    (R, b, n, d_in), or one per run (R, n, d_in), through :func:`model.folded_forward` (fused,
+    heads as rows), or None where that forward's operations are not the operator's (see the
+    module docstring)."""
     W_E, b_E, W_Q, W_K, W_V, W_O, W_D, b_D = P.tensors()
-    if not (_have_op() and q.dim() == 3 and c.dim() == 4 and W_V.dim() == 4 and W_V.shape[-1] == 1):
+    if not (_have_op() and q.dim() == 3 and c.dim() in (3, 4) and W_V.dim() == 4 and W_V.shape[-1] == 1):
         return None
     R, b, d_in = q.shape
-    n, d, H, dh, C = c.shape[2], W_E.shape[2], W_K.shape[1], W_K.shape[3], W_D.shape[2]
+    shared = c.dim() == 3
+    n, d, H, dh, C = c.shape[-2], W_E.shape[2], W_K.shape[1], W_K.shape[3], W_D.shape[2]
     tensors = (q, c, pe, *P.tensors())
     if (H == 1 or C == 1 or not folds(b, H, d, dh) or b == 0 or n == 0 or q.requires_grad or c.requires_grad
             or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors)
@@ -58,8 +61,8 @@ def plan(P: StackedParams, q: Tensor, c: Tensor, pe: Tensor, backend: str) -> Op
         return None
     import mhakern
 
-    probe = torch.empty((R * b, 1, H, d))
-    kv = torch.empty((R * b, 1, n, d))
+    probe = torch.empty((R, 1, b * H, d) if shared else (R * b, 1, H, d))
+    kv = torch.empty((R, 1, n, d) if shared else (R * b, 1, n, d))
     try:
         if mhakern.backends.select(backend, probe, kv, kv, False, None).name != "cpu":
             return None
@@ -100,7 +103,7 @@ def plan(P: StackedParams, q: Tensor, c: Tensor, pe: Tensor, backend: str) -> Op
         embed_query=kc_q, embed_ctx=kc_c, queries=kc_u, heads_out=kc_o, decode=kc_d,
         grad_decode_a=gda, grad_decode_b=gdb, grad_heads_a=gha, grad_heads_b=ghb,
         grad_queries_a=gqa, grad_queries_b=gqb,
-        grad_embed_ctx=kc(c.reshape(R, -1, d_in).transpose(1, 2), like(R, b * n, d)),
+        grad_embed_ctx=kc(c.reshape(R, -1, d_in).transpose(1, 2), like(R, n if shared else b * n, d)),
         grad_embed_query=kc(xq.reshape(R, -1, d_in).transpose(1, 2), like(R, b, 1, d).reshape(R, -1, d)),
     )
     names = list(torch.ops.mhakern_C.folded_step_fields())
