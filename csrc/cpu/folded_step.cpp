@@ -215,14 +215,15 @@ std::vector<at::Tensor> folded_step_grads(at::TensorList params, const at::Tenso
   const at::Tensor gC = shared ? dkv.contiguous().squeeze(1) : dkv.contiguous().reshape({R, b, n, d});
   const at::Tensor dWE_c = mm(ctx.reshape({R, -1, ctx.size(-1)}).transpose(1, 2), gC.reshape({R, -1, d}),
                               plan[kGradEmbedCtx]);
-  // _Embed.backward: the bias's shape (b_E as (R, 1.., d) + pe), then b_E's
-  const at::Tensor dbE_c = shared ? gC.sum_to_size({R, n, d}).sum_to_size({R, 1, d}).reshape(b_E.sizes())
+  // _Embed.backward: to the bias's shape (b_E as (R, 1.., d) + pe), then to b_E's. One context
+  // per run is already of the bias's shape (R, n, d), where sum_to_size returns the tensor itself.
+  const at::Tensor dbE_c = shared ? gC.sum_to_size({R, 1, d}).reshape(b_E.sizes())
                                   : gC.sum_to_size({R, 1, n, d}).sum_to_size({R, 1, 1, d}).reshape(b_E.sizes());
   // the query's (SqueezeBackward1, then products._Embed.backward)
   const at::Tensor g0 = dt0.unsqueeze(-2);  // (R, b, 1, d)
   const at::Tensor dWE_0 = mm(xq.reshape({R, -1, xq.size(-1)}).transpose(1, 2), g0.reshape({R, -1, d}),
                               plan[kGradEmbedQuery]);
-  const at::Tensor dbE_0 = g0.sum_to_size({R, 1, 1, d}).sum_to_size({R, 1, 1, d}).reshape(b_E.sizes());
+  const at::Tensor dbE_0 = g0.sum_to_size({R, 1, 1, d}).reshape(b_E.sizes());  // the bias's shape is b_E's
   // W_E and b_E each get two gradients, which autograd adds (one rounded sum: either order)
   return {at::add(dWE_c, dWE_0), at::add(dbE_c, dbE_0), dWQ, dWK, dWV, dWO, dWD, dbD};
 }

@@ -38,9 +38,7 @@ _VERIFIED: Dict[Tuple, bool] = {}
 
 
 def _have_op() -> bool:
-    from .. import _extension
-
-    return _extension.load() is not None and hasattr(torch.ops.mhakern_C, "folded_step_grads")
+    return products.have_ops("folded_step_grads")
 
 
 def plan(P: StackedParams, q: Tensor, c: Tensor, pe: Tensor, backend: str) -> Optional[List[int]]:

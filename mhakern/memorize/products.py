@@ -42,10 +42,11 @@ _KC = (0, 192, 256, 128, 384, 512)
 _AGREES: Dict[Tuple, object] = {}
 
 
-def _have_ops() -> bool:
+def have_ops(*names: str) -> bool:
+    """Whether the extension is built with the operators ``names`` (default: the products')."""
     from .. import _extension
 
-    return _extension.load() is not None and hasattr(torch.ops.mhakern_C, "dense_bmm")
+    return _extension.load() is not None and all(hasattr(torch.ops.mhakern_C, n) for n in names or ("dense_bmm",))
 
 
 _DISABLED = [0]  # depth of disabled() contexts
@@ -83,7 +84,7 @@ def _checked(key: Tuple, check) -> object:
     the blocking, True, or None."""
     if key not in _AGREES:
         found = None
-        if _have_ops():
+        if have_ops():
             try:
                 with torch.no_grad():
                     found = check(torch.Generator().manual_seed(20240501))
